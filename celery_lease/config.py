@@ -1,0 +1,328 @@
+"""Every ``lease_*`` setting: its default, its rule, and how it is resolved.
+
+Each option has one name, ``lease_<name>``, used both as the Celery setting and as
+the per-task option. Resolution order: task option > queue policy
+(``lease_queue_policies``) > app setting > default. Values are validated once and
+frozen; a bad value raises :class:`LeaseConfigError` naming the key, the value and
+the rule. Defaults live here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .errors import LeaseConfigError
+
+__all__ = ["SETTINGS", "Setting", "AppConfig", "TaskPolicy", "app_config", "task_policy"]
+
+IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,39}$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One ``lease_*`` option: its default, its rule and what it is for."""
+
+    name: str
+    default: Any
+    doc: str
+    check: Callable[[Any], Any]
+    rule: str
+    per_task: bool
+
+
+def _number(minimum: float, *, strict: bool = False, allow_none: bool = False) -> Callable[[Any], Any]:
+    def check(value: Any) -> Any:
+        if value is None and allow_none:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError
+        if value < minimum or (strict and value == minimum):
+            raise ValueError
+        return float(value)
+
+    return check
+
+
+def _integer(minimum: int) -> Callable[[Any], Any]:
+    def check(value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError
+        return value
+
+    return check
+
+
+def _choice(*choices: str) -> Callable[[Any], Any]:
+    def check(value: Any) -> str:
+        if value not in choices:
+            raise ValueError
+        return value
+
+    return check
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError
+    return value
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError
+    return value
+
+
+def _optional_queue(value: Any) -> str | None:
+    if value is None:
+        return None
+    return _text(value)
+
+
+def _identifier(value: Any) -> str:
+    if not isinstance(value, str) or not (value == "" or IDENTIFIER.match(value)):
+        raise ValueError
+    return value
+
+
+def _mapping(value: Any) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ValueError
+    return dict(value)
+
+
+_S = Setting
+SETTINGS: tuple[Setting, ...] = (
+    # store
+    _S("lease_store_url", "sqlite:///celery_lease.sqlite3",
+       "SQLAlchemy URL of the lease store (SQLite file, PostgreSQL or MySQL/MariaDB).",
+       _text, "a non-empty SQLAlchemy URL", False),
+    _S("lease_table_prefix", "celery_lease_",
+       "Prefix of the store's table names.",
+       _identifier, "letters, digits and underscores, not starting with a digit, at most 40", False),
+    _S("lease_sqlite_busy_timeout", 30.0,
+       "Seconds a SQLite writer waits for the file lock before failing.",
+       _number(0), "a number of seconds >= 0", False),
+    _S("lease_store_retry_delay", 5.0,
+       "Seconds before a task whose store was unreachable is delivered again (fail closed).",
+       _number(0, strict=True), "a number of seconds > 0", True),
+    # lease
+    _S("lease_duration", 30.0,
+       "Seconds a lease lasts without a heartbeat.",
+       _number(0, strict=True), "a number of seconds > 0", True),
+    _S("lease_heartbeat_interval", 10.0,
+       "Seconds between heartbeats; at most a third of lease_duration.",
+       _number(0, strict=True), "a number of seconds > 0", True),
+    _S("lease_grace_period", 10.0,
+       "Seconds past expiry before a lease may be taken back.",
+       _number(0), "a number of seconds >= 0", True),
+    _S("lease_max_runtime", None,
+       "Seconds after which the heartbeat stops renewing a job (default: the task's time_limit).",
+       _number(0, strict=True, allow_none=True), "None or a number of seconds > 0", True),
+    _S("lease_on_lost", "raise",
+       "What a task body sees when its lease is lost: 'raise' LeaseLost in it, or 'flag' only.",
+       _choice("raise", "flag"), "one of 'raise', 'flag'", True),
+    # attempts and recovery
+    _S("lease_max_attempts", 5,
+       "Executions a job may start before an expired lease dead-letters it.",
+       _integer(1), "an integer >= 1", True),
+    _S("lease_max_expirations", 3,
+       "Lease expirations a job may suffer before lease_on_expired stops requeueing it.",
+       _integer(1), "an integer >= 1", True),
+    _S("lease_on_expired", "requeue",
+       "What the reaper does with an expired lease: 'requeue' while attempts last, "
+       "'dead_letter' at once, or 'fail' at once without publishing.",
+       _choice("requeue", "dead_letter", "fail"), "one of 'requeue', 'dead_letter', 'fail'", True),
+    _S("lease_backoff_base", 1.0,
+       "Seconds of the first requeue delay; doubles per attempt.",
+       _number(0), "a number of seconds >= 0", True),
+    _S("lease_backoff_max", 300.0,
+       "Upper bound in seconds of the requeue delay.",
+       _number(0), "a number of seconds >= 0", True),
+    _S("lease_backoff_jitter", True,
+       "Full jitter on the requeue delay (uniform between 0 and the exponential delay).",
+       _bool, "True or False", True),
+    _S("lease_dead_letter_queue", None,
+       "Queue that receives the message of a dead-lettered job (None: keep it in the store only).",
+       _optional_queue, "None or a queue name", True),
+    _S("lease_dispatch_timeout", 600.0,
+       "Seconds a pending job may wait past available_at before its message is re-published.",
+       _number(0, strict=True), "a number of seconds > 0", True),
+    # reaper and registry
+    _S("lease_reaper_batch_size", 100,
+       "Jobs the reaper recovers at most per run and per kind of work.",
+       _integer(1), "an integer >= 1", False),
+    _S("lease_reaper_hard_grace", 120.0,
+       "Seconds past expiry after which a lease is reaped even when its owner looks alive.",
+       _number(0), "a number of seconds >= 0", False),
+    _S("lease_worker_stale_after", 60.0,
+       "Seconds without a heartbeat after which a worker process counts as gone.",
+       _number(0, strict=True), "a number of seconds > 0", False),
+    _S("lease_retention", 7 * 24 * 3600.0,
+       "Seconds finished jobs and events are kept before the reaper prunes them.",
+       _number(0, strict=True), "a number of seconds > 0", False),
+    _S("lease_queue_policies", {},
+       "Per-queue lease options, e.g. {'reports': {'lease_duration': 600}}.",
+       _mapping, "a mapping of queue name to per-task lease options", False),
+    # broker alignment
+    _S("lease_extend_visibility", True,
+       "Keep Redis acks_late messages of live workers from being restored by kombu.",
+       _bool, "True or False", False),
+    # resource locks
+    _S("lease_lock_ttl", 30.0,
+       "Seconds a resource lock lasts without renewal.",
+       _number(0, strict=True), "a number of seconds > 0", True),
+    _S("lease_lock_timeout", 10.0,
+       "Seconds lock() waits for a held resource before LockUnavailable.",
+       _number(0), "a number of seconds >= 0", True),
+)
+BY_NAME = {s.name: s for s in SETTINGS}
+PER_TASK = tuple(s.name for s in SETTINGS if s.per_task)
+
+
+def _validate(name: str, value: Any, source: str = "") -> Any:
+    setting = BY_NAME.get(name)
+    if setting is None:
+        raise LeaseConfigError(
+            name, value, "unknown celery_lease setting",
+            "Valid settings: " + ", ".join(sorted(BY_NAME)),
+        )
+    try:
+        return setting.check(value)
+    except (ValueError, TypeError):
+        raise LeaseConfigError(name, value, f"must be {setting.rule}", source) from None
+
+
+def _cross_check(values: Mapping[str, Any], where: str = "") -> None:
+    duration, interval = values["lease_duration"], values["lease_heartbeat_interval"]
+    if interval > duration / 3:
+        raise LeaseConfigError(
+            "lease_heartbeat_interval", interval,
+            f"must be at most a third of lease_duration ({duration:g}s){where}",
+            "Lower the interval or lengthen the lease so two heartbeats can fail before it expires.",
+        )
+    if values["lease_backoff_max"] < values["lease_backoff_base"]:
+        raise LeaseConfigError(
+            "lease_backoff_max", values["lease_backoff_max"],
+            f"must be >= lease_backoff_base ({values['lease_backoff_base']:g}){where}",
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskPolicy:
+    """The lease options in force for one task on one queue."""
+
+    store_retry_delay: float
+    duration: float
+    heartbeat_interval: float
+    grace_period: float
+    max_runtime: float | None
+    on_lost: str
+    max_attempts: int
+    max_expirations: int
+    on_expired: str
+    backoff_base: float
+    backoff_max: float
+    backoff_jitter: bool
+    dead_letter_queue: str | None
+    dispatch_timeout: float
+    lock_ttl: float
+    lock_timeout: float
+
+    def as_settings(self) -> dict[str, Any]:
+        return {f"lease_{f.name}": getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+@dataclasses.dataclass(frozen=True)
+class AppConfig:
+    """The validated app-wide settings, built once per app."""
+
+    values: Mapping[str, Any]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.values[f"lease_{name}"]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def policy(self, overrides: Mapping[str, Any] | None = None, queue: str | None = None,
+               where: str = "") -> TaskPolicy:
+        """Resolve task options > queue policy > app settings > defaults."""
+        merged = {name: self.values[name] for name in PER_TASK}
+        layers = []
+        if queue and queue in self.values["lease_queue_policies"]:
+            layers.append((self.values["lease_queue_policies"][queue], f"lease_queue_policies[{queue!r}]"))
+        if overrides:
+            layers.append((overrides, where))
+        for layer, source in layers:
+            for name, value in layer.items():
+                if name not in BY_NAME or not BY_NAME[name].per_task:
+                    raise LeaseConfigError(
+                        name, value, f"is not a per-task lease option ({source})",
+                        "Per-task options: " + ", ".join(PER_TASK),
+                    )
+                merged[name] = _validate(name, value, source)
+        _cross_check(merged, f" ({where})" if where else "")
+        return TaskPolicy(**{name[len("lease_"):]: merged[name] for name in PER_TASK})
+
+
+def _read(conf: Any, name: str, namespace: str | None) -> Any:
+    if name in conf:
+        return conf[name]
+    if namespace:
+        key = f"{namespace}_{name}".upper()
+        if key in conf:
+            return conf[key]
+    return BY_NAME[name].default
+
+
+def load(conf: Mapping[str, Any], namespace: str | None = None) -> AppConfig:
+    """Validate a Celery configuration's ``lease_*`` settings into an AppConfig."""
+    prefix = f"{namespace}_lease_".upper() if namespace else None
+    for key in list(conf.keys()):
+        if not isinstance(key, str):
+            continue
+        if key.startswith("lease_") or (prefix and key.startswith(prefix)):
+            name = key if key.startswith("lease_") else key[len(namespace) + 1:].lower()
+            _validate(name, conf[key])
+    values = {s.name: _validate(s.name, _read(conf, s.name, namespace)) for s in SETTINGS}
+    _cross_check(values)
+    for queue, options in values["lease_queue_policies"].items():
+        if not isinstance(options, Mapping):
+            raise LeaseConfigError(
+                "lease_queue_policies", {queue: options}, "each queue maps to a dict of lease options"
+            )
+    config = AppConfig(values)
+    for queue in values["lease_queue_policies"]:
+        config.policy(queue=queue, where=f"lease_queue_policies[{queue!r}]")
+    return config
+
+
+def app_config(app: Any) -> AppConfig:
+    """The app's validated settings, cached on the app."""
+    cached = getattr(app, "_celery_lease_config", None)
+    if cached is None:
+        cached = load(app.conf, getattr(app, "namespace", None))
+        app._celery_lease_config = cached
+    return cached
+
+
+def task_options(task: Any) -> dict[str, Any]:
+    """The ``lease_*`` options a task sets as class attributes or decorator keywords."""
+    return {name: getattr(task, name) for name in PER_TASK if getattr(task, name, None) is not None}
+
+
+def task_policy(task: Any, queue: str | None = None) -> TaskPolicy:
+    """Resolve a task's lease policy for a queue (cached per task and queue)."""
+    cache = task.__dict__.setdefault("_lease_policies", {})
+    policy = cache.get(queue)
+    if policy is None:
+        options = task_options(task)
+        if "lease_max_runtime" not in options and getattr(task, "time_limit", None):
+            options["lease_max_runtime"] = task.time_limit
+        policy = app_config(task.app).policy(options, queue, where=f"task {task.name}")
+        cache[queue] = policy
+    return policy

@@ -1,0 +1,97 @@
+"""The exceptions celery_lease raises, all under one root.
+
+    LeaseError
+    ├── LeaseConfigError      a ``lease_*`` setting or task option is invalid
+    ├── StoreUnavailable      the lease store cannot be reached (driver error wrapped)
+    ├── StoreCorrupt          a row in the store cannot be understood
+    ├── JobNotFound           no job with that id in the store
+    ├── LeaseLost             this worker no longer holds the job's lease
+    └── LockUnavailable       a resource lock is held by someone else
+
+Each class's docstring is its default message; instances carry the job id,
+setting or resource a reader needs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "LeaseError",
+    "LeaseConfigError",
+    "StoreUnavailable",
+    "StoreCorrupt",
+    "JobNotFound",
+    "LeaseLost",
+    "LockUnavailable",
+]
+
+
+class LeaseError(Exception):
+    """celery_lease failed."""
+
+    def __init__(self, message: str | None = None, **context: Any) -> None:
+        self.context = context
+        for key, value in context.items():
+            setattr(self, key, value)
+        super().__init__(message or (self.__doc__ or "").strip())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Subclasses take keyword context, not the message: rebuild from both so
+        # pickle-based result backends can carry these exceptions.
+        return (_rebuild, (type(self), str(self), self.context))
+
+
+class LeaseConfigError(LeaseError):
+    """A celery_lease setting is invalid."""
+
+    def __init__(self, setting: str, value: Any, rule: str, hint: str = "") -> None:
+        message = f"{setting}={value!r} is invalid: {rule}"
+        if hint:
+            message += f". {hint}"
+        super().__init__(message, setting=setting, value=value, rule=rule)
+
+
+class StoreUnavailable(LeaseError):
+    """The lease store cannot be reached; check lease_store_url and that the database is up."""
+
+
+class StoreCorrupt(LeaseError):
+    """A row in the lease store cannot be understood."""
+
+
+class JobNotFound(LeaseError):
+    """No job with that id exists in the lease store."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(
+            f"no job {job_id!r} in the lease store; list jobs with `celery lease jobs`",
+            job_id=job_id,
+        )
+
+
+class LeaseLost(LeaseError):
+    """This worker no longer holds the job's lease; stop and let the new owner finish."""
+
+    def __init__(self, job_id: str, reason: str = "lost", owner: str | None = None) -> None:
+        message = f"lease on job {job_id} lost: {reason}"
+        if owner:
+            message += f" (now held by {owner})"
+        super().__init__(message, job_id=job_id, reason=reason, owner=owner)
+
+
+class LockUnavailable(LeaseError):
+    """A resource lock is held by another owner."""
+
+    def __init__(self, resource: str, timeout: float) -> None:
+        super().__init__(
+            f"lock on {resource!r} is held by another owner (waited {timeout:g}s)",
+            resource=resource,
+            timeout=timeout,
+        )
+
+
+def _rebuild(cls: type[LeaseError], message: str, context: dict[str, Any]) -> LeaseError:
+    error = cls.__new__(cls)
+    LeaseError.__init__(error, message, **context)
+    return error

@@ -1,0 +1,133 @@
+"""The store's tables (SQLAlchemy Core) and ``migrate()``.
+
+One factory builds every table from the configured prefix so that each index and
+constraint has a deterministic name. Times are epoch seconds (see clock.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import sqlalchemy as sa
+
+__all__ = ["Tables", "tables", "migrate", "STATUSES"]
+
+STATUSES = ("pending", "running", "completed", "failed")
+ID = 255  # Celery task ids are UUIDs, but custom ids may be longer.
+
+
+@dataclasses.dataclass(frozen=True)
+class Tables:
+    """The tables of one store, sharing one MetaData."""
+
+    metadata: sa.MetaData
+    jobs: sa.Table
+    events: sa.Table
+    workers: sa.Table
+    effects: sa.Table
+    locks: sa.Table
+
+
+def _time(name: str, nullable: bool = True) -> sa.Column:
+    return sa.Column(name, sa.Double(), nullable=nullable)
+
+
+def tables(prefix: str = "celery_lease_") -> Tables:
+    """Build the table definitions for a prefix (validated by config.py)."""
+    md = sa.MetaData()
+    p = prefix
+    jobs = sa.Table(
+        f"{p}jobs", md,
+        sa.Column("id", sa.String(ID), primary_key=True),
+        sa.Column("queue_name", sa.String(ID), nullable=True),
+        sa.Column("task_name", sa.String(ID), nullable=False),
+        sa.Column("payload", sa.Text(), nullable=True),
+        sa.Column("status", sa.String(16), nullable=False),
+        sa.Column("attempt_count", sa.Integer(), nullable=False, default=0),
+        sa.Column("expired_count", sa.Integer(), nullable=False, default=0),
+        sa.Column("dispatch_count", sa.Integer(), nullable=False, default=0),
+        sa.Column("max_attempts", sa.Integer(), nullable=False),
+        _time("available_at", nullable=False),
+        _time("started_at"),
+        _time("completed_at"),
+        _time("failed_at"),
+        _time("last_heartbeat_at"),
+        _time("lease_expires_at"),
+        sa.Column("lease_duration", sa.Double(), nullable=True),
+        sa.Column("grace_period", sa.Double(), nullable=True),
+        sa.Column("locked_by", sa.String(ID), nullable=True),
+        sa.Column("lock_token", sa.String(64), nullable=True),
+        sa.Column("idempotency_key", sa.String(ID), nullable=True),
+        sa.Column("checkpoint", sa.Text(), nullable=True),
+        sa.Column("last_error", sa.Text(), nullable=True),
+        _time("created_at", nullable=False),
+        _time("updated_at", nullable=False),
+        sa.UniqueConstraint("idempotency_key", name=f"{p}jobs_idempotency_key_uq"),
+        sa.CheckConstraint(
+            "status IN ('pending', 'running', 'completed', 'failed')", name=f"{p}jobs_status_ck"
+        ),
+    )
+    # The reaper's expired-lease scan and the dispatch scan walk these by keyset.
+    sa.Index(f"{p}jobs_status_lease_ix", jobs.c.status, jobs.c.lease_expires_at, jobs.c.id)
+    sa.Index(f"{p}jobs_status_available_ix", jobs.c.status, jobs.c.available_at, jobs.c.id)
+    # The heartbeat renews by owner; the CLI and pruning read by finish time.
+    sa.Index(f"{p}jobs_locked_by_ix", jobs.c.locked_by)
+    sa.Index(f"{p}jobs_status_updated_ix", jobs.c.status, jobs.c.updated_at)
+    events = sa.Table(
+        f"{p}events", md,
+        sa.Column("id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), primary_key=True,
+                  autoincrement=True),
+        sa.Column("job_id", sa.String(ID), nullable=True),
+        sa.Column("event", sa.String(64), nullable=False),
+        sa.Column("reason", sa.Text(), nullable=True),
+        sa.Column("worker", sa.String(ID), nullable=True),
+        sa.Column("token", sa.String(16), nullable=True),
+        _time("at", nullable=False),
+        sa.Column("detail", sa.Text(), nullable=True),
+    )
+    sa.Index(f"{p}events_job_ix", events.c.job_id, events.c.id)
+    sa.Index(f"{p}events_at_ix", events.c.at)
+    sa.Index(f"{p}events_event_at_ix", events.c.event, events.c.at)
+    workers = sa.Table(
+        f"{p}workers", md,
+        sa.Column("worker_id", sa.String(ID), primary_key=True),
+        sa.Column("hostname", sa.String(ID), nullable=False),
+        sa.Column("pid", sa.Integer(), nullable=False),
+        _time("started_at", nullable=False),
+        _time("last_seen_at", nullable=False),
+    )
+    effects = sa.Table(
+        f"{p}effects", md,
+        sa.Column("key", sa.String(ID), primary_key=True),
+        sa.Column("job_id", sa.String(ID), nullable=False),
+        _time("at", nullable=False),
+    )
+    sa.Index(f"{p}effects_job_ix", effects.c.job_id)
+    locks = sa.Table(
+        f"{p}locks", md,
+        sa.Column("resource", sa.String(ID), primary_key=True),
+        sa.Column("token", sa.String(64), nullable=False),
+        sa.Column("job_id", sa.String(ID), nullable=True),
+        sa.Column("owner", sa.String(ID), nullable=True),
+        _time("expires_at", nullable=False),
+    )
+    return Tables(md, jobs, events, workers, effects, locks)
+
+
+def migrate(engine: sa.Engine, t: Tables) -> list[str]:
+    """Create missing tables and indexes; never drops or alters. Returns what it created."""
+    created: list[str] = []
+    with engine.begin() as conn:
+        inspector = sa.inspect(conn)
+        existing = set(inspector.get_table_names())
+        for table in t.metadata.sorted_tables:
+            if table.name not in existing:
+                table.create(conn)
+                created.append(f"table {table.name}")
+                continue
+            have = {ix["name"] for ix in inspector.get_indexes(table.name)}
+            for index in table.indexes:
+                if index.name not in have:
+                    index.create(conn)
+                    created.append(f"index {index.name}")
+    return created

@@ -1,0 +1,263 @@
+"""Statements of a job's life: record, claim, renew and the fenced owner writes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from ..errors import StoreUnavailable
+from .base import COMPLETED, FAILED, PENDING, RUNNING, Claim, Job, StoreBase
+
+__all__ = ["JobStatements"]
+
+
+class JobStatements(StoreBase):
+    """Transitions of one job between pending, running, completed and failed."""
+
+    # -- publish ----------------------------------------------------------
+    def record(self, job_id: str, task_name: str, queue: str | None, payload: str | None,
+               max_attempts: int, idempotency_key: str | None = None,
+               delay: float = 0.0) -> tuple[bool, str]:
+        """Insert a pending job; returns (created, job id holding the key)."""
+        j = self.t.jobs
+        try:
+            with self.begin() as c:
+                c.execute(sa.insert(j).values(
+                    id=job_id, task_name=task_name, queue_name=queue, payload=payload,
+                    status=PENDING, attempt_count=0, expired_count=0, dispatch_count=0,
+                    max_attempts=max_attempts, idempotency_key=idempotency_key,
+                    available_at=self.now_sql + delay, created_at=self.now_sql, updated_at=self.now_sql,
+                ))
+                self._event(c, job_id, "published", detail={"queue": queue} if queue else None)
+            return True, job_id
+        except sa.exc.IntegrityError:
+            pass
+        with self.begin() as c:
+            if idempotency_key is not None:
+                other = c.execute(sa.select(j.c.id).where(j.c.idempotency_key == idempotency_key)).scalar()
+                if other is not None:
+                    return False, other
+            return False, job_id
+
+    def forget_unpublished(self, job_id: str) -> bool:
+        """Delete a pending job whose message never reached the broker."""
+        j = self.t.jobs
+        with self.begin() as c:
+            res = c.execute(sa.delete(j).where(j.c.id == job_id, j.c.status == PENDING,
+                                               j.c.attempt_count == 0, j.c.dispatch_count == 0))
+            return res.rowcount == 1
+
+    # -- claim ------------------------------------------------------------
+    def _lease_values(self, worker: str, token: str, duration: float, grace: float) -> dict[str, Any]:
+        return dict(
+            status=RUNNING, locked_by=worker, lock_token=token, lease_duration=duration,
+            grace_period=grace, started_at=self.now_sql, last_heartbeat_at=self.now_sql,
+            lease_expires_at=self.now_sql + duration, updated_at=self.now_sql,
+            attempt_count=self.t.jobs.c.attempt_count + 1,
+        )
+
+    def claimable_expired(self, hard_grace: float, stale_after: float) -> sa.ColumnElement[bool]:
+        """A running lease past its grace whose owner is gone, or past the hard grace."""
+        j, w = self.t.jobs, self.t.workers
+        owner_alive = sa.exists().where(
+            w.c.worker_id == j.c.locked_by, w.c.last_seen_at >= self.now_sql - stale_after
+        )
+        return sa.and_(
+            j.c.status == RUNNING,
+            j.c.lease_expires_at + sa.func.coalesce(j.c.grace_period, 0.0) < self.now_sql,
+            sa.or_(~owner_alive, j.c.lease_expires_at + hard_grace < self.now_sql),
+        )
+
+    def claim(self, job_id: str, worker: str, token: str, *, duration: float, grace: float,
+              task_name: str, queue: str | None, max_attempts: int, max_expirations: int,
+              takeover: bool, hard_grace: float, stale_after: float,
+              payload: Callable[[], str | None]) -> Claim:
+        """Take the job's lease: a pending job, or (``takeover``) an abandoned running one."""
+        j = self.t.jobs
+        for _ in range(3):
+            with self.begin() as c:
+                res = c.execute(sa.update(j).where(j.c.id == job_id, j.c.status == PENDING)
+                                .values(**self._lease_values(worker, token, duration, grace)))
+                if res.rowcount == 1:
+                    self._event(c, job_id, "claimed", worker=worker, token=token)
+                    return Claim("claimed", self._job(c, job_id))
+                current = self._job(c, job_id)
+                if current is not None and current.status == RUNNING and takeover:
+                    res = c.execute(sa.update(j).where(
+                        j.c.id == job_id, j.c.lock_token == current.lock_token,
+                        self.claimable_expired(hard_grace, stale_after),
+                        j.c.attempt_count < j.c.max_attempts, j.c.expired_count < max_expirations,
+                    ).values(expired_count=j.c.expired_count + 1,
+                             **self._lease_values(worker, token, duration, grace)))
+                    if res.rowcount == 1:
+                        self._event(c, job_id, "lease_taken_over", reason="lease expired past grace",
+                                    worker=worker, token=token,
+                                    detail={"previous_owner": current.locked_by,
+                                            "previous_token": (current.lock_token or "")[:8]})
+                        return Claim("claimed", self._job(c, job_id))
+                if current is not None:
+                    return Claim("done" if current.status in (COMPLETED, FAILED) else "busy", current)
+            # Unknown job (published without celery_lease): create it as ours.
+            try:
+                with self.begin() as c:
+                    c.execute(sa.insert(j).values(
+                        id=job_id, task_name=task_name, queue_name=queue, payload=payload(),
+                        max_attempts=max_attempts, expired_count=0, dispatch_count=0,
+                        available_at=self.now_sql, created_at=self.now_sql, attempt_count=0,
+                        **{k: v for k, v in self._lease_values(worker, token, duration, grace).items()
+                           if k != "attempt_count"},
+                    ).values(attempt_count=1))
+                    self._event(c, job_id, "claimed", reason="first seen by a worker",
+                                worker=worker, token=token)
+                    return Claim("claimed", self._job(c, job_id))
+            except sa.exc.IntegrityError:
+                continue
+        raise StoreUnavailable(f"job {job_id}: claim kept racing with concurrent inserts", job_id=job_id)
+
+    def _job(self, c: Connection, job_id: str) -> Job | None:
+        row = c.execute(sa.select(self.t.jobs).where(self.t.jobs.c.id == job_id)).first()
+        return None if row is None else Job.from_row(row)
+
+    # -- owner transitions (fenced) -------------------------------------------
+    def _fenced(self, job_id: str, token: str) -> sa.ColumnElement[bool]:
+        j = self.t.jobs
+        return sa.and_(j.c.id == job_id, j.c.lock_token == token, j.c.status == RUNNING)
+
+    def _owner_write(self, job_id: str, token: str, worker: str | None, event: str, write: str,
+                     values: Mapping[str, Any], reason: str | None = None, detail: Any = None) -> bool:
+        """One fenced write; a stale token changes nothing and is audited as stale_<write>_rejected."""
+        with self.begin() as c:
+            res = c.execute(sa.update(self.t.jobs).where(self._fenced(job_id, token))
+                            .values(updated_at=self.now_sql, **values))
+            if res.rowcount == 1:
+                self._event(c, job_id, event, reason, worker, token, detail)
+                return True
+            self._event(c, job_id, f"stale_{write}_rejected", "lock token no longer matches",
+                        worker, token, detail)
+            return False
+
+    def complete(self, job_id: str, token: str, worker: str | None = None) -> bool:
+        """running -> completed; False (audited) when the token no longer matches."""
+        return self._owner_write(job_id, token, worker, "completed", "completion", dict(
+            status=COMPLETED, completed_at=self.now_sql, lease_expires_at=None, lock_token=None,
+        ))
+
+    def fail(self, job_id: str, token: str, error: str, worker: str | None = None) -> bool:
+        """running -> failed (dead letter) after a final task failure."""
+        return self._owner_write(job_id, token, worker, "failed", "failure", dict(
+            status=FAILED, failed_at=self.now_sql, lease_expires_at=None, lock_token=None,
+            last_error=error[:4000],
+        ), reason=error[:200])
+
+    def retry_later(self, job_id: str, token: str, delay: float, payload: str | None,
+                    error: str | None, worker: str | None = None) -> bool:
+        """running -> pending at now + delay: a Celery retry; its message is already sent."""
+        values: dict[str, Any] = dict(status=PENDING, available_at=self.now_sql + delay,
+                                      lease_expires_at=None, lock_token=None, locked_by=None)
+        if payload is not None:
+            values["payload"] = payload
+        if error is not None:
+            values["last_error"] = error[:4000]
+        return self._owner_write(job_id, token, worker, "retry_scheduled", "retry", values, reason=(error or "")[:200])
+
+    def release(self, job_id: str, token: str, worker: str | None = None,
+                reason: str = "released_on_shutdown") -> bool:
+        """running -> pending, available now, giving the attempt back."""
+        j = self.t.jobs
+        return self._owner_write(job_id, token, worker, reason, "release", dict(
+            status=PENDING, available_at=self.now_sql, lease_expires_at=None, lock_token=None,
+            locked_by=None, attempt_count=sa.case((j.c.attempt_count > 0, j.c.attempt_count - 1), else_=0),
+        ))
+
+    def checkpoint(self, job_id: str, token: str, state: Any, worker: str | None = None) -> bool:
+        """Store JSON progress on the job row under the token."""
+        return self._owner_write(job_id, token, worker, "checkpoint", "checkpoint", dict(
+            checkpoint=json.dumps(state),
+        ))
+
+    def renew(self, leases: Mapping[str, str], worker: str,
+              extend: Mapping[str, float] | None = None) -> set[str]:
+        """Renew every lease this process holds in one statement; returns renewed job ids.
+
+        ``leases`` maps token to job id. A lease whose row no longer carries its
+        token is not renewed: the caller marks it lost.
+        """
+        if not leases:
+            return set()
+        j = self.t.jobs
+        tokens = list(leases)
+        duration = j.c.lease_duration
+        if extend:
+            duration = sa.case(*((j.c.lock_token == tok, sa.literal(sec)) for tok, sec in extend.items()),
+                               else_=j.c.lease_duration)
+        stmt = (sa.update(j).where(j.c.lock_token.in_(tokens), j.c.status == RUNNING)
+                .values(lease_expires_at=self.now_sql + duration, last_heartbeat_at=self.now_sql))
+        if extend:
+            stmt = stmt.values(lease_duration=duration)
+        with self.begin() as c:
+            if self.engine.dialect.update_returning:
+                rows = c.execute(stmt.returning(j.c.id)).all()
+            else:
+                c.execute(stmt)
+                rows = c.execute(sa.select(j.c.id).where(j.c.lock_token.in_(tokens),
+                                                         j.c.status == RUNNING)).all()
+        return {r[0] for r in rows}
+
+    def describe_loss(self, job_id: str, token: str, worker: str | None = None) -> tuple[str, str | None]:
+        """Why a lease was not renewed (vanished, taken over, requeued, finished); audited."""
+        with self.begin() as c:
+            job = self._job(c, job_id)
+            if job is None:
+                reason, owner = "vanished", None
+            elif job.status == RUNNING:
+                reason, owner = "taken_over", job.locked_by
+            else:
+                reason, owner = f"now {job.status}", job.locked_by
+            self._event(c, job_id, "lease_lost", reason, worker, token, {"owner": owner} if owner else None)
+        return reason, owner
+
+    # -- worker registry ------------------------------------------------------
+    def touch_worker(self, worker_id: str, hostname: str, pid: int) -> None:
+        w = self.t.workers
+        with self.begin() as c:
+            res = c.execute(sa.update(w).where(w.c.worker_id == worker_id).values(last_seen_at=self.now_sql))
+            if res.rowcount == 0:
+                try:
+                    with c.begin_nested():
+                        c.execute(sa.insert(w).values(worker_id=worker_id, hostname=hostname, pid=pid,
+                                                      started_at=self.now_sql, last_seen_at=self.now_sql))
+                except sa.exc.IntegrityError:
+                    pass
+
+    def remove_worker(self, worker_id: str) -> None:
+        w = self.t.workers
+        with self.begin() as c:
+            c.execute(sa.delete(w).where(w.c.worker_id == worker_id))
+
+    def held_by(self, worker: str) -> list[Job]:
+        j = self.t.jobs
+        with self.begin() as c:
+            rows = c.execute(sa.select(j).where(j.c.locked_by == worker, j.c.status == RUNNING)).all()
+        return [Job.from_row(r) for r in rows]
+
+    def events(self, job_id: str | None = None, event: str | None = None,
+               limit: int = 1000) -> list[dict[str, Any]]:
+        e = self.t.events
+        q = sa.select(e).order_by(e.c.id).limit(limit)
+        if job_id is not None:
+            q = q.where(e.c.job_id == job_id)
+        if event is not None:
+            q = q.where(e.c.event == event)
+        with self.begin() as c:
+            return [dict(r._mapping) for r in c.execute(q)]
+
+    def count_events(self, names: Sequence[str]) -> dict[str, int]:
+        e = self.t.events
+        with self.begin() as c:
+            rows = c.execute(sa.select(e.c.event, sa.func.count()).where(e.c.event.in_(list(names)))
+                             .group_by(e.c.event)).all()
+        return {name: 0 for name in names} | {r[0]: int(r[1]) for r in rows}
