@@ -9,8 +9,11 @@ from .errors import (
     StoreCorrupt,
     StoreUnavailable,
 )
+from .task import Lease, LeaseTask
 
 __all__ = [
+    "LeaseTask",
+    "Lease",
     "LeaseError",
     "LeaseConfigError",
     "LeaseLost",

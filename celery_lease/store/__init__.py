@@ -13,12 +13,15 @@ import threading
 from typing import Any
 
 from .base import COMPLETED, FAILED, PENDING, RUNNING, Claim, Job, StoreBase
+from .effects import EffectStatements
 from .jobs import JobStatements
+from .reaping import ReaperStatements
+from .reports import ReportStatements
 
 __all__ = ["Store", "Claim", "Job", "for_app", "PENDING", "RUNNING", "COMPLETED", "FAILED"]
 
 
-class Store(JobStatements, StoreBase):
+class Store(JobStatements, ReaperStatements, EffectStatements, ReportStatements, StoreBase):
     """The lease store of one app."""
 
 

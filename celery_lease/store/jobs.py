@@ -173,6 +173,18 @@ class JobStatements(StoreBase):
             locked_by=None, attempt_count=sa.case((j.c.attempt_count > 0, j.c.attempt_count - 1), else_=0),
         ))
 
+    def cancel(self, job_id: str, reason: str = "revoked") -> bool:
+        """pending/running -> failed because Celery revoked the task; no re-run follows."""
+        j = self.t.jobs
+        with self.begin() as c:
+            res = c.execute(sa.update(j).where(j.c.id == job_id, j.c.status.in_([PENDING, RUNNING])).values(
+                status=FAILED, failed_at=self.now_sql, updated_at=self.now_sql, lease_expires_at=None,
+                lock_token=None, last_error=f"revoked ({reason})",
+            ))
+            if res.rowcount == 1:
+                self._event(c, job_id, "revoked", reason)
+            return res.rowcount == 1
+
     def checkpoint(self, job_id: str, token: str, state: Any, worker: str | None = None) -> bool:
         """Store JSON progress on the job row under the token."""
         return self._owner_write(job_id, token, worker, "checkpoint", "checkpoint", dict(

@@ -1,0 +1,101 @@
+"""Thin hooks into the worker: start-up checks, lost children, revokes and shutdown.
+
+Each hook delegates to one function; a failure in one is logged and contained,
+except at start-up, where a bad setting must stop the worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from celery import bootsteps, signals
+from celery.exceptions import TimeLimitExceeded, WorkerLostError
+from celery.worker.request import Request
+
+from . import heartbeat
+from .config import app_config
+from .errors import LeaseError
+
+__all__ = ["LeaseRequest", "WorkerStep", "install"]
+
+log = logging.getLogger(__name__)
+
+
+class LeaseRequest(Request):
+    """A request whose main-process failure handler frees the lease of a dead child."""
+
+    def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> Any:
+        exc = getattr(exc_info, "exception", None)
+        exc = getattr(exc, "exc", exc)  # ExceptionWithTraceback
+        if isinstance(exc, (WorkerLostError, TimeLimitExceeded)) and self.worker_pid:
+            owner = heartbeat.worker_id(self.hostname, self.worker_pid)
+            try:
+                from .reaper import recover_worker_lost
+
+                recover_worker_lost(self.task.app, self.id, owner, type(exc).__name__)
+            except LeaseError as error:
+                log.warning("job %s: could not release the lease of dead child %s: %s",
+                            self.id, owner, error)
+        return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+
+
+class WorkerStep(bootsteps.StartStopStep):
+    """At worker start: validate the lease settings and migrate the store (fail fast)."""
+
+    label = "celery_lease"
+
+    def __init__(self, worker: Any, **kwargs: Any) -> None:
+        from .store import for_app
+
+        app_config(worker.app)
+        for_app(worker.app).ensure_migrated()
+        super().__init__(worker, **kwargs)
+
+
+def install(app: Any) -> None:
+    """Add celery_lease's worker steps to an app (idempotent)."""
+    if getattr(app, "_celery_lease_installed", False):
+        return
+    app._celery_lease_installed = True
+    app.steps["worker"].add(WorkerStep)
+    try:
+        from .brokers import VisibilityStep
+    except ImportError:
+        return
+    app.steps["consumer"].add(VisibilityStep)
+
+
+def _release_held(reason: str) -> None:
+    pid = os.getpid()
+    for key, hb in list(heartbeat._process.items()):
+        if key.endswith(f":{pid}"):
+            try:
+                released = hb.release_all(reason)
+                if released:
+                    log.info("released %d lease(s) held by %s on shutdown", released, hb.worker)
+            finally:
+                hb.stop()
+
+
+@signals.worker_process_shutdown.connect
+def _on_process_shutdown(**_: Any) -> None:
+    _release_held("released_on_shutdown")
+
+
+@signals.worker_shutdown.connect
+def _on_worker_shutdown(**_: Any) -> None:
+    _release_held("released_on_shutdown")
+
+
+@signals.task_revoked.connect
+def _on_revoked(request: Any = None, terminated: bool = False, expired: bool = False,
+                sender: Any = None, **_: Any) -> None:
+    task = sender
+    if request is None or task is None or not hasattr(task, "lease_policy"):
+        return
+    from .store import for_app
+
+    reason = "expired" if expired else ("terminated" if terminated else "revoked")
+    for_app(task.app).cancel(request.id, reason)
