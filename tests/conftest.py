@@ -1,0 +1,168 @@
+"""Fixtures for real services: skip locally with a reason that names the service, fail in CI.
+
+Set ``CELERY_LEASE_REQUIRE_SERVICES=1`` (``.ci/run`` does) to turn every skip for a
+missing service into a failure. Service URLs come from the environment:
+
+    CELERY_LEASE_TEST_POSTGRES   postgresql+psycopg://postgres@127.0.0.1:5432/test
+    CELERY_LEASE_TEST_MYSQL      mysql+pymysql://root@127.0.0.1:3306/test
+    CELERY_LEASE_TEST_REDIS      redis://127.0.0.1:6379/0
+    CELERY_LEASE_TEST_AMQP       amqp://guest:guest@127.0.0.1:5672//
+    CELERY_LEASE_TEST_REDIS_DB   5 (the database number ``redis_db`` flushes)
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+
+DEFAULT_URLS = {
+    "postgres": ("CELERY_LEASE_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/test"),
+    "mysql": ("CELERY_LEASE_TEST_MYSQL", "mysql+pymysql://root@127.0.0.1:3306/test"),
+    "redis": ("CELERY_LEASE_TEST_REDIS", "redis://127.0.0.1:6379/0"),
+    "amqp": ("CELERY_LEASE_TEST_AMQP", "amqp://guest:guest@127.0.0.1:5672//"),
+}
+CONNECT_TIMEOUT = 3  # seconds
+STORES = ["sqlite", "postgres", "mysql"]
+
+
+def service_url(name: str) -> str:
+    env, default = DEFAULT_URLS[name]
+    return os.environ.get(env, default)
+
+
+def _safe(url: str) -> str:
+    """The URL without its password, for skip and failure messages."""
+    parts = urlsplit(url)
+    if parts.password:
+        netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+        parts = parts._replace(netloc=netloc)
+    return urlunsplit(parts)
+
+
+def _probe(url: str) -> None:
+    """Connect to the service behind ``url`` once, with a short timeout; raise on failure."""
+    scheme = urlsplit(url).scheme
+    if scheme.startswith("redis"):
+        import redis
+
+        client = redis.Redis.from_url(
+            url, socket_connect_timeout=CONNECT_TIMEOUT, socket_timeout=CONNECT_TIMEOUT
+        )
+        try:
+            client.ping()
+        finally:
+            client.close()
+    elif scheme.startswith(("amqp", "pyamqp")):
+        import kombu
+
+        with kombu.Connection(url, connect_timeout=CONNECT_TIMEOUT) as conn:
+            conn.ensure_connection(max_retries=1, interval_start=0, timeout=CONNECT_TIMEOUT)
+    else:
+        import sqlalchemy as sa
+
+        engine = sa.create_engine(
+            url, connect_args={"connect_timeout": CONNECT_TIMEOUT}, poolclass=sa.NullPool
+        )
+        try:
+            with engine.connect() as conn:
+                conn.execute(sa.text("SELECT 1"))
+        finally:
+            engine.dispose()
+
+
+def require_service(name: str, url: str) -> str:
+    """Return ``url`` if the service answers; otherwise skip (locally) or fail (in CI)."""
+    try:
+        _probe(url)
+    except Exception as exc:  # noqa: BLE001 - any connection problem means "not reachable"
+        reason = f"{name} not reachable at {_safe(url)}: {type(exc).__name__}: {exc}"
+        if os.environ.get("CELERY_LEASE_REQUIRE_SERVICES"):
+            pytest.fail(f"{reason} (CELERY_LEASE_REQUIRE_SERVICES is set)", pytrace=False)
+        pytest.skip(reason)
+    return url
+
+
+# -- one fixture per real service ------------------------------------------------
+@pytest.fixture(scope="session")
+def postgres_url() -> str:
+    return require_service("PostgreSQL", service_url("postgres"))
+
+
+@pytest.fixture(scope="session")
+def mysql_url() -> str:
+    return require_service("MySQL/MariaDB", service_url("mysql"))
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    return require_service("Redis", service_url("redis"))
+
+
+@pytest.fixture(scope="session")
+def amqp_url() -> str:
+    return require_service("RabbitMQ", service_url("amqp"))
+
+
+@pytest.fixture
+def sqlite_url(tmp_path) -> str:
+    return f"sqlite:///{tmp_path / 'lease.sqlite3'}"
+
+
+@pytest.fixture
+def redis_db(redis_url) -> Iterator[str]:
+    """A Redis URL on a dedicated database number, flushed before and after the test."""
+    import redis
+
+    db = int(os.environ.get("CELERY_LEASE_TEST_REDIS_DB", "5"))
+    url = urlunsplit(urlsplit(redis_url)._replace(path=f"/{db}"))
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    try:
+        yield url
+    finally:
+        client.flushdb()
+        client.close()
+
+
+# -- lease stores -------------------------------------------------------------------
+def unique_prefix() -> str:
+    """A table prefix no other test uses: 't' + 8 hex characters + '_'."""
+    return f"t{uuid.uuid4().hex[:8]}_"
+
+
+@pytest.fixture(params=STORES, ids=STORES)
+def store_url(request) -> str:
+    """The URL of each lease store kind: SQLite file, PostgreSQL, MySQL/MariaDB."""
+    return request.getfixturevalue(f"{request.param}_url")
+
+
+@pytest.fixture
+def store_factory(store_url) -> Iterator[Callable[..., object]]:
+    """Build Stores on ``store_url`` with unique prefixes; drop their tables afterwards."""
+    from celery_lease.store import Store
+
+    made: list[Store] = []
+
+    def make(prefix: str | None = None, migrate: bool = True) -> Store:
+        store = Store(store_url, prefix=prefix or unique_prefix())
+        made.append(store)
+        if migrate:
+            store.migrate()
+        return store
+
+    yield make
+    for store in made:
+        try:
+            store.t.metadata.drop_all(store.engine)
+        finally:
+            store.engine.dispose()
+
+
+@pytest.fixture
+def store(store_factory):
+    """A migrated Store with tables of its own on each store kind (sqlite, postgres, mysql)."""
+    return store_factory()
