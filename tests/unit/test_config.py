@@ -1,0 +1,325 @@
+"""celery_lease.config: every rule of the ``lease_*`` settings and their resolution."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from celery import Celery
+
+from celery_lease import config
+from celery_lease.errors import LeaseConfigError
+
+# One value per setting that its rule rejects. test_every_setting_has_a_bad_value
+# keeps this table complete when a setting is added.
+BAD_VALUES = {
+    "lease_store_url": "",
+    "lease_table_prefix": "1-bad prefix",
+    "lease_sqlite_busy_timeout": -1,
+    "lease_store_retry_delay": 0,
+    "lease_duration": "30s",
+    "lease_heartbeat_interval": 0,
+    "lease_grace_period": -0.5,
+    "lease_max_runtime": -5,
+    "lease_on_lost": "ignore",
+    "lease_max_attempts": 0,
+    "lease_max_expirations": 1.5,
+    "lease_on_expired": "explode",
+    "lease_backoff_base": None,
+    "lease_backoff_max": -1,
+    "lease_backoff_jitter": "yes",
+    "lease_dead_letter_queue": "",
+    "lease_dispatch_timeout": 0.0,
+    "lease_reaper_batch_size": True,
+    "lease_reaper_hard_grace": "2m",
+    "lease_worker_stale_after": 0,
+    "lease_retention": -1,
+    "lease_queue_policies": [("reports", {"lease_duration": 600})],
+    "lease_extend_visibility": 1,
+    "lease_lock_ttl": 0,
+    "lease_lock_timeout": -1,
+}
+
+
+def make_app(**settings) -> Celery:
+    app = Celery("test_config", set_as_current=False)
+    app.conf.update(settings)
+    return app
+
+
+def test_every_setting_has_a_bad_value_in_this_module():
+    assert set(BAD_VALUES) == {s.name for s in config.SETTINGS}
+
+
+def test_defaults_load_without_any_lease_setting():
+    cfg = config.app_config(make_app())
+    for setting in config.SETTINGS:
+        assert cfg.values[setting.name] == setting.default, setting.name
+
+
+@pytest.mark.parametrize("name", sorted(BAD_VALUES))
+def test_bad_value_is_rejected_naming_setting_value_and_rule(name):
+    value = BAD_VALUES[name]
+    rule = config.BY_NAME[name].rule
+
+    with pytest.raises(LeaseConfigError) as info:
+        config.app_config(make_app(**{name: value}))
+
+    err = info.value
+    assert err.setting == name
+    assert err.value == value
+    assert name in str(err)
+    assert repr(value) in str(err)
+    assert rule in str(err)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("lease_duration", 0.5),
+        ("lease_duration", 600),
+        ("lease_grace_period", 0),
+        ("lease_max_runtime", None),
+        ("lease_max_runtime", 3600),
+        ("lease_on_lost", "flag"),
+        ("lease_on_expired", "dead_letter"),
+        ("lease_max_attempts", 1),
+        ("lease_backoff_jitter", False),
+        ("lease_dead_letter_queue", "dead"),
+        ("lease_table_prefix", ""),
+        ("lease_table_prefix", "shop_lease_"),
+        ("lease_store_url", "postgresql+psycopg://db/shop"),
+    ],
+)
+def test_good_value_is_accepted(name, value):
+    cfg = config.app_config(make_app(**{name: value, "lease_heartbeat_interval": 0.1}))
+    assert cfg.values[name] == value
+
+
+def test_integer_durations_become_floats():
+    cfg = config.app_config(make_app(lease_duration=60, lease_heartbeat_interval=20))
+    assert isinstance(cfg.duration, float) and cfg.duration == 60.0
+
+
+def test_unknown_lease_key_is_rejected_listing_the_valid_keys():
+    with pytest.raises(LeaseConfigError) as info:
+        config.app_config(make_app(lease_duraton=60))
+
+    message = str(info.value)
+    assert info.value.setting == "lease_duraton"
+    assert "unknown" in message
+    for setting in config.SETTINGS:
+        assert setting.name in message
+
+
+def test_heartbeat_interval_above_a_third_of_the_duration_is_rejected():
+    with pytest.raises(LeaseConfigError) as info:
+        config.app_config(make_app(lease_duration=30, lease_heartbeat_interval=10.5))
+
+    assert info.value.setting == "lease_heartbeat_interval"
+    assert "third of lease_duration" in str(info.value)
+
+
+def test_heartbeat_interval_of_exactly_a_third_is_accepted():
+    cfg = config.app_config(make_app(lease_duration=30, lease_heartbeat_interval=10))
+    assert cfg.heartbeat_interval == 10.0
+
+
+def test_default_duration_shorter_than_three_default_heartbeats_is_rejected():
+    # Only lease_duration is set; the default heartbeat (10 s) no longer fits.
+    with pytest.raises(LeaseConfigError, match="lease_heartbeat_interval"):
+        config.app_config(make_app(lease_duration=20))
+
+
+def test_backoff_max_below_backoff_base_is_rejected():
+    with pytest.raises(LeaseConfigError) as info:
+        config.app_config(make_app(lease_backoff_base=10, lease_backoff_max=5))
+    assert info.value.setting == "lease_backoff_max"
+
+
+def test_app_config_is_built_once_and_cached_on_the_app():
+    app = make_app(lease_duration=60, lease_heartbeat_interval=5)
+    assert config.app_config(app) is config.app_config(app)
+
+
+def test_app_config_is_frozen():
+    cfg = config.app_config(make_app())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.values = {}  # type: ignore[misc]
+
+
+# -- resolution: task option > queue policy > app setting > default ----------------
+def policy_app(**settings) -> Celery:
+    app = make_app(**settings)
+
+    @app.task(shared=False, name="plain")
+    def plain():
+        return None
+
+    @app.task(shared=False, name="overridden", lease_duration=90.0, lease_max_attempts=9)
+    def overridden():
+        return None
+
+    return app
+
+
+def test_default_applies_when_nothing_sets_an_option():
+    app = policy_app()
+    policy = config.task_policy(app.tasks["plain"])
+    assert policy.duration == config.BY_NAME["lease_duration"].default
+    assert policy.max_attempts == config.BY_NAME["lease_max_attempts"].default
+
+
+def test_app_setting_overrides_the_default():
+    app = policy_app(lease_duration=45, lease_heartbeat_interval=5)
+    assert config.task_policy(app.tasks["plain"]).duration == 45.0
+
+
+def test_queue_policy_overrides_the_app_setting():
+    app = policy_app(
+        lease_duration=45, lease_heartbeat_interval=5,
+        lease_queue_policies={"reports": {"lease_duration": 600}},
+    )
+    assert config.task_policy(app.tasks["plain"], queue="reports").duration == 600.0
+    assert config.task_policy(app.tasks["plain"], queue="default").duration == 45.0
+    assert config.task_policy(app.tasks["plain"]).duration == 45.0
+
+
+def test_task_option_overrides_the_queue_policy():
+    app = policy_app(
+        lease_duration=45, lease_heartbeat_interval=5,
+        lease_queue_policies={"reports": {"lease_duration": 600, "lease_max_attempts": 2}},
+    )
+    policy = config.task_policy(app.tasks["overridden"], queue="reports")
+    assert policy.duration == 90.0
+    assert policy.max_attempts == 9
+
+
+def test_options_a_layer_does_not_set_fall_through_to_the_layer_below():
+    app = policy_app(lease_grace_period=3, lease_queue_policies={"reports": {"lease_backoff_base": 2}})
+    policy = config.task_policy(app.tasks["overridden"], queue="reports")
+    assert (policy.duration, policy.backoff_base, policy.grace_period) == (90.0, 2.0, 3.0)
+
+
+def test_task_time_limit_becomes_the_default_max_runtime():
+    app = make_app()
+
+    @app.task(shared=False, name="limited", time_limit=120)
+    def limited():
+        return None
+
+    assert config.task_policy(app.tasks["limited"]).max_runtime == 120.0
+
+
+def test_policy_as_settings_round_trips_every_per_task_option():
+    policy = config.app_config(make_app()).policy()
+    assert set(policy.as_settings()) == set(config.PER_TASK)
+
+
+def test_bad_task_option_is_rejected_naming_the_task():
+    app = make_app()
+
+    @app.task(shared=False, name="shop.capture", lease_duration="ten")
+    def capture():
+        return None
+
+    with pytest.raises(LeaseConfigError) as info:
+        config.task_policy(app.tasks["shop.capture"])
+    assert info.value.setting == "lease_duration"
+    assert "shop.capture" in str(info.value)
+
+
+def test_task_option_that_breaks_the_heartbeat_rule_is_rejected():
+    app = make_app()
+
+    @app.task(shared=False, name="short", lease_duration=6)
+    def short():
+        return None
+
+    with pytest.raises(LeaseConfigError, match=r"lease_heartbeat_interval.*task short"):
+        config.task_policy(app.tasks["short"])
+
+
+def test_app_wide_option_passed_as_task_override_is_rejected():
+    cfg = config.app_config(make_app())
+    with pytest.raises(LeaseConfigError) as info:
+        cfg.policy({"lease_reaper_batch_size": 5}, where="task shop.capture")
+
+    assert info.value.setting == "lease_reaper_batch_size"
+    assert "not a per-task lease option" in str(info.value)
+    assert "lease_duration" in str(info.value)  # lists the per-task options
+
+
+def test_app_wide_option_in_a_queue_policy_is_rejected_at_load():
+    with pytest.raises(LeaseConfigError) as info:
+        config.app_config(make_app(lease_queue_policies={"reports": {"lease_store_url": "sqlite://"}}))
+    assert info.value.setting == "lease_store_url"
+    assert "reports" in str(info.value)
+
+
+def test_bad_value_in_a_queue_policy_is_rejected_at_load():
+    with pytest.raises(LeaseConfigError) as info:
+        config.app_config(make_app(lease_queue_policies={"reports": {"lease_duration": -1}}))
+    assert info.value.setting == "lease_duration"
+    assert "lease_queue_policies['reports']" in str(info.value)
+
+
+def test_queue_policy_that_is_not_a_mapping_is_rejected():
+    with pytest.raises(LeaseConfigError, match="lease_queue_policies"):
+        config.app_config(make_app(lease_queue_policies={"reports": 600}))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="config.task_options() reads only per-task names, so an app-wide option set on a "
+    "task (decorator keyword) is silently ignored instead of rejected",
+)
+def test_app_wide_option_set_on_a_task_is_rejected():
+    app = make_app()
+
+    @app.task(shared=False, name="batchy", lease_reaper_batch_size=5)
+    def batchy():
+        return None
+
+    with pytest.raises(LeaseConfigError, match="lease_reaper_batch_size"):
+        config.task_policy(app.tasks["batchy"])
+
+
+# -- Django-style namespaced settings ------------------------------------------------
+class DjangoSettings:
+    CELERY_BROKER_URL = "memory://"
+    CELERY_LEASE_DURATION = 60
+    CELERY_LEASE_HEARTBEAT_INTERVAL = 5
+    CELERY_LEASE_STORE_URL = "postgresql+psycopg://db/shop"
+
+
+def namespaced_app(settings: type) -> Celery:
+    app = Celery("django_like", set_as_current=False)
+    app.config_from_object(settings, namespace="CELERY")
+    return app
+
+
+def test_namespaced_settings_are_read():
+    cfg = config.app_config(namespaced_app(DjangoSettings))
+    assert cfg.duration == 60.0
+    assert cfg.heartbeat_interval == 5.0
+    assert cfg.store_url == "postgresql+psycopg://db/shop"
+
+
+def test_bad_namespaced_setting_is_rejected_under_its_lease_name():
+    class Bad(DjangoSettings):
+        CELERY_LEASE_MAX_ATTEMPTS = 0
+
+    with pytest.raises(LeaseConfigError) as info:
+        config.app_config(namespaced_app(Bad))
+    assert info.value.setting == "lease_max_attempts"
+
+
+def test_unknown_namespaced_lease_setting_is_rejected():
+    class Typo(DjangoSettings):
+        CELERY_LEASE_DURATON = 60
+
+    with pytest.raises(LeaseConfigError) as info:
+        config.app_config(namespaced_app(Typo))
+    assert info.value.setting == "lease_duraton"
+    assert "lease_duration" in str(info.value)
