@@ -1,0 +1,103 @@
+"""celery_lease.schema: the tables, their deterministic names, and migrate()."""
+
+from __future__ import annotations
+
+import pytest
+import sqlalchemy as sa
+
+from celery_lease import schema
+
+TABLES = ("jobs", "events", "workers", "effects", "locks")
+
+
+def prefixed_tables(engine: sa.Engine, prefix: str) -> set[str]:
+    return {name for name in sa.inspect(engine).get_table_names() if name.startswith(prefix)}
+
+
+def constraint_and_index_names(t: schema.Tables) -> set[str]:
+    names = set()
+    for table in t.metadata.sorted_tables:
+        names |= {ix.name for ix in table.indexes}
+        names |= {c.name for c in table.constraints if c.name is not None}
+    return names
+
+
+def test_tables_factory_names_every_table_with_the_prefix():
+    t = schema.tables("shop_")
+    assert {table.name for table in t.metadata.sorted_tables} == {f"shop_{name}" for name in TABLES}
+
+
+def test_every_index_and_named_constraint_carries_the_prefix():
+    names = constraint_and_index_names(schema.tables("shop_"))
+    assert names, "the schema defines no named indexes or constraints"
+    assert all(name.startswith("shop_") for name in names), names
+
+
+def test_index_names_are_deterministic_for_a_prefix():
+    assert constraint_and_index_names(schema.tables("a_")) == constraint_and_index_names(schema.tables("a_"))
+
+
+def test_two_prefixes_share_no_index_name():
+    # Two stores in one PostgreSQL schema must not collide on index names.
+    a, b = constraint_and_index_names(schema.tables("a_")), constraint_and_index_names(schema.tables("b_"))
+    assert not a & b
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="config allows 40-character prefixes, but '<prefix>jobs_status_available_ix' is then 64 "
+    "characters: PostgreSQL migrate raises IdentifierError (limit 63)",
+)
+def test_index_names_fit_mysql_and_postgres_limits_with_the_longest_prefix():
+    prefix = "p" * 40  # config allows prefixes of up to 40 characters
+    longest = max(len(name) for name in constraint_and_index_names(schema.tables(prefix)))
+    assert longest <= 63, longest  # PostgreSQL truncates at 63, MySQL refuses past 64
+
+
+def test_migrate_creates_the_five_tables(store_factory):
+    store = store_factory(migrate=False)
+    prefix = store.t.jobs.name[: -len("jobs")]
+
+    created = store.migrate()
+
+    assert sorted(created) == sorted(f"table {prefix}{name}" for name in TABLES)
+    assert prefixed_tables(store.engine, prefix) == {f"{prefix}{name}" for name in TABLES}
+
+
+def test_migrate_creates_the_indexes_under_their_names(store):
+    inspector = sa.inspect(store.engine)
+    have = {ix["name"] for ix in inspector.get_indexes(store.t.jobs.name)}
+    want = {ix.name for ix in store.t.jobs.indexes}
+    assert want <= have
+
+
+def test_second_migrate_creates_nothing_and_keeps_rows(store):
+    with store.begin() as conn:
+        conn.execute(sa.insert(store.t.workers).values(
+            worker_id="w1", hostname="host", pid=1, started_at=1.0, last_seen_at=2.0,
+        ))
+
+    created = store.migrate()
+
+    assert created == []
+    with store.begin() as conn:
+        rows = conn.execute(sa.select(store.t.workers.c.worker_id)).scalars().all()
+    assert rows == ["w1"]
+
+
+def test_migrate_recreates_a_missing_index_only(store):
+    index = next(ix for ix in store.t.jobs.indexes if ix.name.endswith("jobs_locked_by_ix"))
+    with store.engine.begin() as conn:
+        index.drop(conn)
+
+    assert store.migrate() == [f"index {index.name}"]
+
+
+def test_migrate_leaves_other_prefixes_alone(store_factory):
+    first = store_factory()
+    second = store_factory(migrate=False)
+
+    second.migrate()
+
+    assert first.migrate() == []
+    assert second.migrate() == []
