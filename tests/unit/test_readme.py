@@ -1,0 +1,44 @@
+"""README.md's settings table is the one generated from celery_lease.config.SETTINGS."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_tool():
+    spec = importlib.util.spec_from_file_location("settings_table", ROOT / "tools" / "settings_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_readme_settings_table_matches_the_code():
+    tool = load_tool()
+    current = tool.extract((ROOT / "README.md").read_text(encoding="utf-8"))
+
+    assert current is not None, "README.md lacks the <!-- settings:start/end --> markers"
+    assert current == tool.block(), "README settings table is out of date: run `make settings-table`"
+
+
+def test_settings_table_has_one_row_per_setting():
+    from celery_lease.config import SETTINGS
+
+    tool = load_tool()
+    rows = [line for line in tool.table().splitlines() if line.startswith("| `lease_")]
+    assert [row.split("`")[1] for row in rows] == [s.name for s in SETTINGS]
+
+
+def test_write_replaces_only_the_marked_block(tmp_path):
+    tool = load_tool()
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n\n{tool.START}\nOLD TABLE ROW\n{tool.END}\n\noutro\n", encoding="utf-8")
+
+    assert tool.main(["--write", str(readme)]) == 0
+
+    text = readme.read_text(encoding="utf-8")
+    assert text.startswith("intro\n\n") and text.endswith("\n\noutro\n")
+    assert "OLD TABLE ROW" not in text
+    assert tool.main(["--check", str(readme)]) == 0
