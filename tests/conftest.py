@@ -79,7 +79,8 @@ def require_service(name: str, url: str) -> str:
     try:
         _probe(url)
     except Exception as exc:  # noqa: BLE001 - any connection problem means "not reachable"
-        reason = f"{name} not reachable at {_safe(url)}: {type(exc).__name__}: {exc}"
+        detail = (str(exc).strip().splitlines() or [""])[0]
+        reason = f"{name} not reachable at {_safe(url)}: {type(exc).__name__}: {detail}"
         if os.environ.get("CELERY_LEASE_REQUIRE_SERVICES"):
             pytest.fail(f"{reason} (CELERY_LEASE_REQUIRE_SERVICES is set)", pytrace=False)
         pytest.skip(reason)
