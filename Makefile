@@ -32,11 +32,12 @@ lint: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m example_project.demo $(if $(MODE),--mode $(MODE))
 
+# Each bench/NAME.py runs as `python -m bench.NAME` from the root (files named _*.py are helpers).
 bench: $(STAMP)
 	@set -e; found=0; for f in bench/*.py; do \
 	    case "$$(basename $$f)" in _*) continue ;; esac; \
 	    [ -f "$$f" ] || continue; found=1; \
-	    echo "== $$f"; $(PY) "$$f"; \
+	    echo "== $$f"; $(PY) -m bench.$$(basename $$f .py); \
 	done; [ $$found = 1 ] || echo "no benchmarks in bench/"
 
 # Rewrite the settings table in README.md from celery_lease.config.SETTINGS.
