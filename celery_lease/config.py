@@ -18,7 +18,9 @@ from .errors import LeaseConfigError
 
 __all__ = ["SETTINGS", "Setting", "AppConfig", "TaskPolicy", "app_config", "task_policy"]
 
-IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,39}$")
+# 30 characters keep the longest index name ("<prefix>jobs_status_available_ix") within
+# PostgreSQL's 63-character identifier limit.
+IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,29}$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +104,7 @@ SETTINGS: tuple[Setting, ...] = (
        _text, "a non-empty SQLAlchemy URL", False),
     _S("lease_table_prefix", "celery_lease_",
        "Prefix of the store's table names.",
-       _identifier, "letters, digits and underscores, not starting with a digit, at most 40", False),
+       _identifier, "letters, digits and underscores, not starting with a digit, at most 30", False),
     _S("lease_sqlite_busy_timeout", 30.0,
        "Seconds a SQLite writer waits for the file lock before failing.",
        _number(0), "a number of seconds >= 0", False),
@@ -312,6 +314,12 @@ def app_config(app: Any) -> AppConfig:
 
 def task_options(task: Any) -> dict[str, Any]:
     """The ``lease_*`` options a task sets as class attributes or decorator keywords."""
+    for setting in SETTINGS:
+        if not setting.per_task and getattr(task, setting.name, None) is not None:
+            raise LeaseConfigError(
+                setting.name, getattr(task, setting.name), f"is an app-wide setting, not a task option "
+                f"(task {task.name})", f"Set app.conf.{setting.name} instead.",
+            )
     return {name: getattr(task, name) for name in PER_TASK if getattr(task, name, None) is not None}
 
 

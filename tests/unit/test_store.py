@@ -1,0 +1,243 @@
+"""Job transitions in store/jobs.py on SQLite, PostgreSQL and MariaDB, winning and losing sides."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+
+import pytest
+import sqlalchemy as sa
+
+from celery_lease.errors import StoreUnavailable
+from celery_lease.store import COMPLETED, FAILED, PENDING, RUNNING, Store
+
+
+def token() -> str:
+    return secrets.token_hex(16)
+
+
+def claim(store: Store, job_id: str, worker: str = "w1", tok: str | None = None, **overrides):
+    options = dict(duration=30.0, grace=1.0, task_name="t.task", queue="q", max_attempts=3,
+                   max_expirations=3, takeover=True, hard_grace=60.0, stale_after=10.0,
+                   payload=lambda: '{"v": 1}')
+    options.update(overrides)
+    return store.claim(job_id, worker, tok or token(), **options)
+
+
+def age_lease(store: Store, job_id: str, seconds: float) -> None:
+    """Move a lease's expiry into the past on the store's clock (test-only SQL)."""
+    j = store.t.jobs
+    with store.begin() as c:
+        c.execute(sa.update(j).where(j.c.id == job_id).values(lease_expires_at=store.now_sql - seconds))
+
+
+def events(store: Store, job_id: str) -> list[str]:
+    return [e["event"] for e in store.events(job_id)]
+
+
+def test_record_inserts_a_pending_job_once(store):
+    assert store.record("j1", "t.task", "q", "{}", 3) == (True, "j1")
+    assert store.record("j1", "t.task", "q", "{}", 3) == (False, "j1")
+    job = store.get("j1")
+    assert job.status == PENDING and job.attempt_count == 0 and job.queue_name == "q"
+    assert events(store, "j1") == ["published"]
+
+
+def test_record_with_a_taken_idempotency_key_returns_the_holder(store):
+    store.record("first", "t.task", "q", "{}", 3, idempotency_key="order-1")
+    created, holder = store.record("second", "t.task", "q", "{}", 3, idempotency_key="order-1")
+    assert (created, holder) == (False, "first")
+    assert store.get("second") is None
+
+
+def test_record_delay_sets_available_at_in_the_future(store):
+    before = store.now()
+    store.record("later", "t.task", "q", "{}", 3, delay=120.0)
+    assert store.get("later").available_at >= before + 119.0
+
+
+def test_claim_takes_a_pending_job_and_counts_the_attempt(store):
+    store.record("j1", "t.task", "q", "{}", 3)
+    tok = token()
+    got = claim(store, "j1", tok=tok, duration=5.0)
+    assert got.claimed
+    job = got.job
+    assert job.status == RUNNING and job.lock_token == tok and job.locked_by == "w1"
+    assert job.attempt_count == 1
+    assert job.lease_expires_at == pytest.approx(job.started_at + 5.0, abs=0.05)
+    assert events(store, "j1") == ["published", "claimed"]
+
+
+def test_claim_of_a_leased_job_is_busy_and_changes_nothing(store):
+    store.record("j1", "t.task", "q", "{}", 3)
+    first = claim(store, "j1", "w1")
+    second = claim(store, "j1", "w2")
+    assert second.outcome == "busy"
+    assert store.get("j1").lock_token == first.job.lock_token
+
+
+def test_claim_of_a_finished_job_is_done(store):
+    store.record("j1", "t.task", "q", "{}", 3)
+    got = claim(store, "j1")
+    assert store.complete("j1", got.job.lock_token)
+    assert claim(store, "j1", "w2").outcome == "done"
+
+
+def test_claim_creates_the_row_of_a_job_published_without_celery_lease(store):
+    got = claim(store, "stranger", payload=lambda: "PAYLOAD")
+    assert got.claimed
+    job = store.get("stranger")
+    assert job.status == RUNNING and job.attempt_count == 1 and job.payload == "PAYLOAD"
+
+
+def test_racing_claims_have_exactly_one_winner(store):
+    store.record("race", "t.task", "q", "{}", 3)
+    barrier = threading.Barrier(8)
+    outcomes: list[str] = []
+
+    def contender(n: int) -> None:
+        barrier.wait()
+        outcomes.append(claim(store, "race", f"w{n}").outcome)
+
+    threads = [threading.Thread(target=contender, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(outcomes) == ["busy"] * 7 + ["claimed"]
+    assert store.get("race").attempt_count == 1
+
+
+def test_claim_takes_over_an_abandoned_lease_past_grace(store):
+    store.record("j1", "t.task", "q", "{}", 3)
+    old = claim(store, "j1", "dead-worker").job.lock_token
+    age_lease(store, "j1", 5.0)
+    got = claim(store, "j1", "w2", grace=1.0)
+    assert got.claimed
+    assert got.job.expired_count == 1 and got.job.attempt_count == 2 and got.job.lock_token != old
+    assert "lease_taken_over" in events(store, "j1")
+
+
+def test_claim_does_not_take_over_inside_the_grace_period(store):
+    store.record("j1", "t.task", "q", "{}", 3)
+    claim(store, "j1", "dead-worker", grace=30.0)
+    age_lease(store, "j1", 5.0)
+    assert claim(store, "j1", "w2").outcome == "busy"
+
+
+def test_claim_leaves_a_live_owner_alone_until_the_hard_grace(store):
+    store.record("j1", "t.task", "q", "{}", 3)
+    claim(store, "j1", "live-worker", grace=0.0)
+    store.touch_worker("live-worker", "host", 1)
+    age_lease(store, "j1", 5.0)
+    assert claim(store, "j1", "w2", hard_grace=60.0).outcome == "busy"
+    assert claim(store, "j1", "w2", hard_grace=2.0).claimed
+
+
+def test_claim_does_not_take_over_when_attempts_are_exhausted(store):
+    store.record("j1", "t.task", "q", "{}", 1)
+    claim(store, "j1", "dead-worker", grace=0.0, max_attempts=1)
+    age_lease(store, "j1", 5.0)
+    assert claim(store, "j1", "w2", max_attempts=1).outcome == "busy"
+
+
+def test_complete_with_a_stale_token_changes_nothing_and_is_audited(store):
+    store.record("j1", "t.task", "q", "{}", 3)
+    tok = claim(store, "j1").job.lock_token
+    assert store.complete("j1", "stale-token") is False
+    assert store.get("j1").status == RUNNING
+    assert "stale_completion_rejected" in events(store, "j1")
+    assert store.complete("j1", tok) is True
+    job = store.get("j1")
+    assert job.status == COMPLETED and job.lock_token is None and job.completed_at is not None
+
+
+def test_fail_is_fenced_and_records_the_error(store):
+    store.record("j1", "t.task", "q", "{}", 3)
+    tok = claim(store, "j1").job.lock_token
+    assert store.fail("j1", "stale-token", "boom") is False
+    assert "stale_failure_rejected" in events(store, "j1")
+    assert store.fail("j1", tok, "ValueError: boom") is True
+    job = store.get("j1")
+    assert job.status == FAILED and job.last_error == "ValueError: boom"
+
+
+def test_retry_later_reschedules_the_job_as_pending(store):
+    store.record("j1", "t.task", "q", "{}", 3)
+    tok = claim(store, "j1").job.lock_token
+    assert store.retry_later("j1", "stale", 10.0, None, "x") is False
+    now = store.now()
+    assert store.retry_later("j1", tok, 10.0, "NEW", "IOError: flaky") is True
+    job = store.get("j1")
+    assert job.status == PENDING and job.lock_token is None and job.payload == "NEW"
+    assert job.available_at == pytest.approx(now + 10.0, abs=1.0)
+
+
+def test_release_gives_the_attempt_back(store):
+    store.record("j1", "t.task", "q", "{}", 3)
+    tok = claim(store, "j1").job.lock_token
+    assert store.release("j1", tok, "w1") is True
+    job = store.get("j1")
+    assert job.status == PENDING and job.attempt_count == 0 and job.locked_by is None
+    assert "released_on_shutdown" in events(store, "j1")
+    assert store.release("j1", tok, "w1") is False
+
+
+def test_renew_extends_only_leases_whose_token_still_matches(store):
+    for job_id in ("a", "b", "c"):
+        store.record(job_id, "t.task", "q", "{}", 3)
+    toks = {claim(store, job_id, duration=5.0).job.lock_token: job_id for job_id in ("a", "b")}
+    age_lease(store, "a", 1.0)
+    renewed = store.renew({**toks, "stale-token": "c"}, "w1")
+    assert renewed == {"a", "b"}
+    job = store.get("a")
+    assert job.lease_expires_at == pytest.approx(job.last_heartbeat_at + 5.0, abs=0.05)
+
+
+def test_renew_with_extend_sets_a_longer_lease(store):
+    store.record("a", "t.task", "q", "{}", 3)
+    tok = claim(store, "a", duration=5.0).job.lock_token
+    assert store.renew({tok: "a"}, "w1", {tok: 120.0}) == {"a"}
+    job = store.get("a")
+    assert job.lease_duration == 120.0
+    assert job.lease_expires_at == pytest.approx(job.last_heartbeat_at + 120.0, abs=0.05)
+
+
+def test_describe_loss_tells_a_vanished_lease_from_a_taken_one(store):
+    store.record("gone", "t.task", "q", "{}", 3)
+    store.record("taken", "t.task", "q", "{}", 3)
+    claim(store, "taken", "dead")
+    age_lease(store, "taken", 5.0)
+    claim(store, "taken", "thief")
+    assert store.describe_loss("gone-missing", "tok") == ("vanished", None)
+    assert store.describe_loss("taken", "tok") == ("taken_over", "thief")
+
+
+def test_cancel_fails_an_unfinished_job_once(store):
+    store.record("j1", "t.task", "q", "{}", 3)
+    assert store.cancel("j1", "revoked") is True
+    assert store.get("j1").status == FAILED
+    assert store.cancel("j1", "revoked") is False
+
+
+def test_checkpoint_is_fenced_by_the_token(store):
+    store.record("j1", "t.task", "q", "{}", 3)
+    tok = claim(store, "j1").job.lock_token
+    assert store.checkpoint("j1", "stale", {"step": 9}) is False
+    assert store.checkpoint("j1", tok, {"step": 2}) is True
+    assert store.get("j1").checkpoint_state() == {"step": 2}
+
+
+def test_touch_worker_registers_then_refreshes(store):
+    store.touch_worker("w1", "host", 42)
+    first = store.now()
+    store.touch_worker("w1", "host", 42)
+    with store.begin() as c:
+        rows = c.execute(sa.select(store.t.workers)).all()
+    assert len(rows) == 1 and rows[0].pid == 42 and rows[0].last_seen_at >= first
+
+
+def test_an_unreachable_store_raises_store_unavailable(tmp_path):
+    store = Store("postgresql+psycopg://nobody@127.0.0.1:1/none")
+    with pytest.raises(StoreUnavailable, match="unreachable"):
+        store.now()
