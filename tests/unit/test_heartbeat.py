@@ -1,0 +1,159 @@
+"""The per-process heartbeat: one renewal statement per round, loss detection, max runtime."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+
+import pytest
+import sqlalchemy as sa
+
+from celery_lease import heartbeat
+from celery_lease.config import load
+from celery_lease.errors import LeaseLost, StoreUnavailable
+from celery_lease.heartbeat import Heartbeat
+from celery_lease.task import Lease
+from tests.helpers import wait_for
+
+
+def policy(**overrides):
+    return load({}).policy({"lease_duration": 3.0, "lease_heartbeat_interval": 0.2, **overrides})
+
+
+def held_lease(store, hb: Heartbeat, job_id: str, **overrides) -> Lease:
+    store.record(job_id, "t.task", "q", "{}", 3)
+    tok = secrets.token_hex(16)
+    got = store.claim(job_id, hb.worker, tok, duration=3.0, grace=0.0, task_name="t.task", queue="q",
+                      max_attempts=3, max_expirations=3, takeover=True, hard_grace=60.0,
+                      stale_after=10.0, payload=lambda: None)
+    assert got.claimed
+    lease = Lease(store, hb, job_id, tok, 1, policy(**overrides), f"t.task:{job_id}", None)
+    with hb._lock:
+        hb.leases[tok] = lease
+    return lease
+
+
+def steal(store, job_id: str) -> None:
+    j = store.t.jobs
+    with store.begin() as c:
+        c.execute(sa.update(j).where(j.c.id == job_id).values(lock_token="thief", locked_by="other:1"))
+
+
+@pytest.fixture
+def hb(store):
+    beat = Heartbeat(store, "host:1", "host", default_interval=0.2)
+    yield beat
+    beat.stop()
+
+
+def test_one_statement_renews_every_lease_of_the_process(store, hb):
+    leases = [held_lease(store, hb, f"job-{n}") for n in range(40)]
+    before = {lease.job_id: store.get(lease.job_id).lease_expires_at for lease in leases}
+    counts = hb.beat()
+    assert counts["renewed"] == 40 and counts["lost"] == 0
+    assert hb.renew_statements == 1
+    assert all(store.get(job_id).lease_expires_at > expiry for job_id, expiry in before.items())
+
+
+def test_a_lease_taken_by_another_owner_is_marked_lost(store, hb):
+    lease = held_lease(store, hb, "stolen")
+    steal(store, "stolen")
+    counts = hb.beat()
+    assert counts["lost"] == 1 and lease.lost and lease.lost_reason == "taken_over"
+    with pytest.raises(LeaseLost, match="other:1"):
+        lease.check()
+    assert "lease_lost" in [e["event"] for e in store.events("stolen")]
+
+
+def test_a_vanished_lease_is_told_apart_from_a_taken_one(store, hb):
+    lease = held_lease(store, hb, "vanishing")
+    with store.begin() as c:
+        c.execute(sa.delete(store.t.jobs).where(store.t.jobs.c.id == "vanishing"))
+    hb.beat()
+    assert lease.lost and lease.lost_reason == "vanished"
+
+
+def test_lost_lease_interrupts_the_running_body(store, hb):
+    lease = held_lease(store, hb, "interrupted", lease_on_lost="raise")
+    caught: list[BaseException] = []
+    entered = threading.Event()
+
+    def body() -> None:
+        try:
+            with lease.body():
+                entered.set()
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline:
+                    sum(range(1000))  # pure Python work, interruptible between bytecodes
+        except LeaseLost as exc:
+            caught.append(exc)
+
+    worker = threading.Thread(target=body)
+    worker.start()
+    entered.wait(5)
+    steal(store, "interrupted")
+    hb.beat()
+    worker.join(10)
+    assert caught and isinstance(caught[0], LeaseLost) and "interrupted" in str(caught[0])
+
+
+def test_flag_mode_leaves_the_body_running(store, hb):
+    lease = held_lease(store, hb, "flagged", lease_on_lost="flag")
+    finished = threading.Event()
+
+    def body() -> None:
+        with lease.body():
+            wait_for(lambda: lease.lost, timeout=5, message="lease never flagged lost")
+            finished.set()
+
+    worker = threading.Thread(target=body)
+    worker.start()
+    steal(store, "flagged")
+    hb.beat()
+    worker.join(10)
+    assert finished.is_set()
+
+
+def test_a_job_past_its_max_runtime_is_no_longer_renewed(store, hb, monkeypatch):
+    lease = held_lease(store, hb, "hung", lease_max_runtime=5.0)
+    expiry = store.get("hung").lease_expires_at
+    monkeypatch.setattr(heartbeat, "monotonic", lambda: lease.started_at + 6.0)
+    counts = hb.beat()
+    assert counts["past_max_runtime"] == 1 and counts["renewed"] == 0
+    assert store.get("hung").lease_expires_at == expiry
+
+
+def test_store_outage_longer_than_the_lease_marks_leases_lost(store, hb, monkeypatch):
+    lease = held_lease(store, hb, "outage")
+
+    def down(*_a, **_k):
+        raise StoreUnavailable("down")
+
+    monkeypatch.setattr(store, "touch_worker", down)
+    hb.beat()
+    assert not lease.lost  # within the lease: keep working
+    monkeypatch.setattr(heartbeat, "monotonic", lambda: lease.renewed_at + 4.0)
+    hb.beat()
+    assert lease.lost and "store unreachable" in lease.lost_reason
+
+
+def test_deferred_completion_lands_when_the_store_answers(store, hb):
+    lease = held_lease(store, hb, "deferred")
+    hb.defer_completion(lease)
+    hb.beat()
+    assert store.get("deferred").status == "completed"
+    assert lease.token not in hb.leases
+
+
+def test_the_beat_registers_the_worker_process(store, hb):
+    hb.beat()
+    with store.begin() as c:
+        ids = c.execute(sa.select(store.t.workers.c.worker_id)).scalars().all()
+    assert ids == ["host:1"]
+
+
+def test_the_thread_renews_on_its_own(store, hb):
+    held_lease(store, hb, "looped")
+    hb.start()
+    wait_for(lambda: hb.beats >= 2, timeout=5, message="heartbeat thread did not beat twice")
