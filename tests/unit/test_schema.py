@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
+import uuid
+
 import sqlalchemy as sa
 
-from celery_lease import schema
+from celery_lease import config, schema
 
 TABLES = ("jobs", "events", "workers", "effects", "locks")
 
@@ -43,13 +44,21 @@ def test_two_prefixes_share_no_index_name():
     assert not a & b
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="config allows 40-character prefixes, but '<prefix>jobs_status_available_ix' is then 64 "
-    "characters: PostgreSQL migrate raises IdentifierError (limit 63)",
-)
+def longest_allowed_prefix() -> str:
+    """The longest table prefix that lease_table_prefix's rule accepts."""
+    rule = config.BY_NAME["lease_table_prefix"].check
+    prefix = ""
+    while len(prefix) < 200:
+        try:
+            rule(prefix + "p")
+        except ValueError:
+            return prefix
+        prefix += "p"
+    raise AssertionError("lease_table_prefix accepts prefixes of any length")
+
+
 def test_index_names_fit_mysql_and_postgres_limits_with_the_longest_prefix():
-    prefix = "p" * 40  # config allows prefixes of up to 40 characters
+    prefix = longest_allowed_prefix()
     longest = max(len(name) for name in constraint_and_index_names(schema.tables(prefix)))
     assert longest <= 63, longest  # PostgreSQL truncates at 63, MySQL refuses past 64
 
@@ -101,3 +110,10 @@ def test_migrate_leaves_other_prefixes_alone(store_factory):
 
     assert first.migrate() == []
     assert second.migrate() == []
+
+
+def test_longest_allowed_prefix_migrates_twice(store_factory):
+    # Unique per run (other test runs may share the database), padded to the limit.
+    prefix = f"t{uuid.uuid4().hex[:8]}_".ljust(len(longest_allowed_prefix()), "p")
+    store = store_factory(prefix=prefix)
+    assert store.migrate() == []
