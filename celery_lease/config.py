@@ -171,8 +171,13 @@ SETTINGS: tuple[Setting, ...] = (
        _mapping, "a mapping of queue name to per-task lease options", False),
     # broker alignment
     _S("lease_extend_visibility", True,
-       "Keep Redis acks_late messages of live workers from being restored by kombu.",
+       "Keep the Redis messages a live worker holds (leased acks_late jobs, prefetched and ETA "
+       "messages) from being restored by kombu's visibility timeout.",
        _bool, "True or False", False),
+    _S("lease_rabbitmq_consumer_timeout", None,
+       "Seconds RabbitMQ lets a delivery go unacknowledged (its consumer_timeout), for `lease check`; "
+       "None: ask the management API, else assume RabbitMQ's default of 1800.",
+       _number(0, strict=True, allow_none=True), "None or a number of seconds > 0", False),
     # resource locks
     _S("lease_lock_ttl", 30.0,
        "Seconds a resource lock lasts without renewal.",
