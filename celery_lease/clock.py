@@ -32,5 +32,7 @@ def now(dialect: Dialect | str) -> ColumnElement[float]:
     try:
         text = _EXPRESSIONS[name]
     except KeyError:
-        raise ValueError(f"unsupported lease store dialect {name!r}; use one of {SUPPORTED_DIALECTS}") from None
+        raise ValueError(
+            f"unsupported lease store dialect {name!r}; use one of {SUPPORTED_DIALECTS}"
+        ) from None
     return sa.literal_column(text, type_=sa.Double())

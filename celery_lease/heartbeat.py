@@ -119,6 +119,10 @@ class Heartbeat:
             if lease.job_id in renewed:
                 lease.renewed_at = now
                 counts["renewed"] += 1
+            elif lease.finishing and token not in self._deferred:
+                # The body is over and its final write already cleared the token:
+                # not a loss, just a lease that ended between snapshot and renewal.
+                continue
             else:
                 reason, owner = self.store.describe_loss(lease.job_id, token, self.worker)
                 lease.mark_lost(reason, owner)

@@ -51,6 +51,7 @@ class Lease:
         self.renewed_at = self.started_at
         self._thread_id: int | None = None
         self._in_body = False
+        self.finishing = False
         self._guard = threading.Lock()
 
     def __repr__(self) -> str:
@@ -122,10 +123,16 @@ class Lease:
         finally:
             with self._guard:
                 self._in_body = False
+                self.finishing = True
                 if self.lost and self.policy.on_lost == "raise" and self._thread_id is not None:
                     # An interruption queued just as the body returned must not land
                     # in the bookkeeping that follows.
                     heartbeat.raise_in_thread(self._thread_id, None)
+
+
+# The leases of the jobs running in this process, by job id. Kept off the request
+# context, which Celery copies into retries and canvas options.
+_running: dict[str, Lease] = {}
 
 
 def _queue_of(task: Task, request: Any) -> str | None:
@@ -174,7 +181,7 @@ class LeaseTask(Task):
     @property
     def lease(self) -> Lease | None:
         """The running job's lease (None outside a leased run)."""
-        return getattr(self.request, "lease", None)
+        return _running.get(self.request.id) if self.request.id else None
 
     def lease_policy(self, queue: str | None = None) -> TaskPolicy:
         """The lease options in force for this task on a queue."""
@@ -275,13 +282,13 @@ def _run_leased(task: LeaseTask, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     assert job is not None
     lease = Lease(store, hb, job_id, token, job.attempt_count, policy,
                   job.idempotency_key or f"{task.name}:{job_id}", job.checkpoint_state())
-    request.lease = lease
+    _running[job_id] = lease
     hb.add(lease)
     try:
         return _run_body(task, lease, args, kwargs)
     finally:
         hb.remove(lease)
-        request.lease = None
+        _running.pop(job_id, None)
 
 
 def _dead_letter(task: LeaseTask, store: Store, job_id: str, policy: TaskPolicy) -> None:

@@ -162,7 +162,8 @@ class JobStatements(StoreBase):
             values["payload"] = payload
         if error is not None:
             values["last_error"] = error[:4000]
-        return self._owner_write(job_id, token, worker, "retry_scheduled", "retry", values, reason=(error or "")[:200])
+        return self._owner_write(job_id, token, worker, "retry_scheduled", "retry", values,
+                                 reason=(error or "")[:200])
 
     def release(self, job_id: str, token: str, worker: str | None = None,
                 reason: str = "released_on_shutdown") -> bool:
