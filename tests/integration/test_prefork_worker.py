@@ -1,0 +1,57 @@
+"""LeaseTask in a real prefork ``celery worker`` subprocess (Redis broker, PostgreSQL store)."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_lease.store import Store
+from tests.conftest import unique_prefix
+from tests.helpers import wait_for
+from tests.workers import celery_processes, worker
+
+pytestmark = pytest.mark.integration
+
+BROKER_DB = 6
+
+
+@pytest.fixture
+def env(redis_url, postgres_url):
+    broker = redis_url.rsplit("/", 1)[0] + f"/{BROKER_DB}"
+    client = redis.Redis.from_url(broker)
+    client.flushdb()
+    prefix = unique_prefix()
+    store = Store(postgres_url, prefix)
+    store.migrate()
+    yield {"CORE_BROKER": broker, "CORE_STORE": postgres_url, "CORE_PREFIX": prefix}, store, client
+    store.t.metadata.drop_all(store.engine)
+    store.engine.dispose()
+    client.flushdb()
+    client.close()
+
+
+def client_app(env_vars) -> Celery:
+    app = Celery("core_client", broker=env_vars["CORE_BROKER"], backend=env_vars["CORE_BROKER"],
+                 set_as_current=False)
+    app.conf.update(lease_store_url=env_vars["CORE_STORE"], lease_table_prefix=env_vars["CORE_PREFIX"])
+    return app
+
+
+def test_prefork_child_holds_the_lease_and_duplicates_are_skipped(env, tmp_path):
+    env_vars, store, client = env
+    app = client_app(env_vars)
+    with celery_processes(tmp_path) as procs:
+        procs.append(worker("tests.apps.core_app", env_vars, tmp_path, pool="prefork", concurrency=2))
+        first = app.send_task("core.work", (0.5,))
+        app.send_task("core.work", (0.5,), task_id=first.id)  # the same job, delivered twice
+        result = first.get(timeout=30)
+        wait_for(lambda: [e for e in store.events(first.id) if e["event"] == "duplicate_delivery_skipped"],
+                 timeout=15, message="second delivery was not skipped")
+    job = store.get(first.id)
+    # The row was created by the worker (published by name, without celery_lease).
+    assert job.status == "completed" and job.attempt_count == 1
+    assert job.locked_by == result["worker"] and job.locked_by.endswith(f":{result['pid']}")
+    assert int(client.get(f"runs:{first.id}")) == 1
+    assert sorted(e["event"] for e in store.events(first.id)) == [
+        "claimed", "completed", "duplicate_delivery_skipped"]
