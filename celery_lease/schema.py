@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import mysql
 
 __all__ = ["Tables", "tables", "migrate", "STATUSES"]
 
@@ -26,6 +27,12 @@ class Tables:
     workers: sa.Table
     effects: sa.Table
     locks: sa.Table
+
+
+def _key() -> sa.types.TypeEngine:
+    # MySQL/MariaDB compare with the database's collation, case-insensitive by default:
+    # distinct keys such as "ch_1Ab" and "ch_1aB" must not collide.
+    return sa.String(ID).with_variant(mysql.VARCHAR(ID, collation="utf8mb4_bin"), "mysql", "mariadb")
 
 
 def _time(name: str, nullable: bool = True) -> sa.Column:
@@ -57,7 +64,7 @@ def tables(prefix: str = "celery_lease_") -> Tables:
         sa.Column("grace_period", sa.Double(), nullable=True),
         sa.Column("locked_by", sa.String(ID), nullable=True),
         sa.Column("lock_token", sa.String(64), nullable=True),
-        sa.Column("idempotency_key", sa.String(ID), nullable=True),
+        sa.Column("idempotency_key", _key(), nullable=True),
         sa.Column("checkpoint", sa.Text(), nullable=True),
         sa.Column("last_error", sa.Text(), nullable=True),
         _time("created_at", nullable=False),
@@ -98,14 +105,14 @@ def tables(prefix: str = "celery_lease_") -> Tables:
     )
     effects = sa.Table(
         f"{p}effects", md,
-        sa.Column("key", sa.String(ID), primary_key=True),
+        sa.Column("key", _key(), primary_key=True),
         sa.Column("job_id", sa.String(ID), nullable=False),
         _time("at", nullable=False),
     )
     sa.Index(f"{p}effects_job_ix", effects.c.job_id)
     locks = sa.Table(
         f"{p}locks", md,
-        sa.Column("resource", sa.String(ID), primary_key=True),
+        sa.Column("resource", _key(), primary_key=True),
         sa.Column("token", sa.String(64), nullable=False),
         sa.Column("job_id", sa.String(ID), nullable=True),
         sa.Column("owner", sa.String(ID), nullable=True),
