@@ -1,0 +1,42 @@
+"""The app the overhead benchmark's workers run: the same bodies as plain Task and LeaseTask."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import redis
+from celery import Celery
+
+from celery_lease import LeaseTask
+
+BROKER = os.environ.get("BENCH_BROKER", "redis://127.0.0.1:6379/12")
+app = Celery("bench_overhead", broker=BROKER)
+app.conf.update(
+    lease_store_url=os.environ.get("BENCH_STORE", "sqlite:///bench.sqlite3"),
+    lease_table_prefix=os.environ.get("BENCH_PREFIX", "bench_"),
+    task_ignore_result=True, worker_prefetch_multiplier=4,
+)
+counter = redis.Redis.from_url(BROKER)
+_pause = threading.Event()
+
+
+def _body(seconds: float) -> None:
+    if seconds:
+        _pause.wait(seconds)
+    pipe = counter.pipeline()
+    pipe.incr("done")
+    pipe.setnx("first", time.time())
+    pipe.set("last", time.time())
+    pipe.execute()
+
+
+@app.task(name="bench.plain")
+def plain(seconds: float) -> None:
+    _body(seconds)
+
+
+@app.task(base=LeaseTask, name="bench.leased")
+def leased(seconds: float) -> None:
+    _body(seconds)

@@ -1,0 +1,126 @@
+"""LeaseTask's cost next to plain Celery: tasks/s for no-op and 10 ms tasks, and heartbeat statements.
+
+Both kinds of task run in the same run, on the same Redis broker and the same prefork
+worker settings; the ratio is what counts. Usage: python -m bench.overhead [--tasks 5000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+import sqlalchemy as sa
+
+from celery_lease.config import load
+from celery_lease.heartbeat import Heartbeat
+from celery_lease.store import Store
+from celery_lease.task import Lease
+
+ROOT = Path(__file__).resolve().parent.parent
+BROKER = os.environ.get("BENCH_BROKER", "redis://127.0.0.1:6379/12")
+POSTGRES = os.environ.get("CELERY_LEASE_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+
+def run(task: str, seconds: float, n: int, store_url: str, prefix: str, concurrency: int) -> float:
+    """Publish n tasks, start a prefork worker, return tasks/s between the first and last execution."""
+    client = redis.Redis.from_url(BROKER)
+    client.flushdb()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "BENCH_BROKER": BROKER, "BENCH_STORE": store_url,
+           "BENCH_PREFIX": prefix}
+    os.environ.update({k: env[k] for k in ("BENCH_BROKER", "BENCH_STORE", "BENCH_PREFIX")})
+    from bench import _overhead_app as bench_app
+
+    bench_app.app.conf.update(lease_store_url=store_url, lease_table_prefix=prefix)
+    bench_app.app._celery_lease_config = None
+    bench_app.app._celery_lease_store = None
+    target = bench_app.leased if task == "leased" else bench_app.plain
+    with bench_app.app.producer_or_acquire() as producer:
+        for _ in range(n):
+            target.apply_async((seconds,), producer=producer)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "bench._overhead_app", "worker", "-P", "prefork",
+         "-c", str(concurrency), "--without-gossip", "--without-mingle", "--without-heartbeat",
+         "-l", "WARNING"], cwd=ROOT, env=env, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 600
+        while int(client.get("done") or 0) < n:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{task}: only {client.get('done')} of {n} tasks ran in 600 s")
+            time.sleep(0.2)
+        first, last = float(client.get("first")), float(client.get("last"))
+        return (n - 1) / (last - first)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        client.flushdb()
+
+
+def heartbeat_statements(store: Store, leases: int, rounds: int = 5) -> float:
+    """Statements the heartbeat issues per round while this process holds ``leases`` leases."""
+    hb = Heartbeat(store, f"bench:{leases}", "bench", 1.0)
+    policy = load({}).policy()
+    for i in range(leases):
+        job_id = f"hb-{leases}-{i}"
+        store.record(job_id, "bench.leased", "celery", None, 5)
+        tok = secrets.token_hex(16)
+        store.claim(job_id, hb.worker, tok, duration=30.0, grace=1.0, task_name="bench.leased",
+                    queue="celery", max_attempts=5, max_expirations=3, takeover=False, hard_grace=60.0,
+                    stale_after=60.0, payload=lambda: None)
+        hb.leases[tok] = Lease(store, hb, job_id, tok, 1, policy, job_id, None)
+    count = 0
+
+    def counter(*_args: object) -> None:
+        nonlocal count
+        count += 1
+
+    sa.event.listen(store.engine, "before_cursor_execute", counter)
+    try:
+        for _ in range(rounds):
+            hb.beat()
+    finally:
+        sa.event.remove(store.engine, "before_cursor_execute", counter)
+    return count / rounds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tasks", type=int, default=5000)
+    parser.add_argument("--concurrency", type=int, default=4)
+    args = parser.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
+    stores = {"sqlite": f"sqlite:///{tmp / 'lease.sqlite3'}", "postgres": POSTGRES}
+    print(f"{args.tasks} tasks per run, prefork -c{args.concurrency}, Redis broker {BROKER}")
+    print(f"{'task body':<10} {'store':<9} {'plain/s':>9} {'lease/s':>9} {'ratio':>6}")
+    for label, seconds in (("no-op", 0.0), ("10 ms", 0.01)):
+        plain = run("plain", seconds, args.tasks, stores["sqlite"], "unused_", args.concurrency)
+        for name, url in stores.items():
+            prefix = f"b{secrets.token_hex(3)}_"
+            leased = run("leased", seconds, args.tasks, url, prefix, args.concurrency)
+            print(f"{label:<10} {name:<9} {plain:>9.0f} {leased:>9.0f} {leased / plain:>6.2f}")
+            store = Store(url, prefix)
+            store.t.metadata.drop_all(store.engine)
+            store.engine.dispose()
+    print("\nheartbeat statements per round (renewal + worker registry), by leases held:")
+    for name, url in stores.items():
+        store = Store(url, f"h{secrets.token_hex(3)}_")
+        store.migrate()
+        try:
+            row = "  ".join(f"{n} leases: {heartbeat_statements(store, n):.0f}" for n in (1, 10, 100, 1000))
+            print(f"  {name:<9} {row}")
+        finally:
+            store.t.metadata.drop_all(store.engine)
+            store.engine.dispose()
+
+
+if __name__ == "__main__":
+
+    main()
