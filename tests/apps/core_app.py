@@ -1,10 +1,12 @@
 """The app that real worker subprocesses of the leased-execution tests run.
 
-Configured from the environment: CORE_BROKER, CORE_STORE, CORE_PREFIX.
+Configured from the environment: CORE_BROKER, CORE_STORE, CORE_PREFIX, and CORE_CONF
+(JSON of extra settings).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 
@@ -21,6 +23,7 @@ app.conf.update(
     lease_duration=1.5, lease_heartbeat_interval=0.2, lease_grace_period=0.5,
     task_acks_late=True, worker_prefetch_multiplier=1,
 )
+app.conf.update(json.loads(os.environ.get("CORE_CONF", "{}")))
 counter = redis.Redis.from_url(app.conf.broker_url)
 
 

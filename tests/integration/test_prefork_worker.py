@@ -55,3 +55,15 @@ def test_prefork_child_holds_the_lease_and_duplicates_are_skipped(env, tmp_path)
     assert int(client.get(f"runs:{first.id}")) == 1
     assert sorted(e["event"] for e in store.events(first.id)) == [
         "claimed", "completed", "duplicate_delivery_skipped"]
+
+
+def test_a_worker_with_an_invalid_lease_setting_refuses_to_start(env, tmp_path):
+    env_vars, _, _ = env
+    bad = {**env_vars, "CORE_CONF": '{"lease_duration": 1.5, "lease_heartbeat_interval": 1.0}'}
+    with celery_processes(tmp_path) as procs:
+        proc = worker("tests.apps.core_app", bad, tmp_path, pool="solo")
+        procs.append(proc)
+        code = proc.popen.wait(60)
+    assert code != 0
+    rule = "lease_heartbeat_interval=1.0 is invalid: must be at most a third of lease_duration"
+    assert rule in proc.output()
