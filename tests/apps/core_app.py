@@ -33,3 +33,10 @@ def work(self, seconds: float = 0.0) -> dict:
     counter.incr(f"runs:{self.request.id}")
     threading.Event().wait(seconds)
     return {"pid": os.getpid(), "worker": self.lease.worker, "attempt": self.lease.attempt}
+
+
+@app.task(base=LeaseTask, bind=True, name="core.limited", soft_time_limit=0.5)
+def limited(self) -> None:
+    """Outlives its soft time limit."""
+    counter.incr(f"runs:{self.request.id}")
+    threading.Event().wait(10)

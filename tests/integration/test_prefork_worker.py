@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import redis
 from celery import Celery
+from celery.exceptions import SoftTimeLimitExceeded
 
 from celery_lease.store import Store
 from tests.conftest import unique_prefix
@@ -67,3 +68,16 @@ def test_a_worker_with_an_invalid_lease_setting_refuses_to_start(env, tmp_path):
     assert code != 0
     rule = "lease_heartbeat_interval=1.0 is invalid: must be at most a third of lease_duration"
     assert rule in proc.output()
+
+
+def test_a_soft_time_limit_fails_the_job_as_celery_does(env, tmp_path):
+    env_vars, store, client = env
+    app = client_app(env_vars)
+    with celery_processes(tmp_path) as procs:
+        procs.append(worker("tests.apps.core_app", env_vars, tmp_path, pool="prefork"))
+        result = app.send_task("core.limited")
+        with pytest.raises(SoftTimeLimitExceeded):
+            result.get(timeout=30)
+    job = store.get(result.id)
+    assert job.status == "failed" and job.last_error.startswith("SoftTimeLimitExceeded")
+    assert int(client.get(f"runs:{result.id}")) == 1
