@@ -1,11 +1,328 @@
-"""Read-mostly statements for operators: status, listings, metrics, manual recovery."""
+"""Statements for operators: status, listings, metrics, tuning samples, manual recovery.
+
+Reads that a Prometheus scrape runs are aggregates over indexed ranges only: the
+running and pending rows (bounded by the work in flight, not by history), finished
+rows within a recent ``updated_at`` window and a row limit, and events by name
+within a time range. Manual recovery is one conditional UPDATE per job, like the
+reaper's, audited in the same transaction.
+"""
 
 from __future__ import annotations
 
-from .base import StoreBase
+from collections.abc import Sequence
+from typing import Any
+
+import sqlalchemy as sa
+
+from ..errors import JobNotFound
+from .base import COMPLETED, FAILED, PENDING, RUNNING, Job, StoreBase
 
 __all__ = ["ReportStatements"]
+
+REVOKED_PREFIX = "revoked ("  # JobStatements.cancel's last_error
+
+
+def _f(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 class ReportStatements(StoreBase):
     """Read-mostly statements for operators: status, listings, metrics, manual recovery."""
+
+    def _now(self, c: sa.Connection) -> float:
+        return float(c.execute(sa.select(self.now_sql)).scalar_one())
+
+    # -- status ---------------------------------------------------------------
+    def job_counts(self) -> list[tuple[str | None, str, int]]:
+        """(queue, status, count) over the whole table: an operator's one-off read, not a scrape."""
+        j = self.t.jobs
+        with self.begin() as c:
+            rows = c.execute(sa.select(j.c.queue_name, j.c.status, sa.func.count())
+                             .group_by(j.c.queue_name, j.c.status)).all()
+        return sorted(((r[0], r[1], int(r[2])) for r in rows), key=lambda r: (r[0] or "", r[1]))
+
+    def running_rows(self, limit: int = 10_000) -> tuple[float, list[dict[str, Any]]]:
+        """The store's now and up to ``limit`` running jobs (oldest lease first) with their ages."""
+        j = self.t.jobs
+        with self.begin() as c:
+            now = self._now(c)
+            rows = c.execute(
+                sa.select(j.c.id, j.c.task_name, j.c.queue_name, j.c.locked_by, j.c.started_at,
+                          j.c.lease_expires_at, sa.func.coalesce(j.c.last_heartbeat_at, j.c.started_at))
+                .where(j.c.status == RUNNING).order_by(j.c.lease_expires_at, j.c.id).limit(limit)
+            ).all()
+        return now, [
+            {"id": r[0], "task": r[1], "queue": r[2], "owner": r[3], "started_at": _f(r[4]),
+             "lease_expires_at": _f(r[5]), "heartbeat_lag": now - float(r[6]) if r[6] is not None else None}
+            for r in rows
+        ]
+
+    def worker_counts(self, stale_after: float) -> dict[str, int]:
+        """Registered worker processes seen within ``stale_after`` seconds (alive) or not (stale)."""
+        w = self.t.workers
+        alive = sa.case((w.c.last_seen_at >= self.now_sql - stale_after, 1), else_=0)
+        with self.begin() as c:
+            total, live = c.execute(sa.select(sa.func.count(), sa.func.sum(alive))).one()
+        return {"alive": int(live or 0), "stale": int(total or 0) - int(live or 0)}
+
+    def alive_workers(self, stale_after: float) -> set[str]:
+        """Ids of worker processes seen within ``stale_after`` seconds (the registry is small)."""
+        w = self.t.workers
+        with self.begin() as c:
+            return {r[0] for r in c.execute(sa.select(w.c.worker_id)
+                                            .where(w.c.last_seen_at >= self.now_sql - stale_after))}
+
+    def event_counts(self, names: Sequence[str], since: float | None = None,
+                     until: float | None = None) -> dict[str, int]:
+        """Events by name with ``since < at <= until`` (store epoch seconds); one range of the
+        (event, at) index per name, so the cost follows the events in range, not the log."""
+        e = self.t.events
+        q = sa.select(e.c.event, sa.func.count()).where(e.c.event.in_(list(names))).group_by(e.c.event)
+        if since is not None:
+            q = q.where(e.c.at > since)
+        if until is not None:
+            q = q.where(e.c.at <= until)
+        with self.begin() as c:
+            rows = c.execute(q).all()
+        return {name: 0 for name in names} | {r[0]: int(r[1]) for r in rows}
+
+    # -- listings -------------------------------------------------------------
+    def list_jobs(self, status: str | None = None, queue: str | None = None, task: str | None = None,
+                  expired: bool = False, limit: int = 50) -> list[Job]:
+        """Jobs matching the filters, most recently changed first (expired: oldest lease first)."""
+        j = self.t.jobs
+        q = sa.select(j).limit(limit)
+        if expired:
+            q = q.where(j.c.status == RUNNING, j.c.lease_expires_at < self.now_sql)
+            q = q.order_by(j.c.lease_expires_at, j.c.id)
+        else:
+            q = q.order_by(j.c.updated_at.desc(), j.c.id)
+        if status is not None:
+            q = q.where(j.c.status == status)
+        if queue is not None:
+            q = q.where(j.c.queue_name == queue)
+        if task is not None:
+            q = q.where(j.c.task_name == task)
+        with self.begin() as c:
+            return [Job.from_row(r) for r in c.execute(q)]
+
+    def require(self, job_id: str) -> Job:
+        """The job, or JobNotFound naming it."""
+        job = self.get(job_id)
+        if job is None:
+            raise JobNotFound(job_id)
+        return job
+
+    def list_events(self, job_id: str | None = None, since: float | None = None,
+                    event: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
+        """Audit events, newest ``limit`` of them in time order; ``since`` is seconds back from now."""
+        e = self.t.events
+        q = sa.select(e).order_by(e.c.id.desc()).limit(limit)
+        if job_id is not None:
+            q = q.where(e.c.job_id == job_id)
+        if event is not None:
+            q = q.where(e.c.event == event)
+        if since is not None:
+            q = q.where(e.c.at >= self.now_sql - since)
+        with self.begin() as c:
+            rows = [dict(r._mapping) for r in c.execute(q)]
+        return rows[::-1]
+
+    # -- metrics (one scrape) --------------------------------------------------
+    def running_metrics(self, lag_buckets: Sequence[float]) -> tuple[float, list[dict[str, Any]]]:
+        """Per (queue, task) over running jobs: count, expired leases, oldest start, heartbeat lag
+        max/sum and cumulative bucket counts. Bounded by the jobs in flight."""
+        j = self.t.jobs
+        with self.begin() as c:
+            now = self._now(c)
+            at = sa.literal(now, sa.Double())
+            lag = at - sa.func.coalesce(j.c.last_heartbeat_at, j.c.started_at, at)
+            cols = [j.c.queue_name, j.c.task_name, sa.func.count(),
+                    sa.func.sum(sa.case((j.c.lease_expires_at < at, 1), else_=0)),
+                    sa.func.min(j.c.started_at), sa.func.max(lag), sa.func.sum(lag)]
+            cols += [sa.func.sum(sa.case((lag <= b, 1), else_=0)) for b in lag_buckets]
+            rows = c.execute(sa.select(*cols).where(j.c.status == RUNNING)
+                             .group_by(j.c.queue_name, j.c.task_name)).all()
+        return now, [{
+            "queue": r[0], "task": r[1], "running": int(r[2]), "expired": int(r[3] or 0),
+            "oldest_started_at": _f(r[4]), "lag_max": _f(r[5]) or 0.0, "lag_sum": _f(r[6]) or 0.0,
+            "lag_buckets": [int(v or 0) for v in r[7:]],
+        } for r in rows]
+
+    def pending_metrics(self) -> tuple[float, list[dict[str, Any]]]:
+        """Per queue: pending depth and the oldest ``available_at`` already due."""
+        j = self.t.jobs
+        with self.begin() as c:
+            now = self._now(c)
+            due = sa.case((j.c.available_at <= now, j.c.available_at), else_=None)
+            rows = c.execute(sa.select(j.c.queue_name, sa.func.count(), sa.func.min(due))
+                             .where(j.c.status == PENDING).group_by(j.c.queue_name)).all()
+        return now, [{"queue": r[0], "pending": int(r[1]), "oldest_due_at": _f(r[2])} for r in rows]
+
+    def _recent(self, status: str, window: float, limit: int, *cols: Any) -> Any:
+        """The newest ``limit`` rows of a finished status changed within ``window`` seconds:
+        a backward walk of the (status, updated_at) index that stops at the limit."""
+        j = self.t.jobs
+        return (sa.select(j.c.task_name, *cols)
+                .where(j.c.status == status, j.c.updated_at >= self.now_sql - window)
+                .order_by(j.c.updated_at.desc()).limit(limit).subquery())
+
+    def finished_metrics(self, runtime_buckets: Sequence[float], attempt_buckets: Sequence[float],
+                         window: float, limit: int) -> dict[str, dict[str, Any]]:
+        """Per task over recently finished jobs: runtime histogram (completed) and attempts
+        histogram (completed and failed), each over at most ``limit`` rows per status."""
+        j = self.t.jobs
+        out: dict[str, dict[str, Any]] = {}
+        with self.begin() as c:
+            done = self._recent(COMPLETED, window, limit,
+                                (j.c.completed_at - j.c.started_at).label("rt"), j.c.attempt_count)
+            rt = sa.func.coalesce(done.c.rt, 0.0)
+            cols = [done.c.task_name, sa.func.count(), sa.func.sum(rt)]
+            cols += [sa.func.sum(sa.case((rt <= b, 1), else_=0)) for b in runtime_buckets]
+            for r in c.execute(sa.select(*cols).group_by(done.c.task_name)):
+                out.setdefault(r[0], {})["runtime"] = (int(r[1]), _f(r[2]) or 0.0,
+                                                       [int(v or 0) for v in r[3:]])
+            for status in (COMPLETED, FAILED):
+                sub = self._recent(status, window, limit, j.c.attempt_count)
+                cols = [sub.c.task_name, sa.func.count(), sa.func.sum(sub.c.attempt_count)]
+                cols += [sa.func.sum(sa.case((sub.c.attempt_count <= b, 1), else_=0))
+                         for b in attempt_buckets]
+                for r in c.execute(sa.select(*cols).group_by(sub.c.task_name)):
+                    entry = out.setdefault(r[0], {})
+                    n, total, buckets = entry.get("attempts", (0, 0.0, [0] * len(attempt_buckets)))
+                    entry["attempts"] = (n + int(r[1]), total + float(r[2] or 0),
+                                         [a + int(b or 0) for a, b in zip(buckets, r[3:], strict=True)])
+        return out
+
+    # -- tuning ---------------------------------------------------------------
+    def finished_tasks(self, limit: int = 10_000) -> list[str]:
+        """Task names among the newest ``limit`` completed jobs."""
+        j = self.t.jobs
+        sub = (sa.select(j.c.task_name).where(j.c.status == COMPLETED)
+               .order_by(j.c.updated_at.desc()).limit(limit).subquery())
+        with self.begin() as c:
+            return sorted(r[0] for r in c.execute(sa.select(sub.c.task_name).distinct()))
+
+    def runtime_sample(self, task: str, limit: int = 10_000) -> list[tuple[float, float, str | None]]:
+        """(runtime, heartbeat gap at completion, queue) of a task's newest ``limit`` completed jobs."""
+        j = self.t.jobs
+        q = (sa.select(j.c.completed_at - j.c.started_at,
+                       j.c.completed_at - sa.func.coalesce(j.c.last_heartbeat_at, j.c.started_at),
+                       j.c.queue_name)
+             .where(j.c.task_name == task, j.c.status == COMPLETED, j.c.started_at.is_not(None),
+                    j.c.completed_at.is_not(None))
+             .order_by(j.c.updated_at.desc()).limit(limit))
+        with self.begin() as c:
+            return [(float(r[0]), float(r[1]), r[2]) for r in c.execute(q)]
+
+    # -- manual recovery ----------------------------------------------------------
+    def requeue_candidates(self, hard_grace: float, stale_after: float, force: bool,
+                           limit: int) -> list[Job]:
+        """Running jobs the reaper would take (expired past grace, owner gone or past the hard
+        grace), oldest lease first; with ``force`` every running job whose lease has expired."""
+        j = self.t.jobs
+        cond = (sa.and_(j.c.status == RUNNING, j.c.lease_expires_at < self.now_sql) if force
+                else self.claimable_expired(hard_grace, stale_after))
+        q = sa.select(j).where(cond).order_by(j.c.lease_expires_at, j.c.id).limit(limit)
+        with self.begin() as c:
+            return [Job.from_row(r) for r in c.execute(q)]
+
+    def is_claimable_expired(self, job_id: str, hard_grace: float, stale_after: float) -> bool:
+        j = self.t.jobs
+        q = sa.select(j.c.id).where(j.c.id == job_id, self.claimable_expired(hard_grace, stale_after))
+        with self.begin() as c:
+            return c.execute(q).first() is not None
+
+    def manual_requeue(self, job: Job, operator: str, hard_grace: float, stale_after: float,
+                       force: bool = False, reason: str = "manual requeue") -> bool:
+        """running (CAS on the token; unless ``force`` only if expired and abandoned) or, with
+        ``force``, pending (CAS on updated_at) -> pending, available now; audited manual_requeue."""
+        j = self.t.jobs
+        values: dict[str, Any] = dict(status=PENDING, available_at=self.now_sql, updated_at=self.now_sql,
+                                      lock_token=None, locked_by=None, lease_expires_at=None,
+                                      dispatch_count=j.c.dispatch_count + 1)
+        if job.status == RUNNING and job.lock_token:
+            where = [j.c.id == job.id, j.c.status == RUNNING, j.c.lock_token == job.lock_token]
+            if not force:
+                where.append(self.claimable_expired(hard_grace, stale_after))
+            values["expired_count"] = j.c.expired_count + 1
+        elif job.status == PENDING and force:
+            where = [j.c.id == job.id, j.c.status == PENDING, j.c.updated_at == job.updated_at]
+        else:
+            return False
+        with self.begin() as c:
+            if c.execute(sa.update(j).where(*where).values(**values)).rowcount != 1:
+                return False
+            self._event(c, job.id, "manual_requeue", reason, operator, job.lock_token, detail={
+                "previous_status": job.status, "previous_owner": job.locked_by, "forced": force,
+            })
+        return True
+
+    def dead_letters(self, task: str | None = None, limit: int = 50,
+                     include_revoked: bool = True) -> list[Job]:
+        """Failed jobs, oldest failure first."""
+        j = self.t.jobs
+        q = sa.select(j).where(j.c.status == FAILED).order_by(j.c.updated_at, j.c.id).limit(limit)
+        if task is not None:
+            q = q.where(j.c.task_name == task)
+        if not include_revoked:
+            q = q.where(sa.or_(j.c.last_error.is_(None), ~j.c.last_error.startswith(REVOKED_PREFIX)))
+        with self.begin() as c:
+            return [Job.from_row(r) for r in c.execute(q)]
+
+    def redrive(self, job: Job, operator: str) -> bool:
+        """failed -> pending with fresh attempts (CAS on status and failed_at); audited
+        dlq_redriven. The idempotency key stays with the job."""
+        j = self.t.jobs
+        same_failure = j.c.failed_at.is_(None) if job.failed_at is None else j.c.failed_at == job.failed_at
+        with self.begin() as c:
+            res = c.execute(sa.update(j).where(j.c.id == job.id, j.c.status == FAILED, same_failure).values(
+                status=PENDING, available_at=self.now_sql, updated_at=self.now_sql, failed_at=None,
+                attempt_count=0, expired_count=0, lock_token=None, locked_by=None, lease_expires_at=None,
+                dispatch_count=j.c.dispatch_count + 1,
+            ))
+            if res.rowcount != 1:
+                return False
+            self._event(c, job.id, "dlq_redriven", (job.last_error or "")[:200] or None, operator, detail={
+                "previous_attempts": job.attempt_count, "previous_expirations": job.expired_count,
+                "queue": job.queue_name,
+            })
+        return True
+
+    # -- used by checks.py and brokers.py ---------------------------------------
+    def leases_alive(self, job_ids: Sequence[str]) -> dict[str, str | None]:
+        """Owner of each given job that is running with an unexpired lease (store's clock)."""
+        if not job_ids:
+            return {}
+        j = self.t.jobs
+        with self.begin() as c:
+            rows = c.execute(sa.select(j.c.id, j.c.locked_by).where(
+                j.c.id.in_(list(job_ids)), j.c.status == RUNNING, j.c.lease_expires_at > self.now_sql,
+            )).all()
+        return {r[0]: r[1] for r in rows}
+
+    def check_facts(self) -> dict[str, Any]:
+        """What `lease check` reads besides durations: tables, hosts, delays and usage per task."""
+        j, w, e, lk = self.t.jobs, self.t.workers, self.t.effects, self.t.locks
+        with self.begin() as c:
+            existing = set(sa.inspect(c).get_table_names())
+        missing = [t.name for t in self.t.metadata.sorted_tables if t.name not in existing]
+        if missing:
+            return {"missing_tables": missing}
+        usage = sa.select(
+            j.c.task_name, sa.func.count(), sa.func.count(j.c.idempotency_key),
+            sa.func.sum(sa.case((j.c.status == FAILED, 1), else_=0)),
+            sa.func.max(sa.case((sa.and_(j.c.status == PENDING, j.c.attempt_count == 0),
+                                 j.c.available_at - j.c.created_at), else_=None)),
+        ).group_by(j.c.task_name)
+        with self.begin() as c:
+            hosts = [r[0] for r in c.execute(sa.select(w.c.hostname).distinct())]
+            jobs = c.execute(usage).all()
+            effects = dict(c.execute(sa.select(j.c.task_name, sa.func.count()).select_from(
+                e.join(j, e.c.job_id == j.c.id)).group_by(j.c.task_name)).all())
+            locks = dict(c.execute(sa.select(j.c.task_name, sa.func.count()).select_from(
+                lk.join(j, lk.c.job_id == j.c.id)).group_by(j.c.task_name)).all())
+        tasks = {name: {"jobs": int(n), "keyed": int(keyed), "failed": int(failed or 0),
+                        "longest_delay": float(delay or 0.0), "effects": int(effects.get(name, 0)),
+                        "locks": int(locks.get(name, 0))} for name, n, keyed, failed, delay in jobs}
+        return {"missing_tables": [], "hosts": sorted(hosts), "tasks": tasks}

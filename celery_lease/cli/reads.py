@@ -1,0 +1,222 @@
+"""Read-only verbs: status, jobs, inspect, events, tune (playbook steps 1, 2 and 5)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import click
+
+from .. import messages
+from ..config import app_config
+from ..errors import StoreCorrupt
+from ..schema import STATUSES
+from ..store import Job
+from ..tuning import percentile
+from .base import app_of, json_option, lease, store_of
+from .output import Duration, age, emit_json, table, when
+
+__all__ = ["status", "jobs", "inspect", "events", "tune"]
+
+LAST_HOUR = ("reaped_expired_lease", "duplicate_delivery_skipped", "dead_lettered", "redispatched",
+             "released_on_shutdown", "manual_requeue", "dlq_redriven")
+STALE_REJECTIONS = tuple(f"stale_{w}_rejected" for w in
+                         ("completion", "failure", "retry", "release", "checkpoint", "effect", "lock"))
+
+
+def job_dict(job: Job, payload: bool = False) -> dict[str, Any]:
+    data = dataclasses.asdict(job)
+    if not payload:
+        data.pop("payload")
+    return data
+
+
+def _lease_text(job: Job, now: float) -> str:
+    if job.status != "running" or job.lease_expires_at is None:
+        return ""
+    left = job.lease_expires_at - now
+    return f"expires in {age(left)}" if left >= 0 else f"EXPIRED {age(-left)} ago"
+
+
+def job_row(job: Job, now: float) -> dict[str, Any]:
+    beat = job.last_heartbeat_at if job.status == "running" else None
+    return {"id": job.id, "task": job.task_name, "queue": job.queue_name, "status": job.status,
+            "attempts": f"{job.attempt_count}/{job.max_attempts}", "lease": _lease_text(job, now),
+            "owner": job.locked_by if job.status == "running" else None,
+            "heartbeat": f"{age(now - beat)} ago" if beat is not None else None,
+            "updated": f"{age(now - job.updated_at)} ago"}
+
+
+JOB_COLUMNS = [("id", "job"), ("task", "task"), ("queue", "queue"), ("status", "status"),
+               ("attempts", "attempts"), ("lease", "lease"), ("owner", "owner"),
+               ("heartbeat", "heartbeat"), ("updated", "updated")]
+
+
+@lease.command()
+@json_option
+@click.pass_context
+def status(ctx: click.Context, as_json: bool) -> None:
+    """One screen: jobs by queue and status, expired leases, heartbeat lag, workers, last hour."""
+    store = store_of(ctx)
+    cfg = app_config(app_of(ctx))
+    counts = store.job_counts()
+    now, running = store.running_rows()
+    lags = [r["heartbeat_lag"] for r in running if r["heartbeat_lag"] is not None]
+    oldest = min((r for r in running if r["started_at"] is not None), key=lambda r: r["started_at"],
+                 default=None)
+    hour = store.event_counts(LAST_HOUR + STALE_REJECTIONS, since=now - 3600)
+    by_queue: dict[str, dict[str, int]] = {}
+    for queue, state, n in counts:
+        by_queue.setdefault(queue or "", dict.fromkeys(STATUSES, 0))[state] = n
+    report = {
+        "store": store.safe_url, "tables": store.t.jobs.name, "now": now, "jobs": by_queue,
+        "totals": {s: sum(q[s] for q in by_queue.values()) for s in STATUSES},
+        "running": {
+            "total": len(running), "expired": sum(1 for r in running if (r["lease_expires_at"] or now) < now),
+            "oldest": None if oldest is None else {**oldest, "age": now - oldest["started_at"]},
+            "heartbeat_lag_max": max(lags, default=None), "heartbeat_lag_p95": percentile(lags, 95),
+        },
+        "workers": store.worker_counts(cfg.worker_stale_after),
+        "last_hour": {k: v for k, v in hour.items() if not k.startswith("stale_")}
+        | {"stale_writes_rejected": sum(v for k, v in hour.items() if k.startswith("stale_"))},
+    }
+    report["dead_letters"] = report["totals"]["failed"]
+    if as_json:
+        emit_json(report)
+        return
+    run = report["running"]
+    rows = [{"queue": q or "(none)", **n} for q, n in sorted(by_queue.items())]
+    lines = [
+        f"lease store    {report['store']} (table {report['tables']})",
+        f"store time     {when(now)}", "",
+        table(rows, [("queue", "queue"), *((s, s) for s in STATUSES)], empty="no jobs recorded yet"), "",
+        f"running        {run['total']} ({run['expired']} with an expired lease)",
+    ]
+    if oldest is not None:
+        lines.append(f"oldest running {oldest['id']} ({oldest['task']}) started "
+                     f"{age(run['oldest']['age'])} ago on {oldest['owner']}")
+    if lags:
+        lines.append(f"heartbeat lag  max {age(run['heartbeat_lag_max'])}, "
+                     f"p95 {age(run['heartbeat_lag_p95'])}")
+    w = report["workers"]
+    lines += [f"workers        {w['alive']} alive, {w['stale']} stale "
+              f"(stale after {cfg.worker_stale_after:g}s without a heartbeat)",
+              f"dead letters   {report['dead_letters']}",
+              "last hour      " + ", ".join(f"{k.replace('_', ' ')} {v}"
+                                            for k, v in report["last_hour"].items())]
+    click.echo("\n".join(lines))
+
+
+@lease.command()
+@click.option("--status", "state", type=click.Choice(STATUSES), help="Only jobs in this status.")
+@click.option("--queue", help="Only jobs of this queue.")
+@click.option("--task", help="Only jobs of this task name.")
+@click.option("--expired", is_flag=True, help="Only running jobs whose lease has expired.")
+@click.option("--limit", default=50, show_default=True, type=click.IntRange(1), help="Rows at most.")
+@json_option
+@click.pass_context
+def jobs(ctx: click.Context, state: str | None, queue: str | None, task: str | None, expired: bool,
+         limit: int, as_json: bool) -> None:
+    """Jobs as a table, most recently changed first (--expired: oldest lease first)."""
+    store = store_of(ctx)
+    found = store.list_jobs(state, queue, task, expired, limit)
+    if as_json:
+        emit_json([job_dict(j) for j in found])
+        return
+    now = store.now()
+    click.echo(table([job_row(j, now) for j in found], JOB_COLUMNS, empty="no jobs match"))
+
+
+def event_row(e: dict[str, Any]) -> dict[str, Any]:
+    return {**e, "at": when(e["at"])}
+
+
+EVENT_COLUMNS = [("at", "at"), ("event", "event"), ("job_id", "job"), ("reason", "reason"),
+                 ("worker", "worker"), ("token", "token")]
+
+
+@lease.command()
+@click.argument("job_id")
+@json_option
+@click.pass_context
+def inspect(ctx: click.Context, job_id: str, as_json: bool) -> None:
+    """One job: its row, its stored message and its event history."""
+    store = store_of(ctx)
+    job = store.require(job_id)
+    history = store.list_events(job_id=job_id, limit=1000)
+    try:
+        sig = messages.decode(job.payload, app_of(ctx).conf.accept_content, job.id)
+        message: dict[str, Any] = {k: sig.get(k) for k in ("task", "args", "kwargs", "options")}
+    except StoreCorrupt as exc:
+        message = {"error": str(exc)}
+    if as_json:
+        emit_json({"job": job_dict(job, payload=True), "message": message, "events": history})
+        return
+    now = store.now()
+    fields = job_dict(job)
+    for key in ("available_at", "started_at", "completed_at", "failed_at", "last_heartbeat_at",
+                "lease_expires_at", "created_at", "updated_at"):
+        if fields.get(key) is not None:
+            fields[key] = f"{when(fields[key])} ({age(now - fields[key])} ago)"
+    width = max(map(len, fields))
+    lines = [f"{key.ljust(width)}  {'' if value is None else value}" for key, value in fields.items()]
+    lines += ["", "message", *(f"  {k}: {v}" for k, v in message.items()), "", "events",
+              table([event_row(e) for e in history], EVENT_COLUMNS, empty="(no events)")]
+    click.echo("\n".join(lines))
+
+
+@lease.command()
+@click.option("--job", "job_id", help="Only the events of this job.")
+@click.option("--since", type=Duration(), help="Only events newer than this (30s, 10m, 2h, 1d).")
+@click.option("--event", help="Only events with this name (e.g. reaped_expired_lease).")
+@click.option("--limit", default=100, show_default=True, type=click.IntRange(1), help="Newest rows at most.")
+@json_option
+@click.pass_context
+def events(ctx: click.Context, job_id: str | None, since: float | None, event: str | None, limit: int,
+           as_json: bool) -> None:
+    """The audit log, oldest first among the newest --limit events."""
+    found = store_of(ctx).list_events(job_id=job_id, since=since, event=event, limit=limit)
+    if as_json:
+        emit_json(found)
+        return
+    click.echo(table([event_row(e) for e in found], EVENT_COLUMNS, empty="no events match"))
+
+
+def _change(current: Any, recommended: Any) -> str:
+    if recommended is None:
+        return "" if current is None else f"{current:g}"
+    now = "none" if current is None else f"{current:g}"
+    return now if current == recommended else f"{now} -> {recommended:g}"
+
+
+@lease.command()
+@click.option("--task", help="Only this task.")
+@click.option("--sample", default=10_000, show_default=True, type=click.IntRange(1),
+              help="Newest completed jobs measured per task.")
+@json_option
+@click.pass_context
+def tune(ctx: click.Context, task: str | None, sample: int, as_json: bool) -> None:
+    """Runtime p50/p95/p99 per task and the lease settings they call for."""
+    from ..tuning import tune as measure
+
+    results = measure(app_of(ctx), store_of(ctx), task, sample)
+    if as_json:
+        emit_json([r.as_dict() for r in results])
+        return
+    rows = []
+    for r in results:
+        rec, cur = r.recommended, r.current
+        rows.append({
+            "task": r.task, "queue": r.queue, "n": r.samples, "p50": age(r.runtime_p50),
+            "p95": age(r.runtime_p95), "p99": age(r.runtime_p99), "gap": age(r.heartbeat_gap_p99),
+            **{k: _change(cur.get(f"lease_{k}"), rec.get(f"lease_{k}"))
+               for k in ("duration", "heartbeat_interval", "grace_period", "max_runtime")},
+        })
+    click.echo(table(rows, [("task", "task"), ("queue", "queue"), ("n", "jobs"), ("p50", "p50"),
+                            ("p95", "p95"), ("p99", "p99"), ("gap", "heartbeat gap p99"),
+                            ("duration", "lease_duration"), ("heartbeat_interval", "heartbeat_interval"),
+                            ("grace_period", "grace_period"), ("max_runtime", "max_runtime")],
+                     empty="no LeaseTasks and no completed jobs to measure"))
+    for r in results:
+        for warning in r.warnings:
+            click.echo(f"warning: {r.task}: {warning}")
