@@ -1,0 +1,359 @@
+"""``celery lease check``: a linter over the live app config and the lease store.
+
+``run_checks(app)`` returns one Finding per answer: its level (error, warning, ok), a
+stable code, the settings involved with their values, why it matters and the fix. The
+rules here cover the lease, the worker and the broker; ``checklist.py`` walks the
+seeds' operational checklist. Which code answers which checklist question:
+
+    durations measured?               durations_measured
+    timeout above p99?                timeout_vs_p99
+    app/dependency/visibility timeouts aligned?
+                                      max_runtime_vs_time_limit, blocking_heartbeat,
+                                      visibility_vs_runtime, visibility_vs_eta,
+                                      visibility_vs_lease, consumer_timeout, sqs_visibility
+    heartbeat for long jobs?          heartbeat_vs_lease, heartbeat_for_long_jobs
+    idempotency for sensitive jobs?   idempotency
+    locks?                            locks
+    backoff?                          backoff
+    DLQ?                              dead_letter
+    dashboards?                       dashboards
+    crash tests?                      crash_tested
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+from . import brokers
+from .config import AppConfig, TaskPolicy, app_config, task_policy
+from .errors import LeaseConfigError, StoreUnavailable
+
+__all__ = ["Finding", "Context", "run_checks", "RULES", "percentile", "ok_unless"]
+
+ERROR, WARNING, OK = "error", "warning", "ok"
+LONG_TASK = 60.0  # seconds: a task expected to run this long counts as long
+RECOVERY_EVENTS = ("lease_taken_over", "reaped_expired_lease", "redispatched")
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One answer of the linter: level, code, settings and values, why, fix."""
+
+    level: str
+    code: str
+    settings: tuple[str, ...]
+    values: Mapping[str, Any]
+    why: str
+    fix: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (values that JSON cannot carry become their repr)."""
+        return {"level": self.level, "code": self.code, "settings": list(self.settings),
+                "values": {k: _plain(v) for k, v in self.values.items()}, "why": self.why, "fix": self.fix}
+
+
+def _plain(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_plain(v) for v in value]
+    return repr(value)
+
+
+def percentile(values: Sequence[float], share: float) -> float | None:
+    """Nearest-rank percentile (``share`` in 0..1) of a sample; None when it is empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(share * len(ordered)) - 1)]
+
+
+class Context:
+    """What the rules read, each piece computed once: config, tasks, store facts, broker."""
+
+    def __init__(self, app: Any, cfg: AppConfig, store: Any) -> None:
+        from .task import LeaseTask
+
+        self.app, self.conf, self.cfg, self.store = app, app.conf, cfg, store
+        named = sorted(app.tasks.items())
+        self.tasks = [t for _, t in named if isinstance(t, LeaseTask)]
+        self.plain = [t for name, t in named if not isinstance(t, LeaseTask)
+                      and not name.startswith(("celery.", "celery_lease."))]
+        self.policies: dict[str, TaskPolicy] = {}
+        self.policy_errors: dict[str, LeaseConfigError] = {}
+        for task in self.tasks:
+            try:
+                self.policies[task.name] = task_policy(task, self.queue(task))
+            except LeaseConfigError as exc:
+                self.policy_errors[task.name] = exc
+
+    def queue(self, task: Any) -> str | None:
+        queue = getattr(task, "queue", None)
+        route = self.app.amqp.router.route({"queue": queue} if queue else {}, task.name)
+        queue = route.get("queue")
+        return getattr(queue, "name", queue)
+
+    @functools.cached_property
+    def transport(self) -> str:
+        return brokers.transport_kind(self.app)
+
+    @property
+    def pool(self) -> str:
+        return str(self.conf.worker_pool or "prefork").rsplit(":", 1)[-1].lower()
+
+    def time_limit(self, task: Any) -> float | None:
+        limit = task.time_limit if task.time_limit is not None else self.conf.task_time_limit
+        return float(limit) if limit else None
+
+    def acks_late(self, task: Any) -> bool:
+        return bool(task.acks_late if task.acks_late is not None else self.conf.task_acks_late)
+
+    @functools.cached_property
+    def store_error(self) -> str | None:
+        """Why the store cannot answer (unreachable or not migrated), or None."""
+        if self.store is None:
+            return "no store"
+        try:
+            self.facts = self.store.check_facts()
+        except StoreUnavailable as exc:
+            return str(exc)
+        return "missing tables" if self.facts["missing_tables"] else None
+
+    @functools.cached_property
+    def durations(self) -> dict[str, list[float]]:
+        if self.store_error:
+            return {}
+        return {t.name: [r[0] for r in self.store.runtime_sample(t.name)] for t in self.tasks}
+
+    def p99(self, task: Any) -> float | None:
+        return percentile(self.durations.get(task.name, []), 0.99)
+
+    def expected_runtime(self, task: Any) -> tuple[float | None, dict[str, Any]]:
+        """The longest a task is expected to run: its limits and its measured p99."""
+        policy = self.policies.get(task.name)
+        values = {"time_limit": self.time_limit(task),
+                  "lease_max_runtime": policy.max_runtime if policy else None, "p99": self.p99(task)}
+        known = [v for v in values.values() if v]
+        return (max(known) if known else None), values
+
+    def task_facts(self, task: Any) -> dict[str, Any]:
+        if self.store_error:
+            return {}
+        return self.facts["tasks"].get(task.name, {})
+
+
+Rule = Callable[[Context], Iterator[Finding]]
+
+
+def ok_unless(problems: list[Finding], code: str, settings: tuple[str, ...], ok_values: Mapping[str, Any],
+              ok_why: str) -> Iterator[Finding]:
+    """The problems found, or one ok finding that says what was checked."""
+    if problems:
+        yield from problems
+    else:
+        yield Finding(OK, code, settings, ok_values, ok_why)
+
+
+# -- the lease ------------------------------------------------------------------
+def check_policies(ctx: Context) -> Iterator[Finding]:
+    for name, exc in ctx.policy_errors.items():
+        code = "heartbeat_vs_lease" if exc.setting == "lease_heartbeat_interval" else "config_invalid"
+        yield Finding(ERROR, code, (exc.setting,), {"task": name, exc.setting: exc.value},
+                      f"task {name}: {exc}", _config_fix(exc))
+    ratios = {n: round(p.duration / p.heartbeat_interval, 2) for n, p in ctx.policies.items()}
+    if not ctx.policy_errors:
+        yield Finding(OK, "heartbeat_vs_lease", ("lease_heartbeat_interval", "lease_duration"),
+                      {"heartbeats_per_lease": ratios},
+                      "every lease outlives at least three heartbeats, so two may fail before it expires")
+
+
+def check_grace(ctx: Context) -> Iterator[Finding]:
+    problems = [
+        Finding(WARNING, "grace_vs_heartbeat", ("lease_grace_period", "lease_heartbeat_interval"),
+                {"task": n, "lease_grace_period": p.grace_period,
+                 "lease_heartbeat_interval": p.heartbeat_interval},
+                f"task {n}: a heartbeat that is one interval late (GC pause, slow store, busy CPU) lets the "
+                "reaper take a healthy job the moment its lease expires",
+                f"set lease_grace_period >= lease_heartbeat_interval ({p.heartbeat_interval:g}s) for {n}")
+        for n, p in ctx.policies.items() if p.grace_period < p.heartbeat_interval
+    ]
+    yield from ok_unless(problems, "grace_vs_heartbeat", ("lease_grace_period", "lease_heartbeat_interval"),
+                         {"tasks": len(ctx.policies)}, "every grace period covers one late heartbeat")
+
+
+def check_time_limits(ctx: Context) -> Iterator[Finding]:
+    problems = []
+    for task in ctx.tasks:
+        policy = ctx.policies.get(task.name)
+        limit = ctx.time_limit(task)
+        if policy is None:
+            continue
+        if policy.max_runtime is not None and limit is not None and policy.max_runtime < limit:
+            problems.append(Finding(
+                WARNING, "max_runtime_vs_time_limit", ("lease_max_runtime", "task_time_limit"),
+                {"task": task.name, "lease_max_runtime": policy.max_runtime, "time_limit": limit},
+                f"task {task.name}: the heartbeat stops renewing at lease_max_runtime while Celery lets the "
+                "body run until time_limit, so the reaper can start a second run beside a live one",
+                f"set lease_max_runtime >= time_limit ({limit:g}s) for {task.name}, or lower its time_limit"))
+        window = policy.duration + policy.grace_period
+        if ctx.pool in ("solo", "gevent", "eventlet") and (limit is None or limit > window):
+            problems.append(Finding(
+                WARNING, "blocking_heartbeat", ("worker_pool", "task_time_limit", "lease_duration"),
+                {"task": task.name, "worker_pool": ctx.pool, "time_limit": limit,
+                 "lease_duration": policy.duration, "lease_grace_period": policy.grace_period},
+                f"task {task.name}: in the {ctx.pool} pool, blocking code in the body starves the heartbeat; "
+                f"its lease then expires after {window:g}s while the body may run "
+                f"{'without limit' if limit is None else f'up to {limit:g}s'} and the reaper starts another "
+                "run",
+                "run it in the prefork or threads pool, or keep every blocking call shorter than "
+                "lease_duration (lease.extend(seconds) before a long one)"
+                + ("" if ctx.pool == "solo" else f", or set time_limit <= {window:g}s")))
+    yield from ok_unless(problems, "time_limit_vs_lease",
+                         ("lease_max_runtime", "task_time_limit", "worker_pool"), {"worker_pool": ctx.pool},
+                         "the heartbeat runs as long as Celery lets each body run")
+
+
+def _config_fix(exc: LeaseConfigError) -> str:
+    if exc.setting == "lease_heartbeat_interval":
+        return "lower lease_heartbeat_interval to at most a third of lease_duration, or lengthen the lease"
+    return f"set {exc.setting} to {exc.rule.removeprefix('must be ')}"
+
+
+# -- the worker -------------------------------------------------------------------
+def check_prefetch(ctx: Context) -> Iterator[Finding]:
+    multiplier = ctx.conf.worker_prefetch_multiplier
+    long_tasks = {}
+    for task in ctx.tasks:
+        expected, _ = ctx.expected_runtime(task)
+        if expected is not None and expected >= LONG_TASK:
+            long_tasks[task.name] = expected
+    if multiplier > 1 and long_tasks:
+        yield Finding(WARNING, "prefetch_long_tasks", ("worker_prefetch_multiplier",),
+                      {"worker_prefetch_multiplier": multiplier, "long_tasks": long_tasks},
+                      "each process reserves several messages; behind a long task they wait idle while other "
+                      "workers starve, and their broker visibility clock keeps running",
+                      "set worker_prefetch_multiplier = 1 (and start workers with -O fair)")
+    else:
+        yield Finding(OK, "prefetch_long_tasks", ("worker_prefetch_multiplier",),
+                      {"worker_prefetch_multiplier": multiplier, "long_tasks": long_tasks},
+                      "no process reserves messages behind a long task")
+
+
+def check_acks(ctx: Context) -> Iterator[Finding]:
+    early = [t.name for t in ctx.tasks if not ctx.acks_late(t)]
+    reject = [t.name for t in ctx.tasks if t.reject_on_worker_lost or (
+        t.reject_on_worker_lost is None and ctx.conf.task_reject_on_worker_lost)]
+    settings = ("task_acks_late", "task_reject_on_worker_lost")
+    values = {"task_acks_late": ctx.conf.task_acks_late,
+              "task_reject_on_worker_lost": ctx.conf.task_reject_on_worker_lost}
+    problems = []
+    if early:
+        problems.append(Finding(
+            WARNING, "acks_late", settings, {**values, "tasks": early},
+            "the message is acknowledged before the job is claimed: if the worker dies in between, only the "
+            "reaper's dispatch scan brings it back, after lease_dispatch_timeout "
+            f"({ctx.cfg.dispatch_timeout:g}s)",
+            "set task_acks_late = True (celery_lease skips the duplicates it lets through)"))
+    if reject and set(reject) - set(early):
+        problems.append(Finding(
+            WARNING, "reject_on_worker_lost", settings, {**values, "tasks": sorted(set(reject) - set(early))},
+            "when a pool process dies, the broker requeues the message and celery_lease also recovers the "
+            "job from the store: two messages, one skipped as a duplicate, and a job that kills its process "
+            "is redelivered without an attempt limit",
+            "leave task_reject_on_worker_lost off: celery_lease requeues the job itself, counting attempts"))
+    if reject and set(reject) & set(early):
+        problems.append(Finding(
+            WARNING, "reject_on_worker_lost", settings, {**values, "tasks": sorted(set(reject) & set(early))},
+            "task_reject_on_worker_lost has no effect without acks_late",
+            "remove task_reject_on_worker_lost, or set task_acks_late = True"))
+    yield from ok_unless(problems, "acks_late", settings, values,
+                         "messages are acknowledged after the job; celery_lease recovers lost pool processes")
+
+
+def check_reaper(ctx: Context) -> Iterator[Finding]:
+    entries = {name: entry.get("schedule") for name, entry in (ctx.conf.beat_schedule or {}).items()
+               if entry.get("task") == "celery_lease.reap"}
+    if entries:
+        yield Finding(OK, "reaper_scheduled", ("beat_schedule",), {"entries": entries},
+                      "celery beat runs the reaper that takes back abandoned leases")
+    else:
+        yield Finding(ERROR, "reaper_scheduled", ("beat_schedule",), {"beat_schedule": sorted(
+            ctx.conf.beat_schedule or {})},
+            "nothing takes back the lease of a job whose worker died, or re-sends a job whose message "
+            "vanished: such jobs stay running or pending forever",
+            "add {'lease-reaper': {'task': 'celery_lease.reap', 'schedule': 15.0}} to beat_schedule and run "
+            "celery beat")
+
+
+# -- the store ------------------------------------------------------------------------
+def check_store(ctx: Context) -> Iterator[Finding]:
+    url = {"lease_store_url": ctx.store.safe_url}
+    error = ctx.store_error
+    if error == "missing tables":
+        yield Finding(ERROR, "store_migrated", ("lease_store_url", "lease_table_prefix"),
+                      {**url, "lease_table_prefix": ctx.cfg.table_prefix,
+                       "missing": ctx.facts["missing_tables"]},
+                      "workers cannot record or claim jobs without the lease tables",
+                      "run `celery -A proj lease migrate` (workers also migrate at start)")
+        return
+    if error:
+        yield Finding(ERROR, "store_reachable", ("lease_store_url",), url, "the lease store cannot be "
+                                                                           "reached: "
+                      f"{error}; tasks will not run without it (fail closed)",
+                      "check lease_store_url and that the database is running and reachable from every "
+                      "worker")
+        return
+    yield Finding(OK, "store_reachable", ("lease_store_url", "lease_table_prefix"),
+                  {**url, "lease_table_prefix": ctx.cfg.table_prefix}, "the store answers and is migrated")
+    hosts = sorted({h.rsplit("@", 1)[-1] for h in ctx.facts["hosts"]})
+    if ctx.store.dialect == "sqlite":
+        values = {**url, "worker_hosts": hosts}
+        if len(hosts) > 1:
+            yield Finding(ERROR, "sqlite_multi_host", ("lease_store_url",), values,
+                          "workers on several hosts each see their own SQLite file (or corrupt a shared "
+                          "network "
+                          "file): leases are not shared, so two hosts can run the same job",
+                          "use PostgreSQL or MySQL/MariaDB for lease_store_url")
+        else:
+            yield Finding(OK, "sqlite_multi_host", ("lease_store_url",), values,
+                          "all registered workers run on one host, which SQLite supports")
+
+
+def check_broker(ctx: Context) -> Iterator[Finding]:
+    from .broker_checks import broker_rules
+
+    yield from broker_rules(ctx)
+
+
+def check_checklist(ctx: Context) -> Iterator[Finding]:
+    from .checklist import checklist_rules
+
+    yield from checklist_rules(ctx)
+
+
+RULES: tuple[Rule, ...] = (check_policies, check_grace, check_time_limits, check_prefetch, check_acks,
+                           check_reaper, check_store, check_broker, check_checklist)
+
+
+def run_checks(app: Any, store: Any = None) -> list[Finding]:
+    """Every finding for an app: its config, its tasks, its broker and its store."""
+    try:
+        cfg = app_config(app)
+    except LeaseConfigError as exc:
+        code = "heartbeat_vs_lease" if exc.setting == "lease_heartbeat_interval" else "config_invalid"
+        return [Finding(ERROR, code, (exc.setting,), {exc.setting: exc.value}, str(exc), _config_fix(exc))]
+    if store is None:
+        from .store import for_app
+
+        store = for_app(app, migrate=False)
+    ctx = Context(app, cfg, store)
+    findings: list[Finding] = []
+    for rule in RULES:
+        findings.extend(rule(ctx))
+    return findings
