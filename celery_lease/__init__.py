@@ -1,5 +1,6 @@
 """celery_lease: leased execution for Celery tasks, so zombie jobs and duplicates end."""
 
+from . import reaper as _reaper  # registers celery_lease.reap  # noqa: F401
 from .errors import (
     JobNotFound,
     LeaseConfigError,

@@ -85,8 +85,10 @@ def decode(payload: str | None, accept: Any = None, job_id: str | None = None) -
         data = envelope["data"]
         if envelope.get("b64"):
             data = base64.b64decode(data)
-        sig = serialization.loads(data, envelope["content_type"], envelope["content_encoding"],
-                                  accept=accept)
+        if accept is not None:
+            # Celery settings name serializers ('json'); kombu compares MIME types.
+            accept = serialization.prepare_accept_content(accept)
+        sig = serialization.loads(data, envelope["content_type"], envelope["content_encoding"], accept=accept)
         if not isinstance(sig, dict) or "task" not in sig:
             raise ValueError("not a task signature")
         return sig
@@ -105,7 +107,8 @@ def republish(app: Any, job_id: str, payload: str | None, countdown: float = 0.0
     if countdown > 0:
         options["countdown"] = countdown
     if queue is not None:
-        # Celery creates a missing queue as Queue(name, Exchange(name), routing_key=name).
-        options.update(queue=queue, routing_key=queue, exchange=queue)
+        # The default exchange delivers by queue name: no binding needed, so a broker that
+        # restarted empty (Redis without persistence) still gets the message.
+        options.update(queue=queue, routing_key=queue, exchange="")
     with publishing_unrecorded():
         return sig.apply_async(**options)

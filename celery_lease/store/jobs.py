@@ -60,16 +60,21 @@ class JobStatements(StoreBase):
             attempt_count=self.t.jobs.c.attempt_count + 1,
         )
 
-    def claimable_expired(self, hard_grace: float, stale_after: float) -> sa.ColumnElement[bool]:
-        """A running lease past its grace whose owner is gone, or past the hard grace."""
+    def claimable_expired(self, hard_grace: float, stale_after: float,
+                          now: sa.ColumnElement[float] | None = None) -> sa.ColumnElement[bool]:
+        """A running lease past its grace whose owner is gone, or past the hard grace.
+
+        ``now`` replaces the store's clock (the reaper's ``run_once(now=...)`` seam).
+        """
         j, w = self.t.jobs, self.t.workers
+        clock = self.now_sql if now is None else now
         owner_alive = sa.exists().where(
-            w.c.worker_id == j.c.locked_by, w.c.last_seen_at >= self.now_sql - stale_after
+            w.c.worker_id == j.c.locked_by, w.c.last_seen_at >= clock - stale_after
         )
         return sa.and_(
             j.c.status == RUNNING,
-            j.c.lease_expires_at + sa.func.coalesce(j.c.grace_period, 0.0) < self.now_sql,
-            sa.or_(~owner_alive, j.c.lease_expires_at + hard_grace < self.now_sql),
+            j.c.lease_expires_at + sa.func.coalesce(j.c.grace_period, 0.0) < clock,
+            sa.or_(~owner_alive, j.c.lease_expires_at + hard_grace < clock),
         )
 
     def claim(self, job_id: str, worker: str, token: str, *, duration: float, grace: float,
@@ -99,8 +104,17 @@ class JobStatements(StoreBase):
                                     detail={"previous_owner": current.locked_by,
                                             "previous_token": (current.lock_token or "")[:8]})
                         return Claim("claimed", self._job(c, job_id))
-                if current is not None:
+                if current is not None and current.status == PENDING:
+                    continue  # requeued between our two statements: claim it on the next pass
+                if current is not None and not (current.status == RUNNING and takeover):
                     return Claim("done" if current.status in (COMPLETED, FAILED) else "busy", current)
+            if current is not None:
+                # The takeover lost. On PostgreSQL it may have waited on a reaper that was
+                # requeueing this very job: read again, and claim it if it is pending now.
+                current = self.get(job_id) or current
+                if current.status == PENDING:
+                    continue
+                return Claim("done" if current.status in (COMPLETED, FAILED) else "busy", current)
             # Unknown job (published without celery_lease): create it as ours.
             try:
                 with self.begin() as c:

@@ -1,11 +1,226 @@
-"""Statements of the reaper: scans of abandoned leases and lost dispatches, recovery CAS, pruning."""
+"""Statements of the reaper: scans of abandoned leases and lost dispatches, recovery CAS, pruning.
+
+Scans take a connection so the reaper can hold a batch's rows (``FOR UPDATE SKIP
+LOCKED`` where the database has it) while it publishes their messages and writes
+the compare-and-set; a second reaper skips those rows instead of fighting over
+them. Every recovery write re-checks what the scan saw and writes one event when,
+and only when, it wins. ``now`` replaces the store's clock in the predicates (the
+seam of ``Reaper.run_once(now=...)``); written times always use the real clock.
+"""
 
 from __future__ import annotations
 
-from .base import StoreBase
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
 
-__all__ = ["ReaperStatements"]
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from .base import COMPLETED, FAILED, PENDING, RUNNING, Job, StoreBase
+
+__all__ = ["ReaperStatements", "Expired", "REAPER_LOCK"]
+
+REAPER_LOCK = "celery_lease.reaper"
+SKIPPED_OWNER_ALIVE = "reap_skipped_owner_alive"
+
+
+@dataclasses.dataclass(frozen=True)
+class Expired:
+    """A running job whose lease is past its grace, and what the registry says of its owner."""
+
+    job: Job
+    owner_alive: bool
+    reapable: bool  # owner gone, or lease past the hard grace
 
 
 class ReaperStatements(StoreBase):
     """Statements of the reaper: scans of abandoned leases and lost dispatches, recovery CAS, pruning."""
+
+    def _clock(self, now: float | None) -> sa.ColumnElement[float]:
+        return self.now_sql if now is None else sa.literal(float(now), sa.Double())
+
+    def _locking(self, query: sa.Select, lock: bool) -> sa.Select:
+        if not lock or self.dialect == "sqlite":
+            return query  # SQLite's BEGIN IMMEDIATE already serialises writers
+        if self.dialect == "postgresql":
+            return query.with_for_update(skip_locked=True, of=self.t.jobs)
+        return query.with_for_update(skip_locked=True)  # MariaDB >= 10.6, MySQL >= 8
+
+    @contextlib.contextmanager
+    def _tx(self, c: Connection | None) -> Iterator[Connection]:
+        if c is not None:
+            yield c
+        else:
+            with self.begin() as own:
+                yield own
+
+    # -- expired leases -------------------------------------------------------
+    def _past_grace(self, clock: sa.ColumnElement[float]) -> sa.ColumnElement[bool]:
+        j = self.t.jobs
+        return j.c.lease_expires_at + sa.func.coalesce(j.c.grace_period, 0.0) < clock
+
+    def scan_expired(self, c: Connection, *, limit: int, hard_grace: float, stale_after: float,
+                     after: tuple[float, str] | None = None, now: float | None = None,
+                     lock: bool = True) -> list[Expired]:
+        """Running jobs past lease + grace, oldest first, after the keyset ``(lease_expires_at, id)``."""
+        j, w = self.t.jobs, self.t.workers
+        clock = self._clock(now)
+        owner_alive = sa.exists().where(w.c.worker_id == j.c.locked_by,
+                                        w.c.last_seen_at >= clock - stale_after)
+        query = (
+            sa.select(j, owner_alive.label("owner_alive"),
+                      self.claimable_expired(hard_grace, stale_after, now=clock).label("reapable"))
+            .where(j.c.status == RUNNING, j.c.lease_expires_at < clock, self._past_grace(clock))
+            .order_by(j.c.lease_expires_at, j.c.id)
+            .limit(limit)
+        )
+        if after is not None:
+            at, job_id = after
+            query = query.where(j.c.lease_expires_at >= at,
+                                sa.or_(j.c.lease_expires_at > at, j.c.id > job_id))
+        rows = c.execute(self._locking(query, lock)).all()
+        return [Expired(Job.from_row(r), bool(r.owner_alive), bool(r.reapable)) for r in rows]
+
+    def _abandoned(self, job_id: str, token: str, owner: str | None, expired: bool,
+                   clock: sa.ColumnElement[float]) -> sa.ColumnElement[bool]:
+        """The CAS: same token, still running, and still past grace (reaper) or still ``owner``'s."""
+        j = self.t.jobs
+        fence = self._past_grace(clock) if expired else (j.c.locked_by == owner)
+        return sa.and_(j.c.id == job_id, j.c.lock_token == token, j.c.status == RUNNING, fence)
+
+    def requeue_abandoned(self, job_id: str, token: str, owner: str | None, *, delay: float, reason: str,
+                          expired: bool = True, now: float | None = None, detail: Any = None,
+                          c: Connection | None = None) -> bool:
+        """running -> pending at now + delay, token cleared, one more expiration counted."""
+        j = self.t.jobs
+        with self._tx(c) as tx:
+            fence = self._abandoned(job_id, token, owner, expired, self._clock(now))
+            res = tx.execute(sa.update(j).where(fence)
+                             .values(status=PENDING, lock_token=None, locked_by=None, lease_expires_at=None,
+                                     available_at=self.now_sql + delay, expired_count=j.c.expired_count + 1,
+                                     last_error=reason[:4000], updated_at=self.now_sql))
+            if res.rowcount != 1:
+                return False
+            self._event(tx, job_id, "reaped_expired_lease", reason, owner, token,
+                        {"delay": round(delay, 3), **(detail or {})})
+            return True
+
+    def dead_letter_abandoned(self, job_id: str, token: str, owner: str | None, *, error: str,
+                              expired: bool = True, now: float | None = None, detail: Any = None,
+                              c: Connection | None = None) -> bool:
+        """running -> failed (the dead letter), token cleared, one more expiration counted."""
+        j = self.t.jobs
+        with self._tx(c) as tx:
+            fence = self._abandoned(job_id, token, owner, expired, self._clock(now))
+            res = tx.execute(sa.update(j).where(fence)
+                             .values(status=FAILED, failed_at=self.now_sql, lock_token=None,
+                                     lease_expires_at=None, expired_count=j.c.expired_count + 1,
+                                     last_error=error[:4000], updated_at=self.now_sql))
+            if res.rowcount != 1:
+                return False
+            self._event(tx, job_id, "dead_lettered", error[:200], owner, token, detail)
+            return True
+
+    def note_skipped_owner_alive(self, c: Connection, job: Job, reason: str) -> bool:
+        """Audit a lease left to its live owner, once per lease (not once per run)."""
+        e = self.t.events
+        prefix = (job.lock_token or "")[:8] or None
+        seen = c.execute(sa.select(e.c.id).where(e.c.job_id == job.id, e.c.event == SKIPPED_OWNER_ALIVE,
+                                                 e.c.token == prefix).limit(1)).first()
+        if seen is not None:
+            return False
+        self._event(c, job.id, SKIPPED_OWNER_ALIVE, reason, job.locked_by, job.lock_token)
+        return True
+
+    # -- lost dispatches --------------------------------------------------------
+    def scan_lost_dispatches(self, c: Connection, *, older_than: float, limit: int,
+                             after: tuple[float, str] | None = None, now: float | None = None,
+                             lock: bool = True) -> list[tuple[Job, float]]:
+        """Pending jobs available for longer than ``older_than``, oldest first, with seconds waited."""
+        j = self.t.jobs
+        clock = self._clock(now)
+        query = (sa.select(j, (clock - j.c.available_at).label("waited"))
+                 .where(j.c.status == PENDING, j.c.available_at < clock - older_than)
+                 .order_by(j.c.available_at, j.c.id).limit(limit))
+        if after is not None:
+            at, job_id = after
+            query = query.where(j.c.available_at >= at, sa.or_(j.c.available_at > at, j.c.id > job_id))
+        return [(Job.from_row(r), float(r.waited)) for r in c.execute(self._locking(query, lock)).all()]
+
+    def redispatched(self, job: Job, reason: str, *, detail: Any = None, c: Connection | None = None) -> bool:
+        """Count a re-published message: CAS on what the scan saw, so one reaper wins per dispatch."""
+        j = self.t.jobs
+        with self._tx(c) as tx:
+            res = tx.execute(sa.update(j).where(
+                j.c.id == job.id, j.c.status == PENDING, j.c.dispatch_count == job.dispatch_count,
+                j.c.updated_at == job.updated_at,
+            ).values(dispatch_count=j.c.dispatch_count + 1, available_at=self.now_sql,
+                     updated_at=self.now_sql))
+            if res.rowcount != 1:
+                return False
+            self._event(tx, job.id, "redispatched", reason, detail={"dispatch_count": job.dispatch_count + 1,
+                                                                    **(detail or {})})
+            return True
+
+    # -- the reaper's own lock ----------------------------------------------------
+    def acquire_reaper_lock(self, token: str, owner: str, ttl: float) -> bool:
+        """Take the reaper lock when it is free or expired; False while another reaper holds it."""
+        k = self.t.locks
+        with self.begin() as c:
+            res = c.execute(sa.update(k).where(k.c.resource == REAPER_LOCK, k.c.expires_at < self.now_sql)
+                            .values(token=token, owner=owner, job_id=None, expires_at=self.now_sql + ttl))
+            if res.rowcount == 1:
+                return True
+        try:
+            with self.begin() as c:
+                c.execute(sa.insert(k).values(resource=REAPER_LOCK, token=token, owner=owner, job_id=None,
+                                              expires_at=self.now_sql + ttl))
+        except sa.exc.IntegrityError:
+            return False
+        return True
+
+    def renew_reaper_lock(self, token: str, ttl: float) -> bool:
+        k = self.t.locks
+        with self.begin() as c:
+            res = c.execute(sa.update(k).where(k.c.resource == REAPER_LOCK, k.c.token == token)
+                            .values(expires_at=self.now_sql + ttl))
+            return res.rowcount == 1
+
+    def release_reaper_lock(self, token: str) -> bool:
+        k = self.t.locks
+        with self.begin() as c:
+            res = c.execute(sa.delete(k).where(k.c.resource == REAPER_LOCK, k.c.token == token))
+            return res.rowcount == 1
+
+    def reaper_lock_holder(self) -> tuple[str | None, float] | None:
+        """(owner, seconds left) of a live reaper lock, or None when it is free."""
+        k = self.t.locks
+        with self.begin() as c:
+            row = c.execute(sa.select(k.c.owner, (k.c.expires_at - self.now_sql).label("left"))
+                            .where(k.c.resource == REAPER_LOCK, k.c.expires_at >= self.now_sql)).first()
+        return None if row is None else (row.owner, float(row.left))
+
+    # -- pruning (bounded batches) ----------------------------------------------------
+    def _delete_ids(self, table: sa.Table, key: sa.Column, where: sa.ColumnElement[bool], limit: int) -> int:
+        # Select then delete: MySQL rejects LIMIT inside an IN subquery.
+        with self.begin() as c:
+            ids = [r[0] for r in c.execute(sa.select(key).where(where).limit(limit))]
+            if not ids:
+                return 0
+            return c.execute(sa.delete(table).where(key.in_(ids), where)).rowcount
+
+    def prune_completed(self, older_than: float, limit: int, now: float | None = None) -> int:
+        """Delete up to ``limit`` completed jobs finished more than ``older_than`` seconds ago."""
+        j = self.t.jobs
+        return self._delete_ids(j, j.c.id, sa.and_(
+            j.c.status == COMPLETED, j.c.updated_at < self._clock(now) - older_than), limit)
+
+    def prune_events(self, older_than: float, limit: int, now: float | None = None) -> int:
+        e = self.t.events
+        return self._delete_ids(e, e.c.id, e.c.at < self._clock(now) - older_than, limit)
+
+    def prune_workers(self, older_than: float, limit: int, now: float | None = None) -> int:
+        w = self.t.workers
+        return self._delete_ids(w, w.c.worker_id, w.c.last_seen_at < self._clock(now) - older_than, limit)

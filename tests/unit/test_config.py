@@ -32,6 +32,7 @@ BAD_VALUES = {
     "lease_dispatch_timeout": 0.0,
     "lease_reaper_batch_size": True,
     "lease_reaper_hard_grace": "2m",
+    "lease_reaper_lock_ttl": 0,
     "lease_worker_stale_after": 0,
     "lease_retention": -1,
     "lease_queue_policies": [("reports", {"lease_duration": 600})],

@@ -1,0 +1,368 @@
+"""The reaper: takes back leases nobody renews, re-sends lost messages, prunes old rows.
+
+Conservative by construction: it only takes leases past their grace, at most a batch
+per run, leaves an owner that looks alive alone until the hard grace, and changes a
+job only by a compare-and-set on the token that writes one audit event. One reaper
+works at a time (a lock row of its own). The message is published *before* the CAS,
+so a reaper that dies in between leaves an expired lease (reaped again next run,
+and the early message finds it claimable), never a pending job without a message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import random
+import secrets
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from celery import Task, shared_task
+
+from . import messages
+from .config import TaskPolicy, app_config, task_policy
+from .errors import StoreCorrupt, StoreUnavailable
+from .store import RUNNING, Job, Store, for_app
+
+__all__ = ["Reaper", "ReapResult", "Decision", "backoff", "decide", "recover_worker_lost", "reap"]
+
+log = logging.getLogger(__name__)
+
+#: Test seam: called with the job id after its message is published and before the CAS.
+after_publish: Callable[[str], None] | None = None
+
+MAX_PAGES = 10  # keyset pages one run may walk past leases left to live owners
+PRUNE_CHUNK = 1000  # rows deleted per statement
+PRUNE_CHUNKS = 10  # statements per table per run
+WORKER_PRUNE_FACTOR = 10  # registry rows go after 10 x lease_worker_stale_after unseen
+
+
+def backoff(attempt: int, base: float, cap: float, jitter: bool, rng: Any = random) -> float:
+    """Seconds before attempt ``attempt + 1``: ``base * 2**(attempt - 1)`` capped, full jitter."""
+    ceiling = min(cap, base * 2.0 ** min(max(attempt, 1) - 1, 64))
+    return rng.uniform(0.0, ceiling) if jitter else ceiling
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What the reaper does (or, in a dry run, would do) with one job."""
+
+    job_id: str
+    task: str
+    decision: str  # requeue | dead_letter | fail | redispatch | skip_owner_alive
+    reason: str
+    owner: str | None = None
+    delay: float = 0.0
+    queue: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class ReapResult:
+    """The counts of one run; ``skipped`` when another reaper held the lock."""
+
+    seen: int = 0
+    reaped: int = 0
+    dead_lettered: int = 0
+    failed: int = 0
+    redispatched: int = 0
+    skipped_owner_alive: int = 0
+    lost_races: int = 0
+    publish_errors: int = 0
+    pruned_jobs: int = 0
+    pruned_events: int = 0
+    pruned_workers: int = 0
+    skipped: bool = False
+    dry_run: bool = False
+    planned: list[Decision] = dataclasses.field(default_factory=list)
+
+    @property
+    def changed(self) -> bool:
+        return any((self.reaped, self.dead_lettered, self.failed, self.redispatched, self.publish_errors,
+                    self.pruned_jobs, self.pruned_events, self.pruned_workers))
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def summary(self) -> str:
+        return (f"seen={self.seen} reaped={self.reaped} dead_lettered={self.dead_lettered} "
+                f"failed={self.failed} redispatched={self.redispatched} "
+                f"skipped_owner_alive={self.skipped_owner_alive} lost_races={self.lost_races} "
+                f"publish_errors={self.publish_errors} pruned={self.pruned_jobs}/{self.pruned_events}/"
+                f"{self.pruned_workers}")
+
+
+def policy_for(app: Any, task_name: str, queue: str | None) -> TaskPolicy:
+    """The job's policy: its task's when the app knows the task, else the app's for the queue."""
+    task = app.tasks.get(task_name)
+    if task is not None:
+        return task_policy(task, queue)
+    return app_config(app).policy(queue=queue)
+
+
+def decide(job: Job, policy: TaskPolicy, why: str, rng: Any = random) -> Decision:
+    """Requeue with backoff while attempts and expirations last, else dead-letter (or fail)."""
+    if policy.on_expired == "fail":
+        kind, reason = "fail", f"lease expired ({why}) and lease_on_expired='fail'"
+    elif policy.on_expired == "dead_letter":
+        kind, reason = "dead_letter", f"lease expired ({why}) and lease_on_expired='dead_letter'"
+    elif job.attempt_count >= job.max_attempts:
+        # The row's max_attempts is the one the claim's takeover checks: both must agree.
+        kind, reason = "dead_letter", "lease expired and max attempts reached"
+    elif job.expired_count >= policy.max_expirations:
+        kind, reason = "dead_letter", "lease expired and max lease expirations reached"
+    else:
+        delay = backoff(job.attempt_count, policy.backoff_base, policy.backoff_max, policy.backoff_jitter,
+                        rng)
+        return Decision(job.id, job.task_name, "requeue", f"lease expired ({why})", job.locked_by, delay,
+                        job.queue_name)
+    queue = policy.dead_letter_queue if kind == "dead_letter" else None
+    return Decision(job.id, job.task_name, kind, reason, job.locked_by, 0.0, queue)
+
+
+def _publish(app: Any, job: Job, decision: Decision) -> Decision:
+    """Send the job's message for a decision (before its CAS); an unreadable message turns it to ``fail``."""
+    if decision.decision == "fail" or (decision.decision == "dead_letter" and not decision.queue):
+        return decision
+    try:
+        messages.republish(app, job.id, job.payload, countdown=decision.delay,
+                           queue=decision.queue if decision.decision == "dead_letter" else None)
+    except StoreCorrupt as exc:
+        return dataclasses.replace(decision, decision="fail", queue=None,
+                                   reason=f"{decision.reason}; message unreadable: {exc}")
+    if after_publish is not None:
+        after_publish(job.id)
+    return decision
+
+
+def _settle(store: Store, job: Job, decision: Decision, result: ReapResult, *, expired: bool = True,
+            now: float | None = None, c: Any = None) -> bool:
+    """The CAS on the token read with the row; a lost race writes nothing and is only counted."""
+    kind, token = decision.decision, job.lock_token or ""
+    detail: dict[str, Any] = {"attempt": job.attempt_count, "expired_count": job.expired_count + 1}
+    if kind == "requeue":
+        won = store.requeue_abandoned(job.id, token, job.locked_by, delay=decision.delay,
+                                      reason=decision.reason, expired=expired, now=now, detail=detail, c=c)
+    else:
+        if decision.queue:
+            detail["published_to"] = decision.queue
+        won = store.dead_letter_abandoned(job.id, token, job.locked_by, error=decision.reason,
+                                          expired=expired, now=now, detail=detail, c=c)
+    if not won:
+        result.lost_races += 1
+        log.debug("job %s [%s]: %s lost the race, the row moved on", job.id, token[:8], kind)
+    elif kind == "requeue":
+        result.reaped += 1
+        log.debug("job %s [%s] requeued in %.2fs: %s", job.id, token[:8], decision.delay, decision.reason,
+                  extra={"action": "reaped_expired_lease"})
+    else:
+        if kind == "fail":
+            result.failed += 1
+        else:
+            result.dead_lettered += 1
+        log.warning("job %s [%s] of %s dead-lettered: %s", job.id, token[:8], job.task_name, decision.reason,
+                    extra={"action": "dead_lettered"})
+    return won
+
+
+class Reaper:
+    """One reaper of an app: ``run_once()`` is a round, ``run_forever()`` the thin loop."""
+
+    def __init__(self, app: Any, store: Store | None = None, *, batch_size: int | None = None,
+                 rng: Any = None) -> None:
+        self.app = app
+        self.store = store or for_app(app)
+        self.cfg = app_config(app)
+        self.batch_size = batch_size or self.cfg.reaper_batch_size
+        self.rng = rng or random.Random()
+
+    @property
+    def owner(self) -> str:
+        return f"reaper@{socket.gethostname()}:{os.getpid()}"
+
+    def run_once(self, now: float | None = None, dry_run: bool = False) -> ReapResult:
+        """One round: recover expired leases, re-send lost dispatches, prune; returns the counts."""
+        result = ReapResult(dry_run=dry_run)
+        if dry_run:
+            self._recover_expired(result, now, None)
+            self._redispatch(result, now, None)
+            return result
+        token, ttl = secrets.token_hex(16), self.cfg.reaper_lock_ttl
+        if not self.store.acquire_reaper_lock(token, self.owner, ttl):
+            result.skipped = True
+            log.debug("reaper run skipped: another reaper holds the lock")
+            return result
+        try:
+            if self._recover_expired(result, now, token) and self._redispatch(result, now, token):
+                self._prune(result, now)
+        finally:
+            try:
+                self.store.release_reaper_lock(token)
+            except StoreUnavailable as exc:
+                log.warning("reaper lock not released (it expires in %gs): %s", ttl, exc)
+        if result.changed:
+            log.info("reaper: %s", result.summary(), extra={"action": "reap"})
+        return result
+
+    def _still_ours(self, token: str | None) -> bool:
+        if token is None or self.store.renew_reaper_lock(token, self.cfg.reaper_lock_ttl):
+            return True
+        log.warning("reaper lock lost mid-run (another reaper took it after %gs); stopping",
+                    self.cfg.reaper_lock_ttl)
+        return False
+
+    def _recover_expired(self, result: ReapResult, now: float | None, token: str | None) -> bool:
+        budget, after, dry = self.batch_size, None, token is None
+        for _ in range(MAX_PAGES):
+            with self.store.begin() as c:
+                page = self.store.scan_expired(c, limit=self.batch_size, after=after, now=now, lock=not dry,
+                                               hard_grace=self.cfg.reaper_hard_grace,
+                                               stale_after=self.cfg.worker_stale_after)
+                for item in page:
+                    if budget == 0:
+                        break
+                    job = item.job
+                    after = (job.lease_expires_at, job.id)
+                    result.seen += 1
+                    if not item.reapable:
+                        result.skipped_owner_alive += 1
+                        why = f"owner {job.locked_by} still registered; waiting for the hard grace"
+                        if dry:
+                            result.planned.append(Decision(job.id, job.task_name, "skip_owner_alive", why,
+                                                           job.locked_by))
+                        else:
+                            self.store.note_skipped_owner_alive(c, job, why)
+                        continue
+                    budget -= 1
+                    why = ("owner alive, past hard grace" if item.owner_alive
+                           else f"owner {job.locked_by} gone")
+                    decision = decide(job, policy_for(self.app, job.task_name, job.queue_name), why, self.rng)
+                    if dry:
+                        result.planned.append(decision)
+                        continue
+                    try:
+                        decision = _publish(self.app, job, decision)
+                    except Exception as exc:  # noqa: BLE001 - broker down: stop publishing this run
+                        result.publish_errors += 1
+                        log.error("job %s [%s]: could not publish its message (%s); left expired for "
+                                  "the next run", job.id, (job.lock_token or "")[:8], exc,
+                                  extra={"action": "reap_publish_failed"})
+                        break
+                    _settle(self.store, job, decision, result, now=now, c=c)
+            if len(page) < self.batch_size or budget == 0 or result.publish_errors:
+                return not result.publish_errors
+            if not self._still_ours(token):
+                return False
+        return True
+
+    def _dispatch_floor(self) -> float:
+        """The shortest lease_dispatch_timeout any job may have: the scan's bound."""
+        floors = [self.cfg.dispatch_timeout]
+        floors += [p["lease_dispatch_timeout"] for p in self.cfg.queue_policies.values()
+                   if "lease_dispatch_timeout" in p]
+        floors += [t.lease_dispatch_timeout for t in list(self.app.tasks.values())
+                   if getattr(t, "lease_dispatch_timeout", None)]
+        return min(floors)
+
+    def _redispatch(self, result: ReapResult, now: float | None, token: str | None) -> bool:
+        budget, after, dry = self.batch_size, None, token is None
+        floor = self._dispatch_floor()
+        for _ in range(MAX_PAGES):
+            with self.store.begin() as c:
+                page = self.store.scan_lost_dispatches(c, older_than=floor, limit=self.batch_size,
+                                                       after=after, now=now, lock=not dry)
+                for job, waited in page:
+                    if budget == 0:
+                        break
+                    after = (job.available_at, job.id)
+                    timeout = policy_for(self.app, job.task_name, job.queue_name).dispatch_timeout
+                    if waited <= timeout:
+                        continue
+                    budget -= 1
+                    why = f"pending {waited:.1f}s past available_at (lease_dispatch_timeout {timeout:g}s)"
+                    if dry:
+                        result.planned.append(Decision(job.id, job.task_name, "redispatch", why))
+                        continue
+                    try:
+                        messages.republish(self.app, job.id, job.payload)
+                    except StoreCorrupt as exc:
+                        log.error("job %s: lost dispatch cannot be re-sent: %s", job.id, exc)
+                        result.publish_errors += 1
+                        continue
+                    except Exception as exc:  # noqa: BLE001 - broker down: stop publishing this run
+                        result.publish_errors += 1
+                        log.error("job %s: could not re-send its lost message (%s)", job.id, exc,
+                                  extra={"action": "redispatch_failed"})
+                        return False
+                    if after_publish is not None:
+                        after_publish(job.id)
+                    if self.store.redispatched(job, why, c=c):
+                        result.redispatched += 1
+                    else:
+                        result.lost_races += 1
+            if len(page) < self.batch_size or budget == 0:
+                return True
+            if not self._still_ours(token):
+                return False
+        return True
+
+    def _prune(self, result: ReapResult, now: float | None) -> None:
+        retention, store = self.cfg.retention, self.store
+        stale = WORKER_PRUNE_FACTOR * self.cfg.worker_stale_after
+        for field, prune, age in (("pruned_jobs", store.prune_completed, retention),
+                                  ("pruned_events", store.prune_events, retention),
+                                  ("pruned_workers", store.prune_workers, stale)):
+            for _ in range(PRUNE_CHUNKS):
+                deleted = prune(age, PRUNE_CHUNK, now)
+                setattr(result, field, getattr(result, field) + deleted)
+                if deleted < PRUNE_CHUNK:
+                    break
+
+    def run_forever(self, interval: float, stop: threading.Event | None = None) -> None:
+        """Run rounds every ``interval`` seconds (at once again after a full batch) until ``stop``."""
+        stop = stop or threading.Event()
+        while not stop.is_set():
+            try:
+                result = self.run_once()
+            except StoreUnavailable as exc:
+                log.warning("reaper round failed, lease store unreachable: %s", exc)
+                result = ReapResult()
+            full = result.reaped + result.dead_lettered + result.failed >= self.batch_size
+            stop.wait(0 if full else interval)
+
+
+def recover_worker_lost(app: Any, job_id: str, owner: str, reason: str) -> str:
+    """In the worker's main process, when a child died under ``job_id``: recover it now.
+
+    Applies the reaper's decision (requeue with backoff or dead-letter at the limit)
+    if the job is still running under ``owner``; the CAS uses the token read from
+    the row. Returns the outcome: requeue, dead_letter, fail, lost_race or none.
+    """
+    store = for_app(app)
+    job = store.get(job_id)
+    if job is None or job.status != RUNNING or job.locked_by != owner or not job.lock_token:
+        return "none"
+    decision = decide(job, policy_for(app, job.task_name, job.queue_name), f"worker process lost: {reason}")
+    try:
+        decision = _publish(app, job, decision)
+    except Exception as exc:  # noqa: BLE001 - broker down: the reaper recovers it after expiry
+        log.error("job %s [%s]: child %s lost but its message could not be re-sent (%s); the reaper will "
+                  "recover it after the lease expires", job_id, job.lock_token[:8], owner, exc,
+                  extra={"action": "worker_lost_publish_failed"})
+        return "error"
+    if not _settle(store, job, decision, ReapResult(), expired=False):
+        return "lost_race"
+    log.info("job %s [%s]: worker process %s lost (%s): %s", job_id, job.lock_token[:8], owner, reason,
+             decision.decision, extra={"action": "worker_lost_recovered"})
+    return decision.decision
+
+
+@shared_task(name="celery_lease.reap", base=Task, bind=True)
+def reap(self: Task, dry_run: bool = False) -> dict[str, Any]:
+    """One reaper round (schedule it with celery beat); returns the counts."""
+    return Reaper(self.app).run_once(dry_run=dry_run).as_dict()

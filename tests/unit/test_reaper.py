@@ -1,0 +1,534 @@
+"""The reaper (celery_lease/reaper.py, store/reaping.py) on SQLite, PostgreSQL and MariaDB.
+
+Messages go to a real Redis broker (db 7); the tests read them back from the queue.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import secrets
+import threading
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+import redis
+import sqlalchemy as sa
+from celery import Celery, Task
+
+from celery_lease import LeaseTask, messages, reaper
+from celery_lease.reaper import Reaper, backoff, recover_worker_lost
+from celery_lease.store import COMPLETED, FAILED, PENDING, RUNNING, Store
+from tests.conftest import unique_prefix
+
+REDIS_DB = 7
+DEAD = "dead@host:1"
+ALIVE = "alive@host:2"
+
+
+@pytest.fixture
+def broker(redis_url):
+    url = urlunsplit(urlsplit(redis_url)._replace(path=f"/{REDIS_DB}"))
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    yield url, client
+    client.flushdb()
+    client.close()
+
+
+@pytest.fixture
+def app(store, broker):
+    app = Celery(f"reaper_{unique_prefix()}", broker=broker[0], set_as_current=False)
+    app.conf.update(lease_store_url=store.url, lease_table_prefix=store.t.jobs.name[: -len("jobs")],
+                    lease_duration=30.0, lease_grace_period=1.0, lease_reaper_hard_grace=60.0,
+                    lease_worker_stale_after=10.0, lease_backoff_base=2.0, lease_backoff_max=10.0,
+                    lease_reaper_lock_ttl=30.0)
+    app._celery_lease_store = store
+
+    @app.task(base=LeaseTask, shared=False, name="t.work")
+    def work(x):
+        return x
+
+    @app.task(base=LeaseTask, shared=False, name="t.once", lease_max_attempts=1,
+              lease_dead_letter_queue="dlq")
+    def once(x):
+        return x
+
+    @app.task(base=LeaseTask, shared=False, name="t.never_again", lease_on_expired="fail")
+    def never_again(x):
+        return x
+
+    @app.task(base=LeaseTask, shared=False, name="t.park", lease_on_expired="dead_letter")
+    def park(x):
+        return x
+
+    @app.task(base=LeaseTask, shared=False, name="t.fragile", lease_max_expirations=1)
+    def fragile(x):
+        return x
+
+    @app.task(base=LeaseTask, shared=False, name="t.quick_dispatch", lease_dispatch_timeout=5.0)
+    def quick_dispatch(x):
+        return x
+
+    return app
+
+
+def payload(task: str = "t.work") -> str:
+    return messages.encode(task, [1], {}, {})
+
+
+def running(store: Store, job_id: str, task: str = "t.work", owner: str = DEAD, *, age: float = 5.0,
+            max_attempts: int = 3, attempts: int = 1) -> str:
+    """A running job leased by ``owner`` whose lease expired ``age`` seconds ago; returns its token."""
+    token = secrets.token_hex(16)
+    store.record(job_id, task, "celery", payload(task), max_attempts)
+    j = store.t.jobs
+    with store.begin() as c:
+        c.execute(sa.update(j).where(j.c.id == job_id).values(
+            status=RUNNING, locked_by=owner, lock_token=token, attempt_count=attempts, grace_period=1.0,
+            lease_duration=30.0, started_at=store.now_sql - 40, lease_expires_at=store.now_sql - age))
+    return token
+
+
+def queued(client: redis.Redis, queue: str = "celery") -> list[dict]:
+    return [json.loads(m) for m in client.lrange(queue, 0, -1)]
+
+
+def events(store: Store, job_id: str, name: str | None = None) -> list[dict]:
+    return store.events(job_id, name)
+
+
+# -- backoff ---------------------------------------------------------------------
+def test_backoff_doubles_per_attempt_and_stops_at_the_cap():
+    assert [backoff(n, 1.0, 10.0, False) for n in (1, 2, 3, 4, 5, 6)] == [1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
+    assert backoff(10_000, 1.0, 300.0, False) == 300.0  # no overflow
+
+
+def test_backoff_with_full_jitter_stays_between_zero_and_the_exponential_delay():
+    rng = random.Random(7)
+    delays = [backoff(3, 1.0, 300.0, True, rng) for _ in range(2000)]
+    assert all(0.0 <= d <= 4.0 for d in delays)
+    assert min(delays) < 0.1 and max(delays) > 3.9  # spread over the whole range, not a fixed value
+    capped = [backoff(20, 1.0, 5.0, True, rng) for _ in range(500)]
+    assert max(capped) <= 5.0
+
+
+# -- expired leases ----------------------------------------------------------------
+def test_reaper_requeues_an_expired_lease_once_and_republishes_its_message(app, store, broker):
+    token = running(store, "j1")
+    before = store.now()
+    result = Reaper(app).run_once()
+    assert (result.seen, result.reaped, result.dead_lettered) == (1, 1, 0)
+    job = store.get("j1")
+    assert job.status == PENDING and job.lock_token is None and job.locked_by is None
+    assert job.expired_count == 1 and job.attempt_count == 1
+    assert before <= job.available_at <= store.now() + 2.0  # backoff(1, base 2) is at most 2 s
+    [msg] = queued(broker[1])
+    assert msg["headers"]["id"] == "j1" and msg["headers"]["task"] == "t.work"
+    [event] = events(store, "j1", "reaped_expired_lease")
+    assert event["worker"] == DEAD and event["token"] == token[:8]
+    assert "owner dead@host:1 gone" in event["reason"]
+    again = Reaper(app).run_once()
+    assert again.reaped == 0 and len(queued(broker[1])) == 1
+
+
+def test_reaper_leaves_a_lease_inside_its_grace_period_alone(app, store, broker):
+    running(store, "j1", age=0.2)  # grace is 1 s
+    result = Reaper(app).run_once()
+    assert (result.seen, result.reaped) == (0, 0)
+    assert store.get("j1").status == RUNNING and queued(broker[1]) == []
+
+
+def test_reaper_leaves_a_live_owner_alone_until_the_hard_grace(app, store, broker):
+    store.touch_worker(ALIVE, "host", 2)
+    token = running(store, "j1", owner=ALIVE)
+    first, second = Reaper(app).run_once(), Reaper(app).run_once()
+    assert (first.skipped_owner_alive, first.reaped) == (1, 0) and second.skipped_owner_alive == 1
+    assert store.get("j1").lock_token == token
+    [skip] = events(store, "j1", "reap_skipped_owner_alive")  # one event per lease, not per run
+    assert skip["worker"] == ALIVE and skip["token"] == token[:8]
+    # Past the hard grace (60 s) the live owner no longer protects it.
+    j = store.t.jobs
+    with store.begin() as c:
+        c.execute(sa.update(j).where(j.c.id == "j1").values(lease_expires_at=store.now_sql - 61.0))
+    later = Reaper(app).run_once()
+    assert later.reaped == 1 and store.get("j1").status == PENDING
+    assert "owner alive, past hard grace" in events(store, "j1", "reaped_expired_lease")[0]["reason"]
+
+
+def test_run_once_now_replaces_the_store_clock_in_every_predicate(app, store):
+    store.touch_worker(ALIVE, "host", 2)
+    running(store, "young", age=-20.0)  # valid for 20 more seconds
+    running(store, "alive", owner=ALIVE, age=-20.0)
+    assert Reaper(app).run_once().seen == 0
+    result = Reaper(app).run_once(now=store.now() + 25.0)  # 5 s past expiry, owner seen 25 s ago
+    assert (result.seen, result.reaped) == (2, 2)
+
+
+def test_reaper_reaps_at_once_when_the_owner_registry_row_is_stale(app, store):
+    store.touch_worker(ALIVE, "host", 2)
+    running(store, "j1", owner=ALIVE)
+    w = store.t.workers
+    with store.begin() as c:
+        c.execute(sa.update(w).values(last_seen_at=store.now_sql - 11.0))  # stale after 10 s
+    assert Reaper(app).run_once().reaped == 1
+
+
+def test_reaper_dead_letters_when_attempts_are_exhausted_and_publishes_to_the_dead_letter_queue(
+        app, store, broker):
+    token = running(store, "j1", task="t.once", max_attempts=1)
+    result = Reaper(app).run_once()
+    assert (result.reaped, result.dead_lettered) == (0, 1)
+    job = store.get("j1")
+    assert job.status == FAILED and job.lock_token is None and job.failed_at is not None
+    assert job.last_error == "lease expired and max attempts reached"
+    [event] = events(store, "j1", "dead_lettered")
+    assert event["token"] == token[:8] and json.loads(event["detail"])["published_to"] == "dlq"
+    assert queued(broker[1]) == [] and [m["headers"]["id"] for m in queued(broker[1], "dlq")] == ["j1"]
+
+
+def test_reaper_dead_letters_after_max_lease_expirations(app, store):
+    running(store, "j1", task="t.fragile")
+    j = store.t.jobs
+    with store.begin() as c:
+        c.execute(sa.update(j).where(j.c.id == "j1").values(expired_count=1))
+    result = Reaper(app).run_once()
+    assert result.dead_lettered == 1
+    assert store.get("j1").last_error == "lease expired and max lease expirations reached"
+
+
+def test_on_expired_fail_fails_at_once_without_publishing(app, store, broker):
+    running(store, "j1", task="t.never_again")
+    result = Reaper(app).run_once()
+    assert (result.failed, result.reaped) == (1, 0)
+    assert store.get("j1").status == FAILED and queued(broker[1]) == []
+    assert "lease_on_expired='fail'" in events(store, "j1", "dead_lettered")[0]["reason"]
+
+
+def test_on_expired_dead_letter_parks_the_job_at_its_first_expiration(app, store):
+    running(store, "j1", task="t.park", attempts=1, max_attempts=5)
+    assert Reaper(app).run_once().dead_lettered == 1
+    assert store.get("j1").status == FAILED
+
+
+def test_a_job_of_an_unknown_task_follows_the_app_policy(app, store, broker):
+    running(store, "j1", task="t.unregistered")
+    assert Reaper(app).run_once().reaped == 1
+    assert queued(broker[1])[0]["headers"]["task"] == "t.unregistered"
+
+
+def test_an_unreadable_stored_message_fails_the_job_instead_of_leaving_it_pending(app, store):
+    running(store, "j1")
+    j = store.t.jobs
+    with store.begin() as c:
+        c.execute(sa.update(j).where(j.c.id == "j1").values(payload="not json"))
+    result = Reaper(app).run_once()
+    assert (result.failed, result.reaped) == (1, 0)
+    assert "message unreadable" in store.get("j1").last_error
+
+
+def test_the_scan_takes_at_most_a_batch_per_run_oldest_first(app, store):
+    for n in range(7):
+        running(store, f"j{n}", age=10.0 + n)  # j6 expired longest ago
+    first = Reaper(app, batch_size=3).run_once()
+    assert first.reaped == 3
+    assert {j for j in (f"j{n}" for n in range(7)) if store.get(j).status == PENDING} == {"j6", "j5", "j4"}
+    assert Reaper(app, batch_size=3).run_once().reaped == 3
+    assert Reaper(app, batch_size=3).run_once().reaped == 1
+
+
+def test_the_keyset_walk_passes_leases_left_to_live_owners(app, store):
+    store.touch_worker(ALIVE, "host", 2)
+    for n in range(5):
+        running(store, f"alive{n}", owner=ALIVE, age=20.0 + n)  # oldest, but their owner is alive
+    running(store, "dead", age=10.0)
+    result = Reaper(app, batch_size=2).run_once()
+    assert (result.skipped_owner_alive, result.reaped) == (5, 1)
+    assert store.get("dead").status == PENDING
+
+
+# -- the CAS loses cleanly ------------------------------------------------------------
+def scan_one(store: Store):
+    with store.begin() as c:
+        [item] = store.scan_expired(c, limit=10, hard_grace=60.0, stale_after=10.0, lock=False)
+    return item.job
+
+
+def test_requeue_loses_against_a_concurrent_takeover_and_writes_nothing(store):
+    running(store, "j1")
+    seen = scan_one(store)
+    new = store.claim("j1", "w2", secrets.token_hex(16), duration=30.0, grace=1.0, task_name="t.work",
+                      queue="celery", max_attempts=3, max_expirations=3, takeover=True, hard_grace=60.0,
+                      stale_after=10.0, payload=lambda: None)
+    assert new.claimed
+    assert not store.requeue_abandoned("j1", seen.lock_token, seen.locked_by, delay=1.0, reason="x")
+    assert store.get("j1").lock_token == new.job.lock_token
+    assert events(store, "j1", "reaped_expired_lease") == []
+
+
+def test_requeue_loses_against_a_concurrent_completion_and_writes_nothing(store):
+    token = running(store, "j1")
+    seen = scan_one(store)
+    assert store.complete("j1", token, DEAD)
+    assert not store.requeue_abandoned("j1", seen.lock_token, seen.locked_by, delay=1.0, reason="x")
+    assert not store.dead_letter_abandoned("j1", seen.lock_token, seen.locked_by, error="x")
+    assert store.get("j1").status == COMPLETED
+    assert events(store, "j1", "reaped_expired_lease") == events(store, "j1", "dead_lettered") == []
+
+
+def test_requeue_loses_against_a_renewal_between_scan_and_write(store):
+    token = running(store, "j1")
+    seen = scan_one(store)
+    assert store.renew({token: "j1"}, DEAD) == {"j1"}  # the owner woke up: same token, fresh lease
+    assert not store.requeue_abandoned("j1", seen.lock_token, seen.locked_by, delay=1.0, reason="x")
+    assert store.get("j1").status == RUNNING and events(store, "j1", "reaped_expired_lease") == []
+
+
+def test_a_message_waiting_on_a_requeue_in_flight_claims_the_requeued_job(store):
+    """The early message of a requeue blocks on the reaper's row lock, then must claim the job."""
+    running(store, "j1")
+    outcome: list[str] = []
+    in_tx, go = threading.Event(), threading.Event()
+
+    def reaper_batch() -> None:
+        with store.begin() as c:
+            [item] = store.scan_expired(c, limit=10, hard_grace=60.0, stale_after=10.0)
+            assert store.requeue_abandoned("j1", item.job.lock_token, DEAD, delay=0.0, reason="x", c=c)
+            in_tx.set()
+            go.wait(10)
+
+    def deliver() -> None:
+        got = store.claim("j1", "w2", secrets.token_hex(16), duration=30.0, grace=1.0, task_name="t.work",
+                          queue="celery", max_attempts=3, max_expirations=3, takeover=True, hard_grace=60.0,
+                          stale_after=10.0, payload=lambda: None)
+        outcome.append(got.outcome)
+
+    reaping = threading.Thread(target=reaper_batch)
+    reaping.start()
+    assert in_tx.wait(10)
+    delivering = threading.Thread(target=deliver)
+    delivering.start()
+    delivering.join(0.5)  # give the claim time to reach the locked row (it must wait there)
+    go.set()
+    reaping.join(10)
+    delivering.join(20)
+    assert outcome == ["claimed"]
+    assert store.get("j1").locked_by == "w2"
+
+
+def test_two_reapers_racing_over_1000_expired_rows_requeue_each_exactly_once(app, store, broker):
+    j = store.t.jobs
+    rows = [dict(id=f"r{n:04d}", task_name="t.work", queue_name="celery", payload=payload(), status=RUNNING,
+                 attempt_count=1, expired_count=0, dispatch_count=0, max_attempts=3, available_at=0.0,
+                 lock_token=secrets.token_hex(16), locked_by=DEAD, grace_period=0.0, lease_expires_at=1.0,
+                 created_at=0.0, updated_at=0.0) for n in range(1000)]
+    with store.begin() as c:
+        c.execute(sa.insert(j), rows)
+    totals: list[int] = []
+    errors: list[BaseException] = []
+
+    def reap_until_done() -> None:
+        mine = Reaper(app, batch_size=100)
+        try:
+            for _ in range(200):
+                result = mine.run_once()
+                totals.append(result.reaped)
+                with store.begin() as c:
+                    left = c.execute(sa.select(sa.func.count()).select_from(j).where(j.c.status == RUNNING))
+                    if left.scalar_one() == 0:
+                        return
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reap_until_done) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == []
+    assert sum(totals) == 1000
+    with store.begin() as c:
+        by_count = sa.select(j.c.expired_count, sa.func.count()).group_by(j.c.expired_count)
+        counts = dict(c.execute(by_count).all())
+    assert counts == {1: 1000}
+    reaped = store.events(event="reaped_expired_lease", limit=5000)
+    assert len(reaped) == 1000 and len({e["job_id"] for e in reaped}) == 1000
+    assert broker[1].llen("celery") == 1000
+
+
+def test_two_scanners_without_the_reaper_lock_still_requeue_each_row_once(store):
+    for n in range(60):
+        running(store, f"j{n:02d}")
+    wins: list[str] = []
+    lock = threading.Lock()
+
+    def scan_and_requeue() -> None:
+        while True:
+            with store.begin() as c:
+                page = store.scan_expired(c, limit=10, hard_grace=60.0, stale_after=10.0)
+                if not page:
+                    return
+                for item in page:
+                    if store.requeue_abandoned(item.job.id, item.job.lock_token, DEAD, delay=0.0, reason="x",
+                                               c=c):
+                        with lock:
+                            wins.append(item.job.id)
+
+    threads = [threading.Thread(target=scan_and_requeue) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(wins) == [f"j{n:02d}" for n in range(60)]
+
+
+# -- lost dispatches ------------------------------------------------------------------
+def test_a_lost_dispatch_is_republished_once_and_counted(app, store, broker):
+    store.record("p1", "t.work", "celery", payload(), 3, delay=-700.0)  # default dispatch timeout: 600 s
+    store.record("fresh", "t.work", "celery", payload(), 3)
+    result = Reaper(app).run_once()
+    assert result.redispatched == 1
+    job = store.get("p1")
+    assert job.status == PENDING and job.dispatch_count == 1 and job.available_at > store.now() - 5
+    assert [m["headers"]["id"] for m in queued(broker[1])] == ["p1"]
+    [event] = events(store, "p1", "redispatched")
+    assert "lease_dispatch_timeout 600s" in event["reason"]
+    assert Reaper(app).run_once().redispatched == 0
+
+
+def test_the_dispatch_timeout_is_per_task(app, store):
+    store.record("quick", "t.quick_dispatch", "celery", payload("t.quick_dispatch"), 3, delay=-10.0)
+    store.record("slow", "t.work", "celery", payload(), 3, delay=-10.0)
+    assert Reaper(app).run_once().redispatched == 1
+    assert store.get("quick").dispatch_count == 1 and store.get("slow").dispatch_count == 0
+
+
+def test_two_reapers_do_not_both_count_one_redispatch(store):
+    store.record("p1", "t.work", "celery", payload(), 3, delay=-700.0)
+    with store.begin() as c:
+        [(seen, _)] = store.scan_lost_dispatches(c, older_than=600.0, limit=10, lock=False)
+    assert store.redispatched(seen, "first")
+    assert not store.redispatched(seen, "second")
+    assert store.get("p1").dispatch_count == 1 and len(events(store, "p1", "redispatched")) == 1
+
+
+# -- one reaper at a time -------------------------------------------------------------
+def test_a_second_reaper_skips_its_run_while_the_lock_is_held(app, store):
+    running(store, "j1")
+    other = secrets.token_hex(16)
+    assert store.acquire_reaper_lock(other, "someone-else", 30.0)
+    result = Reaper(app).run_once()
+    assert result.skipped and result.reaped == 0 and store.get("j1").status == RUNNING
+    assert store.reaper_lock_holder()[0] == "someone-else"
+    assert store.release_reaper_lock(other)
+    assert Reaper(app).run_once().reaped == 1
+    assert store.reaper_lock_holder() is None  # released after the run
+
+
+def test_an_expired_reaper_lock_is_taken_over(store):
+    assert store.acquire_reaper_lock("a" * 32, "crashed", 0.05)
+    assert not store.acquire_reaper_lock("b" * 32, "next", 30.0)
+    k = store.t.locks
+    with store.begin() as c:
+        c.execute(sa.update(k).values(expires_at=store.now_sql - 1.0))
+    assert store.acquire_reaper_lock("b" * 32, "next", 30.0)
+    assert not store.renew_reaper_lock("a" * 32, 30.0) and not store.release_reaper_lock("a" * 32)
+
+
+# -- dry run, pruning, logging, the task ------------------------------------------------------
+def test_dry_run_plans_every_decision_and_changes_nothing(app, store, broker):
+    store.touch_worker(ALIVE, "host", 2)
+    running(store, "requeue")
+    running(store, "dead_letter", task="t.once", max_attempts=1)
+    running(store, "alive", owner=ALIVE)
+    store.record("lost", "t.work", "celery", payload(), 3, delay=-700.0)
+    before = {e["id"] for e in store.events(limit=1000)}
+    result = Reaper(app).run_once(dry_run=True)
+    plan = {d.job_id: d.decision for d in result.planned}
+    assert plan == {"requeue": "requeue", "dead_letter": "dead_letter", "alive": "skip_owner_alive",
+                    "lost": "redispatch"}
+    assert result.reaped == result.dead_lettered == result.redispatched == 0
+    assert {e["id"] for e in store.events(limit=1000)} == before
+    assert store.get("requeue").status == RUNNING and broker[1].dbsize() == 0
+    assert json.dumps(result.as_dict())  # what `celery lease reap --dry-run` and the task return
+
+
+def test_pruning_removes_old_completed_jobs_events_and_stale_workers_only(app, store):
+    store.record("old_done", "t.work", "celery", payload(), 3)
+    store.record("old_failed", "t.work", "celery", payload(), 3)
+    store.record("new_done", "t.work", "celery", payload(), 3)
+    store.touch_worker("gone@host:9", "host", 9)
+    store.touch_worker(ALIVE, "host", 2)
+    j, w, e = store.t.jobs, store.t.workers, store.t.events
+    year = 365 * 24 * 3600.0
+    with store.begin() as c:
+        long_ago = store.now_sql - year
+        c.execute(sa.update(j).where(j.c.id == "old_done").values(status=COMPLETED, updated_at=long_ago))
+        c.execute(sa.update(j).where(j.c.id == "old_failed").values(status=FAILED, updated_at=long_ago))
+        c.execute(sa.update(j).where(j.c.id == "new_done").values(status=COMPLETED))
+        c.execute(sa.update(e).where(e.c.job_id == "old_done").values(at=store.now_sql - year))
+        c.execute(sa.update(w).where(w.c.worker_id == "gone@host:9").values(last_seen_at=store.now_sql - 101))
+    result = Reaper(app).run_once()
+    assert (result.pruned_jobs, result.pruned_events, result.pruned_workers) == (1, 1, 1)
+    assert store.get("old_done") is None
+    assert store.get("old_failed") is not None  # dead letters stay for operators
+    assert store.get("new_done") is not None
+    with store.begin() as c:
+        assert [r[0] for r in c.execute(sa.select(w.c.worker_id))] == [ALIVE]
+
+
+def test_the_reaper_logs_one_summary_line_only_when_it_changed_something(app, store, caplog):
+    caplog.set_level(logging.INFO, logger="celery_lease.reaper")
+    Reaper(app).run_once()
+    assert [r for r in caplog.records if r.name == "celery_lease.reaper"] == []
+    running(store, "j1")
+    Reaper(app).run_once()
+    [line] = [r for r in caplog.records if r.name == "celery_lease.reaper"]
+    assert line.levelno == logging.INFO and "reaped=1" in line.getMessage() and line.action == "reap"
+
+
+def test_the_reap_task_is_registered_in_every_app_and_is_not_a_lease_task(app, store):
+    task = app.tasks["celery_lease.reap"]
+    assert isinstance(task, Task) and not isinstance(task, LeaseTask)
+    other = Celery("another", set_as_current=False, task_cls=LeaseTask)
+    assert not isinstance(other.tasks["celery_lease.reap"], LeaseTask)
+    running(store, "j1")
+    counts = task.apply().get()
+    assert counts["reaped"] == 1 and counts["skipped"] is False
+
+
+# -- a child lost under a job ---------------------------------------------------------------
+def test_recover_worker_lost_requeues_the_job_of_that_owner_at_once(app, store, broker):
+    token = running(store, "j1", owner="node@h:42", age=-25.0)  # lease still valid for 25 s
+    assert recover_worker_lost(app, "j1", "node@h:99", "WorkerLostError") == "none"
+    assert store.get("j1").lock_token == token
+    assert recover_worker_lost(app, "j1", "node@h:42", "WorkerLostError") == "requeue"
+    job = store.get("j1")
+    assert job.status == PENDING and job.expired_count == 1 and job.lock_token is None
+    [event] = events(store, "j1", "reaped_expired_lease")
+    assert "worker process lost: WorkerLostError" in event["reason"] and event["token"] == token[:8]
+    assert [m["headers"]["id"] for m in queued(broker[1])] == ["j1"]
+    assert recover_worker_lost(app, "j1", "node@h:42", "WorkerLostError") == "none"
+
+
+def test_recover_worker_lost_dead_letters_at_max_attempts(app, store):
+    running(store, "j1", owner="node@h:42", age=-25.0, attempts=3, max_attempts=3)
+    assert recover_worker_lost(app, "j1", "node@h:42", "TimeLimitExceeded") == "dead_letter"
+    job = store.get("j1")
+    assert job.status == FAILED and job.last_error == "lease expired and max attempts reached"
+
+
+def test_the_pause_seam_runs_between_publish_and_cas(app, store, broker, monkeypatch):
+    running(store, "j1")
+    seen: list[tuple[str, str, int]] = []
+
+    def pause(job_id: str) -> None:
+        seen.append((job_id, store.get(job_id).status if store.dialect != "sqlite" else "-",
+                     broker[1].llen("celery")))
+
+    monkeypatch.setattr(reaper, "after_publish", pause)
+    assert Reaper(app).run_once().reaped == 1
+    assert seen[0][0] == "j1" and seen[0][2] == 1  # the message is out before the CAS
+    if store.dialect != "sqlite":  # a second connection still sees the row running
+        assert seen[0][1] == RUNNING
