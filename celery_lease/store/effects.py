@@ -1,11 +1,248 @@
-"""Statements of fenced effects, checkpoints' neighbours and resource locks."""
+"""Statements of fenced effects, resource locks and the monotonic ``advance`` helper.
+
+An effect key is inserted only while its job's row still carries the caller's
+token: one ``INSERT ... SELECT`` from the jobs row, whose "nothing inserted" is
+told apart afterwards (the key exists, or the lease is gone). Resource locks are
+rows with their own token and an expiry on the store's clock.
+"""
 
 from __future__ import annotations
 
-from .base import StoreBase
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-__all__ = ["EffectStatements"]
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from .base import RUNNING, StoreBase
+
+__all__ = ["EffectStatements", "FIRST", "DUPLICATE", "LOST", "advance_statement"]
+
+# What a fenced insert found: the caller wrote the key (or took the lock), the key
+# exists already (the lock is held), or the caller's job lease is gone.
+FIRST, DUPLICATE, LOST = "first", "duplicate", "lost"
+_MYSQL = ("mysql", "mariadb")
+
+
+def advance_statement(column: sa.Column, where: sa.ColumnElement[bool], value: Any,
+                      order: Sequence[Any] | None = None) -> sa.Update:
+    """UPDATE that moves ``column`` to ``value`` only where it is behind (NULL or earlier)."""
+    if order is None:
+        behind = column < value
+    else:
+        states = list(order)
+        if value not in states:
+            raise ValueError(f"{value!r} is not one of the states {states!r}; add it to order=")
+        earlier = states[:states.index(value)]
+        behind = column.in_(earlier) if earlier else sa.false()
+    return sa.update(column.table).where(where, sa.or_(column.is_(None), behind)).values({column.name: value})
 
 
 class EffectStatements(StoreBase):
-    """Statements of fenced effects, checkpoints' neighbours and resource locks."""
+    """Fenced effect keys, resource locks, and the keys an operator may release."""
+
+    # -- fencing ----------------------------------------------------------------
+    def _held(self, job_id: str, token: str) -> sa.ColumnElement[bool]:
+        j = self.t.jobs
+        return sa.and_(j.c.id == job_id, j.c.lock_token == token, j.c.status == RUNNING)
+
+    def _insert_new(self, table: sa.Table, dialect: str) -> Any:
+        """An INSERT that skips a row whose key exists, without an error that aborts the transaction.
+
+        Its row count says whether it inserted (SQLAlchemy keeps an INSERT's count only on request).
+        """
+        if dialect == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+            stmt = pg_insert(table).on_conflict_do_nothing()
+        elif dialect == "sqlite":
+            from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+            stmt = sqlite_insert(table).on_conflict_do_nothing()
+        else:
+            # MySQL: IGNORE also turns truncation into a warning; callers bound key lengths first.
+            stmt = sa.insert(table).prefix_with("IGNORE")
+        return stmt.execution_options(preserve_rowcount=True)
+
+    def lease_held(self, c: Connection, job_id: str, token: str) -> bool:
+        """Whether the job's row still carries this token (read on ``c``)."""
+        j = self.t.jobs
+        return c.execute(sa.select(j.c.id).where(self._held(job_id, token))).first() is not None
+
+    # -- effects ------------------------------------------------------------------
+    def _effect_insert(self, key: str, job_id: str, token: str, dialect: str, fenced: bool = True) -> Any:
+        e, j = self.t.effects, self.t.jobs
+        if not fenced:
+            return self._insert_new(e, dialect).values(key=key, job_id=job_id, at=self.now_sql)
+        source = (sa.select(sa.literal(key, sa.String()), j.c.id, self.now_sql)
+                  .where(self._held(job_id, token)))
+        return self._insert_new(e, dialect).from_select(["key", "job_id", "at"], source)
+
+    def record_effect(self, key: str, job_id: str, token: str, worker: str | None = None) -> str:
+        """Insert ``key`` for the job while ``token`` holds it: FIRST, DUPLICATE or LOST (audited)."""
+        with self.begin() as c:
+            if c.execute(self._effect_insert(key, job_id, token, self.dialect)).rowcount == 1:
+                return FIRST
+            if self.lease_held(c, job_id, token):
+                return DUPLICATE
+            self._event(c, job_id, "stale_effect_rejected", "lock token no longer matches", worker, token,
+                        {"key": key})
+            return LOST
+
+    def record_effect_in(self, conn: Connection, key: str, job_id: str, token: str,
+                         worker: str | None = None) -> str:
+        """Like record_effect, but the key is written in the caller's transaction on ``conn``.
+
+        PostgreSQL and SQLite run the one fenced ``INSERT ... SELECT`` on ``conn``. On
+        MySQL/MariaDB that statement would hold a shared lock on the jobs row until the
+        caller commits (blocking heartbeats and the reaper), so the fence is read on the
+        store's own connection just before a plain insert of the key on ``conn``.
+        """
+        dialect = conn.dialect.name
+        if dialect in _MYSQL:
+            with self.begin() as c:
+                if not self.lease_held(c, job_id, token):
+                    self._event(c, job_id, "stale_effect_rejected", "lock token no longer matches", worker,
+                                token, {"key": key, "in_transaction": True})
+                    return LOST
+            inserted = conn.execute(self._effect_insert(key, job_id, token, dialect, fenced=False))
+            return FIRST if inserted.rowcount == 1 else DUPLICATE
+        if conn.execute(self._effect_insert(key, job_id, token, dialect)).rowcount == 1:
+            return FIRST
+        if dialect == "sqlite":
+            # The caller's connection may hold SQLite's only write lock: a second
+            # connection would wait for it, so read and audit on the caller's.
+            if self.lease_held(conn, job_id, token):
+                return DUPLICATE
+            self._event(conn, job_id, "stale_effect_rejected", "lock token no longer matches", worker, token,
+                        {"key": key, "in_transaction": True})
+            return LOST
+        with self.begin() as c:
+            if self.lease_held(c, job_id, token):
+                return DUPLICATE
+            self._event(c, job_id, "stale_effect_rejected", "lock token no longer matches", worker, token,
+                        {"key": key, "in_transaction": True})
+            return LOST
+
+    def release_effect(self, key: str, job_id: str, token: str, worker: str | None = None,
+                       reason: str | None = None) -> bool:
+        """Delete a key whose block failed, only while ``token`` still holds the job.
+
+        When the lease is gone the key stays (a stale owner changes nothing) and an
+        ``effect_unconfirmed`` event names it: the effect may not have happened.
+        """
+        e = self.t.effects
+        with self.begin() as c:
+            res = c.execute(sa.delete(e).where(
+                e.c.key == key, e.c.job_id == job_id,
+                sa.exists().where(self._held(job_id, token)),
+            ))
+            if res.rowcount == 1:
+                self._event(c, job_id, "effect_released", reason, worker, token, {"key": key})
+                return True
+            self._event(c, job_id, "effect_unconfirmed", "block failed after the lease was lost; key kept",
+                        worker, token, {"key": key, "error": reason})
+            return False
+
+    def unrecord_effect_in(self, conn: Connection, key: str, job_id: str) -> bool:
+        """Take back a key this transaction wrote on ``conn`` (its block failed; nobody saw it yet)."""
+        e = self.t.effects
+        return conn.execute(sa.delete(e).where(e.c.key == key, e.c.job_id == job_id)).rowcount == 1
+
+    def forget_effect(self, key: str, reason: str = "released by an operator") -> bool:
+        """Delete an effect key unconditionally (an operator's decision), audited."""
+        e = self.t.effects
+        with self.begin() as c:
+            job_id = c.execute(sa.select(e.c.job_id).where(e.c.key == key)).scalar()
+            if job_id is None:
+                return False
+            res = c.execute(sa.delete(e).where(e.c.key == key, e.c.job_id == job_id))
+            if res.rowcount == 1:
+                self._event(c, job_id, "effect_forgotten", reason, detail={"key": key})
+            return res.rowcount == 1
+
+    def effect_keys(self, job_id: str) -> list[str]:
+        """The effect keys a job recorded, oldest first."""
+        e = self.t.effects
+        with self.begin() as c:
+            return list(c.execute(sa.select(e.c.key).where(e.c.job_id == job_id).order_by(e.c.at)).scalars())
+
+    # -- idempotency keys of jobs --------------------------------------------------------
+    def release_idempotency_key(self, job_id: str, reason: str = "redriven") -> str | None:
+        """Free a dead letter's idempotency key so a redrive may publish under it again.
+
+        Only a ``failed`` job gives its key up; returns the key, or None when the job
+        has none or is not a dead letter.
+        """
+        j = self.t.jobs
+        with self.begin() as c:
+            key = c.execute(sa.select(j.c.idempotency_key)
+                            .where(j.c.id == job_id, j.c.status == "failed")).scalar()
+            if key is None:
+                return None
+            res = c.execute(sa.update(j).where(j.c.id == job_id, j.c.status == "failed",
+                                               j.c.idempotency_key == key)
+                            .values(idempotency_key=None, updated_at=self.now_sql))
+            if res.rowcount != 1:
+                return None
+            self._event(c, job_id, "idempotency_key_released", reason, detail={"key": key})
+            return key
+
+    # -- resource locks ---------------------------------------------------------------
+    def acquire_lock(self, resource: str, token: str, ttl: float, owner: str | None = None,
+                     job_id: str | None = None, job_token: str | None = None) -> str:
+        """Take ``resource`` if it is free or expired: FIRST (taken), DUPLICATE (held) or LOST.
+
+        With ``job_token`` the lock is taken only while that job lease holds (LOST otherwise).
+        """
+        lk, j = self.t.locks, self.t.jobs
+        fence = self._held(job_id, job_token) if job_token is not None and job_id is not None else None
+        with self.begin() as c:
+            values = [sa.literal(resource, sa.String()), sa.literal(token, sa.String()),
+                      sa.literal(job_id, sa.String()), sa.literal(owner, sa.String()), self.now_sql + ttl]
+            # SQLite wants a WHERE before ON CONFLICT in INSERT ... SELECT.
+            source = sa.select(*values).where(sa.true())
+            if fence is not None:
+                source = source.select_from(j).where(fence)
+            cols = ["resource", "token", "job_id", "owner", "expires_at"]
+            if c.execute(self._insert_new(lk, self.dialect).from_select(cols, source)).rowcount == 1:
+                return FIRST
+            take = sa.update(lk).where(lk.c.resource == resource, lk.c.expires_at < self.now_sql)
+            if fence is not None:
+                take = take.where(sa.exists().where(fence))
+            res = c.execute(take.values(token=token, job_id=job_id, owner=owner,
+                                        expires_at=self.now_sql + ttl))
+            if res.rowcount == 1:
+                self._event(c, job_id, "lock_taken_after_expiry", resource, owner, token)
+                return FIRST
+            if fence is not None and not self.lease_held(c, job_id, job_token):
+                return LOST
+            return DUPLICATE
+
+    def renew_locks(self, ttls: Mapping[str, float]) -> set[str]:
+        """Extend every lock whose token is given (token -> ttl) in one statement; returns renewed tokens."""
+        if not ttls:
+            return set()
+        lk = self.t.locks
+        tokens = list(ttls)
+        ttl = sa.case(*((lk.c.token == tok, sa.literal(sec)) for tok, sec in ttls.items()), else_=0.0)
+        stmt = sa.update(lk).where(lk.c.token.in_(tokens)).values(expires_at=self.now_sql + ttl)
+        with self.begin() as c:
+            if self.engine.dialect.update_returning:
+                return {r[0] for r in c.execute(stmt.returning(lk.c.token))}
+            c.execute(stmt)
+            return set(c.execute(sa.select(lk.c.token).where(lk.c.token.in_(tokens))).scalars())
+
+    def release_lock(self, resource: str, token: str) -> bool:
+        """Delete the lock row if ``token`` still holds it; False when it expired and moved on."""
+        lk = self.t.locks
+        with self.begin() as c:
+            res = c.execute(sa.delete(lk).where(lk.c.resource == resource, lk.c.token == token))
+            return res.rowcount == 1
+
+    def lock_holder(self, resource: str) -> dict[str, Any] | None:
+        """The lock row of a resource (token, job_id, owner, expires_at), or None."""
+        lk = self.t.locks
+        with self.begin() as c:
+            row = c.execute(sa.select(lk).where(lk.c.resource == resource)).first()
+        return None if row is None else dict(row._mapping)

@@ -1,0 +1,269 @@
+"""Fenced effects, resource locks and a monotonic update: effects once per key.
+
+``effect(lease, key)`` claims a side effect's key while the job's lease holds, so
+``first`` is True for exactly one completed block per key, whichever attempt or
+worker gets there first. The key is written *before* the block runs (two racers
+cannot both see ``first``) and taken back if the block raises (a failed effect is
+not lost). Given the caller's ``connection``, the key lives in the caller's
+transaction and commits or rolls back with the business write.
+
+``lock(lease, resource)`` leases a business resource under its own token; this
+process's heartbeat renews every held lock in one statement and releases the locks
+of a lost lease. ``advance`` moves a column forward only (a replay changes nothing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import secrets
+import threading
+import time
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from . import schema
+from .errors import LeaseConfigError, LeaseError, LeaseLost, LockUnavailable, StoreUnavailable
+from .store.effects import FIRST, LOST, advance_statement
+
+if TYPE_CHECKING:
+    from .heartbeat import Heartbeat
+    from .task import Lease
+
+__all__ = ["effect", "lock", "advance", "ResourceLock"]
+
+log = logging.getLogger(__name__)
+
+MAX_POLL = 0.5  # seconds between two tries of a held lock, at most
+
+
+def _check_key(kind: str, key: str) -> None:
+    # MySQL's INSERT IGNORE would truncate a longer key silently, merging distinct keys.
+    if not isinstance(key, str) or not key or len(key) > schema.ID:
+        raise ValueError(f"{kind} must be a non-empty string of at most {schema.ID} characters, got {key!r}")
+
+
+def _family(dialect: str) -> str:
+    return "mysql" if dialect in ("mysql", "mariadb") else dialect
+
+
+@contextlib.contextmanager
+def effect(lease: Lease, key: str, connection: Connection | None = None) -> Iterator[bool]:
+    """``with effect(lease, key) as first:`` do the side effect only when ``first``.
+
+    Raises LeaseLost, recording nothing, when the lease moved on. When the block
+    raises, the key is released (fenced by the token; with ``connection``, deleted in
+    that transaction) so a later attempt performs the effect.
+    """
+    _check_key("effect key", key)
+    lease.check()
+    store = lease.store
+    if connection is None:
+        outcome = store.record_effect(key, lease.job_id, lease.token, lease.worker)
+    else:
+        if _family(connection.dialect.name) != _family(store.dialect):
+            raise ValueError(f"effect(connection=...) needs a connection to the lease store's database "
+                             f"({store.safe_url}); got a {connection.dialect.name} connection")
+        try:
+            outcome = store.record_effect_in(connection, key, lease.job_id, lease.token, lease.worker)
+        except (sa.exc.ProgrammingError, sa.exc.OperationalError) as exc:
+            raise StoreUnavailable(
+                f"effect {key!r}: the connection's database rejected the effect insert ({exc.orig}); "
+                f"pass a connection to the lease store's database ({store.safe_url}), migrated"
+            ) from exc
+    if outcome == LOST:
+        log.warning("job %s [%s]: effect %r rejected, the lease moved on", lease.job_id, lease.token[:8], key,
+                    extra={"action": "stale_effect_rejected"})
+        lease.mark_lost(f"effect {key!r} rejected: token no longer matches")
+        lease.check()
+    first = outcome == FIRST
+    try:
+        yield first
+    except BaseException as exc:
+        if first:
+            _take_back(lease, key, connection, exc)
+        raise
+
+
+def _take_back(lease: Lease, key: str, connection: Connection | None, exc: BaseException) -> None:
+    """The block failed: free its key so the effect is not lost; never mask the block's error."""
+    reason = f"{type(exc).__name__}: {exc}"[:200]
+    if connection is not None:
+        try:
+            lease.store.unrecord_effect_in(connection, key, lease.job_id)
+        except sa.exc.DBAPIError as error:
+            # An aborted transaction (PostgreSQL) can only roll back, and the rollback drops the key.
+            log.info("job %s [%s]: effect %r left to the transaction's rollback (%s)", lease.job_id,
+                     lease.token[:8], key, error.orig, extra={"action": "effect_released"})
+        return
+    try:
+        released = lease.store.release_effect(key, lease.job_id, lease.token, lease.worker, reason)
+    except StoreUnavailable as error:
+        log.error("job %s [%s]: effect %r failed (%s) and its key could not be released (%s); "
+                  "the effect may not have happened", lease.job_id, lease.token[:8], key, reason, error,
+                  extra={"action": "effect_unconfirmed"})
+        return
+    if not released:
+        log.warning("job %s [%s]: effect %r failed after the lease was lost; key kept, the effect may "
+                    "not have happened", lease.job_id, lease.token[:8], key,
+                    extra={"action": "effect_unconfirmed"})
+
+
+def advance(connection: Connection, column: sa.Column, where: sa.ColumnElement[bool], value: Any,
+            order: Sequence[Any] | None = None) -> bool:
+    """Set ``column`` to ``value`` where it is NULL or behind; True when a row moved forward.
+
+    Without ``order`` "behind" is ``column < value`` (counters, versions, times);
+    with ``order`` (states in their sequence) it is any earlier state. Replays and
+    late, out-of-order messages change nothing.
+    """
+    return connection.execute(advance_statement(column, where, value, order)).rowcount > 0
+
+
+# -- resource locks ---------------------------------------------------------------
+@dataclasses.dataclass(eq=False)
+class ResourceLock:
+    """A held lease on a business resource: its own token, renewed by the heartbeat."""
+
+    resource: str
+    token: str
+    ttl: float
+    lease: Lease
+    lost: bool = False
+    done: bool = False  # the block ended (or the lease was lost): release, never renew
+    released: bool = False
+    _mutex: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    def check(self) -> None:
+        """Raise LeaseLost if the lock expired and another owner may hold the resource."""
+        if self.lost:
+            raise LeaseLost(self.lease.job_id, f"resource lock {self.resource!r} lost")
+
+
+class _Locks:
+    """The locks of one heartbeat's process; called by the heartbeat after each round."""
+
+    def __init__(self, hb: Heartbeat) -> None:
+        self.store = hb.store
+        self.held: dict[str, ResourceLock] = {}
+        self._mutex = threading.Lock()
+
+    def holds(self, job_id: str, resource: str) -> bool:
+        with self._mutex:
+            return any(lk.resource == resource and lk.lease.job_id == job_id and not lk.done
+                       for lk in self.held.values())
+
+    def add(self, lk: ResourceLock) -> None:
+        with self._mutex:
+            self.held[lk.token] = lk
+
+    def release(self, lk: ResourceLock) -> None:
+        """Release fenced by the lock's token, once; retried next round if the store is unreachable."""
+        lk.done = True
+        with lk._mutex:
+            if lk.released:
+                return
+            try:
+                deleted = self.store.release_lock(lk.resource, lk.token)
+            except StoreUnavailable as exc:
+                log.warning("lock %r [%s] not released yet (%s); it expires in at most %gs", lk.resource,
+                            lk.token[:8], exc, lk.ttl, extra={"action": "lock_release_deferred"})
+                return
+            lk.released = True
+        with self._mutex:
+            self.held.pop(lk.token, None)
+        if not deleted and not lk.lost:
+            lk.lost = True
+            self._lost(lk, "expired and moved on before release")
+
+    def _lost(self, lk: ResourceLock, why: str) -> None:
+        lease = lk.lease
+        log.warning("job %s [%s]: resource lock %r [%s] lost: %s", lease.job_id, lease.token[:8],
+                    lk.resource, lk.token[:8], why, extra={"action": "lock_lost"})
+        self.store.event(lease.job_id, "lock_lost", f"{lk.resource}: {why}", lease.worker, lk.token)
+
+    def __call__(self) -> None:
+        with self._mutex:
+            held = list(self.held.values())
+        for lk in held:
+            if lk.done or lk.lease.lost:
+                self.release(lk)
+        live = [lk for lk in held if not lk.done]
+        renewed = self.store.renew_locks({lk.token: lk.ttl for lk in live})
+        for lk in live:
+            # A block that ended during the renewal released its own row.
+            if lk.token in renewed or lk.done:
+                continue
+            lk.lost = lk.done = True
+            with self._mutex:
+                self.held.pop(lk.token, None)
+            self._lost(lk, "taken by another owner after it expired")
+            lk.lease.mark_lost(f"resource lock {lk.resource!r} lost")
+
+
+_registry: weakref.WeakKeyDictionary[Any, _Locks] = weakref.WeakKeyDictionary()
+_registry_lock = threading.Lock()
+
+
+def _locks_of(hb: Heartbeat) -> _Locks:
+    with _registry_lock:
+        locks = _registry.get(hb)
+        if locks is None:
+            locks = _registry[hb] = _Locks(hb)
+            hb.renewers.append(locks)
+        return locks
+
+
+@contextlib.contextmanager
+def lock(lease: Lease, resource: str, ttl: float | None = None,
+         timeout: float | None = None) -> Iterator[ResourceLock]:
+    """``with lock(lease, "account:42"):`` hold a resource, waiting up to ``timeout`` seconds.
+
+    Raises LockUnavailable when the resource stays held, LeaseLost when the job's
+    lease is gone. Released on exit; the heartbeat renews it meanwhile and releases
+    it if the lease is lost; a dead process's lock expires after ``ttl``.
+    """
+    _check_key("lock resource", resource)
+    ttl = lease.policy.lock_ttl if ttl is None else float(ttl)
+    timeout = lease.policy.lock_timeout if timeout is None else float(timeout)
+    interval = lease.policy.heartbeat_interval
+    if ttl < 3 * interval:
+        raise LeaseConfigError("lease_lock_ttl", ttl, f"must be at least three heartbeat intervals "
+                               f"({3 * interval:g}s) so two renewals can fail before the lock expires")
+    locks = _locks_of(lease.heartbeat)
+    if locks.holds(lease.job_id, resource):
+        raise LeaseError(f"job {lease.job_id} already holds the lock on {resource!r}; "
+                         "locks are not re-entrant")
+    held = ResourceLock(resource, secrets.token_hex(16), ttl, lease)
+    _acquire(lease, held, timeout)
+    locks.add(held)
+    try:
+        yield held
+    finally:
+        locks.release(held)
+
+
+def _acquire(lease: Lease, held: ResourceLock, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    delay = 0.02
+    while True:
+        lease.check()
+        outcome = lease.store.acquire_lock(held.resource, held.token, held.ttl, lease.worker,
+                                           lease.job_id, lease.token)
+        if outcome == FIRST:
+            log.debug("job %s [%s]: lock %r [%s] taken", lease.job_id, lease.token[:8], held.resource,
+                      held.token[:8], extra={"action": "lock_acquired"})
+            return
+        if outcome == LOST:
+            lease.mark_lost(f"lock {held.resource!r} refused: token no longer matches")
+            lease.check()
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise LockUnavailable(held.resource, timeout)
+        time.sleep(min(delay, remaining))
+        delay = min(delay * 2, MAX_POLL)

@@ -1,0 +1,503 @@
+"""Fenced effects, idempotency keys, checkpoints, resource locks and advance, on each store kind."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+
+import pytest
+import sqlalchemy as sa
+
+from celery_lease.config import load
+from celery_lease.effects import advance, effect, lock
+from celery_lease.errors import LeaseConfigError, LeaseError, LeaseLost, LockUnavailable
+from celery_lease.heartbeat import Heartbeat
+from celery_lease.store import FAILED
+from celery_lease.task import Lease
+from tests.helpers import wait_for
+
+RACERS = 16
+
+
+def policy(**overrides):
+    return load({}).policy({"lease_duration": 3.0, "lease_heartbeat_interval": 0.2,
+                            "lease_on_lost": "flag", **overrides})
+
+
+def claim(store, hb: Heartbeat, job_id: str, **overrides) -> Lease:
+    """Record (if new) and claim ``job_id``; a lapsed lease is taken over. Returns the new owner's Lease."""
+    store.record(job_id, "t.pay", "q", "{}", 5)
+    tok = secrets.token_hex(16)
+    got = store.claim(job_id, hb.worker, tok, duration=3.0, grace=0.0, task_name="t.pay", queue="q",
+                      max_attempts=5, max_expirations=5, takeover=True, hard_grace=0.0, stale_after=10.0,
+                      payload=lambda: None)
+    assert got.claimed, got
+    job = got.job
+    return Lease(store, hb, job_id, tok, job.attempt_count, policy(**overrides),
+                 job.idempotency_key or f"t.pay:{job_id}", job.checkpoint_state())
+
+
+def lapse(store, job_id: str) -> None:
+    """Put a lease's expiry in the past on the store's clock (test-only SQL)."""
+    j = store.t.jobs
+    with store.begin() as c:
+        c.execute(sa.update(j).where(j.c.id == job_id).values(lease_expires_at=store.now_sql - 1.0))
+
+
+def keys(store) -> dict[str, str]:
+    e = store.t.effects
+    with store.begin() as c:
+        return {r.key: r.job_id for r in c.execute(sa.select(e))}
+
+
+def events(store, name: str) -> list[dict]:
+    return store.events(event=name)
+
+
+@pytest.fixture
+def hb(store):
+    beat = Heartbeat(store, "host:1", "host", default_interval=0.2)
+    yield beat
+    beat.stop()
+
+
+@pytest.fixture
+def ledger(store):
+    """A business table in the store's database, with a unique business key."""
+    md = sa.MetaData()
+    table = sa.Table(f"{store.t.jobs.name[:-4]}ledger", md,
+                     sa.Column("payment_id", sa.String(64), primary_key=True),
+                     sa.Column("amount", sa.Integer, nullable=False))
+    md.create_all(store.engine)
+    yield table
+    md.drop_all(store.engine)
+
+
+def race(n: int, fn) -> list:
+    """Run ``fn(i)`` in n threads released together; returns results (exceptions included)."""
+    barrier = threading.Barrier(n)
+    results: list = [None] * n
+
+    def run(i: int) -> None:
+        barrier.wait()
+        try:
+            results[i] = fn(i)
+        except Exception as exc:  # noqa: BLE001 - the test inspects every outcome
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results
+
+
+# -- fenced effects ------------------------------------------------------------------------
+def test_sixteen_leases_racing_on_one_effect_key_see_first_once(store, hb):
+    leases = [claim(store, hb, f"job-{i}") for i in range(RACERS)]
+
+    def attempt(i: int) -> bool:
+        with effect(leases[i], "capture:p1") as first:
+            return first
+
+    results = race(RACERS, attempt)
+    assert sorted(results, key=str) == [False] * (RACERS - 1) + [True]
+    winner = leases[results.index(True)].job_id
+    assert keys(store) == {"capture:p1": winner}
+
+
+def test_sixteen_leases_racing_in_their_own_transactions_write_one_ledger_row(store, hb, ledger):
+    leases = [claim(store, hb, f"job-{i}") for i in range(RACERS)]
+    engine = sa.create_engine(store.url, poolclass=sa.NullPool,
+                              connect_args={"timeout": 30} if store.dialect == "sqlite" else {})
+
+    def attempt(i: int) -> bool:
+        with engine.begin() as conn:
+            with effect(leases[i], "capture:p1", connection=conn) as first:
+                if first:
+                    conn.execute(ledger.insert().values(payment_id="p1", amount=100 + i))
+                return first
+
+    results = race(RACERS, attempt)
+    assert [r for r in results if not isinstance(r, bool)] == []
+    assert results.count(True) == 1
+    with store.begin() as c:
+        rows = c.execute(sa.select(ledger)).all()
+    assert rows == [("p1", 100 + results.index(True))]
+    assert keys(store) == {"capture:p1": leases[results.index(True)].job_id}
+
+
+def test_successive_owners_after_takeovers_see_first_once(store, hb):
+    seen = []
+    for _ in range(3):
+        lease = claim(store, hb, "job-1")
+        with effect(lease, "ship:o1") as first:
+            seen.append((lease.attempt, first))
+        lapse(store, "job-1")
+    assert seen == [(1, True), (2, False), (3, False)]
+
+
+def test_effect_with_a_stale_token_writes_nothing_and_raises_lease_lost(store, hb):
+    stale = claim(store, hb, "job-1")
+    lapse(store, "job-1")
+    fresh = claim(store, hb, "job-1")
+    with pytest.raises(LeaseLost), effect(stale, "capture:p1") as first:
+        pytest.fail(f"body ran with first={first}")
+    assert keys(store) == {}
+    assert stale.lost and not fresh.lost
+    rejected = events(store, "stale_effect_rejected")
+    assert [(e["job_id"], e["token"]) for e in rejected] == [("job-1", stale.token[:8])]
+    with effect(fresh, "capture:p1") as first:
+        assert first
+
+
+def test_effect_with_a_stale_token_in_a_user_transaction_writes_nothing(store, hb, ledger):
+    stale = claim(store, hb, "job-1")
+    lapse(store, "job-1")
+    claim(store, hb, "job-1")
+    with pytest.raises(LeaseLost), store.engine.begin() as conn, \
+            effect(stale, "capture:p1", connection=conn):
+        conn.execute(ledger.insert().values(payment_id="p1", amount=1))
+    assert keys(store) == {}
+    with store.begin() as c:
+        assert c.execute(sa.select(ledger)).all() == []
+
+
+def test_stale_token_is_refused_even_when_the_key_exists(store, hb):
+    stale = claim(store, hb, "job-1")
+    lapse(store, "job-1")
+    fresh = claim(store, hb, "job-1")
+    with effect(fresh, "capture:p1") as first:
+        assert first
+    with pytest.raises(LeaseLost), effect(stale, "capture:p1"):
+        pytest.fail("a stale owner must not run the block")
+    assert keys(store) == {"capture:p1": "job-1"}
+
+
+def test_a_lease_known_lost_raises_before_touching_the_store(store, hb):
+    lease = claim(store, hb, "job-1")
+    lease.mark_lost("taken_over", "other:2")
+    with pytest.raises(LeaseLost, match="other:2"), effect(lease, "k"):
+        pytest.fail("no block after a known loss")
+    assert keys(store) == {} and events(store, "stale_effect_rejected") == []
+
+
+def test_effect_in_a_user_transaction_that_rolls_back_leaves_no_key(store, hb, ledger):
+    lease = claim(store, hb, "job-1")
+    with pytest.raises(ZeroDivisionError), store.engine.begin() as conn:
+        with effect(lease, "capture:p1", connection=conn) as first:
+            assert first
+            conn.execute(ledger.insert().values(payment_id="p1", amount=5))
+        assert keys_on(conn, store) == {"capture:p1": "job-1"}
+        raise ZeroDivisionError("the business transaction fails after the block")
+    assert keys(store) == {}
+    with store.begin() as c:
+        assert c.execute(sa.select(ledger)).all() == []
+    with store.engine.begin() as conn, effect(lease, "capture:p1", connection=conn) as first:
+        assert first, "the rolled-back effect is performed by the next try"
+
+
+def keys_on(conn, store) -> dict[str, str]:
+    return {r.key: r.job_id for r in conn.execute(sa.select(store.t.effects))}
+
+
+def test_effect_in_a_user_transaction_commits_with_the_business_row(store, hb, ledger):
+    lease = claim(store, hb, "job-1")
+    with store.engine.begin() as conn, effect(lease, "capture:p1", connection=conn) as first:
+        assert first
+        conn.execute(ledger.insert().values(payment_id="p1", amount=5))
+    with store.begin() as c:
+        assert c.execute(sa.select(ledger)).all() == [("p1", 5)]
+    assert keys(store) == {"capture:p1": "job-1"}
+
+
+def test_an_open_effect_transaction_does_not_hold_up_the_heartbeat(store, hb):
+    if store.dialect == "sqlite":
+        pytest.skip("SQLite has one writer at a time: every store write waits for the open transaction")
+    lease = claim(store, hb, "job-1")
+    renewed = threading.Event()
+    with store.engine.begin() as conn, effect(lease, "capture:p1", connection=conn) as first:
+        assert first
+        threading.Thread(target=lambda: store.renew({lease.token: "job-1"}, hb.worker) and renewed.set(),
+                         daemon=True).start()
+        assert renewed.wait(5), "the renewal waited for the effect's transaction (a lock on the jobs row)"
+
+
+def test_a_duplicate_key_leaves_the_user_transaction_usable(store, hb, ledger):
+    lease = claim(store, hb, "job-1")
+    with effect(lease, "capture:p1") as first:
+        assert first
+    with store.engine.begin() as conn:
+        with effect(lease, "capture:p1", connection=conn) as first:
+            assert not first
+        conn.execute(ledger.insert().values(payment_id="after-duplicate", amount=1))
+    with store.begin() as c:
+        assert c.execute(sa.select(ledger.c.payment_id)).scalars().all() == ["after-duplicate"]
+
+
+def test_a_failing_block_in_a_committed_transaction_takes_its_key_back(store, hb):
+    lease = claim(store, hb, "job-1")
+    with store.engine.begin() as conn:
+        with pytest.raises(TimeoutError), effect(lease, "capture:p1", connection=conn) as first:
+            assert first
+            raise TimeoutError("gateway timed out")
+    assert keys(store) == {}
+
+
+def test_a_failing_block_releases_its_key_for_the_next_attempt(store, hb):
+    lease = claim(store, hb, "job-1")
+    with pytest.raises(ConnectionError), effect(lease, "capture:p1") as first:
+        assert first
+        raise ConnectionError("gateway down")
+    assert keys(store) == {}
+    assert [e["detail"] for e in events(store, "effect_released")] == ['{"key": "capture:p1"}']
+    with effect(lease, "capture:p1") as first:
+        assert first
+    with effect(lease, "capture:p1") as first:
+        assert not first
+
+
+def test_a_block_failing_after_the_lease_moved_on_keeps_its_key_and_is_audited(store, hb):
+    lease = claim(store, hb, "job-1")
+    with pytest.raises(ConnectionError), effect(lease, "capture:p1") as first:
+        assert first
+        lapse(store, "job-1")
+        claim(store, hb, "job-1")
+        raise ConnectionError("gateway down")
+    assert keys(store) == {"capture:p1": "job-1"}
+    unconfirmed = events(store, "effect_unconfirmed")
+    assert len(unconfirmed) == 1 and "capture:p1" in unconfirmed[0]["detail"]
+
+
+def test_keys_differing_only_in_case_are_distinct_effects(store, hb):
+    lease = claim(store, hb, "job-1")
+    for key in ("ch_1Ab", "ch_1aB"):
+        with effect(lease, key) as first:
+            assert first, key
+
+
+@pytest.mark.parametrize("key", ["", "x" * 256, None])
+def test_effect_keys_are_bounded_non_empty_strings(store, hb, key):
+    lease = claim(store, hb, "job-1")
+    with pytest.raises(ValueError, match="at most 255"), effect(lease, key):
+        pass
+
+
+def test_an_operator_can_forget_an_unconfirmed_effect(store, hb):
+    lease = claim(store, hb, "job-1")
+    with effect(lease, "capture:p1"):
+        pass
+    assert store.effect_keys("job-1") == ["capture:p1"]
+    assert store.forget_effect("capture:p1", "gateway shows no capture")
+    assert not store.forget_effect("capture:p1")
+    assert store.effect_keys("job-1") == [] and len(events(store, "effect_forgotten")) == 1
+
+
+# -- idempotent publish, redrive, checkpoints -----------------------------------------------
+def test_sixteen_threads_recording_one_idempotency_key_make_one_job(store):
+    results = race(RACERS, lambda i: store.record(f"job-{i}", "t.pay", "q", "{}", 5,
+                                                  idempotency_key="order-1"))
+    assert [r for r in results if not isinstance(r, tuple)] == []
+    created = [holder for made, holder in results if made]
+    assert len(created) == 1
+    assert {holder for _, holder in results} == set(created)
+    with store.begin() as c:
+        assert c.execute(sa.select(sa.func.count()).select_from(store.t.jobs)).scalar() == 1
+
+
+def test_a_dead_letters_key_is_released_for_a_redrive_only_once_failed(store, hb):
+    store.record("job-1", "t.pay", "q", "{}", 5, idempotency_key="order-1")
+    assert store.release_idempotency_key("job-1") is None, "a pending job keeps its key"
+    lease = claim(store, hb, "job-1")
+    assert store.fail("job-1", lease.token, "boom")
+    assert store.get("job-1").status == FAILED
+    assert store.release_idempotency_key("job-1") == "order-1"
+    assert store.record("job-2", "t.pay", "q", "{}", 5, idempotency_key="order-1") == (True, "job-2")
+    assert [e["job_id"] for e in events(store, "idempotency_key_released")] == ["job-1"]
+
+
+def test_a_checkpoint_is_read_by_the_next_attempt(store, hb):
+    first = claim(store, hb, "job-1")
+    assert first.checkpoint_state is None
+    first.checkpoint({"step": 2, "charged": ["p1"]})
+    lapse(store, "job-1")
+    second = claim(store, hb, "job-1")
+    assert second.attempt == 2 and second.checkpoint_state == {"step": 2, "charged": ["p1"]}
+    assert second.idempotency_key == first.idempotency_key == "t.pay:job-1"
+
+
+def test_a_stale_checkpoint_writes_nothing_and_raises_lease_lost(store, hb):
+    stale = claim(store, hb, "job-1")
+    stale.checkpoint({"step": 1})
+    lapse(store, "job-1")
+    claim(store, hb, "job-1")
+    with pytest.raises(LeaseLost):
+        stale.checkpoint({"step": 9})
+    assert store.get("job-1").checkpoint_state() == {"step": 1}
+    assert len(events(store, "stale_checkpoint_rejected")) == 1
+
+
+def test_the_idempotency_key_given_at_publish_is_the_leases(store, hb):
+    store.record("job-1", "t.pay", "q", "{}", 5, idempotency_key="order-1")
+    assert claim(store, hb, "job-1").idempotency_key == "order-1"
+
+
+# -- resource locks -------------------------------------------------------------------------
+def holder(store, resource: str):
+    return store.lock_holder(resource)
+
+
+def test_a_second_holder_waits_for_release(store, hb):
+    a, b = claim(store, hb, "job-a"), claim(store, hb, "job-b")
+    entered, release = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def hold() -> None:
+        with lock(a, "account:42", ttl=3.0):
+            order.append("a in")
+            entered.set()
+            release.wait(10)
+            order.append("a out")
+
+    t = threading.Thread(target=hold)
+    t.start()
+    assert entered.wait(10)
+    waiter = threading.Thread(target=lambda: _take(b, order))
+    waiter.start()
+    wait_for(lambda: waiter.is_alive(), message="waiter started")
+    assert holder(store, "account:42")["job_id"] == "job-a"
+    release.set()
+    t.join(10)
+    waiter.join(10)
+    assert order == ["a in", "a out", "b in"]
+    assert holder(store, "account:42") is None
+
+
+def _take(lease: Lease, order: list[str]) -> None:
+    with lock(lease, "account:42", ttl=3.0, timeout=10.0):
+        order.append("b in")
+
+
+def test_a_held_lock_raises_lock_unavailable_after_the_timeout(store, hb):
+    a, b = claim(store, hb, "job-a"), claim(store, hb, "job-b")
+    with lock(a, "account:42", ttl=3.0):
+        started = time.monotonic()
+        with pytest.raises(LockUnavailable, match="account:42"), lock(b, "account:42", timeout=0.3):
+            pytest.fail("two holders")
+        assert time.monotonic() - started >= 0.3
+    with lock(b, "account:42", timeout=0):
+        assert holder(store, "account:42")["job_id"] == "job-b"
+
+
+def test_an_expired_lock_is_taken_and_audited(store, hb):
+    a, b = claim(store, hb, "job-a"), claim(store, hb, "job-b")
+    with lock(a, "account:42", ttl=3.0) as held_a:
+        lk = store.t.locks
+        with store.begin() as c:
+            c.execute(sa.update(lk).values(expires_at=store.now_sql - 0.1))
+        with lock(b, "account:42", timeout=0) as held_b:
+            assert holder(store, "account:42")["token"] == held_b.token
+        assert [e["reason"] for e in events(store, "lock_taken_after_expiry")] == ["account:42"]
+    assert held_a.lost, "releasing a lock that moved on tells its holder"
+    assert len(events(store, "lock_lost")) == 1
+
+
+def test_one_heartbeat_statement_renews_every_held_lock(store, hb):
+    leases = [claim(store, hb, f"job-{i}") for i in range(3)]
+    statements: list[str] = []
+
+    def collect(conn, cursor, statement, parameters, context, executemany):
+        if store.t.locks.name in statement:
+            statements.append(statement.lstrip().split()[0].upper())
+
+    with lock(leases[0], "r0", ttl=3.0), lock(leases[1], "r1", ttl=3.0), lock(leases[2], "r2", ttl=6.0):
+        before = {r: holder(store, r)["expires_at"] for r in ("r0", "r1", "r2")}
+        sa.event.listen(store.engine, "before_cursor_execute", collect)
+        try:
+            hb.beat()
+        finally:
+            sa.event.remove(store.engine, "before_cursor_execute", collect)
+        after = {r: holder(store, r)["expires_at"] for r in ("r0", "r1", "r2")}
+    assert all(after[r] > before[r] for r in before)
+    assert after["r2"] - after["r0"] == pytest.approx(3.0, abs=0.5)
+    assert statements.count("UPDATE") == 1 and "DELETE" not in statements
+
+
+def test_locks_of_a_lost_lease_are_released_by_the_heartbeat(store, hb):
+    lease = claim(store, hb, "job-1")
+    with hb._lock:
+        hb.leases[lease.token] = lease
+    with lock(lease, "account:42", ttl=3.0):
+        lapse(store, "job-1")
+        claim(store, hb, "job-1")
+        hb.beat()
+        assert lease.lost
+        assert holder(store, "account:42") is None
+
+
+def test_a_lock_lost_to_another_owner_marks_the_lease_lost(store, hb):
+    a, b = claim(store, hb, "job-a"), claim(store, hb, "job-b")
+    with lock(a, "account:42", ttl=3.0) as held:
+        lk = store.t.locks
+        with store.begin() as c:
+            c.execute(sa.update(lk).values(expires_at=store.now_sql - 0.1))
+        with lock(b, "account:42", timeout=0):
+            hb.beat()
+            assert held.lost and a.lost
+            with pytest.raises(LeaseLost, match="account:42"):
+                held.check()
+            assert holder(store, "account:42")["job_id"] == "job-b"
+
+
+def test_a_stale_lease_cannot_take_a_lock(store, hb):
+    stale = claim(store, hb, "job-1")
+    lapse(store, "job-1")
+    claim(store, hb, "job-1")
+    with pytest.raises(LeaseLost), lock(stale, "account:42", timeout=0):
+        pytest.fail("a stale owner must not lock")
+    assert holder(store, "account:42") is None
+
+
+def test_locks_are_not_reentrant_and_need_a_ttl_above_three_heartbeats(store, hb):
+    lease = claim(store, hb, "job-1")
+    with lock(lease, "account:42", ttl=3.0), pytest.raises(LeaseError, match="not re-entrant"), \
+            lock(lease, "account:42"):
+        pass
+    with pytest.raises(LeaseConfigError, match="lease_lock_ttl"), lock(lease, "account:43", ttl=0.5):
+        pass
+
+
+# -- advance ----------------------------------------------------------------------------------------
+STATES = ["new", "paid", "shipped", "delivered"]
+
+
+@pytest.fixture
+def orders(store):
+    md = sa.MetaData()
+    table = sa.Table(f"{store.t.jobs.name[:-4]}orders", md,
+                     sa.Column("id", sa.Integer, primary_key=True, autoincrement=False),
+                     sa.Column("status", sa.String(16)), sa.Column("seq", sa.Integer))
+    md.create_all(store.engine)
+    with store.engine.begin() as c:
+        c.execute(table.insert().values(id=1, status="paid", seq=None))
+    yield table
+    md.drop_all(store.engine)
+
+
+def test_advance_moves_a_state_forward_only(store, orders):
+    with store.engine.begin() as c:
+        assert advance(c, orders.c.status, orders.c.id == 1, "shipped", order=STATES)
+        assert not advance(c, orders.c.status, orders.c.id == 1, "shipped", order=STATES), "a replay"
+        assert not advance(c, orders.c.status, orders.c.id == 1, "paid", order=STATES), "a late message"
+        assert c.execute(sa.select(orders.c.status)).scalar() == "shipped"
+    with pytest.raises(ValueError, match="refunded"), store.engine.begin() as c:
+        advance(c, orders.c.status, orders.c.id == 1, "refunded", order=STATES)
+
+
+def test_advance_keeps_the_highest_value(store, orders):
+    with store.engine.begin() as c:
+        moved = [advance(c, orders.c.seq, orders.c.id == 1, v) for v in (3, 7, 5, 7)]
+        assert moved == [True, True, False, False]
+        assert c.execute(sa.select(orders.c.seq)).scalar() == 7
