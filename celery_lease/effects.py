@@ -40,6 +40,7 @@ __all__ = ["effect", "lock", "advance", "ResourceLock"]
 log = logging.getLogger(__name__)
 
 MAX_POLL = 0.5  # seconds between two tries of a held lock, at most
+RESERVED = "celery_lease."  # lock names of the library itself (store.reaping.REAPER_LOCK)
 
 
 def _check_key(kind: str, key: str) -> None:
@@ -229,6 +230,9 @@ def lock(lease: Lease, resource: str, ttl: float | None = None,
     it if the lease is lost; a dead process's lock expires after ``ttl``.
     """
     _check_key("lock resource", resource)
+    if resource.startswith(RESERVED):
+        raise ValueError(f"lock resource {resource!r}: names starting with {RESERVED!r} are reserved "
+                         "(the reaper's own lock lives there)")
     ttl = lease.policy.lock_ttl if ttl is None else float(ttl)
     timeout = lease.policy.lock_timeout if timeout is None else float(timeout)
     interval = lease.policy.heartbeat_interval

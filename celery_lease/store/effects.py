@@ -167,27 +167,6 @@ class EffectStatements(StoreBase):
         with self.begin() as c:
             return list(c.execute(sa.select(e.c.key).where(e.c.job_id == job_id).order_by(e.c.at)).scalars())
 
-    # -- idempotency keys of jobs --------------------------------------------------------
-    def release_idempotency_key(self, job_id: str, reason: str = "redriven") -> str | None:
-        """Free a dead letter's idempotency key so a redrive may publish under it again.
-
-        Only a ``failed`` job gives its key up; returns the key, or None when the job
-        has none or is not a dead letter.
-        """
-        j = self.t.jobs
-        with self.begin() as c:
-            key = c.execute(sa.select(j.c.idempotency_key)
-                            .where(j.c.id == job_id, j.c.status == "failed")).scalar()
-            if key is None:
-                return None
-            res = c.execute(sa.update(j).where(j.c.id == job_id, j.c.status == "failed",
-                                               j.c.idempotency_key == key)
-                            .values(idempotency_key=None, updated_at=self.now_sql))
-            if res.rowcount != 1:
-                return None
-            self._event(c, job_id, "idempotency_key_released", reason, detail={"key": key})
-            return key
-
     # -- resource locks ---------------------------------------------------------------
     def acquire_lock(self, resource: str, token: str, ttl: float, owner: str | None = None,
                      job_id: str | None = None, job_token: str | None = None) -> str:

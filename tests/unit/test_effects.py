@@ -13,7 +13,6 @@ from celery_lease.config import load
 from celery_lease.effects import advance, effect, lock
 from celery_lease.errors import LeaseConfigError, LeaseError, LeaseLost, LockUnavailable
 from celery_lease.heartbeat import Heartbeat
-from celery_lease.store import FAILED
 from celery_lease.task import Lease
 from tests.helpers import wait_for
 
@@ -307,17 +306,6 @@ def test_sixteen_threads_recording_one_idempotency_key_make_one_job(store):
         assert c.execute(sa.select(sa.func.count()).select_from(store.t.jobs)).scalar() == 1
 
 
-def test_a_dead_letters_key_is_released_for_a_redrive_only_once_failed(store, hb):
-    store.record("job-1", "t.pay", "q", "{}", 5, idempotency_key="order-1")
-    assert store.release_idempotency_key("job-1") is None, "a pending job keeps its key"
-    lease = claim(store, hb, "job-1")
-    assert store.fail("job-1", lease.token, "boom")
-    assert store.get("job-1").status == FAILED
-    assert store.release_idempotency_key("job-1") == "order-1"
-    assert store.record("job-2", "t.pay", "q", "{}", 5, idempotency_key="order-1") == (True, "job-2")
-    assert [e["job_id"] for e in events(store, "idempotency_key_released")] == ["job-1"]
-
-
 def test_a_checkpoint_is_read_by_the_next_attempt(store, hb):
     first = claim(store, hb, "job-1")
     assert first.checkpoint_state is None
@@ -466,6 +454,12 @@ def test_locks_are_not_reentrant_and_need_a_ttl_above_three_heartbeats(store, hb
             lock(lease, "account:42"):
         pass
     with pytest.raises(LeaseConfigError, match="lease_lock_ttl"), lock(lease, "account:43", ttl=0.5):
+        pass
+
+
+def test_resources_named_like_the_reapers_lock_are_refused(store, hb):
+    lease = claim(store, hb, "job-1")
+    with pytest.raises(ValueError, match="reserved"), lock(lease, "celery_lease.reaper", ttl=3.0):
         pass
 
 
