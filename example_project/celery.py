@@ -1,0 +1,39 @@
+"""The shop's Celery app: settings from ``example_project.settings``, tasks on LeaseTask.
+
+``EXAMPLE_MODE=plain`` (the demo's ``--mode plain``) builds the same app with plain
+Celery tasks and without the reaper, to show what celery_lease changes.
+"""
+
+from __future__ import annotations
+
+import os
+
+from celery import Celery, Task, signals
+
+MODE = os.environ.get("EXAMPLE_MODE", "lease")
+if MODE not in ("lease", "plain"):
+    raise ValueError(f"EXAMPLE_MODE={MODE!r}: use 'lease' (the default) or 'plain'")
+
+BaseTask: type[Task]
+if MODE == "lease":
+    from celery_lease import LeaseTask
+
+    BaseTask = LeaseTask
+    include = ["example_project.tasks", "celery_lease.reaper"]
+else:
+    from .plain import PlainTask
+
+    BaseTask = PlainTask
+    include = ["example_project.tasks"]
+
+app = Celery("example_project", include=include)
+app.config_from_object("example_project.settings")
+if MODE == "plain":
+    app.conf.beat_schedule = {}
+
+
+@signals.worker_init.connect
+def _create_shop_tables(**_: object) -> None:
+    from . import shop
+
+    shop.migrate()
