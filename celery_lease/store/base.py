@@ -103,6 +103,7 @@ class StoreBase:
         self._engine: Engine | None = None
         self._pid = -1
         self._lock = threading.Lock()
+        self._migrate_lock = threading.Lock()
         self._migrated = False
         try:
             self.dialect = sa.engine.make_url(url).get_dialect().name
@@ -174,8 +175,12 @@ class StoreBase:
         return created
 
     def ensure_migrated(self) -> None:
+        # Threads of one process migrate one at a time: MySQL's DDL is not transactional,
+        # so concurrent migrations of a fresh store collide on half-created indexes.
         if not self._migrated:
-            self.migrate()
+            with self._migrate_lock:
+                if not self._migrated:
+                    self.migrate()
 
     def now(self) -> float:
         """The store's clock, in epoch seconds."""
