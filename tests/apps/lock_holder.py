@@ -1,0 +1,40 @@
+"""A process that claims a job, takes a resource lock and holds it until it is killed.
+
+``python -m tests.apps.lock_holder STORE_URL PREFIX JOB_ID RESOURCE TTL`` prints ``held <token>``
+once the lock is taken; its heartbeat renews the job lease and the lock every 0.2 s.
+"""
+
+from __future__ import annotations
+
+import secrets
+import sys
+import threading
+
+from celery_lease.config import load
+from celery_lease.effects import lock
+from celery_lease.heartbeat import Heartbeat, worker_id
+from celery_lease.store import Store
+from celery_lease.task import Lease
+
+
+def main(url: str, prefix: str, job_id: str, resource: str, ttl: float) -> None:
+    store = Store(url, prefix=prefix)
+    hb = Heartbeat(store, worker_id("lock-holder"), "lock-holder", default_interval=0.2)
+    store.record(job_id, "t.hold", "q", "{}", 3)
+    token = secrets.token_hex(16)
+    got = store.claim(job_id, hb.worker, token, duration=3.0, grace=0.0, task_name="t.hold", queue="q",
+                      max_attempts=3, max_expirations=3, takeover=False, hard_grace=60.0, stale_after=10.0,
+                      payload=lambda: None)
+    if not got.claimed:
+        raise SystemExit(f"could not claim {job_id}: {got.outcome}")
+    policy = load({}).policy({"lease_duration": 3.0, "lease_heartbeat_interval": 0.2})
+    lease = Lease(store, hb, job_id, token, 1, policy, f"t.hold:{job_id}", None)
+    hb.add(lease)
+    with lock(lease, resource, ttl=ttl) as held:
+        sys.stdout.write(f"held {held.token}\n")
+        sys.stdout.flush()
+        threading.Event().wait()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], float(sys.argv[5]))
