@@ -22,7 +22,7 @@ from celery_lease import LeaseTask, messages
 BROKER = "redis://127.0.0.1:6379/10"
 SETTINGS = dict(
     lease_duration=2.0, lease_heartbeat_interval=0.5, lease_grace_period=0.5,
-    lease_worker_stale_after=5.0, lease_reaper_hard_grace=30.0, lease_max_attempts=3,
+    lease_worker_stale_after=300.0, lease_reaper_hard_grace=600.0, lease_max_attempts=3,
     lease_backoff_base=0.0, lease_backoff_max=0.0,
 )
 ALIVE, DEAD = "alive@ops:1", "dead@ops:2"
@@ -37,15 +37,16 @@ def build(store_url: str, prefix: str, broker: str = BROKER) -> Celery:
     app.conf.update(lease_store_url=store_url, lease_table_prefix=prefix, task_ignore_result=True,
                     **SETTINGS)
 
-    @app.task(base=LeaseTask, name="ops.quick")
+    @app.task(base=LeaseTask, name="ops.quick", shared=False)
     def quick(n: int = 0) -> int:
         return n
 
-    @app.task(base=LeaseTask, name="ops.slow", lease_duration=60.0, lease_heartbeat_interval=5.0)
+    @app.task(base=LeaseTask, name="ops.slow", shared=False, lease_duration=60.0,
+              lease_heartbeat_interval=5.0)
     def slow(n: int = 0) -> int:
         return n
 
-    @app.task(base=LeaseTask, name="ops.fails")
+    @app.task(base=LeaseTask, name="ops.fails", shared=False)
     def fails() -> None:
         raise ValueError("boom")
 
@@ -64,8 +65,9 @@ def __getattr__(name: str) -> Any:
 
 
 # -- the scene ----------------------------------------------------------------------
-def _payload(task: str, n: int) -> str:
-    return messages.encode(task, () if task == "ops.fails" else (n,), {}, {}, "json")
+def _payload(task: str, n: int, queue: str = "celery") -> str:
+    options = {"queue": queue} if queue != "celery" else {}
+    return messages.encode(task, () if task == "ops.fails" else (n,), {}, options, "json")
 
 
 def _set(store: Any, job_id: str, **values: Any) -> None:
@@ -74,22 +76,35 @@ def _set(store: Any, job_id: str, **values: Any) -> None:
         c.execute(sa.update(j).where(j.c.id == job_id).values(**values))
 
 
-def _running(store: Any, job_id: str, task: str, queue: str, owner: str, **times: float) -> None:
-    store.record(job_id, task, queue, _payload(task, 0), 3)
-    claim = store.claim(job_id, owner, secrets.token_hex(16), duration=2.0, grace=0.5, task_name=task,
-                        queue=queue, max_attempts=3, max_expirations=3, takeover=False, hard_grace=30.0,
-                        stale_after=5.0, payload=lambda: None)
+def _claim(store: Any, job_id: str, task: str, queue: str, owner: str) -> str:
+    token = secrets.token_hex(16)
+    claim = store.claim(job_id, owner, token, duration=2.0, grace=0.5, task_name=task, queue=queue,
+                        max_attempts=3, max_expirations=3, takeover=False, hard_grace=600.0,
+                        stale_after=300.0, payload=lambda: None)
     assert claim.claimed, claim
+    return token
+
+
+def _running(store: Any, job_id: str, task: str, queue: str, owner: str, **times: float) -> None:
+    store.record(job_id, task, queue, _payload(task, 0, queue), 3)
+    _claim(store, job_id, task, queue, owner)
     _set(store, job_id, **times)
+
+
+def heartbeat(store: Any, job_ids: list[str]) -> None:
+    """Stamp a fresh heartbeat on running jobs (as their worker's heartbeat would), lease untouched."""
+    j = store.t.jobs
+    with store.begin() as c:
+        c.execute(sa.update(j).where(j.c.id.in_(job_ids)).values(last_heartbeat_at=store.now_sql))
 
 
 def populate(store: Any) -> dict[str, list[str]]:
     """Fill a migrated store with a known scene; returns job ids by kind.
 
     - pending: 3 ``ops.quick`` on ``celery``; 1 ``ops.slow`` on ``reports`` due 100 s ago
-    - live: 2 running under ALIVE, lease valid for 60 s
-    - abandoned: 3 running under DEAD (unseen for 600 s), lease expired 100 s ago
-    - alive_expired: 1 running under ALIVE, lease expired 5 s ago (inside the hard grace)
+    - live: 2 ``ops.slow`` on ``reports`` running under ALIVE, lease valid for 600 s
+    - abandoned: 3 running under DEAD (unseen for an hour), leases expired 100-102 s ago
+    - alive_expired: 1 running under ALIVE, lease expired 5 s ago (inside the 600 s hard grace)
     - completed: 40 ``ops.quick`` (0.1 .. 4.0 s) and 20 ``ops.slow`` (10 .. 29 s, every 5th on attempt 2)
     - failed: 2 ``ops.fails``, 1 revoked ``ops.quick``
     - events: 2 reaped_expired_lease, 1 duplicate_delivery_skipped, 1 stale_completion_rejected
@@ -102,16 +117,16 @@ def populate(store: Any) -> dict[str, list[str]]:
     now = store.now()
     w = store.t.workers
     with store.begin() as c:
-        c.execute(sa.update(w).where(w.c.worker_id == DEAD).values(last_seen_at=now - 600))
+        c.execute(sa.update(w).where(w.c.worker_id == DEAD).values(last_seen_at=now - 3600))
     for i in range(3):
         job_id = f"pending-{i}"
         store.record(job_id, "ops.quick", "celery", _payload("ops.quick", i), 3)
         scene["pending"].append(job_id)
-    store.record("pending-late", "ops.slow", "reports", _payload("ops.slow", 0), 3)
+    store.record("pending-late", "ops.slow", "reports", _payload("ops.slow", 0, "reports"), 3)
     _set(store, "pending-late", available_at=now - 100)
     scene["pending"].append("pending-late")
     for i in range(2):
-        _running(store, f"live-{i}", "ops.slow", "reports", ALIVE, lease_expires_at=now + 60,
+        _running(store, f"live-{i}", "ops.slow", "reports", ALIVE, lease_expires_at=now + 600,
                  started_at=now - 30, last_heartbeat_at=now - 0.5)
         scene["live"].append(f"live-{i}")
     for i in range(3):
@@ -125,23 +140,16 @@ def populate(store: Any) -> dict[str, list[str]]:
     for task, count, runtime in shapes:
         for i in range(count):
             job_id = f"done-{task}-{i}"
-            token = secrets.token_hex(16)
             store.record(job_id, task, "celery", _payload(task, i), 3)
-            store.claim(job_id, ALIVE, token, duration=2.0, grace=0.5, task_name=task, queue="celery",
-                        max_attempts=3, max_expirations=3, takeover=False, hard_grace=30.0, stale_after=5.0,
-                        payload=lambda: None)
-            store.complete(job_id, token, ALIVE)
+            store.complete(job_id, _claim(store, job_id, task, "celery", ALIVE), ALIVE)
             done = store.get(job_id).completed_at
             _set(store, job_id, started_at=done - runtime(i), last_heartbeat_at=done - min(runtime(i), 0.4),
                  attempt_count=2 if task == "ops.slow" and i % 5 == 0 else 1)
             scene["completed"].append(job_id)
     for i in range(2):
-        job_id, token = f"failed-{i}", secrets.token_hex(16)
+        job_id = f"failed-{i}"
         store.record(job_id, "ops.fails", "celery", _payload("ops.fails", i), 3, idempotency_key=f"fails-{i}")
-        store.claim(job_id, ALIVE, token, duration=2.0, grace=0.5, task_name="ops.fails", queue="celery",
-                    max_attempts=3, max_expirations=3, takeover=False, hard_grace=30.0, stale_after=5.0,
-                    payload=lambda: None)
-        store.fail(job_id, token, "ValueError: boom", ALIVE)
+        store.fail(job_id, _claim(store, job_id, "ops.fails", "celery", ALIVE), "ValueError: boom", ALIVE)
         scene["failed"].append(job_id)
     store.record("revoked-0", "ops.quick", "celery", _payload("ops.quick", 0), 3)
     store.cancel("revoked-0", "revoked")

@@ -1,0 +1,1 @@
+"""Files for tools around celery_lease (Prometheus alert rules)."""

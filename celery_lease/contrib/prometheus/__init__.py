@@ -1,0 +1,1 @@
+"""Prometheus alert rules for celery_lease: alerts.yml (package data)."""

@@ -1,0 +1,369 @@
+"""`celery -A tests.apps.ops_app lease ...` through Celery's own command, on SQLite and PostgreSQL.
+
+Read-only verbs share one populated store per module and store kind (the scene of
+``tests.apps.ops_app.populate``); verbs that change rows get a fresh scene each and a
+real Redis broker (db 10) whose queues show the re-published messages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+import redis
+from celery.bin.celery import celery
+from click.testing import CliRunner, Result
+
+from celery_lease.store import for_app
+from tests.apps import ops_app
+from tests.conftest import require_service, service_url, unique_prefix
+
+REDIS_DB = 10
+VERBS = ("migrate", "status", "jobs", "inspect", "events", "reap", "requeue", "dlq", "check", "tune",
+         "exporter")
+
+
+@dataclasses.dataclass
+class Scene:
+    app: Any
+    store: Any
+    ids: dict[str, list[str]]
+
+    def run(self, *args: str) -> Result:
+        return CliRunner().invoke(celery, ["-A", "tests.apps.ops_app", "lease", *args])
+
+    def json(self, *args: str) -> Any:
+        result = self.run(*args, "--json")
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)
+
+
+@contextlib.contextmanager
+def scene(url: str, broker: str) -> Iterator[Scene]:
+    """A populated store under a fresh prefix, with the CLI's app pointed at it."""
+    prefix = unique_prefix()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OPS_STORE", url)
+        mp.setenv("OPS_PREFIX", prefix)
+        mp.setenv("OPS_BROKER", broker)
+        app = ops_app.app
+        store = for_app(app)
+        try:
+            ids = ops_app.populate(store)
+            yield Scene(app, store, ids)
+        finally:
+            store.t.metadata.drop_all(store.engine)
+            store.engine.dispose()
+
+
+def _url(kind: str, tmp_path_factory: Any) -> str:
+    if kind == "sqlite":
+        return f"sqlite:///{tmp_path_factory.mktemp('ops') / 'lease.sqlite3'}"
+    return require_service("PostgreSQL", service_url("postgres"))
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def ro(request, tmp_path_factory) -> Iterator[Scene]:
+    """One populated store per store kind that the read-only tests share (they change nothing)."""
+    with scene(_url(request.param, tmp_path_factory), "memory://") as s:
+        yield s
+
+
+@pytest.fixture
+def broker() -> Iterator[redis.Redis]:
+    url = require_service("Redis", service_url("redis"))
+    url = urlunsplit(urlsplit(url)._replace(path=f"/{REDIS_DB}"))
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    try:
+        yield client
+    finally:
+        client.flushdb()
+        client.close()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def rw(request, tmp_path_factory, broker) -> Iterator[Scene]:
+    """A fresh populated store per test, publishing to Redis db 10."""
+    broker_url = urlunsplit(urlsplit(service_url("redis"))._replace(path=f"/{REDIS_DB}"))
+    with scene(_url(request.param, tmp_path_factory), broker_url) as s:
+        yield s
+
+
+def queued_ids(client: redis.Redis, queue: str) -> list[str]:
+    """Task ids of the messages waiting in a Redis queue (kombu's list named after the queue)."""
+    return [json.loads(raw)["headers"]["id"] for raw in client.lrange(queue, 0, -1)]
+
+
+# -- the command itself -----------------------------------------------------------------
+def test_lease_is_a_celery_subcommand_with_every_verb(ro):
+    result = ro.run("--help")
+    assert result.exit_code == 0, result.output
+    for verb in VERBS:
+        assert f"\n  {verb} " in result.output, verb
+
+
+def test_migrate_is_idempotent_and_says_so(ro):
+    assert "nothing to create" in ro.run("migrate").output
+    assert ro.json("migrate")["created"] == []
+
+
+def test_migrate_creates_the_tables_of_a_new_store(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPS_STORE", f"sqlite:///{tmp_path / 'new.sqlite3'}")
+    monkeypatch.setenv("OPS_PREFIX", unique_prefix())
+    monkeypatch.setenv("OPS_BROKER", "memory://")
+    result = CliRunner().invoke(celery, ["-A", "tests.apps.ops_app", "lease", "migrate"])
+    assert result.exit_code == 0, result.output
+    assert "created table" in result.output and "jobs" in result.output
+
+
+# -- status -----------------------------------------------------------------------------
+def test_status_table_shows_queues_expired_leases_workers_and_the_last_hour(ro):
+    out = ro.run("status").output
+    lines = out.splitlines()
+    assert any(line.split() == ["celery", "3", "4", "60", "3"] for line in lines), out
+    assert any(line.split() == ["reports", "1", "2", "0", "0"] for line in lines), out
+    assert "running        6 (4 with an expired lease)" in out
+    assert "oldest running abandoned-2 (ops.quick)" in out
+    assert "1 alive, 1 stale" in out
+    assert "reaped expired lease 2" in out and "duplicate delivery skipped 1" in out
+    assert "stale writes rejected 1" in out
+
+
+def test_status_json_has_every_figure(ro):
+    report = ro.json("status")
+    assert report["totals"] == {"pending": 4, "running": 6, "completed": 60, "failed": 3}
+    assert report["jobs"]["reports"]["running"] == 2
+    assert report["running"]["expired"] == 4
+    assert report["running"]["oldest"]["id"] == "abandoned-2"
+    assert report["running"]["heartbeat_lag_max"] > 100
+    assert 0 < report["running"]["heartbeat_lag_p95"] <= report["running"]["heartbeat_lag_max"]
+    assert report["workers"] == {"alive": 1, "stale": 1}
+    assert report["dead_letters"] == 3
+    assert report["last_hour"]["reaped_expired_lease"] == 2
+    assert report["last_hour"]["duplicate_delivery_skipped"] == 1
+    assert report["last_hour"]["stale_writes_rejected"] == 1
+
+
+# -- jobs, inspect, events ----------------------------------------------------------------
+@pytest.mark.parametrize(("args", "expected"), [
+    (("--status", "pending"), {"pending-0", "pending-1", "pending-2", "pending-late"}),
+    (("--queue", "reports"), {"pending-late", "live-0", "live-1"}),
+    (("--task", "ops.fails"), {"failed-0", "failed-1"}),
+    (("--status", "running", "--queue", "celery"), {"abandoned-0", "abandoned-1", "abandoned-2",
+                                                     "alive-expired"}),
+])
+def test_jobs_filters(ro, args, expected):
+    assert {j["id"] for j in ro.json("jobs", *args)} == expected
+
+
+def test_jobs_expired_lists_oldest_lease_first(ro):
+    assert [j["id"] for j in ro.json("jobs", "--expired")] == [
+        "abandoned-2", "abandoned-1", "abandoned-0", "alive-expired"]
+
+
+def test_jobs_limit_caps_the_rows(ro):
+    assert len(ro.json("jobs", "--limit", "5")) == 5
+    assert len(ro.run("jobs", "--limit", "5").output.strip().splitlines()) == 2 + 5
+
+
+def test_jobs_table_marks_expired_leases_and_owners(ro):
+    out = ro.run("jobs", "--expired").output
+    assert out.splitlines()[0].split()[:4] == ["job", "task", "queue", "status"]
+    row = next(line for line in out.splitlines() if line.startswith("abandoned-0 "))
+    assert "EXPIRED" in row and ops_app.DEAD in row
+
+
+def test_inspect_shows_the_row_the_message_and_the_history(ro):
+    data = ro.json("inspect", "abandoned-0")
+    assert data["job"]["id"] == "abandoned-0" and data["job"]["locked_by"] == ops_app.DEAD
+    assert data["message"]["task"] == "ops.quick" and data["message"]["args"] == [0]
+    assert [e["event"] for e in data["events"]] == ["published", "claimed", "reaped_expired_lease"]
+    out = ro.run("inspect", "abandoned-0").output
+    assert "lease_expires_at" in out and "ago)" in out
+    assert "reaped_expired_lease" in out and "task: ops.quick" in out
+
+
+def test_inspect_of_an_unknown_job_says_so_and_what_to_do(ro):
+    result = ro.run("inspect", "no-such-job")
+    assert result.exit_code == 1
+    assert "no job 'no-such-job'" in result.output and "celery lease jobs" in result.output
+
+
+def test_events_filter_by_job_name_and_age(ro):
+    assert [e["event"] for e in ro.json("events", "--job", "failed-0")] == ["published", "claimed", "failed"]
+    assert {e["job_id"] for e in ro.json("events", "--event", "reaped_expired_lease")} == {
+        "abandoned-0", "abandoned-1"}
+    assert len(ro.json("events", "--since", "1h", "--limit", "7")) == 7
+    assert ro.json("events", "--since", "1h", "--event", "revoked")[0]["job_id"] == "revoked-0"
+    out = ro.run("events", "--job", "failed-0").output
+    assert out.splitlines()[0].split() == ["at", "event", "job", "reason", "worker", "token"]
+    assert "ValueError: boom" in out
+
+
+def test_events_rejects_a_bad_duration(ro):
+    result = ro.run("events", "--since", "soon")
+    assert result.exit_code == 2 and "not a duration" in result.output
+
+
+# -- tune -------------------------------------------------------------------------------
+def test_tune_measures_runtime_percentiles_per_task(ro):
+    ops_app.heartbeat(ro.store, ro.ids["live"])
+    by_task = {t["task"]: t for t in ro.json("tune")}
+    quick, slow = by_task["ops.quick"], by_task["ops.slow"]
+    assert quick["samples"] == 40 and slow["samples"] == 20
+    assert quick["runtime_p50"] == pytest.approx(2.05, abs=0.01)
+    assert quick["runtime_p99"] == pytest.approx(3.961, abs=0.01)
+    assert slow["runtime_p99"] == pytest.approx(28.81, abs=0.01)
+    assert quick["current"]["lease_duration"] == 2.0 and slow["current"]["lease_duration"] == 60.0
+    assert by_task["ops.fails"]["samples"] == 0
+
+
+def test_tune_recommends_a_longer_lease_and_warns_where_p99_nears_it(ro):
+    ops_app.heartbeat(ro.store, ro.ids["live"])
+    quick = ro.json("tune", "--task", "ops.quick")[0]
+    rec = quick["recommended"]
+    assert rec["lease_duration"] >= 2 * quick["runtime_p99"]
+    assert rec["lease_heartbeat_interval"] <= rec["lease_duration"] / 3
+    assert any("nears the lease" in w for w in quick["warnings"])
+    slow = ro.json("tune", "--task", "ops.slow")[0]
+    assert slow["recommended"]["lease_duration"] == 60.0  # 60 s already fits a 28.8 s p99
+    assert not any("nears the lease" in w for w in slow["warnings"])
+    out = ro.run("tune").output
+    assert "ops.quick" in out and "2 -> " in out and "warning: ops.quick:" in out
+
+
+# -- dead letters -------------------------------------------------------------------------
+def test_dlq_list_shows_failed_jobs_oldest_first(ro):
+    assert [j["id"] for j in ro.json("dlq", "list")] == ["failed-0", "failed-1", "revoked-0"]
+    assert [j["id"] for j in ro.json("dlq", "list", "--task", "ops.fails", "--limit", "1")] == ["failed-0"]
+    out = ro.run("dlq", "list").output
+    assert "ValueError: boom" in out and "revoked (revoked)" in out
+
+
+# -- the reaper ---------------------------------------------------------------------------
+def test_reap_dry_run_says_what_the_reaper_would_do_and_changes_nothing(ro):
+    before = {job_id: ro.store.get(job_id) for job_id in ro.ids["abandoned"] + ro.ids["alive_expired"]}
+    plan = ro.json("reap", "--dry-run")
+    decisions = {d["job_id"]: d["decision"] for d in plan["planned"]}
+    assert decisions == {"abandoned-0": "requeue", "abandoned-1": "requeue", "abandoned-2": "requeue",
+                         "alive-expired": "skip_owner_alive"}
+    assert plan["dry_run"] is True
+    assert {job_id: ro.store.get(job_id) for job_id in before} == before
+    out = ro.run("reap", "--dry-run").output
+    assert "skip_owner_alive" in out and "dry run:" in out
+
+
+# -- refusals -----------------------------------------------------------------------------
+def test_requeue_refuses_a_live_lease_without_force(ro):
+    before = ro.store.get("live-0")
+    result = ro.run("requeue", "--job", "live-0")
+    assert result.exit_code == 1
+    assert "live-0 holds a live lease" in result.output and "--force" in result.output
+    assert ro.store.get("live-0") == before
+
+
+def test_requeue_refuses_an_expired_lease_whose_owner_is_alive(ro):
+    result = ro.run("requeue", "--job", "alive-expired")
+    assert result.exit_code == 1 and "holds a live lease" in result.output
+    assert ro.store.get("alive-expired").status == "running"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("requeue", "--job", "no-such-job"), "no job 'no-such-job'"),
+    (("requeue", "--job", "done-ops.quick-0"), "is completed; there is nothing to requeue"),
+    (("requeue", "--job", "failed-0"), "dlq redrive --job failed-0"),
+    (("requeue", "--job", "pending-0"), "Use --force to re-publish"),
+    (("dlq", "redrive", "--job", "live-0"), "not a dead letter"),
+    (("dlq", "redrive", "--job", "no-such-job"), "no job 'no-such-job'"),
+    (("requeue",), "--job ID or take expired leases with --expired"),
+])
+def test_recovery_refusals_name_the_job_and_what_to_do(ro, args, message):
+    result = ro.run(*args)
+    assert result.exit_code == 1, result.output
+    assert message in result.output
+
+
+def test_store_unreachable_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("OPS_STORE", "postgresql+psycopg://postgres@127.0.0.1:1/none")
+    monkeypatch.setenv("OPS_PREFIX", unique_prefix())
+    monkeypatch.setenv("OPS_BROKER", "memory://")
+    result = CliRunner().invoke(celery, ["-A", "tests.apps.ops_app", "lease", "status"])
+    assert result.exit_code == 69
+    assert "unreachable" in result.output and "lease_store_url" in result.output
+
+
+# -- manual recovery ----------------------------------------------------------------------
+def test_requeue_expired_takes_only_abandoned_leases_a_batch_at_a_time(rw, broker):
+    first = rw.json("requeue", "--expired", "--batch", "2")
+    assert [o["job_id"] for o in first["outcomes"]] == ["abandoned-2", "abandoned-1"]
+    assert first["requeued"] == 2 and first["batch"] == 2
+    out = rw.run("requeue", "--expired").output
+    assert "abandoned-0" in out and "requeued 1," in out
+    assert "nothing to do" in rw.run("requeue", "--expired").output
+    for job_id in rw.ids["abandoned"]:
+        job = rw.store.get(job_id)
+        assert (job.status, job.lock_token, job.locked_by, job.expired_count) == ("pending", None, None, 1)
+        event = rw.store.list_events(job_id=job_id, event="manual_requeue")
+        assert len(event) == 1 and event[0]["worker"].startswith("cli:")
+    assert sorted(queued_ids(broker, "celery")) == sorted(rw.ids["abandoned"])
+    for job_id in rw.ids["live"] + rw.ids["alive_expired"]:
+        assert rw.store.get(job_id).status == "running"
+
+
+def test_requeue_force_takes_a_live_lease_and_fences_its_old_owner(rw, broker):
+    old = rw.store.get("live-0")
+    result = rw.run("requeue", "--job", "live-0", "--force")
+    assert result.exit_code == 0, result.output
+    job = rw.store.get("live-0")
+    assert job.status == "pending" and job.lock_token is None
+    assert rw.store.list_events(job_id="live-0", event="manual_requeue")[0]["detail"]
+    assert queued_ids(broker, "reports") == ["live-0"]
+    assert rw.store.complete("live-0", old.lock_token, old.locked_by) is False
+
+
+def test_requeue_force_re_publishes_a_pending_job(rw, broker):
+    assert rw.json("requeue", "--job", "pending-late", "--force")["requeued"] == 1
+    assert queued_ids(broker, "reports") == ["pending-late"]
+    assert rw.store.get("pending-late").dispatch_count == 1
+
+
+def test_requeue_shows_a_progress_bar_on_a_terminal_only(rw, broker, monkeypatch):
+    assert "requeueing" not in rw.run("requeue", "--expired", "--batch", "1").stderr
+    monkeypatch.setattr("celery_lease.cli.ops.is_tty", lambda: True)
+    assert "requeueing" in rw.run("requeue", "--expired", "--batch", "1").stderr
+    assert "requeueing" not in rw.run("requeue", "--expired", "--batch", "1", "--json").stderr
+
+
+def test_requeue_reports_a_publish_failure_and_exits_non_zero(rw, monkeypatch):
+    monkeypatch.setenv("OPS_BROKER", "redis://127.0.0.1:1/0")
+    monkeypatch.setattr(ops_app, "_apps", {})
+    app = ops_app.app
+    app.conf.task_publish_retry = False
+    app.conf.broker_transport_options = {"max_retries": 0}  # kombu retries a refused connection for 6 s
+    app._celery_lease_store = rw.store
+    result = rw.run("requeue", "--job", "abandoned-0", "--json")
+    assert result.exit_code == 1
+    outcome = json.loads(result.stdout)["outcomes"][0]
+    assert outcome["action"] == "publish_failed" and "lease_dispatch_timeout" in outcome["reason"]
+    assert rw.store.get("abandoned-0").status == "pending"
+
+
+def test_dlq_redrive_sends_dead_letters_back_with_fresh_attempts(rw, broker):
+    first = rw.json("dlq", "redrive", "--batch", "1")
+    assert [o["job_id"] for o in first["outcomes"]] == ["failed-0"] and first["redriven"] == 1
+    job = rw.store.get("failed-0")
+    assert (job.status, job.attempt_count, job.failed_at) == ("pending", 0, None)
+    assert job.idempotency_key == "fails-0"
+    assert rw.store.list_events(job_id="failed-0", event="dlq_redriven")[0]["reason"] == "ValueError: boom"
+    out = rw.run("dlq", "redrive").output  # the revoked job stays out of a batch
+    assert "failed-1" in out and "revoked-0" not in out and "redriven 1," in out
+    assert rw.json("dlq", "redrive", "--job", "revoked-0")["redriven"] == 1
+    assert sorted(queued_ids(broker, "celery")) == ["failed-0", "failed-1", "revoked-0"]
+    assert rw.store.record("again", "ops.fails", "celery", None, 3, idempotency_key="fails-0") == (
+        False, "failed-0")
