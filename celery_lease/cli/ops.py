@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import click
 
@@ -141,6 +142,20 @@ def dlq_redrive(ctx: click.Context, job_id: str | None, task: str | None, batch:
     _report(outcomes, "redriven", batch, as_json)
 
 
+def _finding_lines(f: dict[str, Any]) -> str:
+    """One line for a passed check; the settings, values, why and fix under a failed one."""
+    head = f"{f['level'].upper():<8}{f['code']}"
+    if f["level"] == "ok":
+        return f"{head}: {f['why']}"
+    values = ", ".join(f"{k}={v!r}" for k, v in (f.get("values") or {}).items())
+    lines = [head, f"        settings: {', '.join(f.get('settings') or ()) or '-'}"]
+    if values:
+        lines.append(f"        values:   {values}")
+    lines += [f"        why:      {f['why']}", f"        fix:      {f['fix']}"] if f.get("fix") else [
+        f"        why:      {f['why']}"]
+    return "\n".join(lines)
+
+
 @lease.command()
 @json_option
 @click.pass_context
@@ -153,14 +168,9 @@ def check(ctx: click.Context, as_json: bool) -> None:
     if as_json:
         emit_json(findings)
     else:
-        rows = [{**f, "settings": ", ".join(f.get("settings") or ()),
-                 "values": ", ".join(f"{k}={v!r}" for k, v in (f.get("values") or {}).items())}
-                for f in findings]
-        click.echo(table(rows, [("level", "level"), ("code", "check"), ("settings", "settings"),
-                                ("values", "values"), ("why", "why"), ("fix", "fix")],
-                         empty="no checks ran"))
+        click.echo("\n".join(_finding_lines(f) for f in findings) or "no checks ran")
         warnings = sum(1 for f in findings if f["level"] == "warning")
-        click.echo(f"{errors} error(s), {warnings} warning(s), {len(findings) - errors - warnings} ok")
+        click.echo(f"\n{errors} error(s), {warnings} warning(s), {len(findings) - errors - warnings} ok")
     if errors:
         raise CommandError(f"{errors} check(s) failed; apply the fixes above")
 

@@ -367,3 +367,22 @@ def test_dlq_redrive_sends_dead_letters_back_with_fresh_attempts(rw, broker):
     assert sorted(queued_ids(broker, "celery")) == ["failed-0", "failed-1", "revoked-0"]
     assert rw.store.record("again", "ops.fails", "celery", None, 3, idempotency_key="fails-0") == (
         False, "failed-0")
+
+
+# -- check --------------------------------------------------------------------------------
+def test_check_prints_each_finding_and_fails_on_an_error(ro):
+    result = ro.run("check")
+    assert result.exit_code == 1
+    assert "ERROR   reaper_scheduled" in result.output and "fix:      add {'lease-reaper'" in result.output
+    assert "1 check(s) failed" in result.output
+    findings = json.loads(ro.run("check", "--json").stdout)
+    assert {"level": "error", "code": "reaper_scheduled"}.items() <= next(
+        f for f in findings if f["code"] == "reaper_scheduled").items()
+
+
+def test_check_passes_with_warnings_only(ro, monkeypatch):
+    monkeypatch.setitem(ro.app.conf, "beat_schedule",
+                        {"lease-reaper": {"task": "celery_lease.reap", "schedule": 15.0}})
+    result = ro.run("check")
+    assert result.exit_code == 0, result.output
+    assert "0 error(s)" in result.output and "WARNING" in result.output
