@@ -300,6 +300,13 @@ def _dead_letter(task: LeaseTask, store: Store, job_id: str, policy: TaskPolicy)
     store.event(job_id, "dead_letter_published", policy.dead_letter_queue)
 
 
+def _worker_terminating() -> bool:
+    """True once a cold shutdown began in this worker (Celery's own flag)."""
+    from celery.worker import state
+
+    return bool(state.should_terminate)
+
+
 def _run_body(task: LeaseTask, lease: Lease, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     store, job_id, token, worker = lease.store, lease.job_id, lease.token, lease.worker
     try:
@@ -328,6 +335,12 @@ def _run_body(task: LeaseTask, lease: Lease, args: tuple[Any, ...], kwargs: dict
             store.fail(job_id, token, f"rejected: {exc.reason}", worker)
         raise
     except Exception as exc:
+        if _worker_terminating():
+            # A cold shutdown of a solo pool raises Celery's own error inside the body:
+            # the job did not fail, the worker left. Give it back and requeue its message.
+            with contextlib.suppress(StoreUnavailable):
+                store.release(job_id, token, worker, reason="released_on_shutdown")
+            raise Reject(f"worker shutting down: {type(exc).__name__}", requeue=True) from exc
         if not store.fail(job_id, token, f"{type(exc).__name__}: {exc}", worker):
             raise Ignore() from exc
         _dead_letter(task, store, job_id, lease.policy)
