@@ -16,8 +16,11 @@ Runs on the embedded default (SQLite files, no server). ``CELERY_BROKER_URL`` an
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import shutil
+import signal
 import tempfile
 import time
 import uuid
@@ -25,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 EXIT_OK, EXIT_BROKEN, EXIT_NOT_PLAYED = 0, 1, 2
+RESULT_FILE = "result.json"  # the final table and the checks, for tests and scripts
 MODES = {
     "lease": "LeaseTask + heartbeat + reaper",
     "plain": "plain Celery tasks, no celery_lease",
@@ -100,11 +104,15 @@ def _header(mode: str, run_dir: Path) -> list[str]:
     return lines
 
 
-def _report(record: Any, started: float) -> int:
+def _report(record: Any, started: float, run_dir: Path) -> int:
     from . import outcome, timeline
 
     table = outcome.tabulate(record)
     checks = outcome.check(record, table)
+    (run_dir / RESULT_FILE).write_text(json.dumps({
+        "mode": record.mode, "seconds": round(time.monotonic() - started, 1),
+        "table": dataclasses.asdict(table), "checks": [dataclasses.asdict(c) for c in checks],
+    }, indent=2))
     print()
     print("timeline (seconds since the jobs were published)")
     for line in timeline.render(record):
@@ -132,8 +140,15 @@ def _report(record: Any, started: float) -> int:
     return EXIT_OK
 
 
+def _exit_on_sigterm(signum: int, _frame: Any) -> None:
+    # Python's default SIGTERM ends the process without unwinding: the workers' process
+    # groups would outlive the demo. SystemExit runs the cleanup below.
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     started = time.monotonic()
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix=f"celery-lease-demo-{args.mode}-"))
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -157,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             scenario.kill_mid_payment()
             scenario.stop_past_lease()
             scenario.wait_for_end()
-        status = _report(scenario.collect(), started)
+        status = _report(scenario.collect(), started, run_dir)
     except ScenarioError as exc:
         print(f"\nthe scenario could not be played: {exc}")
     finally:

@@ -109,7 +109,7 @@ def _recovery(rec: Record) -> Check:
 
 def _once(rec: Record, table: Table) -> list[Check]:
     finished = _finished(rec)
-    fenced = {(short.get("token") or "") for short in _stale_events(rec)}
+    fenced = {(e["token"] or "") for e in _stale_events(rec)}
     live_finishes = Counter(r["job_id"] for r in rec.executions
                             if r["outcome"] == FINISHED and (r["token"] or "") not in fenced)
     twice = sorted(rec.label(j) for j, n in live_finishes.items() if n > 1)
@@ -139,20 +139,16 @@ def _fenced(rec: Record) -> Check:
                      + ", ".join(f"{d.node} resumed {d.label} where it stopped" for d in stops))
     notes, ok = [], True
     for d in stops:
-        runs = [r for r in rec.executions if r["job_id"] == d.job_id and r["node"] == d.node]
-        stale = [e for e in _stale_events(rec) if e["job_id"] == d.job_id
-                 and short_node(e["worker"]) == d.node]
-        outcome = runs[-1]["outcome"] if runs else None
-        completed_by_it = any(e["event"] == "completed" and e["job_id"] == d.job_id
-                              and short_node(e["worker"]) == d.node and e["at"] >= d.at for e in rec.events)
+        run = next((r for r in rec.executions if r["id"] == d.execution_id), None)
+        mine = [e for e in rec.events if e["job_id"] == d.job_id and (e["token"] or "") == d.token]
+        stale = [e for e in _stale_events(rec) if e in mine]
+        completed_by_it = any(e["event"] == "completed" for e in mine)
         ok = ok and bool(stale) and not completed_by_it
         notes.append(f"{d.node} woke up owning nothing: {len(stale)} write(s) rejected "
-                     f"({', '.join(sorted({e['event'] for e in stale})) or 'none'}), its run ended {outcome}")
+                     f"({', '.join(sorted({e['event'] for e in stale})) or 'none'}), "
+                     f"its run of {d.label} ended {run['outcome'] if run else 'unrecorded'}"
+                     + ("; its completion was ACCEPTED" if completed_by_it else ""))
     return Check("stale owners fenced", ok, "; ".join(notes))
-
-
-def short_node(worker: str | None) -> str:
-    return (worker or "").split("@")[0]
 
 
 def check(rec: Record, table: Table) -> list[Check]:

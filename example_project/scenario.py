@@ -62,7 +62,13 @@ class Disruption:
     job_id: str
     label: str
     at: float
+    execution_id: int  # the run it interrupted (tracking.executions.id)
+    token: str  # that run's lease token prefix ("" in plain mode)
     resumed_at: float | None = None
+
+    @classmethod
+    def of(cls, kind: str, run: dict[str, Any]) -> Disruption:
+        return cls(kind, run["node"], run["job_id"], run["label"], time.time(), run["id"], run["token"] or "")
 
 
 @dataclasses.dataclass
@@ -184,7 +190,7 @@ class Scenario:
         )
         proc = self.workers[run["node"]]
         proc.signal(signal.SIGKILL)
-        kill = Disruption("kill", run["node"], run["job_id"], run["label"], time.time())
+        kill = Disruption.of("kill", run)
         self.record.disruptions.append(kill)
         self.act(f"SIGKILL {run['node']} (main process and pool child) in the middle of {run['label']}: "
                  "the card is charged, the receipt not sent")
@@ -198,7 +204,7 @@ class Scenario:
         )
         proc = self.workers[run["node"]]
         proc.signal(signal.SIGSTOP)
-        stop = Disruption("stop", run["node"], run["job_id"], run["label"], time.time())
+        stop = Disruption.of("stop", run)
         self.record.disruptions.append(stop)
         self.act(f"SIGSTOP {run['node']} at {run['label']} {run['phase']}: frozen, its heartbeat stops too")
         if self.store is not None:
@@ -251,7 +257,9 @@ class Scenario:
 
     def _queue_depth(self) -> int:
         with self.app.connection_for_read() as conn:
-            declared = conn.default_channel.queue_declare(settings.task_default_queue, passive=True)
+            # Not passive: Redis has no key for an empty list, so a passive declare would fail.
+            declared = conn.default_channel.queue_declare(settings.task_default_queue, durable=True,
+                                                          auto_delete=False)
             return int(declared.message_count)
 
     # -- the lease table, sampled -----------------------------------------------------------

@@ -95,6 +95,8 @@ def nodes() -> dict[str, int]:
 
 @signals.worker_ready.connect
 def _worker_ready(sender: Any = None, **_: Any) -> None:
+    if getattr(getattr(sender, "app", None), "main", None) != "example_project":
+        return  # another app's worker in this process
     node = (getattr(sender, "hostname", "") or "").split("@")[0]
     with localdb.connect(PATH, SCHEMA) as conn:
         conn.execute("INSERT INTO nodes (node, pid, ready_at) VALUES (?, ?, ?)",
