@@ -18,8 +18,10 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 from celery import bootsteps
+from celery.utils.nodenames import gethostname
 
 from .config import app_config, task_policy
 from .errors import StoreUnavailable
@@ -33,6 +35,8 @@ log = logging.getLogger(__name__)
 REFRESH_SHARE = 4  # refresh every visibility_timeout / 4: well inside kombu's sweep, at most a third
 MIN_INTERVAL = 0.05  # seconds
 SQS_BATCH = 10  # ChangeMessageVisibilityBatch takes at most ten entries
+SCHEME_KINDS = {"pyamqp": "amqp", "amqps": "amqp", "librabbitmq": "amqp", "rediss": "redis",
+                "sentinel": "redis", "sqla": "sql"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +46,8 @@ class Held:
     job_id: str
     tag: str
     delivery_info: Mapping[str, Any]
-    leased: bool = False  # running: refreshed only while the lease of ``owner`` is healthy
-    owner: str | None = None  # worker id of the process running it (the lease's locked_by)
+    leased: bool = False  # running: refreshed only while the lease of one of ``owners`` is healthy
+    owners: tuple[str, ...] = ()  # worker ids the process running it may lock the job as
     duration: float = 0.0  # the job's lease duration, to ride out a store outage
 
 
@@ -152,8 +156,11 @@ def held_messages() -> list[Held]:
             held[tag] = Held(request.id, tag, info)
         elif isinstance(request.task, LeaseTask) and request.worker_pid:
             policy = task_policy(request.task, info.get("routing_key") or None)
-            held[tag] = Held(request.id, tag, info, leased=True, duration=policy.duration,
-                             owner=worker_id(request.hostname, request.worker_pid))
+            # The body sees the node name under `celery worker`, but the bare host name
+            # where Celery's tracer was not set up for the worker (in-process test workers).
+            owners = tuple(dict.fromkeys(worker_id(host, request.worker_pid)
+                                         for host in (request.hostname, gethostname())))
+            held[tag] = Held(request.id, tag, info, leased=True, owners=owners, duration=policy.duration)
     return list(held.values())
 
 
@@ -178,8 +185,9 @@ class VisibilityKeeper:
     """
 
     def __init__(self, app: Any, connect: Callable[[], Extender | None],
-                 collect: Callable[[], list[Held]] = held_messages) -> None:
+                 collect: Callable[[], list[Held]] = held_messages, store: Any = None) -> None:
         self.app = app
+        self.store = store
         self.connect = connect
         self.collect = collect
         self.extender: Extender | None = None
@@ -223,12 +231,13 @@ class VisibilityKeeper:
 
         now = time.monotonic()
         try:
-            owners = for_app(self.app, migrate=False).leases_alive([h.job_id for h in leased])
+            store = self.store or for_app(self.app, migrate=False)
+            owners = store.leases_alive([h.job_id for h in leased])
         except StoreUnavailable as exc:
             log.warning("visibility refresh cannot reach the lease store (%s); trusting leases seen "
                         "within their duration", exc, extra={"action": "visibility_store_unavailable"})
             return {h.job_id for h in leased if now - self._confirmed.get(h.job_id, -1e18) < h.duration}
-        healthy = {h.job_id for h in leased if owners.get(h.job_id) == h.owner}
+        healthy = {h.job_id for h in leased if owners.get(h.job_id) in h.owners}
         self._confirmed = {job_id: now for job_id in healthy}
         return healthy
 
@@ -280,11 +289,16 @@ class OwnChannel:
 
 def transport_kind(app: Any) -> str:
     """The broker transport's driver type (redis, amqp, sqs, sql, filesystem, memory ...)."""
-    connection = app.connection_for_read()
     try:
-        return str(connection.transport.driver_type)
-    finally:
-        connection.release()
+        connection = app.connection_for_read()
+        try:
+            return str(connection.transport.driver_type)
+        finally:
+            connection.release()
+    except (ImportError, RuntimeError):
+        # The transport's client library is not installed here; its URL still names it.
+        scheme = urlsplit(str(app.conf.broker_url or "amqp://")).scheme.split("+")[0].lower()
+        return SCHEME_KINDS.get(scheme, scheme)
 
 
 class VisibilityStep(bootsteps.StartStopStep):

@@ -15,7 +15,7 @@ from typing import Any
 
 from .checks import ERROR, OK, RECOVERY_EVENTS, WARNING, Context, Finding, ok_unless, percentile
 
-__all__ = ["checklist_rules"]
+__all__ = ["checklist_rules", "metrics_installed"]
 
 MIN_SAMPLE = 1  # finished runs needed before a p99 is reported
 
@@ -184,8 +184,13 @@ def _dead_letter(ctx: Context) -> Iterator[Finding]:
                          "`celery lease dlq list` shows them")
 
 
+def metrics_installed() -> bool:
+    """Whether the Prometheus client the exporter needs is importable (a seam for tests)."""
+    return importlib.util.find_spec("prometheus_client") is not None
+
+
 def _dashboards(ctx: Context) -> Iterator[Finding]:
-    if importlib.util.find_spec("prometheus_client") is None:
+    if not metrics_installed():
         yield Finding(WARNING, "dashboards", (), {"prometheus_client": False},
                       "without metrics, backlog, age of the oldest job, retries and lease expirations are "
                       "seen "

@@ -1,0 +1,79 @@
+"""The app that real worker subprocesses of the broker-alignment tests run.
+
+Configured from the environment: BROKER_APP_BROKER (Redis db 9 or RabbitMQ), BROKER_APP_STORE,
+BROKER_APP_PREFIX, BROKER_APP_EXTEND (1/0: lease_extend_visibility), BROKER_APP_VT (Redis
+visibility timeout, seconds) and BROKER_APP_COUNTERS (a Redis URL for the counters).
+
+Counters, per job id: ``delivered:<id>`` and ``redelivered:<id>`` in the main process for
+every message received (task_received); ``started:<id>`` and ``finished:<id>`` in the body.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import redis
+from celery import Celery, signals
+
+from celery_lease import LeaseTask
+
+DEFAULTS = {
+    "BROKER_APP_BROKER": "redis://127.0.0.1:6379/9",
+    "BROKER_APP_STORE": "sqlite:///broker_app.sqlite3",
+    "BROKER_APP_PREFIX": "broker_",
+    "BROKER_APP_EXTEND": "1",
+    "BROKER_APP_VT": "2",
+    "BROKER_APP_COUNTERS": "redis://127.0.0.1:6379/9",
+}
+
+
+def make_app(env: Mapping[str, str]) -> tuple[Celery, redis.Redis]:
+    """The app and its counter client, from an environment (the test process builds its twin)."""
+    conf = {key: env.get(key, default) for key, default in DEFAULTS.items()}
+    app = Celery("broker_app", broker=conf["BROKER_APP_BROKER"], set_as_current=False)
+    app.conf.update(
+        lease_store_url=conf["BROKER_APP_STORE"], lease_table_prefix=conf["BROKER_APP_PREFIX"],
+        lease_duration=1.0, lease_heartbeat_interval=0.25, lease_grace_period=0.3,
+        lease_worker_stale_after=1.0, lease_extend_visibility=conf["BROKER_APP_EXTEND"] == "1",
+        task_acks_late=True, task_ignore_result=True, worker_prefetch_multiplier=2,
+        broker_transport_options={
+            "visibility_timeout": float(conf["BROKER_APP_VT"]),
+            "unacked_restore_interval": 1, "unacked_restore_throttle": 1,
+        },
+        broker_connection_retry_on_startup=True,
+    )
+    counters = redis.Redis.from_url(conf["BROKER_APP_COUNTERS"])
+
+    @app.task(base=LeaseTask, bind=True, shared=False, name="broker_app.work")
+    def work(self: Any, seconds: float) -> float:
+        """Counts its starts and finishes; holds its lease for ``seconds``."""
+        counters.incr(f"started:{self.request.id}")
+        counters.rpush(f"ran_on:{self.request.id}", self.request.hostname)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            self.lease.check()
+        counters.incr(f"finished:{self.request.id}")
+        return seconds
+
+    return app, counters
+
+
+app, counters = make_app(os.environ)
+
+
+def _count_delivery(request: Any = None, **_: Any) -> None:
+    counters.incr(f"delivered:{request.id}")
+    counters.rpush(f"delivered_to:{request.id}", request.hostname)
+    if (request.delivery_info or {}).get("redelivered"):
+        counters.incr(f"redelivered:{request.id}")
+
+
+@signals.celeryd_init.connect
+def _in_the_worker_only(instance: Any = None, **_: Any) -> None:
+    # `celery worker` sends celeryd_init; in-process test workers of other modules do not.
+    if instance is not None and instance.app is app:
+        signals.task_received.connect(_count_delivery, weak=False)

@@ -1,0 +1,164 @@
+"""The Redis visibility extension with real `celery worker` subprocesses, Redis db 9 and PostgreSQL.
+
+kombu restores an unacknowledged message once its score in ``unacked_index`` is older than
+``visibility_timeout`` (3 s here, swept every second). Jobs run 3x that long and countdowns
+wait more than twice that long, so without the extension every one of them is delivered
+again while its worker lives; with it, none is, and a SIGKILLed worker's messages still
+come back and complete once on the other worker.
+"""
+
+from __future__ import annotations
+
+import time
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+import redis
+
+from celery_lease.store import for_app
+from tests import workers
+from tests.apps.broker_app import make_app
+from tests.conftest import unique_prefix
+from tests.helpers import wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+REDIS_DB = 9
+VT = 3.0  # kombu's visibility_timeout in these workers
+LONG = 3 * VT  # seconds a long job runs
+COUNTDOWN = 2.4 * VT  # seconds an ETA job waits inside a worker
+APP = "tests.apps.broker_app"
+
+
+@pytest.fixture
+def broker(redis_url):
+    url = urlunsplit(urlsplit(redis_url)._replace(path=f"/{REDIS_DB}"))
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    yield url, client
+    client.flushdb()
+    client.close()
+
+
+@pytest.fixture
+def env(broker, postgres_url):
+    env = {"BROKER_APP_BROKER": broker[0], "BROKER_APP_COUNTERS": broker[0], "BROKER_APP_STORE": postgres_url,
+           "BROKER_APP_PREFIX": unique_prefix(), "BROKER_APP_VT": str(VT), "BROKER_APP_EXTEND": "1"}
+    yield env
+    app, _ = make_app(env)
+    store = for_app(app, migrate=False)
+    store.t.metadata.drop_all(store.engine)
+    store.engine.dispose()
+
+
+def start(procs, env, log_dir, *names):
+    """Start one worker per name and wait until each says it is ready."""
+    started = [workers.worker(APP, env, log_dir, name=name) for name in names]
+    procs.extend(started)
+    for proc in started:
+        wait_for(lambda p=proc: " ready." in p.output() or p.popen.poll() is not None, timeout=30,
+                 message=f"worker {proc.name} did not start")
+        assert proc.popen.poll() is None, proc.output()
+    return started
+
+
+def count(client, key, job_id) -> int:
+    return int(client.get(f"{key}:{job_id}") or 0)
+
+
+def hosts(client, key, job_id) -> list[str]:
+    return [h.decode().split("@")[0] for h in client.lrange(f"{key}:{job_id}", 0, -1)]
+
+
+def publish(work):
+    """Two jobs waiting for their countdown inside a worker, then two long jobs.
+
+    ETA messages first: a worker raises its prefetch limit for each one it holds.
+    """
+    eta_jobs = [work.apply_async((0.1,), countdown=COUNTDOWN).id for _ in range(2)]
+    long_jobs = [work.apply_async((LONG,)).id for _ in range(2)]
+    return long_jobs, eta_jobs
+
+
+def all_completed(store, jobs):
+    return all((job := store.get(j)) is not None and job.status == "completed" for j in jobs)
+
+
+def drained(client) -> bool:
+    """Every delivery is acknowledged and nothing waits in the queue."""
+    return client.hlen("unacked") == 0 and client.zcard("unacked_index") == 0 and client.llen("celery") == 0
+
+
+def test_live_workers_keep_their_messages_and_each_body_runs_once(env, broker, tmp_path):
+    app, _ = make_app(env)
+    work, client, store = app.tasks["broker_app.work"], broker[1], for_app(app)
+    with workers.celery_processes(tmp_path) as procs:
+        start(procs, env, tmp_path, "a", "b")
+        long_jobs, eta_jobs = publish(work)
+        jobs = long_jobs + eta_jobs
+        wait_for(lambda: all_completed(store, jobs), timeout=60, message="jobs did not complete")
+        wait_for(lambda: drained(client), timeout=15, message="deliveries left unacknowledged")
+    for job_id in jobs:
+        assert (count(client, "delivered", job_id), count(client, "redelivered", job_id)) == (1, 0), job_id
+        assert (count(client, "started", job_id), count(client, "finished", job_id)) == (1, 1), job_id
+    for job_id in long_jobs:  # each long job really outlived the visibility timeout several times
+        job = store.get(job_id)
+        assert job.completed_at - job.started_at >= LONG > 2 * VT
+        assert job.attempt_count == 1
+    assert store.count_events(["duplicate_delivery_skipped"]) == {"duplicate_delivery_skipped": 0}
+
+
+def test_a_killed_workers_messages_are_restored_and_completed_once_by_the_other(env, broker, tmp_path):
+    app, _ = make_app(env)
+    work, client, store = app.tasks["broker_app.work"], broker[1], for_app(app)
+    with workers.celery_processes(tmp_path) as procs:
+        (a,) = start(procs, env, tmp_path, "a")
+        eta = work.apply_async((0.1,), countdown=COUNTDOWN).id
+        running = work.apply_async((LONG,)).id
+        reserved = work.apply_async((1.0,)).id  # prefetched behind the running one
+        jobs = [running, reserved, eta]
+        wait_for(lambda: count(client, "started", running)
+                 and all(count(client, "delivered", j) for j in jobs),
+                 timeout=20, message="worker a did not take all three messages")
+        first = dict(client.zrange("unacked_index", 0, -1, withscores=True))
+        assert len(first) == 3
+        # The live worker pushes the scores of everything it holds forward.
+        wait_for(lambda: all(client.zscore("unacked_index", tag) > score + VT / 2
+                             for tag, score in first.items()),
+                 timeout=10, message="worker a did not refresh the scores of its messages")
+        start(procs, env, tmp_path, "b")
+        assert all(count(client, "redelivered", j) == 0 for j in jobs)  # nothing restored while a lived
+        a.kill()
+        wait_for(lambda: all_completed(store, jobs), timeout=60, message="a's jobs were not recovered")
+        wait_for(lambda: drained(client), timeout=15, message="deliveries left unacknowledged")
+    for job_id in jobs:
+        assert count(client, "redelivered", job_id) == 1, job_id  # restored by kombu, once
+        assert hosts(client, "delivered_to", job_id) == ["a", "b"], job_id
+        assert count(client, "finished", job_id) == 1, job_id
+    assert hosts(client, "ran_on", running) == ["a", "b"]  # killed mid-body on a, completed on b
+    assert hosts(client, "ran_on", reserved) == ["b"] and hosts(client, "ran_on", eta) == ["b"]
+    taken = store.get(running)
+    assert (taken.attempt_count, taken.expired_count) == (2, 1)
+    assert store.count_events(["duplicate_delivery_skipped"]) == {"duplicate_delivery_skipped": 0}
+
+
+def test_without_the_extension_duplicates_are_delivered_and_skipped_by_the_lease(env, broker, tmp_path):
+    env = {**env, "BROKER_APP_EXTEND": "0"}
+    app, _ = make_app(env)
+    work, client, store = app.tasks["broker_app.work"], broker[1], for_app(app)
+    started_at = time.monotonic()
+    with workers.celery_processes(tmp_path) as procs:
+        start(procs, env, tmp_path, "a", "b")
+        long_jobs, eta_jobs = publish(work)
+        jobs = long_jobs + eta_jobs
+        wait_for(lambda: all_completed(store, jobs), timeout=60, message="jobs did not complete")
+        wait_for(lambda: drained(client), timeout=30, message="duplicate deliveries left unacknowledged")
+    redelivered = sum(count(client, "redelivered", j) for j in jobs)
+    skipped = store.count_events(["duplicate_delivery_skipped"])["duplicate_delivery_skipped"]
+    assert redelivered > 0 and skipped > 0
+    # Every delivery either ran the body (once per job) or was skipped by the lease.
+    assert sum(count(client, "delivered", j) for j in jobs) == len(jobs) + skipped
+    for job_id in jobs:
+        assert (count(client, "started", job_id), count(client, "finished", job_id)) == (1, 1), job_id
+        assert store.get(job_id).attempt_count == 1
+    assert time.monotonic() - started_at < 120

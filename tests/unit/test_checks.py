@@ -1,0 +1,332 @@
+"""``lease check``: every rule, table-driven: the bad config, the exact finding, the fix.
+
+A clean baseline app answers every question with ``ok``; each case changes one thing
+and must produce exactly the finding in the table, and no other problem.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from celery import Celery
+
+from celery_lease import LeaseTask
+from celery_lease import checklist as checklist_module
+from celery_lease.checks import Context, Finding, percentile, run_checks
+from celery_lease.config import app_config
+from celery_lease.store import Store
+from tests.conftest import unique_prefix
+
+REDIS = "redis://127.0.0.1:6379/9"  # never connected to: the checks read the URL and options
+AMQP = "amqp://guest:guest@127.0.0.1:5672//"
+REAPER = {"lease-reaper": {"task": "celery_lease.reap", "schedule": 15.0}}
+VT = "broker_transport_options['visibility_timeout']"
+BASE_CONF = dict(task_acks_late=True, worker_prefetch_multiplier=1, beat_schedule=REAPER)
+
+
+def locked_body(self):
+    with self.lease.lock("account:1"):
+        return 1
+
+
+def plain_body(*args):
+    return 1
+
+
+def make_app(broker: str = REDIS, tasks: dict[str, dict[str, Any]] | None = None, plain: bool = False,
+             locks: bool = True, **conf: Any) -> Celery:
+    app = Celery(f"checks_{unique_prefix()}", broker=broker, set_as_current=False)
+    app.conf.update({**BASE_CONF, "lease_store_url": "sqlite://", **conf})
+    for name, options in (tasks if tasks is not None else {"c.work": {"time_limit": 30}}).items():
+        app.task(base=LeaseTask, bind=True, shared=False, name=name, **options)(
+            locked_body if locks else plain_body)
+    if plain:
+        app.task(shared=False, name="c.plain")(plain_body)
+    return app
+
+
+def run_job(store: Store, name: str = "c.work", seconds: float = 1.0, key: str | None = "k",
+            status: str = "completed", delay: float = 0.0) -> str:
+    """A job of ``name`` in the store: finished after ``seconds``, or pending ``delay`` ahead."""
+    job_id = unique_prefix()
+    store.record(job_id, name, "celery", None, 5, f"{key}-{job_id}" if key else None, delay)
+    if status == "pending":
+        return job_id
+    claim = store.claim(job_id, "w1@host:1", f"tok{job_id}", duration=30.0, grace=10.0, task_name=name,
+                        queue="celery", max_attempts=5, max_expirations=3, takeover=False, hard_grace=120.0,
+                        stale_after=60.0, payload=lambda: None)
+    assert claim.claimed
+    if status == "completed":
+        assert store.complete(job_id, f"tok{job_id}")
+    else:
+        assert store.fail(job_id, f"tok{job_id}", "boom")
+    j = store.t.jobs
+    finished = j.c.completed_at if status == "completed" else j.c.failed_at
+    with store.begin() as c:
+        c.execute(sa.update(j).where(j.c.id == job_id).values(started_at=finished - seconds))
+    return job_id
+
+
+@pytest.fixture
+def sqlite_store(tmp_path):
+    store = Store(f"sqlite:///{tmp_path / 'lease.sqlite3'}", unique_prefix())
+    store.migrate()
+    yield store
+    store.engine.dispose()
+
+
+def baseline_store(store: Store) -> Store:
+    """Measured runs with idempotency keys, and one recovery seen."""
+    run_job(store)
+    store.event(None, "lease_taken_over", "test")
+    store.touch_worker("w1@host:1", "w1@host", 1)
+    return store
+
+
+def problems(findings: list[Finding]) -> list[Finding]:
+    return [f for f in findings if f.level != "ok"]
+
+
+def test_the_clean_baseline_answers_every_question_ok(sqlite_store):
+    findings = run_checks(make_app(), baseline_store(sqlite_store))
+    assert problems(findings) == []
+    assert {f.code for f in findings} >= {
+        "heartbeat_vs_lease", "grace_vs_heartbeat", "time_limit_vs_lease", "prefetch_long_tasks", "acks_late",
+        "reaper_scheduled", "store_reachable", "sqlite_multi_host", "visibility_vs_runtime",
+        "visibility_vs_eta", "visibility_vs_lease", "durations_measured", "timeout_vs_p99",
+        "heartbeat_for_long_jobs", "idempotency",
+        "locks", "backoff", "dead_letter", "dashboards", "crash_tested"}
+    json.dumps([f.as_dict() for f in findings])  # --json can print every finding
+
+
+# (id, app keywords, store setup, level, code, settings, values, fix)
+CASES = [
+    ("config_invalid", dict(lease_duration=-1), None,
+     "error", "config_invalid", ("lease_duration",), {"lease_duration": -1},
+     "set lease_duration to a number of seconds > 0"),
+    ("heartbeat_vs_lease_app", dict(lease_duration=30.0, lease_heartbeat_interval=20.0), None,
+     "error", "heartbeat_vs_lease", ("lease_heartbeat_interval",), {"lease_heartbeat_interval": 20.0},
+     "lower lease_heartbeat_interval to at most a third of lease_duration, or lengthen the lease"),
+    ("heartbeat_vs_lease_task",
+     dict(tasks={"c.work": {"time_limit": 30, "lease_duration": 6.0, "lease_heartbeat_interval": 5.0}}), None,
+     "error", "heartbeat_vs_lease", ("lease_heartbeat_interval",),
+     {"task": "c.work", "lease_heartbeat_interval": 5.0},
+     "lower lease_heartbeat_interval to at most a third of lease_duration, or lengthen the lease"),
+    ("grace_vs_heartbeat", dict(lease_grace_period=0.5), None,
+     "warning", "grace_vs_heartbeat", ("lease_grace_period", "lease_heartbeat_interval"),
+     {"task": "c.work", "lease_grace_period": 0.5, "lease_heartbeat_interval": 10.0},
+     "set lease_grace_period >= lease_heartbeat_interval (10s) for c.work"),
+    ("max_runtime_vs_time_limit", dict(tasks={"c.work": {"time_limit": 30, "lease_max_runtime": 20.0}}), None,
+     "warning", "max_runtime_vs_time_limit", ("lease_max_runtime", "task_time_limit"),
+     {"task": "c.work", "lease_max_runtime": 20.0, "time_limit": 30.0},
+     "set lease_max_runtime >= time_limit (30s) for c.work, or lower its time_limit"),
+    ("blocking_heartbeat_gevent", dict(worker_pool="gevent", tasks={"c.work": {"time_limit": 60}}), None,
+     "warning", "blocking_heartbeat", ("worker_pool", "task_time_limit", "lease_duration"),
+     {"task": "c.work", "worker_pool": "gevent", "time_limit": 60.0, "lease_duration": 30.0,
+      "lease_grace_period": 10.0},
+     "run it in the prefork or threads pool, or keep every blocking call shorter than lease_duration "
+     "(lease.extend(seconds) before a long one), or set time_limit <= 40s"),
+    ("blocking_heartbeat_solo", dict(worker_pool="solo", tasks={"c.work": {}}), None,
+     "warning", "blocking_heartbeat", ("worker_pool", "task_time_limit", "lease_duration"),
+     {"task": "c.work", "worker_pool": "solo", "time_limit": None, "lease_duration": 30.0,
+      "lease_grace_period": 10.0},
+     "run it in the prefork or threads pool, or keep every blocking call shorter than lease_duration "
+     "(lease.extend(seconds) before a long one)"),
+    ("prefetch_long_tasks", dict(worker_prefetch_multiplier=4, tasks={"c.work": {"time_limit": 600}}), None,
+     "warning", "prefetch_long_tasks", ("worker_prefetch_multiplier",),
+     {"worker_prefetch_multiplier": 4, "long_tasks": {"c.work": 600.0}},
+     "set worker_prefetch_multiplier = 1 (and start workers with -O fair)"),
+    ("acks_late", dict(task_acks_late=False), None,
+     "warning", "acks_late", ("task_acks_late", "task_reject_on_worker_lost"),
+     {"task_acks_late": False, "task_reject_on_worker_lost": None, "tasks": ["c.work"]},
+     "set task_acks_late = True (celery_lease skips the duplicates it lets through)"),
+    ("reject_on_worker_lost", dict(task_reject_on_worker_lost=True), None,
+     "warning", "reject_on_worker_lost", ("task_acks_late", "task_reject_on_worker_lost"),
+     {"task_acks_late": True, "task_reject_on_worker_lost": True, "tasks": ["c.work"]},
+     "leave task_reject_on_worker_lost off: celery_lease requeues the job itself, counting attempts"),
+    ("reject_without_acks_late", dict(task_acks_late=False, task_reject_on_worker_lost=True), None,
+     "warning", "reject_on_worker_lost", ("task_acks_late", "task_reject_on_worker_lost"),
+     {"task_acks_late": False, "task_reject_on_worker_lost": True, "tasks": ["c.work"]},
+     "remove task_reject_on_worker_lost, or set task_acks_late = True"),
+    ("reaper_scheduled", dict(beat_schedule={"other": {"task": "x.y", "schedule": 5}}), None,
+     "error", "reaper_scheduled", ("beat_schedule",), {"beat_schedule": ["other"]},
+     "add {'lease-reaper': {'task': 'celery_lease.reap', 'schedule': 15.0}} to beat_schedule and run "
+     "celery beat"),
+    ("sqlite_multi_host", {}, lambda s: s.touch_worker("w2@other-host:9", "w2@other-host", 9),
+     "error", "sqlite_multi_host", ("lease_store_url",), {"worker_hosts": ["host", "other-host"]},
+     "use PostgreSQL or MySQL/MariaDB for lease_store_url"),
+    ("visibility_vs_runtime",
+     dict(lease_extend_visibility=False, tasks={"c.work": {"time_limit": 30}},
+          broker_transport_options={"visibility_timeout": 20}), None,
+     "error", "visibility_vs_runtime", (VT, "lease_extend_visibility"),
+     {"visibility_timeout": 20.0, "lease_extend_visibility": False, "task": "c.work", "time_limit": 30.0,
+      "lease_max_runtime": 30.0, "p99": 1.0},
+     "set lease_extend_visibility = True, or raise visibility_timeout above the longest run"),
+    ("visibility_vs_eta", dict(lease_extend_visibility=False),
+     lambda s: run_job(s, status="pending", delay=7200),
+     "error", "visibility_vs_eta", (VT, "lease_extend_visibility"),
+     {"visibility_timeout": 3600.0, "lease_extend_visibility": False, "task": "c.work",
+      "longest_delay": 7200.0},
+     "set lease_extend_visibility = True, or raise visibility_timeout above the longest countdown"),
+    ("visibility_vs_lease", dict(broker_transport_options={"visibility_timeout": 20}), None,
+     "warning", "visibility_vs_lease",
+     (VT, "lease_duration", "lease_grace_period", "lease_worker_stale_after"),
+     {"visibility_timeout": 20.0, "lease_extend_visibility": True, "takeover_after": 60.0},
+     "raise visibility_timeout to at least 60s, or shorten lease_worker_stale_after"),
+    ("consumer_timeout_default", dict(broker=AMQP, tasks={"c.work": {"time_limit": 3600}}), None,
+     "error", "consumer_timeout",
+     ("consumer_timeout", "lease_rabbitmq_consumer_timeout", "task_time_limit", "lease_max_runtime"),
+     {"task": "c.work", "queue": "celery", "consumer_timeout": 1800.0, "source": "RabbitMQ default",
+      "time_limit": 3600.0, "lease_max_runtime": 3600.0, "p99": 1.0},
+     "raise consumer_timeout (rabbitmq.conf, in ms) above 3600s or per queue with the x-consumer-timeout "
+     "argument; or lower the task's time_limit / lease_max_runtime below it"),
+    ("consumer_timeout_setting", dict(broker=AMQP, lease_rabbitmq_consumer_timeout=20.0), None,
+     "error", "consumer_timeout",
+     ("consumer_timeout", "lease_rabbitmq_consumer_timeout", "task_time_limit", "lease_max_runtime"),
+     {"task": "c.work", "queue": "celery", "consumer_timeout": 20.0,
+      "source": "lease_rabbitmq_consumer_timeout", "time_limit": 30.0, "lease_max_runtime": 30.0, "p99": 1.0},
+     "raise consumer_timeout (rabbitmq.conf, in ms) above 30s or per queue with the x-consumer-timeout "
+     "argument; or lower the task's time_limit / lease_max_runtime below it"),
+    ("consumer_timeout_unbounded", dict(broker=AMQP, tasks={"c.new": {}}), None,
+     "warning", "consumer_timeout",
+     ("consumer_timeout", "lease_rabbitmq_consumer_timeout", "task_time_limit", "lease_max_runtime"),
+     {"tasks": ["c.new"], "consumer_timeouts": {"celery": (1800.0, "RabbitMQ default")}},
+     "set time_limit (or lease_max_runtime) below consumer_timeout"),
+    ("broker_visibility_unknown", dict(broker="zookeeper://127.0.0.1:2181/"), None,
+     "warning", "broker_visibility", ("broker_url",), {"transport": "zookeeper"},
+     "make the transport's redelivery timeout longer than the longest task"),
+    ("durations_measured", dict(tasks={"c.work": {"time_limit": 30}, "c.new": {"time_limit": 30}}), None,
+     "warning", "durations_measured", (),
+     {"unmeasured": ["c.new"], "measured": {"c.work": {"runs": 1, "p50": 1.0, "p95": 1.0, "p99": 1.0}}},
+     "let them run (staging or production), then run `celery lease check` and `celery lease tune`"),
+    ("timeout_vs_p99", {}, lambda s: [run_job(s, seconds=45.0) for _ in range(3)],
+     "error", "timeout_vs_p99", ("time_limit",), {"task": "c.work", "time_limit": 30.0, "p99": 45.0},
+     "raise time_limit above the p99 (45s) with room for the tail, or split the task"),
+    ("heartbeat_for_long_jobs", dict(plain=True), None,
+     "warning", "heartbeat_for_long_jobs", ("task_cls",), {"plain_tasks": ["c.plain"]},
+     "declare long or important tasks with base=LeaseTask (or set the app's task_cls)"),
+    ("idempotency", dict(tasks={"c.work": {"time_limit": 30}, "c.bare": {"time_limit": 30}}),
+     lambda s: run_job(s, name="c.bare", key=None),
+     "warning", "idempotency", (), {"tasks": ["c.bare"]},
+     "for each side effect, `with self.lease.effect(key) as first:` (or publish with "
+     "apply_async(idempotency_key=...)); ignore this for tasks without side effects"),
+    ("locks", dict(locks=False), None,
+     "warning", "locks", ("lease_lock_ttl",), {"tasks_using_locks": []},
+     "wrap critical sections in `with self.lease.lock(f'account:{id}'):`; ignore this if no resource is "
+     "shared"),
+    ("backoff_lease", dict(lease_backoff_base=0.0), None,
+     "warning", "backoff", ("lease_backoff_base", "lease_backoff_max"),
+     {"task": "c.work", "lease_backoff_base": 0.0, "lease_backoff_max": 300.0},
+     "set lease_backoff_base > 0 (e.g. 1.0) and lease_backoff_max > it"),
+    ("backoff_autoretry",
+     dict(tasks={"c.work": {"time_limit": 30, "autoretry_for": (KeyError,), "default_retry_delay": 0}}), None,
+     "warning", "backoff", ("retry_backoff", "default_retry_delay"),
+     {"task": "c.work", "retry_backoff": False, "default_retry_delay": 0},
+     "set retry_backoff=True (and retry_jitter) on the task, or a default_retry_delay of seconds"),
+    ("dead_letter_consumed", dict(lease_dead_letter_queue="celery"), None,
+     "warning", "dead_letter", ("lease_dead_letter_queue",),
+     {"task": "c.work", "lease_dead_letter_queue": "celery"},
+     "use a queue no worker consumes, e.g. 'dead_letter', and inspect it with `celery lease dlq list`"),
+    ("dead_letter_waiting", {}, lambda s: run_job(s, status="failed"),
+     "warning", "dead_letter", ("lease_dead_letter_queue",), {"failed_jobs": {"c.work": 1}},
+     "inspect them with `celery lease dlq list`, fix the cause, then `celery lease dlq redrive`"),
+]
+
+
+# A task that never ran is also unmeasured: that finding comes with it.
+# Without acks_late, the acks_late finding comes with the reject one.
+ALSO = {"consumer_timeout": {"durations_measured"}, "reject_on_worker_lost": {"acks_late"}}
+
+
+@pytest.mark.parametrize(("app_kw", "prepare", "level", "code", "settings", "values", "fix"),
+                         [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_each_rule_reports_its_bad_config_with_the_fix(sqlite_store, app_kw, prepare, level, code, settings,
+                                                         values, fix):
+    store = baseline_store(sqlite_store)
+    if prepare:
+        prepare(store)
+    findings = run_checks(make_app(**app_kw), store)
+    found = [f for f in problems(findings) if f.code not in ALSO.get(code, ())]
+    assert [(f.level, f.code) for f in found] == [(level, code)], [f.as_dict() for f in found]
+    finding = found[0]
+    assert finding.settings == settings
+    assert {k: v for k, v in finding.values.items() if k != "lease_store_url"} == values
+    assert finding.fix == fix
+    assert finding.why  # every finding says why it matters
+
+
+def test_an_unreachable_store_is_an_error_and_store_questions_are_not_guessed():
+    store = Store("postgresql+psycopg://postgres@127.0.0.1:1/nowhere", unique_prefix())
+    findings = run_checks(make_app(), store)
+    (error,) = [f for f in findings if f.level == "error"]
+    assert (error.code, error.settings) == ("store_reachable", ("lease_store_url",))
+    assert error.fix == ("check lease_store_url and that the database is running and reachable from every "
+                         "worker")
+    assert [f.code for f in problems(findings)] == ["store_reachable", "durations_measured"]
+
+
+def test_a_store_without_tables_is_reported_unmigrated(tmp_path):
+    store = Store(f"sqlite:///{tmp_path / 'empty.sqlite3'}", "empty_")
+    (error,) = [f for f in run_checks(make_app(), store) if f.level == "error"]
+    assert error.code == "store_migrated" and error.fix.startswith("run `celery -A proj lease migrate`")
+    assert "empty_jobs" in error.values["missing"]
+
+
+def test_dashboards_warn_without_the_prometheus_client(sqlite_store, monkeypatch):
+    monkeypatch.setattr(checklist_module, "metrics_installed", lambda: False)
+    (finding,) = problems(run_checks(make_app(), baseline_store(sqlite_store)))
+    assert (finding.level, finding.code) == ("warning", "dashboards")
+    assert finding.values == {"prometheus_client": False}
+    assert finding.fix.startswith("pip install celery-lease[metrics]")
+
+
+def test_crash_tests_warn_until_a_recovery_is_recorded(sqlite_store):
+    run_job(sqlite_store)
+    (finding,) = problems(run_checks(make_app(), sqlite_store))
+    assert (finding.level, finding.code) == ("warning", "crash_tested")
+    assert finding.values == {"recoveries": dict.fromkeys(
+        ("lease_taken_over", "reaped_expired_lease", "redispatched"), 0)}
+    sqlite_store.event(None, "reaped_expired_lease", "test")
+    assert problems(run_checks(make_app(), sqlite_store)) == []
+
+
+def test_sqs_warns_when_long_jobs_outlive_its_visibility_and_the_extension_is_off(sqlite_store):
+    from celery_lease.broker_checks import broker_rules
+
+    for extend, expected in ((False, "warning"), (True, "ok")):
+        app = make_app("sqs://", lease_extend_visibility=extend,
+                       broker_transport_options={"visibility_timeout": 10})
+        ctx = Context(app, app_config(app), baseline_store(sqlite_store))
+        assert ctx.transport == "sqs"
+        (finding,) = broker_rules(ctx)
+        assert (finding.level, finding.code) == (expected, "sqs_visibility")
+    assert finding.why == "held messages get ChangeMessageVisibility while leased"
+
+
+def test_percentile_is_nearest_rank():
+    sample = [float(n) for n in range(1, 101)]
+    assert (percentile(sample, 0.5), percentile(sample, 0.99), percentile([3.0], 0.99)) == (50.0, 99.0, 3.0)
+    assert percentile([], 0.99) is None
+
+
+def test_store_facts_on_every_store(store):
+    """The two statements the checks and the visibility step add to the store, on each database."""
+    run_job(store, key=None)
+    run_job(store, name="c.other", status="failed")
+    pending = run_job(store, status="pending", delay=90.0)
+    live = unique_prefix()
+    store.record(live, "c.work", "celery", None, 5)
+    store.claim(live, "w1@h:1", "tok", duration=60.0, grace=0.0, task_name="c.work", queue="celery",
+                max_attempts=5, max_expirations=3, takeover=False, hard_grace=1.0, stale_after=1.0,
+                payload=lambda: None)
+    store.touch_worker("w1@h:1", "w1@h", 1)
+    facts = store.check_facts()
+    assert facts["missing_tables"] == [] and facts["hosts"] == ["w1@h"]
+    work, other = facts["tasks"]["c.work"], facts["tasks"]["c.other"]
+    assert (work["jobs"], work["keyed"], work["failed"]) == (3, 1, 0)
+    assert work["longest_delay"] == pytest.approx(90.0, abs=1.0)
+    assert (other["jobs"], other["keyed"], other["failed"]) == (1, 1, 1)
+    assert store.leases_alive([live, pending, "nope"]) == {live: "w1@h:1"}
