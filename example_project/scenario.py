@@ -120,8 +120,8 @@ class Scenario:
         self._sampler: threading.Thread | None = None
 
     # -- helpers -------------------------------------------------------------------
-    def act(self, text: str) -> None:
-        now = time.time()
+    def act(self, text: str, at: float | None = None) -> None:
+        now = at or time.time()
         self.record.actions.append(Action(now, text))
         self.say(f"  [{now - self.record.t0:5.1f}s] {text}" if self.record.t0 else f"  {text}")
 
@@ -188,33 +188,35 @@ class Scenario:
             lambda: next((r for r in self.running("capture_payment") if r["phase"] == "captured"), None),
             STEP_TIMEOUT, "a worker in the middle of a payment",
         )
-        proc = self.workers[run["node"]]
-        proc.signal(signal.SIGKILL)
-        kill = Disruption.of("kill", run)
+        kill = Disruption.of("kill", run)  # timed before the signal, so the timeline reads in order
+        self.workers[run["node"]].signal(signal.SIGKILL)
         self.record.disruptions.append(kill)
         self.act(f"SIGKILL {run['node']} (main process and pool child) in the middle of {run['label']}: "
-                 "the card is charged, the receipt not sent")
+                 "the card is charged, the receipt not sent", kill.at)
 
     def stop_past_lease(self) -> None:
         """SIGSTOP another worker mid-report, keep it frozen past its lease, then SIGCONT it."""
+        # Early in the report, before it extends its lease for rendering.
+        early = tuple(f"step {n}/" for n in range(1, 4))
         run = self.wait_until(
             lambda: next((r for r in self.running("build_report")
-                          if (r["phase"] or "").startswith("step ") and r["node"] in self.workers), None),
+                          if (r["phase"] or "").startswith(early)), None),
             STEP_TIMEOUT, "another worker in the middle of a report",
         )
         proc = self.workers[run["node"]]
-        proc.signal(signal.SIGSTOP)
         stop = Disruption.of("stop", run)
+        proc.signal(signal.SIGSTOP)
         self.record.disruptions.append(stop)
-        self.act(f"SIGSTOP {run['node']} at {run['label']} {run['phase']}: frozen, its heartbeat stops too")
+        self.act(f"SIGSTOP {run['node']} at {run['label']} {run['phase']}: frozen, its heartbeat stops too",
+                 stop.at)
         if self.store is not None:
             self.wait_until(lambda: self.store.events(job_id=stop.job_id, event="reaped_expired_lease"),
                             recovery_bound() + STEP_TIMEOUT, f"the reaper to take back {stop.label}")
         else:
             time.sleep(recovery_bound())  # plain Celery has nothing to wait for: stay frozen as long
-        proc.signal(signal.SIGCONT)
         stop.resumed_at = time.time()
-        self.act(f"SIGCONT {run['node']} after {stop.resumed_at - stop.at:.1f}s frozen")
+        proc.signal(signal.SIGCONT)
+        self.act(f"SIGCONT {run['node']} after {stop.resumed_at - stop.at:.1f}s frozen", stop.resumed_at)
         self.wait_until(lambda: not any(r["id"] == run["id"] for r in self.running()),
                         STEP_TIMEOUT, f"{run['node']} to wake up and end its run of {run['label']}")
 
@@ -270,11 +272,9 @@ class Scenario:
     def _sample_loop(self) -> None:
         while not self._sampling.wait(0.5):
             statuses: dict[str, int] = {}
-            if self.store is not None:
-                for job in list(self.record.jobs):
-                    row = self.store.get(job.job_id)
-                    status = row.status if row else "unknown"
-                    statuses[status] = statuses.get(status, 0) + 1
+            if self.store is not None:  # the run's own store: every row is one of its jobs
+                for _queue, status, count in self.store.job_counts():
+                    statuses[status] = statuses.get(status, 0) + count
             running = [(r["node"], r["label"]) for r in self.running()]
             self.record.samples.append(Sample(time.time(), statuses, running))
 

@@ -49,7 +49,7 @@ def _event_line(rec: Record, event: dict) -> tuple[str, str]:
     if name == "dead_lettered":
         return "reaper", f"{label}: dead-lettered ({reason})"
     if name == "lease_lost":
-        return worker or "store", f"heartbeat: lease on {label} no longer ours ({reason}) -> body interrupted"
+        return worker or "store", f"heartbeat: renewal of {label} rejected, the lease moved on ({reason})"
     if name.startswith("stale_") and name.endswith("_rejected"):
         write = name[len("stale_"):-len("_rejected")]
         return worker or "store", f"{write} of {label} rejected: stale lock token"
