@@ -2,7 +2,9 @@
 
 Configured from the environment: BROKER_APP_BROKER (Redis db 9 or RabbitMQ), BROKER_APP_STORE,
 BROKER_APP_PREFIX, BROKER_APP_EXTEND (1/0: lease_extend_visibility), BROKER_APP_VT (Redis
-visibility timeout, seconds) and BROKER_APP_COUNTERS (a Redis URL for the counters).
+visibility timeout, seconds), BROKER_APP_COUNTERS (a Redis URL for the counters),
+BROKER_APP_QUEUE (the default queue), BROKER_APP_TIME_LIMIT (the task's time limit, seconds)
+and BROKER_APP_CONSUMER_TIMEOUT (lease_rabbitmq_consumer_timeout, seconds).
 
 Counters, per job id: ``delivered:<id>`` and ``redelivered:<id>`` in the main process for
 every message received (task_received); ``started:<id>`` and ``finished:<id>`` in the body.
@@ -27,6 +29,9 @@ DEFAULTS = {
     "BROKER_APP_EXTEND": "1",
     "BROKER_APP_VT": "2",
     "BROKER_APP_COUNTERS": "redis://127.0.0.1:6379/9",
+    "BROKER_APP_QUEUE": "celery",
+    "BROKER_APP_TIME_LIMIT": "",
+    "BROKER_APP_CONSUMER_TIMEOUT": "",
 }
 
 
@@ -43,11 +48,13 @@ def make_app(env: Mapping[str, str]) -> tuple[Celery, redis.Redis]:
             "visibility_timeout": float(conf["BROKER_APP_VT"]),
             "unacked_restore_interval": 1, "unacked_restore_throttle": 1,
         },
-        broker_connection_retry_on_startup=True,
+        broker_connection_retry_on_startup=True, task_default_queue=conf["BROKER_APP_QUEUE"],
+        lease_rabbitmq_consumer_timeout=float(conf["BROKER_APP_CONSUMER_TIMEOUT"] or 0) or None,
     )
+    time_limit = float(conf["BROKER_APP_TIME_LIMIT"] or 0) or None
     counters = redis.Redis.from_url(conf["BROKER_APP_COUNTERS"])
 
-    @app.task(base=LeaseTask, bind=True, shared=False, name="broker_app.work")
+    @app.task(base=LeaseTask, bind=True, shared=False, name="broker_app.work", time_limit=time_limit)
     def work(self: Any, seconds: float) -> float:
         """Counts its starts and finishes; holds its lease for ``seconds``."""
         counters.incr(f"started:{self.request.id}")

@@ -330,3 +330,41 @@ def test_store_facts_on_every_store(store):
     assert work["longest_delay"] == pytest.approx(90.0, abs=1.0)
     assert (other["jobs"], other["keyed"], other["failed"]) == (1, 1, 1)
     assert store.leases_alive([live, pending, "nope"]) == {live: "w1@h:1"}
+
+
+def test_consumer_timeouts_come_from_the_management_api_per_queue():
+    """The management plugin is not enabled on this machine: a local HTTP server answers as it would."""
+    import http.server
+    import threading
+
+    from celery_lease.broker_checks import rabbitmq_consumer_timeouts
+
+    replies = {"/api/queues/%2F/q1": {"arguments": {"x-consumer-timeout": 60000}},
+               "/api/queues/%2F/q2": {"effective_policy_definition": {"consumer-timeout": 120000}},
+               "/api/queues/%2F/q3": {"arguments": {}}}
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            seen.append(self.headers["Authorization"])
+            body = replies.get(self.path)
+            self.send_response(200 if body is not None else 404)
+            self.end_headers()
+            self.wfile.write(json.dumps(body or {"error": "Object Not Found"}).encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        app = make_app(AMQP)
+        timeouts = rabbitmq_consumer_timeouts(app, ["q1", "q2", "q3", "missing"], 900.0,
+                                              port=server.server_address[1])
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert timeouts == {"q1": (60.0, "management API"), "q2": (120.0, "management API"),
+                        "q3": (900.0, "lease_rabbitmq_consumer_timeout"),
+                        "missing": (900.0, "lease_rabbitmq_consumer_timeout")}
+    assert set(seen) == {"Basic Z3Vlc3Q6Z3Vlc3Q="}  # the broker's credentials, guest:guest

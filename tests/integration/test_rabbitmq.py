@@ -1,0 +1,106 @@
+"""RabbitMQ: a long LeaseTask completes once on the real broker, and `lease check` compares
+RabbitMQ's consumer_timeout with the tasks' time limits.
+
+RabbitMQ has no per-message visibility extension: a delivery held unacknowledged longer than
+``consumer_timeout`` closes the consumer's channel. Its management plugin is not enabled on
+this machine, so the check falls back to RabbitMQ's documented default (30 minutes, which
+is also what this broker runs with).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from urllib.parse import urlsplit, urlunsplit
+
+import kombu
+import pytest
+import redis
+
+from celery_lease.checks import run_checks
+from celery_lease.store import for_app
+from tests import workers
+from tests.apps.broker_app import make_app
+from tests.conftest import unique_prefix
+from tests.helpers import wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+REDIS_DB = 9  # the counters
+LONG = 5.0  # seconds: five times the app's 1 s lease
+APP = "tests.apps.broker_app"
+
+
+@pytest.fixture
+def counters(redis_url):
+    url = urlunsplit(urlsplit(redis_url)._replace(path=f"/{REDIS_DB}"))
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    yield url, client
+    client.flushdb()
+    client.close()
+
+
+@pytest.fixture
+def env(amqp_url, counters, postgres_url):
+    queue = f"lease-rabbitmq-{uuid.uuid4().hex[:8]}"  # no other test's worker consumes it
+    env = {"BROKER_APP_BROKER": amqp_url, "BROKER_APP_COUNTERS": counters[0],
+           "BROKER_APP_STORE": postgres_url, "BROKER_APP_PREFIX": unique_prefix(), "BROKER_APP_QUEUE": queue,
+           "BROKER_APP_TIME_LIMIT": "60"}
+    yield env
+    app, _ = make_app(env)
+    store = for_app(app, migrate=False)
+    store.t.metadata.drop_all(store.engine)
+    store.engine.dispose()
+    with kombu.Connection(amqp_url) as connection:
+        connection.default_channel.queue_delete(queue)
+
+
+def count(client, key, job_id) -> int:
+    return int(client.get(f"{key}:{job_id}") or 0)
+
+
+def test_a_long_leased_job_completes_once_on_rabbitmq(env, counters, tmp_path):
+    app, _ = make_app(env)
+    work, client, store = app.tasks["broker_app.work"], counters[1], for_app(app)
+    with workers.celery_processes(tmp_path) as procs:
+        proc = workers.worker(APP, env, tmp_path, name="r")
+        procs.append(proc)
+        wait_for(lambda: " ready." in proc.output() or proc.popen.poll() is not None, timeout=30,
+                 message="worker did not start")
+        assert proc.popen.poll() is None, proc.output()
+        job_id = work.apply_async((LONG,)).id
+        wait_for(lambda: (job := store.get(job_id)) is not None and job.status == "completed", timeout=30,
+                 message=f"job did not complete:\n{proc.output()[-3000:]}")
+    job = store.get(job_id)
+    assert job.completed_at - job.started_at >= LONG >= 5 * app.conf.lease_duration
+    assert (job.attempt_count, job.expired_count) == (1, 0)
+    counts = [count(client, k, job_id) for k in ("delivered", "redelivered", "started", "finished")]
+    assert counts == [1, 0, 1, 1]
+    assert [e["event"] for e in store.events(job_id)] == ["published", "claimed", "completed"]
+
+
+def test_check_flags_a_consumer_timeout_shorter_than_a_task_time_limit(env, tmp_path):
+    within, _ = make_app(env)  # time_limit 60 s, RabbitMQ's default consumer_timeout 1800 s
+    (finding,) = [f for f in run_checks(within) if f.code == "consumer_timeout"]
+    assert finding.level == "ok" and finding.values == {
+        "consumer_timeouts": {env["BROKER_APP_QUEUE"]: (1800.0, "RabbitMQ default")}}
+
+    beyond_env = {**env, "BROKER_APP_TIME_LIMIT": "3600"}
+    beyond, _ = make_app(beyond_env)
+    (finding,) = [f for f in run_checks(beyond) if f.code == "consumer_timeout"]
+    assert (finding.level, finding.values["consumer_timeout"], finding.values["time_limit"]) == (
+        "error", 1800.0, 3600.0)
+    assert finding.values["source"] == "RabbitMQ default"
+    assert "x-consumer-timeout" in finding.fix
+
+    # The same through the command line: JSON for machines, a non-zero exit on the error.
+    done = subprocess.run([sys.executable, "-m", "celery", "-A", APP, "lease", "check", "--json"],
+                          cwd=workers.ROOT, env={**os.environ, "PYTHONPATH": str(workers.ROOT), **beyond_env},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0, done.stdout + done.stderr
+    findings = json.loads(done.stdout)
+    assert {(f["level"], f["code"]) for f in findings} >= {("error", "consumer_timeout")}
