@@ -32,7 +32,7 @@ LAG_BUCKETS = (1.0, 2.5, 5.0, 10.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 RUNTIME_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 ATTEMPT_BUCKETS = (1.0, 2.0, 3.0, 4.0, 5.0, 10.0)
 WINDOW = 900.0  # seconds of finished jobs that the runtime and attempts histograms cover
-LIMIT = 10_000  # finished rows per status at most in those histograms
+LIMIT = 5_000  # finished rows per status at most in those histograms
 EVENT_LAG = 5.0  # seconds; longer than any transaction that writes an event
 
 STALE_WRITES = ("completion", "failure", "retry", "release", "checkpoint", "effect", "lock")

@@ -26,6 +26,21 @@ def _f(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
+def _bucket(value: Any, bounds: Sequence[float]) -> Any:
+    """The index of the first bound that ``value`` does not exceed (len(bounds) past the last)."""
+    return sa.case(*((value <= b, i) for i, b in enumerate(bounds)), else_=len(bounds))
+
+
+def _cumulative(values: list[float]) -> tuple[int, float, list[int]]:
+    """Per-bucket counts (then the +Inf count, then the sum) as (count, sum, cumulative counts)."""
+    counts, total = values[:-1], values[-1]
+    running, cumulative = 0, []
+    for n in counts[:-1]:
+        running += int(n)
+        cumulative.append(running)
+    return running + int(counts[-1]), total, cumulative
+
+
 class ReportStatements(StoreBase):
     """Read-mostly statements for operators: status, listings, metrics, manual recovery."""
 
@@ -122,9 +137,11 @@ class ReportStatements(StoreBase):
             q = q.where(e.c.job_id == job_id)
         if event is not None:
             q = q.where(e.c.event == event)
-        if since is not None:
-            q = q.where(e.c.at >= self.now_sql - since)
         with self.begin() as c:
+            if since is not None:
+                # A bound value, not the clock expression: PostgreSQL cannot range-scan an index
+                # against clock_timestamp(), which is volatile.
+                q = q.where(e.c.at >= self._now(c) - since)
             rows = [dict(r._mapping) for r in c.execute(q)]
         return rows[::-1]
 
@@ -159,40 +176,39 @@ class ReportStatements(StoreBase):
                              .where(j.c.status == PENDING).group_by(j.c.queue_name)).all()
         return now, [{"queue": r[0], "pending": int(r[1]), "oldest_due_at": _f(r[2])} for r in rows]
 
-    def _recent(self, status: str, window: float, limit: int, *cols: Any) -> Any:
-        """The newest ``limit`` rows of a finished status changed within ``window`` seconds:
-        a backward walk of the (status, updated_at) index that stops at the limit."""
+    def _recent(self, status: str, since: float, limit: int) -> Any:
+        """The newest ``limit`` rows of a finished status changed after ``since`` (a bound
+        value): a backward walk of the (status, updated_at) index that stops at the limit."""
         j = self.t.jobs
-        return (sa.select(j.c.task_name, *cols)
-                .where(j.c.status == status, j.c.updated_at >= self.now_sql - window)
+        return (sa.select(j.c.task_name, (j.c.completed_at - j.c.started_at).label("rt"), j.c.attempt_count)
+                .where(j.c.status == status, j.c.updated_at >= since)
                 .order_by(j.c.updated_at.desc()).limit(limit).subquery())
 
     def finished_metrics(self, runtime_buckets: Sequence[float], attempt_buckets: Sequence[float],
                          window: float, limit: int) -> dict[str, dict[str, Any]]:
         """Per task over recently finished jobs: runtime histogram (completed) and attempts
         histogram (completed and failed), each over at most ``limit`` rows per status."""
-        j = self.t.jobs
-        out: dict[str, dict[str, Any]] = {}
+        # One bucket index per row and GROUP BY it: one CASE per row instead of one per bucket.
+        sums: dict[str, dict[str, list[float]]] = {}
         with self.begin() as c:
-            done = self._recent(COMPLETED, window, limit,
-                                (j.c.completed_at - j.c.started_at).label("rt"), j.c.attempt_count)
-            rt = sa.func.coalesce(done.c.rt, 0.0)
-            cols = [done.c.task_name, sa.func.count(), sa.func.sum(rt)]
-            cols += [sa.func.sum(sa.case((rt <= b, 1), else_=0)) for b in runtime_buckets]
-            for r in c.execute(sa.select(*cols).group_by(done.c.task_name)):
-                out.setdefault(r[0], {})["runtime"] = (int(r[1]), _f(r[2]) or 0.0,
-                                                       [int(v or 0) for v in r[3:]])
+            since = self._now(c) - window
             for status in (COMPLETED, FAILED):
-                sub = self._recent(status, window, limit, j.c.attempt_count)
-                cols = [sub.c.task_name, sa.func.count(), sa.func.sum(sub.c.attempt_count)]
-                cols += [sa.func.sum(sa.case((sub.c.attempt_count <= b, 1), else_=0))
-                         for b in attempt_buckets]
-                for r in c.execute(sa.select(*cols).group_by(sub.c.task_name)):
-                    entry = out.setdefault(r[0], {})
-                    n, total, buckets = entry.get("attempts", (0, 0.0, [0] * len(attempt_buckets)))
-                    entry["attempts"] = (n + int(r[1]), total + float(r[2] or 0),
-                                         [a + int(b or 0) for a, b in zip(buckets, r[3:], strict=True)])
-        return out
+                sub = self._recent(status, since, limit)
+                rt, attempts = sa.func.coalesce(sub.c.rt, 0.0), sub.c.attempt_count
+                rb, ab = _bucket(rt, runtime_buckets), _bucket(attempts, attempt_buckets)
+                q = (sa.select(sub.c.task_name, rb, ab, sa.func.count(), sa.func.sum(rt),
+                               sa.func.sum(attempts)).group_by(sub.c.task_name, rb, ab))
+                for task, r_ix, a_ix, n, rt_sum, a_sum in c.execute(q):
+                    entry = sums.setdefault(task, {})
+                    if status == COMPLETED:
+                        runtime = entry.setdefault("runtime", [0.0] * (len(runtime_buckets) + 2))
+                        runtime[int(r_ix)] += int(n)
+                        runtime[-1] += float(rt_sum or 0)
+                    tries = entry.setdefault("attempts", [0.0] * (len(attempt_buckets) + 2))
+                    tries[int(a_ix)] += int(n)
+                    tries[-1] += float(a_sum or 0)
+        return {task: {kind: _cumulative(values) for kind, values in entry.items()}
+                for task, entry in sums.items()}
 
     # -- tuning ---------------------------------------------------------------
     def finished_tasks(self, limit: int = 10_000) -> list[str]:
