@@ -35,8 +35,9 @@ DEFAULTS = {
 SETTINGS = dict(
     lease_duration=2.0, lease_heartbeat_interval=0.4, lease_grace_period=0.5, lease_worker_stale_after=2.0,
     lease_reaper_hard_grace=5.0, lease_backoff_base=0.2, lease_backoff_max=1.0, lease_reaper_lock_ttl=3.0,
-    lease_dispatch_timeout=3.0, lease_max_attempts=3,
-    task_ignore_result=True, worker_prefetch_multiplier=1, broker_connection_retry_on_startup=True,
+    lease_dispatch_timeout=30.0, lease_max_attempts=3,
+    task_ignore_result=True, worker_prefetch_multiplier=1, worker_lost_wait=1.0,
+    broker_connection_retry_on_startup=True,
     task_routes={"celery_lease.reap": {"queue": "reaper"}},
     beat_schedule={"lease-reaper": {"task": "celery_lease.reap", "schedule": 0.5, "options": {"expires": 5}}},
 )

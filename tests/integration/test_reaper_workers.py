@@ -48,7 +48,7 @@ def test_warm_shutdown_lets_the_running_job_finish(renv, tmp_path, pool):
 @pytest.mark.parametrize(("pool", "acks_late"), [("prefork", True), ("solo", True), ("prefork", False)])
 def test_cold_shutdown_releases_the_lease_so_the_job_does_not_wait_for_expiry(renv, tmp_path, pool,
                                                                               acks_late):
-    conf = {**LONG_LEASE, "task_acks_late": acks_late}
+    conf = {**LONG_LEASE, "task_acks_late": acks_late, "lease_dispatch_timeout": 3.0}
     app = renv.app(**conf)
     with celery_processes(tmp_path) as procs:
         first = worker(APP, renv.env(**conf), tmp_path, pool=pool)
