@@ -52,7 +52,7 @@ SELECT 'job-' || i, 'q' || (i % 4), 'bench.task' || (i % 10), NULL,
     CASE WHEN i <= {r} THEN 'token-' || i END,
     :now - age - 200, :now - age
 FROM (SELECT i, CASE WHEN i <= {f} THEN 0 WHEN i <= {c} THEN i % 900
-                     ELSE 900 + (i * 7919) % {week} END AS age FROM {seq}) AS s
+                     ELSE 900 + (CAST(i AS BIGINT) * 7919) % {week} END AS age FROM {seq}) AS s
 """
 EVENTS = """
 INSERT INTO {events} (job_id, event, reason, worker, token, at, detail)
@@ -60,7 +60,7 @@ SELECT 'job-' || i,
     CASE i % 1000 WHEN 0 THEN 'reaped_expired_lease' WHEN 1 THEN 'duplicate_delivery_skipped'
                   WHEN 2 THEN 'stale_completion_rejected' WHEN 3 THEN 'dead_lettered'
                   ELSE CASE i % 3 WHEN 0 THEN 'published' WHEN 1 THEN 'claimed' ELSE 'completed' END END,
-    NULL, 'w' || (i % 8), NULL, :now - 10 - (i * 7919) % {week}, NULL
+    NULL, 'w' || (i % 8), NULL, :now - 10 - (CAST(i AS BIGINT) * 7919) % {week}, NULL
 FROM {seq}
 """
 

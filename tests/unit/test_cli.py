@@ -386,3 +386,12 @@ def test_check_passes_with_warnings_only(ro, monkeypatch):
     result = ro.run("check")
     assert result.exit_code == 0, result.output
     assert "0 error(s)" in result.output and "WARNING" in result.output
+
+
+def test_reap_runs_one_reaper_cycle_now(rw, broker):
+    result = rw.json("reap")
+    assert result["reaped"] == 3 and result["skipped_owner_alive"] == 1 and result["dry_run"] is False
+    assert {rw.store.get(job_id).status for job_id in rw.ids["abandoned"]} == {"pending"}
+    assert rw.store.get("alive-expired").status == "running"
+    assert sorted(queued_ids(broker, "celery")) == sorted(rw.ids["abandoned"])
+    assert rw.run("reap").output.startswith("reaped: seen=")
