@@ -16,17 +16,15 @@ if MODE not in ("lease", "plain"):
 
 BaseTask: type[Task]
 if MODE == "lease":
-    from celery_lease import LeaseTask
+    from celery_lease import LeaseTask  # importing celery_lease registers the celery_lease.reap task
 
     BaseTask = LeaseTask
-    include = ["example_project.tasks", "celery_lease.reaper"]
 else:
     from .plain import PlainTask
 
     BaseTask = PlainTask
-    include = ["example_project.tasks"]
 
-app = Celery("example_project", include=include)
+app = Celery("example_project", include=["example_project.tasks"])
 app.config_from_object("example_project.settings")
 if MODE == "plain":
     app.conf.beat_schedule = {}

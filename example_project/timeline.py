@@ -102,8 +102,15 @@ def _state(rec: Record, second: int, previous: str) -> str:
                                            if sample.statuses.get(k)))
     frozen = {d.node for d in rec.disruptions
               if d.kind == "stop" and d.at <= sample.at < (d.resumed_at or rec.ended_at)}
-    running = ", ".join(f"{node} {label}" + (" (frozen)" if node in frozen else "")
-                        for node, label in sorted(sample.running)) or "nothing"
+    entries = [(node, f"{node} {label}" + (" (frozen)" if node in frozen else ""))
+               for node, label in sample.running]
+    # A killed worker's job stays "running" until someone takes it back: show the zombie.
+    for d in rec.disruptions:
+        taken_back = min([e["at"] for e in rec.events if e["job_id"] == d.job_id
+                          and e["event"] == "reaped_expired_lease" and e["at"] >= d.at] or [rec.ended_at])
+        if d.kind == "kill" and d.at <= sample.at < taken_back:
+            entries.append((d.node, f"{d.node} {d.label} (dead)"))
+    running = ", ".join(text for _, text in sorted(entries)) or "nothing"
     parts.append(f"running: {running}")
     return "   ".join(parts)
 
