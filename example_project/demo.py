@@ -36,8 +36,10 @@ MODES = {
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m example_project.demo",
-                                     description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m example_project.demo",
+        description="A crash recovered before your eyes: 20 shop jobs, a worker SIGKILLed, another "
+                    "frozen past its lease, then a timeline and the final table.")
     parser.add_argument("--mode", choices=sorted(MODES), default="lease",
                         help="lease (default): the shop on celery_lease; plain: the same tasks, plain Celery")
     parser.add_argument("--run-dir", type=Path, default=None,
