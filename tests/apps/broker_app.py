@@ -4,10 +4,13 @@ Configured from the environment: BROKER_APP_BROKER (Redis db 9 or RabbitMQ), BRO
 BROKER_APP_PREFIX, BROKER_APP_EXTEND (1/0: lease_extend_visibility), BROKER_APP_VT (Redis
 visibility timeout, seconds), BROKER_APP_COUNTERS (a Redis URL for the counters),
 BROKER_APP_QUEUE (the default queue), BROKER_APP_TIME_LIMIT (the task's time limit, seconds)
-and BROKER_APP_CONSUMER_TIMEOUT (lease_rabbitmq_consumer_timeout, seconds).
+BROKER_APP_CONSUMER_TIMEOUT (lease_rabbitmq_consumer_timeout, seconds) and BROKER_APP_KEYPREFIX:
+kombu's ``global_keyprefix`` and the counters' prefix, so that concurrent runs sharing the
+Redis database do not see each other's keys.
 
-Counters, per job id: ``delivered:<id>`` and ``redelivered:<id>`` in the main process for
-every message received (task_received); ``started:<id>`` and ``finished:<id>`` in the body.
+Counters, per job id (after the key prefix): ``delivered:<id>`` and ``redelivered:<id>`` in the
+main process for every message received (task_received); ``started:<id>`` and
+``finished:<id>`` in the body.
 """
 
 from __future__ import annotations
@@ -32,10 +35,31 @@ DEFAULTS = {
     "BROKER_APP_QUEUE": "celery",
     "BROKER_APP_TIME_LIMIT": "",
     "BROKER_APP_CONSUMER_TIMEOUT": "",
+    "BROKER_APP_KEYPREFIX": "",
 }
 
 
-def make_app(env: Mapping[str, str]) -> tuple[Celery, redis.Redis]:
+class Counters:
+    """Redis counters under a key prefix."""
+
+    def __init__(self, url: str, prefix: str) -> None:
+        self.client, self.prefix = redis.Redis.from_url(url), prefix
+
+    def incr(self, key: str) -> None:
+        self.client.incr(self.prefix + key)
+
+    def rpush(self, key: str, value: str) -> None:
+        self.client.rpush(self.prefix + key, value)
+
+    def count(self, key: str) -> int:
+        return int(self.client.get(self.prefix + key) or 0)
+
+    def names(self, key: str) -> list[str]:
+        """The node names pushed to a list, without their host part."""
+        return [v.decode().split("@")[0] for v in self.client.lrange(self.prefix + key, 0, -1)]
+
+
+def make_app(env: Mapping[str, str]) -> tuple[Celery, Counters]:
     """The app and its counter client, from an environment (the test process builds its twin)."""
     conf = {key: env.get(key, default) for key, default in DEFAULTS.items()}
     app = Celery("broker_app", broker=conf["BROKER_APP_BROKER"], set_as_current=False)
@@ -47,12 +71,13 @@ def make_app(env: Mapping[str, str]) -> tuple[Celery, redis.Redis]:
         broker_transport_options={
             "visibility_timeout": float(conf["BROKER_APP_VT"]),
             "unacked_restore_interval": 1, "unacked_restore_throttle": 1,
+            **({"global_keyprefix": conf["BROKER_APP_KEYPREFIX"]} if conf["BROKER_APP_KEYPREFIX"] else {}),
         },
         broker_connection_retry_on_startup=True, task_default_queue=conf["BROKER_APP_QUEUE"],
         lease_rabbitmq_consumer_timeout=float(conf["BROKER_APP_CONSUMER_TIMEOUT"] or 0) or None,
     )
     time_limit = float(conf["BROKER_APP_TIME_LIMIT"] or 0) or None
-    counters = redis.Redis.from_url(conf["BROKER_APP_COUNTERS"])
+    counters = Counters(conf["BROKER_APP_COUNTERS"], conf["BROKER_APP_KEYPREFIX"])
 
     @app.task(base=LeaseTask, bind=True, shared=False, name="broker_app.work", time_limit=time_limit)
     def work(self: Any, seconds: float) -> float:

@@ -36,11 +36,12 @@ APP = "tests.apps.broker_app"
 
 @pytest.fixture
 def counters(redis_url):
+    """Counters in Redis db 9 under a key prefix of this test's own, removed after."""
     url = urlunsplit(urlsplit(redis_url)._replace(path=f"/{REDIS_DB}"))
-    client = redis.Redis.from_url(url)
-    client.flushdb()
-    yield url, client
-    client.flushdb()
+    client, prefix = redis.Redis.from_url(url), f"{unique_prefix()}:"
+    yield url, prefix
+    for key in client.scan_iter(match=f"{prefix}*"):
+        client.delete(key)
     client.close()
 
 
@@ -49,7 +50,7 @@ def env(amqp_url, counters, postgres_url):
     queue = f"lease-rabbitmq-{uuid.uuid4().hex[:8]}"  # no other test's worker consumes it
     env = {"BROKER_APP_BROKER": amqp_url, "BROKER_APP_COUNTERS": counters[0],
            "BROKER_APP_STORE": postgres_url, "BROKER_APP_PREFIX": unique_prefix(), "BROKER_APP_QUEUE": queue,
-           "BROKER_APP_TIME_LIMIT": "60"}
+           "BROKER_APP_TIME_LIMIT": "60", "BROKER_APP_KEYPREFIX": counters[1]}
     yield env
     app, _ = make_app(env)
     store = for_app(app, migrate=False)
@@ -59,13 +60,9 @@ def env(amqp_url, counters, postgres_url):
         connection.default_channel.queue_delete(queue)
 
 
-def count(client, key, job_id) -> int:
-    return int(client.get(f"{key}:{job_id}") or 0)
-
-
-def test_a_long_leased_job_completes_once_on_rabbitmq(env, counters, tmp_path):
-    app, _ = make_app(env)
-    work, client, store = app.tasks["broker_app.work"], counters[1], for_app(app)
+def test_a_long_leased_job_completes_once_on_rabbitmq(env, tmp_path):
+    app, counters = make_app(env)
+    work, store = app.tasks["broker_app.work"], for_app(app)
     with workers.celery_processes(tmp_path) as procs:
         proc = workers.worker(APP, env, tmp_path, name="r")
         procs.append(proc)
@@ -78,7 +75,7 @@ def test_a_long_leased_job_completes_once_on_rabbitmq(env, counters, tmp_path):
     job = store.get(job_id)
     assert job.completed_at - job.started_at >= LONG >= 5 * app.conf.lease_duration
     assert (job.attempt_count, job.expired_count) == (1, 0)
-    counts = [count(client, k, job_id) for k in ("delivered", "redelivered", "started", "finished")]
+    counts = [counters.count(f"{k}:{job_id}") for k in ("delivered", "redelivered", "started", "finished")]
     assert counts == [1, 0, 1, 1]
     assert [e["event"] for e in store.events(job_id)] == ["published", "claimed", "completed"]
 

@@ -1,10 +1,10 @@
 """The Redis visibility extension with real `celery worker` subprocesses, Redis db 9 and PostgreSQL.
 
 kombu restores an unacknowledged message once its score in ``unacked_index`` is older than
-``visibility_timeout`` (3 s here, swept every second). Jobs run 3x that long and countdowns
-wait more than twice that long, so without the extension every one of them is delivered
-again while its worker lives; with it, none is, and a SIGKILLed worker's messages still
-come back and complete once on the other worker.
+``visibility_timeout`` (3 s here, swept every second). Jobs run 12 s and countdowns wait
+10 s, several times the visibility timeout, so without the extension every one of them is
+delivered again while its worker lives; with it, none is, and a SIGKILLed worker's
+messages still come back and complete once on the other worker.
 """
 
 from __future__ import annotations
@@ -25,25 +25,27 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 REDIS_DB = 9
 VT = 3.0  # kombu's visibility_timeout in these workers
-LONG = 3 * VT  # seconds a long job runs
-COUNTDOWN = 2.4 * VT  # seconds an ETA job waits inside a worker
+LONG = 12.0  # seconds a long job runs
+COUNTDOWN = 10.0  # seconds an ETA job waits inside a worker
 APP = "tests.apps.broker_app"
 
 
 @pytest.fixture
 def broker(redis_url):
+    """Redis db 9 under a key prefix of this test's own (kombu's global_keyprefix), removed after."""
     url = urlunsplit(urlsplit(redis_url)._replace(path=f"/{REDIS_DB}"))
-    client = redis.Redis.from_url(url)
-    client.flushdb()
-    yield url, client
-    client.flushdb()
+    client, prefix = redis.Redis.from_url(url), f"{unique_prefix()}:"
+    yield url, client, prefix
+    for key in client.scan_iter(match=f"{prefix}*"):
+        client.delete(key)
     client.close()
 
 
 @pytest.fixture
 def env(broker, postgres_url):
     env = {"BROKER_APP_BROKER": broker[0], "BROKER_APP_COUNTERS": broker[0], "BROKER_APP_STORE": postgres_url,
-           "BROKER_APP_PREFIX": unique_prefix(), "BROKER_APP_VT": str(VT), "BROKER_APP_EXTEND": "1"}
+           "BROKER_APP_PREFIX": unique_prefix(), "BROKER_APP_VT": str(VT), "BROKER_APP_EXTEND": "1",
+           "BROKER_APP_KEYPREFIX": broker[2]}
     yield env
     app, _ = make_app(env)
     store = for_app(app, migrate=False)
@@ -62,14 +64,6 @@ def start(procs, env, log_dir, *names):
     return started
 
 
-def count(client, key, job_id) -> int:
-    return int(client.get(f"{key}:{job_id}") or 0)
-
-
-def hosts(client, key, job_id) -> list[str]:
-    return [h.decode().split("@")[0] for h in client.lrange(f"{key}:{job_id}", 0, -1)]
-
-
 def publish(work):
     """Two jobs waiting for their countdown inside a worker, then two long jobs.
 
@@ -80,63 +74,67 @@ def publish(work):
     return long_jobs, eta_jobs
 
 
+def counts(counters, job_id, *keys) -> list[int]:
+    return [counters.count(f"{key}:{job_id}") for key in keys]
+
+
 def all_completed(store, jobs):
     return all((job := store.get(j)) is not None and job.status == "completed" for j in jobs)
 
 
-def drained(client) -> bool:
+def drained(client, prefix) -> bool:
     """Every delivery is acknowledged and nothing waits in the queue."""
-    return client.hlen("unacked") == 0 and client.zcard("unacked_index") == 0 and client.llen("celery") == 0
+    return not any((client.hlen(f"{prefix}unacked"), client.zcard(f"{prefix}unacked_index"),
+                    client.llen(f"{prefix}celery")))
 
 
 def test_live_workers_keep_their_messages_and_each_body_runs_once(env, broker, tmp_path):
-    app, _ = make_app(env)
-    work, client, store = app.tasks["broker_app.work"], broker[1], for_app(app)
+    app, counters = make_app(env)
+    work, store, (_, client, prefix) = app.tasks["broker_app.work"], for_app(app), broker
     with workers.celery_processes(tmp_path) as procs:
         start(procs, env, tmp_path, "a", "b")
         long_jobs, eta_jobs = publish(work)
         jobs = long_jobs + eta_jobs
         wait_for(lambda: all_completed(store, jobs), timeout=60, message="jobs did not complete")
-        wait_for(lambda: drained(client), timeout=15, message="deliveries left unacknowledged")
+        wait_for(lambda: drained(client, prefix), timeout=15, message="deliveries left unacknowledged")
     for job_id in jobs:
-        assert (count(client, "delivered", job_id), count(client, "redelivered", job_id)) == (1, 0), job_id
-        assert (count(client, "started", job_id), count(client, "finished", job_id)) == (1, 1), job_id
+        assert counts(counters, job_id, "delivered", "redelivered", "started", "finished") == [1, 0, 1, 1]
     for job_id in long_jobs:  # each long job really outlived the visibility timeout several times
         job = store.get(job_id)
-        assert job.completed_at - job.started_at >= LONG > 2 * VT
+        assert job.completed_at - job.started_at >= LONG >= 4 * VT
         assert job.attempt_count == 1
     assert store.count_events(["duplicate_delivery_skipped"]) == {"duplicate_delivery_skipped": 0}
 
 
 def test_a_killed_workers_messages_are_restored_and_completed_once_by_the_other(env, broker, tmp_path):
-    app, _ = make_app(env)
-    work, client, store = app.tasks["broker_app.work"], broker[1], for_app(app)
+    app, counters = make_app(env)
+    work, store, (_, client, prefix) = app.tasks["broker_app.work"], for_app(app), broker
     with workers.celery_processes(tmp_path) as procs:
         (a,) = start(procs, env, tmp_path, "a")
         eta = work.apply_async((0.1,), countdown=COUNTDOWN).id
         running = work.apply_async((LONG,)).id
         reserved = work.apply_async((1.0,)).id  # prefetched behind the running one
         jobs = [running, reserved, eta]
-        wait_for(lambda: count(client, "started", running)
-                 and all(count(client, "delivered", j) for j in jobs),
+        wait_for(lambda: counters.count(f"started:{running}")
+                 and all(counters.count(f"delivered:{j}") for j in jobs),
                  timeout=20, message="worker a did not take all three messages")
-        first = dict(client.zrange("unacked_index", 0, -1, withscores=True))
+        first = dict(client.zrange(f"{prefix}unacked_index", 0, -1, withscores=True))
         assert len(first) == 3
         # The live worker pushes the scores of everything it holds forward.
-        wait_for(lambda: all(client.zscore("unacked_index", tag) > score + VT / 2
+        wait_for(lambda: all(client.zscore(f"{prefix}unacked_index", tag) > score + VT / 2
                              for tag, score in first.items()),
                  timeout=10, message="worker a did not refresh the scores of its messages")
         start(procs, env, tmp_path, "b")
-        assert all(count(client, "redelivered", j) == 0 for j in jobs)  # nothing restored while a lived
+        assert all(counters.count(f"redelivered:{j}") == 0 for j in jobs)  # nothing restored while a lived
         a.kill()
         wait_for(lambda: all_completed(store, jobs), timeout=60, message="a's jobs were not recovered")
-        wait_for(lambda: drained(client), timeout=15, message="deliveries left unacknowledged")
+        wait_for(lambda: drained(client, prefix), timeout=15, message="deliveries left unacknowledged")
     for job_id in jobs:
-        assert count(client, "redelivered", job_id) == 1, job_id  # restored by kombu, once
-        assert hosts(client, "delivered_to", job_id) == ["a", "b"], job_id
-        assert count(client, "finished", job_id) == 1, job_id
-    assert hosts(client, "ran_on", running) == ["a", "b"]  # killed mid-body on a, completed on b
-    assert hosts(client, "ran_on", reserved) == ["b"] and hosts(client, "ran_on", eta) == ["b"]
+        assert counters.count(f"redelivered:{job_id}") == 1, job_id  # restored by kombu, once
+        assert counters.names(f"delivered_to:{job_id}") == ["a", "b"], job_id
+        assert counters.count(f"finished:{job_id}") == 1, job_id
+    assert counters.names(f"ran_on:{running}") == ["a", "b"]  # killed mid-body on a, completed on b
+    assert counters.names(f"ran_on:{reserved}") == ["b"] and counters.names(f"ran_on:{eta}") == ["b"]
     taken = store.get(running)
     assert (taken.attempt_count, taken.expired_count) == (2, 1)
     assert store.count_events(["duplicate_delivery_skipped"]) == {"duplicate_delivery_skipped": 0}
@@ -144,21 +142,21 @@ def test_a_killed_workers_messages_are_restored_and_completed_once_by_the_other(
 
 def test_without_the_extension_duplicates_are_delivered_and_skipped_by_the_lease(env, broker, tmp_path):
     env = {**env, "BROKER_APP_EXTEND": "0"}
-    app, _ = make_app(env)
-    work, client, store = app.tasks["broker_app.work"], broker[1], for_app(app)
+    app, counters = make_app(env)
+    work, store, (_, client, prefix) = app.tasks["broker_app.work"], for_app(app), broker
     started_at = time.monotonic()
     with workers.celery_processes(tmp_path) as procs:
         start(procs, env, tmp_path, "a", "b")
         long_jobs, eta_jobs = publish(work)
         jobs = long_jobs + eta_jobs
         wait_for(lambda: all_completed(store, jobs), timeout=60, message="jobs did not complete")
-        wait_for(lambda: drained(client), timeout=30, message="duplicate deliveries left unacknowledged")
-    redelivered = sum(count(client, "redelivered", j) for j in jobs)
+        wait_for(lambda: drained(client, prefix), timeout=30, message="duplicates left unacknowledged")
+    redelivered = sum(counters.count(f"redelivered:{j}") for j in jobs)
     skipped = store.count_events(["duplicate_delivery_skipped"])["duplicate_delivery_skipped"]
     assert redelivered > 0 and skipped > 0
     # Every delivery either ran the body (once per job) or was skipped by the lease.
-    assert sum(count(client, "delivered", j) for j in jobs) == len(jobs) + skipped
+    assert sum(counters.count(f"delivered:{j}") for j in jobs) == len(jobs) + skipped
     for job_id in jobs:
-        assert (count(client, "started", job_id), count(client, "finished", job_id)) == (1, 1), job_id
+        assert counts(counters, job_id, "started", "finished") == [1, 1], job_id
         assert store.get(job_id).attempt_count == 1
     assert time.monotonic() - started_at < 120

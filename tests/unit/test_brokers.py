@@ -40,11 +40,12 @@ REDIS_DB = 9
 
 @pytest.fixture
 def redis9(redis_url):
+    """Redis db 9 and a key prefix of this test's own (kombu's global_keyprefix), removed after."""
     url = urlunsplit(urlsplit(redis_url)._replace(path=f"/{REDIS_DB}"))
-    client = redis.Redis.from_url(url)
-    client.flushdb()
-    yield url, client
-    client.flushdb()
+    client, prefix = redis.Redis.from_url(url), f"{unique_prefix()}:"
+    yield url, client, prefix
+    for key in client.scan_iter(match=f"{prefix}*"):
+        client.delete(key)
     client.close()
 
 
@@ -69,10 +70,10 @@ class Recorder:
 
 # -- extenders ------------------------------------------------------------------
 def test_redis_extender_moves_only_tags_still_unacked_under_the_prefixed_key_in_one_command(redis9):
-    url, client = redis9
-    with kombu_channel(url, global_keyprefix="pfx:", unacked_index_key="my_index",
+    url, client, prefix = redis9
+    with kombu_channel(url, global_keyprefix=prefix, unacked_index_key="my_index",
                        visibility_timeout=6) as channel:
-        client.zadd("pfx:my_index", {"t1": 1.0, "t2": 2.0})
+        client.zadd(f"{prefix}my_index", {"t1": 1.0, "t2": 2.0})
         extender = extender_for(channel)
         assert isinstance(extender, RedisExtender) and extender.visibility_timeout == 6.0
         commands = []
@@ -89,15 +90,16 @@ def test_redis_extender_moves_only_tags_still_unacked_under_the_prefixed_key_in_
         before = time.time()
         changed = extender.extend([Held("j1", "t1", {}), Held("j2", "t2", {}), Held("j3", "acked", {})])
     assert changed == 2 and commands == ["ZADD"]
-    scores = dict(client.zrange("pfx:my_index", 0, -1, withscores=True))
+    scores = dict(client.zrange(f"{prefix}my_index", 0, -1, withscores=True))
     assert set(scores) == {b"t1", b"t2"}  # XX: the acked tag is not resurrected
     assert all(score >= before for score in scores.values())
     assert not client.exists("my_index")  # the global key prefix was honoured
 
 
 def test_a_refreshed_message_is_not_restored_by_kombu_and_an_unrefreshed_one_is(redis9):
-    url, client = redis9
-    with kombu_channel(url, visibility_timeout=5) as channel:
+    url, client, prefix = redis9
+    index = f"{prefix}unacked_index"
+    with kombu_channel(url, visibility_timeout=5, global_keyprefix=prefix) as channel:
         queue = kombu.Queue("vis", kombu.Exchange("vis"), "vis", channel=channel)
         queue.declare()
         kombu.Producer(channel).publish({"n": 1}, exchange="vis", routing_key="vis")
@@ -106,16 +108,16 @@ def test_a_refreshed_message_is_not_restored_by_kombu_and_an_unrefreshed_one_is(
         keeper = VisibilityKeeper(None, lambda: extender_for(channel),
                                   collect=lambda: [Held("job", tag, message.delivery_info)])
 
-        client.zadd("unacked_index", {tag: time.time() - 60})  # held for a minute already
+        client.zadd(index, {tag: time.time() - 60})  # held for a minute already
         assert keeper.run_once().extended == 1
         channel.qos.restore_visible(num=10, interval=1)
-        assert client.llen("vis") == 0 and client.zscore("unacked_index", tag) is not None
+        assert client.llen(f"{prefix}vis") == 0 and client.zscore(index, tag) is not None
 
         keeper.collect = list  # the worker no longer holds it (or died)
-        client.zadd("unacked_index", {tag: time.time() - 60})
+        client.zadd(index, {tag: time.time() - 60})
         assert keeper.run_once().extended == 0
         channel.qos.restore_visible(num=10, interval=1)
-        assert client.llen("vis") == 1 and client.zscore("unacked_index", tag) is None
+        assert client.llen(f"{prefix}vis") == 1 and client.zscore(index, tag) is None
 
 
 class FakeSQSChannel:
@@ -297,11 +299,11 @@ def test_the_step_is_included_only_for_redis_or_sqs_with_the_setting_on(redis9):
 
 
 def test_a_worker_keeps_a_job_longer_than_the_visibility_timeout_from_being_redelivered(redis9, tmp_path):
-    url, client = redis9
+    url, client, prefix = redis9
     app = make_app(url, lease_store_url=f"sqlite:///{tmp_path / 'lease.sqlite3'}", task_acks_late=True,
                    worker_hijack_root_logger=False, lease_duration=1.0, lease_heartbeat_interval=0.2,
                    broker_transport_options={"visibility_timeout": 1, "unacked_restore_interval": 0.2,
-                                             "unacked_restore_throttle": 1})
+                                             "unacked_restore_throttle": 1, "global_keyprefix": prefix})
 
     @app.task(base=LeaseTask, bind=True, shared=False, name="b.slow")
     def slow(self):
@@ -321,7 +323,7 @@ def test_a_worker_keeps_a_job_longer_than_the_visibility_timeout_from_being_rede
                      timeout=5, message="the visibility step did not start")
             wait_for(lambda: (job := for_app(app).get(result.id)) and job.status == "completed",
                      timeout=15, message="job did not complete")
-            wait_for(lambda: client.zcard("unacked_index") == 0, timeout=5, message="message not acked")
+            wait_for(lambda: client.zcard(f"{prefix}unacked_index") == 0, timeout=5, message="not acked")
     finally:
         signals.task_received.disconnect(received)
     assert deliveries == [False]  # 2.5x the visibility timeout, never restored
