@@ -180,8 +180,8 @@ class VisibilityKeeper:
     The main process does not run the leased bodies, so it learns which leases are healthy
     from the store: one query for the running requests' jobs (running, unexpired on the
     store's clock, locked by the process that runs the request). While the store is
-    unreachable a lease counts as healthy for one lease duration after it was last seen so,
-    the same rule the heartbeat applies to itself.
+    unreachable, a lease counts as healthy for one lease duration after it was last seen
+    healthy: the rule the heartbeat applies to itself.
     """
 
     def __init__(self, app: Any, connect: Callable[[], Extender | None],
@@ -213,12 +213,12 @@ class VisibilityKeeper:
         leased = [h for h in held if h.leased]
         healthy = self._healthy(leased)
         refresh = [h for h in held if not h.leased or h.job_id in healthy]
-        for h in leased:
-            if h.job_id not in healthy and h.job_id not in self._reported:
-                self._reported.add(h.job_id)
-                log.info("job %s: lease not healthy, visibility of its message no longer extended",
-                         h.job_id, extra={"action": "visibility_not_extended"})
-        result = RefreshResult(len(held), len(leased), sum(h.job_id not in healthy for h in leased))
+        unhealthy = {h.job_id for h in leased if h.job_id not in healthy}
+        for job_id in unhealthy - self._reported:
+            log.info("job %s: lease not healthy, visibility of its message no longer extended",
+                     job_id, extra={"action": "visibility_not_extended"})
+        self._reported = unhealthy  # say it once per job while it is held
+        result = RefreshResult(len(held), len(leased), len(unhealthy))
         result.extended = self.extender.extend(refresh) if refresh else 0
         self.rounds += 1
         return result

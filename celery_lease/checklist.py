@@ -60,8 +60,8 @@ def _timeouts_vs_p99(ctx: Context) -> Iterator[Finding]:
             continue
         limits = [("time_limit", ctx.time_limit(task), ERROR),
                   ("soft_time_limit", task.soft_time_limit or ctx.conf.task_soft_time_limit, WARNING)]
-        if task.lease_max_runtime is not None or ctx.conf.get("lease_max_runtime") is not None:
-            limits.append(("lease_max_runtime", policy.max_runtime, ERROR))
+        if policy.max_runtime is not None and policy.max_runtime != ctx.time_limit(task):
+            limits.append(("lease_max_runtime", policy.max_runtime, ERROR))  # set on its own
         for setting, limit, level in limits:
             if limit and limit < p99:
                 problems.append(Finding(

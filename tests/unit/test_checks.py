@@ -368,3 +368,21 @@ def test_consumer_timeouts_come_from_the_management_api_per_queue():
                         "q3": (900.0, "lease_rabbitmq_consumer_timeout"),
                         "missing": (900.0, "lease_rabbitmq_consumer_timeout")}
     assert set(seen) == {"Basic Z3Vlc3Q6Z3Vlc3Q="}  # the broker's credentials, guest:guest
+
+
+@pytest.mark.parametrize(("options", "level", "setting", "limit"), [
+    ({"time_limit": 60, "soft_time_limit": 30}, "warning", "soft_time_limit", 30.0),
+    ({"time_limit": 60, "lease_max_runtime": 60.0}, None, None, None),  # the same as the time limit
+    ({"lease_max_runtime": 40.0}, "error", "lease_max_runtime", 40.0),
+], ids=["soft-limit", "max-runtime-from-time-limit", "max-runtime-set"])
+def test_every_limit_is_compared_with_the_measured_p99(sqlite_store, options, level, setting, limit):
+    store = baseline_store(sqlite_store)
+    for _ in range(3):
+        run_job(store, seconds=45.0)
+    found = [f for f in run_checks(make_app(tasks={"c.work": options}), store) if f.code == "timeout_vs_p99"]
+    if level is None:
+        assert [f.level for f in found] == ["ok"]
+        return
+    assert [(f.level, f.settings, f.values) for f in found] == [
+        (level, (setting,), {"task": "c.work", setting: limit, "p99": 45.0})]
+    assert found[0].fix == f"raise {setting} above the p99 (45s) with room for the tail, or split the task"
