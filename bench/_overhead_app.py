@@ -11,7 +11,7 @@ from celery import Celery
 
 from celery_lease import LeaseTask
 
-BROKER = os.environ.get("BENCH_BROKER", "redis://127.0.0.1:6379/12")
+BROKER = os.environ.get("BENCH_BROKER", "redis://127.0.0.1:6379/15")
 app = Celery("bench_overhead", broker=BROKER)
 app.conf.update(
     lease_store_url=os.environ.get("BENCH_STORE", "sqlite:///bench.sqlite3"),

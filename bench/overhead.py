@@ -25,7 +25,7 @@ from celery_lease.store import Store
 from celery_lease.task import Lease
 
 ROOT = Path(__file__).resolve().parent.parent
-BROKER = os.environ.get("BENCH_BROKER", "redis://127.0.0.1:6379/12")
+BROKER = os.environ.get("BENCH_BROKER", "redis://127.0.0.1:6379/15")
 POSTGRES = os.environ.get("CELERY_LEASE_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
 

@@ -137,7 +137,7 @@ _running: dict[str, Lease] = {}
 
 def _queue_of(task: Task, request: Any) -> str | None:
     info = request.delivery_info or {}
-    return info.get("routing_key") or task.queue or task.app.conf.task_default_queue
+    return info.get("routing_key") or getattr(task, "queue", None) or task.app.conf.task_default_queue
 
 
 def _seconds_until(when: Any) -> float:
