@@ -108,9 +108,9 @@ def policy_for(app: Any, task_name: str, queue: str | None) -> TaskPolicy:
 def decide(job: Job, policy: TaskPolicy, why: str, rng: Any = random) -> Decision:
     """Requeue with backoff while attempts and expirations last, else dead-letter (or fail)."""
     if policy.on_expired == "fail":
-        kind, reason = "fail", f"lease expired ({why}) and lease_on_expired='fail'"
+        kind, reason = "fail", f"{why}; lease_on_expired='fail'"
     elif policy.on_expired == "dead_letter":
-        kind, reason = "dead_letter", f"lease expired ({why}) and lease_on_expired='dead_letter'"
+        kind, reason = "dead_letter", f"{why}; lease_on_expired='dead_letter'"
     elif job.attempt_count >= job.max_attempts:
         # The row's max_attempts is the one the claim's takeover checks: both must agree.
         kind, reason = "dead_letter", "lease expired and max attempts reached"
@@ -119,8 +119,7 @@ def decide(job: Job, policy: TaskPolicy, why: str, rng: Any = random) -> Decisio
     else:
         delay = backoff(job.attempt_count, policy.backoff_base, policy.backoff_max, policy.backoff_jitter,
                         rng)
-        return Decision(job.id, job.task_name, "requeue", f"lease expired ({why})", job.locked_by, delay,
-                        job.queue_name)
+        return Decision(job.id, job.task_name, "requeue", why, job.locked_by, delay, job.queue_name)
     queue = policy.dead_letter_queue if kind == "dead_letter" else None
     return Decision(job.id, job.task_name, kind, reason, job.locked_by, 0.0, queue)
 
@@ -231,7 +230,7 @@ class Reaper:
                     result.seen += 1
                     if not item.reapable:
                         result.skipped_owner_alive += 1
-                        why = f"owner {job.locked_by} still registered; waiting for the hard grace"
+                        why = f"lease expired but owner {job.locked_by} is alive; waiting for the hard grace"
                         if dry:
                             result.planned.append(Decision(job.id, job.task_name, "skip_owner_alive", why,
                                                            job.locked_by))
@@ -239,8 +238,8 @@ class Reaper:
                             self.store.note_skipped_owner_alive(c, job, why)
                         continue
                     budget -= 1
-                    why = ("owner alive, past hard grace" if item.owner_alive
-                           else f"owner {job.locked_by} gone")
+                    why = ("lease expired past the hard grace, owner still registered" if item.owner_alive
+                           else f"lease expired, owner {job.locked_by} gone")
                     decision = decide(job, policy_for(self.app, job.task_name, job.queue_name), why, self.rng)
                     if dry:
                         result.planned.append(decision)

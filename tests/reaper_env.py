@@ -1,4 +1,8 @@
-"""Shared set-up of the reaper's worker tests: Redis db 7 broker, PostgreSQL store, run counters."""
+"""Shared set-up of the reaper's worker tests: Redis db 7 broker, PostgreSQL store, run counters.
+
+db 7 is never flushed: each test gets queues of its own (jobs and the reaper task), so runs of
+these tests in parallel processes cannot take each other's messages.
+"""
 
 from __future__ import annotations
 
@@ -26,8 +30,9 @@ class ReaperEnv:
     def __init__(self, redis_url: str, postgres_url: str) -> None:
         self.broker_url = redis_url.rsplit("/", 1)[0] + f"/{REDIS_DB}"
         self.broker = redis.Redis.from_url(self.broker_url)
-        self.broker.flushdb()
         self.prefix = unique_prefix()
+        self.queue = f"rq-{self.prefix}"
+        self.reaper_queue = f"{self.queue}.reaper"
         self.store = Store(postgres_url, self.prefix)
         self.store.migrate()
         self.runs = runs_table(self.prefix)
@@ -36,8 +41,10 @@ class ReaperEnv:
                      "REAPER_PREFIX": self.prefix, "REAPER_CONF": "{}"}
 
     def env(self, **conf: Any) -> dict[str, str]:
-        """The subprocess environment, with extra settings as REAPER_CONF."""
-        return {**self.vars, "REAPER_CONF": json.dumps(conf)}
+        """The subprocess environment, with this test's queues and extra settings as REAPER_CONF."""
+        own = {"task_default_queue": self.queue,
+               "task_routes": {"celery_lease.reap": {"queue": self.reaper_queue}}}
+        return {**self.vars, "REAPER_CONF": json.dumps({**own, **conf})}
 
     def app(self, **conf: Any):
         """The test process's twin of the subprocesses' app (to send jobs and run reapers)."""
@@ -67,7 +74,8 @@ class ReaperEnv:
         self.runs.drop(self.store.engine)
         self.store.t.metadata.drop_all(self.store.engine)
         self.store.engine.dispose()
-        self.broker.flushdb()
+        for key in self.broker.scan_iter(f"*{self.queue}*"):
+            self.broker.delete(key)
         self.broker.close()
 
 

@@ -69,8 +69,8 @@ def test_sigkilled_prefork_worker_jobs_complete_exactly_once_within_the_recovery
     work = app.tasks["reaper_app.work"]
     with celery_processes(tmp_path) as procs:
         procs.append(beat(APP, env, tmp_path))
-        procs.append(worker(APP, env, tmp_path, pool="solo", queues="reaper", name="reaper"))
-        victim = worker(APP, env, tmp_path, pool="prefork", concurrency=2, queues="celery", name="victim")
+        procs.append(worker(APP, env, tmp_path, pool="solo", queues=renv.reaper_queue, name="reaper"))
+        victim = worker(APP, env, tmp_path, pool="prefork", concurrency=2, queues=renv.queue, name="victim")
         procs.append(victim)
         long_jobs = [work.delay(60.0).id for _ in range(2)]
         wait_for(lambda: running_on(renv, long_jobs), timeout=40, message="long jobs never started")
@@ -78,7 +78,7 @@ def test_sigkilled_prefork_worker_jobs_complete_exactly_once_within_the_recovery
         # When the whole worker is SIGKILLed mid-task
         killed_at = time.time()
         victim.kill()
-        procs.append(worker(APP, env, tmp_path, pool="prefork", queues="celery", name="rescuer"))
+        procs.append(worker(APP, env, tmp_path, pool="prefork", queues=renv.queue, name="rescuer"))
         # Then every job completes, the killed ones requeued by the reaper within the bound
         every = long_jobs + short_jobs
         wait_for(lambda: all(renv.status(j) == COMPLETED for j in every), timeout=40,
@@ -100,7 +100,7 @@ def test_sigkilled_prefork_worker_jobs_complete_exactly_once_within_the_recovery
 def test_a_task_that_kills_its_own_process_every_time_ends_dead_lettered(renv, tmp_path):
     app = renv.app()
     with celery_processes(tmp_path) as procs:
-        procs.append(worker(APP, renv.env(), tmp_path, pool="prefork", queues="celery"))
+        procs.append(worker(APP, renv.env(), tmp_path, pool="prefork", queues=renv.queue))
         job = app.tasks["reaper_app.suicide"].delay()  # no reaper runs: only the main process recovers
         wait_for(lambda: renv.status(job.id) == FAILED, timeout=40, message="job never dead-lettered")
         after = Reaper(app).run_once()  # the reaper finds nothing left to do with it
@@ -113,7 +113,7 @@ def test_a_task_that_kills_its_own_process_every_time_ends_dead_lettered(renv, t
     # Each death was seen at once by the worker's main process, not left to the lease's expiry.
     assert all("worker process lost: WorkerLostError" in e["reason"]
                for e in renv.store.events(job.id, "reaped_expired_lease"))
-    assert renv.broker.llen("celery") == 0
+    assert renv.broker.llen(renv.queue) == 0
 
 
 def test_a_reaper_killed_between_publish_and_cas_leaves_nothing_stuck(renv, tmp_path):
@@ -121,7 +121,7 @@ def test_a_reaper_killed_between_publish_and_cas_leaves_nothing_stuck(renv, tmp_
     work = app.tasks["reaper_app.work"]
     pause = tmp_path / "paused"
     with celery_processes(tmp_path) as procs:
-        victim = worker(APP, env, tmp_path, pool="prefork", concurrency=2, queues="celery", name="victim")
+        victim = worker(APP, env, tmp_path, pool="prefork", concurrency=2, queues=renv.queue, name="victim")
         procs.append(victim)
         jobs = [work.delay(60.0).id for _ in range(2)]
         wait_for(lambda: running_on(renv, jobs), timeout=40, message="jobs never started")
@@ -134,7 +134,7 @@ def test_a_reaper_killed_between_publish_and_cas_leaves_nothing_stuck(renv, tmp_
         paused.kill()
         assert renv.store.events(first, "reaped_expired_lease") == []  # the CAS never happened
         # The early message finds the lease claimable; the next reaper takes the lock after its TTL
-        procs.append(worker(APP, env, tmp_path, pool="prefork", queues="celery", name="rescuer"))
+        procs.append(worker(APP, env, tmp_path, pool="prefork", queues=renv.queue, name="rescuer"))
         with reaper_loop(app):
             wait_for(lambda: all(renv.status(j) == COMPLETED for j in jobs), timeout=40,
                      message="jobs stuck after the reaper died")
@@ -147,17 +147,19 @@ def test_a_reaper_killed_between_publish_and_cas_leaves_nothing_stuck(renv, tmp_
     assert unfinished(renv) == 0
 
 
-def test_jobs_whose_messages_vanished_with_a_broker_flush_are_redispatched_and_complete(renv, tmp_path):
+def test_jobs_whose_messages_vanished_from_the_broker_are_redispatched_and_complete(renv, tmp_path):
     quick = {"lease_dispatch_timeout": 3.0}
     app = renv.app(**quick)
     jobs = [app.tasks["reaper_app.work"].delay(0.1).id for _ in range(10)]
-    assert renv.broker.llen("celery") == 10
-    renv.broker.flushdb()  # a Redis restart without persistence: every pending message is gone
+    assert renv.broker.llen(renv.queue) == 10
+    # What a Redis restart without persistence does to them. (Not FLUSHDB: db 7 is shared with
+    # the other reaper tests, which may run in parallel processes.)
+    renv.broker.delete(renv.queue)
     with celery_processes(tmp_path) as procs:
-        procs.append(worker(APP, renv.env(**quick), tmp_path, pool="prefork", queues="celery"))
+        procs.append(worker(APP, renv.env(**quick), tmp_path, pool="prefork", queues=renv.queue))
         with reaper_loop(app):
             wait_for(lambda: all(renv.status(j) == COMPLETED for j in jobs), timeout=40,
-                     message="flushed jobs not all completed")
+                     message="jobs with lost messages not all completed")
     for job_id in jobs:
         assert len(renv.store.events(job_id, "redispatched")) == 1
         assert (renv.count(job_id, "started"), renv.count(job_id, "finished")) == (1, 1)

@@ -1,6 +1,8 @@
 """The reaper (celery_lease/reaper.py, store/reaping.py) on SQLite, PostgreSQL and MariaDB.
 
-Messages go to a real Redis broker (db 7); the tests read them back from the queue.
+Messages go to a real Redis broker (db 12, never flushed: each test publishes to queues of its
+own and deletes them), and the tests read them back from the queue. The worker tests of the
+reaper flush db 7, so the two can run at the same time.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import logging
 import random
 import secrets
 import threading
+import uuid
+from typing import NamedTuple
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
@@ -22,25 +26,34 @@ from celery_lease.reaper import Reaper, backoff, recover_worker_lost
 from celery_lease.store import COMPLETED, FAILED, PENDING, RUNNING, Store
 from tests.conftest import unique_prefix
 
-REDIS_DB = 7
+REDIS_DB = 12
 DEAD = "dead@host:1"
 ALIVE = "alive@host:2"
+
+
+class Broker(NamedTuple):
+    url: str
+    client: redis.Redis
+    queue: str
+    dlq: str
 
 
 @pytest.fixture
 def broker(redis_url):
     url = urlunsplit(urlsplit(redis_url)._replace(path=f"/{REDIS_DB}"))
     client = redis.Redis.from_url(url)
-    client.flushdb()
-    yield url, client
-    client.flushdb()
+    queue = f"reaper-{uuid.uuid4().hex[:8]}"
+    yield Broker(url, client, queue, f"{queue}.dlq")
+    for key in client.scan_iter(f"*{queue}*"):
+        client.delete(key)
     client.close()
 
 
 @pytest.fixture
 def app(store, broker):
-    app = Celery(f"reaper_{unique_prefix()}", broker=broker[0], set_as_current=False)
-    app.conf.update(lease_store_url=store.url, lease_table_prefix=store.t.jobs.name[: -len("jobs")],
+    app = Celery(f"reaper_{unique_prefix()}", broker=broker.url, set_as_current=False)
+    app.conf.update(task_default_queue=broker.queue, lease_store_url=store.url,
+                    lease_table_prefix=store.t.jobs.name[: -len("jobs")],
                     lease_duration=30.0, lease_grace_period=1.0, lease_reaper_hard_grace=60.0,
                     lease_worker_stale_after=10.0, lease_backoff_base=2.0, lease_backoff_max=10.0,
                     lease_reaper_lock_ttl=30.0)
@@ -51,7 +64,7 @@ def app(store, broker):
         return x
 
     @app.task(base=LeaseTask, shared=False, name="t.once", lease_max_attempts=1,
-              lease_dead_letter_queue="dlq")
+              lease_dead_letter_queue=broker.dlq)
     def once(x):
         return x
 
@@ -91,8 +104,8 @@ def running(store: Store, job_id: str, task: str = "t.work", owner: str = DEAD, 
     return token
 
 
-def queued(client: redis.Redis, queue: str = "celery") -> list[dict]:
-    return [json.loads(m) for m in client.lrange(queue, 0, -1)]
+def queued(broker: Broker, dlq: bool = False) -> list[dict]:
+    return [json.loads(m) for m in broker.client.lrange(broker.dlq if dlq else broker.queue, 0, -1)]
 
 
 def events(store: Store, job_id: str, name: str | None = None) -> list[dict]:
@@ -124,20 +137,20 @@ def test_reaper_requeues_an_expired_lease_once_and_republishes_its_message(app, 
     assert job.status == PENDING and job.lock_token is None and job.locked_by is None
     assert job.expired_count == 1 and job.attempt_count == 1
     assert before <= job.available_at <= store.now() + 2.0  # backoff(1, base 2) is at most 2 s
-    [msg] = queued(broker[1])
+    [msg] = queued(broker)
     assert msg["headers"]["id"] == "j1" and msg["headers"]["task"] == "t.work"
     [event] = events(store, "j1", "reaped_expired_lease")
     assert event["worker"] == DEAD and event["token"] == token[:8]
     assert "owner dead@host:1 gone" in event["reason"]
     again = Reaper(app).run_once()
-    assert again.reaped == 0 and len(queued(broker[1])) == 1
+    assert again.reaped == 0 and len(queued(broker)) == 1
 
 
 def test_reaper_leaves_a_lease_inside_its_grace_period_alone(app, store, broker):
     running(store, "j1", age=0.2)  # grace is 1 s
     result = Reaper(app).run_once()
     assert (result.seen, result.reaped) == (0, 0)
-    assert store.get("j1").status == RUNNING and queued(broker[1]) == []
+    assert store.get("j1").status == RUNNING and queued(broker) == []
 
 
 def test_reaper_leaves_a_live_owner_alone_until_the_hard_grace(app, store, broker):
@@ -154,7 +167,8 @@ def test_reaper_leaves_a_live_owner_alone_until_the_hard_grace(app, store, broke
         c.execute(sa.update(j).where(j.c.id == "j1").values(lease_expires_at=store.now_sql - 61.0))
     later = Reaper(app).run_once()
     assert later.reaped == 1 and store.get("j1").status == PENDING
-    assert "owner alive, past hard grace" in events(store, "j1", "reaped_expired_lease")[0]["reason"]
+    [reaped] = events(store, "j1", "reaped_expired_lease")
+    assert "past the hard grace, owner still registered" in reaped["reason"]
 
 
 def test_run_once_now_replaces_the_store_clock_in_every_predicate(app, store):
@@ -184,8 +198,8 @@ def test_reaper_dead_letters_when_attempts_are_exhausted_and_publishes_to_the_de
     assert job.status == FAILED and job.lock_token is None and job.failed_at is not None
     assert job.last_error == "lease expired and max attempts reached"
     [event] = events(store, "j1", "dead_lettered")
-    assert event["token"] == token[:8] and json.loads(event["detail"])["published_to"] == "dlq"
-    assert queued(broker[1]) == [] and [m["headers"]["id"] for m in queued(broker[1], "dlq")] == ["j1"]
+    assert event["token"] == token[:8] and json.loads(event["detail"])["published_to"] == broker.dlq
+    assert queued(broker) == [] and [m["headers"]["id"] for m in queued(broker, dlq=True)] == ["j1"]
 
 
 def test_reaper_dead_letters_after_max_lease_expirations(app, store):
@@ -202,7 +216,7 @@ def test_on_expired_fail_fails_at_once_without_publishing(app, store, broker):
     running(store, "j1", task="t.never_again")
     result = Reaper(app).run_once()
     assert (result.failed, result.reaped) == (1, 0)
-    assert store.get("j1").status == FAILED and queued(broker[1]) == []
+    assert store.get("j1").status == FAILED and queued(broker) == []
     assert "lease_on_expired='fail'" in events(store, "j1", "dead_lettered")[0]["reason"]
 
 
@@ -215,7 +229,7 @@ def test_on_expired_dead_letter_parks_the_job_at_its_first_expiration(app, store
 def test_a_job_of_an_unknown_task_follows_the_app_policy(app, store, broker):
     running(store, "j1", task="t.unregistered")
     assert Reaper(app).run_once().reaped == 1
-    assert queued(broker[1])[0]["headers"]["task"] == "t.unregistered"
+    assert queued(broker)[0]["headers"]["task"] == "t.unregistered"
 
 
 def test_an_unreadable_stored_message_fails_the_job_instead_of_leaving_it_pending(app, store):
@@ -317,70 +331,81 @@ def test_a_message_waiting_on_a_requeue_in_flight_claims_the_requeued_job(store)
     assert store.get("j1").locked_by == "w2"
 
 
-def test_two_reapers_racing_over_1000_expired_rows_requeue_each_exactly_once(app, store, broker):
-    j = store.t.jobs
+def insert_expired(store: Store, count: int) -> None:
+    """``count`` running jobs of a dead owner, long expired, in one statement."""
     rows = [dict(id=f"r{n:04d}", task_name="t.work", queue_name="celery", payload=payload(), status=RUNNING,
                  attempt_count=1, expired_count=0, dispatch_count=0, max_attempts=3, available_at=0.0,
                  lock_token=secrets.token_hex(16), locked_by=DEAD, grace_period=0.0, lease_expires_at=1.0,
-                 created_at=0.0, updated_at=0.0) for n in range(1000)]
+                 created_at=0.0, updated_at=0.0) for n in range(count)]
     with store.begin() as c:
-        c.execute(sa.insert(j), rows)
-    totals: list[int] = []
+        c.execute(sa.insert(store.t.jobs), rows)
+
+
+def run_in_threads(target, count: int = 2) -> list[BaseException]:
     errors: list[BaseException] = []
 
-    def reap_until_done() -> None:
-        mine = Reaper(app, batch_size=100)
+    def guarded() -> None:
         try:
-            for _ in range(200):
-                result = mine.run_once()
-                totals.append(result.reaped)
-                with store.begin() as c:
-                    left = c.execute(sa.select(sa.func.count()).select_from(j).where(j.c.status == RUNNING))
-                    if left.scalar_one() == 0:
-                        return
-        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            target()
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller
             errors.append(exc)
 
-    threads = [threading.Thread(target=reap_until_done) for _ in range(2)]
+    threads = [threading.Thread(target=guarded) for _ in range(count)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
-    assert errors == []
-    assert sum(totals) == 1000
-    with store.begin() as c:
-        by_count = sa.select(j.c.expired_count, sa.func.count()).group_by(j.c.expired_count)
-        counts = dict(c.execute(by_count).all())
-    assert counts == {1: 1000}
-    reaped = store.events(event="reaped_expired_lease", limit=5000)
-    assert len(reaped) == 1000 and len({e["job_id"] for e in reaped}) == 1000
-    assert broker[1].llen("celery") == 1000
+    return errors
 
 
-def test_two_scanners_without_the_reaper_lock_still_requeue_each_row_once(store):
-    for n in range(60):
-        running(store, f"j{n:02d}")
+def test_two_scanners_racing_over_1000_expired_rows_requeue_each_exactly_once(store):
+    """The CAS alone (no reaper lock): two scanners over the same rows, one winner per row."""
+    insert_expired(store, 1000)
     wins: list[str] = []
     lock = threading.Lock()
 
     def scan_and_requeue() -> None:
+        after = None
         while True:
             with store.begin() as c:
-                page = store.scan_expired(c, limit=10, hard_grace=60.0, stale_after=10.0)
+                page = store.scan_expired(c, limit=100, hard_grace=60.0, stale_after=10.0, after=after)
                 if not page:
                     return
                 for item in page:
+                    after = (item.job.lease_expires_at, item.job.id)
                     if store.requeue_abandoned(item.job.id, item.job.lock_token, DEAD, delay=0.0, reason="x",
                                                c=c):
                         with lock:
                             wins.append(item.job.id)
 
-    threads = [threading.Thread(target=scan_and_requeue) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert sorted(wins) == [f"j{n:02d}" for n in range(60)]
+    assert run_in_threads(scan_and_requeue) == []
+    assert sorted(wins) == [f"r{n:04d}" for n in range(1000)]
+    assert len(store.events(event="reaped_expired_lease", limit=5000)) == 1000
+    j = store.t.jobs
+    with store.begin() as c:
+        by_count = sa.select(j.c.expired_count, sa.func.count()).group_by(j.c.expired_count)
+        assert dict(c.execute(by_count).all()) == {1: 1000}
+
+
+def test_two_reapers_running_at_once_requeue_and_publish_each_job_once(app, store, broker):
+    insert_expired(store, 300)
+    j = store.t.jobs
+    totals: list[int] = []
+
+    def reap_until_done() -> None:
+        mine = Reaper(app, batch_size=50)
+        for _ in range(100):
+            totals.append(mine.run_once().reaped)
+            with store.begin() as c:
+                left = c.execute(sa.select(sa.func.count()).select_from(j).where(j.c.status == RUNNING))
+                if left.scalar_one() == 0:
+                    return
+
+    assert run_in_threads(reap_until_done) == []
+    assert sum(totals) == 300
+    reaped = store.events(event="reaped_expired_lease", limit=5000)
+    assert len(reaped) == 300 and len({e["job_id"] for e in reaped}) == 300
+    assert sorted(m["headers"]["id"] for m in queued(broker)) == [f"r{n:04d}" for n in range(300)]
 
 
 # -- lost dispatches ------------------------------------------------------------------
@@ -391,7 +416,7 @@ def test_a_lost_dispatch_is_republished_once_and_counted(app, store, broker):
     assert result.redispatched == 1
     job = store.get("p1")
     assert job.status == PENDING and job.dispatch_count == 1 and job.available_at > store.now() - 5
-    assert [m["headers"]["id"] for m in queued(broker[1])] == ["p1"]
+    assert [m["headers"]["id"] for m in queued(broker)] == ["p1"]
     [event] = events(store, "p1", "redispatched")
     assert "lease_dispatch_timeout 600s" in event["reason"]
     assert Reaper(app).run_once().redispatched == 0
@@ -450,7 +475,7 @@ def test_dry_run_plans_every_decision_and_changes_nothing(app, store, broker):
                     "lost": "redispatch"}
     assert result.reaped == result.dead_lettered == result.redispatched == 0
     assert {e["id"] for e in store.events(limit=1000)} == before
-    assert store.get("requeue").status == RUNNING and broker[1].dbsize() == 0
+    assert store.get("requeue").status == RUNNING and broker.client.exists(broker.queue, broker.dlq) == 0
     assert json.dumps(result.as_dict())  # what `celery lease reap --dry-run` and the task return
 
 
@@ -508,7 +533,7 @@ def test_recover_worker_lost_requeues_the_job_of_that_owner_at_once(app, store, 
     assert job.status == PENDING and job.expired_count == 1 and job.lock_token is None
     [event] = events(store, "j1", "reaped_expired_lease")
     assert "worker process lost: WorkerLostError" in event["reason"] and event["token"] == token[:8]
-    assert [m["headers"]["id"] for m in queued(broker[1])] == ["j1"]
+    assert [m["headers"]["id"] for m in queued(broker)] == ["j1"]
     assert recover_worker_lost(app, "j1", "node@h:42", "WorkerLostError") == "none"
 
 
@@ -525,7 +550,7 @@ def test_the_pause_seam_runs_between_publish_and_cas(app, store, broker, monkeyp
 
     def pause(job_id: str) -> None:
         seen.append((job_id, store.get(job_id).status if store.dialect != "sqlite" else "-",
-                     broker[1].llen("celery")))
+                     broker.client.llen(broker.queue)))
 
     monkeypatch.setattr(reaper, "after_publish", pause)
     assert Reaper(app).run_once().reaped == 1
