@@ -52,7 +52,7 @@ class Held:
 
 
 class Extender(Protocol):
-    """Pushes back the broker's redelivery of held messages; one round trip per call."""
+    """Pushes back the broker's redelivery of held messages, in as few round trips as it allows."""
 
     visibility_timeout: float
 

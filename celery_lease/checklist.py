@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from .checks import ERROR, OK, RECOVERY_EVENTS, WARNING, Context, Finding, ok_unless, percentile
+from .errors import StoreUnavailable
 
 __all__ = ["checklist_rules", "metrics_installed"]
 
@@ -206,7 +207,10 @@ def _dashboards(ctx: Context) -> Iterator[Finding]:
 def _crash_tested(ctx: Context) -> Iterator[Finding]:
     if ctx.store_error:
         return
-    counts = ctx.store.event_counts(RECOVERY_EVENTS)
+    try:
+        counts = ctx.store.event_counts(RECOVERY_EVENTS)
+    except StoreUnavailable:
+        return
     if any(counts.values()):
         yield Finding(OK, "crash_tested", (), {"recoveries": counts},
                       "this store has recovered jobs from crashed or lost workers")

@@ -129,7 +129,10 @@ class Context:
     def durations(self) -> dict[str, list[float]]:
         if self.store_error:
             return {}
-        return {t.name: [r[0] for r in self.store.runtime_sample(t.name)] for t in self.tasks}
+        try:
+            return {t.name: [r[0] for r in self.store.runtime_sample(t.name)] for t in self.tasks}
+        except StoreUnavailable:
+            return {}  # the store went away after answering: check_store already said what it could
 
     def p99(self, task: Any) -> float | None:
         return percentile(self.durations.get(task.name, []), 0.99)
