@@ -185,8 +185,15 @@ class Reaper:
         return f"reaper@{socket.gethostname()}:{os.getpid()}"
 
     def run_once(self, now: float | None = None, dry_run: bool = False) -> ReapResult:
-        """One round: recover expired leases, re-send lost dispatches, prune; returns the counts."""
+        """One round: recover expired leases, re-send lost dispatches, prune; returns the counts.
+
+        ``now`` (epoch seconds) replaces the store's clock; by default the store's clock is
+        read once per run and bound as a parameter, so the scans are index range scans
+        (PostgreSQL's clock_timestamp() and MySQL's SYSDATE() are volatile: compared row by
+        row they would read the whole status range).
+        """
         result = ReapResult(dry_run=dry_run)
+        now = self.store.now() if now is None else now
         if dry_run:
             self._recover_expired(result, now, None)
             self._redispatch(result, now, None)
