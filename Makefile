@@ -1,7 +1,7 @@
 # The project's commands. `make test` is THE test command (README).
 #   make test PYTEST_ARGS='-k reaper -x'     run the suite (bootstraps .venv first)
 #   make lint                                ruff over the code and the tests
-#   make demo MODE=crash                     run the example project's demo
+#   make demo MODE=plain                     the demo with plain Celery tasks, for comparison
 #   make bench                               run every benchmark in bench/
 
 PYTHON ?= python3
