@@ -80,6 +80,11 @@ def app(store, broker):
     def fragile(x):
         return x
 
+    @app.task(base=LeaseTask, shared=False, name="t.patient", lease_backoff_base=100.0,
+              lease_backoff_max=500.0, lease_backoff_jitter=False)
+    def patient(x):
+        return x
+
     @app.task(base=LeaseTask, shared=False, name="t.quick_dispatch", lease_dispatch_timeout=5.0)
     def quick_dispatch(x):
         return x
@@ -226,6 +231,15 @@ def test_on_expired_dead_letter_parks_the_job_at_its_first_expiration(app, store
     assert store.get("j1").status == FAILED
 
 
+def test_the_requeue_delay_follows_the_task_backoff_policy(app, store, broker):
+    running(store, "j1", task="t.patient", attempts=2)  # 100 s doubled once, no jitter
+    before = store.now()
+    assert Reaper(app).run_once().reaped == 1
+    assert store.get("j1").available_at == pytest.approx(before + 200.0, abs=2.0)
+    eta = queued(broker)[0]["headers"]["eta"]
+    assert eta is not None  # the message carries the same countdown
+
+
 def test_a_job_of_an_unknown_task_follows_the_app_policy(app, store, broker):
     running(store, "j1", task="t.unregistered")
     assert Reaper(app).run_once().reaped == 1
@@ -260,6 +274,40 @@ def test_the_keyset_walk_passes_leases_left_to_live_owners(app, store):
     result = Reaper(app, batch_size=2).run_once()
     assert (result.skipped_owner_alive, result.reaped) == (5, 1)
     assert store.get("dead").status == PENDING
+
+
+def test_a_second_scan_skips_the_rows_another_reaper_holds(store):
+    if store.dialect == "sqlite":
+        pytest.skip("SQLite has one writer at a time: a second scan waits for the first transaction")
+    for n in range(4):
+        running(store, f"j{n}", age=10.0 + n)  # j3 and j2 are the oldest
+    held, release = threading.Event(), threading.Event()
+    seen: list[str] = []
+
+    def first_reaper() -> None:
+        with store.begin() as c:
+            store.scan_expired(c, limit=2, hard_grace=60.0, stale_after=10.0)
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=first_reaper)
+    holder.start()
+    try:
+        assert held.wait(10)
+        second = threading.Thread(target=lambda: seen.extend(
+            e.job.id for e in scan_page(store, limit=10)))
+        second.start()
+        second.join(5)
+        assert not second.is_alive(), "the second scan waited on the locked rows"
+    finally:
+        release.set()
+        holder.join(10)
+    assert seen == ["j1", "j0"]
+
+
+def scan_page(store: Store, limit: int):
+    with store.begin() as c:
+        return store.scan_expired(c, limit=limit, hard_grace=60.0, stale_after=10.0)
 
 
 # -- the CAS loses cleanly ------------------------------------------------------------
@@ -429,6 +477,15 @@ def test_the_dispatch_timeout_is_per_task(app, store):
     assert store.get("quick").dispatch_count == 1 and store.get("slow").dispatch_count == 0
 
 
+def test_lost_dispatches_are_re_sent_at_most_a_batch_per_run_oldest_first(app, store):
+    for n in range(5):
+        store.record(f"p{n}", "t.work", "celery", payload(), 3, delay=-700.0 - n)  # p4 is the oldest
+    assert Reaper(app, batch_size=2).run_once().redispatched == 2
+    assert {f"p{n}" for n in range(5) if store.get(f"p{n}").dispatch_count} == {"p4", "p3"}
+    assert Reaper(app, batch_size=2).run_once().redispatched == 2
+    assert Reaper(app, batch_size=2).run_once().redispatched == 1
+
+
 def test_two_reapers_do_not_both_count_one_redispatch(store):
     store.record("p1", "t.work", "celery", payload(), 3, delay=-700.0)
     with store.begin() as c:
@@ -501,6 +558,18 @@ def test_pruning_removes_old_completed_jobs_events_and_stale_workers_only(app, s
     assert store.get("new_done") is not None
     with store.begin() as c:
         assert [r[0] for r in c.execute(sa.select(w.c.worker_id))] == [ALIVE]
+
+
+def test_pruning_deletes_in_bounded_chunks(app, store, monkeypatch):
+    monkeypatch.setattr(reaper, "PRUNE_CHUNK", 2)
+    monkeypatch.setattr(reaper, "PRUNE_CHUNKS", 2)
+    j = store.t.jobs
+    for n in range(5):
+        store.record(f"done{n}", "t.work", "celery", payload(), 3)
+    with store.begin() as c:
+        c.execute(sa.update(j).values(status=COMPLETED, updated_at=store.now_sql - 30 * 24 * 3600.0))
+    assert Reaper(app).run_once().pruned_jobs == 4  # two statements of two rows
+    assert Reaper(app).run_once().pruned_jobs == 1
 
 
 def test_the_reaper_logs_one_summary_line_only_when_it_changed_something(app, store, caplog):
