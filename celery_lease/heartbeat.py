@@ -168,7 +168,7 @@ class Heartbeat:
         released = 0
         for lease in held:
             try:
-                if self.store.release(lease.job_id, lease.token, self.worker, reason):
+                if lease.give_back(reason):
                     released += 1
                     lease.mark_lost(reason)
             except StoreUnavailable as exc:

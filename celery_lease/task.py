@@ -34,8 +34,11 @@ class Lease:
     """The running job's lease: its token, attempt, checkpoint and fenced helpers."""
 
     def __init__(self, store: Store, hb: heartbeat.Heartbeat, job_id: str, token: str, attempt: int,
-                 policy: TaskPolicy, idempotency_key: str, checkpoint_state: Any) -> None:
+                 policy: TaskPolicy, idempotency_key: str, checkpoint_state: Any,
+                 app: Any = None, acks_late: bool = True) -> None:
         self.store = store
+        self.app = app
+        self.acks_late = acks_late
         self.heartbeat = hb
         self.job_id = job_id
         self.token = token
@@ -87,6 +90,20 @@ class Lease:
         from .effects import lock
 
         return lock(self, resource, ttl, timeout)
+
+    def give_back(self, reason: str = "released_on_shutdown") -> bool:
+        """Release the lease so the job runs again soon, re-sending its message if already acked."""
+        if not self.store.release(self.job_id, self.token, self.worker, reason):
+            return False
+        if not self.acks_late and self.app is not None:
+            # The broker forgot the message when it was acknowledged on delivery.
+            job = self.store.get(self.job_id)
+            try:
+                messages.republish(self.app, self.job_id, job.payload if job else None)
+            except Exception as exc:  # noqa: BLE001 - the dispatch scan re-sends it later
+                log.warning("job %s released but not re-sent (%s); the reaper will re-dispatch it",
+                            self.job_id, exc, extra={"action": "release_republish_failed"})
+        return True
 
     def past_max_runtime(self, now: float) -> bool:
         limit = self.policy.max_runtime
@@ -281,7 +298,8 @@ def _run_leased(task: LeaseTask, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     job = claim.job
     assert job is not None
     lease = Lease(store, hb, job_id, token, job.attempt_count, policy,
-                  job.idempotency_key or f"{task.name}:{job_id}", job.checkpoint_state())
+                  job.idempotency_key or f"{task.name}:{job_id}", job.checkpoint_state(),
+                  app=task.app, acks_late=bool(task.acks_late))
     _running[job_id] = lease
     hb.add(lease)
     try:
@@ -339,7 +357,7 @@ def _run_body(task: LeaseTask, lease: Lease, args: tuple[Any, ...], kwargs: dict
             # A cold shutdown of a solo pool raises Celery's own error inside the body:
             # the job did not fail, the worker left. Give it back and requeue its message.
             with contextlib.suppress(StoreUnavailable):
-                store.release(job_id, token, worker, reason="released_on_shutdown")
+                lease.give_back("released_on_shutdown")
             raise Reject(f"worker shutting down: {type(exc).__name__}", requeue=True) from exc
         if not store.fail(job_id, token, f"{type(exc).__name__}: {exc}", worker):
             raise Ignore() from exc
@@ -348,7 +366,7 @@ def _run_body(task: LeaseTask, lease: Lease, args: tuple[Any, ...], kwargs: dict
     except BaseException:
         # Interpreter or worker shutting down mid-body: give the job back.
         with contextlib.suppress(StoreUnavailable):
-            store.release(job_id, token, worker, reason="released_on_shutdown")
+            lease.give_back("released_on_shutdown")
         raise
     if lease.lost:
         # Lost while finishing: the completion below is fenced and will be rejected.
