@@ -8,6 +8,7 @@ tested with a recording stand-in for kombu's SQS channel.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from types import SimpleNamespace
@@ -151,7 +152,12 @@ def sqs_held(n, url="https://sqs/q1", routing_key="jobs.fast"):
                                       "routing_key": routing_key})
 
 
-def test_sqs_extender_changes_visibility_in_batches_of_ten_per_queue(caplog):
+def test_sqs_extender_changes_visibility_in_batches_of_ten_per_queue(caplog, monkeypatch):
+    # Another test's worker may have reconfigured logging: make sure this logger reaches caplog.
+    logger = logging.getLogger("celery_lease.brokers")
+    monkeypatch.setattr(logger, "disabled", False)
+    monkeypatch.setattr(logger, "propagate", True)
+    caplog.set_level(logging.WARNING, logger="celery_lease.brokers")
     channel = FakeSQSChannel(fail_ids={"rh3"})
     held = [sqs_held(n) for n in range(12)] + [sqs_held(99, url="https://sqs/q2", routing_key=None),
                                                Held("plain", "tag", {"routing_key": "jobs.fast"})]
