@@ -337,8 +337,9 @@ def task_policy(task: Any, queue: str | None = None) -> TaskPolicy:
     policy = cache.get(queue)
     if policy is None:
         options = task_options(task)
-        if "lease_max_runtime" not in options and getattr(task, "time_limit", None):
-            options["lease_max_runtime"] = task.time_limit
+        time_limit = getattr(task, "time_limit", None) or task.app.conf.task_time_limit
+        if "lease_max_runtime" not in options and time_limit:
+            options["lease_max_runtime"] = time_limit
         policy = app_config(task.app).policy(options, queue, where=f"task {task.name}")
         cache[queue] = policy
     return policy

@@ -213,6 +213,16 @@ def test_task_time_limit_becomes_the_default_max_runtime():
     assert config.task_policy(app.tasks["limited"]).max_runtime == 120.0
 
 
+def test_app_wide_task_time_limit_becomes_the_default_max_runtime():
+    app = make_app(task_time_limit=300)
+
+    @app.task(shared=False, name="unlimited")
+    def unlimited():
+        return None
+
+    assert config.task_policy(app.tasks["unlimited"]).max_runtime == 300.0
+
+
 def test_policy_as_settings_round_trips_every_per_task_option():
     policy = config.app_config(make_app()).policy()
     assert set(policy.as_settings()) == set(config.PER_TASK)
