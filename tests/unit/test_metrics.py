@@ -22,7 +22,7 @@ from tests.conftest import require_service, service_url, unique_prefix
 
 ROOT = Path(__file__).resolve().parents[2]
 ALERTS = ROOT / "celery_lease" / "contrib" / "prometheus" / "alerts.yml"
-PLAYBOOK = ROOT / "docs" / "operators-playbook.md"
+PLAYBOOK = ROOT / "README.md"
 METRIC = re.compile(r"\bcelery_lease_[a-z0-9_]+\b")
 
 
