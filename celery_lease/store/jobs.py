@@ -84,12 +84,12 @@ class JobStatements(StoreBase):
         """Take the job's lease: a pending job, or (``takeover``) an abandoned running one."""
         j = self.t.jobs
         for _ in range(3):
+            take = (sa.update(j).where(j.c.id == job_id, j.c.status == PENDING)
+                    .values(**self._lease_values(worker, token, duration, grace)))
+            claimed = self._audited_update(take, job_id, "claimed", worker=worker, token=token)
+            if claimed is not None:
+                return Claim("claimed", claimed)
             with self.begin() as c:
-                res = c.execute(sa.update(j).where(j.c.id == job_id, j.c.status == PENDING)
-                                .values(**self._lease_values(worker, token, duration, grace)))
-                if res.rowcount == 1:
-                    self._event(c, job_id, "claimed", worker=worker, token=token)
-                    return Claim("claimed", self._job(c, job_id))
                 current = self._job(c, job_id)
                 if current is not None and current.status == RUNNING and takeover:
                     res = c.execute(sa.update(j).where(
@@ -144,15 +144,12 @@ class JobStatements(StoreBase):
     def _owner_write(self, job_id: str, token: str, worker: str | None, event: str, write: str,
                      values: Mapping[str, Any], reason: str | None = None, detail: Any = None) -> bool:
         """One fenced write; a stale token changes nothing and is audited as stale_<write>_rejected."""
-        with self.begin() as c:
-            res = c.execute(sa.update(self.t.jobs).where(self._fenced(job_id, token))
-                            .values(updated_at=self.now_sql, **values))
-            if res.rowcount == 1:
-                self._event(c, job_id, event, reason, worker, token, detail)
-                return True
-            self._event(c, job_id, f"stale_{write}_rejected", "lock token no longer matches",
-                        worker, token, detail)
-            return False
+        stmt = (sa.update(self.t.jobs).where(self._fenced(job_id, token))
+                .values(updated_at=self.now_sql, **values))
+        if self._audited_update(stmt, job_id, event, reason, worker, token, detail) is not None:
+            return True
+        self.event(job_id, f"stale_{write}_rejected", "lock token no longer matches", worker, token, detail)
+        return False
 
     def complete(self, job_id: str, token: str, worker: str | None = None) -> bool:
         """running -> completed; False (audited) when the token no longer matches."""

@@ -19,6 +19,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from .base import COMPLETED, FAILED, PENDING, RUNNING, Job, StoreBase
+from .effects import FIRST
 
 __all__ = ["ReaperStatements", "Expired", "REAPER_LOCK"]
 
@@ -164,43 +165,22 @@ class ReaperStatements(StoreBase):
                                                                     **(detail or {})})
             return True
 
-    # -- the reaper's own lock ----------------------------------------------------
+    # -- the reaper's own lock: a resource lock (store/effects.py) on REAPER_LOCK ----------
     def acquire_reaper_lock(self, token: str, owner: str, ttl: float) -> bool:
         """Take the reaper lock when it is free or expired; False while another reaper holds it."""
-        k = self.t.locks
-        with self.begin() as c:
-            res = c.execute(sa.update(k).where(k.c.resource == REAPER_LOCK, k.c.expires_at < self.now_sql)
-                            .values(token=token, owner=owner, job_id=None, expires_at=self.now_sql + ttl))
-            if res.rowcount == 1:
-                return True
-        try:
-            with self.begin() as c:
-                c.execute(sa.insert(k).values(resource=REAPER_LOCK, token=token, owner=owner, job_id=None,
-                                              expires_at=self.now_sql + ttl))
-        except sa.exc.IntegrityError:
-            return False
-        return True
+        return self.acquire_lock(REAPER_LOCK, token, ttl, owner) == FIRST  # type: ignore[attr-defined]
 
     def renew_reaper_lock(self, token: str, ttl: float) -> bool:
-        k = self.t.locks
-        with self.begin() as c:
-            res = c.execute(sa.update(k).where(k.c.resource == REAPER_LOCK, k.c.token == token)
-                            .values(expires_at=self.now_sql + ttl))
-            return res.rowcount == 1
+        return token in self.renew_locks({token: ttl})  # type: ignore[attr-defined]
 
     def release_reaper_lock(self, token: str) -> bool:
-        k = self.t.locks
-        with self.begin() as c:
-            res = c.execute(sa.delete(k).where(k.c.resource == REAPER_LOCK, k.c.token == token))
-            return res.rowcount == 1
+        return self.release_lock(REAPER_LOCK, token)  # type: ignore[attr-defined]
 
     def reaper_lock_holder(self) -> tuple[str | None, float] | None:
         """(owner, seconds left) of a live reaper lock, or None when it is free."""
-        k = self.t.locks
-        with self.begin() as c:
-            row = c.execute(sa.select(k.c.owner, (k.c.expires_at - self.now_sql).label("left"))
-                            .where(k.c.resource == REAPER_LOCK, k.c.expires_at >= self.now_sql)).first()
-        return None if row is None else (row.owner, float(row.left))
+        row = self.lock_holder(REAPER_LOCK)  # type: ignore[attr-defined]
+        left = None if row is None else row["expires_at"] - self.now()
+        return None if left is None or left < 0 else (row["owner"], float(left))
 
     # -- pruning (bounded batches) ----------------------------------------------------
     def _delete_ids(self, table: sa.Table, key: sa.Column, where: sa.ColumnElement[bool], limit: int) -> int:
