@@ -127,6 +127,7 @@ class StoreBase:
         self._lock = threading.Lock()
         self._migrate_lock = threading.Lock()
         self._migrated = False
+        self._built: dict[str, tuple[Any, ...]] = {}
         try:
             self.dialect = sa.engine.make_url(url).get_dialect().name
         except Exception as exc:  # noqa: BLE001 - any URL/driver problem is a config error
@@ -184,39 +185,67 @@ class StoreBase:
         with self._driver_errors(), self.engine.begin() as conn:
             yield conn
 
-    def _audited_update(self, stmt: sa.Update, job_id: str, event: str, reason: str | None = None,
-                        worker: str | None = None, token: str | None = None,
-                        detail: Any = None) -> Job | None:
-        """A one-row UPDATE and its audit event as one atomic write; the new row, or None.
+    def _audited_update(self, stmt: sa.Update | Callable[[], sa.Update], job_id: str, event: str,
+                        reason: str | None = None, worker: str | None = None, token: str | None = None,
+                        detail: Any = None, *, key: str | None = None, params: dict[str, Any] | None = None,
+                        full_row: bool = True) -> Job | bool | None:
+        """A one-row UPDATE and its audit event as one atomic write.
 
+        Returns the new row (``full_row``), True, or None when the UPDATE matched nothing.
         On PostgreSQL this is a single statement in autocommit (the UPDATE and the event
-        INSERT in data-modifying CTEs): one round trip instead of four on the hot path.
-        Elsewhere it is an UPDATE, an INSERT and a commit in one transaction.
+        INSERT in data-modifying CTEs): one round trip instead of four. Elsewhere it is an
+        UPDATE, an INSERT and a commit in one transaction. With ``key`` the statements are
+        built once (from a callable using bind parameters ``params``) and reused: on the
+        hot path, building them costs more CPU than running them.
         """
-        j = self.t.jobs
-        if self.dialect != "postgresql":
+        built = self._built.get(key) if key else None
+        if built is None:
+            built = self._build_audited(stmt() if callable(stmt) else stmt, event, full_row)
+            if key:
+                self._built[key] = built
+        bind = {**(params or {}), "ev_job": job_id, "ev_reason": reason, "ev_worker": worker,
+                "ev_token": token[:8] if token else None,
+                "ev_detail": None if detail is None else json.dumps(detail, default=str)}
+        if self.dialect == "postgresql":
+            with self._driver_errors(), self.engine.connect() as conn:
+                row = conn.execution_options(isolation_level="AUTOCOMMIT").execute(built[0], bind).first()
+        else:
+            update, audit = built
             with self.begin() as c:
                 if c.dialect.update_returning:
-                    row = c.execute(stmt.returning(*j.c)).first()
-                elif c.execute(stmt).rowcount == 1:
-                    row = c.execute(sa.select(j).where(j.c.id == job_id)).first()
+                    row = c.execute(update, bind).first()
+                elif c.execute(update, bind).rowcount == 1:
+                    row = c.execute(sa.select(*self._row_columns(full_row))
+                                    .where(self.t.jobs.c.id == job_id)).first()
                 else:
                     row = None
                 if row is not None:
-                    self._event(c, job_id, event, reason, worker, token, detail)
-            return None if row is None else Job.from_row(row)
-        changed = stmt.returning(*j.c).cte("changed")
+                    c.execute(audit, bind)
+        if row is None:
+            return None
+        return Job.from_row(row) if full_row else True
+
+    def _row_columns(self, full_row: bool) -> list[sa.Column]:
+        return list(self.t.jobs.c) if full_row else [self.t.jobs.c.id]
+
+    def _build_audited(self, stmt: sa.Update, event: str, full_row: bool) -> tuple[Any, ...]:
+        columns = self._row_columns(full_row)
+        values = dict(
+            event=sa.literal(event), reason=sa.bindparam("ev_reason", type_=sa.Text()),
+            worker=sa.bindparam("ev_worker", type_=sa.String()),
+            token=sa.bindparam("ev_token", type_=sa.String()), at=self.now_sql,
+            detail=sa.bindparam("ev_detail", type_=sa.Text()),
+        )
+        if self.dialect != "postgresql":
+            update = stmt.returning(*columns) if self.engine.dialect.update_returning else stmt
+            job = sa.bindparam("ev_job", type_=sa.String())
+            audit = sa.insert(self.t.events).values(job_id=job, **values)
+            return update, audit
+        changed = stmt.returning(*columns).cte("changed")
         audit = sa.insert(self.t.events).from_select(
-            ["job_id", "event", "reason", "worker", "token", "at", "detail"],
-            sa.select(changed.c.id, sa.literal(event), sa.literal(reason, sa.Text()),
-                      sa.literal(worker, sa.String()), sa.literal(token[:8] if token else None, sa.String()),
-                      self.now_sql,
-                      sa.literal(None if detail is None else json.dumps(detail, default=str), sa.Text())),
+            ["job_id", *values], sa.select(changed.c.id, *values.values())
         ).cte("audit")
-        query = sa.select(changed).add_cte(audit)
-        with self._driver_errors(), self.engine.connect() as conn:
-            row = conn.execution_options(isolation_level="AUTOCOMMIT").execute(query).first()
-        return None if row is None else Job.from_row(row)
+        return (sa.select(changed).add_cte(audit),)
 
     @property
     def safe_url(self) -> str:

@@ -60,6 +60,25 @@ class JobStatements(StoreBase):
             attempt_count=self.t.jobs.c.attempt_count + 1,
         )
 
+    def _claim_pending(self) -> sa.Update:
+        """pending -> running, as a statement of bind parameters (built once per store)."""
+        j = self.t.jobs
+        duration = sa.bindparam("duration", type_=sa.Double())
+        return sa.update(j).where(j.c.id == sa.bindparam("job_id"), j.c.status == PENDING).values(
+            status=RUNNING, locked_by=sa.bindparam("worker"), lock_token=sa.bindparam("token"),
+            lease_duration=duration, grace_period=sa.bindparam("grace", type_=sa.Double()),
+            started_at=self.now_sql, last_heartbeat_at=self.now_sql, lease_expires_at=self.now_sql + duration,
+            updated_at=self.now_sql, attempt_count=j.c.attempt_count + 1,
+        )
+
+    def _complete_running(self) -> sa.Update:
+        """running -> completed under the token, as a statement of bind parameters."""
+        j = self.t.jobs
+        return sa.update(j).where(
+            j.c.id == sa.bindparam("job_id"), j.c.lock_token == sa.bindparam("token"), j.c.status == RUNNING,
+        ).values(status=COMPLETED, completed_at=self.now_sql, lease_expires_at=None, lock_token=None,
+                 updated_at=self.now_sql)
+
     def claimable_expired(self, hard_grace: float, stale_after: float,
                           now: sa.ColumnElement[float] | None = None) -> sa.ColumnElement[bool]:
         """A running lease past its grace whose owner is gone, or past the hard grace.
@@ -84,10 +103,11 @@ class JobStatements(StoreBase):
         """Take the job's lease: a pending job, or (``takeover``) an abandoned running one."""
         j = self.t.jobs
         for _ in range(3):
-            take = (sa.update(j).where(j.c.id == job_id, j.c.status == PENDING)
-                    .values(**self._lease_values(worker, token, duration, grace)))
-            claimed = self._audited_update(take, job_id, "claimed", worker=worker, token=token)
-            if claimed is not None:
+            claimed = self._audited_update(
+                self._claim_pending, job_id, "claimed", worker=worker, token=token, key="claim",
+                params={"job_id": job_id, "worker": worker, "token": token, "duration": duration,
+                        "grace": grace})
+            if isinstance(claimed, Job):
                 return Claim("claimed", claimed)
             with self.begin() as c:
                 current = self._job(c, job_id)
@@ -146,16 +166,18 @@ class JobStatements(StoreBase):
         """One fenced write; a stale token changes nothing and is audited as stale_<write>_rejected."""
         stmt = (sa.update(self.t.jobs).where(self._fenced(job_id, token))
                 .values(updated_at=self.now_sql, **values))
-        if self._audited_update(stmt, job_id, event, reason, worker, token, detail) is not None:
+        if self._audited_update(stmt, job_id, event, reason, worker, token, detail, full_row=False):
             return True
         self.event(job_id, f"stale_{write}_rejected", "lock token no longer matches", worker, token, detail)
         return False
 
     def complete(self, job_id: str, token: str, worker: str | None = None) -> bool:
         """running -> completed; False (audited) when the token no longer matches."""
-        return self._owner_write(job_id, token, worker, "completed", "completion", dict(
-            status=COMPLETED, completed_at=self.now_sql, lease_expires_at=None, lock_token=None,
-        ))
+        if self._audited_update(self._complete_running, job_id, "completed", worker=worker, token=token,
+                                key="complete", params={"job_id": job_id, "token": token}, full_row=False):
+            return True
+        self.event(job_id, "stale_completion_rejected", "lock token no longer matches", worker, token)
+        return False
 
     def fail(self, job_id: str, token: str, error: str, worker: str | None = None) -> bool:
         """running -> failed (dead letter) after a final task failure."""

@@ -19,7 +19,6 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from .base import COMPLETED, FAILED, PENDING, RUNNING, Job, StoreBase
-from .effects import FIRST
 
 __all__ = ["ReaperStatements", "Expired", "REAPER_LOCK"]
 
@@ -165,22 +164,45 @@ class ReaperStatements(StoreBase):
                                                                     **(detail or {})})
             return True
 
-    # -- the reaper's own lock: a resource lock (store/effects.py) on REAPER_LOCK ----------
+    # -- the reaper's own lock ----------------------------------------------------
+    # Not the resource-lock statements of store/effects.py: their INSERT IGNORE + UPDATE in one
+    # transaction deadlocks on MySQL when two reapers start together (gap locks).
     def acquire_reaper_lock(self, token: str, owner: str, ttl: float) -> bool:
         """Take the reaper lock when it is free or expired; False while another reaper holds it."""
-        return self.acquire_lock(REAPER_LOCK, token, ttl, owner) == FIRST  # type: ignore[attr-defined]
+        k = self.t.locks
+        with self.begin() as c:
+            res = c.execute(sa.update(k).where(k.c.resource == REAPER_LOCK, k.c.expires_at < self.now_sql)
+                            .values(token=token, owner=owner, job_id=None, expires_at=self.now_sql + ttl))
+            if res.rowcount == 1:
+                return True
+        try:
+            with self.begin() as c:
+                c.execute(sa.insert(k).values(resource=REAPER_LOCK, token=token, owner=owner, job_id=None,
+                                              expires_at=self.now_sql + ttl))
+        except sa.exc.IntegrityError:
+            return False
+        return True
 
     def renew_reaper_lock(self, token: str, ttl: float) -> bool:
-        return token in self.renew_locks({token: ttl})  # type: ignore[attr-defined]
+        k = self.t.locks
+        with self.begin() as c:
+            res = c.execute(sa.update(k).where(k.c.resource == REAPER_LOCK, k.c.token == token)
+                            .values(expires_at=self.now_sql + ttl))
+            return res.rowcount == 1
 
     def release_reaper_lock(self, token: str) -> bool:
-        return self.release_lock(REAPER_LOCK, token)  # type: ignore[attr-defined]
+        k = self.t.locks
+        with self.begin() as c:
+            res = c.execute(sa.delete(k).where(k.c.resource == REAPER_LOCK, k.c.token == token))
+            return res.rowcount == 1
 
     def reaper_lock_holder(self) -> tuple[str | None, float] | None:
         """(owner, seconds left) of a live reaper lock, or None when it is free."""
-        row = self.lock_holder(REAPER_LOCK)  # type: ignore[attr-defined]
-        left = None if row is None else row["expires_at"] - self.now()
-        return None if left is None or left < 0 else (row["owner"], float(left))
+        k = self.t.locks
+        with self.begin() as c:
+            row = c.execute(sa.select(k.c.owner, (k.c.expires_at - self.now_sql).label("left"))
+                            .where(k.c.resource == REAPER_LOCK, k.c.expires_at >= self.now_sql)).first()
+        return None if row is None else (row.owner, float(row.left))
 
     # -- pruning (bounded batches) ----------------------------------------------------
     def _delete_ids(self, table: sa.Table, key: sa.Column, where: sa.ColumnElement[bool], limit: int) -> int:
