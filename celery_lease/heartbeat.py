@@ -61,6 +61,7 @@ class Heartbeat:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._planned_interval = default_interval
         self._thread: threading.Thread | None = None
         self.pid = os.getpid()
 
@@ -68,8 +69,11 @@ class Heartbeat:
     def add(self, lease: Lease) -> None:
         with self._lock:
             self.leases[lease.token] = lease
+            # Wake the thread only when this lease needs beats sooner than it planned.
+            sooner = lease.policy.heartbeat_interval < self._planned_interval
         self.start()
-        self._wake.set()
+        if sooner:
+            self._wake.set()
 
     def remove(self, lease: Lease) -> None:
         with self._lock:
@@ -191,19 +195,20 @@ class Heartbeat:
             self._thread.join(timeout)
 
     def _run(self) -> None:
-        next_beat = monotonic()
+        last_beat = float("-inf")
         while not self._stop.is_set():
-            self._wake.wait(max(0.0, next_beat - monotonic()))
+            self._planned_interval = self.interval
+            self._wake.wait(max(0.0, last_beat + self._planned_interval - monotonic()))
             self._wake.clear()
             if self._stop.is_set():
                 break
-            if monotonic() < next_beat:
-                continue
+            if monotonic() < last_beat + self.interval:
+                continue  # woken for a shorter interval: plan again
             try:
                 self.beat()
             except Exception:  # noqa: BLE001 - the thread must outlive any one bad round
                 log.exception("heartbeat round of %s failed", self.worker)
-            next_beat = monotonic() + self.interval
+            last_beat = monotonic()
 
 
 _process: dict[str, Any] = {}

@@ -157,3 +157,15 @@ def test_the_thread_renews_on_its_own(store, hb):
     held_lease(store, hb, "looped")
     hb.start()
     wait_for(lambda: hb.beats >= 2, timeout=5, message="heartbeat thread did not beat twice")
+
+
+def test_a_lease_with_a_shorter_interval_brings_the_next_beat_forward(store):
+    hb = Heartbeat(store, "host:2", "host", default_interval=30.0)
+    try:
+        hb.start()
+        wait_for(lambda: hb.beats >= 1, timeout=5, message="no first beat")
+        held_lease(store, hb, "urgent")  # registered without waking the thread
+        hb.add(hb.leases[next(iter(hb.leases))])  # interval 0.2 s, far below the planned 30 s
+        wait_for(lambda: hb.beats >= 3, timeout=3, message="the thread kept its 30 s plan")
+    finally:
+        hb.stop()
