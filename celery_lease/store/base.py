@@ -46,7 +46,6 @@ class Job:
     lock_token: str | None
     idempotency_key: str | None
     checkpoint: str | None
-    payload: str | None
     last_error: str | None
     created_at: float
     updated_at: float
@@ -54,6 +53,7 @@ class Job:
     failed_at: float | None = None
     lease_duration: float | None = None
     grace_period: float | None = None
+    payload: str | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> Job:
@@ -226,7 +226,9 @@ class StoreBase:
         return Job.from_row(row) if full_row else True
 
     def _row_columns(self, full_row: bool) -> list[sa.Column]:
-        return list(self.t.jobs.c) if full_row else [self.t.jobs.c.id]
+        # A claim needs the lease and progress columns; the stored message stays in the store.
+        jobs = self.t.jobs
+        return [c for c in jobs.c if c is not jobs.c.payload] if full_row else [jobs.c.id]
 
     def _build_audited(self, stmt: sa.Update, event: str, full_row: bool) -> tuple[Any, ...]:
         columns = self._row_columns(full_row)

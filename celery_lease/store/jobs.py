@@ -240,7 +240,10 @@ class JobStatements(StoreBase):
         if extend:
             duration = sa.case(*((j.c.lock_token == tok, sa.literal(sec)) for tok, sec in extend.items()),
                                else_=j.c.lease_duration)
-        stmt = (sa.update(j).where(j.c.lock_token.in_(tokens), j.c.status == RUNNING)
+        # By id (the primary key) and token: there is no index on the token, and a
+        # heartbeat must not scan the table.
+        ids = list(set(leases.values()))
+        stmt = (sa.update(j).where(j.c.id.in_(ids), j.c.lock_token.in_(tokens), j.c.status == RUNNING)
                 .values(lease_expires_at=self.now_sql + duration, last_heartbeat_at=self.now_sql))
         if extend:
             stmt = stmt.values(lease_duration=duration)
@@ -249,7 +252,7 @@ class JobStatements(StoreBase):
                 rows = c.execute(stmt.returning(j.c.id)).all()
             else:
                 c.execute(stmt)
-                rows = c.execute(sa.select(j.c.id).where(j.c.lock_token.in_(tokens),
+                rows = c.execute(sa.select(j.c.id).where(j.c.id.in_(ids), j.c.lock_token.in_(tokens),
                                                          j.c.status == RUNNING)).all()
         return {r[0] for r in rows}
 
