@@ -37,6 +37,10 @@ class TcpProxy:
             server, self._server = self._server, None
             conns, self._conns = self._conns, []
         if server is not None:
+            # close() alone leaves the socket listening while the accept thread is blocked in
+            # accept(); shutdown() wakes it, so the port can be bound again by start().
+            with contextlib.suppress(OSError):
+                server.shutdown(socket.SHUT_RDWR)
             server.close()
         for conn in conns:
             with contextlib.suppress(OSError):
