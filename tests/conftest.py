@@ -12,6 +12,7 @@ missing service into a failure. Service URLs come from the environment:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import Callable, Iterator
@@ -168,3 +169,36 @@ def store_factory(store_url) -> Iterator[Callable[..., object]]:
 def store(store_factory):
     """A migrated Store with tables of its own on each store kind (sqlite, postgres, mysql)."""
     return store_factory()
+
+
+@contextlib.contextmanager
+def flushed_redis(redis_url: str, db: int) -> Iterator[tuple[str, object]]:
+    """A Redis URL on database ``db`` and a client, the database flushed before and after."""
+    import redis
+
+    url = urlunsplit(urlsplit(redis_url)._replace(path=f"/{db}"))
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    try:
+        yield url, client
+    finally:
+        client.flushdb()
+        client.close()
+
+
+@contextlib.contextmanager
+def prefixed_redis(redis_url: str, db: int) -> Iterator[tuple[str, object, str]]:
+    """A Redis URL on database ``db``, a client and a key prefix of one test's own, removed after.
+
+    For tests that run beside others on a shared database (kombu's ``global_keyprefix``).
+    """
+    import redis
+
+    url = urlunsplit(urlsplit(redis_url)._replace(path=f"/{db}"))
+    client, prefix = redis.Redis.from_url(url), f"{unique_prefix()}:"
+    try:
+        yield url, client, prefix
+    finally:
+        for key in client.scan_iter(match=f"{prefix}*"):
+            client.delete(key)
+        client.close()

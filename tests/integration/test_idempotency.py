@@ -10,10 +10,8 @@ import signal
 import subprocess
 import sys
 import threading
-from urllib.parse import urlsplit, urlunsplit
 
 import pytest
-import redis
 import sqlalchemy as sa
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
@@ -24,7 +22,7 @@ from celery_lease.effects import lock
 from celery_lease.heartbeat import Heartbeat, current
 from celery_lease.store import for_app
 from celery_lease.task import Lease
-from tests.conftest import unique_prefix
+from tests.conftest import flushed_redis, unique_prefix
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.integration
@@ -36,12 +34,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.fixture
 def broker(redis_url):
-    url = urlunsplit(urlsplit(redis_url)._replace(path=f"/{REDIS_DB}"))
-    client = redis.Redis.from_url(url)
-    client.flushdb()
-    yield url, client
-    client.flushdb()
-    client.close()
+    with flushed_redis(redis_url, REDIS_DB) as (url, client):
+        yield url, client
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from celery.contrib.testing.worker import start_worker
 
 from celery_lease import LeaseTask
 from celery_lease.store import for_app
-from tests.conftest import unique_prefix
+from tests.conftest import flushed_redis, unique_prefix
 from tests.helpers import wait_for
 from tests.tcp_proxy import TcpProxy
 
@@ -26,12 +26,8 @@ REDIS_DB = 4
 
 @pytest.fixture
 def broker(redis_url):
-    url = urlunsplit(urlsplit(redis_url)._replace(path=f"/{REDIS_DB}"))
-    client = redis.Redis.from_url(url)
-    client.flushdb()
-    yield url, client
-    client.flushdb()
-    client.close()
+    with flushed_redis(redis_url, REDIS_DB) as (url, client):
+        yield url, client
 
 
 def make_app(broker_url: str, store_url: str, **conf) -> Celery:

@@ -10,15 +10,13 @@ messages still come back and complete once on the other worker.
 from __future__ import annotations
 
 import time
-from urllib.parse import urlsplit, urlunsplit
 
 import pytest
-import redis
 
 from celery_lease.store import for_app
 from tests import workers
 from tests.apps.broker_app import make_app
-from tests.conftest import unique_prefix
+from tests.conftest import prefixed_redis, unique_prefix
 from tests.helpers import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -33,12 +31,8 @@ APP = "tests.apps.broker_app"
 @pytest.fixture
 def broker(redis_url):
     """Redis db 9 under a key prefix of this test's own (kombu's global_keyprefix), removed after."""
-    url = urlunsplit(urlsplit(redis_url)._replace(path=f"/{REDIS_DB}"))
-    client, prefix = redis.Redis.from_url(url), f"{unique_prefix()}:"
-    yield url, client, prefix
-    for key in client.scan_iter(match=f"{prefix}*"):
-        client.delete(key)
-    client.close()
+    with prefixed_redis(redis_url, REDIS_DB) as handles:
+        yield handles
 
 
 @pytest.fixture

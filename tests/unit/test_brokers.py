@@ -12,11 +12,9 @@ import logging
 import threading
 import time
 from types import SimpleNamespace
-from urllib.parse import urlsplit, urlunsplit
 
 import kombu
 import pytest
-import redis
 from celery import Celery, signals
 from celery.contrib.testing.worker import start_worker
 from celery.utils.nodenames import gethostname
@@ -33,7 +31,7 @@ from celery_lease.brokers import (
     held_messages,
 )
 from celery_lease.store import Store, for_app
-from tests.conftest import unique_prefix
+from tests.conftest import prefixed_redis, unique_prefix
 from tests.helpers import wait_for
 
 REDIS_DB = 9
@@ -42,12 +40,8 @@ REDIS_DB = 9
 @pytest.fixture
 def redis9(redis_url):
     """Redis db 9 and a key prefix of this test's own (kombu's global_keyprefix), removed after."""
-    url = urlunsplit(urlsplit(redis_url)._replace(path=f"/{REDIS_DB}"))
-    client, prefix = redis.Redis.from_url(url), f"{unique_prefix()}:"
-    yield url, client, prefix
-    for key in client.scan_iter(match=f"{prefix}*"):
-        client.delete(key)
-    client.close()
+    with prefixed_redis(redis_url, REDIS_DB) as handles:
+        yield handles
 
 
 @contextlib.contextmanager
