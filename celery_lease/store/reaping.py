@@ -90,38 +90,37 @@ class ReaperStatements(StoreBase):
         fence = self._past_grace(clock) if expired else (j.c.locked_by == owner)
         return sa.and_(j.c.id == job_id, j.c.lock_token == token, j.c.status == RUNNING, fence)
 
+    def _take_back(self, job_id: str, token: str, owner: str | None, expired: bool, now: float | None,
+                   c: Connection | None, values: dict[str, Any], event: str, reason: str,
+                   detail: Any) -> bool:
+        """One fenced recovery write and its event; the losing side writes nothing."""
+        j = self.t.jobs
+        with self._tx(c) as tx:
+            fence = self._abandoned(job_id, token, owner, expired, self._clock(now))
+            res = tx.execute(sa.update(j).where(fence).values(
+                lock_token=None, lease_expires_at=None, expired_count=j.c.expired_count + 1,
+                updated_at=self.now_sql, **values))
+            if res.rowcount != 1:
+                return False
+            self._event(tx, job_id, event, reason, owner, token, detail)
+            return True
+
     def requeue_abandoned(self, job_id: str, token: str, owner: str | None, *, delay: float, reason: str,
                           expired: bool = True, now: float | None = None, detail: Any = None,
                           c: Connection | None = None) -> bool:
         """running -> pending at now + delay, token cleared, one more expiration counted."""
-        j = self.t.jobs
-        with self._tx(c) as tx:
-            fence = self._abandoned(job_id, token, owner, expired, self._clock(now))
-            res = tx.execute(sa.update(j).where(fence)
-                             .values(status=PENDING, lock_token=None, locked_by=None, lease_expires_at=None,
-                                     available_at=self.now_sql + delay, expired_count=j.c.expired_count + 1,
-                                     last_error=reason[:4000], updated_at=self.now_sql))
-            if res.rowcount != 1:
-                return False
-            self._event(tx, job_id, "reaped_expired_lease", reason, owner, token,
-                        {"delay": round(delay, 3), **(detail or {})})
-            return True
+        values = dict(status=PENDING, locked_by=None, available_at=self.now_sql + delay,
+                      last_error=reason[:4000])
+        return self._take_back(job_id, token, owner, expired, now, c, values, "reaped_expired_lease",
+                               reason, {"delay": round(delay, 3), **(detail or {})})
 
     def dead_letter_abandoned(self, job_id: str, token: str, owner: str | None, *, error: str,
                               expired: bool = True, now: float | None = None, detail: Any = None,
                               c: Connection | None = None) -> bool:
         """running -> failed (the dead letter), token cleared, one more expiration counted."""
-        j = self.t.jobs
-        with self._tx(c) as tx:
-            fence = self._abandoned(job_id, token, owner, expired, self._clock(now))
-            res = tx.execute(sa.update(j).where(fence)
-                             .values(status=FAILED, failed_at=self.now_sql, lock_token=None,
-                                     lease_expires_at=None, expired_count=j.c.expired_count + 1,
-                                     last_error=error[:4000], updated_at=self.now_sql))
-            if res.rowcount != 1:
-                return False
-            self._event(tx, job_id, "dead_lettered", error[:200], owner, token, detail)
-            return True
+        values = dict(status=FAILED, failed_at=self.now_sql, last_error=error[:4000])
+        return self._take_back(job_id, token, owner, expired, now, c, values, "dead_lettered",
+                               error[:200], detail)
 
     def note_skipped_owner_alive(self, c: Connection, job: Job, reason: str) -> bool:
         """Audit a lease left to its live owner, once per lease (not once per run)."""
