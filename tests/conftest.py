@@ -7,7 +7,6 @@ missing service into a failure. Service URLs come from the environment:
     CELERY_LEASE_TEST_MYSQL      mysql+pymysql://root@127.0.0.1:3306/test
     CELERY_LEASE_TEST_REDIS      redis://127.0.0.1:6379/0
     CELERY_LEASE_TEST_AMQP       amqp://guest:guest@127.0.0.1:5672//
-    CELERY_LEASE_TEST_REDIS_DB   5 (the database number ``redis_db`` flushes)
 """
 
 from __future__ import annotations
@@ -114,21 +113,6 @@ def amqp_url() -> str:
 def sqlite_url(tmp_path) -> str:
     return f"sqlite:///{tmp_path / 'lease.sqlite3'}"
 
-
-@pytest.fixture
-def redis_db(redis_url) -> Iterator[str]:
-    """A Redis URL on a dedicated database number, flushed before and after the test."""
-    import redis
-
-    db = int(os.environ.get("CELERY_LEASE_TEST_REDIS_DB", "5"))
-    url = urlunsplit(urlsplit(redis_url)._replace(path=f"/{db}"))
-    client = redis.Redis.from_url(url)
-    client.flushdb()
-    try:
-        yield url
-    finally:
-        client.flushdb()
-        client.close()
 
 
 # -- lease stores -------------------------------------------------------------------

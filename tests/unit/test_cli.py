@@ -21,7 +21,7 @@ from click.testing import CliRunner, Result
 
 from celery_lease.store import for_app
 from tests.apps import ops_app
-from tests.conftest import require_service, service_url, unique_prefix
+from tests.conftest import flushed_redis, require_service, service_url, unique_prefix
 
 REDIS_DB = 10
 VERBS = ("migrate", "status", "jobs", "inspect", "events", "reap", "requeue", "dlq", "check", "tune",
@@ -76,15 +76,8 @@ def ro(request, tmp_path_factory) -> Iterator[Scene]:
 
 @pytest.fixture
 def broker() -> Iterator[redis.Redis]:
-    url = require_service("Redis", service_url("redis"))
-    url = urlunsplit(urlsplit(url)._replace(path=f"/{REDIS_DB}"))
-    client = redis.Redis.from_url(url)
-    client.flushdb()
-    try:
+    with flushed_redis(require_service("Redis", service_url("redis")), REDIS_DB) as (_, client):
         yield client
-    finally:
-        client.flushdb()
-        client.close()
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
