@@ -23,6 +23,8 @@ __all__ = ["StoreBase", "Claim", "Job"]
 log = logging.getLogger(__name__)
 
 PENDING, RUNNING, COMPLETED, FAILED = schema.STATUSES
+# SQLite reports a missing table as an OperationalError, not a ProgrammingError.
+_MISSING_SCHEMA = "no such table"
 IDLE_PING_AFTER = 2.0  # seconds a pooled connection may idle before it is pinged on checkout
 
 
@@ -57,7 +59,7 @@ class Job:
 
     @classmethod
     def from_row(cls, row: Any) -> Job:
-        data = row._mapping
+        data = getattr(row, "_mapping", row)
         return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
 
     def checkpoint_state(self) -> Any:
@@ -168,16 +170,26 @@ class StoreBase:
         """Turn the driver's connection and statement errors into StoreUnavailable."""
         try:
             yield
-        except (sa.exc.OperationalError, sa.exc.InterfaceError) as exc:
+        except sa.exc.OperationalError as exc:
+            if _MISSING_SCHEMA in str(exc.orig):
+                raise self._unmigrated(exc) from exc
+            raise StoreUnavailable(
+                f"lease store {self.safe_url} unreachable: {exc.orig or exc}; "
+                "check lease_store_url and that the database is running"
+            ) from exc
+        except sa.exc.InterfaceError as exc:
             raise StoreUnavailable(
                 f"lease store {self.safe_url} unreachable: {exc.orig or exc}; "
                 "check lease_store_url and that the database is running"
             ) from exc
         except sa.exc.ProgrammingError as exc:
-            raise StoreUnavailable(
-                f"lease store {self.safe_url} rejected a statement ({exc.orig}); "
-                "run `celery -A proj lease migrate`"
-            ) from exc
+            raise self._unmigrated(exc) from exc
+
+    def _unmigrated(self, exc: sa.exc.DBAPIError) -> StoreUnavailable:
+        return StoreUnavailable(
+            f"lease store {self.safe_url} rejected a statement ({exc.orig}); "
+            "run `celery -A proj lease migrate`"
+        )
 
     @contextlib.contextmanager
     def begin(self) -> Iterator[Connection]:
@@ -206,7 +218,10 @@ class StoreBase:
         bind = {**(params or {}), "ev_job": job_id, "ev_reason": reason, "ev_worker": worker,
                 "ev_token": token[:8] if token else None,
                 "ev_detail": None if detail is None else json.dumps(detail, default=str)}
-        if self.dialect == "postgresql":
+        if self.dialect == "postgresql" and key:
+            values = self._execute_compiled(built[1], bind)
+            row = None if values is None else dict(zip(built[2], values))
+        elif self.dialect == "postgresql":
             with self._driver_errors(), self.engine.connect() as conn:
                 row = conn.execution_options(isolation_level="AUTOCOMMIT").execute(built[0], bind).first()
         else:
@@ -247,7 +262,39 @@ class StoreBase:
         audit = sa.insert(self.t.events).from_select(
             ["job_id", *values], sa.select(changed.c.id, *values.values())
         ).cte("audit")
-        return (sa.select(changed).add_cte(audit),)
+        statement = sa.select(changed).add_cte(audit)
+        compiled = statement.compile(dialect=self.engine.dialect)
+        static = compiled.construct_params(_check=False)
+        return statement, (compiled.string, static), [c.name for c in columns]
+
+    def _execute_compiled(self, compiled: tuple[str, dict[str, Any]], bind: dict[str, Any]) -> Any:
+        """Run a statement compiled once on a pooled driver connection, in autocommit.
+
+        The hot transitions (claim, complete) skip SQLAlchemy's execution layer: on a
+        worker that sleeps between tasks its cold path costs as much CPU as the round
+        trip. Driver errors are wrapped as SQLAlchemy's so that they map as elsewhere.
+        """
+        sql, static = compiled
+        dbapi = self.engine.dialect.loaded_dbapi
+        with self._driver_errors():
+            try:
+                raw = self.engine.raw_connection()
+                try:
+                    driver = raw.driver_connection
+                    driver.autocommit = True
+                    try:
+                        with raw.cursor() as cursor:
+                            cursor.execute(sql, {**static, **bind})
+                            return cursor.fetchone()
+                    finally:
+                        if not driver.closed:
+                            driver.autocommit = False
+                finally:
+                    # A dead connection fails its reset here and the pool discards it.
+                    raw.close()
+            except dbapi.Error as exc:
+                raise sa.exc.DBAPIError.instance(sql, None, exc, dbapi.Error, hide_parameters=True,
+                                                 dialect=self.engine.dialect) from exc
 
     @property
     def safe_url(self) -> str:

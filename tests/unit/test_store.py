@@ -241,3 +241,42 @@ def test_an_unreachable_store_raises_store_unavailable(tmp_path):
     store = Store("postgresql+psycopg://nobody@127.0.0.1:1/none")
     with pytest.raises(StoreUnavailable, match="unreachable"):
         store.now()
+    with pytest.raises(StoreUnavailable, match="unreachable"):
+        claim(store, "a")
+    with pytest.raises(StoreUnavailable, match="unreachable"):
+        store.complete("a", token())
+
+
+def _backend_pid(store: Store) -> int:
+    raw = store.engine.raw_connection()
+    try:
+        return raw.driver_connection.info.backend_pid
+    finally:
+        raw.close()
+
+
+@pytest.mark.parametrize("store_url", ["postgres"], indirect=True)
+def test_a_dropped_postgres_connection_fails_one_claim_and_the_next_reconnects(store):
+    for job_id in ("a", "b", "c"):
+        store.record(job_id, "t.task", "q", None, 3)
+    assert claim(store, "a").claimed  # the pool now holds one warm connection
+    doomed = _backend_pid(store)
+    admin = sa.create_engine(store.url)
+    try:
+        with admin.begin() as c:
+            assert c.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": doomed}).scalar()
+    finally:
+        admin.dispose()
+    with pytest.raises(StoreUnavailable, match="unreachable"):
+        claim(store, "b")
+    # The broken connection was thrown away, not handed out again.
+    assert claim(store, "b").claimed and claim(store, "c").claimed
+    assert store.get("b").status == RUNNING and _backend_pid(store) != doomed
+
+
+def test_claim_and_complete_on_an_unmigrated_store_say_to_migrate(store_factory):
+    store = store_factory(migrate=False)
+    with pytest.raises(StoreUnavailable, match="lease migrate"):
+        claim(store, "a")
+    with pytest.raises(StoreUnavailable, match="lease migrate"):
+        store.complete("a", token())
