@@ -220,7 +220,7 @@ class StoreBase:
                 "ev_detail": None if detail is None else json.dumps(detail, default=str)}
         if self.dialect == "postgresql" and key:
             values = self._execute_compiled(built[1], bind)
-            row = None if values is None else dict(zip(built[2], values))
+            row = None if values is None else dict(zip(built[2], values, strict=True))
         elif self.dialect == "postgresql":
             with self._driver_errors(), self.engine.connect() as conn:
                 row = conn.execution_options(isolation_level="AUTOCOMMIT").execute(built[0], bind).first()
