@@ -55,7 +55,6 @@ class Heartbeat:
         self.leases: dict[str, Lease] = {}
         self.renewers: list[Callable[[], None]] = []
         self.beats = 0
-        self.renew_statements = 0
         self._extend: dict[str, float] = {}
         self._deferred: dict[str, Lease] = {}
         self._lock = threading.Lock()
@@ -104,12 +103,8 @@ class Heartbeat:
         renewable = {tok: lease for tok, lease in held.items() if not lease.past_max_runtime(now)}
         counts = {"held": len(held), "renewed": 0, "lost": 0, "past_max_runtime": len(held) - len(renewable)}
         try:
-            self.store.touch_worker(self.worker, self.hostname, os.getpid())
-            renewed: set[str] = set()
-            if renewable:
-                self.renew_statements += 1
-                renewed = self.store.renew({t: lease.job_id for t, lease in renewable.items()},
-                                           self.worker, extend)
+            renewed = self.store.beat(self.worker, self.hostname, os.getpid(),
+                                      {t: lease.job_id for t, lease in renewable.items()}, extend)
         except StoreUnavailable as exc:
             log.warning("heartbeat of %s could not reach the lease store: %s", self.worker, exc,
                         extra={"action": "heartbeat_store_unavailable"})

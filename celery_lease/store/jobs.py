@@ -7,12 +7,16 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.engine import Connection
 
 from ..errors import StoreUnavailable
 from .base import COMPLETED, FAILED, PENDING, RUNNING, Claim, Job, StoreBase
 
 __all__ = ["JobStatements"]
+
+_UPSERT = {"postgresql": postgresql.insert, "sqlite": sqlite.insert, "mysql": mysql.insert,
+           "mariadb": mysql.insert}
 
 
 class JobStatements(StoreBase):
@@ -225,36 +229,58 @@ class JobStatements(StoreBase):
             checkpoint=json.dumps(state),
         ))
 
-    def renew(self, leases: Mapping[str, str], worker: str,
-              extend: Mapping[str, float] | None = None) -> set[str]:
-        """Renew every lease this process holds in one statement; returns renewed job ids.
-
-        ``leases`` maps token to job id. A lease whose row no longer carries its
-        token is not renewed: the caller marks it lost.
-        """
-        if not leases:
-            return set()
+    def _renewal(self, leases: Mapping[str, str], extend: Mapping[str, float] | None) -> sa.Update:
         j = self.t.jobs
-        tokens = list(leases)
         duration = j.c.lease_duration
         if extend:
             duration = sa.case(*((j.c.lock_token == tok, sa.literal(sec)) for tok, sec in extend.items()),
                                else_=j.c.lease_duration)
         # By id (the primary key) and token: there is no index on the token, and a
         # heartbeat must not scan the table.
-        ids = list(set(leases.values()))
-        stmt = (sa.update(j).where(j.c.id.in_(ids), j.c.lock_token.in_(tokens), j.c.status == RUNNING)
+        stmt = (sa.update(j).where(j.c.id.in_(set(leases.values())), j.c.lock_token.in_(list(leases)),
+                                   j.c.status == RUNNING)
                 .values(lease_expires_at=self.now_sql + duration, last_heartbeat_at=self.now_sql))
-        if extend:
-            stmt = stmt.values(lease_duration=duration)
+        return stmt.values(lease_duration=duration) if extend else stmt
+
+    def _renew_in(self, c: Connection, leases: Mapping[str, str],
+                  extend: Mapping[str, float] | None) -> set[str]:
+        stmt = self._renewal(leases, extend)
+        if c.dialect.update_returning:
+            return set(c.execute(stmt.returning(self.t.jobs.c.id)).scalars())
+        c.execute(stmt)
+        j = self.t.jobs
+        return set(c.execute(sa.select(j.c.id).where(j.c.id.in_(set(leases.values())),
+                                                     j.c.lock_token.in_(list(leases)),
+                                                     j.c.status == RUNNING)).scalars())
+
+    def renew(self, leases: Mapping[str, str], worker: str,
+              extend: Mapping[str, float] | None = None) -> set[str]:
+        """Renew every given lease in one statement; returns renewed job ids.
+
+        ``leases`` maps token to job id. A lease whose row no longer carries its
+        token is not renewed: the caller marks it lost.
+        """
+        if not leases:
+            return set()
         with self.begin() as c:
-            if self.engine.dialect.update_returning:
-                rows = c.execute(stmt.returning(j.c.id)).all()
-            else:
-                c.execute(stmt)
-                rows = c.execute(sa.select(j.c.id).where(j.c.id.in_(ids), j.c.lock_token.in_(tokens),
-                                                         j.c.status == RUNNING)).all()
-        return {r[0] for r in rows}
+            return self._renew_in(c, leases, extend)
+
+    def beat(self, worker: str, hostname: str, pid: int, leases: Mapping[str, str],
+             extend: Mapping[str, float] | None = None) -> set[str]:
+        """One heartbeat round: refresh the worker's registry row and renew its leases.
+
+        On PostgreSQL both writes are one statement (the registry upsert rides in a
+        CTE); elsewhere they share one transaction. Returns the renewed job ids.
+        """
+        seen = self._seen(worker, hostname, pid)
+        if self.dialect == "postgresql" and leases:
+            renewed = self._renewal(leases, extend).returning(self.t.jobs.c.id).cte("renewed")
+            stmt = sa.select(renewed.c.id).add_cte(seen.cte("seen"))
+            with self._driver_errors(), self.engine.connect() as conn:
+                return set(conn.execution_options(isolation_level="AUTOCOMMIT").execute(stmt).scalars())
+        with self.begin() as c:
+            c.execute(seen)
+            return self._renew_in(c, leases, extend) if leases else set()
 
     def describe_loss(self, job_id: str, token: str, worker: str | None = None) -> tuple[str, str | None]:
         """Why a lease was not renewed (vanished, taken over, requeued, finished); audited."""
@@ -270,17 +296,20 @@ class JobStatements(StoreBase):
         return reason, owner
 
     # -- worker registry ------------------------------------------------------
-    def touch_worker(self, worker_id: str, hostname: str, pid: int) -> None:
+    def _seen(self, worker_id: str, hostname: str, pid: int) -> Any:
+        """Register a worker process, or refresh its last_seen_at: one upsert."""
         w = self.t.workers
+        insert = _UPSERT[self.dialect](w).values(worker_id=worker_id, hostname=hostname, pid=pid,
+                                                 started_at=self.now_sql, last_seen_at=self.now_sql)
+        if self.dialect in ("mysql", "mariadb"):
+            return insert.on_duplicate_key_update(last_seen_at=insert.inserted.last_seen_at)
+        return insert.on_conflict_do_update(index_elements=[w.c.worker_id],
+                                            set_={"last_seen_at": insert.excluded.last_seen_at})
+
+    def touch_worker(self, worker_id: str, hostname: str, pid: int) -> None:
+        """Register a worker process, or refresh its last_seen_at."""
         with self.begin() as c:
-            res = c.execute(sa.update(w).where(w.c.worker_id == worker_id).values(last_seen_at=self.now_sql))
-            if res.rowcount == 0:
-                try:
-                    with c.begin_nested():
-                        c.execute(sa.insert(w).values(worker_id=worker_id, hostname=hostname, pid=pid,
-                                                      started_at=self.now_sql, last_seen_at=self.now_sql))
-                except sa.exc.IntegrityError:
-                    pass
+            c.execute(self._seen(worker_id, hostname, pid))
 
     def remove_worker(self, worker_id: str) -> None:
         w = self.t.workers
