@@ -7,19 +7,16 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.engine import Connection
 
 from ..errors import StoreUnavailable
-from .base import COMPLETED, FAILED, PENDING, RUNNING, Claim, Job, StoreBase
+from .base import COMPLETED, FAILED, PENDING, RUNNING, Claim, Job
+from .workers import WorkerStatements
 
 __all__ = ["JobStatements"]
 
-_UPSERT = {"postgresql": postgresql.insert, "sqlite": sqlite.insert, "mysql": mysql.insert,
-           "mariadb": mysql.insert}
 
-
-class JobStatements(StoreBase):
+class JobStatements(WorkerStatements):
     """Transitions of one job between pending, running, completed and failed."""
 
     # -- publish ----------------------------------------------------------
@@ -296,32 +293,6 @@ class JobStatements(StoreBase):
         return reason, owner
 
     # -- worker registry ------------------------------------------------------
-    def _seen(self, worker_id: str, hostname: str, pid: int) -> Any:
-        """Register a worker process, or refresh its last_seen_at: one upsert."""
-        w = self.t.workers
-        insert = _UPSERT[self.dialect](w).values(worker_id=worker_id, hostname=hostname, pid=pid,
-                                                 started_at=self.now_sql, last_seen_at=self.now_sql)
-        if self.dialect in ("mysql", "mariadb"):
-            return insert.on_duplicate_key_update(last_seen_at=insert.inserted.last_seen_at)
-        return insert.on_conflict_do_update(index_elements=[w.c.worker_id],
-                                            set_={"last_seen_at": insert.excluded.last_seen_at})
-
-    def touch_worker(self, worker_id: str, hostname: str, pid: int) -> None:
-        """Register a worker process, or refresh its last_seen_at."""
-        with self.begin() as c:
-            c.execute(self._seen(worker_id, hostname, pid))
-
-    def remove_worker(self, worker_id: str) -> None:
-        w = self.t.workers
-        with self.begin() as c:
-            c.execute(sa.delete(w).where(w.c.worker_id == worker_id))
-
-    def held_by(self, worker: str) -> list[Job]:
-        j = self.t.jobs
-        with self.begin() as c:
-            rows = c.execute(sa.select(j).where(j.c.locked_by == worker, j.c.status == RUNNING)).all()
-        return [Job.from_row(r) for r in rows]
-
     def events(self, job_id: str | None = None, event: str | None = None,
                limit: int = 1000) -> list[dict[str, Any]]:
         e = self.t.events

@@ -228,15 +228,6 @@ def test_checkpoint_is_fenced_by_the_token(store):
     assert store.get("j1").checkpoint_state() == {"step": 2}
 
 
-def test_touch_worker_registers_then_refreshes(store):
-    store.touch_worker("w1", "host", 42)
-    first = store.now()
-    store.touch_worker("w1", "host", 42)
-    with store.begin() as c:
-        rows = c.execute(sa.select(store.t.workers)).all()
-    assert len(rows) == 1 and rows[0].pid == 42 and rows[0].last_seen_at >= first
-
-
 def test_an_unreachable_store_raises_store_unavailable(tmp_path):
     store = Store("postgresql+psycopg://nobody@127.0.0.1:1/none")
     with pytest.raises(StoreUnavailable, match="unreachable"):
