@@ -96,19 +96,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tasks", type=int, default=5000)
     parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--bodies", default="no-op,10 ms", help="comma-separated: no-op, 10 ms")
+    parser.add_argument("--stores", default="sqlite,postgres", help="comma-separated: sqlite, postgres")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
-    stores = {"sqlite": f"sqlite:///{tmp / 'lease.sqlite3'}", "postgres": POSTGRES}
+    every = {"sqlite": f"sqlite:///{tmp / 'lease.sqlite3'}", "postgres": POSTGRES}
+    stores = {name: every[name] for name in args.stores.split(",")}
+    bodies = {name: seconds for name, seconds in (("no-op", 0.0), ("10 ms", 0.01))
+              if name in args.bodies.split(",")}
     print(f"{args.tasks} tasks per run, prefork -c{args.concurrency}, Redis broker {BROKER}")
     print("plain runs before and after each LeaseTask run; the ratio is to their mean, so drift"
           " of the machine during the run shows and cancels")
     print(f"{'task body':<10} {'store':<9} {'plain/s':>13} {'lease/s':>9} {'ratio':>6}")
-    for label, seconds in (("no-op", 0.0), ("10 ms", 0.01)):
-        plain = run("plain", seconds, args.tasks, stores["sqlite"], "unused_", args.concurrency)
+    for label, seconds in bodies.items():
+        plain = run("plain", seconds, args.tasks, every["sqlite"], "unused_", args.concurrency)
         for name, url in stores.items():
             prefix = f"b{secrets.token_hex(3)}_"
             leased = run("leased", seconds, args.tasks, url, prefix, args.concurrency)
-            after = run("plain", seconds, args.tasks, stores["sqlite"], "unused_", args.concurrency)
+            after = run("plain", seconds, args.tasks, every["sqlite"], "unused_", args.concurrency)
             mean = (plain + after) / 2
             print(f"{label:<10} {name:<9} {plain:>6.0f}/{after:<6.0f} {leased:>9.0f} {leased / mean:>6.2f}")
             store = Store(url, prefix)
