@@ -10,6 +10,7 @@ import argparse
 import os
 import secrets
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -98,6 +99,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--bodies", default="no-op,10 ms", help="comma-separated: no-op, 10 ms")
     parser.add_argument("--stores", default="sqlite,postgres", help="comma-separated: sqlite, postgres")
+    parser.add_argument("--rounds", type=int, default=3, help="LeaseTask runs per body and store")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     every = {"sqlite": f"sqlite:///{tmp / 'lease.sqlite3'}", "postgres": POSTGRES}
@@ -105,21 +107,32 @@ def main() -> None:
     bodies = {name: seconds for name, seconds in (("no-op", 0.0), ("10 ms", 0.01))
               if name in args.bodies.split(",")}
     print(f"{args.tasks} tasks per run, prefork -c{args.concurrency}, Redis broker {BROKER}")
-    print("plain runs before and after each LeaseTask run; the ratio is to their mean, so drift"
-          " of the machine during the run shows and cancels")
-    print(f"{'task body':<10} {'store':<9} {'plain/s':>13} {'lease/s':>9} {'ratio':>6}")
+    print("plain runs alternate with LeaseTask runs; each ratio is to the mean of the plain runs"
+          f" just before and after, so drift of the machine shows and cancels; {args.rounds} rounds,"
+          " the median ratio counts")
+    print(f"{'task body':<10} {'store':<9} {'plain/s':>9} {'lease/s':>9} {'ratios by round':>18}"
+          f" {'median':>7}")
     for label, seconds in bodies.items():
+        ratios: dict[str, list[float]] = {name: [] for name in stores}
+        rates: dict[str, list[tuple[float, float]]] = {name: [] for name in stores}
         plain = run("plain", seconds, args.tasks, every["sqlite"], "unused_", args.concurrency)
-        for name, url in stores.items():
-            prefix = f"b{secrets.token_hex(3)}_"
-            leased = run("leased", seconds, args.tasks, url, prefix, args.concurrency)
-            after = run("plain", seconds, args.tasks, every["sqlite"], "unused_", args.concurrency)
-            mean = (plain + after) / 2
-            print(f"{label:<10} {name:<9} {plain:>6.0f}/{after:<6.0f} {leased:>9.0f} {leased / mean:>6.2f}")
-            store = Store(url, prefix)
-            store.t.metadata.drop_all(store.engine)
-            store.engine.dispose()
-            plain = after
+        for _ in range(args.rounds):
+            for name, url in stores.items():
+                prefix = f"b{secrets.token_hex(3)}_"
+                leased = run("leased", seconds, args.tasks, url, prefix, args.concurrency)
+                after = run("plain", seconds, args.tasks, every["sqlite"], "unused_", args.concurrency)
+                ratios[name].append(leased / ((plain + after) / 2))
+                rates[name].append(((plain + after) / 2, leased))
+                store = Store(url, prefix)
+                store.t.metadata.drop_all(store.engine)
+                store.engine.dispose()
+                plain = after
+        for name in stores:
+            plain_rate = statistics.median(p for p, _ in rates[name])
+            lease_rate = statistics.median(lr for _, lr in rates[name])
+            by_round = " ".join(f"{r:.2f}" for r in ratios[name])
+            print(f"{label:<10} {name:<9} {plain_rate:>9.0f} {lease_rate:>9.0f} {by_round:>18}"
+                  f" {statistics.median(ratios[name]):>7.2f}")
     print("\nstatements per heartbeat round and process, by leases held: lease renewals / all"
           " (PostgreSQL: renewal and worker registry in one statement; SQLite: BEGIN IMMEDIATE,"
           " registry upsert, renewal)")
