@@ -292,7 +292,7 @@ class JobStatements(WorkerStatements):
             self._event(c, job_id, "lease_lost", reason, worker, token, {"owner": owner} if owner else None)
         return reason, owner
 
-    # -- worker registry ------------------------------------------------------
+    # -- the audit log ---------------------------------------------------------
     def events(self, job_id: str | None = None, event: str | None = None,
                limit: int = 1000) -> list[dict[str, Any]]:
         e = self.t.events
