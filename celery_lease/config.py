@@ -150,6 +150,10 @@ SETTINGS: tuple[Setting, ...] = (
     _S("lease_dead_letter_queue", None,
        "Queue that receives the message of a dead-lettered job (None: keep it in the store only).",
        _optional_queue, "None or a queue name", True),
+    _S("lease_clock_tolerance", 1.0,
+       "Seconds a delivery may arrive before its job's available_at (countdown, retry ETA, backoff) "
+       "and still run, for worker clocks ahead of the store's; an earlier one is sent again for later.",
+       _number(0), "a number of seconds >= 0", False),
     _S("lease_dispatch_timeout", 600.0,
        "Seconds a pending job may wait past available_at before its message is re-published.",
        _number(0, strict=True), "a number of seconds > 0", True),

@@ -73,10 +73,14 @@ class Job:
 
 @dataclasses.dataclass(frozen=True)
 class Claim:
-    """What a claim found: ``claimed`` (the job is ours), ``busy`` or ``done``."""
+    """What a claim found: ``claimed`` (the job is ours), ``busy``, ``done`` or ``early``.
+
+    ``early``: the job is pending but not available for ``wait`` more seconds.
+    """
 
     outcome: str
     job: Job | None
+    wait: float = 0.0
 
     @property
     def claimed(self) -> bool:

@@ -65,7 +65,10 @@ class JobStatements(WorkerStatements):
         """pending -> running, as a statement of bind parameters (built once per store)."""
         j = self.t.jobs
         duration = sa.bindparam("duration", type_=sa.Double())
-        return sa.update(j).where(j.c.id == sa.bindparam("job_id"), j.c.status == PENDING).values(
+        early = sa.bindparam("early", type_=sa.Double())
+        return sa.update(j).where(
+            j.c.id == sa.bindparam("job_id"), j.c.status == PENDING, j.c.available_at <= self.now_sql + early,
+        ).values(
             status=RUNNING, locked_by=sa.bindparam("worker"), lock_token=sa.bindparam("token"),
             lease_duration=duration, grace_period=sa.bindparam("grace", type_=sa.Double()),
             started_at=self.now_sql, last_heartbeat_at=self.now_sql, lease_expires_at=self.now_sql + duration,
@@ -100,14 +103,18 @@ class JobStatements(WorkerStatements):
     def claim(self, job_id: str, worker: str, token: str, *, duration: float, grace: float,
               task_name: str, queue: str | None, max_attempts: int, max_expirations: int,
               takeover: bool, hard_grace: float, stale_after: float,
-              payload: Callable[[], str | None]) -> Claim:
-        """Take the job's lease: a pending job, or (``takeover``) an abandoned running one."""
+              payload: Callable[[], str | None], early: float = 0.0) -> Claim:
+        """Take the job's lease: a pending and available job, or (``takeover``) an abandoned running one.
+
+        A pending job becomes available at ``available_at``; ``early`` is how many seconds
+        before that a delivery still claims it (the clocks of worker and store differ).
+        """
         j = self.t.jobs
         for _ in range(3):
             claimed = self._audited_update(
                 self._claim_pending, job_id, "claimed", worker=worker, token=token, key="claim",
                 params={"job_id": job_id, "worker": worker, "token": token, "duration": duration,
-                        "grace": grace})
+                        "grace": grace, "early": early})
             if isinstance(claimed, Job):
                 return Claim("claimed", claimed)
             with self.begin() as c:
@@ -126,6 +133,9 @@ class JobStatements(WorkerStatements):
                                             "previous_token": (current.lock_token or "")[:8]})
                         return Claim("claimed", self._job(c, job_id))
                 if current is not None and current.status == PENDING:
+                    wait = current.available_at - float(c.execute(sa.select(self.now_sql)).scalar_one())
+                    if wait > early:
+                        return Claim("early", current, wait)
                     continue  # requeued between our two statements: claim it on the next pass
                 if current is not None and not (current.status == RUNNING and takeover):
                     return Claim("done" if current.status in (COMPLETED, FAILED) else "busy", current)

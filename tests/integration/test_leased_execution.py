@@ -13,7 +13,8 @@ import sqlalchemy as sa
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
-from celery_lease import LeaseTask
+from celery_lease import LeaseTask, messages
+from celery_lease.config import app_config
 from celery_lease.store import for_app
 from tests.conftest import flushed_redis, unique_prefix
 from tests.helpers import wait_for
@@ -132,6 +133,24 @@ def test_a_second_delivery_of_the_same_message_is_skipped(app, broker):
                  message="the second delivery was not skipped")
     assert runs(broker[1], first.id) == 1
     assert first.state == "SUCCESS"  # the skip wrote no state over the real run's result
+
+
+def test_a_copy_delivered_before_the_job_is_available_runs_it_no_sooner(app, broker):
+    add, *_ = register(app, broker[1])
+    result = add.apply_async((4, 5), countdown=3.0)
+    with messages.publishing_unrecorded():
+        add.apply_async((4, 5), task_id=result.id)  # a stray copy without the countdown
+    store = for_app(app)
+    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+        assert result.get(timeout=20)["sum"] == 9
+        # Three deliveries: the early copy (sent again for later), the original, the copy again.
+        wait_for(lambda: "duplicate_delivery_skipped" in event_names(store, result.id), timeout=10,
+                 message="the third delivery was not skipped")
+    assert runs(broker[1], result.id) == 1
+    log = store.events(result.id)
+    assert [e["event"] for e in log[:3]] == ["published", "early_delivery_deferred", "claimed"]
+    tolerance = app_config(app).clock_tolerance
+    assert log[2]["at"] >= store.get(result.id).available_at - tolerance
 
 
 def test_a_job_five_times_longer_than_its_lease_runs_once_and_is_never_claimable(app, broker):

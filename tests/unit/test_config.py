@@ -17,6 +17,7 @@ BAD_VALUES = {
     "lease_table_prefix": "1-bad prefix",
     "lease_sqlite_busy_timeout": -1,
     "lease_store_retry_delay": 0,
+    "lease_clock_tolerance": -0.5,
     "lease_duration": "30s",
     "lease_heartbeat_interval": 0,
     "lease_grace_period": -0.5,

@@ -83,6 +83,22 @@ def test_claim_of_a_finished_job_is_done(store):
     assert claim(store, "j1", "w2").outcome == "done"
 
 
+def test_claim_before_the_job_is_available_is_early_and_changes_nothing(store):
+    store.record("later", "t.task", "q", "{}", 3, delay=120.0)
+    got = claim(store, "later", early=1.0)
+    assert got.outcome == "early" and not got.claimed
+    assert got.wait == pytest.approx(120.0, abs=5.0)
+    job = store.get("later")
+    assert (job.status, job.attempt_count, job.lock_token) == (PENDING, 0, None)
+    assert events(store, "later") == ["published"]
+
+
+def test_claim_within_the_clock_tolerance_takes_the_job(store):
+    store.record("soon", "t.task", "q", "{}", 3, delay=5.0)
+    assert claim(store, "soon", early=1.0).outcome == "early"
+    assert claim(store, "soon", early=10.0).claimed
+
+
 def test_claim_creates_the_row_of_a_job_published_without_celery_lease(store):
     got = claim(store, "stranger", payload=lambda: "PAYLOAD")
     assert got.claimed
