@@ -20,7 +20,7 @@ from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils import uuid
 
-from . import heartbeat, messages
+from . import deliveries, heartbeat, messages
 from .config import TaskPolicy, task_policy
 from .errors import LeaseLost, StoreUnavailable
 from .store import Store, for_app
@@ -242,59 +242,6 @@ class LeaseTask(Task):
         return _run_leased(self, args, kwargs)
 
 
-def _send_again(task: LeaseTask, countdown: float, why: str) -> None:
-    """Re-send this delivery's message ``countdown`` seconds from now and drop this one."""
-    request = task.request
-    sig = task.signature_from_request(request, countdown=countdown)
-    try:
-        with messages.publishing_unrecorded():
-            sig.apply_async()
-    except Exception as publish_error:  # noqa: BLE001 - the broker is failing too
-        log.error("job %s: cannot re-send (%s); rejecting with requeue", request.id, publish_error)
-        raise Reject(why, requeue=True) from publish_error
-    raise Ignore()
-
-
-def _fail_closed(task: LeaseTask, policy: TaskPolicy, exc: StoreUnavailable) -> None:
-    """The store is down: send the message again later and do not run the body."""
-    log.warning("job %s not started, lease store unreachable (%s); delivering again in %gs",
-                task.request.id, exc, policy.store_retry_delay, extra={"action": "fail_closed"})
-    _send_again(task, policy.store_retry_delay, str(exc))
-
-
-def _defer_early(task: LeaseTask, store: Store, worker: str, wait: float) -> None:
-    """The job is not available yet (a copy of its message came early): send it for then."""
-    job_id = task.request.id
-    log.info("job %s delivered %.1fs before it is available: sent again for then", job_id, wait,
-             extra={"action": "early_delivery_deferred"})
-    _audit(store, job_id, "early_delivery_deferred", f"available in {wait:.1f}s", worker,
-           {"wait": round(wait, 3)})
-    _send_again(task, wait, "delivered before the job is available")
-
-
-def _audit(store: Store, job_id: str, event: str, reason: str, worker: str, detail: Any) -> None:
-    """Audit a delivery whose body does not run; a store outage costs the event, not the delivery.
-
-    Raising here would fail the task and let Celery write a FAILURE state for a job
-    that another delivery runs or ran.
-    """
-    try:
-        store.event(job_id, event, reason, worker, detail=detail)
-    except StoreUnavailable as exc:
-        log.warning("job %s: audit event %s not written (%s)", job_id, event, exc)
-
-
-def _skip_duplicate(task: LeaseTask, store: Store, worker: str, outcome: str, job: Any) -> None:
-    job_id = task.request.id
-    log.info("job %s delivered again but is %s (owner %s): body not run", job_id,
-             job.status if job else outcome, job.locked_by if job else None,
-             extra={"action": "duplicate_delivery_skipped"})
-    _audit(store, job_id, "duplicate_delivery_skipped", f"job {job.status if job else outcome}", worker,
-           {"owner": job.locked_by if job else None,
-            "redelivered": bool((task.request.delivery_info or {}).get("redelivered"))})
-    raise Ignore()
-
-
 def _run_leased(task: LeaseTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     request = task.request
     job_id = request.id
@@ -318,12 +265,12 @@ def _run_leased(task: LeaseTask, args: tuple[Any, ...], kwargs: dict[str, Any]) 
             early=cfg.clock_tolerance,
         )
     except StoreUnavailable as exc:
-        _fail_closed(task, policy, exc)
-        raise  # unreachable: _fail_closed always raises
+        deliveries.fail_closed(task, policy.store_retry_delay, exc)
+        raise  # unreachable: fail_closed always raises
     if claim.outcome == "early":
-        _defer_early(task, store, hb.worker, claim.wait)
+        deliveries.defer_early(task, store, hb.worker, claim.wait)
     if not claim.claimed:
-        _skip_duplicate(task, store, hb.worker, claim.outcome, claim.job)
+        deliveries.skip_duplicate(task, store, hb.worker, claim.outcome, claim.job)
     job = claim.job
     assert job is not None
     lease = Lease(store, hb, job_id, token, job.attempt_count, policy,

@@ -233,7 +233,7 @@ def test_the_body_does_not_run_while_the_store_is_unreachable(broker, postgres_u
     url = urlunsplit(pg._replace(netloc=f"{pg.username}@127.0.0.1:{proxy.port}"))
     app = make_app(broker[0], url, lease_store_retry_delay=0.3)
     add, *_ = register(app, broker[1])
-    caplog.set_level(logging.WARNING, logger="celery_lease.task")
+    caplog.set_level(logging.WARNING, logger="celery_lease.deliveries")
     try:
         with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
             result = add.apply_async((20, 22), countdown=1.0)

@@ -1,0 +1,39 @@
+"""deliveries.py: a delivery whose body does not run is audited without failing the task."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from celery.exceptions import Ignore
+
+from celery_lease import deliveries
+from celery_lease.errors import StoreUnavailable
+
+
+class DownStore:
+    """A store whose audit log cannot be written (the database just went away)."""
+
+    def event(self, *_args, **_kwargs):
+        raise StoreUnavailable("lease store unreachable")
+
+
+class Request:
+    id = "job-1"
+    delivery_info = {"redelivered": True}
+
+
+class Task:
+    request = Request()
+
+
+class Job:
+    status, locked_by = "running", "other:1"
+
+
+def test_a_duplicate_is_still_skipped_when_its_audit_event_cannot_be_written(caplog):
+    caplog.set_level(logging.WARNING, logger="celery_lease.deliveries")
+    # Ignore, not StoreUnavailable: a raised error would make Celery write FAILURE over the real run.
+    with pytest.raises(Ignore):
+        deliveries.skip_duplicate(Task(), DownStore(), "me:1", "busy", Job())
+    assert "audit event duplicate_delivery_skipped not written" in caplog.text
