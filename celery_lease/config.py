@@ -150,6 +150,11 @@ SETTINGS: tuple[Setting, ...] = (
     _S("lease_dead_letter_queue", None,
        "Queue that receives the message of a dead-lettered job (None: keep it in the store only).",
        _optional_queue, "None or a queue name", True),
+    _S("lease_claim_async_commit", True,
+       "PostgreSQL: commit a claim without waiting for its WAL flush. A server crash may then undo "
+       "a claim made in its last moments; that run meets a lost lease, fenced like any other. "
+       "False waits for the flush (about 5% fewer 10 ms tasks per second).",
+       _bool, "True or False", False),
     _S("lease_clock_tolerance", 1.0,
        "Seconds a delivery may arrive before its job's available_at (countdown, retry ETA, backoff) "
        "and still run, for worker clocks ahead of the store's; an earlier one is sent again for later.",

@@ -262,7 +262,7 @@ def _run_leased(task: LeaseTask, args: tuple[Any, ...], kwargs: dict[str, Any]) 
             payload=lambda: messages.encode(task.name, args, kwargs,
                                             dict(task.signature_from_request(request).options),
                                             task.serializer),
-            early=cfg.clock_tolerance,
+            early=cfg.clock_tolerance, async_commit=cfg.claim_async_commit,
         )
     except StoreUnavailable as exc:
         deliveries.fail_closed(task, policy.store_retry_delay, exc)

@@ -61,14 +61,20 @@ class JobStatements(WorkerStatements):
             attempt_count=self.t.jobs.c.attempt_count + 1,
         )
 
-    def _claim_pending(self) -> sa.Update:
+    def _claim_pending(self, async_commit: bool) -> sa.Update:
         """pending -> running, as a statement of bind parameters (built once per store)."""
         j = self.t.jobs
         duration = sa.bindparam("duration", type_=sa.Double())
         early = sa.bindparam("early", type_=sa.Double())
-        return sa.update(j).where(
-            j.c.id == sa.bindparam("job_id"), j.c.status == PENDING, j.c.available_at <= self.now_sql + early,
-        ).values(
+        conditions = [j.c.id == sa.bindparam("job_id"), j.c.status == PENDING,
+                      j.c.available_at <= self.now_sql + early]
+        if async_commit and self.dialect == "postgresql":
+            # The claim runs in autocommit, so its transaction is this one statement and a
+            # transaction-local setting covers its commit alone. If a server crash undoes the
+            # claim, nothing built on it survives: its owner's later writes are fenced,
+            # synchronous, and come after it in the WAL.
+            conditions.append(sa.func.set_config("synchronous_commit", "off", True).is_not(None))
+        return sa.update(j).where(*conditions).values(
             status=RUNNING, locked_by=sa.bindparam("worker"), lock_token=sa.bindparam("token"),
             lease_duration=duration, grace_period=sa.bindparam("grace", type_=sa.Double()),
             started_at=self.now_sql, last_heartbeat_at=self.now_sql, lease_expires_at=self.now_sql + duration,
@@ -103,16 +109,20 @@ class JobStatements(WorkerStatements):
     def claim(self, job_id: str, worker: str, token: str, *, duration: float, grace: float,
               task_name: str, queue: str | None, max_attempts: int, max_expirations: int,
               takeover: bool, hard_grace: float, stale_after: float,
-              payload: Callable[[], str | None], early: float = 0.0) -> Claim:
+              payload: Callable[[], str | None], early: float = 0.0,
+              async_commit: bool = False) -> Claim:
         """Take the job's lease: a pending and available job, or (``takeover``) an abandoned running one.
 
         A pending job becomes available at ``available_at``; ``early`` is how many seconds
         before that a delivery still claims it (the clocks of worker and store differ).
+        ``async_commit`` (PostgreSQL) commits the claim of a pending job without waiting
+        for its WAL flush.
         """
         j = self.t.jobs
         for _ in range(3):
             claimed = self._audited_update(
-                self._claim_pending, job_id, "claimed", worker=worker, token=token, key="claim",
+                lambda: self._claim_pending(async_commit), job_id, "claimed", worker=worker, token=token,
+                key="claim_async" if async_commit else "claim",
                 params={"job_id": job_id, "worker": worker, "token": token, "duration": duration,
                         "grace": grace, "early": early})
             if isinstance(claimed, Job):

@@ -18,6 +18,7 @@ BAD_VALUES = {
     "lease_sqlite_busy_timeout": -1,
     "lease_store_retry_delay": 0,
     "lease_clock_tolerance": -0.5,
+    "lease_claim_async_commit": "yes",
     "lease_duration": "30s",
     "lease_heartbeat_interval": 0,
     "lease_grace_period": -0.5,

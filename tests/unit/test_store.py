@@ -287,3 +287,22 @@ def test_claim_and_complete_on_an_unmigrated_store_say_to_migrate(store_factory)
         claim(store, "a")
     with pytest.raises(StoreUnavailable, match="lease migrate"):
         store.complete("a", token())
+
+
+@pytest.mark.parametrize("store_url", ["postgres"], indirect=True)
+@pytest.mark.parametrize("async_commit", [True, False])
+def test_an_async_claim_turns_off_synchronous_commit_for_its_own_transaction_only(store, async_commit):
+    store.record("a", "t.task", "q", None, 3)
+    store.record("b", "t.task", "q", None, 3)
+    params = {"job_id": "a", "worker": "w1", "token": token(), "duration": 30.0, "grace": 1.0, "early": 0.0}
+    with store.begin() as c:
+        assert c.execute(store._claim_pending(async_commit), params).rowcount == 1
+        inside = c.execute(sa.text("SELECT current_setting('synchronous_commit')")).scalar()
+        c.rollback()
+    assert inside == ("off" if async_commit else "on")
+    assert claim(store, "b", async_commit=async_commit).claimed
+    raw = store.engine.raw_connection()  # the connection the claim ran on, back in the pool
+    try:
+        assert raw.driver_connection.execute("SHOW synchronous_commit").fetchone()[0] == "on"
+    finally:
+        raw.close()
