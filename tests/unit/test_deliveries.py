@@ -1,11 +1,11 @@
-"""deliveries.py: a delivery whose body does not run is audited without failing the task."""
+"""deliveries.py: a delivery whose body does not run is audited, sent again or given back, never failed."""
 
 from __future__ import annotations
 
 import logging
 
 import pytest
-from celery.exceptions import Ignore
+from celery.exceptions import Ignore, Reject
 
 from celery_lease import deliveries
 from celery_lease.errors import StoreUnavailable
@@ -37,3 +37,22 @@ def test_a_duplicate_is_still_skipped_when_its_audit_event_cannot_be_written(cap
     with pytest.raises(Ignore):
         deliveries.skip_duplicate(Task(), DownStore(), "me:1", "busy", Job())
     assert "audit event duplicate_delivery_skipped not written" in caplog.text
+
+
+class BrokerDownSignature:
+    def apply_async(self):
+        raise ConnectionError("broker unreachable")
+
+
+class BrokerDownTask(Task):
+    def signature_from_request(self, request, countdown=None):
+        self.countdown = countdown
+        return BrokerDownSignature()
+
+
+def test_fail_closed_with_the_broker_down_too_rejects_the_message_back_to_the_queue(caplog):
+    task = BrokerDownTask()
+    with pytest.raises(Reject) as info:
+        deliveries.fail_closed(task, 5.0, StoreUnavailable("lease store unreachable"))
+    assert info.value.requeue is True and task.countdown == 5.0
+    assert "cannot re-send" in caplog.text
