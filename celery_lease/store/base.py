@@ -174,14 +174,9 @@ class StoreBase:
         """Turn the driver's connection and statement errors into StoreUnavailable."""
         try:
             yield
-        except sa.exc.OperationalError as exc:
+        except (sa.exc.OperationalError, sa.exc.InterfaceError) as exc:
             if _MISSING_SCHEMA in str(exc.orig):
                 raise self._unmigrated(exc) from exc
-            raise StoreUnavailable(
-                f"lease store {self.safe_url} unreachable: {exc.orig or exc}; "
-                "check lease_store_url and that the database is running"
-            ) from exc
-        except sa.exc.InterfaceError as exc:
             raise StoreUnavailable(
                 f"lease store {self.safe_url} unreachable: {exc.orig or exc}; "
                 "check lease_store_url and that the database is running"

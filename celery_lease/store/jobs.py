@@ -53,7 +53,8 @@ class JobStatements(WorkerStatements):
             return res.rowcount == 1
 
     # -- claim ------------------------------------------------------------
-    def _lease_values(self, worker: str, token: str, duration: float, grace: float) -> dict[str, Any]:
+    def _lease_values(self, worker: Any, token: Any, duration: Any, grace: Any) -> dict[str, Any]:
+        """The columns of a new lease, from values or bind parameters."""
         return dict(
             status=RUNNING, locked_by=worker, lock_token=token, lease_duration=duration,
             grace_period=grace, started_at=self.now_sql, last_heartbeat_at=self.now_sql,
@@ -74,12 +75,9 @@ class JobStatements(WorkerStatements):
             # claim, nothing built on it survives: its owner's later writes are fenced,
             # synchronous, and come after it in the WAL.
             conditions.append(sa.func.set_config("synchronous_commit", "off", True).is_not(None))
+        grace = sa.bindparam("grace", type_=sa.Double())
         return sa.update(j).where(*conditions).values(
-            status=RUNNING, locked_by=sa.bindparam("worker"), lock_token=sa.bindparam("token"),
-            lease_duration=duration, grace_period=sa.bindparam("grace", type_=sa.Double()),
-            started_at=self.now_sql, last_heartbeat_at=self.now_sql, lease_expires_at=self.now_sql + duration,
-            updated_at=self.now_sql, attempt_count=j.c.attempt_count + 1,
-        )
+            **self._lease_values(sa.bindparam("worker"), sa.bindparam("token"), duration, grace))
 
     def _complete_running(self) -> sa.Update:
         """running -> completed under the token, as a statement of bind parameters."""
@@ -246,16 +244,20 @@ class JobStatements(WorkerStatements):
             checkpoint=json.dumps(state),
         ))
 
+    def _still_held(self, leases: Mapping[str, str]) -> sa.ColumnElement[bool]:
+        # By id (the primary key) and token: there is no index on the token, and a
+        # heartbeat must not scan the table.
+        j = self.t.jobs
+        return sa.and_(j.c.id.in_(set(leases.values())), j.c.lock_token.in_(list(leases)),
+                       j.c.status == RUNNING)
+
     def _renewal(self, leases: Mapping[str, str], extend: Mapping[str, float] | None) -> sa.Update:
         j = self.t.jobs
         duration = j.c.lease_duration
         if extend:
             duration = sa.case(*((j.c.lock_token == tok, sa.literal(sec)) for tok, sec in extend.items()),
                                else_=j.c.lease_duration)
-        # By id (the primary key) and token: there is no index on the token, and a
-        # heartbeat must not scan the table.
-        stmt = (sa.update(j).where(j.c.id.in_(set(leases.values())), j.c.lock_token.in_(list(leases)),
-                                   j.c.status == RUNNING)
+        stmt = (sa.update(j).where(self._still_held(leases))
                 .values(lease_expires_at=self.now_sql + duration, last_heartbeat_at=self.now_sql))
         return stmt.values(lease_duration=duration) if extend else stmt
 
@@ -265,10 +267,7 @@ class JobStatements(WorkerStatements):
         if c.dialect.update_returning:
             return set(c.execute(stmt.returning(self.t.jobs.c.id)).scalars())
         c.execute(stmt)
-        j = self.t.jobs
-        return set(c.execute(sa.select(j.c.id).where(j.c.id.in_(set(leases.values())),
-                                                     j.c.lock_token.in_(list(leases)),
-                                                     j.c.status == RUNNING)).scalars())
+        return set(c.execute(sa.select(self.t.jobs.c.id).where(self._still_held(leases))).scalars())
 
     def renew(self, leases: Mapping[str, str], worker: str,
               extend: Mapping[str, float] | None = None) -> set[str]:
