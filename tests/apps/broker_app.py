@@ -9,8 +9,9 @@ kombu's ``global_keyprefix`` and the counters' prefix, so that concurrent runs s
 Redis database do not see each other's keys.
 
 Counters, per job id (after the key prefix): ``delivered:<id>`` and ``redelivered:<id>`` in the
-main process for every message received (task_received); ``started:<id>`` and
-``finished:<id>`` in the body.
+main process for every message received (task_received); ``executed:<id>`` for every request
+that reached the pool (task_prerun, whether the lease then ran the body or skipped it);
+``started:<id>`` and ``finished:<id>`` in the body.
 """
 
 from __future__ import annotations
@@ -105,8 +106,13 @@ def _count_delivery(request: Any = None, **_: Any) -> None:
         counters.incr(f"redelivered:{request.id}")
 
 
+def _count_execution(task_id: str | None = None, **_: Any) -> None:
+    counters.incr(f"executed:{task_id}")
+
+
 @signals.celeryd_init.connect
 def _in_the_worker_only(instance: Any = None, **_: Any) -> None:
     # `celery worker` sends celeryd_init; in-process test workers of other modules do not.
     if instance is not None and instance.app is app:
         signals.task_received.connect(_count_delivery, weak=False)
+        signals.task_prerun.connect(_count_execution, weak=False)

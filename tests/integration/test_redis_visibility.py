@@ -145,11 +145,22 @@ def test_without_the_extension_duplicates_are_delivered_and_skipped_by_the_lease
         jobs = long_jobs + eta_jobs
         wait_for(lambda: all_completed(store, jobs), timeout=60, message="jobs did not complete")
         wait_for(lambda: drained(client, prefix), timeout=30, message="duplicates left unacknowledged")
+
+        def skipped() -> int:
+            return store.count_events(["duplicate_delivery_skipped"])["duplicate_delivery_skipped"]
+
+        def executed() -> int:
+            return sum(counters.count(f"executed:{j}") for j in jobs)
+
+        # Every delivery that reached the pool either ran the body (once per job) or was skipped
+        # by the lease; a copy whose message is already acknowledged may still be finishing its
+        # skip. Not every message received counts: a worker that receives the same message again
+        # while it still holds it (kombu restored it) can run the copies as one request.
+        wait_for(lambda: executed() == len(jobs) + skipped(), timeout=15,
+                 message="a delivery neither ran the body nor was skipped")
     redelivered = sum(counters.count(f"redelivered:{j}") for j in jobs)
-    skipped = store.count_events(["duplicate_delivery_skipped"])["duplicate_delivery_skipped"]
-    assert redelivered > 0 and skipped > 0
-    # Every delivery either ran the body (once per job) or was skipped by the lease.
-    assert sum(counters.count(f"delivered:{j}") for j in jobs) == len(jobs) + skipped
+    assert redelivered > 0 and skipped() > 0
+    assert sum(counters.count(f"delivered:{j}") for j in jobs) >= executed()
     for job_id in jobs:
         assert counts(counters, job_id, "started", "finished") == [1, 1], job_id
         assert store.get(job_id).attempt_count == 1
