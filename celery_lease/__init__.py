@@ -7,6 +7,7 @@ from .errors import (
     LeaseError,
     LeaseLost,
     LockUnavailable,
+    SchemaMismatch,
     StoreCorrupt,
     StoreUnavailable,
 )
@@ -22,5 +23,6 @@ __all__ = [
     "JobNotFound",
     "StoreCorrupt",
     "StoreUnavailable",
+    "SchemaMismatch",
 ]
 __version__ = "0.1.0"

@@ -231,7 +231,7 @@ class VisibilityKeeper:
 
         now = time.monotonic()
         try:
-            store = self.store or for_app(self.app, migrate=False)
+            store = self.store or for_app(self.app, check=False)
             owners = store.leases_alive([h.job_id for h in leased])
         except StoreUnavailable as exc:
             log.warning("visibility refresh cannot reach the lease store (%s); trusting leases seen "

@@ -354,7 +354,7 @@ def run_checks(app: Any, store: Any = None) -> list[Finding]:
     if store is None:
         from .store import for_app
 
-        store = for_app(app, migrate=False)
+        store = for_app(app, check=False)
     ctx = Context(app, cfg, store)
     findings: list[Finding] = []
     for rule in RULES:

@@ -178,6 +178,10 @@ SETTINGS: tuple[Setting, ...] = (
     _S("lease_retention", 7 * 24 * 3600.0,
        "Seconds finished jobs and events are kept before the reaper prunes them.",
        _number(0, strict=True), "a number of seconds > 0", False),
+    _S("lease_idempotency_retention", 30 * 24 * 3600.0,
+       "Seconds an idempotency key is kept, even after its job was pruned: within this window a repeated "
+       "key returns the first job's result handle instead of publishing again. At least lease_retention.",
+       _number(0, strict=True), "a number of seconds > 0, at least lease_retention", False),
     _S("lease_queue_policies", {},
        "Per-queue lease options, e.g. {'reports': {'lease_duration': 600}}.",
        _mapping, "a mapping of queue name to per-task lease options", False),
@@ -223,11 +227,23 @@ def _cross_check(values: Mapping[str, Any], where: str = "") -> None:
             f"must be at most a third of lease_duration ({duration:g}s){where}",
             "Lower the interval or lengthen the lease so two heartbeats can fail before it expires.",
         )
+    if "lease_idempotency_retention" in values and (
+            values["lease_idempotency_retention"] < values["lease_retention"]):
+        raise LeaseConfigError(
+            "lease_idempotency_retention", values["lease_idempotency_retention"],
+            f"must be at least lease_retention ({values['lease_retention']:g}s){where}",
+            "A key must outlive its job, or a pruned job's key would publish the job again.",
+        )
     if values["lease_backoff_max"] < values["lease_backoff_base"]:
         raise LeaseConfigError(
             "lease_backoff_max", values["lease_backoff_max"],
             f"must be >= lease_backoff_base ({values['lease_backoff_base']:g}){where}",
         )
+
+
+# The per-task options written on each job row, so any reaper applies the task's own policy.
+RECOVERY = ("on_expired", "max_expirations", "backoff_base", "backoff_max", "backoff_jitter",
+            "dead_letter_queue", "dispatch_timeout")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,6 +269,10 @@ class TaskPolicy:
 
     def as_settings(self) -> dict[str, Any]:
         return {f"lease_{f.name}": getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def recovery(self) -> dict[str, Any]:
+        """The options the reaper applies to an expired lease, as the job row carries them."""
+        return {name: getattr(self, name) for name in RECOVERY}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from . import schema
 from .errors import LeaseConfigError, LeaseError, LeaseLost, LockUnavailable, StoreUnavailable
+from .store import schema
 from .store.effects import FIRST, LOST, advance_statement
 
 if TYPE_CHECKING:

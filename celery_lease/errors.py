@@ -3,6 +3,7 @@
     LeaseError
     ├── LeaseConfigError      a ``lease_*`` setting or task option is invalid
     ├── StoreUnavailable      the lease store cannot be reached (driver error wrapped)
+    │   └── SchemaMismatch    the store's schema revision is not one this code runs against
     ├── StoreCorrupt          a row in the store cannot be understood
     ├── JobNotFound           no job with that id in the store
     ├── LeaseLost             this worker no longer holds the job's lease
@@ -20,6 +21,7 @@ __all__ = [
     "LeaseError",
     "LeaseConfigError",
     "StoreUnavailable",
+    "SchemaMismatch",
     "StoreCorrupt",
     "JobNotFound",
     "LeaseLost",
@@ -54,6 +56,10 @@ class LeaseConfigError(LeaseError):
 
 class StoreUnavailable(LeaseError):
     """The lease store cannot be reached; check lease_store_url and that the database is up."""
+
+
+class SchemaMismatch(StoreUnavailable):
+    """The lease store's schema is not at a revision this celery_lease runs against; run `lease migrate`."""
 
 
 class StoreCorrupt(LeaseError):

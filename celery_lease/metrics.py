@@ -91,7 +91,7 @@ class LeaseCollector:
                  event_lag: float = EVENT_LAG) -> None:
         from .store import for_app
 
-        self.store = store if store is not None else for_app(app, migrate=False)
+        self.store = store if store is not None else for_app(app, check=False)
         self.stale_after = app_config(app).worker_stale_after
         self.window, self.limit, self.event_lag = window, limit, event_lag
         self._lock = threading.Lock()

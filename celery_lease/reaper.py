@@ -77,6 +77,7 @@ class ReapResult:
     pruned_jobs: int = 0
     pruned_events: int = 0
     pruned_workers: int = 0
+    pruned_keys: int = 0
     skipped: bool = False
     dry_run: bool = False
     planned: list[Decision] = dataclasses.field(default_factory=list)
@@ -84,7 +85,7 @@ class ReapResult:
     @property
     def changed(self) -> bool:
         return any((self.reaped, self.dead_lettered, self.failed, self.redispatched, self.publish_errors,
-                    self.pruned_jobs, self.pruned_events, self.pruned_workers))
+                    self.pruned_jobs, self.pruned_events, self.pruned_workers, self.pruned_keys))
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -94,15 +95,20 @@ class ReapResult:
                 f"failed={self.failed} redispatched={self.redispatched} "
                 f"skipped_owner_alive={self.skipped_owner_alive} lost_races={self.lost_races} "
                 f"publish_errors={self.publish_errors} pruned={self.pruned_jobs}/{self.pruned_events}/"
-                f"{self.pruned_workers}")
+                f"{self.pruned_workers}/{self.pruned_keys}")
 
 
-def policy_for(app: Any, task_name: str, queue: str | None) -> TaskPolicy:
-    """The job's policy: its task's when the app knows the task, else the app's for the queue."""
-    task = app.tasks.get(task_name)
-    if task is not None:
-        return task_policy(task, queue)
-    return app_config(app).policy(queue=queue)
+def policy_for(app: Any, job: Job) -> TaskPolicy:
+    """The job's recovery policy: what its row carries, else its task's, else the app's for its queue.
+
+    The row wins: it is the policy of the code that recorded or last claimed the job, and a
+    reaper may run on a worker that does not import the task at all.
+    """
+    task = app.tasks.get(job.task_name)
+    base = task_policy(task, job.queue_name) if task is not None else app_config(app).policy(
+        queue=job.queue_name)
+    carried = job.recovery()
+    return dataclasses.replace(base, **carried) if carried else base
 
 
 def decide(job: Job, policy: TaskPolicy, why: str, rng: Any = random) -> Decision:
@@ -247,7 +253,7 @@ class Reaper:
                     budget -= 1
                     why = ("lease expired past the hard grace, owner still registered" if item.owner_alive
                            else f"lease expired, owner {job.locked_by} gone")
-                    decision = decide(job, policy_for(self.app, job.task_name, job.queue_name), why, self.rng)
+                    decision = decide(job, policy_for(self.app, job), why, self.rng)
                     if dry:
                         result.planned.append(decision)
                         continue
@@ -286,7 +292,7 @@ class Reaper:
                     if budget == 0:
                         break
                     after = (job.available_at, job.id)
-                    timeout = policy_for(self.app, job.task_name, job.queue_name).dispatch_timeout
+                    timeout = policy_for(self.app, job).dispatch_timeout
                     if waited <= timeout:
                         continue
                     budget -= 1
@@ -322,7 +328,9 @@ class Reaper:
         stale = WORKER_PRUNE_FACTOR * self.cfg.worker_stale_after
         for field, prune, age in (("pruned_jobs", store.prune_completed, retention),
                                   ("pruned_events", store.prune_events, retention),
-                                  ("pruned_workers", store.prune_workers, stale)):
+                                  ("pruned_workers", store.prune_workers, stale),
+                                  ("pruned_keys", store.prune_idempotency_keys,
+                                   self.cfg.idempotency_retention)):
             for _ in range(PRUNE_CHUNKS):
                 deleted = prune(age, PRUNE_CHUNK, now)
                 setattr(result, field, getattr(result, field) + deleted)
@@ -353,7 +361,7 @@ def recover_worker_lost(app: Any, job_id: str, owner: str, reason: str) -> str:
     job = store.get(job_id)
     if job is None or job.status != RUNNING or job.locked_by != owner or not job.lock_token:
         return "none"
-    decision = decide(job, policy_for(app, job.task_name, job.queue_name), f"worker process lost: {reason}")
+    decision = decide(job, policy_for(app, job), f"worker process lost: {reason}")
     try:
         decision = _publish(app, job, decision)
     except Exception as exc:  # noqa: BLE001 - broker down: the reaper recovers it after expiry

@@ -42,7 +42,11 @@ class LeaseRequest(Request):
 
 
 class WorkerStep(bootsteps.StartStopStep):
-    """At worker start: validate the lease settings and migrate the store (fail fast)."""
+    """At worker start: validate the lease settings and check the store's schema (fail fast).
+
+    An empty store is created at the newest revision; an older schema is refused, never
+    upgraded behind the operator's back.
+    """
 
     label = "celery_lease"
 
@@ -50,7 +54,7 @@ class WorkerStep(bootsteps.StartStopStep):
         from .store import for_app
 
         app_config(worker.app)
-        for_app(worker.app).ensure_migrated()
+        for_app(worker.app, check=False).ensure_schema(create=True)
         super().__init__(worker, **kwargs)
 
 

@@ -222,7 +222,7 @@ class LeaseTask(Task):
         delay = _seconds_until(options.get("eta")) or _seconds_until(options.get("countdown"))
         store = for_app(self.app)
         created, holder = store.record(task_id, self.name, queue, payload, policy.max_attempts,
-                                       idempotency_key, delay)
+                                       idempotency_key, delay, recovery=policy.recovery())
         if holder != task_id:
             log.info("task %s not published again: idempotency key %r belongs to job %s",
                      self.name, idempotency_key, holder, extra={"action": "idempotent_publish"})
@@ -262,7 +262,7 @@ def _run_leased(task: LeaseTask, args: tuple[Any, ...], kwargs: dict[str, Any]) 
             payload=lambda: messages.encode(task.name, args, kwargs,
                                             dict(task.signature_from_request(request).options),
                                             task.serializer),
-            early=cfg.clock_tolerance, async_commit=cfg.claim_async_commit,
+            early=cfg.clock_tolerance, async_commit=cfg.claim_async_commit, recovery=policy.recovery(),
         )
     except StoreUnavailable as exc:
         deliveries.fail_closed(task, policy.store_retry_delay, exc)

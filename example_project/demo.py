@@ -66,7 +66,7 @@ def _prepare(app: Any, mode: str) -> None:
     if mode == "lease":
         from celery_lease.store import for_app
 
-        for_app(app)
+        for_app(app, check=False).migrate()
     with app.connection_for_write() as conn:
         for queue in (settings.task_default_queue, settings.MAINTENANCE_QUEUE):
             conn.default_channel.queue_declare(queue, durable=True, auto_delete=False)
@@ -81,7 +81,7 @@ def _drop_tables(app: Any, mode: str) -> None:
     if mode == "lease":
         from celery_lease.store import for_app
 
-        store = for_app(app, migrate=False)
+        store = for_app(app, check=False)
         store.t.metadata.drop_all(store.engine)
 
 

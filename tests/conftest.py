@@ -144,9 +144,18 @@ def store_factory(store_url) -> Iterator[Callable[..., object]]:
     yield make
     for store in made:
         try:
-            store.t.metadata.drop_all(store.engine)
+            drop_store_tables(store.engine, store.prefix)
         finally:
             store.engine.dispose()
+
+
+def drop_store_tables(engine, prefix: str) -> None:
+    """Drop every table under ``prefix`` (any revision's, and the version table)."""
+    import sqlalchemy as sa
+
+    metadata = sa.MetaData()
+    metadata.reflect(engine, only=lambda name, _: name.startswith(prefix))
+    metadata.drop_all(engine)
 
 
 @pytest.fixture

@@ -68,7 +68,7 @@ def store_of(ctx: click.Context) -> Any:
     """The app's lease store, not migrated implicitly (only `lease migrate` creates tables)."""
     from ..store import for_app
 
-    return for_app(app_of(ctx), migrate=False)
+    return for_app(app_of(ctx), check=False)
 
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")

@@ -18,19 +18,34 @@ OUTCOME_COLUMNS = [("job_id", "job"), ("task", "task"), ("queue", "queue"), ("ac
 
 
 @lease.command()
+@click.option("--sql", "as_sql", is_flag=True,
+              help="Print the DDL instead of running it (for a DBA); changes nothing.")
+@click.option("--to", "to", default="head", show_default=True, metavar="REV",
+              help="The revision to move to; an older one downgrades (a rollback).")
 @json_option
 @click.pass_context
-def migrate(ctx: click.Context, as_json: bool) -> None:
-    """Create the lease store's missing tables and indexes (idempotent, never destructive)."""
+def migrate(ctx: click.Context, as_sql: bool, to: str, as_json: bool) -> None:
+    """Bring the lease store's schema to the newest revision (or --to REV).
+
+    An empty store is created; a store made by the first release is recognised and
+    stamped, not recreated. Workers only ever create an empty store themselves.
+    """
+    from ..store import migrations
+
     store = store_of(ctx)
-    created = store.migrate()
+    if as_sql:
+        revision, _ = store.schema_state()
+        click.echo(migrations.sql(store.url, store.prefix, to, start=revision), nl=False)
+        return
+    done = store.migrate(to)
+    revision, _ = store.schema_state()
     if as_json:
-        emit_json({"store": store.safe_url, "created": created})
-    elif created:
+        emit_json({"store": store.safe_url, "done": done, "revision": revision})
+    elif done:
         click.echo(f"lease store {store.safe_url}:")
-        click.echo("\n".join(f"  created {what}" for what in created))
+        click.echo("\n".join(f"  {what}" for what in done))
     else:
-        click.echo(f"lease store {store.safe_url}: up to date, nothing to create")
+        click.echo(f"lease store {store.safe_url}: already at revision {revision}, nothing to do")
 
 
 @lease.command()

@@ -10,8 +10,8 @@ import click
 from .. import messages
 from ..config import app_config
 from ..errors import StoreCorrupt
-from ..schema import STATUSES
 from ..store import Job
+from ..store.schema import STATUSES
 from ..tuning import percentile
 from .base import app_of, json_option, lease, store_of
 from .output import Duration, age, emit_json, table, when

@@ -29,8 +29,12 @@ class Store(JobStatements, ReaperStatements, EffectStatements, ReportStatements,
 _lock = threading.Lock()
 
 
-def for_app(app: Any, migrate: bool = True) -> Store:
-    """The app's store (one per app; engines are rebuilt per process), migrated on first use."""
+def for_app(app: Any, check: bool = True) -> Store:
+    """The app's store (one per app; engines are rebuilt per process).
+
+    ``check``: make sure once that the schema is at a revision this code runs against
+    (SchemaMismatch otherwise). Only a worker start creates an empty store.
+    """
     from ..config import app_config
 
     store = getattr(app, "_celery_lease_store", None)
@@ -41,6 +45,6 @@ def for_app(app: Any, migrate: bool = True) -> Store:
                 cfg = app_config(app)
                 store = Store(cfg.store_url, cfg.table_prefix, cfg.sqlite_busy_timeout)
                 app._celery_lease_store = store
-    if migrate:
-        store.ensure_migrated()
+    if check:
+        store.ensure_schema()
     return store

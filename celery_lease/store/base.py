@@ -15,8 +15,10 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from .. import clock, schema
+from .. import clock
+from ..config import RECOVERY
 from ..errors import LeaseConfigError, StoreCorrupt, StoreUnavailable
+from . import schema
 
 __all__ = ["StoreBase", "Claim", "Job"]
 
@@ -56,6 +58,18 @@ class Job:
     lease_duration: float | None = None
     grace_period: float | None = None
     payload: str | None = None
+    # The task's recovery policy as recorded (None: recorded before revision 0002; app settings).
+    on_expired: str | None = None
+    max_expirations: int | None = None
+    backoff_base: float | None = None
+    backoff_max: float | None = None
+    backoff_jitter: bool | None = None
+    dead_letter_queue: str | None = None
+    dispatch_timeout: float | None = None
+
+    def recovery(self) -> dict[str, Any]:
+        """The recovery options the row carries (those recorded), by option name."""
+        return {name: getattr(self, name) for name in RECOVERY if getattr(self, name) is not None}
 
     @classmethod
     def from_row(cls, row: Any) -> Job:
@@ -126,13 +140,14 @@ class StoreBase:
 
     def __init__(self, url: str, prefix: str = "celery_lease_", busy_timeout: float = 30.0) -> None:
         self.url = url
+        self.prefix = prefix
         self.t = schema.tables(prefix)
+        self.revision: str | None = None  # the schema revision, once a check found it usable
         self._busy_timeout = busy_timeout
         self._engine: Engine | None = None
         self._pid = -1
         self._lock = threading.Lock()
-        self._migrate_lock = threading.Lock()
-        self._migrated = False
+        self._schema_lock = threading.Lock()
         self._built: dict[str, tuple[Any, ...]] = {}
         try:
             self.dialect = sa.engine.make_url(url).get_dialect().name
@@ -302,28 +317,34 @@ class StoreBase:
     def safe_url(self) -> str:
         return sa.engine.make_url(self.url).render_as_string(hide_password=True)
 
-    def migrate(self) -> list[str]:
-        """Create what is missing (idempotent, never destructive)."""
-        try:
-            created = schema.migrate(self.engine, self.t)
-        except (sa.exc.ProgrammingError, sa.exc.IntegrityError, sa.exc.OperationalError) as exc:
-            # Two processes creating the same table race; the loser retries once
-            # and finds everything there.
-            log.debug("migrate raced (%s); retrying", exc)
-            try:
-                created = schema.migrate(self.engine, self.t)
-            except sa.exc.DBAPIError as again:
-                raise StoreUnavailable(f"cannot migrate lease store {self.safe_url}: {again.orig}") from again
-        self._migrated = True
-        return created
+    def migrate(self, to: str = "head") -> list[str]:
+        """Bring the schema to revision ``to`` (create, recognise, upgrade or downgrade); what was done."""
+        from . import migrating
 
-    def ensure_migrated(self) -> None:
-        # Threads of one process migrate one at a time: MySQL's DDL is not transactional,
-        # so concurrent migrations of a fresh store collide on half-created indexes.
-        if not self._migrated:
-            with self._migrate_lock:
-                if not self._migrated:
-                    self.migrate()
+        with self._schema_lock:
+            return migrating.migrate(self, to)
+
+    def schema_state(self) -> tuple[str | None, bool]:
+        """(revision, has tables) as the store reports them now; changes nothing."""
+        from . import migrating
+
+        return migrating.describe(self)
+
+    def ensure_schema(self, create: bool = False) -> str:
+        """Check once per process that the schema is usable; ``create`` makes an empty store.
+
+        Raises SchemaMismatch naming both revisions when this code cannot run against it.
+        """
+        if self.revision is None:
+            from . import migrating
+
+            # Threads of one process check one at a time: MySQL's DDL is not transactional,
+            # so concurrent creations of an empty store collide on half-made tables.
+            with self._schema_lock:
+                if self.revision is None:
+                    migrating.ensure(self, create)
+        assert self.revision is not None
+        return self.revision
 
     def now(self) -> float:
         """The store's clock, in epoch seconds."""

@@ -9,6 +9,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from ..config import RECOVERY
 from ..errors import StoreUnavailable
 from .base import COMPLETED, FAILED, PENDING, RUNNING, Claim, Job
 from .workers import WorkerStatements
@@ -22,9 +23,14 @@ class JobStatements(WorkerStatements):
     # -- publish ----------------------------------------------------------
     def record(self, job_id: str, task_name: str, queue: str | None, payload: str | None,
                max_attempts: int, idempotency_key: str | None = None,
-               delay: float = 0.0) -> tuple[bool, str]:
-        """Insert a pending job; returns (created, job id holding the key)."""
-        j = self.t.jobs
+               delay: float = 0.0, recovery: Mapping[str, Any] | None = None) -> tuple[bool, str]:
+        """Insert a pending job; returns (created, job id holding the key).
+
+        ``recovery`` is the task's recovery policy (config.RECOVERY), carried on the row. A
+        key lives in its own table too, so it keeps its job's id after the job is pruned
+        (until lease_idempotency_retention).
+        """
+        j, k = self.t.jobs, self.t.idempotency_keys
         try:
             with self.begin() as c:
                 c.execute(sa.insert(j).values(
@@ -32,14 +38,21 @@ class JobStatements(WorkerStatements):
                     status=PENDING, attempt_count=0, expired_count=0, dispatch_count=0,
                     max_attempts=max_attempts, idempotency_key=idempotency_key,
                     available_at=self.now_sql + delay, created_at=self.now_sql, updated_at=self.now_sql,
+                    **(recovery or {}),
                 ))
+                if idempotency_key is not None:
+                    c.execute(sa.insert(k).values(key=idempotency_key, job_id=job_id,
+                                                  created_at=self.now_sql))
                 self._event(c, job_id, "published", detail={"queue": queue} if queue else None)
             return True, job_id
         except sa.exc.IntegrityError:
             pass
         with self.begin() as c:
             if idempotency_key is not None:
-                other = c.execute(sa.select(j.c.id).where(j.c.idempotency_key == idempotency_key)).scalar()
+                # The key table names the holder; a job recorded before it existed holds it itself.
+                other = c.execute(sa.select(k.c.job_id).where(k.c.key == idempotency_key)).scalar()
+                other = other or c.execute(
+                    sa.select(j.c.id).where(j.c.idempotency_key == idempotency_key)).scalar()
                 if other is not None:
                     return False, other
             return False, job_id
@@ -76,8 +89,11 @@ class JobStatements(WorkerStatements):
             # synchronous, and come after it in the WAL.
             conditions.append(sa.func.set_config("synchronous_commit", "off", True).is_not(None))
         grace = sa.bindparam("grace", type_=sa.Double())
+        # The running code's recovery policy replaces the recorded one; NULL keeps it.
+        recovery = {name: sa.func.coalesce(sa.bindparam(f"r_{name}", type_=j.c[name].type), j.c[name])
+                    for name in RECOVERY}
         return sa.update(j).where(*conditions).values(
-            **self._lease_values(sa.bindparam("worker"), sa.bindparam("token"), duration, grace))
+            **self._lease_values(sa.bindparam("worker"), sa.bindparam("token"), duration, grace), **recovery)
 
     def _complete_running(self) -> sa.Update:
         """running -> completed under the token, as a statement of bind parameters."""
@@ -108,7 +124,7 @@ class JobStatements(WorkerStatements):
               task_name: str, queue: str | None, max_attempts: int, max_expirations: int,
               takeover: bool, hard_grace: float, stale_after: float,
               payload: Callable[[], str | None], early: float = 0.0,
-              async_commit: bool = False) -> Claim:
+              async_commit: bool = False, recovery: Mapping[str, Any] | None = None) -> Claim:
         """Take the job's lease: a pending and available job, or (``takeover``) an abandoned running one.
 
         A pending job becomes available at ``available_at``; ``early`` is how many seconds
@@ -122,7 +138,8 @@ class JobStatements(WorkerStatements):
                 lambda: self._claim_pending(async_commit), job_id, "claimed", worker=worker, token=token,
                 key="claim_async" if async_commit else "claim",
                 params={"job_id": job_id, "worker": worker, "token": token, "duration": duration,
-                        "grace": grace, "early": early})
+                        "grace": grace, "early": early,
+                        **{f"r_{name}": (recovery or {}).get(name) for name in RECOVERY}})
             if isinstance(claimed, Job):
                 return Claim("claimed", claimed)
             with self.begin() as c:
@@ -161,6 +178,7 @@ class JobStatements(WorkerStatements):
                         id=job_id, task_name=task_name, queue_name=queue, payload=payload(),
                         max_attempts=max_attempts, expired_count=0, dispatch_count=0,
                         available_at=self.now_sql, created_at=self.now_sql, attempt_count=0,
+                        **(recovery or {}),
                         **{k: v for k, v in self._lease_values(worker, token, duration, grace).items()
                            if k != "attempt_count"},
                     ).values(attempt_count=1))

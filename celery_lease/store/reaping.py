@@ -219,8 +219,16 @@ class ReaperStatements(StoreBase):
             j.c.status == COMPLETED, j.c.updated_at < self._clock(now) - older_than), limit)
 
     def prune_events(self, older_than: float, limit: int, now: float | None = None) -> int:
-        e = self.t.events
-        return self._delete_ids(e, e.c.id, e.c.at < self._clock(now) - older_than, limit)
+        """Delete up to ``limit`` old events, except a dead letter's: its history lasts as long as it."""
+        e, j = self.t.events, self.t.jobs
+        dead_letter = sa.exists().where(j.c.id == e.c.job_id, j.c.status == FAILED)
+        old = e.c.at < self._clock(now) - older_than
+        return self._delete_ids(e, e.c.id, sa.and_(old, ~dead_letter), limit)
+
+    def prune_idempotency_keys(self, older_than: float, limit: int, now: float | None = None) -> int:
+        """Delete up to ``limit`` keys older than ``older_than`` (lease_idempotency_retention)."""
+        k = self.t.idempotency_keys
+        return self._delete_ids(k, k.c.key, k.c.created_at < self._clock(now) - older_than, limit)
 
     def prune_workers(self, older_than: float, limit: int, now: float | None = None) -> int:
         w = self.t.workers

@@ -35,7 +35,7 @@ def app(redis_url, postgres_url):
         return sum(numbers)
 
     yield app
-    store = for_app(app, migrate=False)
+    store = for_app(app, check=False)
     store.t.metadata.drop_all(store.engine)
     store.engine.dispose()
     client.flushdb()

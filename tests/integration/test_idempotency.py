@@ -50,7 +50,7 @@ def app(broker, store_url):
     hb = current(app)
     if hb is not None:
         hb.stop()
-    store = for_app(app, migrate=False)
+    store = for_app(app, check=False)
     store.t.metadata.drop_all(store.engine)
     store.engine.dispose()
 

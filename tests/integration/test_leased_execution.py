@@ -45,7 +45,7 @@ def make_app(broker_url: str, store_url: str, **conf) -> Celery:
 def app(broker, postgres_url):
     app = make_app(broker[0], postgres_url)
     yield app
-    store = for_app(app, migrate=False)
+    store = for_app(app, check=False)
     store.t.metadata.drop_all(store.engine)
     store.engine.dispose()
 
@@ -246,7 +246,7 @@ def test_the_body_does_not_run_while_the_store_is_unreachable(broker, postgres_u
         assert runs(broker[1], result.id) == 1
     finally:
         proxy.cut()
-        store = for_app(app, migrate=False)
+        store = for_app(app, check=False)
         store.engine.dispose()
         direct = sa.create_engine(postgres_url)
         store.t.metadata.drop_all(direct)

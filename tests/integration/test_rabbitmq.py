@@ -53,7 +53,7 @@ def env(amqp_url, counters, postgres_url):
            "BROKER_APP_TIME_LIMIT": "60", "BROKER_APP_KEYPREFIX": counters[1]}
     yield env
     app, _ = make_app(env)
-    store = for_app(app, migrate=False)
+    store = for_app(app, check=False)
     store.t.metadata.drop_all(store.engine)
     store.engine.dispose()
     with kombu.Connection(amqp_url) as connection:

@@ -42,7 +42,7 @@ def env(broker, postgres_url):
            "BROKER_APP_KEYPREFIX": broker[2]}
     yield env
     app, _ = make_app(env)
-    store = for_app(app, migrate=False)
+    store = for_app(app, check=False)
     store.t.metadata.drop_all(store.engine)
     store.engine.dispose()
 

@@ -317,6 +317,7 @@ def test_a_worker_keeps_a_job_longer_than_the_visibility_timeout_from_being_rede
 
     signals.task_received.connect(received)
     try:
+        for_app(app, check=False).migrate()
         result = slow.apply_async()
         with start_worker(app, pool="threads", concurrency=1, perform_ping_check=False):
             wait_for(lambda: any(t.name == "celery-lease-visibility" for t in threading.enumerate()),

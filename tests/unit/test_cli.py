@@ -21,7 +21,7 @@ from click.testing import CliRunner, Result
 
 from celery_lease.store import for_app
 from tests.apps import ops_app
-from tests.conftest import flushed_redis, require_service, service_url, unique_prefix
+from tests.conftest import drop_store_tables, flushed_redis, require_service, service_url, unique_prefix
 
 REDIS_DB = 10
 VERBS = ("migrate", "status", "jobs", "inspect", "events", "reap", "requeue", "dlq", "check", "tune",
@@ -52,12 +52,13 @@ def scene(url: str, broker: str) -> Iterator[Scene]:
         mp.setenv("OPS_PREFIX", prefix)
         mp.setenv("OPS_BROKER", broker)
         app = ops_app.app
-        store = for_app(app)
+        store = for_app(app, check=False)
+        store.migrate()
         try:
             ids = ops_app.populate(store)
             yield Scene(app, store, ids)
         finally:
-            store.t.metadata.drop_all(store.engine)
+            drop_store_tables(store.engine, prefix)
             store.engine.dispose()
 
 
@@ -102,8 +103,35 @@ def test_lease_is_a_celery_subcommand_with_every_verb(ro):
 
 
 def test_migrate_is_idempotent_and_says_so(ro):
-    assert "nothing to create" in ro.run("migrate").output
-    assert ro.json("migrate")["created"] == []
+    from celery_lease.store import migrations
+
+    assert f"already at revision {migrations.head()}, nothing to do" in ro.run("migrate").output
+    assert ro.json("migrate") == {"store": ro.store.safe_url, "done": [], "revision": migrations.head()}
+
+
+def test_migrate_sql_prints_the_ddl_and_changes_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPS_STORE", f"sqlite:///{tmp_path / 'new.sqlite3'}")
+    monkeypatch.setenv("OPS_PREFIX", prefix := unique_prefix())
+    monkeypatch.setenv("OPS_BROKER", "memory://")
+    result = CliRunner().invoke(celery, ["-A", "tests.apps.ops_app", "lease", "migrate", "--sql"])
+    assert result.exit_code == 0, result.output
+    assert f"CREATE TABLE {prefix}jobs" in result.output
+    assert f"ALTER TABLE {prefix}workers ADD COLUMN pool" in result.output
+    store_file = tmp_path / "new.sqlite3"
+    assert not store_file.exists() or b"jobs" not in store_file.read_bytes()
+
+
+def test_migrate_to_an_older_revision_rolls_back_and_forward(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPS_STORE", f"sqlite:///{tmp_path / 'new.sqlite3'}")
+    monkeypatch.setenv("OPS_PREFIX", unique_prefix())
+    monkeypatch.setenv("OPS_BROKER", "memory://")
+    run = CliRunner().invoke
+    assert run(celery, ["-A", "tests.apps.ops_app", "lease", "migrate"]).exit_code == 0
+    down = run(celery, ["-A", "tests.apps.ops_app", "lease", "migrate", "--to", "0001"])
+    assert down.exit_code == 0, down.output
+    assert "downgraded revision 0003 -> 0001" in down.output
+    up = run(celery, ["-A", "tests.apps.ops_app", "lease", "migrate"])
+    assert "upgraded revision 0001 -> 0003" in up.output, up.output
 
 
 def test_migrate_creates_the_tables_of_a_new_store(tmp_path, monkeypatch):
@@ -112,7 +140,7 @@ def test_migrate_creates_the_tables_of_a_new_store(tmp_path, monkeypatch):
     monkeypatch.setenv("OPS_BROKER", "memory://")
     result = CliRunner().invoke(celery, ["-A", "tests.apps.ops_app", "lease", "migrate"])
     assert result.exit_code == 0, result.output
-    assert "created table" in result.output and "jobs" in result.output
+    assert "created the schema at revision 0003" in result.output
 
 
 # -- status -----------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import sqlalchemy as sa
 from celery import Celery, Task
 
 from celery_lease import LeaseTask, messages, reaper
+from celery_lease.config import app_config
 from celery_lease.reaper import Reaper, backoff, recover_worker_lost
 from celery_lease.store import COMPLETED, FAILED, PENDING, RUNNING, Store
 from tests.conftest import unique_prefix
@@ -549,12 +550,14 @@ def test_pruning_removes_old_completed_jobs_events_and_stale_workers_only(app, s
         c.execute(sa.update(j).where(j.c.id == "old_done").values(status=COMPLETED, updated_at=long_ago))
         c.execute(sa.update(j).where(j.c.id == "old_failed").values(status=FAILED, updated_at=long_ago))
         c.execute(sa.update(j).where(j.c.id == "new_done").values(status=COMPLETED))
-        c.execute(sa.update(e).where(e.c.job_id == "old_done").values(at=store.now_sql - year))
+        c.execute(sa.update(e).where(e.c.job_id.in_(["old_done", "old_failed"])).values(
+            at=store.now_sql - year))
         c.execute(sa.update(w).where(w.c.worker_id == "gone@host:9").values(last_seen_at=store.now_sql - 101))
     result = Reaper(app).run_once()
     assert (result.pruned_jobs, result.pruned_events, result.pruned_workers) == (1, 1, 1)
     assert store.get("old_done") is None
     assert store.get("old_failed") is not None  # dead letters stay for operators
+    assert [ev["event"] for ev in store.events("old_failed")] == ["published"]  # with their history
     assert store.get("new_done") is not None
     with store.begin() as c:
         assert [r[0] for r in c.execute(sa.select(w.c.worker_id))] == [ALIVE]
@@ -626,3 +629,52 @@ def test_the_pause_seam_runs_between_publish_and_cas(app, store, broker, monkeyp
     assert seen[0][0] == "j1" and seen[0][2] == 1  # the message is out before the CAS
     if store.dialect != "sqlite":  # a second connection still sees the row running
         assert seen[0][1] == RUNNING
+
+
+def test_an_idempotency_key_outlives_its_pruned_job_until_its_own_retention(app, store):
+    cfg = app_config(app)
+    store.record("keyed", "t.work", "celery", payload(), 3, idempotency_key="order-7")
+    j, k = store.t.jobs, store.t.idempotency_keys
+    with store.begin() as c:
+        past_jobs = store.now_sql - (cfg.retention + 60)
+        c.execute(sa.update(j).where(j.c.id == "keyed").values(status=COMPLETED, updated_at=past_jobs))
+        c.execute(sa.update(k).where(k.c.key == "order-7").values(created_at=past_jobs))
+
+    first = Reaper(app).run_once()
+
+    assert (first.pruned_jobs, first.pruned_keys) == (1, 0)
+    again = store.record("again", "t.work", "celery", payload(), 3, idempotency_key="order-7")
+    assert again == (False, "keyed")
+    with store.begin() as c:
+        c.execute(sa.update(k).where(k.c.key == "order-7").values(
+            created_at=store.now_sql - (cfg.idempotency_retention + 60)))
+
+    second = Reaper(app).run_once()
+
+    assert second.pruned_keys == 1
+    again = store.record("again", "t.work", "celery", payload(), 3, idempotency_key="order-7")
+    assert again == (True, "again")
+
+
+def test_a_reaper_that_does_not_import_the_task_applies_the_policy_the_job_carries(app, store, broker):
+    # Recorded by a worker that knows t.park (lease_on_expired='dead_letter')...
+    token = secrets.token_hex(16)
+    store.record("parked", "t.park", "celery", payload("t.park"), 3,
+                 recovery=app.tasks["t.park"].lease_policy("celery").recovery())
+    j = store.t.jobs
+    with store.begin() as c:
+        c.execute(sa.update(j).where(j.c.id == "parked").values(
+            status=RUNNING, locked_by=DEAD, lock_token=token, attempt_count=1, grace_period=1.0,
+            lease_duration=30.0, started_at=store.now_sql - 40, lease_expires_at=store.now_sql - 5))
+    # ...reaped by an app where the task does not exist: the app-wide default would requeue it.
+    bare = Celery(f"bare_{unique_prefix()}", broker=broker.url, set_as_current=False)
+    bare.conf.update({k: v for k, v in app.conf.items()
+                      if k.startswith("lease_") or k == "task_default_queue"})
+    bare._celery_lease_store = store
+    assert "t.park" not in bare.tasks
+
+    result = Reaper(bare).run_once()
+
+    assert (result.reaped, result.dead_lettered) == (0, 1)
+    assert store.get("parked").status == FAILED
+    assert "lease_on_expired='dead_letter'" in store.get("parked").last_error

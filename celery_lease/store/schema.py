@@ -1,7 +1,10 @@
-"""The store's tables (SQLAlchemy Core) and ``migrate()``.
+"""The store's tables at the newest schema revision (SQLAlchemy Core).
 
 One factory builds every table from the configured prefix so that each index and
-constraint has a deterministic name. Times are epoch seconds (see clock.py).
+constraint has a deterministic name. Times are epoch seconds (see clock.py). The
+schema evolves by the numbered migrations in ``migrations/versions``: a change here
+lands with a new revision, and tests/unit/test_migrations.py proves that upgrading
+through every revision gives exactly these tables.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import dataclasses
 import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
 
-__all__ = ["Tables", "tables", "migrate", "STATUSES"]
+__all__ = ["Tables", "tables", "STATUSES", "ID"]
 
 STATUSES = ("pending", "running", "completed", "failed")
 ID = 255  # Celery task ids are UUIDs, but custom ids may be longer.
@@ -27,6 +30,7 @@ class Tables:
     workers: sa.Table
     effects: sa.Table
     locks: sa.Table
+    idempotency_keys: sa.Table
 
 
 def _key() -> sa.types.TypeEngine:
@@ -69,6 +73,15 @@ def tables(prefix: str = "celery_lease_") -> Tables:
         sa.Column("last_error", sa.Text(), nullable=True),
         _time("created_at", nullable=False),
         _time("updated_at", nullable=False),
+        # The recovery policy of the task that recorded or claimed the job (revision 0002), so
+        # a reaper that does not import the task applies the task's policy. NULL: app settings.
+        sa.Column("on_expired", sa.String(16), nullable=True),
+        sa.Column("max_expirations", sa.Integer(), nullable=True),
+        sa.Column("backoff_base", sa.Double(), nullable=True),
+        sa.Column("backoff_max", sa.Double(), nullable=True),
+        sa.Column("backoff_jitter", sa.Boolean(create_constraint=False), nullable=True),
+        sa.Column("dead_letter_queue", sa.String(ID), nullable=True),
+        sa.Column("dispatch_timeout", sa.Double(), nullable=True),
         sa.UniqueConstraint("idempotency_key", name=f"{p}jobs_idempotency_key_uq"),
         sa.CheckConstraint(
             "status IN ('pending', 'running', 'completed', 'failed')", name=f"{p}jobs_status_ck"
@@ -102,6 +115,9 @@ def tables(prefix: str = "celery_lease_") -> Tables:
         sa.Column("pid", sa.Integer(), nullable=False),
         _time("started_at", nullable=False),
         _time("last_seen_at", nullable=False),
+        # The pool and concurrency the process runs (revision 0003), for `lease check`.
+        sa.Column("pool", sa.String(32), nullable=True),
+        sa.Column("concurrency", sa.Integer(), nullable=True),
     )
     effects = sa.Table(
         f"{p}effects", md,
@@ -118,23 +134,14 @@ def tables(prefix: str = "celery_lease_") -> Tables:
         sa.Column("owner", sa.String(ID), nullable=True),
         _time("expires_at", nullable=False),
     )
-    return Tables(md, jobs, events, workers, effects, locks)
+    # Keys outlive their jobs (revision 0002): a pruned job must not free its key for a new
+    # job before lease_idempotency_retention has passed.
+    keys = sa.Table(
+        f"{p}idempotency_keys", md,
+        sa.Column("key", _key(), primary_key=True),
+        sa.Column("job_id", sa.String(ID), nullable=False),
+        _time("created_at", nullable=False),
+    )
+    sa.Index(f"{p}idempotency_keys_created_ix", keys.c.created_at)
+    return Tables(md, jobs, events, workers, effects, locks, keys)
 
-
-def migrate(engine: sa.Engine, t: Tables) -> list[str]:
-    """Create missing tables and indexes; never drops or alters. Returns what it created."""
-    created: list[str] = []
-    with engine.begin() as conn:
-        inspector = sa.inspect(conn)
-        existing = set(inspector.get_table_names())
-        for table in t.metadata.sorted_tables:
-            if table.name not in existing:
-                table.create(conn)
-                created.append(f"table {table.name}")
-                continue
-            have = {ix["name"] for ix in inspector.get_indexes(table.name)}
-            for index in table.indexes:
-                if index.name not in have:
-                    index.create(conn)
-                    created.append(f"index {index.name}")
-    return created

@@ -1,0 +1,155 @@
+"""When the store's schema is created, recognised, upgraded, or refused.
+
+- ``migrate(store, to)`` (``celery lease migrate``): create an empty store at the newest
+  revision, stamp a first-release store that has no version table as 0001, then
+  upgrade or downgrade to ``to``.
+- ``ensure(store, create)``: what a process checks before it uses the store. A worker
+  start (``create=True``) creates an empty store; nobody upgrades an existing schema
+  implicitly; a schema outside the revisions this code runs against is refused with one
+  line that names both and what to run. Publishers and the reaper check once per process.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from .. import __version__
+from ..errors import LeaseConfigError, SchemaMismatch, StoreUnavailable
+from . import migrations
+
+__all__ = ["migrate", "ensure", "describe"]
+
+log = logging.getLogger(__name__)
+MIGRATE_HINT = "run `celery -A proj lease migrate`"
+
+
+def _first_release_tables(prefix: str) -> sa.MetaData:
+    from .migrations import first_release
+
+    return first_release.tables(prefix)
+
+
+def _has_tables(conn: Connection, prefix: str) -> list[str]:
+    """The first release's tables that exist under this prefix."""
+    existing = set(sa.inspect(conn).get_table_names())
+    return [t.name for t in _first_release_tables(prefix).sorted_tables if t.name in existing]
+
+
+def _recognise_first_release(conn: Connection, prefix: str) -> list[str]:
+    """Stamp an unversioned store made by the first release as 0001 (after checking its columns).
+
+    The first release created missing tables and indexes on every start; what it would
+    still have created is created here, so a half-made store is finished, not refused.
+    """
+    done: list[str] = []
+    inspector = sa.inspect(conn)
+    existing = set(inspector.get_table_names())
+    for table in _first_release_tables(prefix).sorted_tables:
+        if table.name not in existing:
+            table.create(conn)
+            done.append(f"created table {table.name} (missing from the first release's schema)")
+            continue
+        have = {c["name"] for c in inspector.get_columns(table.name)}
+        missing = [c.name for c in table.columns if c.name not in have]
+        if missing:
+            raise SchemaMismatch(
+                f"table {table.name} matches no known schema revision: columns {', '.join(missing)} are "
+                "missing; restore them from a backup or recreate the store (its data is the lease history)"
+            )
+        indexes = {ix["name"] for ix in inspector.get_indexes(table.name)}
+        for index in table.indexes:
+            if index.name not in indexes:
+                index.create(conn)
+                done.append(f"created index {index.name}")
+    migrations.stamp(conn, prefix, migrations.FIRST)
+    done.append(f"recognised the first release's tables and stamped them as revision {migrations.FIRST}")
+    return done
+
+
+def _migrate(conn: Connection, store: object, to: str) -> list[str]:
+    prefix = store.prefix  # type: ignore[attr-defined]
+    target = migrations.head() if to == "head" else to
+    if target not in migrations.revisions():
+        raise LeaseConfigError("--to", to, "is not a schema revision",
+                               "Revisions: " + ", ".join(migrations.revisions()))
+    revision = migrations.current(conn, prefix)
+    if revision is None and not _has_tables(conn, prefix):
+        if target == migrations.head():
+            # An empty store is created from the tables as they are now, then stamped: the
+            # same schema as upgrading through every revision (the migration tests prove it).
+            store.t.metadata.create_all(conn)  # type: ignore[attr-defined]
+            migrations.stamp(conn, prefix, target)
+        else:
+            migrations.upgrade(conn, prefix, target)
+        return [f"created the schema at revision {target}"]
+    done: list[str] = []
+    if revision is None:
+        done += _recognise_first_release(conn, prefix)
+        revision = migrations.FIRST
+    order = migrations.revisions()
+    if order.index(target) > order.index(revision):
+        migrations.upgrade(conn, prefix, target)
+        done.append(f"upgraded revision {revision} -> {target}")
+    elif order.index(target) < order.index(revision):
+        migrations.downgrade(conn, prefix, target)
+        done.append(f"downgraded revision {revision} -> {target}")
+    return done
+
+
+def migrate(store: object, to: str = "head") -> list[str]:
+    """Bring the store to revision ``to``; returns what was done (empty: already there)."""
+    engine = store.engine  # type: ignore[attr-defined]
+    for attempt in (1, 2):
+        try:
+            with engine.begin() as conn:
+                done = _migrate(conn, store, to)
+            break
+        except sa.exc.DBAPIError as exc:
+            # Two processes creating one empty store race; the loser looks again and finds
+            # the schema made (MySQL's DDL is not transactional, so it cannot wait for it).
+            if attempt == 2:
+                raise StoreUnavailable(
+                    f"cannot migrate lease store {store.safe_url}: {exc.orig}"  # type: ignore[attr-defined]
+                ) from exc
+            log.debug("migrate raced (%s); looking again", exc.orig)
+    store.revision = None  # type: ignore[attr-defined]
+    return done
+
+
+def describe(store: object) -> tuple[str | None, bool]:
+    """(revision, has tables) of a store, read without changing it."""
+    prefix = store.prefix  # type: ignore[attr-defined]
+    with store.begin() as conn:  # type: ignore[attr-defined]
+        revision = migrations.current(conn, prefix)
+        return revision, revision is not None or bool(_has_tables(conn, prefix))
+
+
+def ensure(store: object, create: bool = False) -> str:
+    """The store's revision, once it is one this code runs against; SchemaMismatch otherwise."""
+    revision, has_tables = describe(store)
+    url = store.safe_url  # type: ignore[attr-defined]
+    if not has_tables:
+        if not create:
+            raise SchemaMismatch(
+                f"lease store {url} has no celery_lease tables (prefix "
+                f"{store.prefix!r}); start a worker or {MIGRATE_HINT}"  # type: ignore[attr-defined]
+            )
+        migrate(store)
+        revision = migrations.head()
+    oldest, newest = migrations.supported()
+    order = migrations.revisions()
+    if revision is None or revision not in order or order.index(revision) < order.index(oldest):
+        have = f"revision {revision}" if revision else f"the first release's schema ({migrations.FIRST})"
+        if revision is not None and revision not in order:
+            fix = "upgrade celery_lease on this host to the release that made it"
+        else:
+            fix = MIGRATE_HINT
+        raise SchemaMismatch(
+            f"lease store {url} is at {have}; celery_lease {__version__} runs against revisions "
+            f"{oldest} to {newest}: {fix}"
+        )
+    store.revision = revision  # type: ignore[attr-defined]
+    return revision

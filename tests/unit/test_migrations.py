@@ -1,0 +1,205 @@
+"""celery_lease.store.migrations and migrating: revisions, recognition, the window, --sql."""
+
+from __future__ import annotations
+
+import pytest
+import sqlalchemy as sa
+
+from celery_lease.errors import LeaseConfigError, SchemaMismatch
+from celery_lease.store import Store, migrations
+from tests.conftest import drop_store_tables, unique_prefix
+from tests.fixtures import first_release_schema
+
+FIRST_TABLES = ("jobs", "events", "workers", "effects", "locks")
+
+
+def schema_of(engine: sa.Engine, prefix: str) -> dict:
+    """Every table under ``prefix`` as the database reports it, with the prefix taken out."""
+    inspector = sa.inspect(engine)
+    shape = {}
+    for name in sorted(n for n in inspector.get_table_names() if n.startswith(prefix)):
+        if name.endswith("alembic_version"):
+            continue
+        columns = {c["name"]: (str(c["type"]), c["nullable"]) for c in inspector.get_columns(name)}
+        indexes = {ix["name"][len(prefix):]: (tuple(ix["column_names"]), bool(ix["unique"]))
+                   for ix in inspector.get_indexes(name)}
+        uniques = {u["name"][len(prefix):] if u["name"] else None: tuple(u["column_names"])
+                   for u in inspector.get_unique_constraints(name)}
+        primary = tuple(inspector.get_pk_constraint(name)["constrained_columns"])
+        checks = {(c["name"] or "")[len(prefix):]: " ".join(c["sqltext"].split())
+                  for c in inspector.get_check_constraints(name)}
+        shape[name[len(prefix):]] = {"columns": columns, "indexes": indexes, "uniques": uniques,
+                                     "primary": primary, "checks": checks}
+    return shape
+
+
+@pytest.fixture
+def first_release_store(store_url):
+    """A store made the way celery_lease 0.1 made it, filled with a job of each kind."""
+    prefix = unique_prefix()
+    engine = sa.create_engine(store_url)
+    t = first_release_schema.tables(prefix)
+    first_release_schema.migrate(engine, t)
+    with engine.begin() as c:
+        for i, status in enumerate(("pending", "running", "completed", "failed")):
+            c.execute(sa.insert(t.jobs).values(
+                id=f"job-{i}", queue_name="celery", task_name="shop.pay", payload='{"args": [1]}',
+                status=status, attempt_count=i, expired_count=0, dispatch_count=1, max_attempts=5,
+                available_at=100.5 + i, created_at=100.0 + i, updated_at=101.25 + i,
+                idempotency_key=f"order-{i}" if i % 2 else None,
+                lock_token="tok" if status == "running" else None, checkpoint='{"step": 2}',
+                last_error="ValueError: x" if status == "failed" else None,
+            ))
+            c.execute(sa.insert(t.events).values(job_id=f"job-{i}", event="published", at=100.0 + i,
+                                                 detail='{"queue": "celery"}'))
+        c.execute(sa.insert(t.workers).values(worker_id="w@h:1", hostname="w@h", pid=1, started_at=1.0,
+                                              last_seen_at=2.0))
+        c.execute(sa.insert(t.effects).values(key="payment-captured:1", job_id="job-2", at=102.0))
+        c.execute(sa.insert(t.locks).values(resource="account:7", token="lt", job_id="job-1", owner="w@h:1",
+                                            expires_at=200.0))
+    yield engine, prefix, t
+    drop_store_tables(engine, prefix)
+    engine.dispose()
+
+
+def rows_of(engine: sa.Engine, t) -> dict:
+    """The first release's columns of every row of its tables, ordered."""
+    out = {}
+    with engine.connect() as c:
+        for table in t.metadata.sorted_tables:
+            pk = list(table.primary_key.columns)
+            out[table.name] = [tuple(r) for r in c.execute(sa.select(*table.columns).order_by(*pk))]
+    return out
+
+
+def test_revisions_are_a_single_line_starting_with_the_first_release():
+    assert migrations.revisions()[0] == migrations.FIRST == "0001"
+    assert len(set(migrations.revisions())) == len(migrations.revisions())
+    assert migrations.supported() == migrations.revisions()[-2:]
+
+
+def test_first_release_store_is_stamped_and_upgraded_with_every_row_kept(first_release_store):
+    engine, prefix, t = first_release_store
+    before = rows_of(engine, t)
+    store = Store(str(engine.url.render_as_string(hide_password=False)), prefix)
+
+    done = store.migrate()
+
+    assert done[-2:] == ["recognised the first release's tables and stamped them as revision 0001",
+                         f"upgraded revision 0001 -> {migrations.head()}"]
+    assert rows_of(engine, t) == before
+    with store.begin() as c:
+        keys = c.execute(sa.select(store.t.idempotency_keys.c.key, store.t.idempotency_keys.c.job_id)
+                         .order_by(store.t.idempotency_keys.c.key)).all()
+        policies = c.execute(sa.select(store.t.jobs.c.on_expired)).scalars().all()
+    assert [tuple(k) for k in keys] == [("order-1", "job-1"), ("order-3", "job-3")]
+    assert policies == [None] * 4  # rows recorded before the policy columns: app settings apply
+
+
+def test_downgrade_to_the_first_release_and_upgrade_again_keeps_every_row(first_release_store):
+    engine, prefix, t = first_release_store
+    before, shape = rows_of(engine, t), schema_of(engine, prefix)
+    store = Store(str(engine.url.render_as_string(hide_password=False)), prefix)
+    store.migrate()
+
+    assert store.migrate(to="0001") == [f"downgraded revision {migrations.head()} -> 0001"]
+    assert rows_of(engine, t) == before
+    assert schema_of(engine, prefix) == shape
+
+    assert store.migrate() == [f"upgraded revision 0001 -> {migrations.head()}"]
+    assert rows_of(engine, t) == before
+
+
+def test_upgrading_through_every_revision_gives_the_newest_tables(store_factory):
+    stepwise, fresh = store_factory(migrate=False), store_factory(migrate=False)
+    stepwise.migrate(to=migrations.FIRST)
+    for revision in migrations.revisions()[1:]:
+        stepwise.migrate(to=revision)
+
+    fresh.migrate()
+
+    assert schema_of(stepwise.engine, stepwise.prefix) == schema_of(fresh.engine, fresh.prefix)
+    assert set(schema_of(fresh.engine, fresh.prefix)) == {t.name[len(fresh.prefix):]
+                                                          for t in fresh.t.metadata.sorted_tables}
+
+
+def test_migrate_sql_applied_by_hand_gives_the_same_schema(store_factory, store_url):
+    by_hand, fresh = store_factory(migrate=False), store_factory(migrate=False)
+    fresh.migrate()
+    script = migrations.sql(store_url, by_hand.prefix, "head")
+
+    raw = by_hand.engine.raw_connection()
+    try:
+        cursor = raw.cursor()
+        for statement in script.split(";\n"):
+            body = "\n".join(line for line in statement.splitlines() if not line.startswith("--")).strip()
+            if body and body.upper() not in ("BEGIN", "COMMIT", "START TRANSACTION"):
+                cursor.execute(body)
+        raw.commit()
+    finally:
+        raw.close()
+
+    assert schema_of(by_hand.engine, by_hand.prefix) == schema_of(fresh.engine, fresh.prefix)
+    assert by_hand.ensure_schema() == migrations.head()
+
+
+def test_worker_start_creates_an_empty_store_at_the_newest_revision(store_factory):
+    store = store_factory(migrate=False)
+
+    assert store.ensure_schema(create=True) == migrations.head()
+
+    with store.begin() as c:
+        assert migrations.current(c, store.prefix) == migrations.head()
+
+
+def test_a_publisher_never_creates_tables(store_factory):
+    store = store_factory(migrate=False)
+
+    with pytest.raises(SchemaMismatch, match=r"has no celery_lease tables .*lease migrate"):
+        store.ensure_schema()
+
+    assert not [n for n in sa.inspect(store.engine).get_table_names() if n.startswith(store.prefix)]
+
+
+def test_an_old_schema_is_refused_and_left_as_it_is(first_release_store):
+    engine, prefix, _ = first_release_store
+    store = Store(str(engine.url.render_as_string(hide_password=False)), prefix)
+    shape = schema_of(engine, prefix)
+
+    with pytest.raises(SchemaMismatch) as caught:
+        store.ensure_schema(create=True)
+
+    oldest, newest = migrations.supported()
+    message = str(caught.value)
+    assert "first release's schema (0001)" in message
+    assert f"runs against revisions {oldest} to {newest}" in message
+    assert "celery -A proj lease migrate" in message
+    assert "\n" not in message
+    assert schema_of(engine, prefix) == shape
+    assert f"{prefix}alembic_version" not in sa.inspect(engine).get_table_names()
+
+
+def test_the_previous_revision_is_accepted(store_factory):
+    oldest, _ = migrations.supported()
+    store = store_factory(migrate=False)
+    store.migrate(to=oldest)
+
+    assert Store(store.url, store.prefix).ensure_schema() == oldest
+
+
+def test_an_unknown_newer_revision_asks_for_a_newer_celery_lease(store):
+    with store.begin() as c:
+        c.execute(sa.text(f"UPDATE {store.prefix}alembic_version SET version_num = '9999'"))
+
+    with pytest.raises(SchemaMismatch, match=r"revision 9999.*upgrade celery_lease on this host"):
+        Store(store.url, store.prefix).ensure_schema()
+
+
+def test_migrate_to_an_unknown_revision_names_the_known_ones(store):
+    with pytest.raises(LeaseConfigError, match=r"--to='0042' is invalid.*Revisions: 0001, 0002"):
+        store.migrate(to="0042")
+
+
+def test_version_table_carries_the_prefix(store):
+    tables = sa.inspect(store.engine).get_table_names()
+    assert f"{store.prefix}alembic_version" in tables
