@@ -31,12 +31,13 @@ from typing import Any
 from . import brokers
 from .config import AppConfig, TaskPolicy, app_config, task_policy
 from .errors import LeaseConfigError, StoreUnavailable
+from .vocabulary import RECOVERIES
 
 __all__ = ["Finding", "Context", "run_checks", "RULES", "percentile", "ok_unless"]
 
 ERROR, WARNING, OK = "error", "warning", "ok"
 LONG_TASK = 60.0  # seconds: a task expected to run this long counts as long
-RECOVERY_EVENTS = ("lease_taken_over", "reaped_expired_lease", "redispatched")
+RECOVERY_EVENTS = RECOVERIES
 
 
 @dataclasses.dataclass(frozen=True)

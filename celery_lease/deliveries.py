@@ -6,7 +6,7 @@ the first two are sent again for later; none writes a task state or result.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, NoReturn
 
 from celery import Task
 from celery.exceptions import Ignore, Reject
@@ -14,13 +14,14 @@ from celery.exceptions import Ignore, Reject
 from . import messages
 from .errors import StoreUnavailable
 from .store import Store
+from .vocabulary import ClaimOutcome, Event
 
 __all__ = ["fail_closed", "defer_early", "skip_duplicate"]
 
 log = logging.getLogger(__name__)
 
 
-def _send_again(task: Task, countdown: float, why: str) -> None:
+def _send_again(task: Task, countdown: float, why: str) -> NoReturn:
     """Re-send this delivery's message ``countdown`` seconds from now and drop this one."""
     request = task.request
     sig = task.signature_from_request(request, countdown=countdown)
@@ -33,24 +34,24 @@ def _send_again(task: Task, countdown: float, why: str) -> None:
     raise Ignore()
 
 
-def fail_closed(task: Task, retry_delay: float, exc: StoreUnavailable) -> None:
+def fail_closed(task: Task, retry_delay: float, exc: StoreUnavailable) -> NoReturn:
     """The store is down: send the message again later and do not run the body."""
     log.warning("job %s not started, lease store unreachable (%s); delivering again in %gs",
                 task.request.id, exc, retry_delay, extra={"action": "fail_closed"})
     _send_again(task, retry_delay, str(exc))
 
 
-def defer_early(task: Task, store: Store, worker: str, wait: float) -> None:
+def defer_early(task: Task, store: Store, worker: str, wait: float) -> NoReturn:
     """The job is not available yet (a copy of its message came early): send it for then."""
     job_id = task.request.id
     log.info("job %s delivered %.1fs before it is available: sent again for then", job_id, wait,
              extra={"action": "early_delivery_deferred"})
-    _audit(store, job_id, "early_delivery_deferred", f"available in {wait:.1f}s", worker,
+    _audit(store, job_id, Event.EARLY_DELIVERY_DEFERRED, f"available in {wait:.1f}s", worker,
            {"wait": round(wait, 3)})
     _send_again(task, wait, "delivered before the job is available")
 
 
-def _audit(store: Store, job_id: str, event: str, reason: str, worker: str, detail: Any) -> None:
+def _audit(store: Store, job_id: str, event: Event, reason: str, worker: str, detail: Any) -> None:
     """Audit a delivery whose body does not run; a store outage costs the event, not the delivery.
 
     Raising here would fail the task and let Celery write a FAILURE state for a job
@@ -62,12 +63,13 @@ def _audit(store: Store, job_id: str, event: str, reason: str, worker: str, deta
         log.warning("job %s: audit event %s not written (%s)", job_id, event, exc)
 
 
-def skip_duplicate(task: Task, store: Store, worker: str, outcome: str, job: Any) -> None:
+def skip_duplicate(task: Task, store: Store, worker: str, outcome: ClaimOutcome, job: Any) -> NoReturn:
+    """The job is leased by another delivery or finished: acknowledge this one unrun."""
     job_id = task.request.id
     log.info("job %s delivered again but is %s (owner %s): body not run", job_id,
              job.status if job else outcome, job.locked_by if job else None,
              extra={"action": "duplicate_delivery_skipped"})
-    _audit(store, job_id, "duplicate_delivery_skipped", f"job {job.status if job else outcome}", worker,
+    _audit(store, job_id, Event.DUPLICATE_DELIVERY_SKIPPED, f"job {job.status if job else outcome}", worker,
            {"owner": job.locked_by if job else None,
             "redelivered": bool((task.request.delivery_info or {}).get("redelivered"))})
     raise Ignore()

@@ -29,7 +29,8 @@ from sqlalchemy.engine import Connection
 
 from .errors import LeaseConfigError, LeaseError, LeaseLost, LockUnavailable, StoreUnavailable
 from .store import schema
-from .store.effects import FIRST, LOST, advance_statement
+from .store.effects import advance_statement
+from .vocabulary import EffectOutcome, Event
 
 if TYPE_CHECKING:
     from .heartbeat import Heartbeat
@@ -77,12 +78,12 @@ def effect(lease: Lease, key: str, connection: Connection | None = None) -> Iter
                 f"effect {key!r}: the connection's database rejected the effect insert ({exc.orig}); "
                 f"pass a connection to the lease store's database ({store.safe_url}), migrated"
             ) from exc
-    if outcome == LOST:
+    if outcome == EffectOutcome.LOST:
         log.warning("job %s [%s]: effect %r rejected, the lease moved on", lease.job_id, lease.token[:8], key,
                     extra={"action": "stale_effect_rejected"})
         lease.mark_lost(f"effect {key!r} rejected: token no longer matches")
         lease.check()
-    first = outcome == FIRST
+    first = outcome == EffectOutcome.FIRST
     try:
         yield first
     except BaseException as exc:
@@ -186,7 +187,7 @@ class _Locks:
         lease = lk.lease
         log.warning("job %s [%s]: resource lock %r [%s] lost: %s", lease.job_id, lease.token[:8],
                     lk.resource, lk.token[:8], why, extra={"action": "lock_lost"})
-        self.store.event(lease.job_id, "lock_lost", f"{lk.resource}: {why}", lease.worker, lk.token)
+        self.store.event(lease.job_id, Event.LOCK_LOST, f"{lk.resource}: {why}", lease.worker, lk.token)
 
     def __call__(self) -> None:
         with self._mutex:
@@ -259,11 +260,11 @@ def _acquire(lease: Lease, held: ResourceLock, timeout: float) -> None:
         lease.check()
         outcome = lease.store.acquire_lock(held.resource, held.token, held.ttl, lease.worker,
                                            lease.job_id, lease.token)
-        if outcome == FIRST:
+        if outcome == EffectOutcome.FIRST:
             log.debug("job %s [%s]: lock %r [%s] taken", lease.job_id, lease.token[:8], held.resource,
                       held.token[:8], extra={"action": "lock_acquired"})
             return
-        if outcome == LOST:
+        if outcome == EffectOutcome.LOST:
             lease.mark_lost(f"lock {held.resource!r} refused: token no longer matches")
             lease.check()
         remaining = deadline - time.monotonic()

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .errors import LeaseError, StoreUnavailable
+from .vocabulary import Event
 
 if TYPE_CHECKING:
     from .store import Store
@@ -160,7 +161,7 @@ class Heartbeat:
         lease.mark_lost(reason, owner)
         return False
 
-    def release_all(self, reason: str = "released_on_shutdown") -> int:
+    def release_all(self, reason: Event = Event.RELEASED_ON_SHUTDOWN) -> int:
         """Give back every lease still held (shutdown); returns how many were released."""
         with self._lock:
             held = [lease for tok, lease in self.leases.items() if tok not in self._deferred]

@@ -23,6 +23,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from .config import app_config
 from .errors import StoreUnavailable
+from .vocabulary import STALE_WRITES, Event, stale_write
 
 __all__ = ["LeaseCollector", "make_exporter", "COUNTERS", "LAG_BUCKETS", "RUNTIME_BUCKETS"]
 
@@ -35,31 +36,31 @@ WINDOW = 900.0  # seconds of finished jobs that the runtime and attempts histogr
 LIMIT = 5_000  # finished rows per status at most in those histograms
 EVENT_LAG = 5.0  # seconds; longer than any transaction that writes an event
 
-STALE_WRITES = ("completion", "failure", "retry", "release", "checkpoint", "effect", "lock")
 #: Counter name (without _total), help, label name, {event: label value}.
-COUNTERS: tuple[tuple[str, str, str | None, dict[str, str]], ...] = (
+COUNTERS: tuple[tuple[str, str, str | None, dict[Event, str]], ...] = (
     ("celery_lease_reaped", "Expired leases the reaper took back and requeued (event reaped_expired_lease).",
-     None, {"reaped_expired_lease": ""}),
+     None, {Event.REAPED_EXPIRED_LEASE: ""}),
     ("celery_lease_redispatched", "Pending jobs whose lost message the reaper re-published.",
-     None, {"redispatched": ""}),
+     None, {Event.REDISPATCHED: ""}),
     ("celery_lease_dead_lettered", "Jobs that ended failed: the task failed for good (task_failure) "
      "or the reaper gave up on an expired lease (lease_expired).",
-     "cause", {"failed": "task_failure", "dead_lettered": "lease_expired"}),
+     "cause", {Event.FAILED: "task_failure", Event.DEAD_LETTERED: "lease_expired"}),
     ("celery_lease_released", "Leases given back before expiry (worker shutdown, Reject with requeue).",
-     "reason", {"released_on_shutdown": "shutdown", "rejected_requeue": "rejected"}),
+     "reason", {Event.RELEASED_ON_SHUTDOWN: "shutdown", Event.REJECTED_REQUEUE: "rejected"}),
     ("celery_lease_duplicate_deliveries_skipped", "Deliveries of a leased or finished job whose body "
-     "did not run.", None, {"duplicate_delivery_skipped": ""}),
+     "did not run.", None, {Event.DUPLICATE_DELIVERY_SKIPPED: ""}),
     ("celery_lease_stale_writes_rejected", "Writes of a worker that had lost its lease, rejected by "
-     "the token check.", "write", {f"stale_{w}_rejected": w for w in STALE_WRITES}),
+     "the token check.", "write", {e: stale_write(e) for e in STALE_WRITES}),
     ("celery_lease_leases_taken_over", "Expired leases a delivery took over directly.",
-     None, {"lease_taken_over": ""}),
-    ("celery_lease_leases_lost", "Leases a worker found lost at its heartbeat.", None, {"lease_lost": ""}),
+     None, {Event.LEASE_TAKEN_OVER: ""}),
+    ("celery_lease_leases_lost", "Leases a worker found lost at its heartbeat.",
+     None, {Event.LEASE_LOST: ""}),
     ("celery_lease_reap_skipped_owner_alive", "Expired leases the reaper left alone because their "
-     "owner was alive.", None, {"reap_skipped_owner_alive": ""}),
+     "owner was alive.", None, {Event.REAP_SKIPPED_OWNER_ALIVE: ""}),
     ("celery_lease_manual_requeues", "Jobs requeued by `celery lease requeue`.",
-     None, {"manual_requeue": ""}),
+     None, {Event.MANUAL_REQUEUE: ""}),
     ("celery_lease_dlq_redriven", "Dead letters sent back by `celery lease dlq redrive`.",
-     None, {"dlq_redriven": ""}),
+     None, {Event.DLQ_REDRIVEN: ""}),
 )
 EVENT_NAMES = tuple(event for *_, events in COUNTERS for event in events)
 

@@ -27,6 +27,9 @@ from .config import TaskPolicy, app_config, task_policy
 from .errors import StoreCorrupt, StoreUnavailable
 from .store import RUNNING, Job, Store, for_app
 
+# The kinds of a Decision (the dataclass below names one decision about one job).
+from .vocabulary import Decision as Kind
+
 __all__ = ["Reaper", "ReapResult", "Decision", "backoff", "decide", "recover_worker_lost", "reap"]
 
 log = logging.getLogger(__name__)
@@ -52,7 +55,7 @@ class Decision:
 
     job_id: str
     task: str
-    decision: str  # requeue | dead_letter | fail | redispatch | skip_owner_alive
+    decision: Kind
     reason: str
     owner: str | None = None
     delay: float = 0.0
@@ -113,32 +116,32 @@ def policy_for(app: Any, job: Job) -> TaskPolicy:
 
 def decide(job: Job, policy: TaskPolicy, why: str, rng: Any = random) -> Decision:
     """Requeue with backoff while attempts and expirations last, else dead-letter (or fail)."""
-    if policy.on_expired == "fail":
-        kind, reason = "fail", f"{why}; lease_on_expired='fail'"
-    elif policy.on_expired == "dead_letter":
-        kind, reason = "dead_letter", f"{why}; lease_on_expired='dead_letter'"
+    if policy.on_expired == Kind.FAIL:
+        kind, reason = Kind.FAIL, f"{why}; lease_on_expired='fail'"
+    elif policy.on_expired == Kind.DEAD_LETTER:
+        kind, reason = Kind.DEAD_LETTER, f"{why}; lease_on_expired='dead_letter'"
     elif job.attempt_count >= job.max_attempts:
         # The row's max_attempts is the one the claim's takeover checks: both must agree.
-        kind, reason = "dead_letter", "lease expired and max attempts reached"
+        kind, reason = Kind.DEAD_LETTER, "lease expired and max attempts reached"
     elif job.expired_count >= policy.max_expirations:
-        kind, reason = "dead_letter", "lease expired and max lease expirations reached"
+        kind, reason = Kind.DEAD_LETTER, "lease expired and max lease expirations reached"
     else:
         delay = backoff(job.attempt_count, policy.backoff_base, policy.backoff_max, policy.backoff_jitter,
                         rng)
-        return Decision(job.id, job.task_name, "requeue", why, job.locked_by, delay, job.queue_name)
-    queue = policy.dead_letter_queue if kind == "dead_letter" else None
+        return Decision(job.id, job.task_name, Kind.REQUEUE, why, job.locked_by, delay, job.queue_name)
+    queue = policy.dead_letter_queue if kind == Kind.DEAD_LETTER else None
     return Decision(job.id, job.task_name, kind, reason, job.locked_by, 0.0, queue)
 
 
 def _publish(app: Any, job: Job, decision: Decision) -> Decision:
     """Send the job's message for a decision (before its CAS); an unreadable message turns it to ``fail``."""
-    if decision.decision == "fail" or (decision.decision == "dead_letter" and not decision.queue):
+    if decision.decision == Kind.FAIL or (decision.decision == Kind.DEAD_LETTER and not decision.queue):
         return decision
     try:
         messages.republish(app, job.id, job.payload, countdown=decision.delay,
-                           queue=decision.queue if decision.decision == "dead_letter" else None)
+                           queue=decision.queue if decision.decision == Kind.DEAD_LETTER else None)
     except StoreCorrupt as exc:
-        return dataclasses.replace(decision, decision="fail", queue=None,
+        return dataclasses.replace(decision, decision=Kind.FAIL, queue=None,
                                    reason=f"{decision.reason}; message unreadable: {exc}")
     if after_publish is not None:
         after_publish(job.id)
@@ -150,7 +153,7 @@ def _settle(store: Store, job: Job, decision: Decision, result: ReapResult, *, e
     """The CAS on the token read with the row; a lost race writes nothing and is only counted."""
     kind, token = decision.decision, job.lock_token or ""
     detail: dict[str, Any] = {"attempt": job.attempt_count, "expired_count": job.expired_count + 1}
-    if kind == "requeue":
+    if kind == Kind.REQUEUE:
         won = store.requeue_abandoned(job.id, token, job.locked_by, delay=decision.delay,
                                       reason=decision.reason, expired=expired, now=now, detail=detail, c=c)
     else:
@@ -161,12 +164,12 @@ def _settle(store: Store, job: Job, decision: Decision, result: ReapResult, *, e
     if not won:
         result.lost_races += 1
         log.debug("job %s [%s]: %s lost the race, the row moved on", job.id, token[:8], kind)
-    elif kind == "requeue":
+    elif kind == Kind.REQUEUE:
         result.reaped += 1
         log.debug("job %s [%s] requeued in %.2fs: %s", job.id, token[:8], decision.delay, decision.reason,
                   extra={"action": "reaped_expired_lease"})
     else:
-        if kind == "fail":
+        if kind == Kind.FAIL:
             result.failed += 1
         else:
             result.dead_lettered += 1
@@ -245,7 +248,7 @@ class Reaper:
                         result.skipped_owner_alive += 1
                         why = f"lease expired but owner {job.locked_by} is alive; waiting for the hard grace"
                         if dry:
-                            result.planned.append(Decision(job.id, job.task_name, "skip_owner_alive", why,
+                            result.planned.append(Decision(job.id, job.task_name, Kind.SKIP_OWNER_ALIVE, why,
                                                            job.locked_by))
                         else:
                             self.store.note_skipped_owner_alive(c, job, why)
@@ -298,7 +301,7 @@ class Reaper:
                     budget -= 1
                     why = f"pending {waited:.1f}s past available_at (lease_dispatch_timeout {timeout:g}s)"
                     if dry:
-                        result.planned.append(Decision(job.id, job.task_name, "redispatch", why))
+                        result.planned.append(Decision(job.id, job.task_name, Kind.REDISPATCH, why))
                         continue
                     try:
                         messages.republish(self.app, job.id, job.payload)

@@ -23,6 +23,7 @@ from . import messages
 from .config import app_config
 from .errors import LeaseError
 from .store import COMPLETED, FAILED, PENDING, Job, Store
+from .vocabulary import RecoveryAction
 
 __all__ = ["RecoveryRefused", "Outcome", "operator", "requeue_plan", "requeue", "redrive_plan", "redrive"]
 
@@ -43,7 +44,7 @@ class Outcome:
     job_id: str
     task: str
     queue: str | None
-    action: str
+    action: RecoveryAction
     reason: str
 
     def as_dict(self) -> dict[str, Any]:
@@ -98,14 +99,14 @@ def requeue_plan(app: Any, store: Store, job_id: str | None = None, expired: boo
     return [job]
 
 
-def _publish(app: Any, job: Job, done: str) -> Outcome:
+def _publish(app: Any, job: Job, done: RecoveryAction) -> Outcome:
     try:
         messages.republish(app, job.id, job.payload)
     except Exception as exc:  # noqa: BLE001 - the row already moved: report any publish failure, go on
 
         log.error("job %s is pending but its message could not be sent: %s", job.id, exc,
                   extra={"action": "manual_publish_failed"})
-        return Outcome(job.id, job.task_name, job.queue_name, "publish_failed",
+        return Outcome(job.id, job.task_name, job.queue_name, RecoveryAction.PUBLISH_FAILED,
                        f"pending, but its message could not be sent ({exc}); the reaper re-publishes it "
                        f"after lease_dispatch_timeout, or run `celery lease requeue --job {job.id} --force`")
     return Outcome(job.id, job.task_name, job.queue_name, done, "message re-published")
@@ -117,12 +118,12 @@ def requeue(app: Any, store: Store, jobs: Iterable[Job], force: bool = False,
     cfg, who = app_config(app), who or operator()
     for job in jobs:
         if not store.manual_requeue(job, who, cfg.reaper_hard_grace, cfg.worker_stale_after, force):
-            yield Outcome(job.id, job.task_name, job.queue_name, "skipped",
+            yield Outcome(job.id, job.task_name, job.queue_name, RecoveryAction.SKIPPED,
                           "changed since it was read (renewed, finished or taken by someone else)")
             continue
         log.info("job %s [%s] requeued by %s%s", job.id, (job.lock_token or "")[:8], who,
                  " (forced)" if force else "", extra={"action": "manual_requeue"})
-        yield _publish(app, job, "requeued")
+        yield _publish(app, job, RecoveryAction.REQUEUED)
 
 
 def redrive_plan(store: Store, job_id: str | None = None, task: str | None = None,
@@ -143,8 +144,9 @@ def redrive(app: Any, store: Store, jobs: Iterable[Job], who: str | None = None)
     who = who or operator()
     for job in jobs:
         if not store.redrive(job, who):
-            yield Outcome(job.id, job.task_name, job.queue_name, "skipped", "changed since it was read")
+            yield Outcome(job.id, job.task_name, job.queue_name, RecoveryAction.SKIPPED,
+                          "changed since it was read")
             continue
         log.info("job %s redriven from the dead letters by %s", job.id, who, extra={"action": "dlq_redriven"})
-        yield _publish(app, job, "redriven")
+        yield _publish(app, job, RecoveryAction.REDRIVEN)
 

@@ -17,6 +17,7 @@ from celery.worker.request import Request
 from . import heartbeat
 from .config import app_config
 from .errors import LeaseError
+from .vocabulary import Event
 
 __all__ = ["LeaseRequest", "WorkerStep", "install"]
 
@@ -71,7 +72,7 @@ def install(app: Any) -> None:
     app.steps["consumer"].add(VisibilityStep)
 
 
-def _release_held(reason: str) -> None:
+def _release_held(reason: Event) -> None:
     pid = os.getpid()
     for key, hb in list(heartbeat._process.items()):
         if key.endswith(f":{pid}"):
@@ -85,12 +86,12 @@ def _release_held(reason: str) -> None:
 
 @signals.worker_process_shutdown.connect
 def _on_process_shutdown(**_: Any) -> None:
-    _release_held("released_on_shutdown")
+    _release_held(Event.RELEASED_ON_SHUTDOWN)
 
 
 @signals.worker_shutdown.connect
 def _on_worker_shutdown(**_: Any) -> None:
-    _release_held("released_on_shutdown")
+    _release_held(Event.RELEASED_ON_SHUTDOWN)
 
 
 @signals.task_revoked.connect

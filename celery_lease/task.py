@@ -24,6 +24,7 @@ from . import deliveries, heartbeat, messages
 from .config import TaskPolicy, task_policy
 from .errors import LeaseLost, StoreUnavailable
 from .store import Store, for_app
+from .vocabulary import ClaimOutcome, Decision, Event
 
 __all__ = ["LeaseTask", "Lease"]
 
@@ -91,7 +92,7 @@ class Lease:
 
         return lock(self, resource, ttl, timeout)
 
-    def give_back(self, reason: str = "released_on_shutdown") -> bool:
+    def give_back(self, reason: Event = Event.RELEASED_ON_SHUTDOWN) -> bool:
         """Release the lease so the job runs again soon, re-sending its message if already acked."""
         if not self.store.release(self.job_id, self.token, self.worker, reason):
             return False
@@ -257,7 +258,7 @@ def _run_leased(task: LeaseTask, args: tuple[Any, ...], kwargs: dict[str, Any]) 
         claim = store.claim(
             job_id, hb.worker, token, duration=policy.duration, grace=policy.grace_period,
             task_name=task.name, queue=queue, max_attempts=policy.max_attempts,
-            max_expirations=policy.max_expirations, takeover=policy.on_expired == "requeue",
+            max_expirations=policy.max_expirations, takeover=policy.on_expired == Decision.REQUEUE,
             hard_grace=cfg.reaper_hard_grace, stale_after=cfg.worker_stale_after,
             payload=lambda: messages.encode(task.name, args, kwargs,
                                             dict(task.signature_from_request(request).options),
@@ -266,8 +267,7 @@ def _run_leased(task: LeaseTask, args: tuple[Any, ...], kwargs: dict[str, Any]) 
         )
     except StoreUnavailable as exc:
         deliveries.fail_closed(task, policy.store_retry_delay, exc)
-        raise  # unreachable: fail_closed always raises
-    if claim.outcome == "early":
+    if claim.outcome == ClaimOutcome.EARLY:
         deliveries.defer_early(task, store, hb.worker, claim.wait)
     if not claim.claimed:
         deliveries.skip_duplicate(task, store, hb.worker, claim.outcome, claim.job)
@@ -291,7 +291,7 @@ def _dead_letter(task: LeaseTask, store: Store, job_id: str, policy: TaskPolicy)
         return
     job = store.get(job_id)
     messages.republish(task.app, job_id, job.payload if job else None, queue=policy.dead_letter_queue)
-    store.event(job_id, "dead_letter_published", policy.dead_letter_queue)
+    store.event(job_id, Event.DEAD_LETTER_PUBLISHED, policy.dead_letter_queue)
 
 
 def _worker_terminating() -> bool:
@@ -324,7 +324,7 @@ def _run_body(task: LeaseTask, lease: Lease, args: tuple[Any, ...], kwargs: dict
         raise
     except Reject as exc:
         if exc.requeue:
-            store.release(job_id, token, worker, reason="rejected_requeue")
+            store.release(job_id, token, worker, reason=Event.REJECTED_REQUEUE)
         else:
             store.fail(job_id, token, f"rejected: {exc.reason}", worker)
         raise
@@ -333,7 +333,7 @@ def _run_body(task: LeaseTask, lease: Lease, args: tuple[Any, ...], kwargs: dict
             # A cold shutdown of a solo pool raises Celery's own error inside the body:
             # the job did not fail, the worker left. Give it back and requeue its message.
             with contextlib.suppress(StoreUnavailable):
-                lease.give_back("released_on_shutdown")
+                lease.give_back(Event.RELEASED_ON_SHUTDOWN)
             raise Reject(f"worker shutting down: {type(exc).__name__}", requeue=True) from exc
         if not store.fail(job_id, token, f"{type(exc).__name__}: {exc}", worker):
             raise Ignore() from exc
@@ -342,7 +342,7 @@ def _run_body(task: LeaseTask, lease: Lease, args: tuple[Any, ...], kwargs: dict
     except BaseException:
         # Interpreter or worker shutting down mid-body: give the job back.
         with contextlib.suppress(StoreUnavailable):
-            lease.give_back("released_on_shutdown")
+            lease.give_back(Event.RELEASED_ON_SHUTDOWN)
         raise
     if lease.lost:
         # Lost while finishing: the completion below is fenced and will be rejected.

@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from .. import recovery
+from ..vocabulary import RecoveryAction
 from .base import CommandError, app_of, json_option, lease, store_of
 from .output import emit_json, is_tty, progress, table, when
 
@@ -72,19 +73,19 @@ def reap(ctx: click.Context, dry_run: bool, as_json: bool) -> None:
         click.echo(f"reaped: {result.summary()}")
 
 
-def _report(outcomes: list[recovery.Outcome], done: str, batch: int, as_json: bool) -> None:
+def _report(outcomes: list[recovery.Outcome], done: RecoveryAction, batch: int, as_json: bool) -> None:
     counts = Counter(o.action for o in outcomes)
+    skipped, failed = counts[RecoveryAction.SKIPPED], counts[RecoveryAction.PUBLISH_FAILED]
     if as_json:
-        emit_json({"batch": batch, "outcomes": [o.as_dict() for o in outcomes], done: counts[done],
-                   "skipped": counts["skipped"], "publish_failed": counts["publish_failed"]})
+        emit_json({"batch": batch, "outcomes": [o.as_dict() for o in outcomes], done.value: counts[done],
+                   RecoveryAction.SKIPPED.value: skipped, RecoveryAction.PUBLISH_FAILED.value: failed})
     else:
         click.echo(table([o.as_dict() for o in outcomes], OUTCOME_COLUMNS, empty="nothing to do"))
         full = len(outcomes) >= batch
         more = " (the batch was full: watch the effects, then run again for more)" if full else ""
-        click.echo(f"{done} {counts[done]}, skipped {counts['skipped']}, publish failed "
-                   f"{counts['publish_failed']}; batch {batch}{more}")
-    if counts["publish_failed"]:
-        raise CommandError(f"{counts['publish_failed']} job(s) are pending without a message; "
+        click.echo(f"{done} {counts[done]}, skipped {skipped}, publish failed {failed}; batch {batch}{more}")
+    if failed:
+        raise CommandError(f"{failed} job(s) are pending without a message; "
                            "see the reasons above")
 
 
@@ -110,7 +111,7 @@ def requeue(ctx: click.Context, job_id: str | None, expired: bool, batch: int, f
     jobs = recovery.requeue_plan(app, store, job_id, expired, batch, force)
     with progress(jobs, "requeueing", not as_json and is_tty()) as items:
         outcomes = list(recovery.requeue(app, store, items, force))
-    _report(outcomes, "requeued", batch, as_json)
+    _report(outcomes, RecoveryAction.REQUEUED, batch, as_json)
 
 
 @lease.group()
@@ -154,7 +155,7 @@ def dlq_redrive(ctx: click.Context, job_id: str | None, task: str | None, batch:
     jobs = recovery.redrive_plan(store, job_id, task, batch)
     with progress(jobs, "redriving", not as_json and is_tty()) as items:
         outcomes = list(recovery.redrive(app, store, items))
-    _report(outcomes, "redriven", batch, as_json)
+    _report(outcomes, RecoveryAction.REDRIVEN, batch, as_json)
 
 
 def _finding_lines(f: dict[str, Any]) -> str:

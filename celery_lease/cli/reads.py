@@ -10,18 +10,17 @@ import click
 from .. import messages
 from ..config import app_config
 from ..errors import StoreCorrupt
-from ..store import Job
-from ..store.schema import STATUSES
+from ..store import RUNNING, Job
 from ..tuning import percentile
+from ..vocabulary import MANUAL_RECOVERIES, STALE_WRITES, Event, Status
 from .base import app_of, json_option, lease, store_of
 from .output import Duration, age, emit_json, table, when
 
 __all__ = ["status", "jobs", "inspect", "events", "tune"]
 
-LAST_HOUR = ("reaped_expired_lease", "duplicate_delivery_skipped", "dead_lettered", "redispatched",
-             "released_on_shutdown", "manual_requeue", "dlq_redriven")
-STALE_REJECTIONS = tuple(f"stale_{w}_rejected" for w in
-                         ("completion", "failure", "retry", "release", "checkpoint", "effect", "lock"))
+STATUSES = tuple(s.value for s in Status)
+LAST_HOUR = (Event.REAPED_EXPIRED_LEASE, Event.DUPLICATE_DELIVERY_SKIPPED, Event.DEAD_LETTERED,
+             Event.REDISPATCHED, Event.RELEASED_ON_SHUTDOWN, *MANUAL_RECOVERIES)
 
 
 def job_dict(job: Job, payload: bool = False) -> dict[str, Any]:
@@ -32,17 +31,17 @@ def job_dict(job: Job, payload: bool = False) -> dict[str, Any]:
 
 
 def _lease_text(job: Job, now: float) -> str:
-    if job.status != "running" or job.lease_expires_at is None:
+    if job.status != RUNNING or job.lease_expires_at is None:
         return ""
     left = job.lease_expires_at - now
     return f"expires in {age(left)}" if left >= 0 else f"EXPIRED {age(-left)} ago"
 
 
 def job_row(job: Job, now: float) -> dict[str, Any]:
-    beat = job.last_heartbeat_at if job.status == "running" else None
+    beat = job.last_heartbeat_at if job.status == RUNNING else None
     return {"id": job.id, "task": job.task_name, "queue": job.queue_name, "status": job.status,
             "attempts": f"{job.attempt_count}/{job.max_attempts}", "lease": _lease_text(job, now),
-            "owner": job.locked_by if job.status == "running" else None,
+            "owner": job.locked_by if job.status == RUNNING else None,
             "heartbeat": f"{age(now - beat)} ago" if beat is not None else None,
             "updated": f"{age(now - job.updated_at)} ago"}
 
@@ -64,7 +63,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
     lags = [r["heartbeat_lag"] for r in running if r["heartbeat_lag"] is not None]
     oldest = min((r for r in running if r["started_at"] is not None), key=lambda r: r["started_at"],
                  default=None)
-    hour = store.event_counts(LAST_HOUR + STALE_REJECTIONS, since=now - 3600)
+    hour = store.event_counts(LAST_HOUR + STALE_WRITES, since=now - 3600)
     by_queue: dict[str, dict[str, int]] = {}
     for queue, state, n in counts:
         by_queue.setdefault(queue or "", dict.fromkeys(STATUSES, 0))[state] = n
@@ -77,10 +76,10 @@ def status(ctx: click.Context, as_json: bool) -> None:
             "heartbeat_lag_max": max(lags, default=None), "heartbeat_lag_p95": percentile(lags, 95),
         },
         "workers": store.worker_counts(cfg.worker_stale_after),
-        "last_hour": {k: v for k, v in hour.items() if not k.startswith("stale_")}
-        | {"stale_writes_rejected": sum(v for k, v in hour.items() if k.startswith("stale_"))},
+        "last_hour": {str(k): v for k, v in hour.items() if k not in STALE_WRITES}
+        | {"stale_writes_rejected": sum(v for k, v in hour.items() if k in STALE_WRITES)},
     }
-    report["dead_letters"] = report["totals"]["failed"]
+    report["dead_letters"] = report["totals"][Status.FAILED.value]
     if as_json:
         emit_json(report)
         return

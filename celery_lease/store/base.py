@@ -18,13 +18,14 @@ from sqlalchemy.engine import Connection, Engine
 from .. import clock
 from ..config import RECOVERY
 from ..errors import LeaseConfigError, StoreCorrupt, StoreUnavailable
+from ..vocabulary import ClaimOutcome, Event, Status
 from . import schema
 
 __all__ = ["StoreBase", "Claim", "Job"]
 
 log = logging.getLogger(__name__)
 
-PENDING, RUNNING, COMPLETED, FAILED = schema.STATUSES
+PENDING, RUNNING, COMPLETED, FAILED = Status.PENDING, Status.RUNNING, Status.COMPLETED, Status.FAILED
 # SQLite reports a missing table as an OperationalError, not a ProgrammingError.
 _MISSING_SCHEMA = "no such table"
 IDLE_PING_AFTER = 2.0  # seconds a pooled connection may idle before it is pinged on checkout
@@ -92,13 +93,13 @@ class Claim:
     ``early``: the job is pending but not available for ``wait`` more seconds.
     """
 
-    outcome: str
+    outcome: ClaimOutcome
     job: Job | None
     wait: float = 0.0
 
     @property
     def claimed(self) -> bool:
-        return self.outcome == "claimed"
+        return self.outcome == ClaimOutcome.CLAIMED
 
 
 def _connect_sqlite(busy_timeout: float) -> Callable[..., None]:
@@ -211,7 +212,7 @@ class StoreBase:
         with self._driver_errors(), self.engine.begin() as conn:
             yield conn
 
-    def _audited_update(self, stmt: sa.Update | Callable[[], sa.Update], job_id: str, event: str,
+    def _audited_update(self, stmt: sa.Update | Callable[[], sa.Update], job_id: str, event: Event,
                         reason: str | None = None, worker: str | None = None, token: str | None = None,
                         detail: Any = None, *, key: str | None = None, params: dict[str, Any] | None = None,
                         full_row: bool = True) -> Job | bool | None:
@@ -260,10 +261,10 @@ class StoreBase:
         jobs = self.t.jobs
         return [c for c in jobs.c if c is not jobs.c.payload] if full_row else [jobs.c.id]
 
-    def _build_audited(self, stmt: sa.Update, event: str, full_row: bool, reused: bool) -> tuple[Any, ...]:
+    def _build_audited(self, stmt: sa.Update, event: Event, full_row: bool, reused: bool) -> tuple[Any, ...]:
         columns = self._row_columns(full_row)
         values = dict(
-            event=sa.literal(event), reason=sa.bindparam("ev_reason", type_=sa.Text()),
+            event=sa.literal(str(event), sa.String()), reason=sa.bindparam("ev_reason", type_=sa.Text()),
             worker=sa.bindparam("ev_worker", type_=sa.String()),
             token=sa.bindparam("ev_token", type_=sa.String()), at=self.now_sql,
             detail=sa.bindparam("ev_detail", type_=sa.Text()),
@@ -351,7 +352,7 @@ class StoreBase:
         with self.begin() as c:
             return float(c.execute(sa.select(self.now_sql)).scalar_one())
 
-    def _event(self, c: Connection, job_id: str | None, event: str, reason: str | None = None,
+    def _event(self, c: Connection, job_id: str | None, event: Event, reason: str | None = None,
                worker: str | None = None, token: str | None = None, detail: Any = None) -> None:
         c.execute(sa.insert(self.t.events).values(
             job_id=job_id, event=event, reason=reason, worker=worker,
@@ -359,7 +360,7 @@ class StoreBase:
             detail=None if detail is None else json.dumps(detail, default=str),
         ))
 
-    def event(self, job_id: str | None, event: str, reason: str | None = None, worker: str | None = None,
+    def event(self, job_id: str | None, event: Event, reason: str | None = None, worker: str | None = None,
               token: str | None = None, detail: Any = None) -> None:
         """Write one audit event on its own."""
         with self.begin() as c:

@@ -14,13 +14,14 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from ..vocabulary import EffectOutcome, Event
 from .base import RUNNING, StoreBase
 
-__all__ = ["EffectStatements", "FIRST", "DUPLICATE", "LOST", "advance_statement"]
+__all__ = ["EffectStatements", "advance_statement"]
 
-# What a fenced insert found: the caller wrote the key (or took the lock), the key
-# exists already (the lock is held), or the caller's job lease is gone.
-FIRST, DUPLICATE, LOST = "first", "duplicate", "lost"
+# What a fenced insert found (EffectOutcome): the caller wrote the key (or took the lock),
+# the key exists already (the lock is held), or the caller's job lease is gone.
+FIRST, DUPLICATE, LOST = EffectOutcome.FIRST, EffectOutcome.DUPLICATE, EffectOutcome.LOST
 _MYSQL = ("mysql", "mariadb")
 
 
@@ -78,19 +79,19 @@ class EffectStatements(StoreBase):
                   .where(self._held(job_id, token)))
         return self._insert_new(e, dialect).from_select(["key", "job_id", "at"], source)
 
-    def record_effect(self, key: str, job_id: str, token: str, worker: str | None = None) -> str:
+    def record_effect(self, key: str, job_id: str, token: str, worker: str | None = None) -> EffectOutcome:
         """Insert ``key`` for the job while ``token`` holds it: FIRST, DUPLICATE or LOST (audited)."""
         with self.begin() as c:
             if c.execute(self._effect_insert(key, job_id, token, self.dialect)).rowcount == 1:
                 return FIRST
             if self.lease_held(c, job_id, token):
                 return DUPLICATE
-            self._event(c, job_id, "stale_effect_rejected", "lock token no longer matches", worker, token,
+            self._event(c, job_id, Event.STALE_EFFECT_REJECTED, "lock token no longer matches", worker, token,
                         {"key": key})
             return LOST
 
     def record_effect_in(self, conn: Connection, key: str, job_id: str, token: str,
-                         worker: str | None = None) -> str:
+                         worker: str | None = None) -> EffectOutcome:
         """Like record_effect, but the key is written in the caller's transaction on ``conn``.
 
         PostgreSQL and SQLite run the one fenced ``INSERT ... SELECT`` on ``conn``. On
@@ -102,8 +103,8 @@ class EffectStatements(StoreBase):
         if dialect in _MYSQL:
             with self.begin() as c:
                 if not self.lease_held(c, job_id, token):
-                    self._event(c, job_id, "stale_effect_rejected", "lock token no longer matches", worker,
-                                token, {"key": key, "in_transaction": True})
+                    self._event(c, job_id, Event.STALE_EFFECT_REJECTED, "lock token no longer matches",
+                                worker, token, {"key": key, "in_transaction": True})
                     return LOST
             inserted = conn.execute(self._effect_insert(key, job_id, token, dialect, fenced=False))
             return FIRST if inserted.rowcount == 1 else DUPLICATE
@@ -114,13 +115,13 @@ class EffectStatements(StoreBase):
             # connection would wait for it, so read and audit on the caller's.
             if self.lease_held(conn, job_id, token):
                 return DUPLICATE
-            self._event(conn, job_id, "stale_effect_rejected", "lock token no longer matches", worker, token,
-                        {"key": key, "in_transaction": True})
+            self._event(conn, job_id, Event.STALE_EFFECT_REJECTED, "lock token no longer matches", worker,
+                        token, {"key": key, "in_transaction": True})
             return LOST
         with self.begin() as c:
             if self.lease_held(c, job_id, token):
                 return DUPLICATE
-            self._event(c, job_id, "stale_effect_rejected", "lock token no longer matches", worker, token,
+            self._event(c, job_id, Event.STALE_EFFECT_REJECTED, "lock token no longer matches", worker, token,
                         {"key": key, "in_transaction": True})
             return LOST
 
@@ -138,10 +139,11 @@ class EffectStatements(StoreBase):
                 sa.exists().where(self._held(job_id, token)),
             ))
             if res.rowcount == 1:
-                self._event(c, job_id, "effect_released", reason, worker, token, {"key": key})
+                self._event(c, job_id, Event.EFFECT_RELEASED, reason, worker, token, {"key": key})
                 return True
-            self._event(c, job_id, "effect_unconfirmed", "block failed after the lease was lost; key kept",
-                        worker, token, {"key": key, "error": reason})
+            self._event(c, job_id, Event.EFFECT_UNCONFIRMED,
+                        "block failed after the lease was lost; key kept", worker, token,
+                        {"key": key, "error": reason})
             return False
 
     def unrecord_effect_in(self, conn: Connection, key: str, job_id: str) -> bool:
@@ -158,7 +160,7 @@ class EffectStatements(StoreBase):
                 return False
             res = c.execute(sa.delete(e).where(e.c.key == key, e.c.job_id == job_id))
             if res.rowcount == 1:
-                self._event(c, job_id, "effect_forgotten", reason, detail={"key": key})
+                self._event(c, job_id, Event.EFFECT_FORGOTTEN, reason, detail={"key": key})
             return res.rowcount == 1
 
     def effect_keys(self, job_id: str) -> list[str]:
@@ -169,10 +171,11 @@ class EffectStatements(StoreBase):
 
     # -- resource locks ---------------------------------------------------------------
     def acquire_lock(self, resource: str, token: str, ttl: float, owner: str | None = None,
-                     job_id: str | None = None, job_token: str | None = None) -> str:
+                     job_id: str | None = None, job_token: str | None = None) -> EffectOutcome:
         """Take ``resource`` if it is free or expired: FIRST (taken), DUPLICATE (held) or LOST.
 
-        With ``job_token`` the lock is taken only while that job lease holds (LOST otherwise).
+        With ``job_token`` the lock is taken only while that job lease holds; LOST otherwise,
+        audited as ``stale_lock_rejected`` like a stale effect.
         """
         lk, j = self.t.locks, self.t.jobs
         fence = self._held(job_id, job_token) if job_token is not None and job_id is not None else None
@@ -192,9 +195,11 @@ class EffectStatements(StoreBase):
             res = c.execute(take.values(token=token, job_id=job_id, owner=owner,
                                         expires_at=self.now_sql + ttl))
             if res.rowcount == 1:
-                self._event(c, job_id, "lock_taken_after_expiry", resource, owner, token)
+                self._event(c, job_id, Event.LOCK_TAKEN_AFTER_EXPIRY, resource, owner, token)
                 return FIRST
             if fence is not None and not self.lease_held(c, job_id, job_token):
+                self._event(c, job_id, Event.STALE_LOCK_REJECTED, "lock token no longer matches", owner,
+                            job_token, {"resource": resource})
                 return LOST
             return DUPLICATE
 

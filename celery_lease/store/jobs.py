@@ -11,10 +11,16 @@ from sqlalchemy.engine import Connection
 
 from ..config import RECOVERY
 from ..errors import StoreUnavailable
+from ..vocabulary import ClaimOutcome, Event
 from .base import COMPLETED, FAILED, PENDING, RUNNING, Claim, Job
 from .workers import WorkerStatements
 
 __all__ = ["JobStatements"]
+
+
+def _not_ours(job: Job) -> Claim:
+    """The claim of a finished job (done) or of one leased by another owner (busy)."""
+    return Claim(ClaimOutcome.DONE if job.status in (COMPLETED, FAILED) else ClaimOutcome.BUSY, job)
 
 
 class JobStatements(WorkerStatements):
@@ -43,7 +49,7 @@ class JobStatements(WorkerStatements):
                 if idempotency_key is not None:
                     c.execute(sa.insert(k).values(key=idempotency_key, job_id=job_id,
                                                   created_at=self.now_sql))
-                self._event(c, job_id, "published", detail={"queue": queue} if queue else None)
+                self._event(c, job_id, Event.PUBLISHED, detail={"queue": queue} if queue else None)
             return True, job_id
         except sa.exc.IntegrityError:
             pass
@@ -135,13 +141,13 @@ class JobStatements(WorkerStatements):
         j = self.t.jobs
         for _ in range(3):
             claimed = self._audited_update(
-                lambda: self._claim_pending(async_commit), job_id, "claimed", worker=worker, token=token,
+                lambda: self._claim_pending(async_commit), job_id, Event.CLAIMED, worker=worker, token=token,
                 key="claim_async" if async_commit else "claim",
                 params={"job_id": job_id, "worker": worker, "token": token, "duration": duration,
                         "grace": grace, "early": early,
                         **{f"r_{name}": (recovery or {}).get(name) for name in RECOVERY}})
             if isinstance(claimed, Job):
-                return Claim("claimed", claimed)
+                return Claim(ClaimOutcome.CLAIMED, claimed)
             with self.begin() as c:
                 current = self._job(c, job_id)
                 if current is not None and current.status == RUNNING and takeover:
@@ -152,25 +158,25 @@ class JobStatements(WorkerStatements):
                     ).values(expired_count=j.c.expired_count + 1,
                              **self._lease_values(worker, token, duration, grace)))
                     if res.rowcount == 1:
-                        self._event(c, job_id, "lease_taken_over", reason="lease expired past grace",
+                        self._event(c, job_id, Event.LEASE_TAKEN_OVER, reason="lease expired past grace",
                                     worker=worker, token=token,
                                     detail={"previous_owner": current.locked_by,
                                             "previous_token": (current.lock_token or "")[:8]})
-                        return Claim("claimed", self._job(c, job_id))
+                        return Claim(ClaimOutcome.CLAIMED, self._job(c, job_id))
                 if current is not None and current.status == PENDING:
                     wait = current.available_at - float(c.execute(sa.select(self.now_sql)).scalar_one())
                     if wait > early:
-                        return Claim("early", current, wait)
+                        return Claim(ClaimOutcome.EARLY, current, wait)
                     continue  # requeued between our two statements: claim it on the next pass
                 if current is not None and not (current.status == RUNNING and takeover):
-                    return Claim("done" if current.status in (COMPLETED, FAILED) else "busy", current)
+                    return _not_ours(current)
             if current is not None:
                 # The takeover lost. On PostgreSQL it may have waited on a reaper that was
                 # requeueing this very job: read again, and claim it if it is pending now.
                 current = self.get(job_id) or current
                 if current.status == PENDING:
                     continue
-                return Claim("done" if current.status in (COMPLETED, FAILED) else "busy", current)
+                return _not_ours(current)
             # Unknown job (published without celery_lease): create it as ours.
             try:
                 with self.begin() as c:
@@ -182,9 +188,9 @@ class JobStatements(WorkerStatements):
                         **{k: v for k, v in self._lease_values(worker, token, duration, grace).items()
                            if k != "attempt_count"},
                     ).values(attempt_count=1))
-                    self._event(c, job_id, "claimed", reason="first seen by a worker",
+                    self._event(c, job_id, Event.CLAIMED, reason="first seen by a worker",
                                 worker=worker, token=token)
-                    return Claim("claimed", self._job(c, job_id))
+                    return Claim(ClaimOutcome.CLAIMED, self._job(c, job_id))
             except sa.exc.IntegrityError:
                 continue
         raise StoreUnavailable(f"job {job_id}: claim kept racing with concurrent inserts", job_id=job_id)
@@ -198,27 +204,27 @@ class JobStatements(WorkerStatements):
         j = self.t.jobs
         return sa.and_(j.c.id == job_id, j.c.lock_token == token, j.c.status == RUNNING)
 
-    def _owner_write(self, job_id: str, token: str, worker: str | None, event: str, write: str,
+    def _owner_write(self, job_id: str, token: str, worker: str | None, event: Event, stale: Event,
                      values: Mapping[str, Any], reason: str | None = None, detail: Any = None) -> bool:
-        """One fenced write; a stale token changes nothing and is audited as stale_<write>_rejected."""
+        """One fenced write audited as ``event``; a stale token changes nothing, audited as ``stale``."""
         stmt = (sa.update(self.t.jobs).where(self._fenced(job_id, token))
                 .values(updated_at=self.now_sql, **values))
         if self._audited_update(stmt, job_id, event, reason, worker, token, detail, full_row=False):
             return True
-        self.event(job_id, f"stale_{write}_rejected", "lock token no longer matches", worker, token, detail)
+        self.event(job_id, stale, "lock token no longer matches", worker, token, detail)
         return False
 
     def complete(self, job_id: str, token: str, worker: str | None = None) -> bool:
         """running -> completed; False (audited) when the token no longer matches."""
-        if self._audited_update(self._complete_running, job_id, "completed", worker=worker, token=token,
+        if self._audited_update(self._complete_running, job_id, Event.COMPLETED, worker=worker, token=token,
                                 key="complete", params={"job_id": job_id, "token": token}, full_row=False):
             return True
-        self.event(job_id, "stale_completion_rejected", "lock token no longer matches", worker, token)
+        self.event(job_id, Event.STALE_COMPLETION_REJECTED, "lock token no longer matches", worker, token)
         return False
 
     def fail(self, job_id: str, token: str, error: str, worker: str | None = None) -> bool:
         """running -> failed (dead letter) after a final task failure."""
-        return self._owner_write(job_id, token, worker, "failed", "failure", dict(
+        return self._owner_write(job_id, token, worker, Event.FAILED, Event.STALE_FAILURE_REJECTED, dict(
             status=FAILED, failed_at=self.now_sql, lease_expires_at=None, lock_token=None,
             last_error=error[:4000],
         ), reason=error[:200])
@@ -232,14 +238,15 @@ class JobStatements(WorkerStatements):
             values["payload"] = payload
         if error is not None:
             values["last_error"] = error[:4000]
-        return self._owner_write(job_id, token, worker, "retry_scheduled", "retry", values,
+        return self._owner_write(job_id, token, worker, Event.RETRY_SCHEDULED, Event.STALE_RETRY_REJECTED,
+                                 values,
                                  reason=(error or "")[:200])
 
     def release(self, job_id: str, token: str, worker: str | None = None,
-                reason: str = "released_on_shutdown") -> bool:
+                reason: Event = Event.RELEASED_ON_SHUTDOWN) -> bool:
         """running -> pending, available now, giving the attempt back."""
         j = self.t.jobs
-        return self._owner_write(job_id, token, worker, reason, "release", dict(
+        return self._owner_write(job_id, token, worker, reason, Event.STALE_RELEASE_REJECTED, dict(
             status=PENDING, available_at=self.now_sql, lease_expires_at=None, lock_token=None,
             locked_by=None, attempt_count=sa.case((j.c.attempt_count > 0, j.c.attempt_count - 1), else_=0),
         ))
@@ -253,14 +260,13 @@ class JobStatements(WorkerStatements):
                 lock_token=None, last_error=f"revoked ({reason})",
             ))
             if res.rowcount == 1:
-                self._event(c, job_id, "revoked", reason)
+                self._event(c, job_id, Event.REVOKED, reason)
             return res.rowcount == 1
 
     def checkpoint(self, job_id: str, token: str, state: Any, worker: str | None = None) -> bool:
         """Store JSON progress on the job row under the token."""
-        return self._owner_write(job_id, token, worker, "checkpoint", "checkpoint", dict(
-            checkpoint=json.dumps(state),
-        ))
+        return self._owner_write(job_id, token, worker, Event.CHECKPOINT, Event.STALE_CHECKPOINT_REJECTED,
+                                 dict(checkpoint=json.dumps(state)))
 
     def _still_held(self, leases: Mapping[str, str]) -> sa.ColumnElement[bool]:
         # By id (the primary key) and token: there is no index on the token, and a
@@ -326,7 +332,8 @@ class JobStatements(WorkerStatements):
                 reason, owner = "taken_over", job.locked_by
             else:
                 reason, owner = f"now {job.status}", job.locked_by
-            self._event(c, job_id, "lease_lost", reason, worker, token, {"owner": owner} if owner else None)
+            self._event(c, job_id, Event.LEASE_LOST, reason, worker, token,
+                        {"owner": owner} if owner else None)
         return reason, owner
 
     # -- the audit log ---------------------------------------------------------

@@ -18,12 +18,12 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from ..vocabulary import Event
 from .base import COMPLETED, FAILED, PENDING, RUNNING, Job, StoreBase
 
 __all__ = ["ReaperStatements", "Expired", "REAPER_LOCK"]
 
 REAPER_LOCK = "celery_lease.reaper"
-SKIPPED_OWNER_ALIVE = "reap_skipped_owner_alive"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +91,7 @@ class ReaperStatements(StoreBase):
         return sa.and_(j.c.id == job_id, j.c.lock_token == token, j.c.status == RUNNING, fence)
 
     def _take_back(self, job_id: str, token: str, owner: str | None, expired: bool, now: float | None,
-                   c: Connection | None, values: dict[str, Any], event: str, reason: str,
+                   c: Connection | None, values: dict[str, Any], event: Event, reason: str,
                    detail: Any) -> bool:
         """One fenced recovery write and its event; the losing side writes nothing."""
         j = self.t.jobs
@@ -111,7 +111,7 @@ class ReaperStatements(StoreBase):
         """running -> pending at now + delay, token cleared, one more expiration counted."""
         values = dict(status=PENDING, locked_by=None, available_at=self.now_sql + delay,
                       last_error=reason[:4000])
-        return self._take_back(job_id, token, owner, expired, now, c, values, "reaped_expired_lease",
+        return self._take_back(job_id, token, owner, expired, now, c, values, Event.REAPED_EXPIRED_LEASE,
                                reason, {"delay": round(delay, 3), **(detail or {})})
 
     def dead_letter_abandoned(self, job_id: str, token: str, owner: str | None, *, error: str,
@@ -119,18 +119,19 @@ class ReaperStatements(StoreBase):
                               c: Connection | None = None) -> bool:
         """running -> failed (the dead letter), token cleared, one more expiration counted."""
         values = dict(status=FAILED, failed_at=self.now_sql, last_error=error[:4000])
-        return self._take_back(job_id, token, owner, expired, now, c, values, "dead_lettered",
+        return self._take_back(job_id, token, owner, expired, now, c, values, Event.DEAD_LETTERED,
                                error[:200], detail)
 
     def note_skipped_owner_alive(self, c: Connection, job: Job, reason: str) -> bool:
         """Audit a lease left to its live owner, once per lease (not once per run)."""
         e = self.t.events
         prefix = (job.lock_token or "")[:8] or None
-        seen = c.execute(sa.select(e.c.id).where(e.c.job_id == job.id, e.c.event == SKIPPED_OWNER_ALIVE,
+        seen = c.execute(sa.select(e.c.id).where(e.c.job_id == job.id,
+                                                 e.c.event == Event.REAP_SKIPPED_OWNER_ALIVE,
                                                  e.c.token == prefix).limit(1)).first()
         if seen is not None:
             return False
-        self._event(c, job.id, SKIPPED_OWNER_ALIVE, reason, job.locked_by, job.lock_token)
+        self._event(c, job.id, Event.REAP_SKIPPED_OWNER_ALIVE, reason, job.locked_by, job.lock_token)
         return True
 
     # -- lost dispatches --------------------------------------------------------
@@ -159,8 +160,8 @@ class ReaperStatements(StoreBase):
                      updated_at=self.now_sql))
             if res.rowcount != 1:
                 return False
-            self._event(tx, job.id, "redispatched", reason, detail={"dispatch_count": job.dispatch_count + 1,
-                                                                    **(detail or {})})
+            self._event(tx, job.id, Event.REDISPATCHED, reason,
+                        detail={"dispatch_count": job.dispatch_count + 1, **(detail or {})})
             return True
 
     # -- the reaper's own lock ----------------------------------------------------

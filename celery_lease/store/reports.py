@@ -15,6 +15,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from ..errors import JobNotFound
+from ..vocabulary import Event
 from .base import COMPLETED, FAILED, PENDING, RUNNING, Job, StoreBase
 
 __all__ = ["ReportStatements"]
@@ -269,7 +270,7 @@ class ReportStatements(StoreBase):
         with self.begin() as c:
             if c.execute(sa.update(j).where(*where).values(**values)).rowcount != 1:
                 return False
-            self._event(c, job.id, "manual_requeue", reason, operator, job.lock_token, detail={
+            self._event(c, job.id, Event.MANUAL_REQUEUE, reason, operator, job.lock_token, detail={
                 "previous_status": job.status, "previous_owner": job.locked_by, "forced": force,
             })
         return True
@@ -299,7 +300,8 @@ class ReportStatements(StoreBase):
             ))
             if res.rowcount != 1:
                 return False
-            self._event(c, job.id, "dlq_redriven", (job.last_error or "")[:200] or None, operator, detail={
+            error = (job.last_error or "")[:200] or None
+            self._event(c, job.id, Event.DLQ_REDRIVEN, error, operator, detail={
                 "previous_attempts": job.attempt_count, "previous_expirations": job.expired_count,
                 "queue": job.queue_name,
             })

@@ -439,13 +439,16 @@ def test_a_lock_lost_to_another_owner_marks_the_lease_lost(store, hb):
             assert holder(store, "account:42")["job_id"] == "job-b"
 
 
-def test_a_stale_lease_cannot_take_a_lock(store, hb):
+def test_a_stale_lease_cannot_take_a_lock_and_the_refusal_is_audited(store, hb):
     stale = claim(store, hb, "job-1")
     lapse(store, "job-1")
     claim(store, hb, "job-1")
     with pytest.raises(LeaseLost), lock(stale, "account:42", timeout=0):
         pytest.fail("a stale owner must not lock")
     assert holder(store, "account:42") is None
+    rejected = events(store, "stale_lock_rejected")
+    assert [(e["job_id"], e["token"], e["worker"]) for e in rejected] == [
+        ("job-1", stale.token[:8], hb.worker)]
 
 
 def test_locks_are_not_reentrant_and_need_a_ttl_above_three_heartbeats(store, hb):

@@ -8,6 +8,7 @@ import threading
 import pytest
 import sqlalchemy as sa
 
+from celery_lease.config import RECOVERY
 from celery_lease.errors import StoreUnavailable
 from celery_lease.store import COMPLETED, FAILED, PENDING, RUNNING, Store
 
@@ -294,7 +295,8 @@ def test_claim_and_complete_on_an_unmigrated_store_say_to_migrate(store_factory)
 def test_an_async_claim_turns_off_synchronous_commit_for_its_own_transaction_only(store, async_commit):
     store.record("a", "t.task", "q", None, 3)
     store.record("b", "t.task", "q", None, 3)
-    params = {"job_id": "a", "worker": "w1", "token": token(), "duration": 30.0, "grace": 1.0, "early": 0.0}
+    params = {"job_id": "a", "worker": "w1", "token": token(), "duration": 30.0, "grace": 1.0, "early": 0.0,
+              **{f"r_{name}": None for name in RECOVERY}}
     with store.begin() as c:
         assert c.execute(store._claim_pending(async_commit), params).rowcount == 1
         inside = c.execute(sa.text("SELECT current_setting('synchronous_commit')")).scalar()

@@ -1,0 +1,133 @@
+"""The names celery_lease stores and reports: statuses, outcomes, decisions and audit events.
+
+Every name is a ``str`` enum member: it equals, hashes, formats and binds as the
+string already stored in the database (``Status.RUNNING == "running"``), so
+existing stores read the same. The groups at the bottom are what metrics, the
+CLI and the checks count; they are built from the members, never from literals.
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = [
+    "Name", "Status", "ClaimOutcome", "EffectOutcome", "Decision", "RecoveryAction", "Event",
+    "STALE_WRITES", "RELEASES", "RECOVERIES", "MANUAL_RECOVERIES",
+]
+
+
+class Name(str, enum.Enum):
+    """A stored name: ``str()`` and ``format()`` give its value, as for ``enum.StrEnum`` (3.11+)."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+class Status(Name):
+    """A job's status (the ``jobs.status`` column)."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+
+
+class ClaimOutcome(Name):
+    """What a claim found: the job is ours, leased by another, finished, or not available yet."""
+
+    CLAIMED = "claimed"
+    BUSY = "busy"
+    DONE = "done"
+    EARLY = "early"
+
+
+class EffectOutcome(Name):
+    """What a fenced insert (effect key, resource lock) found: written, there already, or lease gone."""
+
+    FIRST = "first"
+    DUPLICATE = "duplicate"
+    LOST = "lost"
+
+
+class Decision(Name):
+    """What the reaper does (or would do) with one job; the first three are ``lease_on_expired``'s values."""
+
+    REQUEUE = "requeue"
+    DEAD_LETTER = "dead_letter"
+    FAIL = "fail"
+    REDISPATCH = "redispatch"
+    SKIP_OWNER_ALIVE = "skip_owner_alive"
+
+
+class RecoveryAction(Name):
+    """What a manual recovery (``lease requeue``, ``lease dlq redrive``) did to one job."""
+
+    REQUEUED = "requeued"
+    REDRIVEN = "redriven"
+    SKIPPED = "skipped"
+    PUBLISH_FAILED = "publish_failed"
+
+
+class Event(Name):
+    """An audit event name (the ``events.event`` column); each one is written somewhere."""
+
+    # A job's life, written by its worker.
+    PUBLISHED = "published"
+    CLAIMED = "claimed"
+    LEASE_TAKEN_OVER = "lease_taken_over"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    RETRY_SCHEDULED = "retry_scheduled"
+    CHECKPOINT = "checkpoint"
+    REVOKED = "revoked"
+    LEASE_LOST = "lease_lost"
+    DEAD_LETTER_PUBLISHED = "dead_letter_published"
+    # Leases given back before expiry: the release's reason is its event.
+    RELEASED_ON_SHUTDOWN = "released_on_shutdown"
+    REJECTED_REQUEUE = "rejected_requeue"
+    # Deliveries whose body did not run.
+    EARLY_DELIVERY_DEFERRED = "early_delivery_deferred"
+    DUPLICATE_DELIVERY_SKIPPED = "duplicate_delivery_skipped"
+    # Writes of a worker that had lost its lease, rejected by the token check.
+    STALE_COMPLETION_REJECTED = "stale_completion_rejected"
+    STALE_FAILURE_REJECTED = "stale_failure_rejected"
+    STALE_RETRY_REJECTED = "stale_retry_rejected"
+    STALE_RELEASE_REJECTED = "stale_release_rejected"
+    STALE_CHECKPOINT_REJECTED = "stale_checkpoint_rejected"
+    STALE_EFFECT_REJECTED = "stale_effect_rejected"
+    STALE_LOCK_REJECTED = "stale_lock_rejected"
+    # Effect keys and resource locks.
+    EFFECT_RELEASED = "effect_released"
+    EFFECT_UNCONFIRMED = "effect_unconfirmed"
+    EFFECT_FORGOTTEN = "effect_forgotten"
+    LOCK_TAKEN_AFTER_EXPIRY = "lock_taken_after_expiry"
+    LOCK_LOST = "lock_lost"
+    # The reaper.
+    REAPED_EXPIRED_LEASE = "reaped_expired_lease"
+    DEAD_LETTERED = "dead_lettered"
+    REAP_SKIPPED_OWNER_ALIVE = "reap_skipped_owner_alive"
+    REDISPATCHED = "redispatched"
+    # An operator.
+    MANUAL_REQUEUE = "manual_requeue"
+    DLQ_REDRIVEN = "dlq_redriven"
+
+
+#: Stale writes rejected by the token check, in the order metrics and the CLI list them.
+STALE_WRITES: tuple[Event, ...] = (
+    Event.STALE_COMPLETION_REJECTED, Event.STALE_FAILURE_REJECTED, Event.STALE_RETRY_REJECTED,
+    Event.STALE_RELEASE_REJECTED, Event.STALE_CHECKPOINT_REJECTED, Event.STALE_EFFECT_REJECTED,
+    Event.STALE_LOCK_REJECTED,
+)
+#: Leases given back before expiry (the reasons ``release`` accepts).
+RELEASES: tuple[Event, ...] = (Event.RELEASED_ON_SHUTDOWN, Event.REJECTED_REQUEUE)
+#: A job taken back from a crashed or lost worker: proof that recovery works on a store.
+RECOVERIES: tuple[Event, ...] = (Event.LEASE_TAKEN_OVER, Event.REAPED_EXPIRED_LEASE, Event.REDISPATCHED)
+#: Recoveries an operator ran by hand.
+MANUAL_RECOVERIES: tuple[Event, ...] = (Event.MANUAL_REQUEUE, Event.DLQ_REDRIVEN)
+
+
+def stale_write(event: Event) -> str:
+    """The write a stale-rejection event names: ``stale_lock_rejected`` -> ``lock``."""
+    if event not in STALE_WRITES:
+        raise ValueError(f"{event!r} is not a stale-write rejection")
+    return event.value[len("stale_"):-len("_rejected")]
