@@ -149,6 +149,30 @@ def store_factory(store_url) -> Iterator[Callable[..., object]]:
             store.engine.dispose()
 
 
+def migrated_store(app):
+    """The app's lease store with its schema created, as a worker start or `lease migrate` would.
+
+    Publishing never creates tables, so a test that publishes before any worker starts
+    creates them first, like a deployment that runs `celery lease migrate`.
+    """
+    from celery_lease.store import for_app
+
+    store = for_app(app, check=False)
+    store.migrate()
+    return store
+
+
+def drop_app_store(app) -> None:
+    """Drop the app's lease store tables (any revision) and close its engine."""
+    from celery_lease.store import for_app
+
+    store = for_app(app, check=False)
+    try:
+        drop_store_tables(store.engine, store.prefix)
+    finally:
+        store.engine.dispose()
+
+
 def drop_store_tables(engine, prefix: str) -> None:
     """Drop every table under ``prefix`` (any revision's, and the version table)."""
     import sqlalchemy as sa

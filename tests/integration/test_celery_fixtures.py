@@ -10,7 +10,7 @@ import pytest
 
 from celery_lease import LeaseTask
 from celery_lease.store import for_app
-from tests.conftest import unique_prefix
+from tests.conftest import drop_app_store, migrated_store, unique_prefix
 
 pytestmark = pytest.mark.integration
 
@@ -38,6 +38,7 @@ def test_the_in_process_celery_worker_fixture_runs_a_lease_task(celery_app, cele
         return {"value": x * 2, "attempt": self.lease.attempt}
 
     celery_worker.reload()
+    migrated_store(celery_app)  # publishing never creates the store's tables
     result = double.delay(21)
     assert result.get(timeout=15) == {"value": 42, "attempt": 1}
     store = for_app(celery_app)
@@ -45,5 +46,4 @@ def test_the_in_process_celery_worker_fixture_runs_a_lease_task(celery_app, cele
         job = store.get(result.id)
         assert job.status == "completed" and job.attempt_count == 1
     finally:
-        store.t.metadata.drop_all(store.engine)
-        store.engine.dispose()
+        drop_app_store(celery_app)

@@ -11,6 +11,7 @@ from celery.contrib.testing.worker import start_worker
 
 from celery_lease import LeaseTask
 from celery_lease.store import for_app
+from tests.conftest import drop_app_store, migrated_store
 from tests.helpers import wait_for
 from tests.integration.test_leased_execution import make_app
 
@@ -34,10 +35,10 @@ def app(redis_url, postgres_url):
     def total(numbers):
         return sum(numbers)
 
+    migrated_store(app)
+
     yield app
-    store = for_app(app, check=False)
-    store.t.metadata.drop_all(store.engine)
-    store.engine.dispose()
+    drop_app_store(app)
     client.flushdb()
     client.close()
 

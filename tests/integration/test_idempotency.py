@@ -22,7 +22,7 @@ from celery_lease.effects import lock
 from celery_lease.heartbeat import Heartbeat, current
 from celery_lease.store import for_app
 from celery_lease.task import Lease
-from tests.conftest import flushed_redis, unique_prefix
+from tests.conftest import drop_app_store, flushed_redis, migrated_store, unique_prefix
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.integration
@@ -46,13 +46,12 @@ def app(broker, store_url):
         lease_heartbeat_interval=0.4, lease_grace_period=0.5, worker_hijack_root_logger=False,
         result_expires=None,
     )
+    migrated_store(app)
     yield app
     hb = current(app)
     if hb is not None:
         hb.stop()
-    store = for_app(app, check=False)
-    store.t.metadata.drop_all(store.engine)
-    store.engine.dispose()
+    drop_app_store(app)
 
 
 def test_sixteen_publishers_of_one_key_make_one_job_and_one_message(app, broker):

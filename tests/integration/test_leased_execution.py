@@ -16,7 +16,7 @@ from celery.contrib.testing.worker import start_worker
 from celery_lease import LeaseTask, messages
 from celery_lease.config import app_config
 from celery_lease.store import for_app
-from tests.conftest import flushed_redis, unique_prefix
+from tests.conftest import drop_app_store, flushed_redis, migrated_store, unique_prefix
 from tests.helpers import wait_for
 from tests.tcp_proxy import TcpProxy
 
@@ -44,10 +44,9 @@ def make_app(broker_url: str, store_url: str, **conf) -> Celery:
 @pytest.fixture
 def app(broker, postgres_url):
     app = make_app(broker[0], postgres_url)
+    migrated_store(app)
     yield app
-    store = for_app(app, check=False)
-    store.t.metadata.drop_all(store.engine)
-    store.engine.dispose()
+    drop_app_store(app)
 
 
 def register(app: Celery, redis_client: redis.Redis):

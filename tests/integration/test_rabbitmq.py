@@ -24,7 +24,7 @@ from celery_lease.checks import run_checks
 from celery_lease.store import for_app
 from tests import workers
 from tests.apps.broker_app import make_app
-from tests.conftest import unique_prefix
+from tests.conftest import drop_app_store, migrated_store, unique_prefix
 from tests.helpers import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -51,11 +51,9 @@ def env(amqp_url, counters, postgres_url):
     env = {"BROKER_APP_BROKER": amqp_url, "BROKER_APP_COUNTERS": counters[0],
            "BROKER_APP_STORE": postgres_url, "BROKER_APP_PREFIX": unique_prefix(), "BROKER_APP_QUEUE": queue,
            "BROKER_APP_TIME_LIMIT": "60", "BROKER_APP_KEYPREFIX": counters[1]}
+    migrated_store(make_app(env)[0])
     yield env
-    app, _ = make_app(env)
-    store = for_app(app, check=False)
-    store.t.metadata.drop_all(store.engine)
-    store.engine.dispose()
+    drop_app_store(make_app(env)[0])
     with kombu.Connection(amqp_url) as connection:
         connection.default_channel.queue_delete(queue)
 

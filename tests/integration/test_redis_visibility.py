@@ -16,7 +16,7 @@ import pytest
 from celery_lease.store import for_app
 from tests import workers
 from tests.apps.broker_app import make_app
-from tests.conftest import prefixed_redis, unique_prefix
+from tests.conftest import drop_app_store, migrated_store, prefixed_redis, unique_prefix
 from tests.helpers import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -40,11 +40,9 @@ def env(broker, postgres_url):
     env = {"BROKER_APP_BROKER": broker[0], "BROKER_APP_COUNTERS": broker[0], "BROKER_APP_STORE": postgres_url,
            "BROKER_APP_PREFIX": unique_prefix(), "BROKER_APP_VT": str(VT), "BROKER_APP_EXTEND": "1",
            "BROKER_APP_KEYPREFIX": broker[2]}
+    migrated_store(make_app(env)[0])
     yield env
-    app, _ = make_app(env)
-    store = for_app(app, check=False)
-    store.t.metadata.drop_all(store.engine)
-    store.engine.dispose()
+    drop_app_store(make_app(env)[0])
 
 
 def start(procs, env, log_dir, *names):
