@@ -7,7 +7,10 @@ from .errors import (
     LeaseError,
     LeaseLost,
     LockUnavailable,
+    StoreConflict,
     StoreCorrupt,
+    StoreNotMigrated,
+    StoreRejected,
     StoreUnavailable,
 )
 from .task import Lease, LeaseTask
@@ -22,5 +25,8 @@ __all__ = [
     "JobNotFound",
     "StoreCorrupt",
     "StoreUnavailable",
+    "StoreNotMigrated",
+    "StoreRejected",
+    "StoreConflict",
 ]
 __version__ = "0.1.0"

@@ -3,6 +3,9 @@
     LeaseError
     ├── LeaseConfigError      a ``lease_*`` setting or task option is invalid
     ├── StoreUnavailable      the lease store cannot be reached (driver error wrapped)
+    │   ├── StoreNotMigrated  a table or column is missing: run `celery -A proj lease migrate`
+    │   └── StoreRejected     the store refused a statement (permission, syntax, data, constraint)
+    │       └── StoreConflict a row with the same key exists (a race the store settles itself)
     ├── StoreCorrupt          a row in the store cannot be understood
     ├── JobNotFound           no job with that id in the store
     ├── LeaseLost             this worker no longer holds the job's lease
@@ -20,6 +23,9 @@ __all__ = [
     "LeaseError",
     "LeaseConfigError",
     "StoreUnavailable",
+    "StoreNotMigrated",
+    "StoreRejected",
+    "StoreConflict",
     "StoreCorrupt",
     "JobNotFound",
     "LeaseLost",
@@ -54,6 +60,21 @@ class LeaseConfigError(LeaseError):
 
 class StoreUnavailable(LeaseError):
     """The lease store cannot be reached; check lease_store_url and that the database is up."""
+
+
+class StoreNotMigrated(StoreUnavailable):
+    """The lease store lacks a table or column; run `celery -A proj lease migrate`."""
+
+
+class StoreRejected(StoreUnavailable):
+    """The lease store refused a statement (permission, syntax, data or constraint).
+
+    A StoreUnavailable, so that callers fail closed; ``kind`` says which refusal it was.
+    """
+
+
+class StoreConflict(StoreRejected):
+    """A row with the same key already exists in the lease store."""
 
 
 class StoreCorrupt(LeaseError):

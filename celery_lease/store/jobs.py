@@ -9,7 +9,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from ..errors import StoreUnavailable
+from ..errors import StoreConflict, StoreUnavailable
 from .base import COMPLETED, FAILED, PENDING, RUNNING, Claim, Job
 from .workers import WorkerStatements
 
@@ -35,7 +35,7 @@ class JobStatements(WorkerStatements):
                 ))
                 self._event(c, job_id, "published", detail={"queue": queue} if queue else None)
             return True, job_id
-        except sa.exc.IntegrityError:
+        except StoreConflict:
             pass
         with self.begin() as c:
             if idempotency_key is not None:
@@ -68,13 +68,8 @@ class JobStatements(WorkerStatements):
         duration = sa.bindparam("duration", type_=sa.Double())
         early = sa.bindparam("early", type_=sa.Double())
         conditions = [j.c.id == sa.bindparam("job_id"), j.c.status == PENDING,
-                      j.c.available_at <= self.now_sql + early]
-        if async_commit and self.dialect == "postgresql":
-            # The claim runs in autocommit, so its transaction is this one statement and a
-            # transaction-local setting covers its commit alone. If a server crash undoes the
-            # claim, nothing built on it survives: its owner's later writes are fenced,
-            # synchronous, and come after it in the WAL.
-            conditions.append(sa.func.set_config("synchronous_commit", "off", True).is_not(None))
+                      j.c.available_at <= self.now_sql + early,
+                      *self.dialect.autocommit_settings(self.bounds, async_commit)]
         grace = sa.bindparam("grace", type_=sa.Double())
         return sa.update(j).where(*conditions).values(
             **self._lease_values(sa.bindparam("worker"), sa.bindparam("token"), duration, grace))
@@ -84,6 +79,7 @@ class JobStatements(WorkerStatements):
         j = self.t.jobs
         return sa.update(j).where(
             j.c.id == sa.bindparam("job_id"), j.c.lock_token == sa.bindparam("token"), j.c.status == RUNNING,
+            *self.dialect.autocommit_settings(self.bounds),
         ).values(status=COMPLETED, completed_at=self.now_sql, lease_expires_at=None, lock_token=None,
                  updated_at=self.now_sql)
 
@@ -118,12 +114,12 @@ class JobStatements(WorkerStatements):
         """
         j = self.t.jobs
         for _ in range(3):
-            claimed = self._audited_update(
+            claimed = self._audited_row(
                 lambda: self._claim_pending(async_commit), job_id, "claimed", worker=worker, token=token,
                 key="claim_async" if async_commit else "claim",
                 params={"job_id": job_id, "worker": worker, "token": token, "duration": duration,
                         "grace": grace, "early": early})
-            if isinstance(claimed, Job):
+            if claimed is not None:
                 return Claim("claimed", claimed)
             with self.begin() as c:
                 current = self._job(c, job_id)
@@ -167,7 +163,7 @@ class JobStatements(WorkerStatements):
                     self._event(c, job_id, "claimed", reason="first seen by a worker",
                                 worker=worker, token=token)
                     return Claim("claimed", self._job(c, job_id))
-            except sa.exc.IntegrityError:
+            except StoreConflict:
                 continue
         raise StoreUnavailable(f"job {job_id}: claim kept racing with concurrent inserts", job_id=job_id)
 
@@ -183,17 +179,18 @@ class JobStatements(WorkerStatements):
     def _owner_write(self, job_id: str, token: str, worker: str | None, event: str, write: str,
                      values: Mapping[str, Any], reason: str | None = None, detail: Any = None) -> bool:
         """One fenced write; a stale token changes nothing and is audited as stale_<write>_rejected."""
-        stmt = (sa.update(self.t.jobs).where(self._fenced(job_id, token))
+        stmt = (sa.update(self.t.jobs).where(self._fenced(job_id, token),
+                                             *self.dialect.autocommit_settings(self.bounds))
                 .values(updated_at=self.now_sql, **values))
-        if self._audited_update(stmt, job_id, event, reason, worker, token, detail, full_row=False):
+        if self._audited_write(stmt, job_id, event, reason, worker, token, detail):
             return True
         self.event(job_id, f"stale_{write}_rejected", "lock token no longer matches", worker, token, detail)
         return False
 
     def complete(self, job_id: str, token: str, worker: str | None = None) -> bool:
         """running -> completed; False (audited) when the token no longer matches."""
-        if self._audited_update(self._complete_running, job_id, "completed", worker=worker, token=token,
-                                key="complete", params={"job_id": job_id, "token": token}, full_row=False):
+        if self._audited_write(self._complete_running, job_id, "completed", worker=worker, token=token,
+                               key="complete", params={"job_id": job_id, "token": token}):
             return True
         self.event(job_id, "stale_completion_rejected", "lock token no longer matches", worker, token)
         return False
@@ -251,20 +248,21 @@ class JobStatements(WorkerStatements):
         return sa.and_(j.c.id.in_(set(leases.values())), j.c.lock_token.in_(list(leases)),
                        j.c.status == RUNNING)
 
-    def _renewal(self, leases: Mapping[str, str], extend: Mapping[str, float] | None) -> sa.Update:
+    def _renewal(self, leases: Mapping[str, str], extend: Mapping[str, float] | None,
+                 *where: sa.ColumnElement[bool]) -> sa.Update:
         j = self.t.jobs
         duration = j.c.lease_duration
         if extend:
             duration = sa.case(*((j.c.lock_token == tok, sa.literal(sec)) for tok, sec in extend.items()),
                                else_=j.c.lease_duration)
-        stmt = (sa.update(j).where(self._still_held(leases))
+        stmt = (sa.update(j).where(self._still_held(leases), *where)
                 .values(lease_expires_at=self.now_sql + duration, last_heartbeat_at=self.now_sql))
         return stmt.values(lease_duration=duration) if extend else stmt
 
     def _renew_in(self, c: Connection, leases: Mapping[str, str],
                   extend: Mapping[str, float] | None) -> set[str]:
         stmt = self._renewal(leases, extend)
-        if c.dialect.update_returning:
+        if self.dialect.update_returning:
             return set(c.execute(stmt.returning(self.t.jobs.c.id)).scalars())
         c.execute(stmt)
         return set(c.execute(sa.select(self.t.jobs.c.id).where(self._still_held(leases))).scalars())
@@ -285,12 +283,13 @@ class JobStatements(WorkerStatements):
              extend: Mapping[str, float] | None = None) -> set[str]:
         """One heartbeat round: refresh the worker's registry row and renew its leases.
 
-        On PostgreSQL both writes are one statement (the registry upsert rides in a
-        CTE); elsewhere they share one transaction. Returns the renewed job ids.
+        Where the dialect allows (PostgreSQL) both writes are one statement (the registry
+        upsert rides in a CTE); elsewhere they share one transaction. Returns the renewed job ids.
         """
         seen = self._seen(worker, hostname, pid)
-        if self.dialect == "postgresql" and leases:
-            renewed = self._renewal(leases, extend).returning(self.t.jobs.c.id).cte("renewed")
+        if self.dialect.one_statement_writes and leases:
+            settings = self.dialect.autocommit_settings(self.bounds)
+            renewed = self._renewal(leases, extend, *settings).returning(self.t.jobs.c.id).cte("renewed")
             stmt = sa.select(renewed.c.id).add_cte(seen.cte("seen"))
             with self._driver_errors(), self.engine.connect() as conn:
                 return set(conn.execution_options(isolation_level="AUTOCOMMIT").execute(stmt).scalars())
