@@ -117,7 +117,8 @@ SETTINGS: tuple[Setting, ...] = (
        "Prefix of the store's table names.",
        _identifier, "letters, digits and underscores, not starting with a digit, at most 30", False),
     _S("lease_sqlite_busy_timeout", 30.0,
-       "Seconds a SQLite writer waits for the file lock before failing.",
+       "Seconds a SQLite writer waits for the file lock before failing; at most half the store call "
+       "bound (a third of the shortest lease), so that a call stays bounded.",
        _number(0), "a number of seconds >= 0", False),
     _S("lease_sqlite_synchronous", "FULL",
        "SQLite's synchronous pragma: 'FULL' syncs the WAL on every commit, so a commit carrying a "

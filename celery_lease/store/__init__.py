@@ -50,8 +50,12 @@ def pool_size(app: Any) -> int | None:
     return None
 
 
-def for_app(app: Any, migrate: bool = True) -> Store:
-    """The app's store (one per app; engines are rebuilt per process), migrated on first use."""
+def for_app(app: Any, migrate: bool = True, *, operator: bool = False) -> Store:
+    """The app's store (one per app; engines are rebuilt per process), migrated on first use.
+
+    ``operator``: this process is an operator's tool (the CLI), whose calls (migrations, scans
+    of history) no lease waits on: when it builds the store, every call gets the long bound.
+    """
     from ..config import app_config
 
     store = getattr(app, "_celery_lease_store", None)
@@ -59,8 +63,8 @@ def for_app(app: Any, migrate: bool = True) -> Store:
         with _lock:
             store = getattr(app, "_celery_lease_store", None)
             if store is None:
-                store = Store.from_config(app_config(app), call_timeout=call_timeout(app),
-                                          pool_size=pool_size(app))
+                bound = config.LONG_CALL_TIMEOUT if operator else call_timeout(app)
+                store = Store.from_config(app_config(app), call_timeout=bound, pool_size=pool_size(app))
                 app._celery_lease_store = store
     if migrate:
         store.ensure_migrated()
