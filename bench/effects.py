@@ -120,7 +120,7 @@ def run(store: Store, calls: int, rounds: int) -> None:
             times[name][0].append(per_call(base, calls))
             times[name][1].append(per_call(ours, calls))
 
-    print(f"store: {store.safe_url} ({store.dialect}); {calls} calls x {rounds} rounds, medians")
+    print(f"store: {store.safe_url} ({store.dialect.name}); {calls} calls x {rounds} rounds, medians")
     print(f"{'case':<28}{'bare SQL us':>13}{'celery_lease us':>17}{'ratio':>8}")
     for name, (base, ours) in times.items():
         b, o = statistics.median(base), statistics.median(ours)

@@ -79,8 +79,8 @@ def fill(store: Store, rows: int, history: bool) -> None:
     c = f + RECENT
     n = rows if history else c
     jobs = JOBS.format(jobs=store.t.jobs.name, r=r, e=EXPIRED, p=p, f=f, c=c, week=WEEK,
-                       seq=sequence(store.dialect, n))
-    events = EVENTS.format(events=store.t.events.name, week=WEEK, seq=sequence(store.dialect, n))
+                       seq=sequence(store.dialect.name, n))
+    events = EVENTS.format(events=store.t.events.name, week=WEEK, seq=sequence(store.dialect.name, n))
     with store.begin() as conn:
         conn.execute(sa.text(jobs), {"now": now})
         conn.execute(sa.text(events), {"now": now})
@@ -88,7 +88,7 @@ def fill(store: Store, rows: int, history: bool) -> None:
             {"worker_id": f"w{k}", "hostname": f"w{k}", "pid": 1, "started_at": now - 3600,
              "last_seen_at": now} for k in range(8)])
     with store.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        if store.dialect == "postgresql":
+        if store.dialect.name == "postgresql":
             for table in (store.t.jobs.name, store.t.events.name):
                 conn.exec_driver_sql(f"VACUUM ANALYZE {table}")
         else:

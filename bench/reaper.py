@@ -38,7 +38,7 @@ EMPTY_RUNS = 5
 
 def numbers(store: Store, rows: int) -> sa.FromClause:
     """A one-column ``n`` source of 1..rows."""
-    if store.dialect == "postgresql":
+    if store.dialect.name == "postgresql":
         return sa.select(sa.func.generate_series(1, rows).label("n")).subquery("seq")
     seq = sa.select(sa.literal(1).label("n")).cte("seq", recursive=True)
     return seq.union_all(sa.select(seq.c.n + 1).where(seq.c.n < rows))

@@ -8,7 +8,10 @@ from .errors import (
     LeaseLost,
     LockUnavailable,
     SchemaMismatch,
+    StoreConflict,
     StoreCorrupt,
+    StoreNotMigrated,
+    StoreRejected,
     StoreUnavailable,
 )
 from .task import Lease, LeaseTask
@@ -24,5 +27,8 @@ __all__ = [
     "StoreCorrupt",
     "StoreUnavailable",
     "SchemaMismatch",
+    "StoreNotMigrated",
+    "StoreRejected",
+    "StoreConflict",
 ]
 __version__ = "0.1.0"

@@ -316,7 +316,7 @@ def check_store(ctx: Context) -> Iterator[Finding]:
     yield Finding(OK, "store_reachable", ("lease_store_url", "lease_table_prefix"),
                   {**url, "lease_table_prefix": ctx.cfg.table_prefix}, "the store answers and is migrated")
     hosts = sorted({h.rsplit("@", 1)[-1] for h in ctx.facts["hosts"]})
-    if ctx.store.dialect == "sqlite":
+    if ctx.store.dialect.local_file:
         values = {**url, "worker_hosts": hosts}
         if len(hosts) > 1:
             yield Finding(ERROR, "sqlite_multi_host", ("lease_store_url",), values,

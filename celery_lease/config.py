@@ -16,7 +16,18 @@ from typing import Any
 
 from .errors import LeaseConfigError
 
-__all__ = ["SETTINGS", "Setting", "AppConfig", "TaskPolicy", "app_config", "task_policy"]
+__all__ = ["SETTINGS", "Setting", "AppConfig", "TaskPolicy", "app_config", "task_policy", "shortest_lease",
+           "CALL_TIMEOUT_SHARE", "DEFAULT_POOL_SIZE", "LONG_CALL_TIMEOUT"]
+
+# A store call may take at most this share of the shortest lease (seconds per second). The
+# heartbeat runs at most every third of a lease so that two renewals can fail before it
+# expires; a hung renewal bounded by the same third fails in time for the next one to run.
+CALL_TIMEOUT_SHARE = 1 / 3
+# Pooled store connections of a process when the worker's concurrency is unknown.
+DEFAULT_POOL_SIZE = 10
+# Seconds the reaper's batches, migrations and operators' reads may take: they hold a batch
+# of rows while publishing, or scan history, and no lease waits on them.
+LONG_CALL_TIMEOUT = 300.0
 
 # 30 characters keep the longest index name ("<prefix>jobs_status_available_ix") within
 # PostgreSQL's 63-character identifier limit.
@@ -106,8 +117,19 @@ SETTINGS: tuple[Setting, ...] = (
        "Prefix of the store's table names.",
        _identifier, "letters, digits and underscores, not starting with a digit, at most 30", False),
     _S("lease_sqlite_busy_timeout", 30.0,
-       "Seconds a SQLite writer waits for the file lock before failing.",
+       "Seconds a SQLite writer waits for the file lock before failing; at most half the store call "
+       "bound (a third of the shortest lease), so that a call stays bounded.",
        _number(0), "a number of seconds >= 0", False),
+    _S("lease_sqlite_synchronous", "FULL",
+       "SQLite's synchronous pragma: 'FULL' syncs the WAL on every commit, so a commit carrying a "
+       "completion or an effect survives an OS crash or power loss; 'NORMAL' syncs at checkpoints "
+       "only (faster commits, but the last ones may be lost with the OS, and a lost completion runs "
+       "its job again).",
+       _choice("FULL", "NORMAL"), "one of 'FULL', 'NORMAL'", False),
+    _S("lease_store_engine_options", {},
+       "Keyword arguments merged last into SQLAlchemy's create_engine, e.g. "
+       "{'poolclass': sqlalchemy.pool.NullPool} behind PgBouncer.",
+       _mapping, "a mapping of create_engine keyword arguments", False),
     _S("lease_store_retry_delay", 5.0,
        "Seconds before a task whose store was unreachable is delivered again (fail closed).",
        _number(0, strict=True), "a number of seconds > 0", True),
@@ -306,6 +328,17 @@ class AppConfig:
                 merged[name] = _validate(name, value, source)
         _cross_check(merged, f" ({where})" if where else "")
         return TaskPolicy(**{name[len("lease_"):]: merged[name] for name in PER_TASK})
+
+
+def shortest_lease(cfg: AppConfig, tasks: Any = ()) -> float:
+    """The shortest lease_duration among the app setting, the queue policies and ``tasks``' options."""
+    durations = [cfg.duration]
+    durations += [float(p["lease_duration"]) for p in cfg.queue_policies.values() if "lease_duration" in p]
+    for task in tasks:
+        value = getattr(task, "lease_duration", None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            durations.append(float(value))
+    return min(durations)
 
 
 def _read(conf: Any, name: str, namespace: str | None) -> Any:

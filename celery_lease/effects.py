@@ -50,10 +50,6 @@ def _check_key(kind: str, key: str) -> None:
         raise ValueError(f"{kind} must be a non-empty string of at most {schema.ID} characters, got {key!r}")
 
 
-def _family(dialect: str) -> str:
-    return "mysql" if dialect in ("mysql", "mariadb") else dialect
-
-
 @contextlib.contextmanager
 def effect(lease: Lease, key: str, connection: Connection | None = None) -> Iterator[bool]:
     """``with effect(lease, key) as first:`` do the side effect only when ``first``.
@@ -68,16 +64,7 @@ def effect(lease: Lease, key: str, connection: Connection | None = None) -> Iter
     if connection is None:
         outcome = store.record_effect(key, lease.job_id, lease.token, lease.worker)
     else:
-        if _family(connection.dialect.name) != _family(store.dialect):
-            raise ValueError(f"effect(connection=...) needs a connection to the lease store's database "
-                             f"({store.safe_url}); got a {connection.dialect.name} connection")
-        try:
-            outcome = store.record_effect_in(connection, key, lease.job_id, lease.token, lease.worker)
-        except (sa.exc.ProgrammingError, sa.exc.OperationalError) as exc:
-            raise StoreUnavailable(
-                f"effect {key!r}: the connection's database rejected the effect insert ({exc.orig}); "
-                f"pass a connection to the lease store's database ({store.safe_url}), migrated"
-            ) from exc
+        outcome = store.record_effect_in(connection, key, lease.job_id, lease.token, lease.worker)
     if outcome == EffectOutcome.LOST:
         log.warning("job %s [%s]: effect %r rejected, the lease moved on", lease.job_id, lease.token[:8], key,
                     extra={"action": "stale_effect_rejected"})
@@ -98,10 +85,10 @@ def _take_back(lease: Lease, key: str, connection: Connection | None, exc: BaseE
     if connection is not None:
         try:
             lease.store.unrecord_effect_in(connection, key, lease.job_id)
-        except sa.exc.DBAPIError as error:
+        except StoreUnavailable as error:
             # An aborted transaction (PostgreSQL) can only roll back, and the rollback drops the key.
             log.info("job %s [%s]: effect %r left to the transaction's rollback (%s)", lease.job_id,
-                     lease.token[:8], key, error.orig, extra={"action": "effect_released"})
+                     lease.token[:8], key, error, extra={"action": "effect_released"})
         return
     try:
         released = lease.store.release_effect(key, lease.job_id, lease.token, lease.worker, reason)

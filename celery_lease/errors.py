@@ -3,7 +3,10 @@
     LeaseError
     ├── LeaseConfigError      a ``lease_*`` setting or task option is invalid
     ├── StoreUnavailable      the lease store cannot be reached (driver error wrapped)
-    │   └── SchemaMismatch    the store's schema revision is not one this code runs against
+    │   ├── SchemaMismatch    the store's schema revision is not one this code runs against
+    │   ├── StoreNotMigrated  a table or column is missing: run `celery -A proj lease migrate`
+    │   └── StoreRejected     the store refused a statement (permission, syntax, data, constraint)
+    │       └── StoreConflict a row with the same key exists (a race the store settles itself)
     ├── StoreCorrupt          a row in the store cannot be understood
     ├── JobNotFound           no job with that id in the store
     ├── LeaseLost             this worker no longer holds the job's lease
@@ -22,6 +25,9 @@ __all__ = [
     "LeaseConfigError",
     "StoreUnavailable",
     "SchemaMismatch",
+    "StoreNotMigrated",
+    "StoreRejected",
+    "StoreConflict",
     "StoreCorrupt",
     "JobNotFound",
     "LeaseLost",
@@ -60,6 +66,21 @@ class StoreUnavailable(LeaseError):
 
 class SchemaMismatch(StoreUnavailable):
     """The lease store's schema is not at a revision this celery_lease runs against; run `lease migrate`."""
+
+
+class StoreNotMigrated(StoreUnavailable):
+    """The lease store lacks a table or column; run `celery -A proj lease migrate`."""
+
+
+class StoreRejected(StoreUnavailable):
+    """The lease store refused a statement (permission, syntax, data or constraint).
+
+    A StoreUnavailable, so that callers fail closed; ``kind`` says which refusal it was.
+    """
+
+
+class StoreConflict(StoreRejected):
+    """A row with the same key already exists in the lease store."""
 
 
 class StoreCorrupt(LeaseError):

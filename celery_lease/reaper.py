@@ -234,7 +234,7 @@ class Reaper:
     def _recover_expired(self, result: ReapResult, now: float | None, token: str | None) -> bool:
         budget, after, dry = self.batch_size, None, token is None
         for _ in range(MAX_PAGES):
-            with self.store.begin() as c:
+            with self.store.begin(long=True) as c:
                 page = self.store.scan_expired(c, limit=self.batch_size, after=after, now=now, lock=not dry,
                                                hard_grace=self.cfg.reaper_hard_grace,
                                                stale_after=self.cfg.worker_stale_after)
@@ -288,7 +288,7 @@ class Reaper:
         budget, after, dry = self.batch_size, None, token is None
         floor = self._dispatch_floor()
         for _ in range(MAX_PAGES):
-            with self.store.begin() as c:
+            with self.store.begin(long=True) as c:
                 page = self.store.scan_lost_dispatches(c, older_than=floor, limit=self.batch_size,
                                                        after=after, now=now, lock=not dry)
                 for job, waited in page:

@@ -8,7 +8,12 @@ import threading
 
 
 class TcpProxy:
-    """Forwards 127.0.0.1:<port> to a target; ``cut()`` drops every connection and refuses new ones."""
+    """Forwards 127.0.0.1:<port> to a target; ``cut()`` drops every connection and refuses new ones.
+
+    ``freeze()`` keeps every connection open (and accepts new ones) but passes no bytes until
+    ``thaw()``: a hung server or a black-holed path, whose sockets this machine's kernel still
+    acknowledges, so neither keepalives nor unacknowledged-data timeouts notice it.
+    """
 
     def __init__(self, target_host: str, target_port: int) -> None:
         self.target = (target_host, target_port)
@@ -16,6 +21,8 @@ class TcpProxy:
         self._server: socket.socket | None = None
         self._conns: list[socket.socket] = []
         self._lock = threading.Lock()
+        self._flowing = threading.Event()
+        self._flowing.set()
 
     @staticmethod
     def _free_port() -> int:
@@ -32,7 +39,14 @@ class TcpProxy:
         threading.Thread(target=self._accept, args=(server,), daemon=True).start()
         return self
 
+    def freeze(self) -> None:
+        self._flowing.clear()
+
+    def thaw(self) -> None:
+        self._flowing.set()
+
     def cut(self) -> None:
+        self._flowing.set()  # held chunks go to sockets that are closing
         with self._lock:
             server, self._server = self._server, None
             conns, self._conns = self._conns, []
@@ -68,10 +82,10 @@ class TcpProxy:
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
         try:
             while data := src.recv(65536):
+                self._flowing.wait()  # frozen: hold what arrived, pass nothing
                 dst.sendall(data)
         except OSError:
             pass

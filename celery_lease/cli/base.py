@@ -65,10 +65,13 @@ def app_of(ctx: click.Context) -> Any:
 
 
 def store_of(ctx: click.Context) -> Any:
-    """The app's lease store, not migrated implicitly (only `lease migrate` creates tables)."""
+    """The app's lease store, not migrated implicitly (only `lease migrate` creates tables).
+
+    An operator's command may scan history or create indexes: its calls get the long bound.
+    """
     from ..store import for_app
 
-    return for_app(app_of(ctx), check=False)
+    return for_app(app_of(ctx), check=False, operator=True)
 
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")

@@ -8,27 +8,42 @@ import json
 import logging
 import os
 import threading
-import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from .. import clock
+from .. import config
 from ..config import RECOVERY
-from ..errors import LeaseConfigError, StoreCorrupt, StoreUnavailable
+from ..errors import StoreCorrupt
 from ..vocabulary import ClaimOutcome, Event, Status
-from . import schema
+from . import dialects, schema
 
 __all__ = ["StoreBase", "Claim", "Job"]
 
 log = logging.getLogger(__name__)
 
 PENDING, RUNNING, COMPLETED, FAILED = Status.PENDING, Status.RUNNING, Status.COMPLETED, Status.FAILED
-# SQLite reports a missing table as an OperationalError, not a ProgrammingError.
-_MISSING_SCHEMA = "no such table"
-IDLE_PING_AFTER = 2.0  # seconds a pooled connection may idle before it is pinged on checkout
+
+
+_StoreT = TypeVar("_StoreT", bound="StoreBase")
+
+
+def _default(setting: str, value: Any) -> Any:
+    return config.BY_NAME[setting].default if value is None else value
+
+
+@dataclasses.dataclass(frozen=True)
+class _Audited:
+    """An audited write, built once: one statement (``statement``, or ``compiled`` for the driver
+    with its result ``columns``), or an ``update`` and its ``audit`` insert for one transaction."""
+
+    statement: Any = None
+    compiled: tuple[str, dict[str, Any]] | None = None
+    columns: list[str] = dataclasses.field(default_factory=list)
+    update: Any = None
+    audit: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,64 +117,42 @@ class Claim:
         return self.outcome == ClaimOutcome.CLAIMED
 
 
-def _connect_sqlite(busy_timeout: float) -> Callable[..., None]:
-    def on_connect(dbapi_conn: Any, _record: Any) -> None:
-        # pysqlite's own transaction handling begins DEFERRED transactions that
-        # deadlock when two readers upgrade to writers; we issue BEGIN IMMEDIATE.
-        dbapi_conn.isolation_level = None
-        cur = dbapi_conn.cursor()
-        cur.execute("PRAGMA journal_mode=WAL")
-        cur.execute(f"PRAGMA busy_timeout={int(busy_timeout * 1000)}")
-        cur.execute("PRAGMA synchronous=NORMAL")
-        cur.close()
-
-    return on_connect
-
-
-def _ping_if_idle(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
-    """Check a pooled connection that sat idle before handing it out.
-
-    A ping on every checkout (pool_pre_ping) costs a round trip per transition; a
-    connection in steady use is known good, and one that died since is replaced here.
-    """
-    now = time.monotonic()
-    last, record.info["checked_out_at"] = record.info.get("checked_out_at"), now
-    if last is not None and now - last < IDLE_PING_AFTER:
-        return
-    cursor = dbapi_conn.cursor()
-    try:
-        cursor.execute("SELECT 1")
-        cursor.close()
-        # End the ping's implicit transaction: the connection must be handed out idle.
-        dbapi_conn.rollback()
-    except Exception as exc:  # noqa: BLE001 - any failure means this connection is gone
-        raise sa.exc.DisconnectionError(str(exc)) from exc
-
-
 class StoreBase:
     """Engine, tables, transactions and the audit log; statements live in the mixins."""
 
-    def __init__(self, url: str, prefix: str = "celery_lease_", busy_timeout: float = 30.0) -> None:
+    def __init__(self, url: str, prefix: str = "celery_lease_", busy_timeout: float | None = None, *,
+                 call_timeout: float | None = None, pool_size: int | None = None,
+                 sqlite_synchronous: str | None = None,
+                 engine_options: Mapping[str, Any] | None = None) -> None:
+        """A store on ``url``; ``call_timeout`` bounds every call (seconds, see dialects.Bounds)."""
         self.url = url
         self.prefix = prefix
         self.t = schema.tables(prefix)
         self.revision: str | None = None  # the schema revision, once a check found it usable
-        self._busy_timeout = busy_timeout
+        self.dialect = dialects.for_url(
+            url, busy_timeout=_default("lease_sqlite_busy_timeout", busy_timeout),
+            synchronous=_default("lease_sqlite_synchronous", sqlite_synchronous))
+        self.bounds = dialects.Bounds(call_timeout if call_timeout is not None else
+                                      config.CALL_TIMEOUT_SHARE * config.BY_NAME["lease_duration"].default)
+        self.long_bounds = dialects.Bounds(max(config.LONG_CALL_TIMEOUT, self.bounds.call))
+        self.pool_size = pool_size or config.DEFAULT_POOL_SIZE
+        self.engine_options = dict(_default("lease_store_engine_options", engine_options))
         self._engine: Engine | None = None
         self._pid = -1
         self._lock = threading.Lock()
         self._schema_lock = threading.Lock()
-        self._built: dict[str, tuple[Any, ...]] = {}
-        try:
-            self.dialect = sa.engine.make_url(url).get_dialect().name
-        except Exception as exc:  # noqa: BLE001 - any URL/driver problem is a config error
-            raise LeaseConfigError("lease_store_url", url, f"is not a usable SQLAlchemy URL ({exc})") from exc
-        if self.dialect not in clock.SUPPORTED_DIALECTS:
-            raise LeaseConfigError(
-                "lease_store_url", url, f"dialect {self.dialect!r} is not supported",
-                f"Use one of {', '.join(clock.SUPPORTED_DIALECTS)}.",
-            )
-        self.now_sql = clock.now(self.dialect)
+        self._built: dict[str, _Audited] = {}
+        self.now_sql = self.dialect.now()
+
+    @classmethod
+    def from_config(cls: type[_StoreT], cfg: config.AppConfig, *, call_timeout: float | None = None,
+                    pool_size: int | None = None) -> _StoreT:
+        """The store an app's settings describe; the call bound defaults to a share of the shortest lease."""
+        if call_timeout is None:
+            call_timeout = config.CALL_TIMEOUT_SHARE * config.shortest_lease(cfg)
+        return cls(cfg.store_url, cfg.table_prefix, cfg.sqlite_busy_timeout, call_timeout=call_timeout,
+                   pool_size=pool_size, sqlite_synchronous=cfg.sqlite_synchronous,
+                   engine_options=cfg.store_engine_options)
 
     # -- plumbing ---------------------------------------------------------
     @property
@@ -170,61 +163,42 @@ class StoreBase:
                 if self._pid != os.getpid():
                     if self._engine is not None:
                         self._engine.dispose(close=False)
-                    self._engine = self._create_engine()
+                    self._engine = self.dialect.create_engine(self.bounds, self.pool_size,
+                                                              self.engine_options)
                     self._pid = os.getpid()
         assert self._engine is not None
         return self._engine
 
-    def _create_engine(self) -> Engine:
-        if self.dialect == "sqlite":
-            engine = sa.create_engine(self.url, connect_args={"timeout": self._busy_timeout})
-            sa.event.listen(engine, "connect", _connect_sqlite(self._busy_timeout))
-            sa.event.listen(engine, "begin", lambda conn: conn.exec_driver_sql("BEGIN IMMEDIATE"))
-            return engine
-        engine = sa.create_engine(self.url, pool_size=5, max_overflow=10)
-        sa.event.listen(engine, "checkout", _ping_if_idle)
-        return engine
-
     @contextlib.contextmanager
     def _driver_errors(self) -> Iterator[None]:
-        """Turn the driver's connection and statement errors into StoreUnavailable."""
+        """Turn driver and pool errors into the LeaseError they mean (store/failures.py)."""
         try:
             yield
-        except (sa.exc.OperationalError, sa.exc.InterfaceError) as exc:
-            if _MISSING_SCHEMA in str(exc.orig):
-                raise self._unmigrated(exc) from exc
-            raise StoreUnavailable(
-                f"lease store {self.safe_url} unreachable: {exc.orig or exc}; "
-                "check lease_store_url and that the database is running"
-            ) from exc
-        except sa.exc.ProgrammingError as exc:
-            raise self._unmigrated(exc) from exc
-
-    def _unmigrated(self, exc: sa.exc.DBAPIError) -> StoreUnavailable:
-        return StoreUnavailable(
-            f"lease store {self.safe_url} rejected a statement ({exc.orig}); "
-            "run `celery -A proj lease migrate`"
-        )
+        except (sa.exc.DBAPIError, sa.exc.TimeoutError) as exc:
+            raise self.dialect.classify(exc, self.safe_url, self.bounds) from exc
 
     @contextlib.contextmanager
-    def begin(self) -> Iterator[Connection]:
-        """A transaction; driver errors become StoreUnavailable."""
-        with self._driver_errors(), self.engine.begin() as conn:
+    def begin(self, *, long: bool = False) -> Iterator[Connection]:
+        """A transaction; driver errors become StoreUnavailable (or a subclass naming the refusal).
+
+        ``long``: the reaper's batches and operators' reads, which may take minutes, get the
+        longer bound instead of the call bound a lease can afford.
+        """
+        bounds = self.long_bounds if long else self.bounds
+        with self._driver_errors(), self.engine.begin() as conn, self.dialect.transaction(conn, bounds, long):
             yield conn
 
-    def _audited_update(self, stmt: sa.Update | Callable[[], sa.Update], job_id: str, event: Event,
-                        reason: str | None = None, worker: str | None = None, token: str | None = None,
-                        detail: Any = None, *, key: str | None = None, params: dict[str, Any] | None = None,
-                        full_row: bool = True) -> Job | bool | None:
-        """A one-row UPDATE and its audit event as one atomic write.
+    def _audited(self, stmt: sa.Update | Callable[[], sa.Update], job_id: str, event: Event,
+                 reason: str | None, worker: str | None, token: str | None, detail: Any,
+                 key: str | None, params: dict[str, Any] | None, full_row: bool) -> Any:
+        """A one-row UPDATE and its audit event as one atomic write: the changed row, or None.
 
-        Returns the new row (``full_row``), True, or None when the UPDATE matched nothing.
-        On PostgreSQL this is a single statement in autocommit (the UPDATE and the event
-        INSERT in data-modifying CTEs): one round trip instead of four. Elsewhere it is an
-        UPDATE, an INSERT and a commit in one transaction. With ``key`` the statements are
-        built once (from a callable using bind parameters ``params``) and reused: on the
-        hot path, building them costs more CPU than running them; on PostgreSQL they are
-        also compiled once and run on the driver connection.
+        Where the dialect allows (PostgreSQL) it is a single statement in autocommit (the
+        UPDATE and the event INSERT in data-modifying CTEs): one round trip instead of four.
+        Elsewhere it is an UPDATE, an INSERT and a commit in one transaction. With ``key``
+        the statements are built once (from a callable using bind parameters ``params``) and
+        reused: on the hot path, building them costs more CPU than running them; on
+        PostgreSQL they are also compiled once and run on the driver connection.
         """
         built = self._built.get(key) if key else None
         if built is None:
@@ -234,34 +208,49 @@ class StoreBase:
         bind = {**(params or {}), "ev_job": job_id, "ev_reason": reason, "ev_worker": worker,
                 "ev_token": token[:8] if token else None,
                 "ev_detail": None if detail is None else json.dumps(detail, default=str)}
-        if self.dialect == "postgresql" and key:
-            values = self._execute_compiled(built[1], bind)
-            row = None if values is None else dict(zip(built[2], values, strict=True))
-        elif self.dialect == "postgresql":
+        if built.compiled is not None:
+            return self._execute_compiled(built, bind)
+        if built.statement is not None:
             with self._driver_errors(), self.engine.connect() as conn:
-                row = conn.execution_options(isolation_level="AUTOCOMMIT").execute(built[0], bind).first()
-        else:
-            update, audit = built
-            with self.begin() as c:
-                if c.dialect.update_returning:
-                    row = c.execute(update, bind).first()
-                elif c.execute(update, bind).rowcount == 1:
-                    row = c.execute(sa.select(*self._row_columns(full_row))
-                                    .where(self.t.jobs.c.id == job_id)).first()
-                else:
-                    row = None
-                if row is not None:
-                    c.execute(audit, bind)
-        if row is None:
-            return None
-        return Job.from_row(row) if full_row else True
+                conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+                return conn.execute(built.statement, bind).first()
+        return self._audited_in_transaction(built, bind, job_id, full_row)
+
+    def _audited_row(self, stmt: sa.Update | Callable[[], sa.Update], job_id: str, event: str, *,
+                     worker: str | None = None, token: str | None = None, key: str | None = None,
+                     params: dict[str, Any] | None = None) -> Job | None:
+        """The audited write of a transition that hands its caller the job (a claim): the new row or None."""
+        row = self._audited(stmt, job_id, event, None, worker, token, None, key, params, True)
+        return None if row is None else Job.from_row(row)
+
+    def _audited_write(self, stmt: sa.Update | Callable[[], sa.Update], job_id: str, event: str,
+                       reason: str | None = None, worker: str | None = None, token: str | None = None,
+                       detail: Any = None, *, key: str | None = None,
+                       params: dict[str, Any] | None = None) -> bool:
+        """The audited write of a fenced transition: whether it happened."""
+        row = self._audited(stmt, job_id, event, reason, worker, token, detail, key, params, False)
+        return row is not None
+
+    def _audited_in_transaction(self, built: _Audited, bind: dict[str, Any], job_id: str,
+                                full_row: bool) -> Any:
+        with self.begin() as c:
+            if self.dialect.update_returning:
+                row = c.execute(built.update, bind).first()
+            elif c.execute(built.update, bind).rowcount == 1:
+                row = c.execute(sa.select(*self._row_columns(full_row))
+                                .where(self.t.jobs.c.id == job_id)).first()
+            else:
+                row = None
+            if row is not None:
+                c.execute(built.audit, bind)
+        return row
 
     def _row_columns(self, full_row: bool) -> list[sa.Column]:
         # A claim needs the lease and progress columns; the stored message stays in the store.
         jobs = self.t.jobs
         return [c for c in jobs.c if c is not jobs.c.payload] if full_row else [jobs.c.id]
 
-    def _build_audited(self, stmt: sa.Update, event: Event, full_row: bool, reused: bool) -> tuple[Any, ...]:
+    def _build_audited(self, stmt: sa.Update, event: Event, full_row: bool, reused: bool) -> _Audited:
         columns = self._row_columns(full_row)
         values = dict(
             event=sa.literal(str(event), sa.String()), reason=sa.bindparam("ev_reason", type_=sa.Text()),
@@ -269,30 +258,30 @@ class StoreBase:
             token=sa.bindparam("ev_token", type_=sa.String()), at=self.now_sql,
             detail=sa.bindparam("ev_detail", type_=sa.Text()),
         )
-        if self.dialect != "postgresql":
-            update = stmt.returning(*columns) if self.engine.dialect.update_returning else stmt
+        if not self.dialect.one_statement_writes:
+            update = stmt.returning(*columns) if self.dialect.update_returning else stmt
             job = sa.bindparam("ev_job", type_=sa.String())
-            audit = sa.insert(self.t.events).values(job_id=job, **values)
-            return update, audit
+            return _Audited(update=update, audit=sa.insert(self.t.events).values(job_id=job, **values))
         changed = stmt.returning(*columns).cte("changed")
         audit = sa.insert(self.t.events).from_select(
             ["job_id", *values], sa.select(changed.c.id, *values.values())
         ).cte("audit")
         statement = sa.select(changed).add_cte(audit)
-        if not reused:
-            return (statement,)
+        if not (reused and self.dialect.compiled_fast_path):
+            return _Audited(statement=statement)
         compiled = statement.compile(dialect=self.engine.dialect)
         static = compiled.construct_params(_check=False)  # the literals SQLAlchemy made parameters
-        return statement, (compiled.string, static), [c.name for c in columns]
+        return _Audited(compiled=(compiled.string, static), columns=[c.name for c in columns])
 
-    def _execute_compiled(self, compiled: tuple[str, dict[str, Any]], bind: dict[str, Any]) -> Any:
-        """Run a statement compiled once on a pooled driver connection, in autocommit.
+    def _execute_compiled(self, built: _Audited, bind: dict[str, Any]) -> dict[str, Any] | None:
+        """Run a statement compiled once on a pooled driver connection, in autocommit: its row or None.
 
         The hot transitions (claim, complete) skip SQLAlchemy's execution layer: on a
         worker that sleeps between tasks its cold path costs as much CPU as the round
         trip. Driver errors are wrapped as SQLAlchemy's so that they map as elsewhere.
         """
-        sql, static = compiled
+        assert built.compiled is not None
+        sql, static = built.compiled
         dbapi = self.engine.dialect.loaded_dbapi
         with self._driver_errors():
             try:
@@ -303,7 +292,7 @@ class StoreBase:
                     try:
                         with raw.cursor() as cursor:
                             cursor.execute(sql, {**static, **bind})
-                            return cursor.fetchone()
+                            values = cursor.fetchone()
                     finally:
                         if not driver.closed:
                             driver.autocommit = False
@@ -313,6 +302,7 @@ class StoreBase:
             except dbapi.Error as exc:
                 raise sa.exc.DBAPIError.instance(sql, None, exc, dbapi.Error, hide_parameters=True,
                                                  dialect=self.engine.dialect) from exc
+        return None if values is None else dict(zip(built.columns, values, strict=True))
 
     @property
     def safe_url(self) -> str:

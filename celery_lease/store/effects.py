@@ -8,7 +8,8 @@ rows with their own token and an expiry on the store's clock.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -22,7 +23,6 @@ __all__ = ["EffectStatements", "advance_statement"]
 # What a fenced insert found (EffectOutcome): the caller wrote the key (or took the lock),
 # the key exists already (the lock is held), or the caller's job lease is gone.
 FIRST, DUPLICATE, LOST = EffectOutcome.FIRST, EffectOutcome.DUPLICATE, EffectOutcome.LOST
-_MYSQL = ("mysql", "mariadb")
 
 
 def advance_statement(column: sa.Column, where: sa.ColumnElement[bool], value: Any,
@@ -47,42 +47,24 @@ class EffectStatements(StoreBase):
         j = self.t.jobs
         return sa.and_(j.c.id == job_id, j.c.lock_token == token, j.c.status == RUNNING)
 
-    def _insert_new(self, table: sa.Table, dialect: str) -> Any:
-        """An INSERT that skips a row whose key exists, without an error that aborts the transaction.
-
-        Its row count says whether it inserted (SQLAlchemy keeps an INSERT's count only on request).
-        """
-        if dialect == "postgresql":
-            from sqlalchemy.dialects.postgresql import insert as pg_insert
-
-            stmt = pg_insert(table).on_conflict_do_nothing()
-        elif dialect == "sqlite":
-            from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-
-            stmt = sqlite_insert(table).on_conflict_do_nothing()
-        else:
-            # MySQL: IGNORE also turns truncation into a warning; callers bound key lengths first.
-            stmt = sa.insert(table).prefix_with("IGNORE")
-        return stmt.execution_options(preserve_rowcount=True)
-
     def lease_held(self, c: Connection, job_id: str, token: str) -> bool:
         """Whether the job's row still carries this token (read on ``c``)."""
         j = self.t.jobs
         return c.execute(sa.select(j.c.id).where(self._held(job_id, token))).first() is not None
 
     # -- effects ------------------------------------------------------------------
-    def _effect_insert(self, key: str, job_id: str, token: str, dialect: str, fenced: bool = True) -> Any:
+    def _effect_insert(self, key: str, job_id: str, token: str, fenced: bool = True) -> Any:
         e, j = self.t.effects, self.t.jobs
         if not fenced:
-            return self._insert_new(e, dialect).values(key=key, job_id=job_id, at=self.now_sql)
+            return self.dialect.insert_ignore(e).values(key=key, job_id=job_id, at=self.now_sql)
         source = (sa.select(sa.literal(key, sa.String()), j.c.id, self.now_sql)
                   .where(self._held(job_id, token)))
-        return self._insert_new(e, dialect).from_select(["key", "job_id", "at"], source)
+        return self.dialect.insert_ignore(e).from_select(["key", "job_id", "at"], source)
 
     def record_effect(self, key: str, job_id: str, token: str, worker: str | None = None) -> EffectOutcome:
         """Insert ``key`` for the job while ``token`` holds it: FIRST, DUPLICATE or LOST (audited)."""
         with self.begin() as c:
-            if c.execute(self._effect_insert(key, job_id, token, self.dialect)).rowcount == 1:
+            if c.execute(self._effect_insert(key, job_id, token)).rowcount == 1:
                 return FIRST
             if self.lease_held(c, job_id, token):
                 return DUPLICATE
@@ -90,40 +72,57 @@ class EffectStatements(StoreBase):
                         {"key": key})
             return LOST
 
+    @contextlib.contextmanager
+    def _caller_errors(self, conn: Connection, what: str) -> Iterator[None]:
+        """Driver errors of the caller's connection, as the LeaseError they mean, naming the connection."""
+        try:
+            yield
+        except (sa.exc.DBAPIError, sa.exc.TimeoutError) as exc:
+            error = self.dialect.classify(exc, "behind the caller's connection", self.bounds)
+            raise type(error)(f"{what}: {error}; pass a connection to the lease store's database "
+                              f"({self.safe_url}), migrated", **error.context) from exc
+
     def record_effect_in(self, conn: Connection, key: str, job_id: str, token: str,
                          worker: str | None = None) -> EffectOutcome:
         """Like record_effect, but the key is written in the caller's transaction on ``conn``.
 
-        PostgreSQL and SQLite run the one fenced ``INSERT ... SELECT`` on ``conn``. On
-        MySQL/MariaDB that statement would hold a shared lock on the jobs row until the
-        caller commits (blocking heartbeats and the reaper), so the fence is read on the
-        store's own connection just before a plain insert of the key on ``conn``.
+        Where the fenced ``INSERT ... SELECT`` only reads the jobs row (PostgreSQL, SQLite) it
+        runs on ``conn``. On MySQL/MariaDB it would hold a shared lock on the jobs row until
+        the caller commits (blocking heartbeats and the reaper), so the fence is read on the
+        store's own connection just before a plain insert of the key on ``conn``. Raises
+        ValueError for a connection to another kind of database.
         """
-        dialect = conn.dialect.name
-        if dialect in _MYSQL:
+        if not self.dialect.speaks(conn.dialect.name):
+            raise ValueError(f"effect(connection=...) needs a connection to the lease store's database "
+                             f"({self.safe_url}); got a {conn.dialect.name} connection")
+        what = f"effect {key!r}"
+        if self.dialect.fence_locks_rows:
             with self.begin() as c:
                 if not self.lease_held(c, job_id, token):
-                    self._event(c, job_id, Event.STALE_EFFECT_REJECTED, "lock token no longer matches",
-                                worker, token, {"key": key, "in_transaction": True})
+                    self._stale_effect(c, key, job_id, token, worker)
                     return LOST
-            inserted = conn.execute(self._effect_insert(key, job_id, token, dialect, fenced=False))
+            with self._caller_errors(conn, what):
+                inserted = conn.execute(self._effect_insert(key, job_id, token, fenced=False))
             return FIRST if inserted.rowcount == 1 else DUPLICATE
-        if conn.execute(self._effect_insert(key, job_id, token, dialect)).rowcount == 1:
-            return FIRST
-        if dialect == "sqlite":
-            # The caller's connection may hold SQLite's only write lock: a second
-            # connection would wait for it, so read and audit on the caller's.
-            if self.lease_held(conn, job_id, token):
-                return DUPLICATE
-            self._event(conn, job_id, Event.STALE_EFFECT_REJECTED, "lock token no longer matches", worker,
-                        token, {"key": key, "in_transaction": True})
-            return LOST
+        with self._caller_errors(conn, what):
+            if conn.execute(self._effect_insert(key, job_id, token)).rowcount == 1:
+                return FIRST
+            if self.dialect.single_writer:
+                # The caller's connection may hold the database's only write lock: a second
+                # connection would wait for it, so read and audit on the caller's.
+                if self.lease_held(conn, job_id, token):
+                    return DUPLICATE
+                self._stale_effect(conn, key, job_id, token, worker)
+                return LOST
         with self.begin() as c:
             if self.lease_held(c, job_id, token):
                 return DUPLICATE
-            self._event(c, job_id, Event.STALE_EFFECT_REJECTED, "lock token no longer matches", worker, token,
-                        {"key": key, "in_transaction": True})
+            self._stale_effect(c, key, job_id, token, worker)
             return LOST
+
+    def _stale_effect(self, c: Connection, key: str, job_id: str, token: str, worker: str | None) -> None:
+        self._event(c, job_id, Event.STALE_EFFECT_REJECTED, "lock token no longer matches", worker, token,
+                    {"key": key, "in_transaction": True})
 
     def release_effect(self, key: str, job_id: str, token: str, worker: str | None = None,
                        reason: str | None = None) -> bool:
@@ -149,7 +148,8 @@ class EffectStatements(StoreBase):
     def unrecord_effect_in(self, conn: Connection, key: str, job_id: str) -> bool:
         """Take back a key this transaction wrote on ``conn`` (its block failed; nobody saw it yet)."""
         e = self.t.effects
-        return conn.execute(sa.delete(e).where(e.c.key == key, e.c.job_id == job_id)).rowcount == 1
+        with self._caller_errors(conn, f"effect {key!r}"):
+            return conn.execute(sa.delete(e).where(e.c.key == key, e.c.job_id == job_id)).rowcount == 1
 
     def forget_effect(self, key: str, reason: str = "released by an operator") -> bool:
         """Delete an effect key unconditionally (an operator's decision), audited."""
@@ -187,7 +187,7 @@ class EffectStatements(StoreBase):
             if fence is not None:
                 source = source.select_from(j).where(fence)
             cols = ["resource", "token", "job_id", "owner", "expires_at"]
-            if c.execute(self._insert_new(lk, self.dialect).from_select(cols, source)).rowcount == 1:
+            if c.execute(self.dialect.insert_ignore(lk).from_select(cols, source)).rowcount == 1:
                 return FIRST
             take = sa.update(lk).where(lk.c.resource == resource, lk.c.expires_at < self.now_sql)
             if fence is not None:
@@ -212,7 +212,7 @@ class EffectStatements(StoreBase):
         ttl = sa.case(*((lk.c.token == tok, sa.literal(sec)) for tok, sec in ttls.items()), else_=0.0)
         stmt = sa.update(lk).where(lk.c.token.in_(tokens)).values(expires_at=self.now_sql + ttl)
         with self.begin() as c:
-            if self.engine.dialect.update_returning:
+            if self.dialect.update_returning:
                 return {r[0] for r in c.execute(stmt.returning(lk.c.token))}
             c.execute(stmt)
             return set(c.execute(sa.select(lk.c.token).where(lk.c.token.in_(tokens))).scalars())

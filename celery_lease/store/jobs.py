@@ -10,7 +10,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from ..config import RECOVERY
-from ..errors import StoreUnavailable
+from ..errors import StoreConflict, StoreUnavailable
 from ..vocabulary import ClaimOutcome, Event
 from .base import COMPLETED, FAILED, PENDING, RUNNING, Claim, Job
 from .workers import WorkerStatements
@@ -51,7 +51,7 @@ class JobStatements(WorkerStatements):
                                                   created_at=self.now_sql))
                 self._event(c, job_id, Event.PUBLISHED, detail={"queue": queue} if queue else None)
             return True, job_id
-        except sa.exc.IntegrityError:
+        except StoreConflict:
             pass
         with self.begin() as c:
             if idempotency_key is not None:
@@ -87,13 +87,8 @@ class JobStatements(WorkerStatements):
         duration = sa.bindparam("duration", type_=sa.Double())
         early = sa.bindparam("early", type_=sa.Double())
         conditions = [j.c.id == sa.bindparam("job_id"), j.c.status == PENDING,
-                      j.c.available_at <= self.now_sql + early]
-        if async_commit and self.dialect == "postgresql":
-            # The claim runs in autocommit, so its transaction is this one statement and a
-            # transaction-local setting covers its commit alone. If a server crash undoes the
-            # claim, nothing built on it survives: its owner's later writes are fenced,
-            # synchronous, and come after it in the WAL.
-            conditions.append(sa.func.set_config("synchronous_commit", "off", True).is_not(None))
+                      j.c.available_at <= self.now_sql + early,
+                      *self.dialect.autocommit_settings(self.bounds, async_commit)]
         grace = sa.bindparam("grace", type_=sa.Double())
         # The running code's recovery policy replaces the recorded one; NULL keeps it.
         recovery = {name: sa.func.coalesce(sa.bindparam(f"r_{name}", type_=j.c[name].type), j.c[name])
@@ -106,6 +101,7 @@ class JobStatements(WorkerStatements):
         j = self.t.jobs
         return sa.update(j).where(
             j.c.id == sa.bindparam("job_id"), j.c.lock_token == sa.bindparam("token"), j.c.status == RUNNING,
+            *self.dialect.autocommit_settings(self.bounds),
         ).values(status=COMPLETED, completed_at=self.now_sql, lease_expires_at=None, lock_token=None,
                  updated_at=self.now_sql)
 
@@ -140,13 +136,13 @@ class JobStatements(WorkerStatements):
         """
         j = self.t.jobs
         for _ in range(3):
-            claimed = self._audited_update(
+            claimed = self._audited_row(
                 lambda: self._claim_pending(async_commit), job_id, Event.CLAIMED, worker=worker, token=token,
                 key="claim_async" if async_commit else "claim",
                 params={"job_id": job_id, "worker": worker, "token": token, "duration": duration,
                         "grace": grace, "early": early,
                         **{f"r_{name}": (recovery or {}).get(name) for name in RECOVERY}})
-            if isinstance(claimed, Job):
+            if claimed is not None:
                 return Claim(ClaimOutcome.CLAIMED, claimed)
             with self.begin() as c:
                 current = self._job(c, job_id)
@@ -191,7 +187,7 @@ class JobStatements(WorkerStatements):
                     self._event(c, job_id, Event.CLAIMED, reason="first seen by a worker",
                                 worker=worker, token=token)
                     return Claim(ClaimOutcome.CLAIMED, self._job(c, job_id))
-            except sa.exc.IntegrityError:
+            except StoreConflict:
                 continue
         raise StoreUnavailable(f"job {job_id}: claim kept racing with concurrent inserts", job_id=job_id)
 
@@ -207,17 +203,18 @@ class JobStatements(WorkerStatements):
     def _owner_write(self, job_id: str, token: str, worker: str | None, event: Event, stale: Event,
                      values: Mapping[str, Any], reason: str | None = None, detail: Any = None) -> bool:
         """One fenced write audited as ``event``; a stale token changes nothing, audited as ``stale``."""
-        stmt = (sa.update(self.t.jobs).where(self._fenced(job_id, token))
+        stmt = (sa.update(self.t.jobs).where(self._fenced(job_id, token),
+                                             *self.dialect.autocommit_settings(self.bounds))
                 .values(updated_at=self.now_sql, **values))
-        if self._audited_update(stmt, job_id, event, reason, worker, token, detail, full_row=False):
+        if self._audited_write(stmt, job_id, event, reason, worker, token, detail):
             return True
         self.event(job_id, stale, "lock token no longer matches", worker, token, detail)
         return False
 
     def complete(self, job_id: str, token: str, worker: str | None = None) -> bool:
         """running -> completed; False (audited) when the token no longer matches."""
-        if self._audited_update(self._complete_running, job_id, Event.COMPLETED, worker=worker, token=token,
-                                key="complete", params={"job_id": job_id, "token": token}, full_row=False):
+        if self._audited_write(self._complete_running, job_id, Event.COMPLETED, worker=worker, token=token,
+                               key="complete", params={"job_id": job_id, "token": token}):
             return True
         self.event(job_id, Event.STALE_COMPLETION_REJECTED, "lock token no longer matches", worker, token)
         return False
@@ -275,20 +272,21 @@ class JobStatements(WorkerStatements):
         return sa.and_(j.c.id.in_(set(leases.values())), j.c.lock_token.in_(list(leases)),
                        j.c.status == RUNNING)
 
-    def _renewal(self, leases: Mapping[str, str], extend: Mapping[str, float] | None) -> sa.Update:
+    def _renewal(self, leases: Mapping[str, str], extend: Mapping[str, float] | None,
+                 *where: sa.ColumnElement[bool]) -> sa.Update:
         j = self.t.jobs
         duration = j.c.lease_duration
         if extend:
             duration = sa.case(*((j.c.lock_token == tok, sa.literal(sec)) for tok, sec in extend.items()),
                                else_=j.c.lease_duration)
-        stmt = (sa.update(j).where(self._still_held(leases))
+        stmt = (sa.update(j).where(self._still_held(leases), *where)
                 .values(lease_expires_at=self.now_sql + duration, last_heartbeat_at=self.now_sql))
         return stmt.values(lease_duration=duration) if extend else stmt
 
     def _renew_in(self, c: Connection, leases: Mapping[str, str],
                   extend: Mapping[str, float] | None) -> set[str]:
         stmt = self._renewal(leases, extend)
-        if c.dialect.update_returning:
+        if self.dialect.update_returning:
             return set(c.execute(stmt.returning(self.t.jobs.c.id)).scalars())
         c.execute(stmt)
         return set(c.execute(sa.select(self.t.jobs.c.id).where(self._still_held(leases))).scalars())
@@ -309,12 +307,13 @@ class JobStatements(WorkerStatements):
              extend: Mapping[str, float] | None = None) -> set[str]:
         """One heartbeat round: refresh the worker's registry row and renew its leases.
 
-        On PostgreSQL both writes are one statement (the registry upsert rides in a
-        CTE); elsewhere they share one transaction. Returns the renewed job ids.
+        Where the dialect allows (PostgreSQL) both writes are one statement (the registry
+        upsert rides in a CTE); elsewhere they share one transaction. Returns the renewed job ids.
         """
         seen = self._seen(worker, hostname, pid)
-        if self.dialect == "postgresql" and leases:
-            renewed = self._renewal(leases, extend).returning(self.t.jobs.c.id).cte("renewed")
+        if self.dialect.one_statement_writes and leases:
+            settings = self.dialect.autocommit_settings(self.bounds)
+            renewed = self._renewal(leases, extend, *settings).returning(self.t.jobs.c.id).cte("renewed")
             stmt = sa.select(renewed.c.id).add_cte(seen.cte("seen"))
             with self._driver_errors(), self.engine.connect() as conn:
                 return set(conn.execution_options(isolation_level="AUTOCOMMIT").execute(stmt).scalars())

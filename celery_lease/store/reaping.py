@@ -18,6 +18,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from ..errors import StoreConflict
 from ..vocabulary import Event
 from .base import COMPLETED, FAILED, PENDING, RUNNING, Job, StoreBase
 
@@ -42,18 +43,15 @@ class ReaperStatements(StoreBase):
         return self.now_sql if now is None else sa.literal(float(now), sa.Double())
 
     def _locking(self, query: sa.Select, lock: bool) -> sa.Select:
-        if not lock or self.dialect == "sqlite":
-            return query  # SQLite's BEGIN IMMEDIATE already serialises writers
-        if self.dialect == "postgresql":
-            return query.with_for_update(skip_locked=True, of=self.t.jobs)
-        return query.with_for_update(skip_locked=True)  # MariaDB >= 10.6, MySQL >= 8
+        return self.dialect.lock_rows(query, self.t.jobs) if lock else query
 
     @contextlib.contextmanager
     def _tx(self, c: Connection | None) -> Iterator[Connection]:
+        # The reaper's own transactions hold a batch while they publish: the long bound.
         if c is not None:
             yield c
         else:
-            with self.begin() as own:
+            with self.begin(long=True) as own:
                 yield own
 
     # -- expired leases -------------------------------------------------------
@@ -179,7 +177,7 @@ class ReaperStatements(StoreBase):
             with self.begin() as c:
                 c.execute(sa.insert(k).values(resource=REAPER_LOCK, token=token, owner=owner, job_id=None,
                                               expires_at=self.now_sql + ttl))
-        except sa.exc.IntegrityError:
+        except StoreConflict:
             return False
         return True
 
@@ -207,7 +205,7 @@ class ReaperStatements(StoreBase):
     # -- pruning (bounded batches) ----------------------------------------------------
     def _delete_ids(self, table: sa.Table, key: sa.Column, where: sa.ColumnElement[bool], limit: int) -> int:
         # Select then delete: MySQL rejects LIMIT inside an IN subquery.
-        with self.begin() as c:
+        with self.begin(long=True) as c:
             ids = [r[0] for r in c.execute(sa.select(key).where(where).limit(limit))]
             if not ids:
                 return 0

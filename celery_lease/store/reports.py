@@ -43,7 +43,11 @@ def _cumulative(values: list[float]) -> tuple[int, float, list[int]]:
 
 
 class ReportStatements(StoreBase):
-    """Read-mostly statements for operators: status, listings, metrics, manual recovery."""
+    """Read-mostly statements for operators: status, listings, metrics, manual recovery.
+
+    They run with the store's long bound: an operator's read may scan history, and no lease
+    waits on it.
+    """
 
     def _now(self, c: sa.Connection) -> float:
         return float(c.execute(sa.select(self.now_sql)).scalar_one())
@@ -52,7 +56,7 @@ class ReportStatements(StoreBase):
     def job_counts(self) -> list[tuple[str | None, str, int]]:
         """(queue, status, count) over the whole table: an operator's one-off read, not a scrape."""
         j = self.t.jobs
-        with self.begin() as c:
+        with self.begin(long=True) as c:
             rows = c.execute(sa.select(j.c.queue_name, j.c.status, sa.func.count())
                              .group_by(j.c.queue_name, j.c.status)).all()
         return sorted(((r[0], r[1], int(r[2])) for r in rows), key=lambda r: (r[0] or "", r[1]))
@@ -60,7 +64,7 @@ class ReportStatements(StoreBase):
     def running_rows(self, limit: int = 10_000) -> tuple[float, list[dict[str, Any]]]:
         """The store's now and up to ``limit`` running jobs (oldest lease first) with their ages."""
         j = self.t.jobs
-        with self.begin() as c:
+        with self.begin(long=True) as c:
             now = self._now(c)
             rows = c.execute(
                 sa.select(j.c.id, j.c.task_name, j.c.queue_name, j.c.locked_by, j.c.started_at,
@@ -77,14 +81,14 @@ class ReportStatements(StoreBase):
         """Registered worker processes seen within ``stale_after`` seconds (alive) or not (stale)."""
         w = self.t.workers
         alive = sa.case((w.c.last_seen_at >= self.now_sql - stale_after, 1), else_=0)
-        with self.begin() as c:
+        with self.begin(long=True) as c:
             total, live = c.execute(sa.select(sa.func.count(), sa.func.sum(alive))).one()
         return {"alive": int(live or 0), "stale": int(total or 0) - int(live or 0)}
 
     def alive_workers(self, stale_after: float) -> set[str]:
         """Ids of worker processes seen within ``stale_after`` seconds (the registry is small)."""
         w = self.t.workers
-        with self.begin() as c:
+        with self.begin(long=True) as c:
             return {r[0] for r in c.execute(sa.select(w.c.worker_id)
                                             .where(w.c.last_seen_at >= self.now_sql - stale_after))}
 
@@ -98,7 +102,7 @@ class ReportStatements(StoreBase):
             q = q.where(e.c.at > since)
         if until is not None:
             q = q.where(e.c.at <= until)
-        with self.begin() as c:
+        with self.begin(long=True) as c:
             rows = c.execute(q).all()
         return {name: 0 for name in names} | {r[0]: int(r[1]) for r in rows}
 
@@ -119,7 +123,7 @@ class ReportStatements(StoreBase):
             q = q.where(j.c.queue_name == queue)
         if task is not None:
             q = q.where(j.c.task_name == task)
-        with self.begin() as c:
+        with self.begin(long=True) as c:
             return [Job.from_row(r) for r in c.execute(q)]
 
     def require(self, job_id: str) -> Job:
@@ -138,7 +142,7 @@ class ReportStatements(StoreBase):
             q = q.where(e.c.job_id == job_id)
         if event is not None:
             q = q.where(e.c.event == event)
-        with self.begin() as c:
+        with self.begin(long=True) as c:
             if since is not None:
                 # A bound value, not the clock expression: PostgreSQL cannot range-scan an index
                 # against clock_timestamp(), which is volatile.
@@ -151,7 +155,7 @@ class ReportStatements(StoreBase):
         """Per (queue, task) over running jobs: count, expired leases, oldest start, heartbeat lag
         max/sum and cumulative bucket counts. Bounded by the jobs in flight."""
         j = self.t.jobs
-        with self.begin() as c:
+        with self.begin(long=True) as c:
             now = self._now(c)
             at = sa.literal(now, sa.Double())
             lag = at - sa.func.coalesce(j.c.last_heartbeat_at, j.c.started_at, at)
@@ -170,7 +174,7 @@ class ReportStatements(StoreBase):
     def pending_metrics(self) -> tuple[float, list[dict[str, Any]]]:
         """Per queue: pending depth and the oldest ``available_at`` already due."""
         j = self.t.jobs
-        with self.begin() as c:
+        with self.begin(long=True) as c:
             now = self._now(c)
             due = sa.case((j.c.available_at <= now, j.c.available_at), else_=None)
             rows = c.execute(sa.select(j.c.queue_name, sa.func.count(), sa.func.min(due))
@@ -191,7 +195,7 @@ class ReportStatements(StoreBase):
         histogram (completed and failed), each over at most ``limit`` rows per status."""
         # One bucket index per row and GROUP BY it: one CASE per row instead of one per bucket.
         sums: dict[str, dict[str, list[float]]] = {}
-        with self.begin() as c:
+        with self.begin(long=True) as c:
             since = self._now(c) - window
             for status in (COMPLETED, FAILED):
                 sub = self._recent(status, since, limit)
@@ -217,7 +221,7 @@ class ReportStatements(StoreBase):
         j = self.t.jobs
         sub = (sa.select(j.c.task_name).where(j.c.status == COMPLETED)
                .order_by(j.c.updated_at.desc()).limit(limit).subquery())
-        with self.begin() as c:
+        with self.begin(long=True) as c:
             return sorted(r[0] for r in c.execute(sa.select(sub.c.task_name).distinct()))
 
     def runtime_sample(self, task: str, limit: int = 10_000) -> list[tuple[float, float, str | None]]:
@@ -229,7 +233,7 @@ class ReportStatements(StoreBase):
              .where(j.c.task_name == task, j.c.status == COMPLETED, j.c.started_at.is_not(None),
                     j.c.completed_at.is_not(None))
              .order_by(j.c.updated_at.desc()).limit(limit))
-        with self.begin() as c:
+        with self.begin(long=True) as c:
             return [(float(r[0]), float(r[1]), r[2]) for r in c.execute(q)]
 
     # -- manual recovery ----------------------------------------------------------
@@ -241,13 +245,13 @@ class ReportStatements(StoreBase):
         cond = (sa.and_(j.c.status == RUNNING, j.c.lease_expires_at < self.now_sql) if force
                 else self.claimable_expired(hard_grace, stale_after))
         q = sa.select(j).where(cond).order_by(j.c.lease_expires_at, j.c.id).limit(limit)
-        with self.begin() as c:
+        with self.begin(long=True) as c:
             return [Job.from_row(r) for r in c.execute(q)]
 
     def is_claimable_expired(self, job_id: str, hard_grace: float, stale_after: float) -> bool:
         j = self.t.jobs
         q = sa.select(j.c.id).where(j.c.id == job_id, self.claimable_expired(hard_grace, stale_after))
-        with self.begin() as c:
+        with self.begin(long=True) as c:
             return c.execute(q).first() is not None
 
     def manual_requeue(self, job: Job, operator: str, hard_grace: float, stale_after: float,
@@ -267,7 +271,7 @@ class ReportStatements(StoreBase):
             where = [j.c.id == job.id, j.c.status == PENDING, j.c.updated_at == job.updated_at]
         else:
             return False
-        with self.begin() as c:
+        with self.begin(long=True) as c:
             if c.execute(sa.update(j).where(*where).values(**values)).rowcount != 1:
                 return False
             self._event(c, job.id, Event.MANUAL_REQUEUE, reason, operator, job.lock_token, detail={
@@ -284,7 +288,7 @@ class ReportStatements(StoreBase):
             q = q.where(j.c.task_name == task)
         if not include_revoked:
             q = q.where(sa.or_(j.c.last_error.is_(None), ~j.c.last_error.startswith(REVOKED_PREFIX)))
-        with self.begin() as c:
+        with self.begin(long=True) as c:
             return [Job.from_row(r) for r in c.execute(q)]
 
     def redrive(self, job: Job, operator: str) -> bool:
@@ -292,7 +296,7 @@ class ReportStatements(StoreBase):
         dlq_redriven. The idempotency key stays with the job."""
         j = self.t.jobs
         same_failure = j.c.failed_at.is_(None) if job.failed_at is None else j.c.failed_at == job.failed_at
-        with self.begin() as c:
+        with self.begin(long=True) as c:
             res = c.execute(sa.update(j).where(j.c.id == job.id, j.c.status == FAILED, same_failure).values(
                 status=PENDING, available_at=self.now_sql, updated_at=self.now_sql, failed_at=None,
                 attempt_count=0, expired_count=0, lock_token=None, locked_by=None, lease_expires_at=None,
@@ -313,7 +317,7 @@ class ReportStatements(StoreBase):
         if not job_ids:
             return {}
         j = self.t.jobs
-        with self.begin() as c:
+        with self.begin(long=True) as c:
             rows = c.execute(sa.select(j.c.id, j.c.locked_by).where(
                 j.c.id.in_(list(job_ids)), j.c.status == RUNNING, j.c.lease_expires_at > self.now_sql,
             )).all()
@@ -322,7 +326,7 @@ class ReportStatements(StoreBase):
     def check_facts(self) -> dict[str, Any]:
         """What `lease check` reads besides durations: tables, hosts, delays and usage per task."""
         j, w, e, lk = self.t.jobs, self.t.workers, self.t.effects, self.t.locks
-        with self.begin() as c:
+        with self.begin(long=True) as c:
             existing = set(sa.inspect(c).get_table_names())
         missing = [t.name for t in self.t.metadata.sorted_tables if t.name not in existing]
         if missing:
@@ -333,7 +337,7 @@ class ReportStatements(StoreBase):
             sa.func.max(sa.case((sa.and_(j.c.status == PENDING, j.c.attempt_count == 0),
                                  j.c.available_at - j.c.created_at), else_=None)),
         ).group_by(j.c.task_name)
-        with self.begin() as c:
+        with self.begin(long=True) as c:
             hosts = [r[0] for r in c.execute(sa.select(w.c.hostname).distinct())]
             jobs = c.execute(usage).all()
             effects = dict(c.execute(sa.select(j.c.task_name, sa.func.count()).select_from(

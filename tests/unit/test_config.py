@@ -16,6 +16,8 @@ BAD_VALUES = {
     "lease_store_url": "",
     "lease_table_prefix": "1-bad prefix",
     "lease_sqlite_busy_timeout": -1,
+    "lease_sqlite_synchronous": "OFF",  # a power loss could corrupt the file, not just lose commits
+    "lease_store_engine_options": ["poolclass"],
     "lease_store_retry_delay": 0,
     "lease_clock_tolerance": -0.5,
     "lease_claim_async_commit": "yes",
@@ -37,6 +39,7 @@ BAD_VALUES = {
     "lease_reaper_lock_ttl": 0,
     "lease_worker_stale_after": 0,
     "lease_retention": -1,
+    "lease_idempotency_retention": 0,
     "lease_queue_policies": [("reports", {"lease_duration": 600})],
     "lease_extend_visibility": 1,
     "lease_rabbitmq_consumer_timeout": 0,
@@ -334,3 +337,23 @@ def test_unknown_namespaced_lease_setting_is_rejected():
         config.app_config(namespaced_app(Typo))
     assert info.value.setting == "lease_duraton"
     assert "lease_duration" in str(info.value)
+
+
+def test_shortest_lease_takes_the_least_of_setting_queue_policies_and_task_options():
+    cfg = config.app_config(make_app(lease_duration=30.0, lease_heartbeat_interval=1.0,
+                                     lease_queue_policies={"fast": {"lease_duration": 12.0}}))
+
+    class Task:
+        lease_duration = 6.0
+
+    class Plain:
+        lease_duration = None
+
+    assert config.shortest_lease(cfg) == 12.0
+    assert config.shortest_lease(cfg, [Task(), Plain()]) == 6.0
+
+
+def test_idempotency_keys_must_outlive_the_jobs_they_name():
+    with pytest.raises(LeaseConfigError, match=r"lease_idempotency_retention=3600.0 is invalid: must be at least "
+                                               r"lease_retention \(7200s\)"):
+        config.load({"lease_retention": 7200.0, "lease_idempotency_retention": 3600.0})

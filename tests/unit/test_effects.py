@@ -110,7 +110,7 @@ def test_sixteen_leases_racing_on_one_effect_key_see_first_once(store, hb):
 def test_sixteen_leases_racing_in_their_own_transactions_write_one_ledger_row(store, hb, ledger):
     leases = [claim(store, hb, f"job-{i}") for i in range(RACERS)]
     engine = sa.create_engine(store.url, poolclass=sa.NullPool,
-                              connect_args={"timeout": 30} if store.dialect == "sqlite" else {})
+                              connect_args={"timeout": 30} if store.dialect.name == "sqlite" else {})
 
     def attempt(i: int) -> bool:
         with engine.begin() as conn:
@@ -213,7 +213,7 @@ def test_effect_in_a_user_transaction_commits_with_the_business_row(store, hb, l
 
 
 def test_an_open_effect_transaction_does_not_hold_up_the_heartbeat(store, hb):
-    if store.dialect == "sqlite":
+    if store.dialect.name == "sqlite":
         pytest.skip("SQLite has one writer at a time: every store write waits for the open transaction")
     lease = claim(store, hb, "job-1")
     renewed = threading.Event()

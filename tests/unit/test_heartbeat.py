@@ -63,7 +63,7 @@ def test_one_statement_renews_every_lease_of_the_process(store, hb):
         sa.event.remove(store.engine, "before_cursor_execute", collect)
     assert counts["renewed"] == 40 and counts["lost"] == 0
     assert len([s for s in statements if f"UPDATE {store.t.jobs.name} " in s]) == 1
-    if store.dialect == "postgresql":
+    if store.dialect.name == "postgresql":
         assert len(statements) == 1  # the registry refresh rides in the same statement
     assert all(store.get(job_id).lease_expires_at > expiry for job_id, expiry in before.items())
 

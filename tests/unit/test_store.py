@@ -308,3 +308,34 @@ def test_an_async_claim_turns_off_synchronous_commit_for_its_own_transaction_onl
         assert raw.driver_connection.execute("SHOW synchronous_commit").fetchone()[0] == "on"
     finally:
         raw.close()
+
+
+def test_for_app_bounds_calls_by_the_shortest_lease_and_sizes_the_pool_by_concurrency(tmp_path):
+    from celery import Celery
+
+    from celery_lease import LeaseTask
+    from celery_lease.store import for_app
+
+    app = Celery("bounds", set_as_current=False)
+    app.conf.update(lease_store_url=f"sqlite:///{tmp_path / 'lease.sqlite3'}", lease_duration=30.0,
+                    lease_heartbeat_interval=1.0, lease_queue_policies={"fast": {"lease_duration": 12.0}},
+                    worker_concurrency=4)
+
+    @app.task(base=LeaseTask, lease_duration=6.0, shared=False)
+    def quick():
+        return None
+
+    store = for_app(app, check=False)
+    assert store.bounds.call == pytest.approx(2.0)  # a third of the 6 s lease
+    assert store.pool_size == 6  # four tasks, the heartbeat and one spare
+
+
+def test_store_engine_options_are_merged_last(tmp_path):
+    from celery_lease.config import load
+
+    cfg = load({"lease_store_url": f"sqlite:///{tmp_path / 'lease.sqlite3'}",
+                "lease_store_engine_options": {"poolclass": sa.pool.NullPool}})
+    store = Store.from_config(cfg, call_timeout=3.0)
+    assert isinstance(store.engine.pool, sa.pool.NullPool)
+    assert store.bounds.call == 3.0
+    assert store.now() > 0

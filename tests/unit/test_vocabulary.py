@@ -31,7 +31,9 @@ PACKAGE = ROOT / "celery_lease"
 WRITERS: dict[str, tuple[tuple[int, str], ...]] = {
     "event": ((1, "event"),),  # StoreBase.event(job_id, event, ...)
     "_event": ((2, "event"),),  # StoreBase._event(conn, job_id, event, ...)
-    "_audited_update": ((2, "event"),),
+    "_audited": ((2, "event"),),
+    "_audited_row": ((2, "event"),),
+    "_audited_write": ((2, "event"),),
     "_build_audited": ((1, "event"),),
     "_owner_write": ((3, "event"), (4, "stale")),
     "_take_back": ((7, "event"),),

@@ -1,0 +1,64 @@
+"""What a driver or pool error means for a caller, in words an operator can act on.
+
+Only a missing table or column asks for a migration; a refused statement says what
+was refused (permission, syntax, data, constraint); an unreachable or silent server,
+and a pool with no free connection, are outages: the caller fails closed and retries.
+Each dialect tells the kind of a driver error (store/dialects.py); the generic SQLAlchemy
+class decides when it cannot.
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+from ..errors import LeaseError, StoreConflict, StoreNotMigrated, StoreRejected, StoreUnavailable
+
+__all__ = ["classify", "KINDS"]
+
+KINDS = ("missing", "conflict", "constraint", "permission", "syntax", "data", "timeout", "unreachable")
+_HINTS = {
+    "constraint": "a row broke a constraint of the lease tables",
+    "permission": "grant the store's database user SELECT, INSERT, UPDATE and DELETE on the lease tables",
+    "syntax": "the server does not understand a statement of celery_lease; check its version",
+    "data": "a value does not fit its column",
+}
+
+
+def _generic(exc: Exception) -> str:
+    if isinstance(exc, sa.exc.TimeoutError):
+        return "pool"
+    if isinstance(exc, sa.exc.IntegrityError):
+        return "constraint"
+    if isinstance(exc, sa.exc.DataError):
+        return "data"
+    if isinstance(exc, (sa.exc.ProgrammingError, sa.exc.NotSupportedError)):
+        return "syntax"
+    return "unreachable"
+
+
+def classify(exc: Exception, where: str, bounds: object, kind: str | None) -> LeaseError:
+    """The LeaseError for ``exc``, raised by a call on the store ``where`` (a URL without password).
+
+    ``kind`` is the dialect's reading of the driver error, or None to go by SQLAlchemy's class.
+    """
+    kind = kind or _generic(exc)
+    detail = getattr(exc, "orig", None) or exc
+    call = getattr(bounds, "call", None)
+    if kind == "missing":
+        return StoreNotMigrated(f"lease store {where} lacks a table or column ({detail}); "
+                                "run `celery -A proj lease migrate`", kind=kind)
+    if kind == "conflict":
+        return StoreConflict(f"lease store {where}: a row with that key exists ({detail})", kind=kind)
+    if kind in _HINTS:
+        return StoreRejected(f"lease store {where} refused a statement ({kind}: {detail}); {_HINTS[kind]}",
+                             kind=kind)
+    if kind == "pool":
+        return StoreUnavailable(f"lease store {where} unreachable: no pooled connection came free within "
+                                f"{getattr(bounds, 'pool', 0):g}s ({detail}); every connection is busy or "
+                                "hung; raise the pool size (lease_store_engine_options) or find what "
+                                "holds them", kind=kind)
+    if kind == "timeout":
+        return StoreUnavailable(f"lease store {where} unreachable: no answer within the call bound of "
+                                f"{call:g}s ({detail}); check the database's load and locks", kind=kind)
+    return StoreUnavailable(f"lease store {where} unreachable: {detail}; check lease_store_url and that "
+                            "the database is running", kind="unreachable")

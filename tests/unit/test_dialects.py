@@ -1,0 +1,334 @@
+"""celery_lease.store.dialects: the store's clock, bounds, server gate and error meaning per database."""
+
+from __future__ import annotations
+
+import datetime
+import secrets
+import threading
+import time
+
+import pytest
+import sqlalchemy as sa
+
+from celery_lease.errors import (
+    LeaseConfigError,
+    StoreConflict,
+    StoreNotMigrated,
+    StoreRejected,
+    StoreUnavailable,
+)
+from celery_lease.store import Store, dialects
+from tests.conftest import unique_prefix
+from tests.helpers import wait_for
+from tests.tcp_proxy import TcpProxy
+
+SLACK = 1.5  # seconds a bounded call may overrun its bound on a busy two-core machine
+
+
+def claim(store: Store, job_id: str, token: str) -> bool:
+    return store.claim(job_id, "w:1", token, duration=30.0, grace=0.0, task_name="t.task", queue="q",
+                       max_attempts=3, max_expirations=3, takeover=False, hard_grace=60.0, stale_after=10.0,
+                       payload=lambda: None).claimed
+
+
+# -- the clock ------------------------------------------------------------------------
+def test_store_now_is_close_to_this_machines_clock(store):
+    # The services run on this machine, so the two clocks agree closely.
+    before = time.time()
+    now = store.now()
+    after = time.time()
+    assert before - 1.0 <= now <= after + 1.0
+
+
+def test_two_reads_of_the_store_clock_differ_by_less_than_a_second(store):
+    first = store.now()
+    second = store.now()
+    assert 0 <= second - first < 1.0
+
+
+def test_store_clock_has_sub_second_precision(store):
+    # One read could land on a whole second by chance; five cannot all do so.
+    reads = [store.now() for _ in range(5)]
+    assert any(r != int(r) for r in reads), reads
+
+
+def test_store_clock_advances_inside_one_transaction(store):
+    # A long transaction must not freeze time (PostgreSQL's now() would).
+    with store.begin() as conn:
+        first = conn.execute(sa.select(store.now_sql)).scalar_one()
+        wait_for(
+            lambda: conn.execute(sa.select(store.now_sql)).scalar_one() > first,
+            timeout=2.0, interval=0.01, message="store clock did not advance inside a transaction",
+        )
+
+
+@pytest.mark.parametrize("family", dialects.SUPPORTED, ids=lambda f: f.name)
+def test_every_supported_family_has_a_clock_expression(family):
+    expression = family(sa.make_url(f"{family.drivers[0]}://")).now()
+    assert isinstance(expression.type, sa.Double)
+
+
+def test_store_on_an_unsupported_dialect_is_a_config_error():
+    with pytest.raises(LeaseConfigError) as info:
+        Store("oracle://scott:tiger@127.0.0.1/orcl")
+    assert info.value.setting == "lease_store_url"
+    assert "oracle" in str(info.value)
+
+
+@pytest.mark.parametrize(("url", "family"), [("sqlite:///x.db", dialects.SQLite),
+                                             ("postgresql+psycopg://h/db", dialects.PostgreSQL),
+                                             ("mysql+pymysql://h/db", dialects.MySQL),
+                                             ("mariadb+pymysql://h/db", dialects.MySQL)])
+def test_the_dialect_is_chosen_once_from_the_url(url, family):
+    assert type(dialects.for_url(url)) is family
+
+
+# -- MySQL/MariaDB sessions in UTC ------------------------------------------------------------
+@pytest.fixture
+def mysql_store(mysql_url):
+    store = Store(mysql_url, unique_prefix(), pool_size=3)
+    yield store
+    store.engine.dispose()
+
+
+def test_every_mysql_store_connection_runs_in_utc(mysql_store):
+    # Three connections at once, so the pool opens three.
+    with mysql_store.begin() as a, mysql_store.begin() as b, mysql_store.begin() as c:
+        zones = [conn.execute(sa.text("SELECT @@session.time_zone")).scalar_one() for conn in (a, b, c)]
+    assert zones == ["+00:00"] * 3
+
+
+def test_mysql_store_clock_reads_an_ambiguous_local_hour_as_python_does(mysql_store):
+    # 2024-11-03 01:30 happened twice in New York (EDT, then EST). UNIX_TIMESTAMP reads a wall
+    # time in the session's zone; in the store's UTC session it means one instant only.
+    wall = datetime.datetime(2024, 11, 3, 1, 30)
+    expected = wall.replace(tzinfo=datetime.timezone.utc).timestamp()
+    with mysql_store.begin() as c:
+        named = c.execute(sa.text("SELECT COUNT(*) FROM mysql.time_zone_name "
+                                  "WHERE Name = 'America/New_York'")).scalar_one()
+        seen = float(c.execute(sa.text("SELECT UNIX_TIMESTAMP(:wall)"), {"wall": wall}).scalar_one())
+        clock = float(c.execute(sa.select(mysql_store.now_sql)).scalar_one())
+        # Another session zone reads the same wall time as another instant: the store's must not.
+        c.execute(sa.text("SET time_zone = 'America/New_York'" if named else "SET time_zone = '-05:00'"))
+        elsewhere = float(c.execute(sa.text("SELECT UNIX_TIMESTAMP(:wall)"), {"wall": wall}).scalar_one())
+        c.execute(sa.text("SET time_zone = '+00:00'"))
+    assert seen == expected
+    assert elsewhere != expected
+    assert abs(clock - time.time()) < 1.0
+
+
+# -- server versions ---------------------------------------------------------------------------
+OLD = {"sqlite": ("SQLite", (3, 34, 1)), "postgresql": ("PostgreSQL", (11, 22)),
+       "mysql": ("MariaDB", (10, 5, 27))}
+
+
+@pytest.mark.parametrize(("family", "label", "version", "minimum"), [
+    (dialects.MySQL, "MariaDB", (10, 5, 27), "10.6"), (dialects.MySQL, "MySQL", (5, 7, 44), "8.0"),
+    (dialects.PostgreSQL, "PostgreSQL", (11, 22), "12"), (dialects.SQLite, "SQLite", (3, 34, 1), "3.35")])
+def test_a_server_below_the_minimum_is_refused_in_one_line_naming_it(family, label, version, minimum):
+    dialect = family(sa.make_url(f"{family.drivers[0]}://user:secret@host/db"))
+    with pytest.raises(LeaseConfigError) as info:
+        dialect.check_server(label, version)
+    message = str(info.value)
+    assert "\n" not in message and "secret" not in message
+    assert f"{label} {'.'.join(map(str, version))}" in message and f"{label} {minimum}" in message
+
+
+def test_a_store_on_an_old_server_refuses_its_first_connection(store_factory):
+    store = store_factory(migrate=False)
+    label, version = OLD[store.dialect.name]
+    store.dialect.server = lambda _conn: (label, version)
+    try:
+        with pytest.raises(LeaseConfigError, match=f"{label} {'.'.join(map(str, version))} is older"):
+            store.now()
+    finally:
+        del store.dialect.server  # the fixture drops the tables through a real gate
+
+
+def test_this_machines_servers_pass_the_gate_and_say_what_they_are(store):
+    store.now()
+    assert store.dialect.server_label in store.dialect.minimums
+    if store.dialect.name == "mysql":
+        assert store.dialect.is_mariadb == (store.dialect.server_label == "MariaDB")
+
+
+# -- SQLite durability -------------------------------------------------------------------------
+@pytest.mark.parametrize(("setting", "pragma"), [(None, 2), ("FULL", 2), ("NORMAL", 1)])
+def test_sqlite_store_connections_use_the_configured_synchronous_level(sqlite_url, setting, pragma):
+    store = Store(sqlite_url, unique_prefix(), sqlite_synchronous=setting, pool_size=2)
+    try:
+        # Two pooled connections at once (raw: two BEGIN IMMEDIATE would wait on each other).
+        a, b = store.engine.raw_connection(), store.engine.raw_connection()
+        levels = [conn.cursor().execute("PRAGMA synchronous").fetchone()[0] for conn in (a, b)]
+        a.close()
+        b.close()
+    finally:
+        store.engine.dispose()
+    assert levels == [pragma, pragma]  # 2 is FULL, 1 is NORMAL
+
+
+# -- what an error means ---------------------------------------------------------------------
+def test_a_missing_table_asks_for_a_migration(store_factory):
+    store = store_factory(migrate=False)
+    with pytest.raises(StoreNotMigrated, match="lease migrate"):
+        store.get("nothing")
+
+
+def test_a_missing_column_asks_for_a_migration(store):
+    with store.begin() as c:
+        c.execute(sa.text(f"ALTER TABLE {store.t.events.name} DROP COLUMN detail"))
+    with pytest.raises(StoreNotMigrated, match="lease migrate"):
+        store.event("j1", "published", detail={"x": 1})
+
+
+def test_a_syntax_error_says_so_and_does_not_ask_for_a_migration(store):
+    with pytest.raises(StoreRejected) as info, store.begin() as c:
+        c.execute(sa.text("SELEC 1"))
+    assert info.value.kind == "syntax" and "migrate" not in str(info.value)
+    assert isinstance(info.value, StoreUnavailable)  # callers fail closed
+
+
+def test_a_duplicate_key_is_a_conflict_and_a_missing_value_a_constraint(store):
+    store.record("j1", "t.task", "q", "{}", 3)
+    with pytest.raises(StoreConflict) as dup, store.begin() as c:
+        c.execute(sa.insert(store.t.workers).values(worker_id="w", hostname="h", pid=1, started_at=1.0,
+                                                    last_seen_at=1.0))
+        c.execute(sa.insert(store.t.workers).values(worker_id="w", hostname="h", pid=1, started_at=1.0,
+                                                    last_seen_at=1.0))
+    assert dup.value.kind == "conflict"
+    with pytest.raises(StoreRejected) as missing, store.begin() as c:
+        c.execute(sa.insert(store.t.workers).values(worker_id="v", hostname=None, pid=1, started_at=1.0,
+                                                    last_seen_at=1.0))
+    assert missing.value.kind == "constraint" and "migrate" not in str(missing.value)
+
+
+def test_a_bad_value_is_a_data_error_on_postgresql(postgres_url):
+    store = Store(postgres_url, unique_prefix())
+    try:
+        with pytest.raises(StoreRejected) as info, store.begin() as c:
+            c.execute(sa.text("SELECT CAST('abc' AS DOUBLE PRECISION)"))
+    finally:
+        store.engine.dispose()
+    assert info.value.kind == "data"
+
+
+class _Orig(Exception):
+    """A driver error as the driver would carry it (pure unit test of the classification)."""
+
+    def __init__(self, *args, sqlstate=None):
+        super().__init__(*args)
+        self.sqlstate = sqlstate
+
+
+@pytest.mark.parametrize(("url", "orig"), [
+    ("postgresql+psycopg://h/db", _Orig("permission denied for table jobs", sqlstate="42501")),
+    ("mysql+pymysql://h/db", _Orig(1142, "UPDATE command denied to user")),
+    ("sqlite:///x.db", _Orig("attempt to write a readonly database")),
+])
+def test_a_permission_error_says_what_to_grant(url, orig):
+    dialect = dialects.for_url(url)
+    error = dialect.classify(sa.exc.ProgrammingError("UPDATE", {}, orig), "db", dialects.Bounds(10.0))
+    assert isinstance(error, StoreRejected) and error.kind == "permission"
+    assert "GRANT" in str(error).upper() and "migrate" not in str(error)
+
+
+# -- bounded calls ---------------------------------------------------------------------------
+def test_a_call_waiting_for_a_pooled_connection_raises_store_unavailable_within_the_pool_timeout(store_url):
+    store = Store(store_url, unique_prefix(), call_timeout=2.0, pool_size=1)
+    store.migrate()
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with store.engine.connect():
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        held.wait(10)
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable, match="no pooled connection") as info:
+            store.now()
+        elapsed = time.monotonic() - started
+    finally:
+        release.set()
+        holder.join(10)
+        store.t.metadata.drop_all(store.engine)
+        store.engine.dispose()
+    assert not isinstance(info.value.__cause__, StoreUnavailable)
+    assert isinstance(info.value.__cause__, sa.exc.TimeoutError)
+    assert store.bounds.pool <= elapsed < store.bounds.pool + SLACK
+
+
+def test_a_write_blocked_by_a_held_row_lock_ends_within_the_bound(store_url):
+    store = Store(store_url, unique_prefix(), call_timeout=2.0)
+    store.migrate()
+    other = sa.create_engine(store_url, poolclass=sa.NullPool)
+    try:
+        store.record("locked", "t.task", "q", "{}", 3)
+        token = secrets.token_hex(16)
+        assert claim(store, "locked", token)
+        with other.connect() as blocker:
+            j = store.t.jobs
+            if store.dialect.single_writer:
+                blocker.exec_driver_sql("BEGIN IMMEDIATE")
+            else:
+                blocker.execute(sa.select(j.c.id).where(j.c.id == "locked").with_for_update())
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailable):
+                store.complete("locked", token)
+            elapsed = time.monotonic() - started
+            blocker.rollback()
+        assert elapsed < store.bounds.call + SLACK
+        assert store.complete("locked", token) is True
+    finally:
+        other.dispose()
+        store.t.metadata.drop_all(store.engine)
+        store.engine.dispose()
+
+
+def test_postgresql_timeouts_are_set_per_transaction_not_per_session(postgres_url):
+    store = Store(postgres_url, unique_prefix(), call_timeout=10.0)
+    try:
+        with store.begin() as c:
+            short = c.execute(sa.text("SELECT current_setting('statement_timeout'), "
+                                      "current_setting('lock_timeout')")).one()
+        with store.begin(long=True) as c:
+            long = c.execute(sa.text("SELECT current_setting('statement_timeout')")).scalar_one()
+        with store.engine.connect() as c:  # the same pooled session, outside a store transaction
+            session = c.execute(sa.text("SELECT current_setting('statement_timeout')")).scalar_one()
+    finally:
+        store.engine.dispose()
+    assert tuple(short) == ("4s", "2500ms")
+    assert long == "2min"  # 0.4 of the long bound (300 s)
+    assert session == "0"
+
+
+def test_a_hung_postgresql_server_fails_each_call_within_its_bound(postgres_url):
+    # A frozen proxy: the kernel acknowledges every byte, the server never sees one.
+    target = sa.make_url(postgres_url)
+    proxy = TcpProxy(target.host or "127.0.0.1", target.port or 5432).start()
+    prefix = unique_prefix()
+    direct = Store(postgres_url, prefix)
+    direct.migrate()
+    store = Store(target.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False),
+                  prefix, call_timeout=4.0)
+    try:
+        direct.record("hung", "t.task", "q", "{}", 3)
+        token = secrets.token_hex(16)
+        assert claim(store, "hung", token)  # warm: the pool holds a working connection
+        proxy.freeze()
+        calls = {"now": store.now, "complete": lambda: store.complete("hung", token),
+                 "claim": lambda: claim(store, "other", secrets.token_hex(16))}
+        for name, call in calls.items():
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailable, match="unreachable"):
+                call()
+            elapsed = time.monotonic() - started
+            assert elapsed < store.bounds.call + SLACK, (name, elapsed)
+    finally:
+        proxy.cut()
+        store.engine.dispose()
+        direct.t.metadata.drop_all(direct.engine)
+        direct.engine.dispose()
