@@ -354,6 +354,6 @@ def test_shortest_lease_takes_the_least_of_setting_queue_policies_and_task_optio
 
 
 def test_idempotency_keys_must_outlive_the_jobs_they_name():
-    with pytest.raises(LeaseConfigError, match=r"lease_idempotency_retention=3600.0 is invalid: must be at least "
-                                               r"lease_retention \(7200s\)"):
+    rule = r"lease_idempotency_retention=3600.0 is invalid: must be at least lease_retention \(7200s\)"
+    with pytest.raises(LeaseConfigError, match=rule):
         config.load({"lease_retention": 7200.0, "lease_idempotency_retention": 3600.0})
