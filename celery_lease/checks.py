@@ -30,7 +30,7 @@ from typing import Any
 
 from . import brokers
 from .config import AppConfig, TaskPolicy, app_config, task_policy
-from .errors import LeaseConfigError, StoreUnavailable
+from .errors import LeaseConfigError, SchemaMismatch, StoreUnavailable
 from .vocabulary import RECOVERIES
 
 __all__ = ["Finding", "Context", "run_checks", "RULES", "percentile", "ok_unless"]
@@ -88,6 +88,8 @@ class Context:
                       and not name.startswith(("celery.", "celery_lease."))]
         self.policies: dict[str, TaskPolicy] = {}
         self.policy_errors: dict[str, LeaseConfigError] = {}
+        self.revision: str | None = None
+        self.schema_problem = ""
         for task in self.tasks:
             try:
                 self.policies[task.name] = task_policy(task, self.queue(task))
@@ -121,10 +123,19 @@ class Context:
         if self.store is None:
             return "no store"
         try:
+            self.revision, has_tables = self.store.schema_state()
+            if not has_tables:
+                self.schema_problem = "the store has no celery_lease tables"
+                return "not migrated"
+            try:
+                self.store.ensure_schema()
+            except SchemaMismatch as exc:
+                self.schema_problem = str(exc)
+                return "not migrated"
             self.facts = self.store.check_facts()
         except StoreUnavailable as exc:
             return str(exc)
-        return "missing tables" if self.facts["missing_tables"] else None
+        return None
 
     @functools.cached_property
     def durations(self) -> dict[str, list[float]]:
@@ -299,12 +310,16 @@ def check_reaper(ctx: Context) -> Iterator[Finding]:
 def check_store(ctx: Context) -> Iterator[Finding]:
     url = {"lease_store_url": ctx.store.safe_url}
     error = ctx.store_error
-    if error == "missing tables":
+    if error == "not migrated":
+        from .store import migrations
+
+        oldest, newest = migrations.supported()
         yield Finding(ERROR, "store_migrated", ("lease_store_url", "lease_table_prefix"),
-                      {**url, "lease_table_prefix": ctx.cfg.table_prefix,
-                       "missing": ctx.facts["missing_tables"]},
-                      "workers cannot record or claim jobs without the lease tables",
-                      "run `celery -A proj lease migrate` (workers also migrate at start)")
+                      {**url, "lease_table_prefix": ctx.cfg.table_prefix, "revision": ctx.revision,
+                       "supported": f"{oldest}..{newest}"},
+                      f"workers cannot record or claim jobs: {ctx.schema_problem}",
+                      "run `celery -A proj lease migrate` (a worker start creates an empty store, "
+                      "never upgrades one)")
         return
     if error:
         yield Finding(ERROR, "store_reachable", ("lease_store_url",), url, "the lease store cannot be "
@@ -314,7 +329,8 @@ def check_store(ctx: Context) -> Iterator[Finding]:
                       "worker")
         return
     yield Finding(OK, "store_reachable", ("lease_store_url", "lease_table_prefix"),
-                  {**url, "lease_table_prefix": ctx.cfg.table_prefix}, "the store answers and is migrated")
+                  {**url, "lease_table_prefix": ctx.cfg.table_prefix, "revision": ctx.revision},
+                  f"the store answers, at schema revision {ctx.revision}")
     hosts = sorted({h.rsplit("@", 1)[-1] for h in ctx.facts["hosts"]})
     if ctx.store.dialect.local_file:
         values = {**url, "worker_hosts": hosts}

@@ -55,8 +55,20 @@ class WorkerStep(bootsteps.StartStopStep):
         from .store import for_app
 
         app_config(worker.app)
-        for_app(worker.app, check=False).ensure_schema(create=True)
+        store = for_app(worker.app, check=False)
+        store.ensure_schema(create=True)
+        store.worker_pool = (pool_name(worker.pool_cls), int(worker.concurrency or 0))
         super().__init__(worker, **kwargs)
+
+
+def pool_name(pool_cls: Any) -> str:
+    """Celery's name of a pool class (``prefork``, ``threads``, ``solo``, ``gevent``...)."""
+    from celery.concurrency import ALIASES
+
+    if isinstance(pool_cls, str):
+        return pool_cls
+    path = f"{pool_cls.__module__}:{pool_cls.__name__}"
+    return next((name for name, target in ALIASES.items() if target == path), path)
 
 
 def install(app: Any) -> None:

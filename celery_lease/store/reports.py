@@ -17,6 +17,7 @@ import sqlalchemy as sa
 from ..errors import JobNotFound
 from ..vocabulary import Event
 from .base import COMPLETED, FAILED, PENDING, RUNNING, Job, StoreBase
+from .workers import POOL_REVISION
 
 __all__ = ["ReportStatements"]
 
@@ -84,6 +85,20 @@ class ReportStatements(StoreBase):
         with self.begin(long=True) as c:
             total, live = c.execute(sa.select(sa.func.count(), sa.func.sum(alive))).one()
         return {"alive": int(live or 0), "stale": int(total or 0) - int(live or 0)}
+
+    def worker_pools(self, stale_after: float) -> dict[str, int]:
+        """Pools of the worker processes seen within ``stale_after`` seconds: name -> processes.
+
+        Empty on the previous schema revision, whose registry does not record pools.
+        """
+        w = self.t.workers
+        if (self.revision or "") < POOL_REVISION:
+            return {}
+        with self.begin() as c:
+            alive = w.c.last_seen_at >= self.now_sql - stale_after
+            rows = c.execute(sa.select(w.c.pool, sa.func.count()).where(alive, w.c.pool.is_not(None))
+                             .group_by(w.c.pool)).all()
+        return {r[0]: int(r[1]) for r in rows}
 
     def alive_workers(self, stale_after: float) -> set[str]:
         """Ids of worker processes seen within ``stale_after`` seconds (the registry is small)."""

@@ -272,7 +272,27 @@ def test_a_store_without_tables_is_reported_unmigrated(tmp_path):
     store = Store(f"sqlite:///{tmp_path / 'empty.sqlite3'}", "empty_")
     (error,) = [f for f in run_checks(make_app(), store) if f.level == "error"]
     assert error.code == "store_migrated" and error.fix.startswith("run `celery -A proj lease migrate`")
-    assert "empty_jobs" in error.values["missing"]
+    assert "no celery_lease tables" in error.why and error.values["revision"] is None
+
+
+def test_a_store_at_an_old_revision_is_reported_with_both_revisions(tmp_path):
+    from celery_lease.store import migrations
+
+    store = Store(f"sqlite:///{tmp_path / 'old.sqlite3'}", "old_")
+    store.migrate(to="0001")
+    (error,) = [f for f in run_checks(make_app(), store) if f.level == "error"]
+    oldest, newest = migrations.supported()
+    assert error.code == "store_migrated" and error.values["revision"] == "0001"
+    assert error.values["supported"] == f"{oldest}..{newest}"
+    assert "runs against revisions" in error.why
+
+
+def test_a_migrated_store_reports_its_revision(sqlite_store):
+    from celery_lease.store import migrations
+
+    (ok,) = [f for f in run_checks(make_app(), sqlite_store) if f.code == "store_reachable"]
+    assert ok.values["revision"] == migrations.head()
+    assert f"revision {migrations.head()}" in ok.why
 
 
 def test_dashboards_warn_without_the_prometheus_client(sqlite_store, monkeypatch):

@@ -50,3 +50,41 @@ def test_a_beat_refreshes_the_registry_and_renews_only_matching_tokens(store):
     assert workers(store)[0].last_seen_at > seen
     job = store.get("a")
     assert job.lease_duration == 120.0 and job.lease_expires_at > expiry + 60
+
+
+def test_a_worker_process_records_its_pool_and_concurrency(store):
+    store.ensure_schema()
+    store.worker_pool = ("threads", 8)
+
+    store.touch_worker("w1", "host", 42)
+
+    (row,) = workers(store)
+    assert (row.pool, row.concurrency) == ("threads", 8)
+    assert store.worker_pools(stale_after=60.0) == {"threads": 1}
+
+
+def test_on_the_previous_revision_the_registry_is_written_without_a_pool(store_factory):
+    from celery_lease.store import Store, migrations
+
+    made = store_factory(migrate=False)
+    made.migrate(to=migrations.supported()[0])
+    store = Store(made.url, made.prefix)
+    assert store.ensure_schema() < "0003"
+    store.worker_pool = ("threads", 8)
+
+    store.touch_worker("w1", "host", 42)
+
+    with store.begin() as c:
+        assert c.execute(sa.select(store.t.workers.c.worker_id)).scalars().all() == ["w1"]
+    assert store.worker_pools(stale_after=60.0) == {}
+
+
+def test_pool_names_are_celerys_own():
+    from celery.concurrency import get_implementation
+
+    from celery_lease.signals import pool_name
+
+    assert pool_name(get_implementation("threads")) == "threads"
+    assert pool_name(get_implementation("prefork")) == "prefork"
+    assert pool_name(get_implementation("solo")) == "solo"
+    assert pool_name("gevent") == "gevent"
