@@ -5,7 +5,7 @@ and ``celery beat``), publishes 20 shop jobs, SIGKILLs one worker right after it
 a card, SIGSTOPs another in the middle of a report until its lease is past, resumes it,
 and waits for the end. Then it prints a timeline, second by second, and the final table.
 
-Exit status: 0 when the run kept every guarantee of DESIGN.md it exercised (lease mode)
+Exit status: 0 when the run kept every guarantee celery_lease makes that it exercised (lease mode)
 or simply ran (plain mode, where Celery is expected to lose or repeat work); 1 when a
 guarantee was broken in lease mode; 2 when the scenario itself could not be played.
 
@@ -124,7 +124,7 @@ def _report(record: Any, started: float, run_dir: Path) -> int:
     for line in table.markdown():
         print(line)
     print()
-    print("guarantees of DESIGN.md this run exercised:")
+    print("guarantees this run exercised:")
     for c in checks:
         mark = "n/a   " if c.ok is None else ("ok    " if c.ok else "BROKEN")
         print(f"  {mark} {c.name}: {c.detail}")

@@ -1,4 +1,4 @@
-"""The demo's final table and the DESIGN.md guarantees checked against what the run recorded.
+"""The demo's final table and the guarantees checked against what the run recorded.
 
 Executions and effects are counted from the tasks' own records (executions table, the
 card processor's captures, the shop's tables); deliveries skipped and stale writes from
@@ -15,7 +15,7 @@ from .tracking import FINISHED
 
 __all__ = ["Check", "Table", "tabulate", "check", "COLUMNS", "SCHEDULING_SLACK"]
 
-# Seconds a recovery may take beyond DESIGN.md's bound on a busy two-core machine:
+# Seconds a recovery may take beyond the recovery bound on a busy two-core machine:
 # beat's tick, the reaper worker's broker poll and process scheduling.
 SCHEDULING_SLACK = 2.5
 COLUMNS = ("mode", "jobs published", "completed", "executions", "duplicate deliveries skipped",
@@ -152,7 +152,7 @@ def _fenced(rec: Record) -> Check:
 
 
 def check(rec: Record, table: Table) -> list[Check]:
-    """The guarantees of DESIGN.md this run exercised, each with what the run showed."""
+    """The guarantees this run exercised, each with what the run showed."""
     lost = Check("no job lost", table.lost == 0 and table.failed == 0,
                  f"{table.completed} of {table.published} jobs completed, "
                  f"{table.failed} dead-lettered or failed, {table.lost} lost")

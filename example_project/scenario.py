@@ -33,7 +33,7 @@ JOBS = (
 
 
 def recovery_bound() -> float:
-    """DESIGN.md guarantee 2: lease + grace + reaper interval + one heartbeat."""
+    """Guarantee "no job is stuck": lease + grace + reaper interval + one heartbeat."""
     return (settings.lease_duration + settings.lease_grace_period + settings.REAPER_INTERVAL
             + settings.lease_heartbeat_interval)
 

@@ -25,7 +25,7 @@ from tests.workers import ROOT, Proc, beat, celery_processes, worker
 pytestmark = [pytest.mark.chaos, pytest.mark.integration]
 
 LEASE, GRACE, INTERVAL, HEARTBEAT = 2.0, 0.5, 0.5, 0.4
-BOUND = LEASE + GRACE + INTERVAL + HEARTBEAT  # guarantee 2 of DESIGN.md
+BOUND = LEASE + GRACE + INTERVAL + HEARTBEAT  # the "no job is stuck" bound
 SLACK = 1.5  # beat's tick, the reap task's trip through the broker, a busy 2-core machine
 
 
