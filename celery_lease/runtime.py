@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from . import deadline, interrupt
@@ -114,11 +115,20 @@ class Runtime:
     def detach(self, request: Any, lease: Lease) -> None:
         """The body is over; a deferred completion or a pending give-back keeps the lease listed."""
         key = (lease.job_id, lease.token)
+        self.unbind(request, lease)
+        with self._mutex:
+            if key not in self._deferred:
+                self._held.pop(key, None)
+
+    def bind(self, request: Any, lease: Lease) -> None:
+        """Resolve one more request context to ``lease`` (the body's own copy of the request)."""
+        with self._mutex:
+            self._by_request[id(request)] = lease
+
+    def unbind(self, request: Any, lease: Lease) -> None:
         with self._mutex:
             if self._by_request.get(id(request)) is lease:
                 del self._by_request[id(request)]
-            if key not in self._deferred:
-                self._held.pop(key, None)
 
     def lease_for(self, request: Any) -> Lease | None:
         """The lease of the body running for this request (a request context object)."""
@@ -229,34 +239,36 @@ class Runtime:
         self.heartbeat.stop(timeout)
 
 
-_runtimes: dict[tuple[int, int], Runtime] = {}
+# By (id(app), pid), with a weak reference that tells a live app from a new one at a reused id.
+_runtimes: dict[tuple[int, int], tuple[weakref.ref[Any], Runtime]] = {}
 _runtimes_lock = threading.Lock()
-
-
-def for_app(app: Any, store: Store, hostname: str | None = None) -> Runtime:
-    """This process's runtime for an app (a forked child gets its own)."""
-    key = (id(app), os.getpid())
-    runtime = _runtimes.get(key)
-    if runtime is None:
-        with _runtimes_lock:
-            runtime = _runtimes.get(key)
-            if runtime is None:
-                from .config import app_config
-
-                host = hostname or socket.gethostname()
-                runtime = _runtimes[key] = Runtime(store, host, app_config(app).heartbeat_interval)
-    return runtime
 
 
 def current(app: Any) -> Runtime | None:
     """This process's runtime for an app, if a leased body ever ran here."""
-    return _runtimes.get((id(app), os.getpid()))
+    entry = _runtimes.get((id(app), os.getpid()))
+    return entry[1] if entry is not None and entry[0]() is app else None
+
+
+def for_app(app: Any, store: Store, hostname: str | None = None) -> Runtime:
+    """This process's runtime for an app (a forked child gets its own)."""
+    runtime = current(app)
+    if runtime is None:
+        with _runtimes_lock:
+            runtime = current(app)
+            if runtime is None:
+                from .config import app_config
+
+                host = hostname or socket.gethostname()
+                runtime = Runtime(store, host, app_config(app).heartbeat_interval)
+                _runtimes[(id(app), os.getpid())] = (weakref.ref(app), runtime)
+    return runtime
 
 
 def in_process() -> list[Runtime]:
     """Every runtime of this process (one per app)."""
     pid = os.getpid()
-    return [rt for (_, owner), rt in list(_runtimes.items()) if owner == pid]
+    return [rt for (_, owner), (_, rt) in list(_runtimes.items()) if owner == pid]
 
 
 def release_all_in_process(reason: str = "released_on_shutdown") -> int:

@@ -15,6 +15,7 @@ import secrets
 from typing import Any
 
 from celery import Task
+from celery._state import _task_stack
 from celery.exceptions import Ignore, Reject, Retry, WorkerShutdown, WorkerTerminate
 from celery.utils import uuid
 
@@ -192,11 +193,25 @@ def _fail(task: LeaseTask, lease: Lease, exc: BaseException) -> None:
     _dead_letter(task, lease.store, lease.job_id, lease.policy)
 
 
+def _call(task: LeaseTask, lease: Lease, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Celery's ``Task.__call__``, with the body's own request context resolved to its lease."""
+    _task_stack.push(task)
+    task.push_request(args=args, kwargs=kwargs)
+    request = task.request
+    lease.runtime.bind(request, lease)
+    try:
+        return task.run(*args, **kwargs)
+    finally:
+        lease.runtime.unbind(request, lease)
+        task.pop_request()
+        _task_stack.pop()
+
+
 def _run_body(task: LeaseTask, lease: Lease, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     store, job_id, token, worker = lease.store, lease.job_id, lease.token, lease.worker
     try:
         with lease.body():
-            result = Task.__call__(task, *args, **kwargs)
+            result = _call(task, lease, args, kwargs)
     except LeaseLost as exc:
         log.warning("job %s [%s] stopped: %s", job_id, token[:8], exc, extra={"action": "lease_lost"})
         raise Ignore() from exc
