@@ -8,7 +8,11 @@ import threading
 
 
 class TcpProxy:
-    """Forwards 127.0.0.1:<port> to a target; ``cut()`` drops every connection and refuses new ones."""
+    """Forwards 127.0.0.1:<port> to a target; ``cut()`` drops every connection and refuses new ones.
+
+    ``freeze()`` black-holes it instead: connections stay open (new ones are accepted) and no
+    byte passes either way, as in a network partition that drops packets.
+    """
 
     def __init__(self, target_host: str, target_port: int) -> None:
         self.target = (target_host, target_port)
@@ -16,6 +20,8 @@ class TcpProxy:
         self._server: socket.socket | None = None
         self._conns: list[socket.socket] = []
         self._lock = threading.Lock()
+        self._flowing = threading.Event()
+        self._flowing.set()
 
     @staticmethod
     def _free_port() -> int:
@@ -47,6 +53,10 @@ class TcpProxy:
                 conn.shutdown(socket.SHUT_RDWR)
             conn.close()
 
+    def freeze(self) -> None:
+        """Stop passing bytes on every connection, old and new, without closing any."""
+        self._flowing.clear()
+
     def _accept(self, server: socket.socket) -> None:
         while True:
             try:
@@ -68,10 +78,10 @@ class TcpProxy:
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
         try:
             while data := src.recv(65536):
+                self._flowing.wait()  # frozen: hold the bytes for ever
                 dst.sendall(data)
         except OSError:
             pass
