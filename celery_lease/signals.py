@@ -28,17 +28,22 @@ class LeaseRequest(Request):
     """A request whose main-process failure handler settles the lease of a dead pool child.
 
     A hard time limit is a final failure, as in plain Celery: the lease fails the job and
-    Celery stores FAILURE and fires the errbacks. A child lost by accident (SIGKILL, OOM)
-    is re-run by the lease, so Celery must not report that attempt as a failure.
+    Celery stores FAILURE and fires the errbacks (once: plain Celery's prefork pool fires
+    them twice). A child lost by accident (SIGKILL, OOM) is re-run by the lease, so Celery
+    must not report that attempt as a failure.
     """
 
     def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> Any:
         exc = getattr(exc_info, "exception", None)
         exc = getattr(exc, "exc", exc)  # ExceptionWithTraceback
-        if self.worker_pid and (isinstance(exc, TimeLimitExceeded) or self._child_lost(exc)):
-            final = isinstance(exc, TimeLimitExceeded)
-            outcome = _settle_dead_child(self, type(exc).__name__, final)
-            if not final and outcome in RERUN:
+        if self.worker_pid and isinstance(exc, TimeLimitExceeded):
+            _settle_dead_child(self, type(exc).__name__, final=True)
+            # Billiard calls on_timeout right after this, and it stores FAILURE, fires the
+            # errbacks and sends task-failed: the failure path must not do it a second time.
+            return super().on_failure(exc_info, send_failed_event=False, return_ok=True)
+        if self.worker_pid and self._child_lost(exc):
+            outcome = _settle_dead_child(self, type(exc).__name__, final=False)
+            if outcome in RERUN:
                 return self._rerun_by_lease(outcome)
         return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 

@@ -182,8 +182,14 @@ def _worker_leaving(exc: BaseException) -> bool:
     """True when a BaseException means the worker is shutting down, not that the body failed."""
     from celery.worker import state
 
-    leaving = isinstance(exc, (WorkerShutdown, WorkerTerminate))
-    return leaving or bool(state.should_stop or state.should_terminate)
+    if isinstance(exc, (WorkerShutdown, WorkerTerminate)) or state.should_stop or state.should_terminate:
+        return True
+    # A prefork child's terminate handler raises SystemExit inside whatever runs (billiard
+    # tells it from the body's own with a flag of its own, where it has one).
+    from billiard import common
+
+    fired = getattr(common, "terminate_handler_fired", None)
+    return bool(fired is not None and fired())
 
 
 def _fail(task: LeaseTask, lease: Lease, exc: BaseException) -> None:
