@@ -44,7 +44,7 @@ class LeaseRequest(Request):
         if self.worker_pid and self._child_lost(exc):
             outcome = _settle_dead_child(self, type(exc).__name__, final=False)
             if outcome in RERUN:
-                return self._rerun_by_lease(outcome)
+                return self._rerun_by_lease(exc, exc_info, outcome)
         return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
     def _child_lost(self, exc: Any) -> bool:
@@ -53,11 +53,19 @@ class LeaseRequest(Request):
             return not (self._already_cancelled or self._already_revoked)
         return isinstance(exc, WorkerLostError)
 
-    def _rerun_by_lease(self, outcome: str) -> None:
-        """The lease re-sends the job (or already moved on): the message is done with, no FAILURE."""
+    def _rerun_by_lease(self, exc: BaseException, exc_info: Any, outcome: str) -> None:
+        """The lease re-sends the job (or already moved on): no FAILURE, no errback; RETRY as Celery's own.
+
+        The state is RETRY, as Celery's ``task_retry_on_worker_lost`` leaves it (a later
+        SUCCESS is kept by the backend); the message is acknowledged: the lease holds the job.
+        """
         task_ready(self)
+        if self.store_errors:
+            self.task.backend.mark_as_retry(self.id, exc, getattr(exc_info, "traceback", None),
+                                            request=self._context)
         if self.task.acks_late:
             self.acknowledge()
+        self.send_event("task-retried", exception=repr(exc))
         log.info("job %s: pool child lost, %s by the lease; not reported to Celery as a failure",
                  self.id, outcome, extra={"action": "worker_lost_rerun"})
 
