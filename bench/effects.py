@@ -21,25 +21,27 @@ from itertools import count
 
 import sqlalchemy as sa
 
+from celery_lease import deadline
 from celery_lease.config import load
 from celery_lease.effects import effect, lock
-from celery_lease.heartbeat import Heartbeat
+from celery_lease.lease import Lease
+from celery_lease.runtime import Runtime
 from celery_lease.store import Store
-from celery_lease.task import Lease
 
 POSTGRES = os.environ.get("CELERY_LEASE_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
 
 def held_lease(store: Store) -> Lease:
-    hb = Heartbeat(store, "bench:1", "bench", default_interval=10.0)
+    rt = Runtime(store, "bench", default_interval=10.0, worker="bench:1")
     store.record("bench-job", "bench.effects", "q", "{}", 5)
     token = secrets.token_hex(16)
-    got = store.claim("bench-job", hb.worker, token, duration=3600.0, grace=0.0, task_name="bench.effects",
+    sent = deadline.monotonic()
+    got = store.claim("bench-job", rt.worker, token, duration=3600.0, grace=0.0, task_name="bench.effects",
                       queue="q", max_attempts=5, max_expirations=5, takeover=False, hard_grace=60.0,
                       stale_after=60.0, payload=lambda: None)
     assert got.claimed
     policy = load({}).policy({"lease_duration": 3600.0, "lease_heartbeat_interval": 10.0})
-    return Lease(store, hb, "bench-job", token, 1, policy, "bench.effects:bench-job", None)
+    return Lease(rt, "bench-job", token, 1, policy, "bench.effects:bench-job", None, sent_at=sent)
 
 
 def per_call(fn: Callable[[], None], calls: int) -> float:

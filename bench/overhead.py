@@ -20,10 +20,11 @@ from pathlib import Path
 import redis
 import sqlalchemy as sa
 
+from celery_lease import deadline
 from celery_lease.config import load
-from celery_lease.heartbeat import Heartbeat
+from celery_lease.lease import Lease
+from celery_lease.runtime import Runtime
 from celery_lease.store import Store
-from celery_lease.task import Lease
 
 ROOT = Path(__file__).resolve().parent.parent
 BROKER = os.environ.get("BENCH_BROKER", "redis://127.0.0.1:6379/15")
@@ -67,16 +68,18 @@ def run(task: str, seconds: float, n: int, store_url: str, prefix: str, concurre
 
 def heartbeat_statements(store: Store, leases: int, rounds: int = 5) -> tuple[float, float]:
     """Statements per heartbeat round while this process holds ``leases`` leases: (lease renewals, all)."""
-    hb = Heartbeat(store, f"bench:{leases}", "bench", 1.0)
+    rt = Runtime(store, "bench", 1.0, worker=f"bench:{leases}")
+    hb = rt.heartbeat
     policy = load({}).policy()
     for i in range(leases):
         job_id = f"hb-{leases}-{i}"
         store.record(job_id, "bench.leased", "celery", None, 5)
         tok = secrets.token_hex(16)
-        store.claim(job_id, hb.worker, tok, duration=30.0, grace=1.0, task_name="bench.leased",
+        sent = deadline.monotonic()
+        store.claim(job_id, rt.worker, tok, duration=30.0, grace=1.0, task_name="bench.leased",
                     queue="celery", max_attempts=5, max_expirations=3, takeover=False, hard_grace=60.0,
                     stale_after=60.0, payload=lambda: None)
-        hb.leases[tok] = Lease(store, hb, job_id, tok, 1, policy, job_id, None)
+        rt.attach(object(), Lease(rt, job_id, tok, 1, policy, job_id, None, sent_at=sent))
     hb.beat()  # the first round registers the process
     statements: list[str] = []
 

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from .checks import ERROR, OK, WARNING, Context, Finding, ok_unless
+from .config import worker_stale_after
 
 __all__ = ["broker_rules", "rabbitmq_consumer_timeouts", "RABBITMQ_DEFAULT_CONSUMER_TIMEOUT"]
 
@@ -81,8 +82,8 @@ def _longest(ctx: Context) -> tuple[str | None, float | None, dict[str, Any]]:
 
 def _takeover_after(ctx: Context) -> float:
     """Seconds after its worker dies before another worker may take a job's lease (longest policy)."""
-    cfg = ctx.cfg
-    after = [min(max(p.duration + p.grace_period, cfg.worker_stale_after), p.duration + cfg.reaper_hard_grace)
+    cfg, stale = ctx.cfg, worker_stale_after(ctx.app)
+    after = [min(max(p.duration + p.grace_period, stale), p.duration + cfg.reaper_hard_grace)
              for p in ctx.policies.values()]
     return max(after, default=0.0)
 

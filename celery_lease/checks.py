@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from . import brokers
-from .config import AppConfig, TaskPolicy, app_config, task_policy
+from .config import AppConfig, TaskPolicy, app_config, task_options, task_policy
 from .errors import LeaseConfigError, SchemaMismatch, StoreUnavailable
 from .vocabulary import RECOVERIES
 
@@ -78,10 +78,11 @@ def percentile(values: Sequence[float], share: float) -> float | None:
 class Context:
     """What the rules read, each piece computed once: config, tasks, store facts, broker."""
 
-    def __init__(self, app: Any, cfg: AppConfig, store: Any) -> None:
+    def __init__(self, app: Any, cfg: AppConfig, store: Any, pool: str | None = None) -> None:
         from .task import LeaseTask
 
         self.app, self.conf, self.cfg, self.store = app, app.conf, cfg, store
+        self._pool = pool
         named = sorted(app.tasks.items())
         self.tasks = [t for _, t in named if isinstance(t, LeaseTask)]
         self.plain = [t for name, t in named if not isinstance(t, LeaseTask)
@@ -108,7 +109,8 @@ class Context:
 
     @property
     def pool(self) -> str:
-        return str(self.conf.worker_pool or "prefork").rsplit(":", 1)[-1].lower()
+        """The pool the check was told, else the app's worker_pool setting."""
+        return str(self._pool or self.conf.worker_pool or "prefork").rsplit(":", 1)[-1].lower()
 
     def time_limit(self, task: Any) -> float | None:
         limit = task.time_limit if task.time_limit is not None else self.conf.task_time_limit
@@ -232,6 +234,29 @@ def check_time_limits(ctx: Context) -> Iterator[Finding]:
     yield from ok_unless(problems, "time_limit_vs_lease",
                          ("lease_max_runtime", "task_time_limit", "worker_pool"), {"worker_pool": ctx.pool},
                          "the heartbeat runs as long as Celery lets each body run")
+    yield from _unenforced_limits(ctx)
+
+
+UNENFORCING_POOLS = ("threads", "thread", "solo", "eventlet")  # pools that ignore time_limit
+
+
+def _unenforced_limits(ctx: Context) -> Iterator[Finding]:
+    """A pool that never enforces time_limit leaves lease_max_runtime as the only bound."""
+    if ctx.pool not in UNENFORCING_POOLS:
+        return
+    settings = ("lease_max_runtime", "task_time_limit", "worker_pool")
+    for task in ctx.tasks:
+        if task.name not in ctx.policies or ctx.cfg.policy(task_options(task), ctx.queue(task)).max_runtime:
+            continue
+        limit = ctx.time_limit(task)
+        what = (f"only the lease stops at time_limit ({limit:g}s): it is lost there while the body runs on"
+                if limit else "nothing bounds the body: a hung one keeps its lease and its locks for ever")
+        yield Finding(
+            WARNING, "runtime_limit_unenforced", settings,
+            {"task": task.name, "worker_pool": ctx.pool, "time_limit": limit, "lease_max_runtime": None},
+            f"task {task.name}: the {ctx.pool} pool does not enforce time limits; {what}",
+            f"set lease_max_runtime for {task.name} (past it the lease is lost and the body gets LeaseLost), "
+            "or run it in the prefork or gevent pool")
 
 
 def _config_fix(exc: LeaseConfigError) -> str:
@@ -361,8 +386,11 @@ RULES: tuple[Rule, ...] = (check_policies, check_grace, check_time_limits, check
                            check_reaper, check_store, check_broker, check_checklist)
 
 
-def run_checks(app: Any, store: Any = None) -> list[Finding]:
-    """Every finding for an app: its config, its tasks, its broker and its store."""
+def run_checks(app: Any, store: Any = None, pool: str | None = None) -> list[Finding]:
+    """Every finding for an app: its config, its tasks, its broker and its store.
+
+    ``pool``: the worker pool the tasks run in (default: the app's ``worker_pool``).
+    """
     try:
         cfg = app_config(app)
     except LeaseConfigError as exc:
@@ -372,7 +400,7 @@ def run_checks(app: Any, store: Any = None) -> list[Finding]:
         from .store import for_app
 
         store = for_app(app, check=False)
-    ctx = Context(app, cfg, store)
+    ctx = Context(app, cfg, store, pool)
     findings: list[Finding] = []
     for rule in RULES:
         findings.extend(rule(ctx))

@@ -17,6 +17,7 @@ from typing import Any
 from .errors import LeaseConfigError
 
 __all__ = ["SETTINGS", "Setting", "AppConfig", "TaskPolicy", "app_config", "task_policy", "shortest_lease",
+           "derive_stale_after", "worker_stale_after", "check_recovery_bound",
            "CALL_TIMEOUT_SHARE", "DEFAULT_POOL_SIZE", "LONG_CALL_TIMEOUT"]
 
 # A store call may take at most this share of the shortest lease (seconds per second). The
@@ -144,7 +145,8 @@ SETTINGS: tuple[Setting, ...] = (
        "Seconds past expiry before a lease may be taken back.",
        _number(0), "a number of seconds >= 0", True),
     _S("lease_max_runtime", None,
-       "Seconds after which the heartbeat stops renewing a job (default: the task's time_limit).",
+       "Seconds after which a job's lease and its resource locks are no longer renewed: the lease is "
+       "lost at its local deadline, as lease_on_lost says (default: the task's time_limit).",
        _number(0, strict=True, allow_none=True), "None or a number of seconds > 0", True),
     _S("lease_on_lost", "raise",
        "What a task body sees when its lease is lost: 'raise' LeaseLost in it, or 'flag' only.",
@@ -194,9 +196,12 @@ SETTINGS: tuple[Setting, ...] = (
     _S("lease_reaper_lock_ttl", 60.0,
        "Seconds the reaper's own lock lasts; a reaper that dies mid-run holds up the next one this long.",
        _number(0, strict=True), "a number of seconds > 0", False),
-    _S("lease_worker_stale_after", 60.0,
-       "Seconds without a heartbeat after which a worker process counts as gone.",
-       _number(0, strict=True), "a number of seconds > 0", False),
+    _S("lease_worker_stale_after", None,
+       "Seconds without a heartbeat after which a worker process counts as gone. None: derived from "
+       "the lease settings (the shortest lease_duration + lease_grace_period minus the longest "
+       "heartbeat interval, at least three such intervals), so a dead worker's jobs are back within "
+       "lease + grace + reaper interval; a larger value is refused at worker start.",
+       _number(0, strict=True, allow_none=True), "None or a number of seconds > 0", False),
     _S("lease_retention", 7 * 24 * 3600.0,
        "Seconds finished jobs and events are kept before the reaper prunes them.",
        _number(0, strict=True), "a number of seconds > 0", False),
@@ -405,3 +410,61 @@ def task_policy(task: Any, queue: str | None = None) -> TaskPolicy:
         policy = app_config(task.app).policy(options, queue, where=f"task {task.name}")
         cache[queue] = policy
     return policy
+
+
+# -- worker liveness --------------------------------------------------------------
+STALE_HEARTBEATS = 3  # a live worker may miss this many heartbeats before it looks gone
+
+
+def derive_stale_after(policies: list[TaskPolicy]) -> float:
+    """The registry silence after which a worker is gone, from the lease policies in force.
+
+    At most the shortest lease + grace minus one (longest) heartbeat, so the reaper finds
+    a dead owner stale by the time its lease is past grace; at least three of the longest
+    heartbeat intervals, so a live worker never looks stale.
+    """
+    interval = max(p.heartbeat_interval for p in policies)
+    window = min(p.duration + p.grace_period for p in policies)
+    return max(STALE_HEARTBEATS * interval, window - interval)
+
+
+def _lease_policies(app: Any) -> list[TaskPolicy]:
+    """The app's policy, each queue policy's, and each registered LeaseTask's."""
+    cfg = app_config(app)
+    policies = [cfg.policy()] + [cfg.policy(queue=queue) for queue in cfg.queue_policies]
+    for task in list(app.tasks.values()):
+        if hasattr(task, "lease_policy"):
+            try:
+                policies.append(task_policy(task))
+            except LeaseConfigError:
+                continue  # refused where the task is used (and reported by `lease check`)
+    return policies
+
+
+def worker_stale_after(app: Any) -> float:
+    """``lease_worker_stale_after`` as set, or derived from every lease policy of the app."""
+    explicit = app_config(app).values["lease_worker_stale_after"]
+    if explicit is not None:
+        return explicit
+    tasks = len(app.tasks)
+    cached = getattr(app, "_celery_lease_stale_after", None)
+    if cached is None or cached[0] != tasks:
+        cached = (tasks, derive_stale_after(_lease_policies(app)))
+        app._celery_lease_stale_after = cached
+    return cached[1]
+
+
+def check_recovery_bound(app: Any) -> None:
+    """Refuse a ``lease_worker_stale_after`` that delays a dead worker's jobs past lease + grace."""
+    explicit = app_config(app).values["lease_worker_stale_after"]
+    if explicit is None:
+        return
+    policies = _lease_policies(app)
+    window = min(p.duration + p.grace_period for p in policies)
+    if explicit > window:
+        raise LeaseConfigError(
+            "lease_worker_stale_after", explicit,
+            f"must be at most the shortest lease_duration + lease_grace_period ({window:g}s): a dead "
+            f"worker's jobs would wait {explicit:g}s for the reaper instead of {window:g}s",
+            f"Leave it unset (derived: {derive_stale_after(policies):g}s) or lower it.",
+        )

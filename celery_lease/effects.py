@@ -8,8 +8,9 @@ not lost). Given the caller's ``connection``, the key lives in the caller's
 transaction and commits or rolls back with the business write.
 
 ``lock(lease, resource)`` leases a business resource under its own token; this
-process's heartbeat renews every held lock in one statement and releases the locks
-of a lost lease. ``advance`` moves a column forward only (a replay changes nothing).
+process's runtime renews every held lock in one statement after each heartbeat and
+releases the locks of a lost lease (and stops renewing those of an overrun one).
+``advance`` moves a column forward only (a replay changes nothing).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import logging
 import secrets
 import threading
 import time
-import weakref
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -33,10 +33,9 @@ from .store.effects import advance_statement
 from .vocabulary import EffectOutcome, Event
 
 if TYPE_CHECKING:
-    from .heartbeat import Heartbeat
-    from .task import Lease
+    from .lease import Lease
 
-__all__ = ["effect", "lock", "advance", "ResourceLock"]
+__all__ = ["effect", "lock", "advance", "ResourceLock", "Locks"]
 
 log = logging.getLogger(__name__)
 
@@ -134,11 +133,11 @@ class ResourceLock:
             raise LeaseLost(self.lease.job_id, f"resource lock {self.resource!r} lost")
 
 
-class _Locks:
-    """The locks of one heartbeat's process; called by the heartbeat after each round."""
+class Locks:
+    """The resource locks of one worker process; its runtime renews them after each heartbeat."""
 
-    def __init__(self, hb: Heartbeat) -> None:
-        self.store = hb.store
+    def __init__(self, store: Any) -> None:
+        self.store = store
         self.held: dict[str, ResourceLock] = {}
         self._mutex = threading.Lock()
 
@@ -176,14 +175,21 @@ class _Locks:
                     lk.resource, lk.token[:8], why, extra={"action": "lock_lost"})
         self.store.event(lease.job_id, Event.LOCK_LOST, f"{lk.resource}: {why}", lease.worker, lk.token)
 
-    def __call__(self) -> None:
+    def renew(self, now: float) -> None:
+        """Release the locks of ended blocks and lost leases; renew the others in one statement.
+
+        The locks of a lease past its ``lease_max_runtime`` are not renewed: they expire
+        with it, so a hung body cannot keep a resource.
+        """
         with self._mutex:
             held = list(self.held.values())
+        if not held:
+            return
         for lk in held:
             if lk.done or lk.lease.lost:
                 self.release(lk)
-        live = [lk for lk in held if not lk.done]
-        renewed = self.store.renew_locks({lk.token: lk.ttl for lk in live})
+        live = [lk for lk in held if not lk.done and lk.lease.renewable(now)]
+        renewed = self.store.renew_locks({lk.token: lk.ttl for lk in live}) if live else set()
         for lk in live:
             # A block that ended during the renewal released its own row.
             if lk.token in renewed or lk.done:
@@ -193,19 +199,6 @@ class _Locks:
                 self.held.pop(lk.token, None)
             self._lost(lk, "taken by another owner after it expired")
             lk.lease.mark_lost(f"resource lock {lk.resource!r} lost")
-
-
-_registry: weakref.WeakKeyDictionary[Any, _Locks] = weakref.WeakKeyDictionary()
-_registry_lock = threading.Lock()
-
-
-def _locks_of(hb: Heartbeat) -> _Locks:
-    with _registry_lock:
-        locks = _registry.get(hb)
-        if locks is None:
-            locks = _registry[hb] = _Locks(hb)
-            hb.renewers.append(locks)
-        return locks
 
 
 @contextlib.contextmanager
@@ -227,7 +220,7 @@ def lock(lease: Lease, resource: str, ttl: float | None = None,
     if ttl < 3 * interval:
         raise LeaseConfigError("lease_lock_ttl", ttl, f"must be at least three heartbeat intervals "
                                f"({3 * interval:g}s) so two renewals can fail before the lock expires")
-    locks = _locks_of(lease.heartbeat)
+    locks = lease.runtime.locks
     if locks.holds(lease.job_id, resource):
         raise LeaseError(f"job {lease.job_id} already holds the lock on {resource!r}; "
                          "locks are not re-entrant")

@@ -21,7 +21,7 @@ from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from .config import app_config
+from .config import worker_stale_after
 from .errors import StoreUnavailable
 from .vocabulary import STALE_WRITES, Event, stale_write
 
@@ -93,7 +93,7 @@ class LeaseCollector:
         from .store import for_app
 
         self.store = store if store is not None else for_app(app, check=False)
-        self.stale_after = app_config(app).worker_stale_after
+        self.stale_after = worker_stale_after(app)
         self.window, self.limit, self.event_lag = window, limit, event_lag
         self._lock = threading.Lock()
         self._through: float | None = None

@@ -23,7 +23,7 @@ from typing import Any
 from celery import Task, shared_task
 
 from . import messages
-from .config import TaskPolicy, app_config, task_policy
+from .config import TaskPolicy, app_config, task_policy, worker_stale_after
 from .errors import StoreCorrupt, StoreUnavailable
 from .store import RUNNING, Job, Store, for_app
 
@@ -237,7 +237,7 @@ class Reaper:
             with self.store.begin(long=True) as c:
                 page = self.store.scan_expired(c, limit=self.batch_size, after=after, now=now, lock=not dry,
                                                hard_grace=self.cfg.reaper_hard_grace,
-                                               stale_after=self.cfg.worker_stale_after)
+                                               stale_after=worker_stale_after(self.app))
                 for item in page:
                     if budget == 0:
                         break
@@ -328,7 +328,7 @@ class Reaper:
 
     def _prune(self, result: ReapResult, now: float | None) -> None:
         retention, store = self.cfg.retention, self.store
-        stale = WORKER_PRUNE_FACTOR * self.cfg.worker_stale_after
+        stale = WORKER_PRUNE_FACTOR * worker_stale_after(self.app)
         for field, prune, age in (("pruned_jobs", store.prune_completed, retention),
                                   ("pruned_events", store.prune_events, retention),
                                   ("pruned_workers", store.prune_workers, stale),
@@ -353,18 +353,26 @@ class Reaper:
             stop.wait(0 if full else interval)
 
 
-def recover_worker_lost(app: Any, job_id: str, owner: str, reason: str) -> str:
+def recover_worker_lost(app: Any, job_id: str, owner: str, reason: str, final: bool = False) -> str:
     """In the worker's main process, when a child died under ``job_id``: recover it now.
 
     Applies the reaper's decision (requeue with backoff or dead-letter at the limit)
     if the job is still running under ``owner``; the CAS uses the token read from
-    the row. Returns the outcome: requeue, dead_letter, fail, lost_race or none.
+    the row. ``final`` (a hard time limit) fails the job instead, dead-lettering its
+    message when a dead-letter queue is set. Returns the outcome: requeue,
+    dead_letter, fail, lost_race, error or none.
     """
     store = for_app(app)
     job = store.get(job_id)
     if job is None or job.status != RUNNING or job.locked_by != owner or not job.lock_token:
         return "none"
-    decision = decide(job, policy_for(app, job), f"worker process lost: {reason}")
+    policy = policy_for(app, job)
+    if final:
+        why = f"worker process lost: {reason}; a final failure"
+        kind = Kind.DEAD_LETTER if policy.dead_letter_queue else Kind.FAIL
+        decision = Decision(job.id, job.task_name, kind, why, job.locked_by, 0.0, policy.dead_letter_queue)
+    else:
+        decision = decide(job, policy, f"worker process lost: {reason}")
     try:
         decision = _publish(app, job, decision)
     except Exception as exc:  # noqa: BLE001 - broker down: the reaper recovers it after expiry

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from . import messages
-from .config import app_config
+from .config import app_config, worker_stale_after
 from .errors import LeaseError
 from .store import COMPLETED, FAILED, PENDING, Job, Store
 from .vocabulary import RecoveryAction
@@ -78,7 +78,7 @@ def requeue_plan(app: Any, store: Store, job_id: str | None = None, expired: boo
     if job_id is None:
         if not expired:
             raise RecoveryRefused("", "name a job with --job ID or take expired leases with --expired")
-        return store.requeue_candidates(cfg.reaper_hard_grace, cfg.worker_stale_after, force, batch)
+        return store.requeue_candidates(cfg.reaper_hard_grace, worker_stale_after(app), force, batch)
     job = store.require(job_id)
     if job.status == COMPLETED:
         raise RecoveryRefused(job_id, f"job {job_id} is completed; there is nothing to requeue")
@@ -91,7 +91,7 @@ def requeue_plan(app: Any, store: Store, job_id: str | None = None, expired: boo
         raise RecoveryRefused(job_id, (
             f"job {job_id} is pending and waits for a worker; the reaper re-publishes it after "
             f"lease_dispatch_timeout. Use --force to re-publish its message now"))
-    if not store.is_claimable_expired(job_id, cfg.reaper_hard_grace, cfg.worker_stale_after):
+    if not store.is_claimable_expired(job_id, cfg.reaper_hard_grace, worker_stale_after(app)):
         raise RecoveryRefused(job_id, (
             f"job {job_id} holds a live lease (owner {job.locked_by}, {_lease_state(store, job)}); "
             "requeueing it may run it twice while its worker still works on it. Wait for the reaper, "
@@ -117,7 +117,7 @@ def requeue(app: Any, store: Store, jobs: Iterable[Job], force: bool = False,
     """Requeue each job (CAS on its token), then re-publish its stored message."""
     cfg, who = app_config(app), who or operator()
     for job in jobs:
-        if not store.manual_requeue(job, who, cfg.reaper_hard_grace, cfg.worker_stale_after, force):
+        if not store.manual_requeue(job, who, cfg.reaper_hard_grace, worker_stale_after(app), force):
             yield Outcome(job.id, job.task_name, job.queue_name, RecoveryAction.SKIPPED,
                           "changed since it was read (renewed, finished or taken by someone else)")
             continue

@@ -7,16 +7,17 @@ except at start-up, where a bad setting must stop the worker.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from celery import bootsteps, signals
 from celery.exceptions import TimeLimitExceeded, WorkerLostError
 from celery.worker.request import Request
+from celery.worker.state import task_ready
 
-from . import heartbeat
-from .config import app_config
-from .errors import LeaseError
+from . import runtime
+from .config import app_config, check_recovery_bound
+from .errors import LeaseConfigError, LeaseError
+from .heartbeat import worker_id
 from .vocabulary import Event
 
 __all__ = ["LeaseRequest", "WorkerStep", "install"]
@@ -25,21 +26,65 @@ log = logging.getLogger(__name__)
 
 
 class LeaseRequest(Request):
-    """A request whose main-process failure handler frees the lease of a dead child."""
+    """A request whose main-process failure handler settles the lease of a dead pool child.
+
+    A hard time limit is a final failure, as in plain Celery: the lease fails the job and
+    Celery stores FAILURE and fires the errbacks (once: plain Celery's prefork pool fires
+    them twice). A child lost by accident (SIGKILL, OOM) is re-run by the lease, so Celery
+    must not report that attempt as a failure.
+    """
 
     def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> Any:
         exc = getattr(exc_info, "exception", None)
         exc = getattr(exc, "exc", exc)  # ExceptionWithTraceback
-        if isinstance(exc, (WorkerLostError, TimeLimitExceeded)) and self.worker_pid:
-            owner = heartbeat.worker_id(self.hostname, self.worker_pid)
-            try:
-                from .reaper import recover_worker_lost
-
-                recover_worker_lost(self.task.app, self.id, owner, type(exc).__name__)
-            except LeaseError as error:
-                log.warning("job %s: could not release the lease of dead child %s: %s",
-                            self.id, owner, error)
+        if self.worker_pid and isinstance(exc, TimeLimitExceeded):
+            _settle_dead_child(self, type(exc).__name__, final=True)
+            # Billiard calls on_timeout right after this, and it stores FAILURE, fires the
+            # errbacks and sends task-failed: the failure path must not do it a second time.
+            return super().on_failure(exc_info, send_failed_event=False, return_ok=True)
+        if self.worker_pid and self._child_lost(exc):
+            outcome = _settle_dead_child(self, type(exc).__name__, final=False)
+            if outcome in RERUN:
+                return self._rerun_by_lease(exc, exc_info, outcome)
         return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+
+    def _child_lost(self, exc: Any) -> bool:
+        # Billiard reports a child's exit as SystemExit before Celery turns it into WorkerLostError.
+        if isinstance(exc, (SystemExit, KeyboardInterrupt)):
+            return not (self._already_cancelled or self._already_revoked)
+        return isinstance(exc, WorkerLostError)
+
+    def _rerun_by_lease(self, exc: BaseException, exc_info: Any, outcome: str) -> None:
+        """The lease re-sends the job (or already moved on): no FAILURE, no errback; RETRY as Celery's own.
+
+        The state is RETRY, as Celery's ``task_retry_on_worker_lost`` leaves it (a later
+        SUCCESS is kept by the backend); the message is acknowledged: the lease holds the job.
+        """
+        task_ready(self)
+        if self.store_errors:
+            self.task.backend.mark_as_retry(self.id, exc, getattr(exc_info, "traceback", None),
+                                            request=self._context)
+        if self.task.acks_late:
+            self.acknowledge()
+        self.send_event("task-retried", exception=repr(exc))
+        log.info("job %s: pool child lost, %s by the lease; not reported to Celery as a failure",
+                 self.id, outcome, extra={"action": "worker_lost_rerun"})
+
+
+# What recover_worker_lost answers when the job runs again (or someone else holds it).
+RERUN = ("requeue", "lost_race", "error", "store_unavailable")
+
+
+def _settle_dead_child(request: LeaseRequest, reason: str, final: bool) -> str:
+    owner = worker_id(request.hostname, request.worker_pid)
+    try:
+        from .reaper import recover_worker_lost
+
+        return recover_worker_lost(request.task.app, request.id, owner, reason, final=final)
+    except LeaseError as error:
+        log.warning("job %s: could not settle the lease of dead child %s: %s", request.id, owner, error)
+        # The lease expires and the reaper settles it (a final failure is then a re-run).
+        return "store_unavailable"
 
 
 class WorkerStep(bootsteps.StartStopStep):
@@ -55,20 +100,36 @@ class WorkerStep(bootsteps.StartStopStep):
         from .store import for_app
 
         app_config(worker.app)
+        check_recovery_bound(worker.app)
+        pool = pool_name(worker)
+        check_pool(worker.app, pool)
         store = for_app(worker.app, check=False)
         store.ensure_schema(create=True)
-        store.worker_pool = (pool_name(worker.pool_cls), int(worker.concurrency or 0))
+        store.worker_pool = (pool, int(getattr(worker, "concurrency", 0) or 0))
         super().__init__(worker, **kwargs)
 
 
-def pool_name(pool_cls: Any) -> str:
-    """Celery's name of a pool class (``prefork``, ``threads``, ``solo``, ``gevent``...)."""
+def pool_name(worker: Any) -> str:
+    """The worker's pool as Celery names it (prefork, threads, solo, gevent, eventlet)."""
     from celery.concurrency import ALIASES
 
-    if isinstance(pool_cls, str):
-        return pool_cls
-    path = f"{pool_cls.__module__}:{pool_cls.__name__}"
-    return next((name for name, target in ALIASES.items() if target == path), path)
+    pool = getattr(worker, "pool_cls", None) or worker.app.conf.worker_pool or "prefork"
+    if not isinstance(pool, str):
+        path = f"{pool.__module__}:{pool.__name__}"
+        return next((name for name, target in ALIASES.items() if target == path), path)
+    return next((name for name, target in ALIASES.items() if target == pool), pool).lower()
+
+
+def check_pool(app: Any, pool: str) -> None:
+    """Refuse ``lease_on_lost='raise'`` where nothing can interrupt a body (eventlet's greenlets)."""
+    if pool != "eventlet":
+        return
+    for task in list(app.tasks.values()):
+        if hasattr(task, "lease_policy") and task.lease_policy().on_lost == "raise":
+            raise LeaseConfigError(
+                "lease_on_lost", "raise", f"cannot interrupt a body in the eventlet pool (task {task.name})",
+                "Set lease_on_lost='flag' (the body checks self.lease.lost / self.lease.check()) or run "
+                "the worker with the prefork, threads or gevent pool.")
 
 
 def install(app: Any) -> None:
@@ -84,26 +145,14 @@ def install(app: Any) -> None:
     app.steps["consumer"].add(VisibilityStep)
 
 
-def _release_held(reason: Event) -> None:
-    pid = os.getpid()
-    for key, hb in list(heartbeat._process.items()):
-        if key.endswith(f":{pid}"):
-            try:
-                released = hb.release_all(reason)
-                if released:
-                    log.info("released %d lease(s) held by %s on shutdown", released, hb.worker)
-            finally:
-                hb.stop()
-
-
 @signals.worker_process_shutdown.connect
 def _on_process_shutdown(**_: Any) -> None:
-    _release_held(Event.RELEASED_ON_SHUTDOWN)
+    runtime.release_all_in_process(Event.RELEASED_ON_SHUTDOWN)
 
 
 @signals.worker_shutdown.connect
 def _on_worker_shutdown(**_: Any) -> None:
-    _release_held(Event.RELEASED_ON_SHUTDOWN)
+    runtime.release_all_in_process(Event.RELEASED_ON_SHUTDOWN)
 
 
 @signals.task_revoked.connect

@@ -12,145 +12,23 @@ import contextlib
 import datetime
 import logging
 import secrets
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 from celery import Task
-from celery.exceptions import Ignore, Reject, Retry
+from celery._state import _task_stack
+from celery.exceptions import Ignore, Reject, Retry, WorkerShutdown, WorkerTerminate
 from celery.utils import uuid
 
-from . import deliveries, heartbeat, messages
-from .config import TaskPolicy, task_policy
+from . import deadline, deliveries, messages, runtime
+from .config import TaskPolicy, app_config, task_policy, worker_stale_after
 from .errors import LeaseLost, StoreUnavailable
+from .lease import Lease
 from .store import Store, for_app
 from .vocabulary import ClaimOutcome, Decision, Event
 
 __all__ = ["LeaseTask", "Lease"]
 
 log = logging.getLogger(__name__)
-
-
-class Lease:
-    """The running job's lease: its token, attempt, checkpoint and fenced helpers."""
-
-    def __init__(self, store: Store, hb: heartbeat.Heartbeat, job_id: str, token: str, attempt: int,
-                 policy: TaskPolicy, idempotency_key: str, checkpoint_state: Any,
-                 app: Any = None, acks_late: bool = True) -> None:
-        self.store = store
-        self.app = app
-        self.acks_late = acks_late
-        self.heartbeat = hb
-        self.job_id = job_id
-        self.token = token
-        self.attempt = attempt
-        self.policy = policy
-        self.idempotency_key = idempotency_key
-        self.checkpoint_state = checkpoint_state
-        self.worker = hb.worker
-        self.lost = False
-        self.lost_reason: str | None = None
-        self.lost_owner: str | None = None
-        self.started_at = heartbeat.monotonic()
-        self.renewed_at = self.started_at
-        self._thread_id: int | None = None
-        self._in_body = False
-        self.finishing = False
-        self._guard = threading.Lock()
-
-    def __repr__(self) -> str:
-        return f"<Lease job={self.job_id} token={self.token[:8]} attempt={self.attempt}>"
-
-    def check(self) -> None:
-        """Raise LeaseLost if the lease moved on."""
-        if self.lost:
-            raise LeaseLost(self.job_id, self.lost_reason or "lost", self.lost_owner)
-
-    def extend(self, seconds: float) -> None:
-        """Renew now with a longer lease, before a long blocking call."""
-        self.check()
-        if not self.heartbeat.extend(self, float(seconds)):
-            self.check()
-
-    def checkpoint(self, state: Any) -> None:
-        """Save JSON progress under the token; a later attempt reads ``checkpoint_state``."""
-        self.check()
-        if not self.store.checkpoint(self.job_id, self.token, state, self.worker):
-            self.mark_lost("checkpoint rejected: token no longer matches")
-            self.check()
-        self.checkpoint_state = state
-
-    def effect(self, key: str, connection: Any = None) -> Any:
-        """``with lease.effect(key) as first:`` records a side effect once per key."""
-        from .effects import effect
-
-        return effect(self, key, connection)
-
-    def lock(self, resource: str, ttl: float | None = None, timeout: float | None = None) -> Any:
-        """``with lease.lock(resource):`` a lease on a business resource."""
-        from .effects import lock
-
-        return lock(self, resource, ttl, timeout)
-
-    def give_back(self, reason: Event = Event.RELEASED_ON_SHUTDOWN) -> bool:
-        """Release the lease so the job runs again soon, re-sending its message if already acked."""
-        if not self.store.release(self.job_id, self.token, self.worker, reason):
-            return False
-        if not self.acks_late and self.app is not None:
-            # The broker forgot the message when it was acknowledged on delivery.
-            job = self.store.get(self.job_id)
-            try:
-                messages.republish(self.app, self.job_id, job.payload if job else None)
-            except Exception as exc:  # noqa: BLE001 - the dispatch scan re-sends it later
-                log.warning("job %s released but not re-sent (%s); the reaper will re-dispatch it",
-                            self.job_id, exc, extra={"action": "release_republish_failed"})
-        return True
-
-    def past_max_runtime(self, now: float) -> bool:
-        limit = self.policy.max_runtime
-        return limit is not None and now - self.started_at > limit
-
-    def mark_lost(self, reason: str, owner: str | None = None) -> None:
-        """Flag the lease lost; with ``lease_on_lost='raise'`` interrupt the body too."""
-        with self._guard:
-            if self.lost:
-                return
-            self.lost, self.lost_reason, self.lost_owner = True, reason, owner
-            log.warning("lease on job %s [%s] lost: %s%s", self.job_id, self.token[:8], reason,
-                        f" (now held by {owner})" if owner else "", extra={"action": "lease_lost"})
-            if self.policy.on_lost == "raise" and self._in_body and self._thread_id is not None:
-                heartbeat.raise_in_thread(self._thread_id, self._async_error())
-
-    def _async_error(self) -> type[LeaseLost]:
-        # The interpreter instantiates an asynchronous exception with no arguments.
-        job_id, reason, owner = self.job_id, self.lost_reason or "lost", self.lost_owner
-
-        def __init__(error: LeaseLost) -> None:
-            LeaseLost.__init__(error, job_id, reason, owner)
-
-        return type("LeaseLost", (LeaseLost,), {"__init__": __init__, "__module__": __name__})
-
-    @contextlib.contextmanager
-    def body(self) -> Iterator[None]:
-        """Mark the task body as running so a lost lease may interrupt it."""
-        with self._guard:
-            self._thread_id = threading.get_ident()
-            self._in_body = True
-        try:
-            yield
-        finally:
-            with self._guard:
-                self._in_body = False
-                self.finishing = True
-                if self.lost and self.policy.on_lost == "raise" and self._thread_id is not None:
-                    # An interruption queued just as the body returned must not land
-                    # in the bookkeeping that follows.
-                    heartbeat.raise_in_thread(self._thread_id, None)
-
-
-# The leases of the jobs running in this process, by job id. Kept off the request
-# context, which Celery copies into retries and canvas options.
-_running: dict[str, Lease] = {}
 
 
 def _queue_of(task: Task, request: Any) -> str | None:
@@ -198,8 +76,9 @@ class LeaseTask(Task):
 
     @property
     def lease(self) -> Lease | None:
-        """The running job's lease (None outside a leased run)."""
-        return _running.get(self.request.id) if self.request.id else None
+        """The running job's lease (None outside a leased run), found through the current request."""
+        rt = runtime.current(self.app)
+        return rt.lease_for(self.request) if rt is not None else None
 
     def lease_policy(self, queue: str | None = None) -> TaskPolicy:
         """The lease options in force for this task on a queue."""
@@ -251,15 +130,15 @@ def _run_leased(task: LeaseTask, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     token = secrets.token_hex(16)
     try:
         store = for_app(task.app)
-        hb = heartbeat.for_process(task.app, store, request.hostname)
-        from .config import app_config
-
+        rt = runtime.for_app(task.app, store, request.hostname)
         cfg = app_config(task.app)
+        # The lease's local deadline counts from when the claim was sent, not answered.
+        sent = deadline.monotonic()
         claim = store.claim(
-            job_id, hb.worker, token, duration=policy.duration, grace=policy.grace_period,
+            job_id, rt.worker, token, duration=policy.duration, grace=policy.grace_period,
             task_name=task.name, queue=queue, max_attempts=policy.max_attempts,
             max_expirations=policy.max_expirations, takeover=policy.on_expired == Decision.REQUEUE,
-            hard_grace=cfg.reaper_hard_grace, stale_after=cfg.worker_stale_after,
+            hard_grace=cfg.reaper_hard_grace, stale_after=worker_stale_after(task.app),
             payload=lambda: messages.encode(task.name, args, kwargs,
                                             dict(task.signature_from_request(request).options),
                                             task.serializer),
@@ -268,21 +147,19 @@ def _run_leased(task: LeaseTask, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     except StoreUnavailable as exc:
         deliveries.fail_closed(task, policy.store_retry_delay, exc)
     if claim.outcome == ClaimOutcome.EARLY:
-        deliveries.defer_early(task, store, hb.worker, claim.wait)
+        deliveries.defer_early(task, store, rt.worker, claim.wait)
     if not claim.claimed:
-        deliveries.skip_duplicate(task, store, hb.worker, claim.outcome, claim.job)
+        deliveries.skip_duplicate(task, store, rt.worker, claim.outcome, claim.job)
     job = claim.job
     assert job is not None
-    lease = Lease(store, hb, job_id, token, job.attempt_count, policy,
+    lease = Lease(rt, job_id, token, job.attempt_count, policy,
                   job.idempotency_key or f"{task.name}:{job_id}", job.checkpoint_state(),
-                  app=task.app, acks_late=bool(task.acks_late))
-    _running[job_id] = lease
-    hb.add(lease)
+                  sent_at=sent, app=task.app, acks_late=bool(task.acks_late))
+    rt.attach(request, lease)
     try:
         return _run_body(task, lease, args, kwargs)
     finally:
-        hb.remove(lease)
-        _running.pop(job_id, None)
+        rt.detach(request, lease)
 
 
 def _dead_letter(task: LeaseTask, store: Store, job_id: str, policy: TaskPolicy) -> None:
@@ -301,11 +178,46 @@ def _worker_terminating() -> bool:
     return bool(state.should_terminate)
 
 
+def _worker_leaving(exc: BaseException) -> bool:
+    """True when a BaseException means the worker is shutting down, not that the body failed."""
+    from celery.worker import state
+
+    if isinstance(exc, (WorkerShutdown, WorkerTerminate)) or state.should_stop or state.should_terminate:
+        return True
+    # A prefork child's terminate handler raises SystemExit inside whatever runs (billiard
+    # tells it from the body's own with a flag of its own, where it has one).
+    from billiard import common
+
+    fired = getattr(common, "terminate_handler_fired", None)
+    return bool(fired is not None and fired())
+
+
+def _fail(task: LeaseTask, lease: Lease, exc: BaseException) -> None:
+    """A final failure of the attempt: the job is failed (and dead-lettered); Ignore if it moved on."""
+    if not lease.store.fail(lease.job_id, lease.token, f"{type(exc).__name__}: {exc}", lease.worker):
+        raise Ignore() from exc
+    _dead_letter(task, lease.store, lease.job_id, lease.policy)
+
+
+def _call(task: LeaseTask, lease: Lease, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Celery's ``Task.__call__``, with the body's own request context resolved to its lease."""
+    _task_stack.push(task)
+    task.push_request(args=args, kwargs=kwargs)
+    request = task.request
+    lease.runtime.bind(request, lease)
+    try:
+        return task.run(*args, **kwargs)
+    finally:
+        lease.runtime.unbind(request, lease)
+        task.pop_request()
+        _task_stack.pop()
+
+
 def _run_body(task: LeaseTask, lease: Lease, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     store, job_id, token, worker = lease.store, lease.job_id, lease.token, lease.worker
     try:
         with lease.body():
-            result = Task.__call__(task, *args, **kwargs)
+            result = _call(task, lease, args, kwargs)
     except LeaseLost as exc:
         log.warning("job %s [%s] stopped: %s", job_id, token[:8], exc, extra={"action": "lease_lost"})
         raise Ignore() from exc
@@ -335,14 +247,17 @@ def _run_body(task: LeaseTask, lease: Lease, args: tuple[Any, ...], kwargs: dict
             with contextlib.suppress(StoreUnavailable):
                 lease.give_back(Event.RELEASED_ON_SHUTDOWN)
             raise Reject(f"worker shutting down: {type(exc).__name__}", requeue=True) from exc
-        if not store.fail(job_id, token, f"{type(exc).__name__}: {exc}", worker):
-            raise Ignore() from exc
-        _dead_letter(task, store, job_id, lease.policy)
+        _fail(task, lease, exc)
         raise
-    except BaseException:
-        # Interpreter or worker shutting down mid-body: give the job back.
-        with contextlib.suppress(StoreUnavailable):
-            lease.give_back(Event.RELEASED_ON_SHUTDOWN)
+    except BaseException as exc:
+        if _worker_leaving(exc):
+            # The worker is shutting down mid-body: give the job back.
+            with contextlib.suppress(StoreUnavailable):
+                lease.give_back(Event.RELEASED_ON_SHUTDOWN)
+            raise
+        # The body's own SystemExit or KeyboardInterrupt, or gevent's hard time limit
+        # (gevent.Timeout): a failed attempt, final as in plain Celery.
+        _fail(task, lease, exc)
         raise
     if lease.lost:
         # Lost while finishing: the completion below is fenced and will be rejected.
@@ -352,7 +267,7 @@ def _run_body(task: LeaseTask, lease: Lease, args: tuple[Any, ...], kwargs: dict
     except StoreUnavailable as exc:
         log.error("job %s [%s] finished but the store is unreachable (%s); completion deferred",
                   job_id, token[:8], exc, extra={"action": "completion_deferred"})
-        lease.heartbeat.defer_completion(lease)
+        lease.runtime.defer_completion(lease)
         return result
     if not completed:
         log.warning("job %s [%s]: completion rejected, the lease moved on", job_id, token[:8],

@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from .config import TaskPolicy, app_config, task_policy
+from .config import TaskPolicy, app_config, task_policy, worker_stale_after
 
 __all__ = ["percentile", "TaskTuning", "tune_task", "tune", "SAMPLE_LIMIT", "LONG_JOB"]
 
@@ -134,7 +134,7 @@ def tune(app: Any, store: Any, task: str | None = None, limit: int = SAMPLE_LIMI
     names = [task] if task else sorted(set(store.finished_tasks(limit)) | {
         name for name, t in app.tasks.items() if isinstance(t, LeaseTask)})
     _, running = store.running_rows()
-    alive = store.alive_workers(app_config(app).worker_stale_after)
+    alive = store.alive_workers(worker_stale_after(app))
     results = []
     for name in names:
         sample = store.runtime_sample(name, limit)

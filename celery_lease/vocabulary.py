@@ -85,6 +85,8 @@ class Event(Name):
     # Leases given back before expiry: the release's reason is its event.
     RELEASED_ON_SHUTDOWN = "released_on_shutdown"
     REJECTED_REQUEUE = "rejected_requeue"
+    # A lease this worker stopped trusting on its own clock, given back once the store answered.
+    RELEASED_AFTER_LOCAL_LOSS = "released_after_local_loss"
     # Deliveries whose body did not run.
     EARLY_DELIVERY_DEFERRED = "early_delivery_deferred"
     DUPLICATE_DELIVERY_SKIPPED = "duplicate_delivery_skipped"
@@ -119,7 +121,8 @@ STALE_WRITES: tuple[Event, ...] = (
     Event.STALE_LOCK_REJECTED,
 )
 #: Leases given back before expiry (the reasons ``release`` accepts).
-RELEASES: tuple[Event, ...] = (Event.RELEASED_ON_SHUTDOWN, Event.REJECTED_REQUEUE)
+RELEASES: tuple[Event, ...] = (Event.RELEASED_ON_SHUTDOWN, Event.REJECTED_REQUEUE,
+                               Event.RELEASED_AFTER_LOCAL_LOSS)
 #: A job taken back from a crashed or lost worker: proof that recovery works on a store.
 RECOVERIES: tuple[Event, ...] = (Event.LEASE_TAKEN_OVER, Event.REAPED_EXPIRED_LEASE, Event.REDISPATCHED)
 #: Recoveries an operator ran by hand.

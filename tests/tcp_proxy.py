@@ -40,6 +40,7 @@ class TcpProxy:
         return self
 
     def freeze(self) -> None:
+        """Stop passing bytes on every connection, old and new, without closing any."""
         self._flowing.clear()
 
     def thaw(self) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from .. import messages
-from ..config import app_config
+from ..config import worker_stale_after
 from ..errors import StoreCorrupt
 from ..store import RUNNING, Job
 from ..tuning import percentile
@@ -57,7 +57,7 @@ JOB_COLUMNS = [("id", "job"), ("task", "task"), ("queue", "queue"), ("status", "
 def status(ctx: click.Context, as_json: bool) -> None:
     """One screen: jobs by queue and status, expired leases, heartbeat lag, workers, last hour."""
     store = store_of(ctx)
-    cfg = app_config(app_of(ctx))
+    stale_after = worker_stale_after(app_of(ctx))
     counts = store.job_counts()
     now, running = store.running_rows()
     lags = [r["heartbeat_lag"] for r in running if r["heartbeat_lag"] is not None]
@@ -75,7 +75,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
             "oldest": None if oldest is None else {**oldest, "age": now - oldest["started_at"]},
             "heartbeat_lag_max": max(lags, default=None), "heartbeat_lag_p95": percentile(lags, 95),
         },
-        "workers": store.worker_counts(cfg.worker_stale_after),
+        "workers": store.worker_counts(stale_after),
         "last_hour": {str(k): v for k, v in hour.items() if k not in STALE_WRITES}
         | {"stale_writes_rejected": sum(v for k, v in hour.items() if k in STALE_WRITES)},
     }
@@ -99,7 +99,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
                      f"p95 {age(run['heartbeat_lag_p95'])}")
     w = report["workers"]
     lines += [f"workers        {w['alive']} alive, {w['stale']} stale "
-              f"(stale after {cfg.worker_stale_after:g}s without a heartbeat)",
+              f"(stale after {stale_after:g}s without a heartbeat)",
               f"dead letters   {report['dead_letters']}",
               "last hour      " + ", ".join(f"{k.replace('_', ' ')} {v}"
                                             for k, v in report["last_hour"].items())]

@@ -10,26 +10,28 @@ import secrets
 import sys
 import threading
 
+from celery_lease import deadline
 from celery_lease.config import load
 from celery_lease.effects import lock
-from celery_lease.heartbeat import Heartbeat, worker_id
+from celery_lease.lease import Lease
+from celery_lease.runtime import Runtime
 from celery_lease.store import Store
-from celery_lease.task import Lease
 
 
 def main(url: str, prefix: str, job_id: str, resource: str, ttl: float) -> None:
     store = Store(url, prefix=prefix)
-    hb = Heartbeat(store, worker_id("lock-holder"), "lock-holder", default_interval=0.2)
+    rt = Runtime(store, "lock-holder", default_interval=0.2)
     store.record(job_id, "t.hold", "q", "{}", 3)
     token = secrets.token_hex(16)
-    got = store.claim(job_id, hb.worker, token, duration=3.0, grace=0.0, task_name="t.hold", queue="q",
+    sent = deadline.monotonic()
+    got = store.claim(job_id, rt.worker, token, duration=3.0, grace=0.0, task_name="t.hold", queue="q",
                       max_attempts=3, max_expirations=3, takeover=False, hard_grace=60.0, stale_after=10.0,
                       payload=lambda: None)
     if not got.claimed:
         raise SystemExit(f"could not claim {job_id}: {got.outcome}")
     policy = load({}).policy({"lease_duration": 3.0, "lease_heartbeat_interval": 0.2})
-    lease = Lease(store, hb, job_id, token, 1, policy, f"t.hold:{job_id}", None)
-    hb.add(lease)
+    lease = Lease(rt, job_id, token, 1, policy, f"t.hold:{job_id}", None, sent_at=sent)
+    rt.attach(object(), lease)
     with lock(lease, resource, ttl=ttl) as held:
         sys.stdout.write(f"held {held.token}\n")
         sys.stdout.flush()

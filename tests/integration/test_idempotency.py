@@ -16,12 +16,12 @@ import sqlalchemy as sa
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
-from celery_lease import LeaseTask, LockUnavailable
+from celery_lease import LeaseTask, LockUnavailable, deadline
 from celery_lease.config import load
 from celery_lease.effects import lock
-from celery_lease.heartbeat import Heartbeat, current
+from celery_lease.lease import Lease
+from celery_lease.runtime import Runtime, current
 from celery_lease.store import for_app
-from celery_lease.task import Lease
 from tests.conftest import drop_app_store, flushed_redis, migrated_store, unique_prefix
 from tests.helpers import wait_for
 
@@ -48,9 +48,9 @@ def app(broker, store_url):
     )
     migrated_store(app)
     yield app
-    hb = current(app)
-    if hb is not None:
-        hb.stop()
+    rt = current(app)
+    if rt is not None:
+        rt.stop()
     drop_app_store(app)
 
 
@@ -139,14 +139,15 @@ def test_a_lock_held_by_a_killed_process_frees_itself_after_its_ttl(app):
         holder.wait(10)
         holder.stdout.close()
 
-    hb = Heartbeat(store, "taker:1", "taker", default_interval=0.2)
+    rt = Runtime(store, "taker", default_interval=0.2, worker="taker:1")
     store.record("taker-job", "t.hold", "q", "{}", 3)
-    got = store.claim("taker-job", hb.worker, "taker-token", duration=3.0, grace=0.0, task_name="t.hold",
+    sent = deadline.monotonic()
+    got = store.claim("taker-job", rt.worker, "taker-token", duration=3.0, grace=0.0, task_name="t.hold",
                       queue="q", max_attempts=3, max_expirations=3, takeover=False, hard_grace=60.0,
                       stale_after=10.0, payload=lambda: None)
     assert got.claimed
-    policy = load({}).policy({"lease_duration": 3.0, "lease_heartbeat_interval": 0.2})
-    lease = Lease(store, hb, "taker-job", "taker-token", 1, policy, "t.hold:taker-job", None)
+    policy = load({}).policy({"lease_duration": 30.0, "lease_heartbeat_interval": 0.2})
+    lease = Lease(rt, "taker-job", "taker-token", 1, policy, "t.hold:taker-job", None, sent_at=sent)
     last_expiry = store.lock_holder("account:42")["expires_at"]
     if store.now() < last_expiry - 0.2:
         with pytest.raises(LockUnavailable), lock(lease, "account:42", ttl=ttl, timeout=0):

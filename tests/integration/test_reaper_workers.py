@@ -89,13 +89,14 @@ def test_a_child_killed_under_a_job_is_requeued_by_the_main_process_at_once(renv
     assert renv.store.get(job.id).expired_count == 1
 
 
-def test_a_job_that_outlives_its_hard_time_limit_every_time_ends_dead_lettered(renv, tmp_path):
+def test_a_job_that_outlives_its_hard_time_limit_fails_at_once_and_never_runs_again(renv, tmp_path):
     app = renv.app(**LONG_LEASE)
     with celery_processes(tmp_path) as procs:
         procs.append(worker(APP, renv.env(**LONG_LEASE), tmp_path, pool="prefork"))
         job = app.tasks["reaper_app.overrun"].delay()
-        wait_for(lambda: renv.status(job.id) == FAILED, timeout=40, message="job never dead-lettered")
+        wait_for(lambda: renv.status(job.id) == FAILED, timeout=40, message="job never failed")
     row = renv.store.get(job.id)
-    assert row.last_error == "lease expired and max attempts reached"
-    assert renv.count(job.id, "started") == 3  # lease_max_attempts
-    assert len(renv.store.events(job.id, "reaped_expired_lease")) == 2
+    assert "TimeLimitExceeded" in row.last_error and "a final failure" in row.last_error
+    assert renv.count(job.id, "started") == 1  # a final failure, as in plain Celery
+    assert renv.store.events(job.id, "reaped_expired_lease") == []
+    assert len(renv.store.events(job.id, "dead_lettered")) == 1

@@ -135,6 +135,11 @@ CASES = [
       "lease_grace_period": 10.0},
      "run it in the prefork or threads pool, or keep every blocking call shorter than lease_duration "
      "(lease.extend(seconds) before a long one)"),
+    ("runtime_limit_unenforced", dict(worker_pool="threads", tasks={"c.work": {"time_limit": 60}}), None,
+     "warning", "runtime_limit_unenforced", ("lease_max_runtime", "task_time_limit", "worker_pool"),
+     {"task": "c.work", "worker_pool": "threads", "time_limit": 60.0, "lease_max_runtime": None},
+     "set lease_max_runtime for c.work (past it the lease is lost and the body gets LeaseLost), "
+     "or run it in the prefork or gevent pool"),
     ("prefetch_long_tasks", dict(worker_prefetch_multiplier=4, tasks={"c.work": {"time_limit": 600}}), None,
      "warning", "prefetch_long_tasks", ("worker_prefetch_multiplier",),
      {"worker_prefetch_multiplier": 4, "long_tasks": {"c.work": 600.0}},
@@ -174,8 +179,8 @@ CASES = [
     ("visibility_vs_lease", dict(broker_transport_options={"visibility_timeout": 20}), None,
      "warning", "visibility_vs_lease",
      (VT, "lease_duration", "lease_grace_period", "lease_worker_stale_after"),
-     {"visibility_timeout": 20.0, "lease_extend_visibility": True, "takeover_after": 60.0},
-     "raise visibility_timeout to at least 60s, or shorten lease_worker_stale_after"),
+     {"visibility_timeout": 20.0, "lease_extend_visibility": True, "takeover_after": 40.0},
+     "raise visibility_timeout to at least 40s, or shorten lease_worker_stale_after"),
     ("consumer_timeout_default", dict(broker=AMQP, tasks={"c.work": {"time_limit": 3600}}), None,
      "error", "consumer_timeout",
      ("consumer_timeout", "lease_rabbitmq_consumer_timeout", "task_time_limit", "lease_max_runtime"),
@@ -238,7 +243,8 @@ CASES = [
 
 # A task that never ran is also unmeasured: that finding comes with it.
 # Without acks_late, the acks_late finding comes with the reject one.
-ALSO = {"consumer_timeout": {"durations_measured"}, "reject_on_worker_lost": {"acks_late"}}
+ALSO = {"consumer_timeout": {"durations_measured"}, "reject_on_worker_lost": {"acks_late"},
+        "blocking_heartbeat": {"runtime_limit_unenforced"}}
 
 
 @pytest.mark.parametrize(("app_kw", "prepare", "level", "code", "settings", "values", "fix"),

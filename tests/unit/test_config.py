@@ -357,3 +357,42 @@ def test_idempotency_keys_must_outlive_the_jobs_they_name():
     rule = r"lease_idempotency_retention=3600.0 is invalid: must be at least lease_retention \(7200s\)"
     with pytest.raises(LeaseConfigError, match=rule):
         config.load({"lease_retention": 7200.0, "lease_idempotency_retention": 3600.0})
+
+
+# -- worker liveness ------------------------------------------------------------------
+def stale_app(**conf):
+    app = Celery(f"stale_{id(conf)}", set_as_current=False)
+    app.conf.update(lease_store_url="sqlite://", **conf)
+    return app
+
+
+def test_stale_after_is_derived_from_the_default_lease_within_the_recovery_bound():
+    # lease 30 + grace 10 - one 10 s heartbeat; at least three heartbeats (30)
+    assert config.worker_stale_after(stale_app()) == 30.0
+
+
+def test_stale_after_keeps_three_of_the_longest_heartbeats_of_every_policy_and_task():
+    from celery_lease import LeaseTask
+
+    slow_queue = {"lease_duration": 600.0, "lease_heartbeat_interval": 60.0}
+    app = stale_app(lease_queue_policies={"slow": slow_queue})
+    assert config.worker_stale_after(app) == 180.0  # never stale between two heartbeats of the slow queue
+
+    quick = stale_app(lease_duration=6.0, lease_heartbeat_interval=1.0, lease_grace_period=1.0)
+    assert config.worker_stale_after(quick) == 6.0
+
+    @quick.task(base=LeaseTask, shared=False, name="t.slow", lease_duration=30.0,
+                lease_heartbeat_interval=2.0)
+    def slow():  # pragma: no cover - never called
+        return None
+
+    assert config.worker_stale_after(quick) == 6.0  # max(3 x 2, min(7, 40) - 2)
+
+
+def test_an_explicit_stale_after_past_the_recovery_bound_is_refused_with_the_numbers():
+    app = stale_app(lease_worker_stale_after=60.0)
+    rule = r"lease_worker_stale_after=60.0 is invalid: must be at most the shortest lease_duration \+ "
+    with pytest.raises(LeaseConfigError, match=rule + r"lease_grace_period \(40s\)"):
+        config.check_recovery_bound(app)
+    config.check_recovery_bound(stale_app(lease_worker_stale_after=40.0))
+    assert config.worker_stale_after(stale_app(lease_worker_stale_after=40.0)) == 40.0

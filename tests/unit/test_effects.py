@@ -9,18 +9,20 @@ import time
 import pytest
 import sqlalchemy as sa
 
+from celery_lease import deadline
 from celery_lease.config import load
 from celery_lease.effects import advance, effect, lock
 from celery_lease.errors import LeaseConfigError, LeaseError, LeaseLost, LockUnavailable
 from celery_lease.heartbeat import Heartbeat
-from celery_lease.task import Lease
+from celery_lease.lease import Lease
+from celery_lease.runtime import Runtime
 from tests.helpers import wait_for
 
 RACERS = 16
 
 
 def policy(**overrides):
-    return load({}).policy({"lease_duration": 3.0, "lease_heartbeat_interval": 0.2,
+    return load({}).policy({"lease_duration": 30.0, "lease_heartbeat_interval": 0.2,
                             "lease_on_lost": "flag", **overrides})
 
 
@@ -28,13 +30,14 @@ def claim(store, hb: Heartbeat, job_id: str, **overrides) -> Lease:
     """Record (if new) and claim ``job_id``; a lapsed lease is taken over. Returns the new owner's Lease."""
     store.record(job_id, "t.pay", "q", "{}", 5)
     tok = secrets.token_hex(16)
+    sent = deadline.monotonic()
     got = store.claim(job_id, hb.worker, tok, duration=3.0, grace=0.0, task_name="t.pay", queue="q",
                       max_attempts=5, max_expirations=5, takeover=True, hard_grace=0.0, stale_after=10.0,
                       payload=lambda: None)
     assert got.claimed, got
     job = got.job
-    return Lease(store, hb, job_id, tok, job.attempt_count, policy(**overrides),
-                 job.idempotency_key or f"t.pay:{job_id}", job.checkpoint_state())
+    return Lease(hb.runtime, job_id, tok, job.attempt_count, policy(**overrides),
+                 job.idempotency_key or f"t.pay:{job_id}", job.checkpoint_state(), sent_at=sent)
 
 
 def lapse(store, job_id: str) -> None:
@@ -56,9 +59,10 @@ def events(store, name: str) -> list[dict]:
 
 @pytest.fixture
 def hb(store):
-    beat = Heartbeat(store, "host:1", "host", default_interval=0.2)
-    yield beat
-    beat.stop()
+    rt = Runtime(store, "host", default_interval=0.2, worker="host:1")
+    rt.start = lambda: None  # rounds driven by hand
+    yield rt.heartbeat
+    rt.stop()
 
 
 @pytest.fixture
@@ -415,8 +419,7 @@ def test_one_heartbeat_statement_renews_every_held_lock(store, hb):
 
 def test_locks_of_a_lost_lease_are_released_by_the_heartbeat(store, hb):
     lease = claim(store, hb, "job-1")
-    with hb._lock:
-        hb.leases[lease.token] = lease
+    hb.runtime.attach(object(), lease)
     with lock(lease, "account:42", ttl=3.0):
         lapse(store, "job-1")
         claim(store, hb, "job-1")

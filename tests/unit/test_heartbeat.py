@@ -1,4 +1,4 @@
-"""The per-process heartbeat: one renewal statement per round, loss detection, max runtime."""
+"""The renewal round: one statement per round, loss detection, max runtime, late confirmations."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import time
 import pytest
 import sqlalchemy as sa
 
-from celery_lease import heartbeat
+from celery_lease import deadline
 from celery_lease.config import load
 from celery_lease.errors import LeaseLost, StoreUnavailable
-from celery_lease.heartbeat import Heartbeat
-from celery_lease.task import Lease
+from celery_lease.lease import Lease
+from celery_lease.runtime import Runtime
 from tests.helpers import wait_for
 
 
@@ -21,16 +21,20 @@ def policy(**overrides):
     return load({}).policy({"lease_duration": 3.0, "lease_heartbeat_interval": 0.2, **overrides})
 
 
-def held_lease(store, hb: Heartbeat, job_id: str, **overrides) -> Lease:
+class Request:
+    """Stands for a Celery request context: the runtime keys a body's lease by it."""
+
+
+def held_lease(store, rt: Runtime, job_id: str, **overrides) -> Lease:
     store.record(job_id, "t.task", "q", "{}", 3)
     tok = secrets.token_hex(16)
-    got = store.claim(job_id, hb.worker, tok, duration=3.0, grace=0.0, task_name="t.task", queue="q",
+    sent = deadline.monotonic()
+    got = store.claim(job_id, rt.worker, tok, duration=3.0, grace=0.0, task_name="t.task", queue="q",
                       max_attempts=3, max_expirations=3, takeover=True, hard_grace=60.0,
                       stale_after=10.0, payload=lambda: None)
     assert got.claimed
-    lease = Lease(store, hb, job_id, tok, 1, policy(**overrides), f"t.task:{job_id}", None)
-    with hb._lock:
-        hb.leases[tok] = lease
+    lease = Lease(rt, job_id, tok, 1, policy(**overrides), f"t.task:{job_id}", None, sent_at=sent)
+    rt.attach(Request(), lease)
     return lease
 
 
@@ -41,14 +45,21 @@ def steal(store, job_id: str) -> None:
 
 
 @pytest.fixture
-def hb(store):
-    beat = Heartbeat(store, "host:1", "host", default_interval=0.2)
-    yield beat
-    beat.stop()
+def rt(store):
+    runtime = Runtime(store, "host", default_interval=0.2, worker="host:1")
+    # The rounds of these tests are driven by hand: no threads.
+    runtime.start = lambda: None
+    yield runtime
+    runtime.stop()
+
+
+@pytest.fixture
+def hb(rt):
+    return rt.heartbeat
 
 
 def test_one_statement_renews_every_lease_of_the_process(store, hb):
-    leases = [held_lease(store, hb, f"job-{n}") for n in range(40)]
+    leases = [held_lease(store, hb.runtime, f"job-{n}") for n in range(40)]
     before = {lease.job_id: store.get(lease.job_id).lease_expires_at for lease in leases}
     hb.beat()  # the first round registers the process
     statements: list[str] = []
@@ -69,7 +80,7 @@ def test_one_statement_renews_every_lease_of_the_process(store, hb):
 
 
 def test_a_lease_taken_by_another_owner_is_marked_lost(store, hb):
-    lease = held_lease(store, hb, "stolen")
+    lease = held_lease(store, hb.runtime, "stolen")
     steal(store, "stolen")
     counts = hb.beat()
     assert counts["lost"] == 1 and lease.lost and lease.lost_reason == "taken_over"
@@ -79,7 +90,7 @@ def test_a_lease_taken_by_another_owner_is_marked_lost(store, hb):
 
 
 def test_a_vanished_lease_is_told_apart_from_a_taken_one(store, hb):
-    lease = held_lease(store, hb, "vanishing")
+    lease = held_lease(store, hb.runtime, "vanishing")
     with store.begin() as c:
         c.execute(sa.delete(store.t.jobs).where(store.t.jobs.c.id == "vanishing"))
     hb.beat()
@@ -87,7 +98,7 @@ def test_a_vanished_lease_is_told_apart_from_a_taken_one(store, hb):
 
 
 def test_lost_lease_interrupts_the_running_body(store, hb):
-    lease = held_lease(store, hb, "interrupted", lease_on_lost="raise")
+    lease = held_lease(store, hb.runtime, "interrupted", lease_on_lost="raise")
     caught: list[BaseException] = []
     entered = threading.Event()
 
@@ -111,7 +122,7 @@ def test_lost_lease_interrupts_the_running_body(store, hb):
 
 
 def test_flag_mode_leaves_the_body_running(store, hb):
-    lease = held_lease(store, hb, "flagged", lease_on_lost="flag")
+    lease = held_lease(store, hb.runtime, "flagged", lease_on_lost="flag")
     finished = threading.Event()
 
     def body() -> None:
@@ -128,34 +139,59 @@ def test_flag_mode_leaves_the_body_running(store, hb):
 
 
 def test_a_job_past_its_max_runtime_is_no_longer_renewed(store, hb, monkeypatch):
-    lease = held_lease(store, hb, "hung", lease_max_runtime=5.0)
+    lease = held_lease(store, hb.runtime, "hung", lease_max_runtime=5.0)
     expiry = store.get("hung").lease_expires_at
-    monkeypatch.setattr(heartbeat, "monotonic", lambda: lease.started_at + 6.0)
+    monkeypatch.setattr(deadline, "monotonic", lambda: lease.started_at + 6.0)
     counts = hb.beat()
     assert counts["past_max_runtime"] == 1 and counts["renewed"] == 0
     assert store.get("hung").lease_expires_at == expiry
 
 
-def test_store_outage_longer_than_the_lease_marks_leases_lost(store, hb, monkeypatch):
-    lease = held_lease(store, hb, "outage")
+def test_a_store_outage_marks_nothing_lost_and_moves_no_deadline(store, hb, monkeypatch):
+    lease = held_lease(store, hb.runtime, "outage")
+    before = lease.deadline
 
     def down(*_a, **_k):
         raise StoreUnavailable("down")
 
     monkeypatch.setattr(store, "beat", down)
+    counts = hb.beat()
+    assert counts["renewed"] == 0 and not lease.lost  # the deadline timer decides, not the round
+    assert lease.deadline == before
+
+
+def test_a_renewal_moves_the_deadline_from_its_send_time(store, hb, monkeypatch):
+    lease = held_lease(store, hb.runtime, "renewed")
+    sent = lease.started_at + 1.0
+    monkeypatch.setattr(deadline, "monotonic", lambda: sent)
     hb.beat()
-    assert not lease.lost  # within the lease: keep working
-    monkeypatch.setattr(heartbeat, "monotonic", lambda: lease.renewed_at + 4.0)
-    hb.beat()
-    assert lease.lost and "store unreachable" in lease.lost_reason
+    assert lease.deadline == pytest.approx(deadline.local_deadline(sent, 3.0))
+
+
+def test_a_lease_lost_while_its_renewal_was_out_is_given_back_not_revived(store, hb, monkeypatch):
+    lease = held_lease(store, hb.runtime, "late")
+    renew = store.beat
+
+    def slow_answer(*args, **kwargs):
+        renewed = renew(*args, **kwargs)
+        lease.expire_if_due(lease.deadline)  # the deadline passed while the statement was out
+        return renewed
+
+    monkeypatch.setattr(store, "beat", slow_answer)
+    counts = hb.beat()
+    assert counts["renewed"] == 0 and lease.lost and "local deadline" in lease.lost_reason
+    job = store.get("late")
+    assert (job.status, job.lock_token) == ("pending", None)  # given back, fenced on the token
+    assert [e["event"] for e in store.events("late")][-1] == "released_after_local_loss"
+    assert lease not in hb.runtime.leases()
 
 
 def test_deferred_completion_lands_when_the_store_answers(store, hb):
-    lease = held_lease(store, hb, "deferred")
-    hb.defer_completion(lease)
+    lease = held_lease(store, hb.runtime, "deferred")
+    hb.runtime.defer_completion(lease)
     hb.beat()
     assert store.get("deferred").status == "completed"
-    assert lease.token not in hb.leases
+    assert lease not in hb.runtime.leases()
 
 
 def test_the_beat_registers_the_worker_process(store, hb):
@@ -166,18 +202,18 @@ def test_the_beat_registers_the_worker_process(store, hb):
 
 
 def test_the_thread_renews_on_its_own(store, hb):
-    held_lease(store, hb, "looped")
+    held_lease(store, hb.runtime, "looped")
     hb.start()
     wait_for(lambda: hb.beats >= 2, timeout=5, message="heartbeat thread did not beat twice")
 
 
 def test_a_lease_with_a_shorter_interval_brings_the_next_beat_forward(store):
-    hb = Heartbeat(store, "host:2", "host", default_interval=30.0)
+    rt = Runtime(store, "host", default_interval=30.0, worker="host:2")
+    hb = rt.heartbeat
     try:
         hb.start()
         wait_for(lambda: hb.beats >= 1, timeout=5, message="no first beat")
-        held_lease(store, hb, "urgent")  # registered without waking the thread
-        hb.add(hb.leases[next(iter(hb.leases))])  # interval 0.2 s, far below the planned 30 s
+        held_lease(store, rt, "urgent")  # interval 0.2 s, far below the planned 30 s
         wait_for(lambda: hb.beats >= 3, timeout=3, message="the thread kept its 30 s plan")
     finally:
-        hb.stop()
+        rt.stop()

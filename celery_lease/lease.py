@@ -1,0 +1,179 @@
+"""Lease, the running job's handle: its token, its local deadline and its fenced helpers.
+
+A lease is trusted until its local deadline (deadline.py): the send time of the last
+renewal the store confirmed, plus the lease's duration, minus a safety margin. Past it
+the lease is lost whether or not the store ever answers; ``check()``, ``effect()``,
+``lock()`` and ``checkpoint()`` refuse, and the runtime's timer interrupts the body
+(``lease_on_lost='raise'``) or only flags it. A lost lease is never revived.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from . import deadline, messages
+from .config import TaskPolicy
+from .errors import LeaseLost
+from .vocabulary import Event
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
+
+__all__ = ["Lease"]
+
+log = logging.getLogger(__name__)
+
+
+class Lease:
+    """The running job's lease: its token, attempt, checkpoint, deadline and fenced helpers."""
+
+    def __init__(self, runtime: Runtime, job_id: str, token: str, attempt: int, policy: TaskPolicy,
+                 idempotency_key: str, checkpoint_state: Any, *, sent_at: float, app: Any = None,
+                 acks_late: bool = True) -> None:
+        self.runtime = runtime
+        self.store = runtime.store
+        self.worker = runtime.worker
+        self.app = app
+        self.acks_late = acks_late
+        self.job_id = job_id
+        self.token = token
+        self.attempt = attempt
+        self.policy = policy
+        self.duration = policy.duration
+        self.idempotency_key = idempotency_key
+        self.checkpoint_state = checkpoint_state
+        self.lost = False
+        self.lost_reason: str | None = None
+        self.lost_owner: str | None = None
+        self.started_at = deadline.monotonic()
+        # The send time of the last statement the store confirmed (claim or renewal).
+        self.confirmed_at = sent_at
+        self.deadline = deadline.local_deadline(sent_at, self.duration)
+        self.finishing = False
+        self._in_body = False
+        self._interrupter = runtime.interrupter()
+        self._guard = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"<Lease job={self.job_id} token={self.token[:8]} attempt={self.attempt}>"
+
+    # -- the deadline ----------------------------------------------------------------
+    def check(self) -> None:
+        """Raise LeaseLost if the lease moved on or its local deadline passed."""
+        if not self.lost:
+            self.expire_if_due(deadline.monotonic())
+        if self.lost:
+            raise LeaseLost(self.job_id, self.lost_reason or "lost", self.lost_owner)
+
+    def expire_if_due(self, now: float) -> bool:
+        """Mark the lease lost if ``now`` is past its local deadline; True when it is lost."""
+        if not self.lost and now >= self.deadline:
+            overran = self.past_max_runtime(now)
+            if overran:
+                reason = f"past lease_max_runtime ({self.policy.max_runtime:g}s), no longer renewed"
+            else:
+                reason = (f"local deadline passed: no renewal confirmed for {now - self.confirmed_at:.1f}s "
+                          f"of a {self.duration:g}s lease")
+            self.mark_lost(reason)
+            # A lease cut off from the store is given back once it answers; an overrun one is
+            # left to expire, so the reaper counts the expiration against the job.
+            self.runtime.lost_locally(self, give_back=not overran)
+        return self.lost
+
+    def confirm(self, sent_at: float, duration: float | None = None) -> bool:
+        """The store renewed the lease with a statement sent at ``sent_at``; False if already lost."""
+        with self._guard:
+            if self.lost:
+                return False  # never revived: the runtime gives it back instead
+            if duration is not None:
+                self.duration = duration
+            self.confirmed_at = max(self.confirmed_at, sent_at)
+            self.deadline = max(self.deadline, deadline.local_deadline(sent_at, self.duration))
+            return True
+
+    def past_max_runtime(self, now: float) -> bool:
+        limit = self.policy.max_runtime
+        return limit is not None and now - self.started_at > limit
+
+    def renewable(self, now: float) -> bool:
+        """Still to be renewed: not lost and within lease_max_runtime."""
+        return not self.lost and not self.past_max_runtime(now)
+
+    # -- the user's helpers ---------------------------------------------------------------
+    def extend(self, seconds: float) -> None:
+        """Renew now with a longer lease, before a long blocking call."""
+        self.check()
+        if not self.runtime.extend(self, float(seconds)):
+            self.check()
+
+    def checkpoint(self, state: Any) -> None:
+        """Save JSON progress under the token; a later attempt reads ``checkpoint_state``."""
+        self.check()
+        if not self.store.checkpoint(self.job_id, self.token, state, self.worker):
+            self.mark_lost("checkpoint rejected: token no longer matches")
+            self.check()
+        self.checkpoint_state = state
+
+    def effect(self, key: str, connection: Any = None) -> Any:
+        """``with lease.effect(key) as first:`` records a side effect once per key."""
+        from .effects import effect
+
+        return effect(self, key, connection)
+
+    def lock(self, resource: str, ttl: float | None = None, timeout: float | None = None) -> Any:
+        """``with lease.lock(resource):`` a lease on a business resource."""
+        from .effects import lock
+
+        return lock(self, resource, ttl, timeout)
+
+    def give_back(self, reason: Event = Event.RELEASED_ON_SHUTDOWN, republish: bool | None = None) -> bool:
+        """Release the lease so the job runs again soon, re-sending its message when it was acked.
+
+        ``republish`` defaults to "the broker forgot the message" (acks_late off).
+        """
+        if not self.store.release(self.job_id, self.token, self.worker, reason):
+            return False
+        if (not self.acks_late if republish is None else republish) and self.app is not None:
+            job = self.store.get(self.job_id)
+            try:
+                messages.republish(self.app, self.job_id, job.payload if job else None)
+            except Exception as exc:  # noqa: BLE001 - the dispatch scan re-sends it later
+                log.warning("job %s released but not re-sent (%s); the reaper will re-dispatch it",
+                            self.job_id, exc, extra={"action": "release_republish_failed"})
+        return True
+
+    # -- loss and interruption ------------------------------------------------------------
+    def mark_lost(self, reason: str, owner: str | None = None) -> None:
+        """Flag the lease lost; with ``lease_on_lost='raise'`` interrupt the body too."""
+        with self._guard:
+            if self.lost:
+                return
+            self.lost, self.lost_reason, self.lost_owner = True, reason, owner
+            log.warning("lease on job %s [%s] lost: %s%s", self.job_id, self.token[:8], reason,
+                        f" (now held by {owner})" if owner else "", extra={"action": "lease_lost"})
+            if self.policy.on_lost == "raise" and self._in_body:
+                self._interrupter.interrupt(LeaseLost(self.job_id, reason, owner), self._still_running)
+
+    def _still_running(self) -> bool:
+        return self._in_body and not self.finishing
+
+    @contextlib.contextmanager
+    def body(self) -> Iterator[None]:
+        """Mark the task body as running so a lost lease may interrupt it."""
+        with self._guard:
+            self._interrupter.bind()
+            self._in_body = True
+        try:
+            yield
+        finally:
+            with self._guard:
+                self._in_body = False
+                self.finishing = True
+                if self.lost and self.policy.on_lost == "raise":
+                    # An interruption queued just as the body returned must not land
+                    # in the bookkeeping that follows.
+                    self._interrupter.cancel()

@@ -1,0 +1,285 @@
+"""One runtime per worker process: its leases, its heartbeat, its deadline timer, its locks.
+
+The runtime holds the leases of the bodies running in this process, by request (what
+``self.lease`` resolves through) and by (job id, token): two claims of one job in one
+process, a stale one and a new one, never see each other's lease. Its heartbeat renews
+them (heartbeat.py); its deadline timer, a thread of its own, marks a lease lost at its
+local deadline however long a store call takes, and interrupts the body. A lease lost
+locally is given back, fenced on its token, once the store answers. Signals and the
+shutdown path reach the runtime through the functions at the bottom of this module.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from . import deadline, interrupt
+from .errors import StoreUnavailable
+from .heartbeat import Heartbeat, worker_id
+from .vocabulary import Event
+
+if TYPE_CHECKING:
+    from .effects import Locks
+    from .lease import Lease
+    from .store import Store
+
+__all__ = ["Runtime", "DeadlineTimer", "for_app", "current", "in_process", "release_all_in_process"]
+
+log = logging.getLogger(__name__)
+
+MAX_TIMER_SLEEP = 5.0  # seconds the timer sleeps with no deadline in sight
+
+
+class DeadlineTimer:
+    """Marks leases lost at their local deadline; ``run_once(now)`` is one pass, ``start()`` the loop."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def run_once(self, now: float | None = None) -> float | None:
+        """Expire every lease past its deadline; returns the next deadline (None: none left)."""
+        now = deadline.monotonic() if now is None else now
+        upcoming = [lease.deadline for lease in self.runtime.leases() if not lease.expire_if_due(now)]
+        return min(upcoming, default=None)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def start(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="celery-lease-deadline", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                upcoming = self.run_once()
+            except Exception:  # noqa: BLE001 - the timer must outlive any one bad pass
+                log.exception("deadline timer of %s failed", self.runtime.worker)
+                upcoming = None
+            now = deadline.monotonic()
+            # Sleep to the next deadline exactly; a new lease or a stop wakes it earlier.
+            pause = MAX_TIMER_SLEEP if upcoming is None else min(max(0.0, upcoming - now), MAX_TIMER_SLEEP)
+            self._wake.wait(pause)
+            self._wake.clear()
+
+
+class Runtime:
+    """This process's leases and the threads that keep them honest."""
+
+    def __init__(self, store: Store, hostname: str, default_interval: float, *,
+                 worker: str | None = None, interrupter: type[interrupt.Interrupter] | None = None) -> None:
+        from .effects import Locks
+
+        self.store = store
+        self.hostname = hostname
+        self.worker = worker or worker_id(hostname)
+        self.default_interval = default_interval
+        self.interrupter = interrupter or interrupt.for_process()
+        self.pid = os.getpid()
+        self._mutex = threading.Lock()
+        self._by_request: dict[int, Lease] = {}
+        self._held: dict[tuple[str, str], Lease] = {}
+        self._deferred: dict[tuple[str, str], Lease] = {}
+        self._to_give_back: dict[tuple[str, str], Lease] = {}
+        self.locks: Locks = Locks(store)
+        self.heartbeat = Heartbeat(self)
+        self.timer = DeadlineTimer(self)
+
+    # -- membership ---------------------------------------------------------------------
+    def attach(self, request: Any, lease: Lease) -> None:
+        """A body is about to run under ``lease`` for ``request``: renew it and watch its deadline."""
+        with self._mutex:
+            self._by_request[id(request)] = lease
+            self._held[(lease.job_id, lease.token)] = lease
+        self.start()
+        self.heartbeat.joined(lease)
+        self.timer.wake()
+
+    def detach(self, request: Any, lease: Lease) -> None:
+        """The body is over; a deferred completion or a pending give-back keeps the lease listed."""
+        key = (lease.job_id, lease.token)
+        self.unbind(request, lease)
+        with self._mutex:
+            if key not in self._deferred:
+                self._held.pop(key, None)
+
+    def bind(self, request: Any, lease: Lease) -> None:
+        """Resolve one more request context to ``lease`` (the body's own copy of the request)."""
+        with self._mutex:
+            self._by_request[id(request)] = lease
+
+    def unbind(self, request: Any, lease: Lease) -> None:
+        with self._mutex:
+            if self._by_request.get(id(request)) is lease:
+                del self._by_request[id(request)]
+
+    def lease_for(self, request: Any) -> Lease | None:
+        """The lease of the body running for this request (a request context object)."""
+        return self._by_request.get(id(request))
+
+    def leases(self) -> list[Lease]:
+        """Every lease this process holds or still has to complete."""
+        with self._mutex:
+            return list(self._held.values())
+
+    def is_deferred(self, lease: Lease) -> bool:
+        return (lease.job_id, lease.token) in self._deferred
+
+    def forget(self, lease: Lease) -> None:
+        """The store says the lease is gone: stop renewing, completing and giving it back."""
+        key = (lease.job_id, lease.token)
+        with self._mutex:
+            self._held.pop(key, None)
+            self._deferred.pop(key, None)
+            self._to_give_back.pop(key, None)
+
+    def lost_locally(self, lease: Lease, give_back: bool) -> None:
+        """The lease passed its local deadline: stop renewing it (and give it back when told)."""
+        key = (lease.job_id, lease.token)
+        with self._mutex:
+            if key not in self._deferred:
+                self._held.pop(key, None)
+            if give_back and key not in self._deferred:
+                self._to_give_back[key] = lease
+
+    def defer_completion(self, lease: Lease) -> None:
+        """Keep a finished job's lease and complete it once the store answers again."""
+        key = (lease.job_id, lease.token)
+        with self._mutex:
+            self._deferred[key] = lease
+            self._held[key] = lease
+
+    def extend(self, lease: Lease, seconds: float) -> bool:
+        """Renew one lease now with a new duration; False when it is no longer ours."""
+        sent = deadline.monotonic()
+        renewed = self.store.renew({lease.token: lease.job_id}, self.worker, {lease.token: seconds})
+        if lease.job_id in renewed and lease.confirm(sent, seconds):
+            return True
+        if lease.job_id not in renewed:
+            reason, owner = self.store.describe_loss(lease.job_id, lease.token, self.worker)
+            lease.mark_lost(reason, owner)
+            self.forget(lease)
+        return False
+
+    @property
+    def interval(self) -> float:
+        intervals = [lease.policy.heartbeat_interval for lease in self.leases()]
+        return min([self.default_interval, *intervals])
+
+    # -- after each heartbeat round (the store answered) ----------------------------------
+    def give_back_lost(self) -> int:
+        """Release, fenced on their tokens, the leases lost locally; returns how many were released."""
+        with self._mutex:
+            pending = list(self._to_give_back.values())
+        released = 0
+        for lease in pending:
+            try:
+                # Re-send the message: the body stopped (LeaseLost) and its delivery is acked.
+                done = lease.give_back(Event.RELEASED_AFTER_LOCAL_LOSS, republish=True)
+            except StoreUnavailable:
+                return released
+            released += done
+            with self._mutex:
+                self._to_give_back.pop((lease.job_id, lease.token), None)
+            log.info("job %s [%s] %s after its local deadline passed", lease.job_id, lease.token[:8],
+                     "given back" if done else "had already moved on", extra={"action": Event.RELEASED_AFTER_LOCAL_LOSS})
+        return released
+
+    def flush_deferred(self) -> None:
+        with self._mutex:
+            deferred = list(self._deferred.values())
+        for lease in deferred:
+            try:
+                self.store.complete(lease.job_id, lease.token, self.worker)
+            except StoreUnavailable:
+                return
+            log.info("job %s [%s] completed after the store came back", lease.job_id, lease.token[:8])
+            self.forget(lease)
+
+    def release_all(self, reason: Event = Event.RELEASED_ON_SHUTDOWN) -> int:
+        """Give back every lease still held (shutdown); returns how many were released."""
+        with self._mutex:
+            held = [lease for key, lease in self._held.items() if key not in self._deferred]
+        released = 0
+        for lease in held:
+            try:
+                if lease.give_back(reason):
+                    released += 1
+                    lease.mark_lost(reason)
+            except StoreUnavailable as exc:
+                log.warning("could not release job %s [%s] on shutdown: %s", lease.job_id,
+                            lease.token[:8], exc)
+        self.flush_deferred()
+        return released
+
+    # -- threads --------------------------------------------------------------------------
+    def start(self) -> None:
+        self.heartbeat.start()
+        self.timer.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self.timer.stop(timeout)
+        self.heartbeat.stop(timeout)
+
+
+# By (id(app), pid), with a weak reference that tells a live app from a new one at a reused id.
+_runtimes: dict[tuple[int, int], tuple[weakref.ref[Any], Runtime]] = {}
+_runtimes_lock = threading.Lock()
+
+
+def current(app: Any) -> Runtime | None:
+    """This process's runtime for an app, if a leased body ever ran here."""
+    entry = _runtimes.get((id(app), os.getpid()))
+    return entry[1] if entry is not None and entry[0]() is app else None
+
+
+def for_app(app: Any, store: Store, hostname: str | None = None) -> Runtime:
+    """This process's runtime for an app (a forked child gets its own)."""
+    runtime = current(app)
+    if runtime is None:
+        with _runtimes_lock:
+            runtime = current(app)
+            if runtime is None:
+                from .config import app_config
+
+                host = hostname or socket.gethostname()
+                runtime = Runtime(store, host, app_config(app).heartbeat_interval)
+                _runtimes[(id(app), os.getpid())] = (weakref.ref(app), runtime)
+    return runtime
+
+
+def in_process() -> list[Runtime]:
+    """Every runtime of this process (one per app)."""
+    pid = os.getpid()
+    return [rt for (_, owner), (_, rt) in list(_runtimes.items()) if owner == pid]
+
+
+def release_all_in_process(reason: Event = Event.RELEASED_ON_SHUTDOWN) -> int:
+    """Shutdown: give back every lease of this process and stop its threads."""
+    released = 0
+    for runtime in in_process():
+        try:
+            count = runtime.release_all(reason)
+            released += count
+            if count:
+                log.info("released %d lease(s) held by %s on shutdown", count, runtime.worker)
+        finally:
+            runtime.stop()
+    return released

@@ -1,0 +1,216 @@
+"""The worker process's runtime: leases by request and token, the deadline timer, give-backs."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+
+import pytest
+import sqlalchemy as sa
+from celery import Celery
+
+from celery_lease import LeaseTask, deadline, runtime
+from celery_lease.config import load
+from celery_lease.effects import lock
+from celery_lease.errors import LeaseLost, StoreUnavailable
+from celery_lease.lease import Lease
+from celery_lease.runtime import Runtime
+
+
+def policy(**overrides):
+    return load({}).policy({"lease_duration": 3.0, "lease_heartbeat_interval": 0.2, **overrides})
+
+
+class Request:
+    """Stands for a Celery request context."""
+
+
+def claim(store, rt: Runtime, job_id: str, duration: float = 3.0, **overrides) -> Lease:
+    """Record (if new) and claim ``job_id`` (taking over a lapsed lease); the runtime's Lease."""
+    store.record(job_id, "t.task", "q", "{}", 5)
+    tok = secrets.token_hex(16)
+    sent = deadline.monotonic()
+    got = store.claim(job_id, rt.worker, tok, duration=duration, grace=0.0, task_name="t.task", queue="q",
+                      max_attempts=5, max_expirations=5, takeover=True, hard_grace=0.0, stale_after=10.0,
+                      payload=lambda: None)
+    assert got.claimed, got
+    return Lease(rt, job_id, tok, got.job.attempt_count, policy(lease_duration=duration, **overrides),
+                 f"t.task:{job_id}", None, sent_at=sent)
+
+
+def lapse(store, job_id: str) -> None:
+    j = store.t.jobs
+    with store.begin() as c:
+        c.execute(sa.update(j).where(j.c.id == job_id).values(lease_expires_at=store.now_sql - 1.0))
+
+
+@pytest.fixture
+def rt(store):
+    runtime_ = Runtime(store, "host", default_interval=0.2, worker="host:1")
+    runtime_.start = lambda: None  # rounds and timer passes driven by hand
+    yield runtime_
+    runtime_.stop()
+
+
+def count_statements(store):
+    seen: list[str] = []
+    sa.event.listen(store.engine, "before_cursor_execute", lambda *a: seen.append(a[2]))
+    return seen
+
+
+def test_check_refuses_past_the_local_deadline_without_asking_the_store(store, rt, monkeypatch):
+    lease = claim(store, rt, "job-1")
+    rt.attach(Request(), lease)
+    lease.check()  # within the deadline
+    statements = count_statements(store)
+    monkeypatch.setattr(deadline, "monotonic", lambda: lease.deadline)
+    with pytest.raises(LeaseLost, match="local deadline passed"):
+        lease.check()
+    assert statements == []
+
+
+def test_the_timer_marks_leases_lost_at_their_deadline_and_returns_the_next_one(store, rt):
+    early, late = claim(store, rt, "job-early", duration=3.0), claim(store, rt, "job-late", duration=30.0)
+    rt.attach(Request(), early)
+    rt.attach(Request(), late)
+    assert rt.timer.run_once(early.deadline - 0.01) == early.deadline
+    assert not early.lost
+    assert rt.timer.run_once(early.deadline) == late.deadline
+    assert early.lost and not late.lost
+    assert rt.leases() == [late]  # no longer renewed
+
+
+def test_the_timer_thread_interrupts_a_busy_body_on_time(store):
+    rt = Runtime(store, "host", default_interval=0.2, worker="host:2")
+    lease = claim(store, rt, "job-1", duration=1.0, lease_heartbeat_interval=0.3)
+    rt.heartbeat.start = lambda: None  # no renewals: only the deadline speaks
+    caught: list[tuple[BaseException, float]] = []
+
+    def body() -> None:
+        try:
+            with lease.body():
+                end = time.monotonic() + 10
+                while time.monotonic() < end:
+                    sum(range(100))
+        except LeaseLost as exc:
+            caught.append((exc, deadline.monotonic()))
+
+    worker = threading.Thread(target=body)
+    try:
+        rt.attach(Request(), lease)
+        worker.start()
+        worker.join(10)
+    finally:
+        rt.stop()
+    [(exc, at)] = caught
+    assert "local deadline passed" in str(exc)
+    assert lease.deadline <= at < lease.deadline + 0.5
+
+
+def test_two_claims_of_one_job_in_one_process_keep_their_own_leases(store, rt):
+    # Given a stale claim of job-1 and a new one (taken over) in the same process
+    stale_request, new_request = Request(), Request()
+    stale = claim(store, rt, "job-1")
+    rt.attach(stale_request, stale)
+    lapse(store, "job-1")
+    new = claim(store, rt, "job-1")
+    rt.attach(new_request, new)
+    assert (rt.lease_for(stale_request), rt.lease_for(new_request)) == (stale, new)
+    # When a round renews them: only the token the row carries is renewed
+    counts = rt.heartbeat.beat()
+    assert counts["renewed"] == 1 and counts["lost"] == 1
+    assert stale.lost and stale.lost_reason == "taken_over" and not new.lost
+    # And the stale body's end leaves the new lease alone
+    rt.detach(stale_request, stale)
+    assert rt.lease_for(new_request) is new and rt.leases() == [new]
+    new.check()
+
+
+def test_self_lease_resolves_through_the_current_request(store):
+    app = Celery("rt_resolve", set_as_current=False)
+    app.conf.update(lease_store_url=store.engine.url.render_as_string(hide_password=False))
+
+    @app.task(base=LeaseTask, bind=True, shared=False, name="t.task")
+    def task(self):  # pragma: no cover - never called
+        return None
+
+    rt = runtime.for_app(app, store, "host")
+    rt.start = lambda: None
+    first, second = claim(store, rt, "job-1"), claim(store, rt, "job-2")
+    task.push_request(id="job-1")
+    rt.attach(task.request, first)
+    task.push_request(id="job-1")  # a second claim of the same id, in the same process
+    rt.attach(task.request, second)
+    assert task.lease is second
+    task.pop_request()
+    assert task.lease is first
+    task.pop_request()
+    assert task.lease is None
+
+
+def test_a_lease_past_its_max_runtime_is_lost_at_its_deadline_and_left_to_expire(store, rt, monkeypatch):
+    lease = claim(store, rt, "hung", lease_max_runtime=0.5)
+    rt.attach(Request(), lease)
+    later = lease.started_at + 1.0
+    monkeypatch.setattr(deadline, "monotonic", lambda: later)
+    assert rt.heartbeat.beat()["renewed"] == 0  # past lease_max_runtime: not renewed
+    rt.timer.run_once(lease.deadline)
+    assert lease.lost and "lease_max_runtime" in lease.lost_reason
+    rt.heartbeat.beat()
+    job = store.get("hung")  # not given back: the reaper counts the expiration
+    assert (job.status, job.lock_token) == ("running", lease.token)
+
+
+def test_the_locks_of_an_overrun_lease_are_not_renewed_and_are_freed_when_it_is_lost(store, rt, monkeypatch):
+    lease = claim(store, rt, "hung", lease_max_runtime=0.5, lease_on_lost="flag")
+    rt.attach(Request(), lease)
+    with lock(lease, "account:1", ttl=3.0):
+        expiry = store.lock_holder("account:1")["expires_at"]
+        later = lease.started_at + 1.0
+        monkeypatch.setattr(deadline, "monotonic", lambda: later)
+        rt.heartbeat.beat()
+        assert store.lock_holder("account:1")["expires_at"] == expiry
+        rt.timer.run_once(lease.deadline)
+        rt.heartbeat.beat()
+        assert store.lock_holder("account:1") is None
+
+
+def test_a_lease_lost_in_a_store_outage_is_given_back_once_the_store_answers(store, rt, monkeypatch):
+    lease = claim(store, rt, "cut-off")
+    rt.attach(Request(), lease)
+    beat = store.beat
+
+    def down(*_a, **_k):
+        raise StoreUnavailable("down")
+
+    monkeypatch.setattr(store, "beat", down)
+    rt.heartbeat.beat()
+    rt.timer.run_once(lease.deadline)
+    assert lease.lost
+    monkeypatch.setattr(store, "beat", beat)
+    rt.heartbeat.beat()
+    job = store.get("cut-off")
+    assert (job.status, job.lock_token, job.attempt_count) == ("pending", None, 0)
+    assert store.events("cut-off", "released_after_local_loss")
+    assert rt.leases() == []
+
+
+def test_a_late_renewal_does_not_revive_a_lost_lease(store, rt):
+    lease = claim(store, rt, "job-1")
+    rt.attach(Request(), lease)
+    before = lease.deadline
+    rt.timer.run_once(before)
+    assert not lease.confirm(deadline.monotonic())
+    assert lease.lost and lease.deadline == before
+
+
+def test_release_all_in_process_gives_back_every_lease_and_stops_the_threads(store):
+    app = Celery("rt_release", set_as_current=False)
+    app.conf.update(lease_store_url=store.engine.url.render_as_string(hide_password=False))
+    rt = runtime.for_app(app, store, "host")
+    lease = claim(store, rt, "job-1")
+    rt.attach(Request(), lease)
+    assert runtime.release_all_in_process() >= 1
+    assert store.get("job-1").status == "pending" and lease.lost
+    assert not rt.timer._thread.is_alive() and not rt.heartbeat._thread.is_alive()
