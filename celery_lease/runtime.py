@@ -199,7 +199,8 @@ class Runtime:
             with self._mutex:
                 self._to_give_back.pop((lease.job_id, lease.token), None)
             log.info("job %s [%s] %s after its local deadline passed", lease.job_id, lease.token[:8],
-                     "given back" if done else "had already moved on", extra={"action": Event.RELEASED_AFTER_LOCAL_LOSS})
+                     "given back" if done else "had already moved on",
+                     extra={"action": Event.RELEASED_AFTER_LOCAL_LOSS})
         return released
 
     def flush_deferred(self) -> None:
