@@ -21,7 +21,6 @@ from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from .config import app_config
 from .errors import StoreUnavailable
 from .vocabulary import STALE_WRITES, Event, stale_write
 
@@ -93,7 +92,6 @@ class LeaseCollector:
         from .store import for_app
 
         self.store = store if store is not None else for_app(app, check=False)
-        self.stale_after = app_config(app).worker_stale_after
         self.window, self.limit, self.event_lag = window, limit, event_lag
         self._lock = threading.Lock()
         self._through: float | None = None
@@ -171,7 +169,7 @@ class LeaseCollector:
             due = r["oldest_due_at"]
             fams["pending"].add_metric([r["queue"] or ""], r["pending"])
             fams["oldest_pending"].add_metric([r["queue"] or ""], max(0.0, now - due) if due else 0.0)
-        workers = store.worker_counts(self.stale_after)
+        workers = store.worker_counts()
         fams["alive"].add_metric([], workers["alive"])
         fams["stale"].add_metric([], workers["stale"])
         finished = store.finished_metrics(RUNTIME_BUCKETS, ATTEMPT_BUCKETS, self.window, self.limit)

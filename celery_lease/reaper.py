@@ -235,9 +235,7 @@ class Reaper:
         budget, after, dry = self.batch_size, None, token is None
         for _ in range(MAX_PAGES):
             with self.store.begin(long=True) as c:
-                page = self.store.scan_expired(c, limit=self.batch_size, after=after, now=now, lock=not dry,
-                                               hard_grace=self.cfg.reaper_hard_grace,
-                                               stale_after=self.cfg.worker_stale_after)
+                page = self.store.scan_expired(c, limit=self.batch_size, after=after, now=now, lock=not dry)
                 for item in page:
                     if budget == 0:
                         break

@@ -20,7 +20,6 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from . import messages
-from .config import app_config
 from .errors import LeaseError
 from .store import COMPLETED, FAILED, PENDING, Job, Store
 from .vocabulary import RecoveryAction
@@ -74,11 +73,10 @@ def requeue_plan(app: Any, store: Store, job_id: str | None = None, expired: boo
                  batch: int = 10, force: bool = False) -> list[Job]:
     """The jobs a ``requeue`` would move: one named job (refused when that is unsafe) or up to
     ``batch`` abandoned leases, oldest first."""
-    cfg = app_config(app)
     if job_id is None:
         if not expired:
             raise RecoveryRefused("", "name a job with --job ID or take expired leases with --expired")
-        return store.requeue_candidates(cfg.reaper_hard_grace, cfg.worker_stale_after, force, batch)
+        return store.requeue_candidates(force, batch)
     job = store.require(job_id)
     if job.status == COMPLETED:
         raise RecoveryRefused(job_id, f"job {job_id} is completed; there is nothing to requeue")
@@ -91,7 +89,7 @@ def requeue_plan(app: Any, store: Store, job_id: str | None = None, expired: boo
         raise RecoveryRefused(job_id, (
             f"job {job_id} is pending and waits for a worker; the reaper re-publishes it after "
             f"lease_dispatch_timeout. Use --force to re-publish its message now"))
-    if not store.is_claimable_expired(job_id, cfg.reaper_hard_grace, cfg.worker_stale_after):
+    if not store.is_claimable_expired(job_id):
         raise RecoveryRefused(job_id, (
             f"job {job_id} holds a live lease (owner {job.locked_by}, {_lease_state(store, job)}); "
             "requeueing it may run it twice while its worker still works on it. Wait for the reaper, "
@@ -115,9 +113,9 @@ def _publish(app: Any, job: Job, done: RecoveryAction) -> Outcome:
 def requeue(app: Any, store: Store, jobs: Iterable[Job], force: bool = False,
             who: str | None = None) -> Iterator[Outcome]:
     """Requeue each job (CAS on its token), then re-publish its stored message."""
-    cfg, who = app_config(app), who or operator()
+    who = who or operator()
     for job in jobs:
-        if not store.manual_requeue(job, who, cfg.reaper_hard_grace, cfg.worker_stale_after, force):
+        if not store.manual_requeue(job, who, force):
             yield Outcome(job.id, job.task_name, job.queue_name, RecoveryAction.SKIPPED,
                           "changed since it was read (renewed, finished or taken by someone else)")
             continue

@@ -23,7 +23,7 @@ from celery.utils import uuid
 from . import deliveries, heartbeat, messages
 from .config import TaskPolicy, task_policy
 from .errors import LeaseLost, StoreUnavailable
-from .store import Store, for_app
+from .store import ClaimTerms, Store, for_app
 from .vocabulary import ClaimOutcome, Decision, Event
 
 __all__ = ["LeaseTask", "Lease"]
@@ -252,18 +252,14 @@ def _run_leased(task: LeaseTask, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     try:
         store = for_app(task.app)
         hb = heartbeat.for_process(task.app, store, request.hostname)
-        from .config import app_config
-
-        cfg = app_config(task.app)
+        terms = ClaimTerms(duration=policy.duration, grace=policy.grace_period,
+                           max_attempts=policy.max_attempts, max_expirations=policy.max_expirations,
+                           takeover=policy.on_expired == Decision.REQUEUE, recovery=policy.recovery())
         claim = store.claim(
-            job_id, hb.worker, token, duration=policy.duration, grace=policy.grace_period,
-            task_name=task.name, queue=queue, max_attempts=policy.max_attempts,
-            max_expirations=policy.max_expirations, takeover=policy.on_expired == Decision.REQUEUE,
-            hard_grace=cfg.reaper_hard_grace, stale_after=cfg.worker_stale_after,
+            job_id, hb.worker, token, terms, task_name=task.name, queue=queue,
             payload=lambda: messages.encode(task.name, args, kwargs,
                                             dict(task.signature_from_request(request).options),
                                             task.serializer),
-            early=cfg.clock_tolerance, async_commit=cfg.claim_async_commit, recovery=policy.recovery(),
         )
     except StoreUnavailable as exc:
         deliveries.fail_closed(task, policy.store_retry_delay, exc)

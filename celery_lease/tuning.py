@@ -134,7 +134,7 @@ def tune(app: Any, store: Any, task: str | None = None, limit: int = SAMPLE_LIMI
     names = [task] if task else sorted(set(store.finished_tasks(limit)) | {
         name for name, t in app.tasks.items() if isinstance(t, LeaseTask)})
     _, running = store.running_rows()
-    alive = store.alive_workers(app_config(app).worker_stale_after)
+    alive = store.alive_workers()
     results = []
     for name in names:
         sample = store.runtime_sample(name, limit)

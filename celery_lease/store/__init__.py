@@ -13,13 +13,13 @@ import threading
 from typing import Any
 
 from .. import config
-from .base import COMPLETED, FAILED, PENDING, RUNNING, Claim, Job, StoreBase
+from .base import COMPLETED, FAILED, PENDING, RUNNING, Claim, ClaimTerms, Job, StoreBase
 from .effects import EffectStatements
 from .jobs import JobStatements
 from .reaping import ReaperStatements
 from .reports import ReportStatements
 
-__all__ = ["Store", "Claim", "Job", "for_app", "call_timeout", "pool_size",
+__all__ = ["Store", "Claim", "ClaimTerms", "Job", "for_app", "call_timeout", "pool_size",
            "PENDING", "RUNNING", "COMPLETED", "FAILED"]
 
 
