@@ -22,7 +22,7 @@ import sqlalchemy as sa
 
 from celery_lease.config import load
 from celery_lease.heartbeat import Heartbeat
-from celery_lease.store import Store
+from celery_lease.store import ClaimTerms, Store
 from celery_lease.task import Lease
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,9 +73,9 @@ def heartbeat_statements(store: Store, leases: int, rounds: int = 5) -> tuple[fl
         job_id = f"hb-{leases}-{i}"
         store.record(job_id, "bench.leased", "celery", None, 5)
         tok = secrets.token_hex(16)
-        store.claim(job_id, hb.worker, tok, duration=30.0, grace=1.0, task_name="bench.leased",
-                    queue="celery", max_attempts=5, max_expirations=3, takeover=False, hard_grace=60.0,
-                    stale_after=60.0, payload=lambda: None)
+        store.claim(job_id, hb.worker, tok,
+                    ClaimTerms(duration=30.0, grace=1.0, max_attempts=5, max_expirations=3, takeover=False),
+                    task_name="bench.leased", queue="celery", payload=lambda: None)
         hb.leases[tok] = Lease(store, hb, job_id, tok, 1, policy, job_id, None)
     hb.beat()  # the first round registers the process
     statements: list[str] = []

@@ -13,7 +13,7 @@ import threading
 from celery_lease.config import load
 from celery_lease.effects import lock
 from celery_lease.heartbeat import Heartbeat, worker_id
-from celery_lease.store import Store
+from celery_lease.store import ClaimTerms, Store
 from celery_lease.task import Lease
 
 
@@ -22,9 +22,9 @@ def main(url: str, prefix: str, job_id: str, resource: str, ttl: float) -> None:
     hb = Heartbeat(store, worker_id("lock-holder"), "lock-holder", default_interval=0.2)
     store.record(job_id, "t.hold", "q", "{}", 3)
     token = secrets.token_hex(16)
-    got = store.claim(job_id, hb.worker, token, duration=3.0, grace=0.0, task_name="t.hold", queue="q",
-                      max_attempts=3, max_expirations=3, takeover=False, hard_grace=60.0, stale_after=10.0,
-                      payload=lambda: None)
+    got = store.claim(job_id, hb.worker, token,
+                      ClaimTerms(duration=3.0, grace=0.0, max_attempts=3, max_expirations=3, takeover=False),
+                      task_name="t.hold", queue="q", payload=lambda: None)
     if not got.claimed:
         raise SystemExit(f"could not claim {job_id}: {got.outcome}")
     policy = load({}).policy({"lease_duration": 3.0, "lease_heartbeat_interval": 0.2})

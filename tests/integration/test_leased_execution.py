@@ -15,7 +15,7 @@ from celery.contrib.testing.worker import start_worker
 
 from celery_lease import LeaseTask, messages
 from celery_lease.config import app_config
-from celery_lease.store import for_app
+from celery_lease.store import ClaimTerms, for_app
 from tests.conftest import drop_app_store, flushed_redis, migrated_store, unique_prefix
 from tests.helpers import wait_for
 from tests.tcp_proxy import TcpProxy
@@ -162,10 +162,10 @@ def test_a_job_five_times_longer_than_its_lease_runs_once_and_is_never_claimable
         outcomes: list[str] = []
 
         def intrude() -> bool:
-            outcomes.append(store.claim(
-                result.id, "intruder:1", "intruder-token", duration=1.0, grace=0.0, task_name="t.slow",
-                queue="celery", max_attempts=5, max_expirations=5, takeover=True, hard_grace=0.5,
-                stale_after=1.0, payload=lambda: None).outcome)
+            outcomes.append(store.claim(result.id, "intruder:1", "intruder-token",
+                                        ClaimTerms(duration=1.0, grace=0.0,
+                                                   max_attempts=5, max_expirations=5, takeover=True),
+                                        task_name="t.slow", queue="celery", payload=lambda: None).outcome)
             return result.ready()
 
         wait_for(intrude, timeout=30, interval=0.2, message="slow job never finished")

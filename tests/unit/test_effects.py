@@ -13,6 +13,7 @@ from celery_lease.config import load
 from celery_lease.effects import advance, effect, lock
 from celery_lease.errors import LeaseConfigError, LeaseError, LeaseLost, LockUnavailable
 from celery_lease.heartbeat import Heartbeat
+from celery_lease.store import ClaimTerms
 from celery_lease.task import Lease
 from tests.helpers import wait_for
 
@@ -28,9 +29,9 @@ def claim(store, hb: Heartbeat, job_id: str, **overrides) -> Lease:
     """Record (if new) and claim ``job_id``; a lapsed lease is taken over. Returns the new owner's Lease."""
     store.record(job_id, "t.pay", "q", "{}", 5)
     tok = secrets.token_hex(16)
-    got = store.claim(job_id, hb.worker, tok, duration=3.0, grace=0.0, task_name="t.pay", queue="q",
-                      max_attempts=5, max_expirations=5, takeover=True, hard_grace=0.0, stale_after=10.0,
-                      payload=lambda: None)
+    got = store.claim(job_id, hb.worker, tok,
+                      ClaimTerms(duration=3.0, grace=0.0, max_attempts=5, max_expirations=5, takeover=True),
+                      task_name="t.pay", queue="q", payload=lambda: None)
     assert got.claimed, got
     job = got.job
     return Lease(store, hb, job_id, tok, job.attempt_count, policy(**overrides),

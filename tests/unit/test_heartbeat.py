@@ -13,6 +13,7 @@ from celery_lease import heartbeat
 from celery_lease.config import load
 from celery_lease.errors import LeaseLost, StoreUnavailable
 from celery_lease.heartbeat import Heartbeat
+from celery_lease.store import ClaimTerms
 from celery_lease.task import Lease
 from tests.helpers import wait_for
 
@@ -24,9 +25,9 @@ def policy(**overrides):
 def held_lease(store, hb: Heartbeat, job_id: str, **overrides) -> Lease:
     store.record(job_id, "t.task", "q", "{}", 3)
     tok = secrets.token_hex(16)
-    got = store.claim(job_id, hb.worker, tok, duration=3.0, grace=0.0, task_name="t.task", queue="q",
-                      max_attempts=3, max_expirations=3, takeover=True, hard_grace=60.0,
-                      stale_after=10.0, payload=lambda: None)
+    got = store.claim(job_id, hb.worker, tok,
+                      ClaimTerms(duration=3.0, grace=0.0, max_attempts=3, max_expirations=3, takeover=True),
+                      task_name="t.task", queue="q", payload=lambda: None)
     assert got.claimed
     lease = Lease(store, hb, job_id, tok, 1, policy(**overrides), f"t.task:{job_id}", None)
     with hb._lock:

@@ -24,7 +24,7 @@ from celery import Celery, Task
 from celery_lease import LeaseTask, messages, reaper
 from celery_lease.config import app_config
 from celery_lease.reaper import Reaper, backoff, recover_worker_lost
-from celery_lease.store import COMPLETED, FAILED, PENDING, RUNNING, Store
+from celery_lease.store import COMPLETED, FAILED, PENDING, RUNNING, ClaimTerms, Store
 from tests.conftest import unique_prefix
 
 REDIS_DB = 12
@@ -321,9 +321,9 @@ def scan_one(store: Store):
 def test_requeue_loses_against_a_concurrent_takeover_and_writes_nothing(store):
     running(store, "j1")
     seen = scan_one(store)
-    new = store.claim("j1", "w2", secrets.token_hex(16), duration=30.0, grace=1.0, task_name="t.work",
-                      queue="celery", max_attempts=3, max_expirations=3, takeover=True, hard_grace=60.0,
-                      stale_after=10.0, payload=lambda: None)
+    new = store.claim("j1", "w2", secrets.token_hex(16),
+                      ClaimTerms(duration=30.0, grace=1.0, max_attempts=3, max_expirations=3, takeover=True),
+                      task_name="t.work", queue="celery", payload=lambda: None)
     assert new.claimed
     assert not store.requeue_abandoned("j1", seen.lock_token, seen.locked_by, delay=1.0, reason="x")
     assert store.get("j1").lock_token == new.job.lock_token
@@ -362,9 +362,10 @@ def test_a_message_waiting_on_a_requeue_in_flight_claims_the_requeued_job(store)
             go.wait(10)
 
     def deliver() -> None:
-        got = store.claim("j1", "w2", secrets.token_hex(16), duration=30.0, grace=1.0, task_name="t.work",
-                          queue="celery", max_attempts=3, max_expirations=3, takeover=True, hard_grace=60.0,
-                          stale_after=10.0, payload=lambda: None)
+        got = store.claim("j1", "w2", secrets.token_hex(16),
+                          ClaimTerms(duration=30.0, grace=1.0,
+                                     max_attempts=3, max_expirations=3, takeover=True),
+                          task_name="t.work", queue="celery", payload=lambda: None)
         outcome.append(got.outcome)
 
     reaping = threading.Thread(target=reaper_batch)

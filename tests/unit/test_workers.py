@@ -6,6 +6,8 @@ import secrets
 
 import sqlalchemy as sa
 
+from celery_lease.store import ClaimTerms
+
 
 def workers(store) -> list:
     with store.begin() as c:
@@ -41,9 +43,10 @@ def test_a_beat_refreshes_the_registry_and_renews_only_matching_tokens(store):
     for job_id in ("a", "b"):
         store.record(job_id, "t.task", "q", None, 3)
         tokens[job_id] = secrets.token_hex(16)
-        assert store.claim(job_id, "w1", tokens[job_id], duration=30.0, grace=1.0, task_name="t.task",
-                           queue="q", max_attempts=3, max_expirations=3, takeover=False,
-                           hard_grace=60.0, stale_after=10.0, payload=lambda: None).claimed
+        assert store.claim(job_id, "w1", tokens[job_id],
+                           ClaimTerms(duration=30.0, grace=1.0,
+                                      max_attempts=3, max_expirations=3, takeover=False),
+                           task_name="t.task", queue="q", payload=lambda: None).claimed
     expiry = store.get("a").lease_expires_at
     renewed = store.beat("w1", "host", 7, {tokens["a"]: "a", "stale-token": "b"}, {tokens["a"]: 120.0})
     assert renewed == {"a"}
