@@ -15,7 +15,7 @@ from celery.contrib.testing.worker import start_worker
 
 from celery_lease import LeaseTask, messages
 from celery_lease.config import app_config
-from celery_lease.store import ClaimTerms, for_app
+from celery_lease.store import ClaimTerms, Store, for_app
 from tests.conftest import drop_app_store, flushed_redis, migrated_store, unique_prefix
 from tests.helpers import wait_for
 from tests.tcp_proxy import TcpProxy
@@ -160,9 +160,11 @@ def test_a_job_five_times_longer_than_its_lease_runs_once_and_is_never_claimable
         wait_for(lambda: (store.get(result.id) or None) and store.get(result.id).status == "running",
                  timeout=10, message="job never started")
         outcomes: list[str] = []
+        # Another app's store, quick to take over: past a 0.5 s hard grace even from a live owner.
+        intruder = Store(store.url, store.prefix, hard_grace=0.5, stale_after=1.0)
 
         def intrude() -> bool:
-            outcomes.append(store.claim(result.id, "intruder:1", "intruder-token",
+            outcomes.append(intruder.claim(result.id, "intruder:1", "intruder-token",
                                         ClaimTerms(duration=1.0, grace=0.0,
                                                    max_attempts=5, max_expirations=5, takeover=True),
                                         task_name="t.slow", queue="celery", payload=lambda: None).outcome)

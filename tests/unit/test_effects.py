@@ -25,6 +25,13 @@ def policy(**overrides):
                             "lease_on_lost": "flag", **overrides})
 
 
+@pytest.fixture
+def store(store):
+    """The shared store with no hard grace: a lapsed lease is taken over even from a live worker."""
+    store.hard_grace = 0.0
+    return store
+
+
 def claim(store, hb: Heartbeat, job_id: str, **overrides) -> Lease:
     """Record (if new) and claim ``job_id``; a lapsed lease is taken over. Returns the new owner's Lease."""
     store.record(job_id, "t.pay", "q", "{}", 5)

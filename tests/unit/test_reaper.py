@@ -51,6 +51,14 @@ def broker(redis_url):
 
 
 @pytest.fixture
+def store(store):
+    """The shared store with the app-wide settings of this module's app (hard grace 60 s,
+    workers stale after 10 s), as the app's own store would have them."""
+    store.hard_grace, store.stale_after = 60.0, 10.0
+    return store
+
+
+@pytest.fixture
 def app(store, broker):
     app = Celery(f"reaper_{unique_prefix()}", broker=broker.url, set_as_current=False)
     app.conf.update(task_default_queue=broker.queue, lease_store_url=store.url,
@@ -287,7 +295,7 @@ def test_a_second_scan_skips_the_rows_another_reaper_holds(store):
 
     def first_reaper() -> None:
         with store.begin() as c:
-            store.scan_expired(c, limit=2, hard_grace=60.0, stale_after=10.0)
+            store.scan_expired(c, limit=2)
             held.set()
             release.wait(10)
 
@@ -308,13 +316,13 @@ def test_a_second_scan_skips_the_rows_another_reaper_holds(store):
 
 def scan_page(store: Store, limit: int):
     with store.begin() as c:
-        return store.scan_expired(c, limit=limit, hard_grace=60.0, stale_after=10.0)
+        return store.scan_expired(c, limit=limit)
 
 
 # -- the CAS loses cleanly ------------------------------------------------------------
 def scan_one(store: Store):
     with store.begin() as c:
-        [item] = store.scan_expired(c, limit=10, hard_grace=60.0, stale_after=10.0, lock=False)
+        [item] = store.scan_expired(c, limit=10, lock=False)
     return item.job
 
 
@@ -356,7 +364,7 @@ def test_a_message_waiting_on_a_requeue_in_flight_claims_the_requeued_job(store)
 
     def reaper_batch() -> None:
         with store.begin() as c:
-            [item] = store.scan_expired(c, limit=10, hard_grace=60.0, stale_after=10.0)
+            [item] = store.scan_expired(c, limit=10)
             assert store.requeue_abandoned("j1", item.job.lock_token, DEAD, delay=0.0, reason="x", c=c)
             in_tx.set()
             go.wait(10)
@@ -418,7 +426,7 @@ def test_two_scanners_racing_over_1000_expired_rows_requeue_each_exactly_once(st
         after = None
         while True:
             with store.begin() as c:
-                page = store.scan_expired(c, limit=100, hard_grace=60.0, stale_after=10.0, after=after)
+                page = store.scan_expired(c, limit=100, after=after)
                 if not page:
                     return
                 for item in page:
