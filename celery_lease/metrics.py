@@ -18,11 +18,14 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from socketserver import ThreadingMixIn
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from .errors import StoreUnavailable
 from .vocabulary import STALE_WRITES, Event, stale_write
+
+if TYPE_CHECKING:
+    from .store import ReportStore
 
 __all__ = ["LeaseCollector", "make_exporter", "COUNTERS", "LAG_BUCKETS", "RUNTIME_BUCKETS"]
 
@@ -87,11 +90,11 @@ def _buckets(bounds: Sequence[float], counts: Sequence[int], total: int) -> list
 class LeaseCollector:
     """A prometheus_client collector over one app's lease store (read-only)."""
 
-    def __init__(self, app: Any, store: Any = None, window: float = WINDOW, limit: int = LIMIT,
+    def __init__(self, app: Any, store: ReportStore | None = None, window: float = WINDOW, limit: int = LIMIT,
                  event_lag: float = EVENT_LAG) -> None:
         from .store import for_app
 
-        self.store = store if store is not None else for_app(app, check=False)
+        self.store: ReportStore = store if store is not None else for_app(app, check=False)
         self.window, self.limit, self.event_lag = window, limit, event_lag
         self._lock = threading.Lock()
         self._through: float | None = None

@@ -21,7 +21,7 @@ from typing import Any
 
 from . import messages
 from .errors import LeaseError
-from .store import COMPLETED, FAILED, PENDING, Job, Store
+from .store import COMPLETED, FAILED, PENDING, Job, ReportStore
 from .vocabulary import RecoveryAction
 
 __all__ = ["RecoveryRefused", "Outcome", "operator", "requeue_plan", "requeue", "redrive_plan", "redrive"]
@@ -59,7 +59,7 @@ def operator() -> str:
     return f"cli:{user}@{socket.gethostname()}"
 
 
-def _lease_state(store: Store, job: Job) -> str:
+def _lease_state(store: ReportStore, job: Job) -> str:
     now = store.now()
     if job.lease_expires_at is None:
         return "no lease expiry"
@@ -69,7 +69,7 @@ def _lease_state(store: Store, job: Job) -> str:
     return f"lease expired {-left:.1f}s ago, within its grace period or its owner is alive"
 
 
-def requeue_plan(app: Any, store: Store, job_id: str | None = None, expired: bool = False,
+def requeue_plan(app: Any, store: ReportStore, job_id: str | None = None, expired: bool = False,
                  batch: int = 10, force: bool = False) -> list[Job]:
     """The jobs a ``requeue`` would move: one named job (refused when that is unsafe) or up to
     ``batch`` abandoned leases, oldest first."""
@@ -110,7 +110,7 @@ def _publish(app: Any, job: Job, done: RecoveryAction) -> Outcome:
     return Outcome(job.id, job.task_name, job.queue_name, done, "message re-published")
 
 
-def requeue(app: Any, store: Store, jobs: Iterable[Job], force: bool = False,
+def requeue(app: Any, store: ReportStore, jobs: Iterable[Job], force: bool = False,
             who: str | None = None) -> Iterator[Outcome]:
     """Requeue each job (CAS on its token), then re-publish its stored message."""
     who = who or operator()
@@ -124,7 +124,7 @@ def requeue(app: Any, store: Store, jobs: Iterable[Job], force: bool = False,
         yield _publish(app, job, RecoveryAction.REQUEUED)
 
 
-def redrive_plan(store: Store, job_id: str | None = None, task: str | None = None,
+def redrive_plan(store: ReportStore, job_id: str | None = None, task: str | None = None,
                  batch: int = 10) -> list[Job]:
     """The dead letters a redrive would send back: one named job, or up to ``batch`` failed
     jobs (oldest first) that were not revoked on purpose."""
@@ -137,7 +137,7 @@ def redrive_plan(store: Store, job_id: str | None = None, task: str | None = Non
     return [job]
 
 
-def redrive(app: Any, store: Store, jobs: Iterable[Job], who: str | None = None) -> Iterator[Outcome]:
+def redrive(app: Any, store: ReportStore, jobs: Iterable[Job], who: str | None = None) -> Iterator[Outcome]:
     """Set each dead letter back to pending with fresh attempts, then re-publish its message."""
     who = who or operator()
     for job in jobs:

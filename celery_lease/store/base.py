@@ -392,7 +392,7 @@ class StoreBase:
         j, w = self.t.jobs, self.t.workers
         return sa.exists().where(w.c.worker_id == j.c.locked_by, w.c.last_seen_at >= clock - self.stale_after)
 
-    def claimable_expired(self, now: sa.ColumnElement[float] | None = None) -> sa.ColumnElement[bool]:
+    def _claimable_expired(self, now: sa.ColumnElement[float] | None = None) -> sa.ColumnElement[bool]:
         """A running lease past its grace whose owner is gone, or past lease_reaper_hard_grace.
 
         ``now`` replaces the store's clock (the reaper's ``run_once(now=...)`` seam).

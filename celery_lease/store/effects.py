@@ -43,7 +43,7 @@ class EffectStatements(StoreBase):
     """Fenced effect keys, resource locks, and the keys an operator may release."""
 
     # -- fencing ----------------------------------------------------------------
-    def lease_held(self, c: Connection, job_id: str, token: str) -> bool:
+    def _lease_held(self, c: Connection, job_id: str, token: str) -> bool:
         """Whether the job's row still carries this token (read on ``c``)."""
         j = self.t.jobs
         return c.execute(sa.select(j.c.id).where(self._fenced(job_id, token))).first() is not None
@@ -62,7 +62,7 @@ class EffectStatements(StoreBase):
         with self.begin() as c:
             if c.execute(self._effect_insert(key, job_id, token)).rowcount == 1:
                 return FIRST
-            if self.lease_held(c, job_id, token):
+            if self._lease_held(c, job_id, token):
                 return DUPLICATE
             self._stale(c, job_id, Event.STALE_EFFECT_REJECTED, worker, token, {"key": key})
             return LOST
@@ -93,7 +93,7 @@ class EffectStatements(StoreBase):
         what = f"effect {key!r}"
         if self.dialect.fence_locks_rows:
             with self.begin() as c:
-                if not self.lease_held(c, job_id, token):
+                if not self._lease_held(c, job_id, token):
                     self._stale_effect(c, key, job_id, token, worker)
                     return LOST
             with self._caller_errors(conn, what):
@@ -105,12 +105,12 @@ class EffectStatements(StoreBase):
             if self.dialect.single_writer:
                 # The caller's connection may hold the database's only write lock: a second
                 # connection would wait for it, so read and audit on the caller's.
-                if self.lease_held(conn, job_id, token):
+                if self._lease_held(conn, job_id, token):
                     return DUPLICATE
                 self._stale_effect(conn, key, job_id, token, worker)
                 return LOST
         with self.begin() as c:
-            if self.lease_held(c, job_id, token):
+            if self._lease_held(c, job_id, token):
                 return DUPLICATE
             self._stale_effect(c, key, job_id, token, worker)
             return LOST
@@ -192,7 +192,7 @@ class EffectStatements(StoreBase):
             if res.rowcount == 1:
                 self._event(c, job_id, Event.LOCK_TAKEN_AFTER_EXPIRY, resource, owner, token)
                 return FIRST
-            if fence is not None and not self.lease_held(c, job_id, job_token):
+            if fence is not None and not self._lease_held(c, job_id, job_token):
                 self._stale(c, job_id, Event.STALE_LOCK_REJECTED, owner, job_token, {"resource": resource})
                 return LOST
             return DUPLICATE

@@ -157,7 +157,7 @@ class JobStatements(WorkerStatements):
         """An abandoned running lease -> ours (CAS on the token seen), audited ``lease_taken_over``."""
         j = self.t.jobs
         res = c.execute(sa.update(j).where(
-            j.c.id == current.id, j.c.lock_token == current.lock_token, self.claimable_expired(),
+            j.c.id == current.id, j.c.lock_token == current.lock_token, self._claimable_expired(),
             j.c.attempt_count < j.c.max_attempts, j.c.expired_count < terms.max_expirations,
         ).values(expired_count=j.c.expired_count + 1,
                  **self._lease_values(worker, token, terms.duration, terms.grace)))

@@ -75,7 +75,7 @@ class ReaperStatements(StoreBase):
         clock = self._clock(now)
         query = (
             sa.select(j, self._owner_alive(clock).label("owner_alive"),
-                      self.claimable_expired(now=clock).label("reapable"))
+                      self._claimable_expired(now=clock).label("reapable"))
             .where(j.c.status == RUNNING, j.c.lease_expires_at < clock, self._past_grace(clock))
             .limit(limit)
         )

@@ -242,15 +242,15 @@ class ReportStatements(StoreBase):
         grace), oldest lease first; with ``force`` every running job whose lease has expired."""
         j = self.t.jobs
         cond = (sa.and_(j.c.status == RUNNING, j.c.lease_expires_at < self.now_sql) if force
-                else self.claimable_expired())
+                else self._claimable_expired())
         q = sa.select(j).where(cond).order_by(j.c.lease_expires_at, j.c.id).limit(limit)
         with self.begin(long=True) as c:
             return [Job.from_row(r) for r in c.execute(q)]
 
     def is_claimable_expired(self, job_id: str) -> bool:
-        """Whether the reaper would take this job's lease now (claimable_expired)."""
+        """Whether the reaper would take this job's lease now (_claimable_expired)."""
         j = self.t.jobs
-        q = sa.select(j.c.id).where(j.c.id == job_id, self.claimable_expired())
+        q = sa.select(j.c.id).where(j.c.id == job_id, self._claimable_expired())
         with self.begin(long=True) as c:
             return c.execute(q).first() is not None
 
@@ -265,7 +265,7 @@ class ReportStatements(StoreBase):
         if job.status == RUNNING and job.lock_token:
             where = [j.c.id == job.id, j.c.status == RUNNING, j.c.lock_token == job.lock_token]
             if not force:
-                where.append(self.claimable_expired())
+                where.append(self._claimable_expired())
             values["expired_count"] = j.c.expired_count + 1
         elif job.status == PENDING and force:
             where = [j.c.id == job.id, j.c.status == PENDING, j.c.updated_at == job.updated_at]

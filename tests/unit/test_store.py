@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import secrets
 import threading
 
@@ -10,7 +11,17 @@ import sqlalchemy as sa
 
 from celery_lease.config import RECOVERY
 from celery_lease.errors import StoreUnavailable
-from celery_lease.store import COMPLETED, FAILED, PENDING, RUNNING, ClaimTerms, Store
+from celery_lease.store import (
+    COMPLETED,
+    FAILED,
+    PENDING,
+    RUNNING,
+    ClaimTerms,
+    ReaperStore,
+    ReportStore,
+    Store,
+    WorkerStore,
+)
 
 
 def token() -> str:
@@ -371,3 +382,30 @@ def test_the_store_takes_the_app_wide_lease_settings_from_the_config_and_default
     assert (plain.hard_grace, plain.stale_after, plain.clock_tolerance, plain.claim_async_commit) == tuple(
         BY_NAME[name].default for name in ("lease_reaper_hard_grace", "lease_worker_stale_after",
                                            "lease_clock_tolerance", "lease_claim_async_commit"))
+
+
+ROLES = (WorkerStore, ReaperStore, ReportStore)
+
+
+def _surface(role: type) -> dict[str, inspect.Signature | None]:
+    """The members a role's Protocol lists, with the signature of each method (None: a property)."""
+    return {name: None if isinstance(value, property) else inspect.signature(value)
+            for name, value in vars(role).items() if not name.startswith("_")}
+
+
+@pytest.mark.parametrize("role", ROLES, ids=lambda role: role.__name__)
+def test_the_store_offers_every_call_of_each_role_with_the_same_parameters(role):
+    for name, declared in _surface(role).items():
+        assert hasattr(Store, name), f"{role.__name__}.{name} is not a Store member"
+        if declared is None:
+            continue
+        actual = inspect.signature(getattr(Store, name))
+        assert [(p.name, p.kind, p.default is p.empty) for p in actual.parameters.values()] == [
+            (p.name, p.kind, p.default is p.empty) for p in declared.parameters.values()], name
+
+
+def test_every_public_store_method_belongs_to_a_role():
+    methods = {name for name, value in inspect.getmembers(Store, callable)
+               if not name.startswith("_") and not inspect.ismethod(value)}  # from_config builds, no role
+    covered = set().union(*(_surface(role) for role in ROLES))
+    assert methods - covered == set()
