@@ -32,6 +32,14 @@ STALE_REASON = "lock token no longer matches"  # the reason of every write a fen
 _StoreT = TypeVar("_StoreT", bound="StoreBase")
 
 
+def where_given(query: sa.Select, *filters: tuple[Any, Any]) -> sa.Select:
+    """``query`` narrowed to ``column == value`` for each (column, value) whose value is given (not None)."""
+    for column, value in filters:
+        if value is not None:
+            query = query.where(column == value)
+    return query
+
+
 def _default(setting: str, value: Any) -> Any:
     return config.BY_NAME[setting].default if value is None else value
 
@@ -417,6 +425,12 @@ class StoreBase:
             self.event(job_id, event, STALE_REASON, worker, token, detail)
         else:
             self._event(c, job_id, event, STALE_REASON, worker, token, detail)
+
+    def _delete_lock(self, resource: str, token: str) -> bool:
+        """Delete a lock row while ``token`` holds it; False when it expired and moved on."""
+        k = self.t.locks
+        with self.begin() as c:
+            return c.execute(sa.delete(k).where(k.c.resource == resource, k.c.token == token)).rowcount == 1
 
     def get(self, job_id: str) -> Job | None:
         with self.begin() as c:

@@ -105,15 +105,17 @@ class EffectStatements(StoreBase):
             if self.dialect.single_writer:
                 # The caller's connection may hold the database's only write lock: a second
                 # connection would wait for it, so read and audit on the caller's.
-                if self._lease_held(conn, job_id, token):
-                    return DUPLICATE
-                self._stale_effect(conn, key, job_id, token, worker)
-                return LOST
+                return self._duplicate_or_lost(conn, key, job_id, token, worker)
         with self.begin() as c:
-            if self._lease_held(c, job_id, token):
-                return DUPLICATE
-            self._stale_effect(c, key, job_id, token, worker)
-            return LOST
+            return self._duplicate_or_lost(c, key, job_id, token, worker)
+
+    def _duplicate_or_lost(self, c: Connection, key: str, job_id: str, token: str,
+                           worker: str | None) -> EffectOutcome:
+        """Why a fenced key insert wrote nothing: the key exists (DUPLICATE) or the lease is gone (LOST)."""
+        if self._lease_held(c, job_id, token):
+            return DUPLICATE
+        self._stale_effect(c, key, job_id, token, worker)
+        return LOST
 
     def _stale_effect(self, c: Connection, key: str, job_id: str, token: str, worker: str | None) -> None:
         self._stale(c, job_id, Event.STALE_EFFECT_REJECTED, worker, token,
@@ -213,10 +215,7 @@ class EffectStatements(StoreBase):
 
     def release_lock(self, resource: str, token: str) -> bool:
         """Delete the lock row if ``token`` still holds it; False when it expired and moved on."""
-        lk = self.t.locks
-        with self.begin() as c:
-            res = c.execute(sa.delete(lk).where(lk.c.resource == resource, lk.c.token == token))
-            return res.rowcount == 1
+        return self._delete_lock(resource, token)
 
     def lock_holder(self, resource: str) -> dict[str, Any] | None:
         """The lock row of a resource (token, job_id, owner, expires_at), or None."""

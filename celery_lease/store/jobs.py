@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import sqlalchemy as sa
@@ -12,7 +12,7 @@ from sqlalchemy.engine import Connection
 from ..config import RECOVERY
 from ..errors import StoreConflict, StoreUnavailable
 from ..vocabulary import ClaimOutcome, Event
-from .base import COMPLETED, FAILED, PENDING, RUNNING, Claim, ClaimTerms, Job
+from .base import COMPLETED, FAILED, PENDING, RUNNING, Claim, ClaimTerms, Job, where_given
 from .workers import WorkerStatements
 
 __all__ = ["JobStatements"]
@@ -332,18 +332,8 @@ class JobStatements(WorkerStatements):
     # -- the audit log ---------------------------------------------------------
     def events(self, job_id: str | None = None, event: str | None = None,
                limit: int = 1000) -> list[dict[str, Any]]:
+        """Audit events, oldest first, of one job or one name when given."""
         e = self.t.events
-        q = sa.select(e).order_by(e.c.id).limit(limit)
-        if job_id is not None:
-            q = q.where(e.c.job_id == job_id)
-        if event is not None:
-            q = q.where(e.c.event == event)
+        q = where_given(sa.select(e).order_by(e.c.id).limit(limit), (e.c.job_id, job_id), (e.c.event, event))
         with self.begin() as c:
             return [dict(r._mapping) for r in c.execute(q)]
-
-    def count_events(self, names: Sequence[str]) -> dict[str, int]:
-        e = self.t.events
-        with self.begin() as c:
-            rows = c.execute(sa.select(e.c.event, sa.func.count()).where(e.c.event.in_(list(names)))
-                             .group_by(e.c.event)).all()
-        return {name: 0 for name in names} | {r[0]: int(r[1]) for r in rows}

@@ -186,10 +186,7 @@ class ReaperStatements(StoreBase):
             return res.rowcount == 1
 
     def release_reaper_lock(self, token: str) -> bool:
-        k = self.t.locks
-        with self.begin() as c:
-            res = c.execute(sa.delete(k).where(k.c.resource == REAPER_LOCK, k.c.token == token))
-            return res.rowcount == 1
+        return self._delete_lock(REAPER_LOCK, token)
 
     def reaper_lock_holder(self) -> tuple[str | None, float] | None:
         """(owner, seconds left) of a live reaper lock, or None when it is free."""

@@ -16,7 +16,7 @@ import sqlalchemy as sa
 
 from ..errors import JobNotFound
 from ..vocabulary import Event
-from .base import COMPLETED, FAILED, PENDING, RUNNING, Job, StoreBase
+from .base import COMPLETED, FAILED, PENDING, RUNNING, Job, StoreBase, where_given
 
 __all__ = ["ReportStatements"]
 
@@ -117,12 +117,7 @@ class ReportStatements(StoreBase):
             q = q.order_by(j.c.lease_expires_at, j.c.id)
         else:
             q = q.order_by(j.c.updated_at.desc(), j.c.id)
-        if status is not None:
-            q = q.where(j.c.status == status)
-        if queue is not None:
-            q = q.where(j.c.queue_name == queue)
-        if task is not None:
-            q = q.where(j.c.task_name == task)
+        q = where_given(q, (j.c.status, status), (j.c.queue_name, queue), (j.c.task_name, task))
         with self.begin(long=True) as c:
             return [Job.from_row(r) for r in c.execute(q)]
 
@@ -137,11 +132,8 @@ class ReportStatements(StoreBase):
                     event: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
         """Audit events, newest ``limit`` of them in time order; ``since`` is seconds back from now."""
         e = self.t.events
-        q = sa.select(e).order_by(e.c.id.desc()).limit(limit)
-        if job_id is not None:
-            q = q.where(e.c.job_id == job_id)
-        if event is not None:
-            q = q.where(e.c.event == event)
+        q = where_given(sa.select(e).order_by(e.c.id.desc()).limit(limit),
+                        (e.c.job_id, job_id), (e.c.event, event))
         with self.begin(long=True) as c:
             if since is not None:
                 # A bound value, not the clock expression: PostgreSQL cannot range-scan an index
@@ -284,8 +276,7 @@ class ReportStatements(StoreBase):
         """Failed jobs, oldest failure first."""
         j = self.t.jobs
         q = sa.select(j).where(j.c.status == FAILED).order_by(j.c.updated_at, j.c.id).limit(limit)
-        if task is not None:
-            q = q.where(j.c.task_name == task)
+        q = where_given(q, (j.c.task_name, task))
         if not include_revoked:
             q = q.where(sa.or_(j.c.last_error.is_(None), ~j.c.last_error.startswith(REVOKED_PREFIX)))
         with self.begin(long=True) as c:

@@ -215,7 +215,7 @@ def test_celery_retry_reschedules_the_job_and_it_runs_again(app, broker):
         rows = c.execute(sa.select(store.t.jobs.c.task_name, store.t.jobs.c.status,
                                    store.t.jobs.c.attempt_count)).all()
     assert sorted(rows) == [("t.auto", "completed", 3), ("t.flaky", "completed", 2)]
-    assert store.count_events(["retry_scheduled"])["retry_scheduled"] == 3
+    assert store.event_counts(["retry_scheduled"])["retry_scheduled"] == 3
 
 
 def test_a_final_failure_marks_the_job_failed_and_celery_sees_the_exception(app, broker):
