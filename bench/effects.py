@@ -26,7 +26,7 @@ from celery_lease.config import load
 from celery_lease.effects import effect, lock
 from celery_lease.lease import Lease
 from celery_lease.runtime import Runtime
-from celery_lease.store import Store
+from celery_lease.store import ClaimTerms, Store
 
 POSTGRES = os.environ.get("CELERY_LEASE_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
@@ -36,9 +36,10 @@ def held_lease(store: Store) -> Lease:
     store.record("bench-job", "bench.effects", "q", "{}", 5)
     token = secrets.token_hex(16)
     sent = deadline.monotonic()
-    got = store.claim("bench-job", rt.worker, token, duration=3600.0, grace=0.0, task_name="bench.effects",
-                      queue="q", max_attempts=5, max_expirations=5, takeover=False, hard_grace=60.0,
-                      stale_after=60.0, payload=lambda: None)
+    got = store.claim("bench-job", rt.worker, token,
+                      ClaimTerms(duration=3600.0, grace=0.0,
+                                 max_attempts=5, max_expirations=5, takeover=False),
+                      task_name="bench.effects", queue="q", payload=lambda: None)
     assert got.claimed
     policy = load({}).policy({"lease_duration": 3600.0, "lease_heartbeat_interval": 10.0})
     return Lease(rt, "bench-job", token, 1, policy, "bench.effects:bench-job", None, sent_at=sent)

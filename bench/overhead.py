@@ -24,7 +24,7 @@ from celery_lease import deadline
 from celery_lease.config import load
 from celery_lease.lease import Lease
 from celery_lease.runtime import Runtime
-from celery_lease.store import Store
+from celery_lease.store import ClaimTerms, Store
 
 ROOT = Path(__file__).resolve().parent.parent
 BROKER = os.environ.get("BENCH_BROKER", "redis://127.0.0.1:6379/15")
@@ -76,9 +76,9 @@ def heartbeat_statements(store: Store, leases: int, rounds: int = 5) -> tuple[fl
         store.record(job_id, "bench.leased", "celery", None, 5)
         tok = secrets.token_hex(16)
         sent = deadline.monotonic()
-        store.claim(job_id, rt.worker, tok, duration=30.0, grace=1.0, task_name="bench.leased",
-                    queue="celery", max_attempts=5, max_expirations=3, takeover=False, hard_grace=60.0,
-                    stale_after=60.0, payload=lambda: None)
+        store.claim(job_id, rt.worker, tok,
+                    ClaimTerms(duration=30.0, grace=1.0, max_attempts=5, max_expirations=3, takeover=False),
+                    task_name="bench.leased", queue="celery", payload=lambda: None)
         rt.attach(object(), Lease(rt, job_id, tok, 1, policy, job_id, None, sent_at=sent))
     hb.beat()  # the first round registers the process
     statements: list[str] = []

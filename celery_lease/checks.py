@@ -26,12 +26,15 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import brokers
 from .config import AppConfig, TaskPolicy, app_config, task_options, task_policy
 from .errors import LeaseConfigError, SchemaMismatch, StoreUnavailable
 from .vocabulary import RECOVERIES
+
+if TYPE_CHECKING:
+    from .store import ReportStore
 
 __all__ = ["Finding", "Context", "run_checks", "RULES", "percentile", "ok_unless"]
 
@@ -78,7 +81,7 @@ def percentile(values: Sequence[float], share: float) -> float | None:
 class Context:
     """What the rules read, each piece computed once: config, tasks, store facts, broker."""
 
-    def __init__(self, app: Any, cfg: AppConfig, store: Any, pool: str | None = None) -> None:
+    def __init__(self, app: Any, cfg: AppConfig, store: ReportStore, pool: str | None = None) -> None:
         from .task import LeaseTask
 
         self.app, self.conf, self.cfg, self.store = app, app.conf, cfg, store
@@ -386,7 +389,7 @@ RULES: tuple[Rule, ...] = (check_policies, check_grace, check_time_limits, check
                            check_reaper, check_store, check_broker, check_checklist)
 
 
-def run_checks(app: Any, store: Any = None, pool: str | None = None) -> list[Finding]:
+def run_checks(app: Any, store: ReportStore | None = None, pool: str | None = None) -> list[Finding]:
     """Every finding for an app: its config, its tasks, its broker and its store.
 
     ``pool``: the worker pool the tasks run in (default: the app's ``worker_pool``).

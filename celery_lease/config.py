@@ -428,6 +428,14 @@ def derive_stale_after(policies: list[TaskPolicy]) -> float:
     return max(STALE_HEARTBEATS * interval, window - interval)
 
 
+def cfg_stale_after(cfg: AppConfig) -> float:
+    """``lease_worker_stale_after`` as set, or derived from the app-wide and queue policies alone."""
+    explicit = cfg.values["lease_worker_stale_after"]
+    if explicit is not None:
+        return explicit
+    return derive_stale_after([cfg.policy()] + [cfg.policy(queue=queue) for queue in cfg.queue_policies])
+
+
 def _lease_policies(app: Any) -> list[TaskPolicy]:
     """The app's policy, each queue policy's, and each registered LeaseTask's."""
     cfg = app_config(app)

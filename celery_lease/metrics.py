@@ -18,12 +18,14 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from socketserver import ThreadingMixIn
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from .config import worker_stale_after
 from .errors import StoreUnavailable
 from .vocabulary import STALE_WRITES, Event, stale_write
+
+if TYPE_CHECKING:
+    from .store import ReportStore
 
 __all__ = ["LeaseCollector", "make_exporter", "COUNTERS", "LAG_BUCKETS", "RUNTIME_BUCKETS"]
 
@@ -88,12 +90,11 @@ def _buckets(bounds: Sequence[float], counts: Sequence[int], total: int) -> list
 class LeaseCollector:
     """A prometheus_client collector over one app's lease store (read-only)."""
 
-    def __init__(self, app: Any, store: Any = None, window: float = WINDOW, limit: int = LIMIT,
+    def __init__(self, app: Any, store: ReportStore | None = None, window: float = WINDOW, limit: int = LIMIT,
                  event_lag: float = EVENT_LAG) -> None:
         from .store import for_app
 
-        self.store = store if store is not None else for_app(app, check=False)
-        self.stale_after = worker_stale_after(app)
+        self.store: ReportStore = store if store is not None else for_app(app, check=False)
         self.window, self.limit, self.event_lag = window, limit, event_lag
         self._lock = threading.Lock()
         self._through: float | None = None
@@ -171,7 +172,7 @@ class LeaseCollector:
             due = r["oldest_due_at"]
             fams["pending"].add_metric([r["queue"] or ""], r["pending"])
             fams["oldest_pending"].add_metric([r["queue"] or ""], max(0.0, now - due) if due else 0.0)
-        workers = store.worker_counts(self.stale_after)
+        workers = store.worker_counts()
         fams["alive"].add_metric([], workers["alive"])
         fams["stale"].add_metric([], workers["stale"])
         finished = store.finished_metrics(RUNTIME_BUCKETS, ATTEMPT_BUCKETS, self.window, self.limit)

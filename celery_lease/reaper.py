@@ -25,7 +25,7 @@ from celery import Task, shared_task
 from . import messages
 from .config import TaskPolicy, app_config, task_policy, worker_stale_after
 from .errors import StoreCorrupt, StoreUnavailable
-from .store import RUNNING, Job, Store, for_app
+from .store import RUNNING, Job, ReaperStore, for_app
 
 # The kinds of a Decision (the dataclass below names one decision about one job).
 from .vocabulary import Decision as Kind
@@ -148,7 +148,7 @@ def _publish(app: Any, job: Job, decision: Decision) -> Decision:
     return decision
 
 
-def _settle(store: Store, job: Job, decision: Decision, result: ReapResult, *, expired: bool = True,
+def _settle(store: ReaperStore, job: Job, decision: Decision, result: ReapResult, *, expired: bool = True,
             now: float | None = None, c: Any = None) -> bool:
     """The CAS on the token read with the row; a lost race writes nothing and is only counted."""
     kind, token = decision.decision, job.lock_token or ""
@@ -181,10 +181,10 @@ def _settle(store: Store, job: Job, decision: Decision, result: ReapResult, *, e
 class Reaper:
     """One reaper of an app: ``run_once()`` is a round, ``run_forever()`` the thin loop."""
 
-    def __init__(self, app: Any, store: Store | None = None, *, batch_size: int | None = None,
+    def __init__(self, app: Any, store: ReaperStore | None = None, *, batch_size: int | None = None,
                  rng: Any = None) -> None:
         self.app = app
-        self.store = store or for_app(app)
+        self.store: ReaperStore = store or for_app(app)
         self.cfg = app_config(app)
         self.batch_size = batch_size or self.cfg.reaper_batch_size
         self.rng = rng or random.Random()
@@ -235,9 +235,7 @@ class Reaper:
         budget, after, dry = self.batch_size, None, token is None
         for _ in range(MAX_PAGES):
             with self.store.begin(long=True) as c:
-                page = self.store.scan_expired(c, limit=self.batch_size, after=after, now=now, lock=not dry,
-                                               hard_grace=self.cfg.reaper_hard_grace,
-                                               stale_after=worker_stale_after(self.app))
+                page = self.store.scan_expired(c, limit=self.batch_size, after=after, now=now, lock=not dry)
                 for item in page:
                     if budget == 0:
                         break

@@ -20,9 +20,8 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from . import messages
-from .config import app_config, worker_stale_after
 from .errors import LeaseError
-from .store import COMPLETED, FAILED, PENDING, Job, Store
+from .store import COMPLETED, FAILED, PENDING, Job, ReportStore
 from .vocabulary import RecoveryAction
 
 __all__ = ["RecoveryRefused", "Outcome", "operator", "requeue_plan", "requeue", "redrive_plan", "redrive"]
@@ -60,7 +59,7 @@ def operator() -> str:
     return f"cli:{user}@{socket.gethostname()}"
 
 
-def _lease_state(store: Store, job: Job) -> str:
+def _lease_state(store: ReportStore, job: Job) -> str:
     now = store.now()
     if job.lease_expires_at is None:
         return "no lease expiry"
@@ -70,15 +69,14 @@ def _lease_state(store: Store, job: Job) -> str:
     return f"lease expired {-left:.1f}s ago, within its grace period or its owner is alive"
 
 
-def requeue_plan(app: Any, store: Store, job_id: str | None = None, expired: bool = False,
+def requeue_plan(app: Any, store: ReportStore, job_id: str | None = None, expired: bool = False,
                  batch: int = 10, force: bool = False) -> list[Job]:
     """The jobs a ``requeue`` would move: one named job (refused when that is unsafe) or up to
     ``batch`` abandoned leases, oldest first."""
-    cfg = app_config(app)
     if job_id is None:
         if not expired:
             raise RecoveryRefused("", "name a job with --job ID or take expired leases with --expired")
-        return store.requeue_candidates(cfg.reaper_hard_grace, worker_stale_after(app), force, batch)
+        return store.requeue_candidates(force, batch)
     job = store.require(job_id)
     if job.status == COMPLETED:
         raise RecoveryRefused(job_id, f"job {job_id} is completed; there is nothing to requeue")
@@ -91,7 +89,7 @@ def requeue_plan(app: Any, store: Store, job_id: str | None = None, expired: boo
         raise RecoveryRefused(job_id, (
             f"job {job_id} is pending and waits for a worker; the reaper re-publishes it after "
             f"lease_dispatch_timeout. Use --force to re-publish its message now"))
-    if not store.is_claimable_expired(job_id, cfg.reaper_hard_grace, worker_stale_after(app)):
+    if not store.is_claimable_expired(job_id):
         raise RecoveryRefused(job_id, (
             f"job {job_id} holds a live lease (owner {job.locked_by}, {_lease_state(store, job)}); "
             "requeueing it may run it twice while its worker still works on it. Wait for the reaper, "
@@ -112,12 +110,12 @@ def _publish(app: Any, job: Job, done: RecoveryAction) -> Outcome:
     return Outcome(job.id, job.task_name, job.queue_name, done, "message re-published")
 
 
-def requeue(app: Any, store: Store, jobs: Iterable[Job], force: bool = False,
+def requeue(app: Any, store: ReportStore, jobs: Iterable[Job], force: bool = False,
             who: str | None = None) -> Iterator[Outcome]:
     """Requeue each job (CAS on its token), then re-publish its stored message."""
-    cfg, who = app_config(app), who or operator()
+    who = who or operator()
     for job in jobs:
-        if not store.manual_requeue(job, who, cfg.reaper_hard_grace, worker_stale_after(app), force):
+        if not store.manual_requeue(job, who, force):
             yield Outcome(job.id, job.task_name, job.queue_name, RecoveryAction.SKIPPED,
                           "changed since it was read (renewed, finished or taken by someone else)")
             continue
@@ -126,7 +124,7 @@ def requeue(app: Any, store: Store, jobs: Iterable[Job], force: bool = False,
         yield _publish(app, job, RecoveryAction.REQUEUED)
 
 
-def redrive_plan(store: Store, job_id: str | None = None, task: str | None = None,
+def redrive_plan(store: ReportStore, job_id: str | None = None, task: str | None = None,
                  batch: int = 10) -> list[Job]:
     """The dead letters a redrive would send back: one named job, or up to ``batch`` failed
     jobs (oldest first) that were not revoked on purpose."""
@@ -139,7 +137,7 @@ def redrive_plan(store: Store, job_id: str | None = None, task: str | None = Non
     return [job]
 
 
-def redrive(app: Any, store: Store, jobs: Iterable[Job], who: str | None = None) -> Iterator[Outcome]:
+def redrive(app: Any, store: ReportStore, jobs: Iterable[Job], who: str | None = None) -> Iterator[Outcome]:
     """Set each dead letter back to pending with fresh attempts, then re-publish its message."""
     who = who or operator()
     for job in jobs:

@@ -20,10 +20,10 @@ from celery.exceptions import Ignore, Reject, Retry, WorkerShutdown, WorkerTermi
 from celery.utils import uuid
 
 from . import deadline, deliveries, messages, runtime
-from .config import TaskPolicy, app_config, task_policy, worker_stale_after
+from .config import TaskPolicy, task_policy
 from .errors import LeaseLost, StoreUnavailable
 from .lease import Lease
-from .store import Store, for_app
+from .store import ClaimTerms, Store, for_app
 from .vocabulary import ClaimOutcome, Decision, Event
 
 __all__ = ["LeaseTask", "Lease"]
@@ -131,18 +131,16 @@ def _run_leased(task: LeaseTask, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     try:
         store = for_app(task.app)
         rt = runtime.for_app(task.app, store, request.hostname)
-        cfg = app_config(task.app)
+        terms = ClaimTerms(duration=policy.duration, grace=policy.grace_period,
+                           max_attempts=policy.max_attempts, max_expirations=policy.max_expirations,
+                           takeover=policy.on_expired == Decision.REQUEUE, recovery=policy.recovery())
         # The lease's local deadline counts from when the claim was sent, not answered.
         sent = deadline.monotonic()
         claim = store.claim(
-            job_id, rt.worker, token, duration=policy.duration, grace=policy.grace_period,
-            task_name=task.name, queue=queue, max_attempts=policy.max_attempts,
-            max_expirations=policy.max_expirations, takeover=policy.on_expired == Decision.REQUEUE,
-            hard_grace=cfg.reaper_hard_grace, stale_after=worker_stale_after(task.app),
+            job_id, rt.worker, token, terms, task_name=task.name, queue=queue,
             payload=lambda: messages.encode(task.name, args, kwargs,
                                             dict(task.signature_from_request(request).options),
                                             task.serializer),
-            early=cfg.clock_tolerance, async_commit=cfg.claim_async_commit, recovery=policy.recovery(),
         )
     except StoreUnavailable as exc:
         deliveries.fail_closed(task, policy.store_retry_delay, exc)

@@ -15,9 +15,12 @@ import dataclasses
 import math
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .config import TaskPolicy, app_config, task_policy, worker_stale_after
+from .config import TaskPolicy, app_config, task_policy
+
+if TYPE_CHECKING:
+    from .store import ReportStore
 
 __all__ = ["percentile", "TaskTuning", "tune_task", "tune", "SAMPLE_LIMIT", "LONG_JOB"]
 
@@ -127,14 +130,15 @@ def tune_task(task: str, policy: TaskPolicy, runtimes: Sequence[float], gaps: Se
                       gap, current, recommended, warnings)
 
 
-def tune(app: Any, store: Any, task: str | None = None, limit: int = SAMPLE_LIMIT) -> list[TaskTuning]:
+def tune(app: Any, store: ReportStore, task: str | None = None,
+         limit: int = SAMPLE_LIMIT) -> list[TaskTuning]:
     """Tune every LeaseTask of the app that has completed jobs (or one task)."""
     from .task import LeaseTask
 
     names = [task] if task else sorted(set(store.finished_tasks(limit)) | {
         name for name, t in app.tasks.items() if isinstance(t, LeaseTask)})
     _, running = store.running_rows()
-    alive = store.alive_workers(worker_stale_after(app))
+    alive = store.alive_workers()
     results = []
     for name in names:
         sample = store.runtime_sample(name, limit)

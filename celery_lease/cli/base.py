@@ -9,11 +9,14 @@ status that says which kind of failure it was.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ..errors import LeaseConfigError, LeaseError, StoreUnavailable
+
+if TYPE_CHECKING:
+    from ..store import ReportStore
 
 __all__ = ["lease", "CommandError", "app_of", "store_of", "json_option"]
 
@@ -64,7 +67,7 @@ def app_of(ctx: click.Context) -> Any:
     return ctx.obj.app
 
 
-def store_of(ctx: click.Context) -> Any:
+def store_of(ctx: click.Context) -> ReportStore:
     """The app's lease store, not migrated implicitly (only `lease migrate` creates tables).
 
     An operator's command may scan history or create indexes: its calls get the long bound.

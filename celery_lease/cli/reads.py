@@ -75,7 +75,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
             "oldest": None if oldest is None else {**oldest, "age": now - oldest["started_at"]},
             "heartbeat_lag_max": max(lags, default=None), "heartbeat_lag_p95": percentile(lags, 95),
         },
-        "workers": store.worker_counts(stale_after),
+        "workers": store.worker_counts(),
         "last_hour": {str(k): v for k, v in hour.items() if k not in STALE_WRITES}
         | {"stale_writes_rejected": sum(v for k, v in hour.items() if k in STALE_WRITES)},
     }

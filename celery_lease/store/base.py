@@ -20,14 +20,24 @@ from ..errors import StoreCorrupt
 from ..vocabulary import ClaimOutcome, Event, Status
 from . import dialects, schema
 
-__all__ = ["StoreBase", "Claim", "Job"]
+__all__ = ["StoreBase", "Claim", "ClaimTerms", "Job"]
 
 log = logging.getLogger(__name__)
 
 PENDING, RUNNING, COMPLETED, FAILED = Status.PENDING, Status.RUNNING, Status.COMPLETED, Status.FAILED
 
 
+STALE_REASON = "lock token no longer matches"  # the reason of every write a fence refused
+
 _StoreT = TypeVar("_StoreT", bound="StoreBase")
+
+
+def where_given(query: sa.Select, *filters: tuple[Any, Any]) -> sa.Select:
+    """``query`` narrowed to ``column == value`` for each (column, value) whose value is given (not None)."""
+    for column, value in filters:
+        if value is not None:
+            query = query.where(column == value)
+    return query
 
 
 def _default(setting: str, value: Any) -> Any:
@@ -117,15 +127,46 @@ class Claim:
         return self.outcome == ClaimOutcome.CLAIMED
 
 
+@dataclasses.dataclass(frozen=True)
+class ClaimTerms:
+    """What a task's policy asks of a claim: its lease, attempt limits, takeover rule and recovery options.
+
+    ``takeover``: a running job whose lease was abandoned may be taken over (on_expired=requeue).
+    ``recovery`` is the task's recovery policy (config.RECOVERY), carried on the row.
+    """
+
+    duration: float
+    grace: float
+    max_attempts: int
+    max_expirations: int
+    takeover: bool
+    recovery: Mapping[str, Any] | None = None
+
+
 class StoreBase:
     """Engine, tables, transactions and the audit log; statements live in the mixins."""
 
     def __init__(self, url: str, prefix: str = "celery_lease_", busy_timeout: float | None = None, *,
                  call_timeout: float | None = None, pool_size: int | None = None,
                  sqlite_synchronous: str | None = None,
-                 engine_options: Mapping[str, Any] | None = None) -> None:
-        """A store on ``url``; ``call_timeout`` bounds every call (seconds, see dialects.Bounds)."""
+                 engine_options: Mapping[str, Any] | None = None, hard_grace: float | None = None,
+                 stale_after: float | Callable[[], float] | None = None,
+                 clock_tolerance: float | None = None,
+                 claim_async_commit: bool | None = None) -> None:
+        """A store on ``url``; ``call_timeout`` bounds every call (seconds, see dialects.Bounds).
+
+        The app-wide lease settings its statements apply (lease_reaper_hard_grace,
+        lease_worker_stale_after, lease_clock_tolerance, lease_claim_async_commit) default to
+        config.py's; ``from_config`` takes them from the app.
+        """
         self.url = url
+        self.hard_grace: float = _default("lease_reaper_hard_grace", hard_grace)
+        # Derived from the lease settings unless set (config.worker_stale_after), and it may grow
+        # as tasks register: a callable is asked each time.
+        self._stale_after = stale_after if stale_after is not None else config.cfg_stale_after(
+            config.load({}))
+        self.clock_tolerance: float = _default("lease_clock_tolerance", clock_tolerance)
+        self.claim_async_commit: bool = _default("lease_claim_async_commit", claim_async_commit)
         self.prefix = prefix
         self.t = schema.tables(prefix)
         self.revision: str | None = None  # the schema revision, once a check found it usable
@@ -144,15 +185,29 @@ class StoreBase:
         self._built: dict[str, _Audited] = {}
         self.now_sql = self.dialect.now()
 
+    @property
+    def stale_after(self) -> float:
+        """Seconds of registry silence after which a worker process counts as gone."""
+        value = self._stale_after
+        return float(value() if callable(value) else value)
+
+    @stale_after.setter
+    def stale_after(self, value: float | Callable[[], float]) -> None:
+        self._stale_after = value
+
     @classmethod
     def from_config(cls: type[_StoreT], cfg: config.AppConfig, *, call_timeout: float | None = None,
-                    pool_size: int | None = None) -> _StoreT:
+                    pool_size: int | None = None,
+                    stale_after: float | Callable[[], float] | None = None) -> _StoreT:
         """The store an app's settings describe; the call bound defaults to a share of the shortest lease."""
         if call_timeout is None:
             call_timeout = config.CALL_TIMEOUT_SHARE * config.shortest_lease(cfg)
         return cls(cfg.store_url, cfg.table_prefix, cfg.sqlite_busy_timeout, call_timeout=call_timeout,
                    pool_size=pool_size, sqlite_synchronous=cfg.sqlite_synchronous,
-                   engine_options=cfg.store_engine_options)
+                   engine_options=cfg.store_engine_options, hard_grace=cfg.reaper_hard_grace,
+                   stale_after=stale_after if stale_after is not None else config.cfg_stale_after(cfg),
+                   clock_tolerance=cfg.clock_tolerance,
+                   claim_async_commit=cfg.claim_async_commit)
 
     # -- plumbing ---------------------------------------------------------
     @property
@@ -355,6 +410,43 @@ class StoreBase:
         """Write one audit event on its own."""
         with self.begin() as c:
             self._event(c, job_id, event, reason, worker, token, detail)
+
+    def _owner_alive(self, clock: sa.ColumnElement[float]) -> sa.Exists:
+        """The lease's owner was seen within lease_worker_stale_after (by ``clock``)."""
+        j, w = self.t.jobs, self.t.workers
+        return sa.exists().where(w.c.worker_id == j.c.locked_by, w.c.last_seen_at >= clock - self.stale_after)
+
+    def _claimable_expired(self, now: sa.ColumnElement[float] | None = None) -> sa.ColumnElement[bool]:
+        """A running lease past its grace whose owner is gone, or past lease_reaper_hard_grace.
+
+        ``now`` replaces the store's clock (the reaper's ``run_once(now=...)`` seam).
+        """
+        j = self.t.jobs
+        clock = self.now_sql if now is None else now
+        return sa.and_(
+            j.c.status == RUNNING,
+            j.c.lease_expires_at + sa.func.coalesce(j.c.grace_period, 0.0) < clock,
+            sa.or_(~self._owner_alive(clock), j.c.lease_expires_at + self.hard_grace < clock),
+        )
+
+    def _fenced(self, job_id: str, token: str) -> sa.ColumnElement[bool]:
+        """The owner's fence: the job's row still carries ``token`` and is running."""
+        j = self.t.jobs
+        return sa.and_(j.c.id == job_id, j.c.lock_token == token, j.c.status == RUNNING)
+
+    def _stale(self, c: Connection | None, job_id: str, event: Event, worker: str | None,
+               token: str | None, detail: Any = None) -> None:
+        """Audit an owner's write that the fence refused (on ``c``, or in a transaction of its own)."""
+        if c is None:
+            self.event(job_id, event, STALE_REASON, worker, token, detail)
+        else:
+            self._event(c, job_id, event, STALE_REASON, worker, token, detail)
+
+    def _delete_lock(self, resource: str, token: str) -> bool:
+        """Delete a lock row while ``token`` holds it; False when it expired and moved on."""
+        k = self.t.locks
+        with self.begin() as c:
+            return c.execute(sa.delete(k).where(k.c.resource == resource, k.c.token == token)).rowcount == 1
 
     def get(self, job_id: str) -> Job | None:
         with self.begin() as c:

@@ -205,7 +205,22 @@ def _version(text: str) -> tuple[int, ...]:
     return tuple(numbers)
 
 
-class SQLite(Dialect):
+class _OnConflict(Dialect):
+    """The ON CONFLICT forms SQLite and PostgreSQL share; ``_insert`` is the family's INSERT."""
+
+    def _insert(self, table: sa.Table) -> Any:
+        raise NotImplementedError
+
+    def upsert(self, table: sa.Table, values: Mapping[str, Any], update: tuple[str, ...]) -> Any:
+        stmt = self._insert(table).values(**values)
+        return stmt.on_conflict_do_update(index_elements=list(table.primary_key.columns),
+                                          set_={c: stmt.excluded[c] for c in update})
+
+    def insert_ignore(self, table: sa.Table) -> Any:
+        return self._insert(table).on_conflict_do_nothing().execution_options(preserve_rowcount=True)
+
+
+class SQLite(_OnConflict):
     """A SQLite file on one host: WAL, BEGIN IMMEDIATE, and a busy timeout inside the bound."""
 
     name, drivers = "sqlite", ("sqlite",)
@@ -219,17 +234,10 @@ class SQLite(Dialect):
     def _busy(self, bounds: Bounds) -> float:
         return min(self.busy_timeout, bounds.round_trip)
 
-    def upsert(self, table: sa.Table, values: Mapping[str, Any], update: tuple[str, ...]) -> Any:
+    def _insert(self, table: sa.Table) -> Any:
         from sqlalchemy.dialects.sqlite import insert
 
-        stmt = insert(table).values(**values)
-        return stmt.on_conflict_do_update(index_elements=list(table.primary_key.columns),
-                                          set_={c: stmt.excluded[c] for c in update})
-
-    def insert_ignore(self, table: sa.Table) -> Any:
-        from sqlalchemy.dialects.sqlite import insert
-
-        return insert(table).on_conflict_do_nothing().execution_options(preserve_rowcount=True)
+        return insert(table)
 
     def lock_rows(self, query: sa.Select, of: sa.Table) -> sa.Select:
         return query  # BEGIN IMMEDIATE already serialises writers
@@ -275,7 +283,7 @@ class SQLite(Dialect):
         return None
 
 
-class PostgreSQL(Dialect):
+class PostgreSQL(_OnConflict):
     """PostgreSQL: one-statement audited writes, a compiled hot path, per-transaction timeouts."""
 
     name, drivers = "postgresql", ("postgresql",)
@@ -286,17 +294,10 @@ class PostgreSQL(Dialect):
     minimums: ClassVar[Mapping[str, tuple[tuple[int, ...], str]]] = {
         "PostgreSQL": ((12,), "the oldest release its maintainers supported when this was written")}
 
-    def upsert(self, table: sa.Table, values: Mapping[str, Any], update: tuple[str, ...]) -> Any:
+    def _insert(self, table: sa.Table) -> Any:
         from sqlalchemy.dialects.postgresql import insert
 
-        stmt = insert(table).values(**values)
-        return stmt.on_conflict_do_update(index_elements=list(table.primary_key.columns),
-                                          set_={c: stmt.excluded[c] for c in update})
-
-    def insert_ignore(self, table: sa.Table) -> Any:
-        from sqlalchemy.dialects.postgresql import insert
-
-        return insert(table).on_conflict_do_nothing().execution_options(preserve_rowcount=True)
+        return insert(table)
 
     def lock_rows(self, query: sa.Select, of: sa.Table) -> sa.Select:
         return query.with_for_update(skip_locked=True, of=of)

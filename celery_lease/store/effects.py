@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from ..vocabulary import EffectOutcome, Event
-from .base import RUNNING, StoreBase
+from .base import StoreBase
 
 __all__ = ["EffectStatements", "advance_statement"]
 
@@ -43,14 +43,10 @@ class EffectStatements(StoreBase):
     """Fenced effect keys, resource locks, and the keys an operator may release."""
 
     # -- fencing ----------------------------------------------------------------
-    def _held(self, job_id: str, token: str) -> sa.ColumnElement[bool]:
-        j = self.t.jobs
-        return sa.and_(j.c.id == job_id, j.c.lock_token == token, j.c.status == RUNNING)
-
-    def lease_held(self, c: Connection, job_id: str, token: str) -> bool:
+    def _lease_held(self, c: Connection, job_id: str, token: str) -> bool:
         """Whether the job's row still carries this token (read on ``c``)."""
         j = self.t.jobs
-        return c.execute(sa.select(j.c.id).where(self._held(job_id, token))).first() is not None
+        return c.execute(sa.select(j.c.id).where(self._fenced(job_id, token))).first() is not None
 
     # -- effects ------------------------------------------------------------------
     def _effect_insert(self, key: str, job_id: str, token: str, fenced: bool = True) -> Any:
@@ -58,7 +54,7 @@ class EffectStatements(StoreBase):
         if not fenced:
             return self.dialect.insert_ignore(e).values(key=key, job_id=job_id, at=self.now_sql)
         source = (sa.select(sa.literal(key, sa.String()), j.c.id, self.now_sql)
-                  .where(self._held(job_id, token)))
+                  .where(self._fenced(job_id, token)))
         return self.dialect.insert_ignore(e).from_select(["key", "job_id", "at"], source)
 
     def record_effect(self, key: str, job_id: str, token: str, worker: str | None = None) -> EffectOutcome:
@@ -66,10 +62,9 @@ class EffectStatements(StoreBase):
         with self.begin() as c:
             if c.execute(self._effect_insert(key, job_id, token)).rowcount == 1:
                 return FIRST
-            if self.lease_held(c, job_id, token):
+            if self._lease_held(c, job_id, token):
                 return DUPLICATE
-            self._event(c, job_id, Event.STALE_EFFECT_REJECTED, "lock token no longer matches", worker, token,
-                        {"key": key})
+            self._stale(c, job_id, Event.STALE_EFFECT_REJECTED, worker, token, {"key": key})
             return LOST
 
     @contextlib.contextmanager
@@ -98,7 +93,7 @@ class EffectStatements(StoreBase):
         what = f"effect {key!r}"
         if self.dialect.fence_locks_rows:
             with self.begin() as c:
-                if not self.lease_held(c, job_id, token):
+                if not self._lease_held(c, job_id, token):
                     self._stale_effect(c, key, job_id, token, worker)
                     return LOST
             with self._caller_errors(conn, what):
@@ -110,18 +105,20 @@ class EffectStatements(StoreBase):
             if self.dialect.single_writer:
                 # The caller's connection may hold the database's only write lock: a second
                 # connection would wait for it, so read and audit on the caller's.
-                if self.lease_held(conn, job_id, token):
-                    return DUPLICATE
-                self._stale_effect(conn, key, job_id, token, worker)
-                return LOST
+                return self._duplicate_or_lost(conn, key, job_id, token, worker)
         with self.begin() as c:
-            if self.lease_held(c, job_id, token):
-                return DUPLICATE
-            self._stale_effect(c, key, job_id, token, worker)
-            return LOST
+            return self._duplicate_or_lost(c, key, job_id, token, worker)
+
+    def _duplicate_or_lost(self, c: Connection, key: str, job_id: str, token: str,
+                           worker: str | None) -> EffectOutcome:
+        """Why a fenced key insert wrote nothing: the key exists (DUPLICATE) or the lease is gone (LOST)."""
+        if self._lease_held(c, job_id, token):
+            return DUPLICATE
+        self._stale_effect(c, key, job_id, token, worker)
+        return LOST
 
     def _stale_effect(self, c: Connection, key: str, job_id: str, token: str, worker: str | None) -> None:
-        self._event(c, job_id, Event.STALE_EFFECT_REJECTED, "lock token no longer matches", worker, token,
+        self._stale(c, job_id, Event.STALE_EFFECT_REJECTED, worker, token,
                     {"key": key, "in_transaction": True})
 
     def release_effect(self, key: str, job_id: str, token: str, worker: str | None = None,
@@ -135,7 +132,7 @@ class EffectStatements(StoreBase):
         with self.begin() as c:
             res = c.execute(sa.delete(e).where(
                 e.c.key == key, e.c.job_id == job_id,
-                sa.exists().where(self._held(job_id, token)),
+                sa.exists().where(self._fenced(job_id, token)),
             ))
             if res.rowcount == 1:
                 self._event(c, job_id, Event.EFFECT_RELEASED, reason, worker, token, {"key": key})
@@ -178,7 +175,7 @@ class EffectStatements(StoreBase):
         audited as ``stale_lock_rejected`` like a stale effect.
         """
         lk, j = self.t.locks, self.t.jobs
-        fence = self._held(job_id, job_token) if job_token is not None and job_id is not None else None
+        fence = self._fenced(job_id, job_token) if job_token is not None and job_id is not None else None
         with self.begin() as c:
             values = [sa.literal(resource, sa.String()), sa.literal(token, sa.String()),
                       sa.literal(job_id, sa.String()), sa.literal(owner, sa.String()), self.now_sql + ttl]
@@ -197,9 +194,8 @@ class EffectStatements(StoreBase):
             if res.rowcount == 1:
                 self._event(c, job_id, Event.LOCK_TAKEN_AFTER_EXPIRY, resource, owner, token)
                 return FIRST
-            if fence is not None and not self.lease_held(c, job_id, job_token):
-                self._event(c, job_id, Event.STALE_LOCK_REJECTED, "lock token no longer matches", owner,
-                            job_token, {"resource": resource})
+            if fence is not None and not self._lease_held(c, job_id, job_token):
+                self._stale(c, job_id, Event.STALE_LOCK_REJECTED, owner, job_token, {"resource": resource})
                 return LOST
             return DUPLICATE
 
@@ -219,10 +215,7 @@ class EffectStatements(StoreBase):
 
     def release_lock(self, resource: str, token: str) -> bool:
         """Delete the lock row if ``token`` still holds it; False when it expired and moved on."""
-        lk = self.t.locks
-        with self.begin() as c:
-            res = c.execute(sa.delete(lk).where(lk.c.resource == resource, lk.c.token == token))
-            return res.rowcount == 1
+        return self._delete_lock(resource, token)
 
     def lock_holder(self, resource: str) -> dict[str, Any] | None:
         """The lock row of a resource (token, job_id, owner, expires_at), or None."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import sqlalchemy as sa
@@ -12,7 +12,7 @@ from sqlalchemy.engine import Connection
 from ..config import RECOVERY
 from ..errors import StoreConflict, StoreUnavailable
 from ..vocabulary import ClaimOutcome, Event
-from .base import COMPLETED, FAILED, PENDING, RUNNING, Claim, Job
+from .base import COMPLETED, FAILED, PENDING, RUNNING, Claim, ClaimTerms, Job, where_given
 from .workers import WorkerStatements
 
 __all__ = ["JobStatements"]
@@ -81,7 +81,7 @@ class JobStatements(WorkerStatements):
             attempt_count=self.t.jobs.c.attempt_count + 1,
         )
 
-    def _claim_pending(self, async_commit: bool) -> sa.Update:
+    def _claim_pending_statement(self, async_commit: bool) -> sa.Update:
         """pending -> running, as a statement of bind parameters (built once per store)."""
         j = self.t.jobs
         duration = sa.bindparam("duration", type_=sa.Double())
@@ -105,66 +105,30 @@ class JobStatements(WorkerStatements):
         ).values(status=COMPLETED, completed_at=self.now_sql, lease_expires_at=None, lock_token=None,
                  updated_at=self.now_sql)
 
-    def claimable_expired(self, hard_grace: float, stale_after: float,
-                          now: sa.ColumnElement[float] | None = None) -> sa.ColumnElement[bool]:
-        """A running lease past its grace whose owner is gone, or past the hard grace.
+    def claim(self, job_id: str, worker: str, token: str, terms: ClaimTerms, task_name: str,
+              queue: str | None, payload: Callable[[], str | None]) -> Claim:
+        """Take the job's lease: a pending, available job or (``terms.takeover``) an abandoned running one.
 
-        ``now`` replaces the store's clock (the reaper's ``run_once(now=...)`` seam).
+        A pending job becomes available at ``available_at``; lease_clock_tolerance is how many
+        seconds before that a delivery still claims it (the clocks of worker and store differ).
+        A job the store does not know is created as ours (``payload`` makes its stored message).
         """
-        j, w = self.t.jobs, self.t.workers
-        clock = self.now_sql if now is None else now
-        owner_alive = sa.exists().where(
-            w.c.worker_id == j.c.locked_by, w.c.last_seen_at >= clock - stale_after
-        )
-        return sa.and_(
-            j.c.status == RUNNING,
-            j.c.lease_expires_at + sa.func.coalesce(j.c.grace_period, 0.0) < clock,
-            sa.or_(~owner_alive, j.c.lease_expires_at + hard_grace < clock),
-        )
-
-    def claim(self, job_id: str, worker: str, token: str, *, duration: float, grace: float,
-              task_name: str, queue: str | None, max_attempts: int, max_expirations: int,
-              takeover: bool, hard_grace: float, stale_after: float,
-              payload: Callable[[], str | None], early: float = 0.0,
-              async_commit: bool = False, recovery: Mapping[str, Any] | None = None) -> Claim:
-        """Take the job's lease: a pending and available job, or (``takeover``) an abandoned running one.
-
-        A pending job becomes available at ``available_at``; ``early`` is how many seconds
-        before that a delivery still claims it (the clocks of worker and store differ).
-        ``async_commit`` (PostgreSQL) commits the claim of a pending job without waiting
-        for its WAL flush.
-        """
-        j = self.t.jobs
         for _ in range(3):
-            claimed = self._audited_row(
-                lambda: self._claim_pending(async_commit), job_id, Event.CLAIMED, worker=worker, token=token,
-                key="claim_async" if async_commit else "claim",
-                params={"job_id": job_id, "worker": worker, "token": token, "duration": duration,
-                        "grace": grace, "early": early,
-                        **{f"r_{name}": (recovery or {}).get(name) for name in RECOVERY}})
+            claimed = self._claim_pending(job_id, worker, token, terms)
             if claimed is not None:
                 return Claim(ClaimOutcome.CLAIMED, claimed)
             with self.begin() as c:
                 current = self._job(c, job_id)
-                if current is not None and current.status == RUNNING and takeover:
-                    res = c.execute(sa.update(j).where(
-                        j.c.id == job_id, j.c.lock_token == current.lock_token,
-                        self.claimable_expired(hard_grace, stale_after),
-                        j.c.attempt_count < j.c.max_attempts, j.c.expired_count < max_expirations,
-                    ).values(expired_count=j.c.expired_count + 1,
-                             **self._lease_values(worker, token, duration, grace)))
-                    if res.rowcount == 1:
-                        self._event(c, job_id, Event.LEASE_TAKEN_OVER, reason="lease expired past grace",
-                                    worker=worker, token=token,
-                                    detail={"previous_owner": current.locked_by,
-                                            "previous_token": (current.lock_token or "")[:8]})
-                        return Claim(ClaimOutcome.CLAIMED, self._job(c, job_id))
+                if current is not None and current.status == RUNNING and terms.takeover:
+                    taken = self._take_over(c, current, worker, token, terms)
+                    if taken is not None:
+                        return Claim(ClaimOutcome.CLAIMED, taken)
                 if current is not None and current.status == PENDING:
                     wait = current.available_at - float(c.execute(sa.select(self.now_sql)).scalar_one())
-                    if wait > early:
+                    if wait > self.clock_tolerance:
                         return Claim(ClaimOutcome.EARLY, current, wait)
                     continue  # requeued between our two statements: claim it on the next pass
-                if current is not None and not (current.status == RUNNING and takeover):
+                if current is not None and not (current.status == RUNNING and terms.takeover):
                     return _not_ours(current)
             if current is not None:
                 # The takeover lost. On PostgreSQL it may have waited on a reaper that was
@@ -173,33 +137,63 @@ class JobStatements(WorkerStatements):
                 if current.status == PENDING:
                     continue
                 return _not_ours(current)
-            # Unknown job (published without celery_lease): create it as ours.
-            try:
-                with self.begin() as c:
-                    c.execute(sa.insert(j).values(
-                        id=job_id, task_name=task_name, queue_name=queue, payload=payload(),
-                        max_attempts=max_attempts, expired_count=0, dispatch_count=0,
-                        available_at=self.now_sql, created_at=self.now_sql, attempt_count=0,
-                        **(recovery or {}),
-                        **{k: v for k, v in self._lease_values(worker, token, duration, grace).items()
-                           if k != "attempt_count"},
-                    ).values(attempt_count=1))
-                    self._event(c, job_id, Event.CLAIMED, reason="first seen by a worker",
-                                worker=worker, token=token)
-                    return Claim(ClaimOutcome.CLAIMED, self._job(c, job_id))
-            except StoreConflict:
-                continue
+            created = self._insert_first_seen(job_id, worker, token, terms, task_name, queue, payload)
+            if created is not None:
+                return Claim(ClaimOutcome.CLAIMED, created)
         raise StoreUnavailable(f"job {job_id}: claim kept racing with concurrent inserts", job_id=job_id)
+
+    def _claim_pending(self, job_id: str, worker: str, token: str, terms: ClaimTerms) -> Job | None:
+        """pending and available -> running as ours, audited ``claimed``: the new row, or None."""
+        async_commit = self.claim_async_commit
+        return self._audited_row(
+            lambda: self._claim_pending_statement(async_commit), job_id, Event.CLAIMED, worker=worker,
+            token=token, key="claim_async" if async_commit else "claim",
+            params={"job_id": job_id, "worker": worker, "token": token, "duration": terms.duration,
+                    "grace": terms.grace, "early": self.clock_tolerance,
+                    **{f"r_{name}": (terms.recovery or {}).get(name) for name in RECOVERY}})
+
+    def _take_over(self, c: Connection, current: Job, worker: str, token: str,
+                   terms: ClaimTerms) -> Job | None:
+        """An abandoned running lease -> ours (CAS on the token seen), audited ``lease_taken_over``."""
+        j = self.t.jobs
+        res = c.execute(sa.update(j).where(
+            j.c.id == current.id, j.c.lock_token == current.lock_token, self._claimable_expired(),
+            j.c.attempt_count < j.c.max_attempts, j.c.expired_count < terms.max_expirations,
+        ).values(expired_count=j.c.expired_count + 1,
+                 **self._lease_values(worker, token, terms.duration, terms.grace)))
+        if res.rowcount != 1:
+            return None
+        self._event(c, current.id, Event.LEASE_TAKEN_OVER, reason="lease expired past grace",
+                    worker=worker, token=token,
+                    detail={"previous_owner": current.locked_by,
+                            "previous_token": (current.lock_token or "")[:8]})
+        return self._job(c, current.id)
+
+    def _insert_first_seen(self, job_id: str, worker: str, token: str, terms: ClaimTerms, task_name: str,
+                           queue: str | None, payload: Callable[[], str | None]) -> Job | None:
+        """A job published without celery_lease -> a running row of ours; None when another insert won."""
+        j = self.t.jobs
+        lease = {k: v for k, v in self._lease_values(worker, token, terms.duration, terms.grace).items()
+                 if k != "attempt_count"}
+        try:
+            with self.begin() as c:
+                c.execute(sa.insert(j).values(
+                    id=job_id, task_name=task_name, queue_name=queue, payload=payload(),
+                    max_attempts=terms.max_attempts, expired_count=0, dispatch_count=0,
+                    available_at=self.now_sql, created_at=self.now_sql, attempt_count=0,
+                    **(terms.recovery or {}), **lease,
+                ).values(attempt_count=1))
+                self._event(c, job_id, Event.CLAIMED, reason="first seen by a worker",
+                            worker=worker, token=token)
+                return self._job(c, job_id)
+        except StoreConflict:
+            return None
 
     def _job(self, c: Connection, job_id: str) -> Job | None:
         row = c.execute(sa.select(self.t.jobs).where(self.t.jobs.c.id == job_id)).first()
         return None if row is None else Job.from_row(row)
 
     # -- owner transitions (fenced) -------------------------------------------
-    def _fenced(self, job_id: str, token: str) -> sa.ColumnElement[bool]:
-        j = self.t.jobs
-        return sa.and_(j.c.id == job_id, j.c.lock_token == token, j.c.status == RUNNING)
-
     def _owner_write(self, job_id: str, token: str, worker: str | None, event: Event, stale: Event,
                      values: Mapping[str, Any], reason: str | None = None, detail: Any = None) -> bool:
         """One fenced write audited as ``event``; a stale token changes nothing, audited as ``stale``."""
@@ -208,7 +202,7 @@ class JobStatements(WorkerStatements):
                 .values(updated_at=self.now_sql, **values))
         if self._audited_write(stmt, job_id, event, reason, worker, token, detail):
             return True
-        self.event(job_id, stale, "lock token no longer matches", worker, token, detail)
+        self._stale(None, job_id, stale, worker, token, detail)
         return False
 
     def complete(self, job_id: str, token: str, worker: str | None = None) -> bool:
@@ -216,7 +210,7 @@ class JobStatements(WorkerStatements):
         if self._audited_write(self._complete_running, job_id, Event.COMPLETED, worker=worker, token=token,
                                key="complete", params={"job_id": job_id, "token": token}):
             return True
-        self.event(job_id, Event.STALE_COMPLETION_REJECTED, "lock token no longer matches", worker, token)
+        self._stale(None, job_id, Event.STALE_COMPLETION_REJECTED, worker, token)
         return False
 
     def fail(self, job_id: str, token: str, error: str, worker: str | None = None) -> bool:
@@ -338,18 +332,8 @@ class JobStatements(WorkerStatements):
     # -- the audit log ---------------------------------------------------------
     def events(self, job_id: str | None = None, event: str | None = None,
                limit: int = 1000) -> list[dict[str, Any]]:
+        """Audit events, oldest first, of one job or one name when given."""
         e = self.t.events
-        q = sa.select(e).order_by(e.c.id).limit(limit)
-        if job_id is not None:
-            q = q.where(e.c.job_id == job_id)
-        if event is not None:
-            q = q.where(e.c.event == event)
+        q = where_given(sa.select(e).order_by(e.c.id).limit(limit), (e.c.job_id, job_id), (e.c.event, event))
         with self.begin() as c:
             return [dict(r._mapping) for r in c.execute(q)]
-
-    def count_events(self, names: Sequence[str]) -> dict[str, int]:
-        e = self.t.events
-        with self.begin() as c:
-            rows = c.execute(sa.select(e.c.event, sa.func.count()).where(e.c.event.in_(list(names)))
-                             .group_by(e.c.event)).all()
-        return {name: 0 for name in names} | {r[0]: int(r[1]) for r in rows}

@@ -59,34 +59,34 @@ class ReaperStatements(StoreBase):
         j = self.t.jobs
         return j.c.lease_expires_at + sa.func.coalesce(j.c.grace_period, 0.0) < clock
 
-    def scan_expired(self, c: Connection, *, limit: int, hard_grace: float, stale_after: float,
-                     after: tuple[float, str] | None = None, now: float | None = None,
-                     lock: bool = True) -> list[Expired]:
+    def _after(self, query: sa.Select, column: sa.Column, after: tuple[float, str] | None) -> sa.Select:
+        """The keyset page of ``query`` past ``after`` = (``column``, id), ordered by both."""
+        j = self.t.jobs
+        query = query.order_by(column, j.c.id)
+        if after is None:
+            return query
+        at, job_id = after
+        return query.where(column >= at, sa.or_(column > at, j.c.id > job_id))
+
+    def scan_expired(self, c: Connection, *, limit: int, after: tuple[float, str] | None = None,
+                     now: float | None = None, lock: bool = True) -> list[Expired]:
         """Running jobs past lease + grace, oldest first, after the keyset ``(lease_expires_at, id)``."""
-        j, w = self.t.jobs, self.t.workers
+        j = self.t.jobs
         clock = self._clock(now)
-        owner_alive = sa.exists().where(w.c.worker_id == j.c.locked_by,
-                                        w.c.last_seen_at >= clock - stale_after)
         query = (
-            sa.select(j, owner_alive.label("owner_alive"),
-                      self.claimable_expired(hard_grace, stale_after, now=clock).label("reapable"))
+            sa.select(j, self._owner_alive(clock).label("owner_alive"),
+                      self._claimable_expired(now=clock).label("reapable"))
             .where(j.c.status == RUNNING, j.c.lease_expires_at < clock, self._past_grace(clock))
-            .order_by(j.c.lease_expires_at, j.c.id)
             .limit(limit)
         )
-        if after is not None:
-            at, job_id = after
-            query = query.where(j.c.lease_expires_at >= at,
-                                sa.or_(j.c.lease_expires_at > at, j.c.id > job_id))
-        rows = c.execute(self._locking(query, lock)).all()
+        rows = c.execute(self._locking(self._after(query, j.c.lease_expires_at, after), lock)).all()
         return [Expired(Job.from_row(r), bool(r.owner_alive), bool(r.reapable)) for r in rows]
 
     def _abandoned(self, job_id: str, token: str, owner: str | None, expired: bool,
                    clock: sa.ColumnElement[float]) -> sa.ColumnElement[bool]:
         """The CAS: same token, still running, and still past grace (reaper) or still ``owner``'s."""
-        j = self.t.jobs
-        fence = self._past_grace(clock) if expired else (j.c.locked_by == owner)
-        return sa.and_(j.c.id == job_id, j.c.lock_token == token, j.c.status == RUNNING, fence)
+        fence = self._past_grace(clock) if expired else (self.t.jobs.c.locked_by == owner)
+        return sa.and_(self._fenced(job_id, token), fence)
 
     def _take_back(self, job_id: str, token: str, owner: str | None, expired: bool, now: float | None,
                    c: Connection | None, values: dict[str, Any], event: Event, reason: str,
@@ -140,12 +140,9 @@ class ReaperStatements(StoreBase):
         j = self.t.jobs
         clock = self._clock(now)
         query = (sa.select(j, (clock - j.c.available_at).label("waited"))
-                 .where(j.c.status == PENDING, j.c.available_at < clock - older_than)
-                 .order_by(j.c.available_at, j.c.id).limit(limit))
-        if after is not None:
-            at, job_id = after
-            query = query.where(j.c.available_at >= at, sa.or_(j.c.available_at > at, j.c.id > job_id))
-        return [(Job.from_row(r), float(r.waited)) for r in c.execute(self._locking(query, lock)).all()]
+                 .where(j.c.status == PENDING, j.c.available_at < clock - older_than).limit(limit))
+        rows = c.execute(self._locking(self._after(query, j.c.available_at, after), lock)).all()
+        return [(Job.from_row(r), float(r.waited)) for r in rows]
 
     def redispatched(self, job: Job, reason: str, *, detail: Any = None, c: Connection | None = None) -> bool:
         """Count a re-published message: CAS on what the scan saw, so one reaper wins per dispatch."""
@@ -189,10 +186,7 @@ class ReaperStatements(StoreBase):
             return res.rowcount == 1
 
     def release_reaper_lock(self, token: str) -> bool:
-        k = self.t.locks
-        with self.begin() as c:
-            res = c.execute(sa.delete(k).where(k.c.resource == REAPER_LOCK, k.c.token == token))
-            return res.rowcount == 1
+        return self._delete_lock(REAPER_LOCK, token)
 
     def reaper_lock_holder(self) -> tuple[str | None, float] | None:
         """(owner, seconds left) of a live reaper lock, or None when it is free."""

@@ -16,7 +16,7 @@ import sqlalchemy as sa
 
 from ..errors import JobNotFound
 from ..vocabulary import Event
-from .base import COMPLETED, FAILED, PENDING, RUNNING, Job, StoreBase
+from .base import COMPLETED, FAILED, PENDING, RUNNING, Job, StoreBase, where_given
 from .workers import POOL_REVISION
 
 __all__ = ["ReportStatements"]
@@ -78,16 +78,16 @@ class ReportStatements(StoreBase):
             for r in rows
         ]
 
-    def worker_counts(self, stale_after: float) -> dict[str, int]:
-        """Registered worker processes seen within ``stale_after`` seconds (alive) or not (stale)."""
+    def worker_counts(self) -> dict[str, int]:
+        """Registered worker processes seen within lease_worker_stale_after (alive) or not (stale)."""
         w = self.t.workers
-        alive = sa.case((w.c.last_seen_at >= self.now_sql - stale_after, 1), else_=0)
+        alive = sa.case((w.c.last_seen_at >= self.now_sql - self.stale_after, 1), else_=0)
         with self.begin(long=True) as c:
             total, live = c.execute(sa.select(sa.func.count(), sa.func.sum(alive))).one()
         return {"alive": int(live or 0), "stale": int(total or 0) - int(live or 0)}
 
-    def worker_pools(self, stale_after: float) -> dict[str, int]:
-        """Pools of the worker processes seen within ``stale_after`` seconds: name -> processes.
+    def worker_pools(self) -> dict[str, int]:
+        """Pools of the worker processes seen within lease_worker_stale_after: name -> processes.
 
         Empty on the previous schema revision, whose registry does not record pools.
         """
@@ -95,17 +95,17 @@ class ReportStatements(StoreBase):
         if (self.revision or "") < POOL_REVISION:
             return {}
         with self.begin() as c:
-            alive = w.c.last_seen_at >= self.now_sql - stale_after
+            alive = w.c.last_seen_at >= self.now_sql - self.stale_after
             rows = c.execute(sa.select(w.c.pool, sa.func.count()).where(alive, w.c.pool.is_not(None))
                              .group_by(w.c.pool)).all()
         return {r[0]: int(r[1]) for r in rows}
 
-    def alive_workers(self, stale_after: float) -> set[str]:
-        """Ids of worker processes seen within ``stale_after`` seconds (the registry is small)."""
+    def alive_workers(self) -> set[str]:
+        """Ids of worker processes seen within lease_worker_stale_after (the registry is small)."""
         w = self.t.workers
         with self.begin(long=True) as c:
             return {r[0] for r in c.execute(sa.select(w.c.worker_id)
-                                            .where(w.c.last_seen_at >= self.now_sql - stale_after))}
+                                            .where(w.c.last_seen_at >= self.now_sql - self.stale_after))}
 
     def event_counts(self, names: Sequence[str], since: float | None = None,
                      until: float | None = None) -> dict[str, int]:
@@ -132,12 +132,7 @@ class ReportStatements(StoreBase):
             q = q.order_by(j.c.lease_expires_at, j.c.id)
         else:
             q = q.order_by(j.c.updated_at.desc(), j.c.id)
-        if status is not None:
-            q = q.where(j.c.status == status)
-        if queue is not None:
-            q = q.where(j.c.queue_name == queue)
-        if task is not None:
-            q = q.where(j.c.task_name == task)
+        q = where_given(q, (j.c.status, status), (j.c.queue_name, queue), (j.c.task_name, task))
         with self.begin(long=True) as c:
             return [Job.from_row(r) for r in c.execute(q)]
 
@@ -152,11 +147,8 @@ class ReportStatements(StoreBase):
                     event: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
         """Audit events, newest ``limit`` of them in time order; ``since`` is seconds back from now."""
         e = self.t.events
-        q = sa.select(e).order_by(e.c.id.desc()).limit(limit)
-        if job_id is not None:
-            q = q.where(e.c.job_id == job_id)
-        if event is not None:
-            q = q.where(e.c.event == event)
+        q = where_given(sa.select(e).order_by(e.c.id.desc()).limit(limit),
+                        (e.c.job_id, job_id), (e.c.event, event))
         with self.begin(long=True) as c:
             if since is not None:
                 # A bound value, not the clock expression: PostgreSQL cannot range-scan an index
@@ -252,25 +244,25 @@ class ReportStatements(StoreBase):
             return [(float(r[0]), float(r[1]), r[2]) for r in c.execute(q)]
 
     # -- manual recovery ----------------------------------------------------------
-    def requeue_candidates(self, hard_grace: float, stale_after: float, force: bool,
-                           limit: int) -> list[Job]:
+    def requeue_candidates(self, force: bool, limit: int) -> list[Job]:
         """Running jobs the reaper would take (expired past grace, owner gone or past the hard
         grace), oldest lease first; with ``force`` every running job whose lease has expired."""
         j = self.t.jobs
         cond = (sa.and_(j.c.status == RUNNING, j.c.lease_expires_at < self.now_sql) if force
-                else self.claimable_expired(hard_grace, stale_after))
+                else self._claimable_expired())
         q = sa.select(j).where(cond).order_by(j.c.lease_expires_at, j.c.id).limit(limit)
         with self.begin(long=True) as c:
             return [Job.from_row(r) for r in c.execute(q)]
 
-    def is_claimable_expired(self, job_id: str, hard_grace: float, stale_after: float) -> bool:
+    def is_claimable_expired(self, job_id: str) -> bool:
+        """Whether the reaper would take this job's lease now (_claimable_expired)."""
         j = self.t.jobs
-        q = sa.select(j.c.id).where(j.c.id == job_id, self.claimable_expired(hard_grace, stale_after))
+        q = sa.select(j.c.id).where(j.c.id == job_id, self._claimable_expired())
         with self.begin(long=True) as c:
             return c.execute(q).first() is not None
 
-    def manual_requeue(self, job: Job, operator: str, hard_grace: float, stale_after: float,
-                       force: bool = False, reason: str = "manual requeue") -> bool:
+    def manual_requeue(self, job: Job, operator: str, force: bool = False,
+                       reason: str = "manual requeue") -> bool:
         """running (CAS on the token; unless ``force`` only if expired and abandoned) or, with
         ``force``, pending (CAS on updated_at) -> pending, available now; audited manual_requeue."""
         j = self.t.jobs
@@ -280,7 +272,7 @@ class ReportStatements(StoreBase):
         if job.status == RUNNING and job.lock_token:
             where = [j.c.id == job.id, j.c.status == RUNNING, j.c.lock_token == job.lock_token]
             if not force:
-                where.append(self.claimable_expired(hard_grace, stale_after))
+                where.append(self._claimable_expired())
             values["expired_count"] = j.c.expired_count + 1
         elif job.status == PENDING and force:
             where = [j.c.id == job.id, j.c.status == PENDING, j.c.updated_at == job.updated_at]
@@ -299,8 +291,7 @@ class ReportStatements(StoreBase):
         """Failed jobs, oldest failure first."""
         j = self.t.jobs
         q = sa.select(j).where(j.c.status == FAILED).order_by(j.c.updated_at, j.c.id).limit(limit)
-        if task is not None:
-            q = q.where(j.c.task_name == task)
+        q = where_given(q, (j.c.task_name, task))
         if not include_revoked:
             q = q.where(sa.or_(j.c.last_error.is_(None), ~j.c.last_error.startswith(REVOKED_PREFIX)))
         with self.begin(long=True) as c:

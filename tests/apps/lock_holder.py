@@ -15,7 +15,7 @@ from celery_lease.config import load
 from celery_lease.effects import lock
 from celery_lease.lease import Lease
 from celery_lease.runtime import Runtime
-from celery_lease.store import Store
+from celery_lease.store import ClaimTerms, Store
 
 
 def main(url: str, prefix: str, job_id: str, resource: str, ttl: float) -> None:
@@ -24,9 +24,9 @@ def main(url: str, prefix: str, job_id: str, resource: str, ttl: float) -> None:
     store.record(job_id, "t.hold", "q", "{}", 3)
     token = secrets.token_hex(16)
     sent = deadline.monotonic()
-    got = store.claim(job_id, rt.worker, token, duration=3.0, grace=0.0, task_name="t.hold", queue="q",
-                      max_attempts=3, max_expirations=3, takeover=False, hard_grace=60.0, stale_after=10.0,
-                      payload=lambda: None)
+    got = store.claim(job_id, rt.worker, token,
+                      ClaimTerms(duration=3.0, grace=0.0, max_attempts=3, max_expirations=3, takeover=False),
+                      task_name="t.hold", queue="q", payload=lambda: None)
     if not got.claimed:
         raise SystemExit(f"could not claim {job_id}: {got.outcome}")
     policy = load({}).policy({"lease_duration": 3.0, "lease_heartbeat_interval": 0.2})

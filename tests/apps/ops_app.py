@@ -18,6 +18,7 @@ import sqlalchemy as sa
 from celery import Celery
 
 from celery_lease import LeaseTask, messages
+from celery_lease.store import ClaimTerms
 
 BROKER = "redis://127.0.0.1:6379/10"
 SETTINGS = dict(
@@ -78,9 +79,10 @@ def _set(store: Any, job_id: str, **values: Any) -> None:
 
 def _claim(store: Any, job_id: str, task: str, queue: str, owner: str) -> str:
     token = secrets.token_hex(16)
-    claim = store.claim(job_id, owner, token, duration=2.0, grace=0.5, task_name=task, queue=queue,
-                        max_attempts=3, max_expirations=3, takeover=False, hard_grace=600.0,
-                        stale_after=300.0, payload=lambda: None)
+    claim = store.claim(job_id, owner, token,
+                        ClaimTerms(duration=2.0, grace=0.5,
+                                   max_attempts=3, max_expirations=3, takeover=False),
+                        task_name=task, queue=queue, payload=lambda: None)
     assert claim.claimed, claim
     return token
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from celery_lease.store import Store
+from celery_lease.store import ClaimTerms, Store
 
 pytestmark = pytest.mark.integration
 
@@ -22,9 +22,10 @@ def test_reap_dry_run_on_the_example_project_says_what_the_next_run_would_do(tmp
     store = Store(f"sqlite:///{tmp_path / 'lease.sqlite3'}", "shop_lease_")
     store.migrate()
     store.record("abandoned", "example_project.tasks.capture_payment", "shop", None, 5)
-    claimed = store.claim("abandoned", "gone-host:1", "t" * 32, duration=3.0, grace=1.0,
-                          task_name="example_project.tasks.capture_payment", queue="shop", max_attempts=5,
-                          max_expirations=3, takeover=False, hard_grace=10.0, stale_after=3.0,
+    claimed = store.claim("abandoned", "gone-host:1", "t" * 32,
+                          ClaimTerms(duration=3.0, grace=1.0,
+                                     max_attempts=5, max_expirations=3, takeover=False),
+                          task_name="example_project.tasks.capture_payment", queue="shop",
                           payload=lambda: None)
     assert claimed.claimed
     with store.begin() as c:  # its lease ran out a minute ago, on the store's clock

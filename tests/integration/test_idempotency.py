@@ -21,7 +21,7 @@ from celery_lease.config import load
 from celery_lease.effects import lock
 from celery_lease.lease import Lease
 from celery_lease.runtime import Runtime, current
-from celery_lease.store import for_app
+from celery_lease.store import ClaimTerms, for_app
 from tests.conftest import drop_app_store, flushed_redis, migrated_store, unique_prefix
 from tests.helpers import wait_for
 
@@ -142,9 +142,9 @@ def test_a_lock_held_by_a_killed_process_frees_itself_after_its_ttl(app):
     rt = Runtime(store, "taker", default_interval=0.2, worker="taker:1")
     store.record("taker-job", "t.hold", "q", "{}", 3)
     sent = deadline.monotonic()
-    got = store.claim("taker-job", rt.worker, "taker-token", duration=3.0, grace=0.0, task_name="t.hold",
-                      queue="q", max_attempts=3, max_expirations=3, takeover=False, hard_grace=60.0,
-                      stale_after=10.0, payload=lambda: None)
+    got = store.claim("taker-job", rt.worker, "taker-token",
+                      ClaimTerms(duration=3.0, grace=0.0, max_attempts=3, max_expirations=3, takeover=False),
+                      task_name="t.hold", queue="q", payload=lambda: None)
     assert got.claimed
     policy = load({}).policy({"lease_duration": 30.0, "lease_heartbeat_interval": 0.2})
     lease = Lease(rt, "taker-job", "taker-token", 1, policy, "t.hold:taker-job", None, sent_at=sent)

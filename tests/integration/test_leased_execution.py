@@ -15,7 +15,7 @@ from celery.contrib.testing.worker import start_worker
 
 from celery_lease import LeaseTask, messages
 from celery_lease.config import app_config
-from celery_lease.store import for_app
+from celery_lease.store import ClaimTerms, Store, for_app
 from tests.conftest import drop_app_store, flushed_redis, migrated_store, unique_prefix
 from tests.helpers import wait_for
 from tests.tcp_proxy import TcpProxy
@@ -160,12 +160,14 @@ def test_a_job_five_times_longer_than_its_lease_runs_once_and_is_never_claimable
         wait_for(lambda: (store.get(result.id) or None) and store.get(result.id).status == "running",
                  timeout=10, message="job never started")
         outcomes: list[str] = []
+        # Another app's store, quick to take over: past a 0.5 s hard grace even from a live owner.
+        intruder = Store(store.url, store.prefix, hard_grace=0.5, stale_after=1.0)
 
         def intrude() -> bool:
-            outcomes.append(store.claim(
-                result.id, "intruder:1", "intruder-token", duration=1.0, grace=0.0, task_name="t.slow",
-                queue="celery", max_attempts=5, max_expirations=5, takeover=True, hard_grace=0.5,
-                stale_after=1.0, payload=lambda: None).outcome)
+            outcomes.append(intruder.claim(result.id, "intruder:1", "intruder-token",
+                                        ClaimTerms(duration=1.0, grace=0.0,
+                                                   max_attempts=5, max_expirations=5, takeover=True),
+                                        task_name="t.slow", queue="celery", payload=lambda: None).outcome)
             return result.ready()
 
         wait_for(intrude, timeout=30, interval=0.2, message="slow job never finished")
@@ -213,7 +215,7 @@ def test_celery_retry_reschedules_the_job_and_it_runs_again(app, broker):
         rows = c.execute(sa.select(store.t.jobs.c.task_name, store.t.jobs.c.status,
                                    store.t.jobs.c.attempt_count)).all()
     assert sorted(rows) == [("t.auto", "completed", 3), ("t.flaky", "completed", 2)]
-    assert store.count_events(["retry_scheduled"])["retry_scheduled"] == 3
+    assert store.event_counts(["retry_scheduled"])["retry_scheduled"] == 3
 
 
 def test_a_final_failure_marks_the_job_failed_and_celery_sees_the_exception(app, broker):

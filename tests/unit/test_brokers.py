@@ -30,7 +30,7 @@ from celery_lease.brokers import (
     extender_for,
     held_messages,
 )
-from celery_lease.store import Store, for_app
+from celery_lease.store import ClaimTerms, Store, for_app
 from tests.conftest import prefixed_redis, unique_prefix
 from tests.helpers import wait_for
 
@@ -234,9 +234,10 @@ def leases(store):
     """Jobs in the store: one healthy lease of w1@host:42, one held by another worker, one expired."""
     def claim(job_id, worker, duration):
         store.record(job_id, "b.leased", "celery", None, 5)
-        assert store.claim(job_id, worker, f"tok-{job_id}", duration=duration, grace=0.0,
-                           task_name="b.leased", queue="celery", max_attempts=5, max_expirations=5,
-                           takeover=False, hard_grace=0.0, stale_after=1.0, payload=lambda: None).claimed
+        assert store.claim(job_id, worker, f"tok-{job_id}",
+                           ClaimTerms(duration=duration, grace=0.0,
+                                      max_attempts=5, max_expirations=5, takeover=False),
+                           task_name="b.leased", queue="celery", payload=lambda: None).claimed
 
     claim("healthy", "w1@host:42", 60.0)
     claim("stolen", "w9@elsewhere:7", 60.0)

@@ -17,7 +17,7 @@ from celery_lease import LeaseTask
 from celery_lease import checklist as checklist_module
 from celery_lease.checks import Context, Finding, percentile, run_checks
 from celery_lease.config import app_config
-from celery_lease.store import Store
+from celery_lease.store import ClaimTerms, Store
 from tests.conftest import unique_prefix
 
 REDIS = "redis://127.0.0.1:6379/9"  # never connected to: the checks read the URL and options
@@ -55,9 +55,10 @@ def run_job(store: Store, name: str = "c.work", seconds: float = 1.0, key: str |
     store.record(job_id, name, "celery", None, 5, f"{key}-{job_id}" if key else None, delay)
     if status == "pending":
         return job_id
-    claim = store.claim(job_id, "w1@host:1", f"tok{job_id}", duration=30.0, grace=10.0, task_name=name,
-                        queue="celery", max_attempts=5, max_expirations=3, takeover=False, hard_grace=120.0,
-                        stale_after=60.0, payload=lambda: None)
+    claim = store.claim(job_id, "w1@host:1", f"tok{job_id}",
+                        ClaimTerms(duration=30.0, grace=10.0,
+                                   max_attempts=5, max_expirations=3, takeover=False),
+                        task_name=name, queue="celery", payload=lambda: None)
     assert claim.claimed
     if status == "completed":
         assert store.complete(job_id, f"tok{job_id}")
@@ -345,9 +346,9 @@ def test_store_facts_on_every_store(store):
     pending = run_job(store, status="pending", delay=90.0)
     live = unique_prefix()
     store.record(live, "c.work", "celery", None, 5)
-    store.claim(live, "w1@h:1", "tok", duration=60.0, grace=0.0, task_name="c.work", queue="celery",
-                max_attempts=5, max_expirations=3, takeover=False, hard_grace=1.0, stale_after=1.0,
-                payload=lambda: None)
+    store.claim(live, "w1@h:1", "tok",
+                ClaimTerms(duration=60.0, grace=0.0, max_attempts=5, max_expirations=3, takeover=False),
+                task_name="c.work", queue="celery", payload=lambda: None)
     store.touch_worker("w1@h:1", "w1@h", 1)
     facts = store.check_facts()
     assert facts["missing_tables"] == [] and facts["hosts"] == ["w1@h"]

@@ -17,7 +17,7 @@ from celery_lease.errors import (
     StoreRejected,
     StoreUnavailable,
 )
-from celery_lease.store import Store, dialects
+from celery_lease.store import ClaimTerms, Store, dialects
 from tests.conftest import unique_prefix
 from tests.helpers import wait_for
 from tests.tcp_proxy import TcpProxy
@@ -26,9 +26,10 @@ SLACK = 1.5  # seconds a bounded call may overrun its bound on a busy two-core m
 
 
 def claim(store: Store, job_id: str, token: str) -> bool:
-    return store.claim(job_id, "w:1", token, duration=30.0, grace=0.0, task_name="t.task", queue="q",
-                       max_attempts=3, max_expirations=3, takeover=False, hard_grace=60.0, stale_after=10.0,
-                       payload=lambda: None).claimed
+    return store.claim(job_id, "w:1", token,
+                       ClaimTerms(duration=30.0, grace=0.0,
+                                  max_attempts=3, max_expirations=3, takeover=False),
+                       task_name="t.task", queue="q", payload=lambda: None).claimed
 
 
 # -- the clock ------------------------------------------------------------------------

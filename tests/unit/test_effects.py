@@ -16,6 +16,7 @@ from celery_lease.errors import LeaseConfigError, LeaseError, LeaseLost, LockUna
 from celery_lease.heartbeat import Heartbeat
 from celery_lease.lease import Lease
 from celery_lease.runtime import Runtime
+from celery_lease.store import ClaimTerms
 from tests.helpers import wait_for
 
 RACERS = 16
@@ -26,14 +27,21 @@ def policy(**overrides):
                             "lease_on_lost": "flag", **overrides})
 
 
+@pytest.fixture
+def store(store):
+    """The shared store with no hard grace: a lapsed lease is taken over even from a live worker."""
+    store.hard_grace = 0.0
+    return store
+
+
 def claim(store, hb: Heartbeat, job_id: str, **overrides) -> Lease:
     """Record (if new) and claim ``job_id``; a lapsed lease is taken over. Returns the new owner's Lease."""
     store.record(job_id, "t.pay", "q", "{}", 5)
     tok = secrets.token_hex(16)
     sent = deadline.monotonic()
-    got = store.claim(job_id, hb.worker, tok, duration=3.0, grace=0.0, task_name="t.pay", queue="q",
-                      max_attempts=5, max_expirations=5, takeover=True, hard_grace=0.0, stale_after=10.0,
-                      payload=lambda: None)
+    got = store.claim(job_id, hb.worker, tok,
+                      ClaimTerms(duration=3.0, grace=0.0, max_attempts=5, max_expirations=5, takeover=True),
+                      task_name="t.pay", queue="q", payload=lambda: None)
     assert got.claimed, got
     job = got.job
     return Lease(hb.runtime, job_id, tok, job.attempt_count, policy(**overrides),

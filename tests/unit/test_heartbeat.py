@@ -14,6 +14,7 @@ from celery_lease.config import load
 from celery_lease.errors import LeaseLost, StoreUnavailable
 from celery_lease.lease import Lease
 from celery_lease.runtime import Runtime
+from celery_lease.store import ClaimTerms
 from tests.helpers import wait_for
 
 
@@ -29,9 +30,9 @@ def held_lease(store, rt: Runtime, job_id: str, **overrides) -> Lease:
     store.record(job_id, "t.task", "q", "{}", 3)
     tok = secrets.token_hex(16)
     sent = deadline.monotonic()
-    got = store.claim(job_id, rt.worker, tok, duration=3.0, grace=0.0, task_name="t.task", queue="q",
-                      max_attempts=3, max_expirations=3, takeover=True, hard_grace=60.0,
-                      stale_after=10.0, payload=lambda: None)
+    got = store.claim(job_id, rt.worker, tok,
+                      ClaimTerms(duration=3.0, grace=0.0, max_attempts=3, max_expirations=3, takeover=True),
+                      task_name="t.task", queue="q", payload=lambda: None)
     assert got.claimed
     lease = Lease(rt, job_id, tok, 1, policy(**overrides), f"t.task:{job_id}", None, sent_at=sent)
     rt.attach(Request(), lease)

@@ -24,7 +24,7 @@ from celery import Celery, Task
 from celery_lease import LeaseTask, messages, reaper
 from celery_lease.config import app_config
 from celery_lease.reaper import Reaper, backoff, recover_worker_lost
-from celery_lease.store import COMPLETED, FAILED, PENDING, RUNNING, Store
+from celery_lease.store import COMPLETED, FAILED, PENDING, RUNNING, ClaimTerms, Store
 from tests.conftest import unique_prefix
 
 REDIS_DB = 12
@@ -48,6 +48,14 @@ def broker(redis_url):
     for key in client.scan_iter(f"*{queue}*"):
         client.delete(key)
     client.close()
+
+
+@pytest.fixture
+def store(store):
+    """The shared store with the app-wide settings of this module's app (hard grace 60 s,
+    workers stale after 10 s), as the app's own store would have them."""
+    store.hard_grace, store.stale_after = 60.0, 10.0
+    return store
 
 
 @pytest.fixture
@@ -287,7 +295,7 @@ def test_a_second_scan_skips_the_rows_another_reaper_holds(store):
 
     def first_reaper() -> None:
         with store.begin() as c:
-            store.scan_expired(c, limit=2, hard_grace=60.0, stale_after=10.0)
+            store.scan_expired(c, limit=2)
             held.set()
             release.wait(10)
 
@@ -308,22 +316,22 @@ def test_a_second_scan_skips_the_rows_another_reaper_holds(store):
 
 def scan_page(store: Store, limit: int):
     with store.begin() as c:
-        return store.scan_expired(c, limit=limit, hard_grace=60.0, stale_after=10.0)
+        return store.scan_expired(c, limit=limit)
 
 
 # -- the CAS loses cleanly ------------------------------------------------------------
 def scan_one(store: Store):
     with store.begin() as c:
-        [item] = store.scan_expired(c, limit=10, hard_grace=60.0, stale_after=10.0, lock=False)
+        [item] = store.scan_expired(c, limit=10, lock=False)
     return item.job
 
 
 def test_requeue_loses_against_a_concurrent_takeover_and_writes_nothing(store):
     running(store, "j1")
     seen = scan_one(store)
-    new = store.claim("j1", "w2", secrets.token_hex(16), duration=30.0, grace=1.0, task_name="t.work",
-                      queue="celery", max_attempts=3, max_expirations=3, takeover=True, hard_grace=60.0,
-                      stale_after=10.0, payload=lambda: None)
+    new = store.claim("j1", "w2", secrets.token_hex(16),
+                      ClaimTerms(duration=30.0, grace=1.0, max_attempts=3, max_expirations=3, takeover=True),
+                      task_name="t.work", queue="celery", payload=lambda: None)
     assert new.claimed
     assert not store.requeue_abandoned("j1", seen.lock_token, seen.locked_by, delay=1.0, reason="x")
     assert store.get("j1").lock_token == new.job.lock_token
@@ -356,15 +364,16 @@ def test_a_message_waiting_on_a_requeue_in_flight_claims_the_requeued_job(store)
 
     def reaper_batch() -> None:
         with store.begin() as c:
-            [item] = store.scan_expired(c, limit=10, hard_grace=60.0, stale_after=10.0)
+            [item] = store.scan_expired(c, limit=10)
             assert store.requeue_abandoned("j1", item.job.lock_token, DEAD, delay=0.0, reason="x", c=c)
             in_tx.set()
             go.wait(10)
 
     def deliver() -> None:
-        got = store.claim("j1", "w2", secrets.token_hex(16), duration=30.0, grace=1.0, task_name="t.work",
-                          queue="celery", max_attempts=3, max_expirations=3, takeover=True, hard_grace=60.0,
-                          stale_after=10.0, payload=lambda: None)
+        got = store.claim("j1", "w2", secrets.token_hex(16),
+                          ClaimTerms(duration=30.0, grace=1.0,
+                                     max_attempts=3, max_expirations=3, takeover=True),
+                          task_name="t.work", queue="celery", payload=lambda: None)
         outcome.append(got.outcome)
 
     reaping = threading.Thread(target=reaper_batch)
@@ -417,7 +426,7 @@ def test_two_scanners_racing_over_1000_expired_rows_requeue_each_exactly_once(st
         after = None
         while True:
             with store.begin() as c:
-                page = store.scan_expired(c, limit=100, hard_grace=60.0, stale_after=10.0, after=after)
+                page = store.scan_expired(c, limit=100, after=after)
                 if not page:
                     return
                 for item in page:

@@ -16,6 +16,7 @@ from celery_lease.effects import lock
 from celery_lease.errors import LeaseLost, StoreUnavailable
 from celery_lease.lease import Lease
 from celery_lease.runtime import Runtime
+from celery_lease.store import ClaimTerms
 
 
 def policy(**overrides):
@@ -31,9 +32,9 @@ def claim(store, rt: Runtime, job_id: str, duration: float = 3.0, **overrides) -
     store.record(job_id, "t.task", "q", "{}", 5)
     tok = secrets.token_hex(16)
     sent = deadline.monotonic()
-    got = store.claim(job_id, rt.worker, tok, duration=duration, grace=0.0, task_name="t.task", queue="q",
-                      max_attempts=5, max_expirations=5, takeover=True, hard_grace=0.0, stale_after=10.0,
-                      payload=lambda: None)
+    store.hard_grace, store.stale_after = 0.0, 10.0  # a lapsed lease is taken over at once
+    terms = ClaimTerms(duration=duration, grace=0.0, max_attempts=5, max_expirations=5, takeover=True)
+    got = store.claim(job_id, rt.worker, tok, terms, task_name="t.task", queue="q", payload=lambda: None)
     assert got.claimed, got
     return Lease(rt, job_id, tok, got.job.attempt_count, policy(lease_duration=duration, **overrides),
                  f"t.task:{job_id}", None, sent_at=sent)

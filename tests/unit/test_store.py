@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import secrets
 import threading
 
@@ -10,19 +11,41 @@ import sqlalchemy as sa
 
 from celery_lease.config import RECOVERY
 from celery_lease.errors import StoreUnavailable
-from celery_lease.store import COMPLETED, FAILED, PENDING, RUNNING, Store
+from celery_lease.store import (
+    COMPLETED,
+    FAILED,
+    PENDING,
+    RUNNING,
+    ClaimTerms,
+    ReaperStore,
+    ReportStore,
+    Store,
+    WorkerStore,
+)
 
 
 def token() -> str:
     return secrets.token_hex(16)
 
 
+@pytest.fixture
+def store(store):
+    """The shared store with this module's app-wide settings: a 60 s hard grace, workers stale
+    after 10 s, no clock tolerance, claims committed synchronously."""
+    store.hard_grace, store.stale_after = 60.0, 10.0
+    store.clock_tolerance, store.claim_async_commit = 0.0, False
+    return store
+
+
+TERMS = {"duration": 30.0, "grace": 1.0, "max_attempts": 3, "max_expirations": 3, "takeover": True}
+
+
 def claim(store: Store, job_id: str, worker: str = "w1", tok: str | None = None, **overrides):
-    options = dict(duration=30.0, grace=1.0, task_name="t.task", queue="q", max_attempts=3,
-                   max_expirations=3, takeover=True, hard_grace=60.0, stale_after=10.0,
-                   payload=lambda: '{"v": 1}')
+    """Claim with a test task's terms; ``overrides`` name terms or the claim's other arguments."""
+    terms = ClaimTerms(**{name: overrides.pop(name, default) for name, default in TERMS.items()})
+    options = dict(task_name="t.task", queue="q", payload=lambda: '{"v": 1}')
     options.update(overrides)
-    return store.claim(job_id, worker, tok or token(), **options)
+    return store.claim(job_id, worker, tok or token(), terms, **options)
 
 
 def age_lease(store: Store, job_id: str, seconds: float) -> None:
@@ -86,7 +109,8 @@ def test_claim_of_a_finished_job_is_done(store):
 
 def test_claim_before_the_job_is_available_is_early_and_changes_nothing(store):
     store.record("later", "t.task", "q", "{}", 3, delay=120.0)
-    got = claim(store, "later", early=1.0)
+    store.clock_tolerance = 1.0
+    got = claim(store, "later")
     assert got.outcome == "early" and not got.claimed
     assert got.wait == pytest.approx(120.0, abs=5.0)
     job = store.get("later")
@@ -96,8 +120,10 @@ def test_claim_before_the_job_is_available_is_early_and_changes_nothing(store):
 
 def test_claim_within_the_clock_tolerance_takes_the_job(store):
     store.record("soon", "t.task", "q", "{}", 3, delay=5.0)
-    assert claim(store, "soon", early=1.0).outcome == "early"
-    assert claim(store, "soon", early=10.0).claimed
+    store.clock_tolerance = 1.0
+    assert claim(store, "soon").outcome == "early"
+    store.clock_tolerance = 10.0
+    assert claim(store, "soon").claimed
 
 
 def test_claim_creates_the_row_of_a_job_published_without_celery_lease(store):
@@ -147,8 +173,9 @@ def test_claim_leaves_a_live_owner_alone_until_the_hard_grace(store):
     claim(store, "j1", "live-worker", grace=0.0)
     store.touch_worker("live-worker", "host", 1)
     age_lease(store, "j1", 5.0)
-    assert claim(store, "j1", "w2", hard_grace=60.0).outcome == "busy"
-    assert claim(store, "j1", "w2", hard_grace=2.0).claimed
+    assert claim(store, "j1", "w2").outcome == "busy"  # within the 60 s hard grace
+    store.hard_grace = 2.0
+    assert claim(store, "j1", "w2").claimed
 
 
 def test_claim_does_not_take_over_when_attempts_are_exhausted(store):
@@ -298,11 +325,12 @@ def test_an_async_claim_turns_off_synchronous_commit_for_its_own_transaction_onl
     params = {"job_id": "a", "worker": "w1", "token": token(), "duration": 30.0, "grace": 1.0, "early": 0.0,
               **{f"r_{name}": None for name in RECOVERY}}
     with store.begin() as c:
-        assert c.execute(store._claim_pending(async_commit), params).rowcount == 1
+        assert c.execute(store._claim_pending_statement(async_commit), params).rowcount == 1
         inside = c.execute(sa.text("SELECT current_setting('synchronous_commit')")).scalar()
         c.rollback()
     assert inside == ("off" if async_commit else "on")
-    assert claim(store, "b", async_commit=async_commit).claimed
+    store.claim_async_commit = async_commit
+    assert claim(store, "b").claimed
     raw = store.engine.raw_connection()  # the connection the claim ran on, back in the pool
     try:
         assert raw.driver_connection.execute("SHOW synchronous_commit").fetchone()[0] == "on"
@@ -339,3 +367,50 @@ def test_store_engine_options_are_merged_last(tmp_path):
     assert isinstance(store.engine.pool, sa.pool.NullPool)
     assert store.bounds.call == 3.0
     assert store.now() > 0
+
+
+def test_the_store_takes_the_app_wide_lease_settings_from_the_config_and_defaults_from_config_py(tmp_path):
+    from celery_lease.config import BY_NAME, load
+
+    url = f"sqlite:///{tmp_path / 'lease.sqlite3'}"
+    cfg = load({"lease_store_url": url, "lease_reaper_hard_grace": 7.0, "lease_worker_stale_after": 3.0,
+                "lease_clock_tolerance": 0.25, "lease_claim_async_commit": False})
+    store = Store.from_config(cfg)
+    assert (store.hard_grace, store.stale_after, store.clock_tolerance, store.claim_async_commit) == (
+        7.0, 3.0, 0.25, False)
+    plain = Store(url)
+    assert (plain.hard_grace, plain.clock_tolerance, plain.claim_async_commit) == tuple(
+        BY_NAME[name].default for name in ("lease_reaper_hard_grace", "lease_clock_tolerance",
+                                           "lease_claim_async_commit"))
+    # Unset, the worker staleness is derived from the lease settings: lease + grace - a heartbeat.
+    assert plain.stale_after == 30.0
+    quick = load({"lease_store_url": url, "lease_duration": 6.0, "lease_heartbeat_interval": 1.0,
+                  "lease_grace_period": 1.0})
+    assert Store.from_config(quick).stale_after == 6.0
+
+
+ROLES = (WorkerStore, ReaperStore, ReportStore)
+
+
+def _surface(role: type) -> dict[str, inspect.Signature | None]:
+    """The members a role's Protocol lists, with the signature of each method (None: a property)."""
+    return {name: None if isinstance(value, property) else inspect.signature(value)
+            for name, value in vars(role).items() if not name.startswith("_")}
+
+
+@pytest.mark.parametrize("role", ROLES, ids=lambda role: role.__name__)
+def test_the_store_offers_every_call_of_each_role_with_the_same_parameters(role):
+    for name, declared in _surface(role).items():
+        assert hasattr(Store, name), f"{role.__name__}.{name} is not a Store member"
+        if declared is None:
+            continue
+        actual = inspect.signature(getattr(Store, name))
+        assert [(p.name, p.kind, p.default is p.empty) for p in actual.parameters.values()] == [
+            (p.name, p.kind, p.default is p.empty) for p in declared.parameters.values()], name
+
+
+def test_every_public_store_method_belongs_to_a_role():
+    methods = {name for name, value in inspect.getmembers(Store, callable)
+               if not name.startswith("_") and not inspect.ismethod(value)}  # from_config builds, no role
+    covered = set().union(*(_surface(role) for role in ROLES))
+    assert methods - covered == set()

@@ -36,6 +36,7 @@ WRITERS: dict[str, tuple[tuple[int, str], ...]] = {
     "_audited_write": ((2, "event"),),
     "_build_audited": ((1, "event"),),
     "_owner_write": ((3, "event"), (4, "stale")),
+    "_stale": ((2, "event"),),  # StoreBase._stale(conn or None, job_id, event, ...)
     "_take_back": ((7, "event"),),
     "_audit": ((2, "event"),),  # deliveries._audit(store, job_id, event, ...)
     "release": ((3, "reason"),),  # JobStatements.release: the reason is the event

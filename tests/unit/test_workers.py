@@ -6,6 +6,8 @@ import secrets
 
 import sqlalchemy as sa
 
+from celery_lease.store import ClaimTerms
+
 
 def workers(store) -> list:
     with store.begin() as c:
@@ -41,9 +43,10 @@ def test_a_beat_refreshes_the_registry_and_renews_only_matching_tokens(store):
     for job_id in ("a", "b"):
         store.record(job_id, "t.task", "q", None, 3)
         tokens[job_id] = secrets.token_hex(16)
-        assert store.claim(job_id, "w1", tokens[job_id], duration=30.0, grace=1.0, task_name="t.task",
-                           queue="q", max_attempts=3, max_expirations=3, takeover=False,
-                           hard_grace=60.0, stale_after=10.0, payload=lambda: None).claimed
+        assert store.claim(job_id, "w1", tokens[job_id],
+                           ClaimTerms(duration=30.0, grace=1.0,
+                                      max_attempts=3, max_expirations=3, takeover=False),
+                           task_name="t.task", queue="q", payload=lambda: None).claimed
     expiry = store.get("a").lease_expires_at
     renewed = store.beat("w1", "host", 7, {tokens["a"]: "a", "stale-token": "b"}, {tokens["a"]: 120.0})
     assert renewed == {"a"}
@@ -60,7 +63,7 @@ def test_a_worker_process_records_its_pool_and_concurrency(store):
 
     (row,) = workers(store)
     assert (row.pool, row.concurrency) == ("threads", 8)
-    assert store.worker_pools(stale_after=60.0) == {"threads": 1}
+    assert store.worker_pools() == {"threads": 1}
 
 
 def test_on_the_previous_revision_the_registry_is_written_without_a_pool(store_factory):
@@ -76,7 +79,7 @@ def test_on_the_previous_revision_the_registry_is_written_without_a_pool(store_f
 
     with store.begin() as c:
         assert c.execute(sa.select(store.t.workers.c.worker_id)).scalars().all() == ["w1"]
-    assert store.worker_pools(stale_after=60.0) == {}
+    assert store.worker_pools() == {}
 
 
 def test_pool_names_are_celerys_own():
@@ -84,7 +87,12 @@ def test_pool_names_are_celerys_own():
 
     from celery_lease.signals import pool_name
 
-    assert pool_name(get_implementation("threads")) == "threads"
-    assert pool_name(get_implementation("prefork")) == "prefork"
-    assert pool_name(get_implementation("solo")) == "solo"
-    assert pool_name("gevent") == "gevent"
+    class Worker:
+        def __init__(self, pool_cls):
+            self.pool_cls = pool_cls
+
+    assert pool_name(Worker(get_implementation("threads"))) == "threads"
+    assert pool_name(Worker(get_implementation("prefork"))) == "prefork"
+    assert pool_name(Worker(get_implementation("solo"))) == "solo"
+    assert pool_name(Worker("gevent")) == "gevent"
+    assert pool_name(Worker("celery.concurrency.thread:TaskPool")) == "threads"
