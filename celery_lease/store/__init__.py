@@ -18,12 +18,13 @@ from .effects import EffectStatements
 from .jobs import JobStatements
 from .reaping import ReaperStatements
 from .reports import ReportStatements
+from .runs import RunStatements
 
 __all__ = ["Store", "Claim", "Job", "for_app", "call_timeout", "pool_size",
            "PENDING", "RUNNING", "COMPLETED", "FAILED"]
 
 
-class Store(JobStatements, ReaperStatements, EffectStatements, ReportStatements, StoreBase):
+class Store(JobStatements, ReaperStatements, EffectStatements, ReportStatements, RunStatements, StoreBase):
     """The lease store of one app."""
 
 
