@@ -271,7 +271,8 @@ class LeaseCollector:
         """Count the jobs finished and the events written in (previous scrape, now - event_lag]."""
         until = now - self.event_lag
         if self._through is None:
-            self._through = until
+            # What was written before the exporter started is history, not counted: from now on.
+            self._through = now
             return
         if until <= self._through:
             return
