@@ -360,7 +360,11 @@ class StoreBase:
             return self.revision
         from . import migrations
 
-        return migrations.current(c, self.prefix) or ""
+        revision = migrations.current(c, self.prefix) or ""
+        oldest, _ = migrations.supported()
+        if revision in migrations.revisions() and revision >= oldest:
+            self.revision = revision  # a revision this code runs against: read once, as ensure() would
+        return revision
 
     def _job_labels(self, job_id: Any, c: Connection | None = None) -> dict[str, Any]:
         """The job's queue and task for an event row, by its primary key in the same statement
