@@ -8,15 +8,16 @@ asks the question as a warning.
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 from collections.abc import Iterator
 from typing import Any
 
 from .checks import ERROR, OK, RECOVERY_EVENTS, WARNING, Context, Finding, ok_unless, percentile
+from .config import SCRAPE_FRESH
 from .errors import StoreUnavailable
+from .store.runs import EXPORTER_SCRAPE
 
-__all__ = ["checklist_rules", "metrics_installed"]
+__all__ = ["checklist_rules"]
 
 MIN_SAMPLE = 1  # finished runs needed before a p99 is reported
 
@@ -185,23 +186,36 @@ def _dead_letter(ctx: Context) -> Iterator[Finding]:
                          "`celery lease dlq list` shows them")
 
 
-def metrics_installed() -> bool:
-    """Whether the Prometheus client the exporter needs is importable (a seam for tests)."""
-    return importlib.util.find_spec("prometheus_client") is not None
-
-
 def _dashboards(ctx: Context) -> Iterator[Finding]:
-    if not metrics_installed():
-        yield Finding(WARNING, "dashboards", (), {"prometheus_client": False},
-                      "without metrics, backlog, age of the oldest job, retries and lease expirations are "
-                      "seen "
-                      "only when users complain",
-                      "pip install celery-lease[metrics], run `celery -A proj lease exporter` and load the "
-                      "alert rules in celery_lease/contrib/prometheus")
+    """Answered from what the store observed: when an exporter last answered a scrape."""
+    if ctx.store_error:
+        return
+    hint = ("pip install celery-lease[metrics], run `celery -A proj lease exporter`, have Prometheus "
+            "scrape it, and load celery_lease/contrib/prometheus/alerts.yml and the Grafana dashboard "
+            "celery_lease/contrib/grafana/celery_lease.json")
+    try:
+        seen = ctx.store.meta_age(EXPORTER_SCRAPE)
+    except StoreUnavailable:
+        return
+    if seen is None:
+        yield Finding(WARNING, "dashboards", (), {"revision": ctx.revision},
+                      "the store's schema does not record the exporter's scrapes, so whether anything "
+                      "watches these metrics cannot be told (needs migrate)",
+                      "run `celery -A proj lease migrate` once every worker runs this release")
+        return
+    age, exporter = seen
+    values = {"last_scrape_age": None if age is None else round(age, 1), "exporter": exporter}
+    if age is None:
+        yield Finding(WARNING, "dashboards", (), values,
+                      "no exporter scrape is recorded in this store: backlog, age of the oldest job, "
+                      "retries and lease expirations are seen only when users complain", hint)
+    elif age > SCRAPE_FRESH:
+        yield Finding(WARNING, "dashboards", (), values,
+                      f"the exporter was last scraped {age:.0f}s ago: nothing watches the metrics now",
+                      "check that `celery -A proj lease exporter` runs and that Prometheus scrapes it")
     else:
-        yield Finding(OK, "dashboards", (), {"prometheus_client": True},
-                      "`celery -A proj lease exporter` serves backlog, oldest job, retries and expirations "
-                      "(dashboards and alerts are yours to wire)")
+        yield Finding(OK, "dashboards", (), values,
+                      f"an exporter ({exporter}) was scraped {age:.0f}s ago")
 
 
 def _crash_tested(ctx: Context) -> Iterator[Finding]:

@@ -320,18 +320,9 @@ def check_acks(ctx: Context) -> Iterator[Finding]:
 
 
 def check_reaper(ctx: Context) -> Iterator[Finding]:
-    entries = {name: entry.get("schedule") for name, entry in (ctx.conf.beat_schedule or {}).items()
-               if entry.get("task") == "celery_lease.reap"}
-    if entries:
-        yield Finding(OK, "reaper_scheduled", ("beat_schedule",), {"entries": entries},
-                      "celery beat runs the reaper that takes back abandoned leases")
-    else:
-        yield Finding(ERROR, "reaper_scheduled", ("beat_schedule",), {"beat_schedule": sorted(
-            ctx.conf.beat_schedule or {})},
-            "nothing takes back the lease of a job whose worker died, or re-sends a job whose message "
-            "vanished: such jobs stay running or pending forever",
-            "add {'lease-reaper': {'task': 'celery_lease.reap', 'schedule': 15.0}} to beat_schedule and run "
-            "celery beat")
+    from .reaper_checks import reaper_rules
+
+    yield from reaper_rules(ctx)
 
 
 # -- the store ------------------------------------------------------------------------

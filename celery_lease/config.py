@@ -18,7 +18,8 @@ from .errors import LeaseConfigError
 
 __all__ = ["SETTINGS", "Setting", "AppConfig", "TaskPolicy", "app_config", "task_policy", "shortest_lease",
            "derive_stale_after", "worker_stale_after", "check_recovery_bound",
-           "CALL_TIMEOUT_SHARE", "DEFAULT_POOL_SIZE", "LONG_CALL_TIMEOUT"]
+           "CALL_TIMEOUT_SHARE", "DEFAULT_POOL_SIZE", "LONG_CALL_TIMEOUT", "REAPER_RUNS_KEPT",
+           "REAPER_OVERDUE_INTERVALS", "METRICS_MAX_SERIES", "SCRAPE_FRESH", "RUNBOOK_BASE_URL"]
 
 # A store call may take at most this share of the shortest lease (seconds per second). The
 # heartbeat runs at most every third of a lease so that two renewals can fail before it
@@ -29,6 +30,16 @@ DEFAULT_POOL_SIZE = 10
 # Seconds the reaper's batches, migrations and operators' reads may take: they hold a batch
 # of rows while publishing, or scan history, and no lease waits on them.
 LONG_CALL_TIMEOUT = 300.0
+# Reaper runs kept in the store (newest first); each run prunes the older ones.
+REAPER_RUNS_KEPT = 1000
+# A scheduled reaper whose last run is older than this many intervals is reported as not running.
+REAPER_OVERDUE_INTERVALS = 3
+# Label pairs (queue, task) per exporter metric; the rest are counted under "other".
+METRICS_MAX_SERIES = 200
+# Seconds after which the exporter's last scrape counts as old (scrapes come every 15-60 s).
+SCRAPE_FRESH = 600.0
+# Where the shipped alert rules' runbook_url annotations point by default: the README's playbook.
+RUNBOOK_BASE_URL = "https://github.com/celery-lease/celery-lease/blob/main/README.md"
 
 # 30 characters keep the longest index name ("<prefix>jobs_status_available_ix") within
 # PostgreSQL's 63-character identifier limit.
@@ -86,6 +97,12 @@ def _bool(value: Any) -> bool:
 
 def _text(value: Any) -> str:
     if not isinstance(value, str) or not value:
+        raise ValueError
+    return value
+
+
+def _url(value: Any) -> str:
+    if not isinstance(value, str) or not re.match(r"^https?://[^\s#]+$", value):
         raise ValueError
     return value
 
@@ -221,6 +238,11 @@ SETTINGS: tuple[Setting, ...] = (
        "Seconds RabbitMQ lets a delivery go unacknowledged (its consumer_timeout), for `lease check`; "
        "None: ask the management API, else assume RabbitMQ's default of 1800.",
        _number(0, strict=True, allow_none=True), "None or a number of seconds > 0", False),
+    # operations
+    _S("lease_runbook_base_url", RUNBOOK_BASE_URL,
+       "Absolute URL of the operator's playbook that alert rules link to (runbook_url = this URL + "
+       "'#' + the step's anchor); point it at your own copy of the README.",
+       _url, "an absolute http(s) URL without a '#' fragment", False),
     # resource locks
     _S("lease_lock_ttl", 30.0,
        "Seconds a resource lock lasts without renewal.",

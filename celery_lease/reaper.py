@@ -17,13 +17,14 @@ import random
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from celery import Task, shared_task
 
 from . import messages
-from .config import TaskPolicy, app_config, task_policy, worker_stale_after
+from .config import REAPER_RUNS_KEPT, TaskPolicy, app_config, task_policy, worker_stale_after
 from .errors import StoreCorrupt, StoreUnavailable
 from .store import RUNNING, Job, ReaperStore, for_app
 
@@ -212,6 +213,7 @@ class Reaper:
             result.skipped = True
             log.debug("reaper run skipped: another reaper holds the lock")
             return result
+        started = time.monotonic()
         try:
             if self._recover_expired(result, now, token) and self._redispatch(result, now, token):
                 self._prune(result, now)
@@ -220,9 +222,22 @@ class Reaper:
                 self.store.release_reaper_lock(token)
             except StoreUnavailable as exc:
                 log.warning("reaper lock not released (it expires in %gs): %s", ttl, exc)
+        self._record(result, time.monotonic() - started)
         if result.changed:
             log.info("reaper: %s", result.summary(), extra={"action": "reap"})
         return result
+
+    def _record(self, result: ReapResult, duration: float) -> None:
+        """Note the run in the store (its liveness for `lease check`, status and the exporter).
+
+        A run that did its work but could not note it is still a run: the failure is logged,
+        and the next run records itself.
+        """
+        counts = {k: v for k, v in result.as_dict().items() if type(v) is int}
+        try:
+            self.store.record_reaper_run(duration, counts, self.owner, REAPER_RUNS_KEPT)
+        except StoreUnavailable as exc:
+            log.warning("reaper run not recorded: %s", exc, extra={"action": "reap_record_failed"})
 
     def _still_ours(self, token: str | None) -> bool:
         if token is None or self.store.renew_reaper_lock(token, self.cfg.reaper_lock_ttl):

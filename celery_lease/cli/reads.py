@@ -16,7 +16,7 @@ from ..vocabulary import MANUAL_RECOVERIES, STALE_WRITES, Event, Status
 from .base import app_of, json_option, lease, store_of
 from .output import Duration, age, emit_json, table, when
 
-__all__ = ["status", "jobs", "inspect", "events", "tune"]
+__all__ = ["reaper_status", "status", "jobs", "inspect", "events", "tune"]
 
 STATUSES = tuple(s.value for s in Status)
 LAST_HOUR = (Event.REAPED_EXPIRED_LEASE, Event.DUPLICATE_DELIVERY_SKIPPED, Event.DEAD_LETTERED,
@@ -51,6 +51,30 @@ JOB_COLUMNS = [("id", "job"), ("task", "task"), ("queue", "queue"), ("status", "
                ("heartbeat", "heartbeat"), ("updated", "updated")]
 
 
+def reaper_status(app: Any, store: Any) -> dict[str, Any]:
+    """The reaper's last recorded run against its schedule (beat_schedule, django-celery-beat)."""
+    from ..config import REAPER_OVERDUE_INTERVALS
+    from ..reaper_checks import reaper_entries
+
+    entries, _ = reaper_entries(app)
+    intervals = [e.interval for e in entries if e.interval]
+    interval = min(intervals) if intervals else None
+    last = store.last_reaper_run()
+    if last is None:
+        return {"interval": interval, "last_run": None,
+                "summary": "runs not recorded at this schema revision (needs `lease migrate`)"}
+    now, run = last
+    if run is None:
+        return {"interval": interval, "last_run": None, "summary": "no run recorded" + (
+            f" (scheduled every {interval:g}s)" if interval else " (not scheduled)")}
+    since = now - float(run["finished_at"])
+    late = interval is not None and since > REAPER_OVERDUE_INTERVALS * interval
+    summary = (f"last run {age(since)} ago on {run['worker']}, took {run['duration']:.2f}s"
+               + (f" (every {interval:g}s)" if interval else " (not scheduled)")
+               + (" - NOT RUNNING" if late else ""))
+    return {"interval": interval, "last_run": {**run, "age": since}, "overdue": late, "summary": summary}
+
+
 @lease.command()
 @json_option
 @click.pass_context
@@ -80,6 +104,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
         | {"stale_writes_rejected": sum(v for k, v in hour.items() if k in STALE_WRITES)},
     }
     report["dead_letters"] = report["totals"][Status.FAILED.value]
+    report["reaper"] = reaper_status(app_of(ctx), store)
     if as_json:
         emit_json(report)
         return
@@ -101,6 +126,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
     lines += [f"workers        {w['alive']} alive, {w['stale']} stale "
               f"(stale after {stale_after:g}s without a heartbeat)",
               f"dead letters   {report['dead_letters']}",
+              f"reaper         {report['reaper']['summary']}",
               "last hour      " + ", ".join(f"{k.replace('_', ' ')} {v}"
                                             for k, v in report["last_hour"].items())]
     click.echo("\n".join(lines))

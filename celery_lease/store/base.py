@@ -20,11 +20,13 @@ from ..errors import StoreCorrupt
 from ..vocabulary import ClaimOutcome, Event, Status
 from . import dialects, schema
 
-__all__ = ["StoreBase", "Claim", "ClaimTerms", "Job"]
+__all__ = ["StoreBase", "Claim", "ClaimTerms", "Job", "RUNS_REVISION"]
 
 log = logging.getLogger(__name__)
 
 PENDING, RUNNING, COMPLETED, FAILED = Status.PENDING, Status.RUNNING, Status.COMPLETED, Status.FAILED
+# The first schema revision with the reaper_runs and meta tables and events' queue and task.
+RUNS_REVISION = "0004"
 
 
 STALE_REASON = "lock token no longer matches"  # the reason of every write a fence refused
@@ -313,9 +315,10 @@ class StoreBase:
             token=sa.bindparam("ev_token", type_=sa.String()), at=self.now_sql,
             detail=sa.bindparam("ev_detail", type_=sa.Text()),
         )
+        job = sa.bindparam("ev_job", type_=sa.String())
+        values.update(self._job_labels(job))
         if not self.dialect.one_statement_writes:
             update = stmt.returning(*columns) if self.dialect.update_returning else stmt
-            job = sa.bindparam("ev_job", type_=sa.String())
             return _Audited(update=update, audit=sa.insert(self.t.events).values(job_id=job, **values))
         changed = stmt.returning(*columns).cte("changed")
         audit = sa.insert(self.t.events).from_select(
@@ -397,12 +400,44 @@ class StoreBase:
         with self.begin() as c:
             return float(c.execute(sa.select(self.now_sql)).scalar_one())
 
+    def at_least(self, revision: str) -> bool:
+        """Whether the store's schema is at ``revision`` or later (checked once per process).
+
+        This code runs against the previous revision too: features of a newer one ask here
+        first, and write or read nothing of theirs on an older schema.
+        """
+        return self.ensure_schema() >= revision
+
+    def _revision_in(self, c: Connection) -> str:
+        """The schema revision, read on ``c`` when no check has run in this process yet (a second
+        connection inside a transaction would wait on SQLite's file lock)."""
+        if self.revision is not None:
+            return self.revision
+        from . import migrations
+
+        revision = migrations.current(c, self.prefix) or ""
+        oldest, _ = migrations.supported()
+        if revision in migrations.revisions() and revision >= oldest:
+            self.revision = revision  # a revision this code runs against: read once, as ensure() would
+        return revision
+
+    def _job_labels(self, job_id: Any, c: Connection | None = None) -> dict[str, Any]:
+        """The job's queue and task for an event row, by its primary key in the same statement
+        (NULL once the job is gone); nothing on a schema whose events lack the columns."""
+        revision = self.ensure_schema() if c is None else self._revision_in(c)
+        if job_id is None or revision < RUNS_REVISION:
+            return {}
+        j = self.t.jobs
+        return {name: sa.select(j.c[name]).where(j.c.id == job_id).scalar_subquery()
+                for name in ("queue_name", "task_name")}
+
     def _event(self, c: Connection, job_id: str | None, event: Event, reason: str | None = None,
                worker: str | None = None, token: str | None = None, detail: Any = None) -> None:
         c.execute(sa.insert(self.t.events).values(
             job_id=job_id, event=event, reason=reason, worker=worker,
             token=token[:8] if token else None, at=self.now_sql,
             detail=None if detail is None else json.dumps(detail, default=str),
+            **self._job_labels(job_id, c),
         ))
 
     def event(self, job_id: str | None, event: Event, reason: str | None = None, worker: str | None = None,

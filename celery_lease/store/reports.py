@@ -1,10 +1,10 @@
 """Statements for operators: status, listings, metrics, tuning samples, manual recovery.
 
 Reads that a Prometheus scrape runs are aggregates over indexed ranges only: the
-running and pending rows (bounded by the work in flight, not by history), finished
-rows within a recent ``updated_at`` window and a row limit, and events by name
-within a time range. Manual recovery is one conditional UPDATE per job, like the
-reaper's, audited in the same transaction.
+running and pending rows (bounded by the work in flight, not by history), and the
+finished rows and events since the previous scrape (time ranges of their indexes).
+Manual recovery is one conditional UPDATE per job, like the reaper's, audited in the
+same transaction.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sqlalchemy as sa
 
 from ..errors import JobNotFound
 from ..vocabulary import Event
-from .base import COMPLETED, FAILED, PENDING, RUNNING, Job, StoreBase, where_given
+from .base import COMPLETED, FAILED, PENDING, RUNNING, RUNS_REVISION, Job, StoreBase, where_given
 from .workers import POOL_REVISION
 
 __all__ = ["ReportStatements"]
@@ -31,16 +31,6 @@ def _f(value: Any) -> float | None:
 def _bucket(value: Any, bounds: Sequence[float]) -> Any:
     """The index of the first bound that ``value`` does not exceed (len(bounds) past the last)."""
     return sa.case(*((value <= b, i) for i, b in enumerate(bounds)), else_=len(bounds))
-
-
-def _cumulative(values: list[float]) -> tuple[int, float, list[int]]:
-    """Per-bucket counts (then the +Inf count, then the sum) as (count, sum, cumulative counts)."""
-    counts, total = values[:-1], values[-1]
-    running, cumulative = 0, []
-    for n in counts[:-1]:
-        running += int(n)
-        cumulative.append(running)
-    return running + int(counts[-1]), total, cumulative
 
 
 class ReportStatements(StoreBase):
@@ -92,7 +82,7 @@ class ReportStatements(StoreBase):
         Empty on the previous schema revision, whose registry does not record pools.
         """
         w = self.t.workers
-        if (self.revision or "") < POOL_REVISION:
+        if not self.at_least(POOL_REVISION):
             return {}
         with self.begin() as c:
             alive = w.c.last_seen_at >= self.now_sql - self.stale_after
@@ -120,6 +110,19 @@ class ReportStatements(StoreBase):
         with self.begin(long=True) as c:
             rows = c.execute(q).all()
         return {name: 0 for name in names} | {r[0]: int(r[1]) for r in rows}
+
+    def labelled_event_counts(self, names: Sequence[str], since: float,
+                              until: float) -> dict[tuple[str, str | None, str | None], int]:
+        """Events by (name, queue, task) with ``since < at <= until``; queue and task are None
+        where the writer did not know them, and always on a schema whose events lack them."""
+        e = self.t.events
+        labelled = self.at_least(RUNS_REVISION)
+        keys = [e.c.event, e.c.queue_name, e.c.task_name] if labelled else [e.c.event]
+        q = (sa.select(*keys, sa.func.count()).where(e.c.event.in_(list(names)), e.c.at > since,
+                                                     e.c.at <= until).group_by(*keys))
+        with self.begin(long=True) as c:
+            rows = c.execute(q).all()
+        return {(r[0], r[1], r[2]) if labelled else (r[0], None, None): int(r[-1]) for r in rows}
 
     # -- listings -------------------------------------------------------------
     def list_jobs(self, status: str | None = None, queue: str | None = None, task: str | None = None,
@@ -188,30 +191,28 @@ class ReportStatements(StoreBase):
                              .where(j.c.status == PENDING).group_by(j.c.queue_name)).all()
         return now, [{"queue": r[0], "pending": int(r[1]), "oldest_due_at": _f(r[2])} for r in rows]
 
-    def _recent(self, status: str, since: float, limit: int) -> Any:
-        """The newest ``limit`` rows of a finished status changed after ``since`` (a bound
-        value): a backward walk of the (status, updated_at) index that stops at the limit."""
-        j = self.t.jobs
-        return (sa.select(j.c.task_name, (j.c.completed_at - j.c.started_at).label("rt"), j.c.attempt_count)
-                .where(j.c.status == status, j.c.updated_at >= since)
-                .order_by(j.c.updated_at.desc()).limit(limit).subquery())
+    def finished_between(self, since: float, until: float, runtime_buckets: Sequence[float],
+                         attempt_buckets: Sequence[float]) -> dict[tuple[str | None, str], Any]:
+        """Per (queue, task) over jobs that finished with ``since < updated_at <= until``: runtime
+        bucket counts (completed) and attempts bucket counts (completed and failed), each a list
+        of per-bucket counts, then the +Inf count, then the sum (not cumulative).
 
-    def finished_metrics(self, runtime_buckets: Sequence[float], attempt_buckets: Sequence[float],
-                         window: float, limit: int) -> dict[str, dict[str, Any]]:
-        """Per task over recently finished jobs: runtime histogram (completed) and attempts
-        histogram (completed and failed), each over at most ``limit`` rows per status."""
-        # One bucket index per row and GROUP BY it: one CASE per row instead of one per bucket.
-        sums: dict[str, dict[str, list[float]]] = {}
+        One range of the (status, updated_at) index per status: the exporter walks forward
+        through what finished since its previous scrape, so the cost follows the work done.
+        """
+        j = self.t.jobs
+        sums: dict[tuple[str | None, str], dict[str, list[float]]] = {}
+        rt = sa.func.coalesce(j.c.completed_at - j.c.started_at, 0.0)
         with self.begin(long=True) as c:
-            since = self._now(c) - window
             for status in (COMPLETED, FAILED):
-                sub = self._recent(status, since, limit)
-                rt, attempts = sa.func.coalesce(sub.c.rt, 0.0), sub.c.attempt_count
-                rb, ab = _bucket(rt, runtime_buckets), _bucket(attempts, attempt_buckets)
-                q = (sa.select(sub.c.task_name, rb, ab, sa.func.count(), sa.func.sum(rt),
-                               sa.func.sum(attempts)).group_by(sub.c.task_name, rb, ab))
-                for task, r_ix, a_ix, n, rt_sum, a_sum in c.execute(q):
-                    entry = sums.setdefault(task, {})
+                # One bucket index per row and GROUP BY it: one CASE per row instead of one per bucket.
+                rb, ab = _bucket(rt, runtime_buckets), _bucket(j.c.attempt_count, attempt_buckets)
+                q = (sa.select(j.c.queue_name, j.c.task_name, rb, ab, sa.func.count(), sa.func.sum(rt),
+                               sa.func.sum(j.c.attempt_count))
+                     .where(j.c.status == status, j.c.updated_at > since, j.c.updated_at <= until)
+                     .group_by(j.c.queue_name, j.c.task_name, rb, ab))
+                for queue, task, r_ix, a_ix, n, rt_sum, a_sum in c.execute(q):
+                    entry = sums.setdefault((queue, task), {})
                     if status == COMPLETED:
                         runtime = entry.setdefault("runtime", [0.0] * (len(runtime_buckets) + 2))
                         runtime[int(r_ix)] += int(n)
@@ -219,8 +220,7 @@ class ReportStatements(StoreBase):
                     tries = entry.setdefault("attempts", [0.0] * (len(attempt_buckets) + 2))
                     tries[int(a_ix)] += int(n)
                     tries[-1] += float(a_sum or 0)
-        return {task: {kind: _cumulative(values) for kind, values in entry.items()}
-                for task, entry in sums.items()}
+        return sums
 
     # -- tuning ---------------------------------------------------------------
     def finished_tasks(self, limit: int = 10_000) -> list[str]:
@@ -334,7 +334,10 @@ class ReportStatements(StoreBase):
         j, w, e, lk = self.t.jobs, self.t.workers, self.t.effects, self.t.locks
         with self.begin(long=True) as c:
             existing = set(sa.inspect(c).get_table_names())
-        missing = [t.name for t in self.t.metadata.sorted_tables if t.name not in existing]
+        # The previous revision has no reaper_runs or meta table: this code runs against it too.
+        newer = () if self.at_least(RUNS_REVISION) else (self.t.reaper_runs.name, self.t.meta.name)
+        missing = [t.name for t in self.t.metadata.sorted_tables
+                   if t.name not in existing and t.name not in newer]
         if missing:
             return {"missing_tables": missing}
         usage = sa.select(

@@ -31,6 +31,8 @@ class Tables:
     effects: sa.Table
     locks: sa.Table
     idempotency_keys: sa.Table
+    reaper_runs: sa.Table
+    meta: sa.Table
 
 
 def _key() -> sa.types.TypeEngine:
@@ -104,6 +106,10 @@ def tables(prefix: str = "celery_lease_") -> Tables:
         sa.Column("token", sa.String(16), nullable=True),
         _time("at", nullable=False),
         sa.Column("detail", sa.Text(), nullable=True),
+        # The job's queue and task when the event was written (revision 0004), so counters
+        # are labelled without a join; NULL where the writer did not know the job.
+        sa.Column("queue_name", sa.String(ID), nullable=True),
+        sa.Column("task_name", sa.String(ID), nullable=True),
     )
     sa.Index(f"{p}events_job_ix", events.c.job_id, events.c.id)
     sa.Index(f"{p}events_at_ix", events.c.at)
@@ -143,5 +149,24 @@ def tables(prefix: str = "celery_lease_") -> Tables:
         _time("created_at", nullable=False),
     )
     sa.Index(f"{p}idempotency_keys_created_ix", keys.c.created_at)
-    return Tables(md, jobs, events, workers, effects, locks, keys)
+    # Each reaper run that did its work (revision 0004): its liveness, whichever scheduler runs it.
+    runs = sa.Table(
+        f"{p}reaper_runs", md,
+        sa.Column("id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), primary_key=True,
+                  autoincrement=True),
+        _time("started_at", nullable=False),
+        _time("finished_at", nullable=False),
+        sa.Column("duration", sa.Double(), nullable=False),
+        sa.Column("worker", sa.String(ID), nullable=True),
+        sa.Column("counts", sa.Text(), nullable=True),
+    )
+    sa.Index(f"{p}reaper_runs_finished_ix", runs.c.finished_at)
+    # Small facts kept by key (revision 0004), such as the exporter's last scrape.
+    meta = sa.Table(
+        f"{p}meta", md,
+        sa.Column("key", sa.String(64), primary_key=True),
+        sa.Column("value", sa.Text(), nullable=True),
+        _time("updated_at", nullable=False),
+    )
+    return Tables(md, jobs, events, workers, effects, locks, keys, runs, meta)
 

@@ -24,7 +24,7 @@ class WorkerStatements(StoreBase):
         values = dict(worker_id=worker_id, hostname=hostname, pid=pid, started_at=self.now_sql,
                       last_seen_at=self.now_sql)
         # The previous schema revision has no pool columns; this code runs against it too.
-        if self.worker_pool is not None and (self.revision or "") >= POOL_REVISION:
+        if self.worker_pool is not None and self.at_least(POOL_REVISION):
             values.update(pool=self.worker_pool[0][:32], concurrency=self.worker_pool[1])
         return self.dialect.upsert(self.t.workers, values, update=("last_seen_at",))
 

@@ -16,6 +16,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from celery_lease.metrics import metric_names
+from celery_lease.reaper import Reaper
 from celery_lease.store import Store
 from tests.apps import ops_app
 from tests.conftest import require_service, service_url, unique_prefix
@@ -84,14 +86,54 @@ def test_exporter_serves_the_store_over_http(exporter):
     assert got["celery_lease_running_expired_jobs"][quick] == 4
     assert got["celery_lease_pending_jobs"][(("queue", "reports"),)] == 1
     assert got["celery_lease_workers_alive"][()] == 1
-    assert got["celery_lease_task_runtime_seconds_bucket"][(("le", "+Inf"), ("task", "ops.slow"))] == 20
     assert got["celery_lease_store_up"][()] == 1
-    assert got["celery_lease_reaped_total"][()] == 0  # counted from the exporter's start
+    assert "celery_lease_reaped_total" not in got  # counted from the exporter's start
+    assert got["celery_lease_reaper_last_run_timestamp_seconds"][()] == 0  # no run recorded yet
+
+
+def consistent(got: dict, name: str) -> int:
+    """Check a histogram's series (+Inf bucket == _count, buckets never decrease, _sum there); count them."""
+    for labels, count in got[f"{name}_count"].items():
+        assert labels in got[f"{name}_sum"], (name, labels)
+        buckets = sorted((float(dict(lb)["le"]), v) for lb, v in got[f"{name}_bucket"].items()
+                         if tuple(kv for kv in lb if kv[0] != "le") == labels)
+        assert [v for _, v in buckets] == sorted(v for _, v in buckets), (name, labels)
+        assert buckets[-1] == (float("inf"), count), (name, labels)
+    return len(got[f"{name}_count"])
+
+
+def test_a_real_reaper_run_shows_as_counters_by_queue_and_task_and_consistent_histograms(exporter):
+    port, store, _, _ = exporter
+    app = ops_app.build(store.url, store.prefix, "memory://")
+    assert Reaper(app, store).run_once().reaped == 3
+    for i in range(3):
+        store.record(f"after-{i}", "ops.quick", "celery", None, 3)
+        token = ops_app._claim(store, f"after-{i}", "ops.quick", "celery", ops_app.ALIVE)
+        store.complete(f"after-{i}", token)
+    # The exporter counts rows older than its lag (5 s): poll its own scrapes until they show.
+    key = (("queue", "celery"), ("task", "ops.quick"))
+
+    def counted() -> dict | None:
+        got = families(scrape(port) or "")
+        done = (got.get("celery_lease_reaped_total", {}).get(key) == 3
+                and got.get("celery_lease_task_runtime_seconds_count", {}).get(key) == 3)
+        return got if done else None
+
+    got = wait_for(counted, timeout=30, interval=0.5, message="reaper run and completions counted")
+    assert got["celery_lease_reaped_total"][key] == 3
+    assert got["celery_lease_task_runtime_seconds_count"][key] == 3
+    assert got["celery_lease_task_attempts_count"][key] == 3
+    assert got["celery_lease_reaper_last_run_timestamp_seconds"][()] > 0
+    for name in ("celery_lease_task_runtime_seconds", "celery_lease_task_attempts",
+                 "celery_lease_heartbeat_lag_seconds"):
+        assert consistent(got, name) >= 1, name
+    assert store.meta_age("exporter_last_scrape")[0] < 30  # each scrape is noted in the store
 
 
 def test_every_metric_the_alert_rules_use_is_scraped(exporter):
     port, _, _, _ = exporter
-    scraped = set(families(scrape(port)))
+    # Every name the families expose, with or without samples now (counters count from the start).
+    scraped = metric_names(text_string_to_metric_families(scrape(port)))
     rules = [r for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"]]
     used = {name for r in rules for name in re.findall(r"\bcelery_lease_[a-z0-9_]+\b", r["expr"])}
     assert len(used) >= 10

@@ -14,7 +14,6 @@ import sqlalchemy as sa
 from celery import Celery
 
 from celery_lease import LeaseTask
-from celery_lease import checklist as checklist_module
 from celery_lease.checks import Context, Finding, percentile, run_checks
 from celery_lease.config import app_config
 from celery_lease.store import ClaimTerms, Store
@@ -22,7 +21,8 @@ from tests.conftest import unique_prefix
 
 REDIS = "redis://127.0.0.1:6379/9"  # never connected to: the checks read the URL and options
 AMQP = "amqp://guest:guest@127.0.0.1:5672//"
-REAPER = {"lease-reaper": {"task": "celery_lease.reap", "schedule": 15.0}}
+REAPER = {"lease-reaper": {"task": "celery_lease.reap", "schedule": 15.0,
+                           "options": {"queue": "lease-maintenance", "expires": 10.0}}}
 VT = "broker_transport_options['visibility_timeout']"
 BASE_CONF = dict(task_acks_late=True, worker_prefetch_multiplier=1, beat_schedule=REAPER)
 
@@ -80,10 +80,12 @@ def sqlite_store(tmp_path):
 
 
 def baseline_store(store: Store) -> Store:
-    """Measured runs with idempotency keys, and one recovery seen."""
+    """Measured runs with idempotency keys, one recovery seen, a reaper run and a scrape recorded."""
     run_job(store)
     store.event(None, "lease_taken_over", "test")
     store.touch_worker("w1@host:1", "w1@host", 1)
+    store.record_reaper_run(0.1, {"reaped": 0}, "reaper@host:1", keep=10)
+    store.set_meta("exporter_last_scrape", "host:1")
     return store
 
 
@@ -302,16 +304,82 @@ def test_a_migrated_store_reports_its_revision(sqlite_store):
     assert f"revision {migrations.head()}" in ok.why
 
 
-def test_dashboards_warn_without_the_prometheus_client(sqlite_store, monkeypatch):
-    monkeypatch.setattr(checklist_module, "metrics_installed", lambda: False)
-    (finding,) = problems(run_checks(make_app(), baseline_store(sqlite_store)))
+def test_dashboards_warn_until_an_exporter_scrape_is_recorded(sqlite_store):
+    run_job(sqlite_store)
+    sqlite_store.event(None, "lease_taken_over", "test")
+    sqlite_store.record_reaper_run(0.1, {}, "reaper@host:1", keep=10)
+    (finding,) = problems(run_checks(make_app(), sqlite_store))
     assert (finding.level, finding.code) == ("warning", "dashboards")
-    assert finding.values == {"prometheus_client": False}
+    assert finding.values == {"last_scrape_age": None, "exporter": None}
     assert finding.fix.startswith("pip install celery-lease[metrics]")
+
+
+def test_dashboards_warn_when_the_last_scrape_is_old(sqlite_store):
+    store = baseline_store(sqlite_store)
+    m = store.t.meta
+    with store.begin() as c:
+        c.execute(sa.update(m).values(updated_at=m.c.updated_at - 3600))
+    (finding,) = problems(run_checks(make_app(), store))
+    assert (finding.level, finding.code) == ("warning", "dashboards")
+    assert finding.values["last_scrape_age"] >= 3600
+
+
+def test_a_scheduled_reaper_never_seen_running_says_so(sqlite_store):
+    run_job(sqlite_store)
+    sqlite_store.event(None, "lease_taken_over", "test")
+    sqlite_store.set_meta("exporter_last_scrape", "host:1")
+    (finding,) = problems(run_checks(make_app(), sqlite_store))
+    assert (finding.level, finding.code) == ("warning", "reaper_running")
+    assert finding.values == {"last_run": None, "interval": 15.0}
+
+
+def test_a_reaper_that_missed_three_intervals_is_an_error(sqlite_store):
+    store = baseline_store(sqlite_store)
+    r = store.t.reaper_runs
+    with store.begin() as c:
+        c.execute(sa.update(r).values(finished_at=r.c.finished_at - 50))
+    (finding,) = problems(run_checks(make_app(), store))
+    assert (finding.level, finding.code) == ("error", "reaper_running")
+    assert finding.values["last_run_age"] >= 50 and finding.values["interval"] == 15.0
+    assert finding.values["worker"] == "reaper@host:1"
+
+
+def test_a_recent_reaper_run_is_ok(sqlite_store):
+    findings = run_checks(make_app(), baseline_store(sqlite_store))
+    (finding,) = [f for f in findings if f.code == "reaper_running"]
+    assert finding.level == "ok" and finding.values["last_run_age"] < 30
+
+
+@pytest.mark.parametrize("options", [{}, {"queue": "celery", "expires": 10.0}, {"queue": "lease-maintenance"},
+                                     {"queue": "lease-maintenance", "expires": 20.0}],
+                         ids=["no-options", "work-queue", "no-expires", "expires-after-interval"])
+def test_a_reaper_on_a_work_queue_or_without_expires_is_flagged(sqlite_store, options):
+    beat = {"lease-reaper": {"task": "celery_lease.reap", "schedule": 15.0, "options": options}}
+    (finding,) = problems(run_checks(make_app(beat_schedule=beat), baseline_store(sqlite_store)))
+    assert (finding.level, finding.code) == ("warning", "reaper_routing")
+    assert "lease-maintenance" in finding.fix and "expires" in finding.fix
+
+
+def test_reaper_and_scrape_features_need_migrate_on_the_previous_revision(tmp_path):
+    from celery_lease.store import migrations
+
+    store = Store(f"sqlite:///{tmp_path / 'old.sqlite3'}", unique_prefix())
+    store.migrate(to=migrations.supported()[0])
+    run_job(store)
+    store.event(None, "lease_taken_over", "test")
+    assert store.record_reaper_run(0.1, {}, "reaper@host:1", keep=10) is False
+    assert store.set_meta("exporter_last_scrape", "host:1") is False
+    found = problems(run_checks(make_app(), store))
+    assert sorted((f.level, f.code) for f in found) == [("warning", "dashboards"),
+                                                        ("warning", "reaper_running")]
+    assert all("needs migrate" in f.why for f in found)
+    store.engine.dispose()
 
 
 def test_crash_tests_warn_until_a_recovery_is_recorded(sqlite_store):
     run_job(sqlite_store)
+    sqlite_store.record_reaper_run(0.1, {}, "reaper@host:1", keep=10)
+    sqlite_store.set_meta("exporter_last_scrape", "host:1")
     (finding,) = problems(run_checks(make_app(), sqlite_store))
     assert (finding.level, finding.code) == ("warning", "crash_tested")
     assert finding.values == {"recoveries": dict.fromkeys(

@@ -129,9 +129,9 @@ def test_migrate_to_an_older_revision_rolls_back_and_forward(tmp_path, monkeypat
     assert run(celery, ["-A", "tests.apps.ops_app", "lease", "migrate"]).exit_code == 0
     down = run(celery, ["-A", "tests.apps.ops_app", "lease", "migrate", "--to", "0001"])
     assert down.exit_code == 0, down.output
-    assert "downgraded revision 0003 -> 0001" in down.output
+    assert "downgraded revision 0004 -> 0001" in down.output
     up = run(celery, ["-A", "tests.apps.ops_app", "lease", "migrate"])
-    assert "upgraded revision 0001 -> 0003" in up.output, up.output
+    assert "upgraded revision 0001 -> 0004" in up.output, up.output
 
 
 def test_migrate_creates_the_tables_of_a_new_store(tmp_path, monkeypatch):
@@ -140,7 +140,7 @@ def test_migrate_creates_the_tables_of_a_new_store(tmp_path, monkeypatch):
     monkeypatch.setenv("OPS_BROKER", "memory://")
     result = CliRunner().invoke(celery, ["-A", "tests.apps.ops_app", "lease", "migrate"])
     assert result.exit_code == 0, result.output
-    assert "created the schema at revision 0003" in result.output
+    assert "created the schema at revision 0004" in result.output
 
 
 # -- status -----------------------------------------------------------------------------
@@ -154,6 +154,14 @@ def test_status_table_shows_queues_expired_leases_workers_and_the_last_hour(ro):
     assert "1 alive, 1 stale" in out
     assert "reaped expired lease 2" in out and "duplicate delivery skipped 1" in out
     assert "stale writes rejected 1" in out
+    assert "reaper         no run recorded (not scheduled)" in out
+
+
+def test_status_shows_the_reapers_last_run(rw):
+    rw.store.record_reaper_run(0.25, {"reaped": 1}, "reaper@host:7", keep=10)
+    report = rw.json("status")["reaper"]
+    assert report["last_run"]["worker"] == "reaper@host:7" and 0 <= report["last_run"]["age"] < 30
+    assert "on reaper@host:7, took 0.25s (not scheduled)" in rw.run("status").output
 
 
 def test_status_json_has_every_figure(ro):

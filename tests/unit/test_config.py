@@ -43,6 +43,7 @@ BAD_VALUES = {
     "lease_queue_policies": [("reports", {"lease_duration": 600})],
     "lease_extend_visibility": 1,
     "lease_rabbitmq_consumer_timeout": 0,
+    "lease_runbook_base_url": "wiki/celery-lease#playbook",
     "lease_lock_ttl": 0,
     "lease_lock_timeout": -1,
 }

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shutil
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,13 +18,16 @@ import sqlalchemy as sa
 import yaml
 from prometheus_client import CollectorRegistry
 
-from celery_lease.metrics import WINDOW, LeaseCollector
+from celery_lease.config import RUNBOOK_BASE_URL
+from celery_lease.contrib.prometheus import rules as render_rules
+from celery_lease.metrics import LeaseCollector, metric_names
 from celery_lease.store import Store
 from tests.apps import ops_app
 from tests.conftest import require_service, service_url, unique_prefix
 
 ROOT = Path(__file__).resolve().parents[2]
 ALERTS = ROOT / "celery_lease" / "contrib" / "prometheus" / "alerts.yml"
+DASHBOARD = ROOT / "celery_lease" / "contrib" / "grafana" / "celery_lease.json"
 PLAYBOOK = ROOT / "README.md"
 METRIC = re.compile(r"\bcelery_lease_[a-z0-9_]+\b")
 
@@ -67,17 +73,21 @@ def test_running_jobs_expired_leases_and_oldest_age_per_queue_and_task(scene):
     assert 104 <= value(scrape, "celery_lease_heartbeat_lag_max_seconds", **quick) < 130
 
 
-def test_heartbeat_lag_histogram_counts_running_jobs_per_bucket(scene):
+def test_heartbeat_lag_histogram_counts_each_running_job_once_per_scrape(scene):
     app, store, _ = scene
-    scrape = samples(LeaseCollector(app, store))
+    collector = LeaseCollector(app, store)
+    scrape = samples(collector)
     quick = {"queue": "celery", "task": "ops.quick"}
     bucket = "celery_lease_heartbeat_lag_seconds_bucket"
     assert value(scrape, bucket, le="5.0", **quick) == 0
     assert value(scrape, bucket, le="60.0", **quick) == 1  # alive-expired, 7 s behind
     assert value(scrape, bucket, le="120.0", **quick) == 4  # and the three abandoned ones
     assert value(scrape, bucket, le="+Inf", **quick) == 4
-    assert value(scrape, "celery_lease_heartbeat_lag_seconds_gcount", **quick) == 4
+    assert value(scrape, "celery_lease_heartbeat_lag_seconds_count", **quick) == 4
+    assert 300 < value(scrape, "celery_lease_heartbeat_lag_seconds_sum", **quick) < 400
     assert value(scrape, bucket, le="5.0", queue="reports", task="ops.slow") == 2
+    again = samples(collector)
+    assert value(again, "celery_lease_heartbeat_lag_seconds_count", **quick) == 8  # cumulative
 
 
 def test_pending_depth_and_oldest_due_age_per_queue(scene):
@@ -97,59 +107,151 @@ def test_workers_alive_and_stale(scene):
 
 
 # -- histograms of finished jobs -----------------------------------------------------
-def test_runtime_and_attempts_histograms_per_task(scene):
-    app, store, _ = scene
-    scrape = samples(LeaseCollector(app, store))
-    runtime = "celery_lease_task_runtime_seconds_bucket"
-    assert value(scrape, runtime, le="1.0", task="ops.quick") == 10
-    assert value(scrape, runtime, le="2.5", task="ops.quick") == 25
-    assert value(scrape, runtime, le="+Inf", task="ops.quick") == 40
-    assert value(scrape, "celery_lease_task_runtime_seconds_gsum", task="ops.quick") == pytest.approx(82.0)
-    assert value(scrape, runtime, le="10.0", task="ops.slow") == 1
-    assert value(scrape, runtime, le="30.0", task="ops.slow") == 20
-    attempts = "celery_lease_attempts_bucket"
-    assert value(scrape, attempts, le="1.0", task="ops.slow") == 16
-    assert value(scrape, attempts, le="2.0", task="ops.slow") == 20
-    assert value(scrape, attempts, le="+Inf", task="ops.fails") == 2  # failed jobs count too
+def finish(store: Store, task: str, runtimes: list[float], attempts: int = 1, fail: bool = False) -> None:
+    """Jobs of ``task`` on ``celery`` that finish now after the given runtimes."""
+    for runtime in runtimes:
+        job_id = f"later-{task}-{uuid.uuid4().hex[:8]}"
+        store.record(job_id, task, "celery", None, 3)
+        token = ops_app._claim(store, job_id, task, "celery", ops_app.ALIVE)
+        if fail:
+            store.fail(job_id, token, "ValueError: boom", ops_app.ALIVE)
+        else:
+            store.complete(job_id, token, ops_app.ALIVE)
+        done = store.get(job_id).updated_at
+        ops_app._set(store, job_id, started_at=done - runtime, attempt_count=attempts)
 
 
-def test_finished_histograms_cover_the_recent_window_only(scene):
-    app, store, ids = scene
-    j = store.t.jobs
-    slow = [job_id for job_id in ids["completed"] if "ops.slow" in job_id]
-    with store.begin() as c:
-        c.execute(sa.update(j).where(j.c.id.in_(slow)).values(updated_at=store.now_sql - 2 * WINDOW))
-    scrape = samples(LeaseCollector(app, store))
-    assert ("celery_lease_task_runtime_seconds_bucket", (("le", "+Inf"), ("task", "ops.slow"))) not in scrape
-    assert value(scrape, "celery_lease_task_runtime_seconds_gcount", task="ops.quick") == 40
-
-
-def test_finished_histograms_read_at_most_the_row_limit(scene):
-    app, store, _ = scene
-    scrape = samples(LeaseCollector(app, store, limit=10))
-    counts = [v for (name, _), v in scrape.items() if name == "celery_lease_task_runtime_seconds_gcount"]
-    assert sum(counts) == 10
-
-
-# -- counters from the audit log ----------------------------------------------------------
-def test_event_counters_count_each_new_event_once(scene):
+def test_runtime_and_attempts_histograms_count_what_finished_since_the_exporter_started(scene):
     app, store, _ = scene
     collector = LeaseCollector(app, store, event_lag=0.0)
     first = samples(collector)
-    assert value(first, "celery_lease_reaped_total") == 0  # history before the exporter started
+    assert not any(name.startswith("celery_lease_task_runtime") for name, _ in first)  # history
+    finish(store, "ops.quick", [0.2, 0.7, 2.0, 4.0])
+    finish(store, "ops.slow", [20.0, 25.0], attempts=2)
+    finish(store, "ops.fails", [1.0], attempts=3, fail=True)
+    second = samples(collector)
+    quick, slow = {"queue": "celery", "task": "ops.quick"}, {"queue": "celery", "task": "ops.slow"}
+    runtime = "celery_lease_task_runtime_seconds_bucket"
+    assert value(second, runtime, le="0.25", **quick) == 1
+    assert value(second, runtime, le="1.0", **quick) == 2
+    assert value(second, runtime, le="5.0", **quick) == 4
+    assert value(second, runtime, le="+Inf", **quick) == 4
+    assert value(second, "celery_lease_task_runtime_seconds_count", **quick) == 4
+    assert value(second, "celery_lease_task_runtime_seconds_sum", **quick) == pytest.approx(6.9, abs=0.01)
+    assert value(second, runtime, le="10.0", **slow) == 0 and value(second, runtime, le="30.0", **slow) == 2
+    attempts = "celery_lease_task_attempts_bucket"
+    assert value(second, attempts, le="1.0", **slow) == 0 and value(second, attempts, le="2.0", **slow) == 2
+    assert value(second, attempts, le="3.0", queue="celery", task="ops.fails") == 1  # failed jobs count
+    fails = ("celery_lease_task_runtime_seconds_count", (("queue", "celery"), ("task", "ops.fails")))
+    assert fails not in second  # a failure has no runtime
+    third = samples(collector)  # nothing new finished: the same totals, not counted twice
+    assert value(third, "celery_lease_task_runtime_seconds_count", **quick) == 4
+    finish(store, "ops.quick", [0.1])
+    assert value(samples(collector), "celery_lease_task_runtime_seconds_count", **quick) == 5
+
+
+def test_histograms_are_cumulative_and_consistent(scene):
+    app, store, _ = scene
+    collector = LeaseCollector(app, store, event_lag=0.0)
+    samples(collector)
+    finish(store, "ops.quick", [0.1 * i for i in range(1, 30)])
+    scrape = samples(collector)
+    for name in ("celery_lease_task_runtime_seconds", "celery_lease_task_attempts",
+                 "celery_lease_heartbeat_lag_seconds"):
+        series = {labels for (sample, labels) in scrape if sample == f"{name}_count"}
+        assert series, name
+        for labels in series:
+            buckets = sorted((float(dict(lb)["le"]), v) for (sample, lb), v in scrape.items()
+                             if sample == f"{name}_bucket"
+                             and tuple(kv for kv in lb if kv[0] != "le") == labels)
+            counts = [v for _, v in buckets]
+            assert counts == sorted(counts), (name, labels)  # cumulative: never decreasing
+            assert counts[-1] == scrape[(f"{name}_count", labels)]  # +Inf bucket == _count
+            assert (f"{name}_sum", labels) in scrape
+
+
+# -- counters from the audit log ----------------------------------------------------------
+def test_event_counters_count_each_new_event_once_by_queue_and_task(scene):
+    app, store, _ = scene
+    collector = LeaseCollector(app, store, event_lag=0.0)
+    first = samples(collector)
+    assert not any(name == "celery_lease_reaped_total" for name, _ in first)  # history before the start
     for _ in range(3):
         store.event("abandoned-0", "reaped_expired_lease", "lease expired")
     store.event("live-0", "stale_effect_rejected", "lock token no longer matches")
     store.event("failed-0", "failed", "ValueError: boom")
     store.event("pending-0", "redispatched", "message lost")
+    store.event(None, "duplicate_delivery_skipped", "no job known to the writer")
     second = samples(collector)
-    assert value(second, "celery_lease_reaped_total") == 3
-    assert value(second, "celery_lease_stale_writes_rejected_total", write="effect") == 1
-    assert value(second, "celery_lease_stale_writes_rejected_total", write="completion") == 0
-    assert value(second, "celery_lease_dead_lettered_total", cause="task_failure") == 1
-    assert value(second, "celery_lease_redispatched_total") == 1
+    quick = {"queue": "celery", "task": "ops.quick"}
+    assert value(second, "celery_lease_reaped_total", **quick) == 3
+    assert value(second, "celery_lease_stale_writes_rejected_total", queue="reports", task="ops.slow",
+                 write="effect") == 1
+    assert value(second, "celery_lease_dead_lettered_total", queue="celery", task="ops.fails",
+                 cause="task_failure") == 1
+    assert value(second, "celery_lease_redispatched_total", **quick) == 1
+    assert value(second, "celery_lease_duplicate_deliveries_skipped_total", queue="unknown",
+                 task="unknown") == 1
     third = samples(collector)
-    assert value(third, "celery_lease_reaped_total") == 3
+    assert value(third, "celery_lease_reaped_total", **quick) == 3
+
+
+def test_label_pairs_are_capped_per_metric_and_the_rest_counted_as_other(scene):
+    app, store, _ = scene
+    collector = LeaseCollector(app, store, event_lag=0.0, max_series=1)
+    samples(collector)
+    store.event("abandoned-0", "reaped_expired_lease", "lease expired")
+    samples(collector)  # ops.quick on celery is the first pair seen: it keeps its labels
+    store.event("live-0", "reaped_expired_lease", "lease expired")
+    store.event("failed-0", "reaped_expired_lease", "lease expired")
+    scrape = samples(collector)
+    reaped = {labels: v for (name, labels), v in scrape.items() if name == "celery_lease_reaped_total"}
+    assert reaped == {(("queue", "celery"), ("task", "ops.quick")): 1,
+                      (("queue", "other"), ("task", "other")): 2}
+
+
+def test_a_real_reaper_run_is_counted_by_queue_and_task_and_its_time_exported(scene):
+    from celery_lease.reaper import Reaper
+
+    app, store, _ = scene
+    collector = LeaseCollector(app, store, event_lag=0.0)
+    before = samples(collector)
+    assert value(before, "celery_lease_reaper_last_run_timestamp_seconds") == 0  # none recorded
+    result = Reaper(app, store).run_once()
+    assert result.reaped == 3, result
+    after = samples(collector)
+    assert value(after, "celery_lease_reaped_total", queue="celery", task="ops.quick") == 3
+    last = value(after, "celery_lease_reaper_last_run_timestamp_seconds")
+    assert last == pytest.approx(store.now(), abs=30)
+    assert value(after, "celery_lease_reaper_last_run_duration_seconds") >= 0
+
+
+def test_a_store_at_the_previous_revision_is_scraped_without_the_new_features(tmp_path):
+    from celery_lease.store import migrations
+
+    url = f"sqlite:///{tmp_path / 'old.sqlite3'}"
+    app = ops_app.build(url, unique_prefix(), "memory://")
+    store = Store(url, app.conf.lease_table_prefix)
+    store.migrate(to=migrations.supported()[0])
+    assert store.ensure_schema() == migrations.supported()[0] < migrations.head()
+    ops_app.populate(store)
+    collector = LeaseCollector(app, store, event_lag=0.0)
+    samples(collector)
+    store.event("abandoned-0", "reaped_expired_lease", "lease expired")
+    scrape = samples(collector)
+    assert value(scrape, "celery_lease_store_up") == 1
+    assert value(scrape, "celery_lease_reaped_total", queue="unknown", task="unknown") == 1
+    assert not any(name.startswith("celery_lease_reaper_last_run") for name, _ in scrape)  # needs migrate
+    assert store.meta_age("exporter_last_scrape") is None
+    store.engine.dispose()
+
+
+def test_each_scrape_is_noted_in_the_store(scene):
+    app, store, _ = scene
+    assert store.meta_age("exporter_last_scrape") == (None, None)
+    samples(LeaseCollector(app, store))
+    age, exporter = store.meta_age("exporter_last_scrape")
+    assert 0 <= age < 30 and exporter.endswith(f":{os.getpid()}")
 
 
 def test_event_counters_wait_for_the_lag(scene):
@@ -157,7 +259,7 @@ def test_event_counters_wait_for_the_lag(scene):
     collector = LeaseCollector(app, store, event_lag=3600.0)
     samples(collector)
     store.event("abandoned-0", "reaped_expired_lease", "lease expired")
-    assert value(samples(collector), "celery_lease_reaped_total") == 0
+    assert not any(name == "celery_lease_reaped_total" for name, _ in samples(collector))
 
 
 # -- the exporter's own health ---------------------------------------------------------
@@ -230,31 +332,70 @@ def anchors(markdown: str) -> set[str]:
     return {slug(line.lstrip("#")) for line in markdown.splitlines() if line.startswith("#")}
 
 
-def test_every_alert_has_an_expression_a_severity_and_a_runbook_step():
+def test_every_alert_has_an_expression_a_severity_and_an_absolute_runbook_url():
     found = rules()
     assert {r["alert"] for r in found} >= {
         "CeleryLeaseHeartbeatLag", "CeleryLeaseOldestRunningAboveP99", "CeleryLeaseReaperBusy",
         "CeleryLeaseDuplicateDeliveriesRising", "CeleryLeaseStaleWritesRejected",
-        "CeleryLeasePendingPilingUp", "CeleryLeaseDeadLetters"}
+        "CeleryLeasePendingPilingUp", "CeleryLeaseDeadLetters", "CeleryLeaseReaperNotRunning",
+        "CeleryLeaseExporterDown"}
     playbook = anchors(PLAYBOOK.read_text())
-    readme = ROOT / "README.md"
-    merged = readme.exists() and "## Operator's playbook" in readme.read_text()
     for rule in found:
         assert rule["expr"].strip() and rule["labels"]["severity"] in ("warning", "critical"), rule["alert"]
         assert rule["annotations"]["summary"] and rule["annotations"]["description"], rule["alert"]
-        page, _, anchor = rule["annotations"]["runbook"].partition("#")
-        assert page == "README.md" and anchor in playbook, (rule["alert"], anchor)
-        if merged:
-            assert anchor in anchors(readme.read_text()), (rule["alert"], anchor)
+        page, _, anchor = rule["annotations"]["runbook_url"].partition("#")
+        assert page == RUNBOOK_BASE_URL and anchor in playbook, (rule["alert"], anchor)
+
+
+def test_runbook_urls_follow_the_configured_base():
+    app = ops_app.build("sqlite://", unique_prefix(), "memory://")
+    app.conf.lease_runbook_base_url = "https://wiki.example.org/ops/celery-lease"
+    from celery_lease.contrib.prometheus import alert_rules
+
+    rendered = [r for g in yaml.safe_load(alert_rules(app))["groups"] for r in g["rules"]]
+    assert [r["annotations"]["runbook_url"].partition("#")[2] for r in rendered] == [
+        r["annotations"]["runbook_url"].partition("#")[2] for r in rules()]
+    assert all(r["annotations"]["runbook_url"].startswith("https://wiki.example.org/ops/celery-lease#")
+               for r in rendered)
+    assert render_rules() == ALERTS.read_text()
+
+
+def test_the_exporter_going_away_is_an_alert_of_its_own():
+    (rule,) = [r for r in rules() if r["alert"] == "CeleryLeaseExporterDown"]
+    assert rule["expr"].strip().startswith("absent(")
+
+
+def exported_names(app: Any, store: Store) -> set[str]:
+    """Every sample name the collector can emit, whether or not it holds a sample now."""
+    collector = LeaseCollector(app, store)
+    return metric_names(collector.describe()) | {name for name, _ in samples(collector)}
 
 
 def test_alert_expressions_name_only_metrics_the_collector_exports(scene):
     app, store, _ = scene
-    exported = {name for name, _ in samples(LeaseCollector(app, store))}
+    exported = exported_names(app, store)
     for rule in rules():
         used = set(METRIC.findall(rule["expr"]))
         assert used, rule["alert"]
         assert used <= exported, (rule["alert"], used - exported)
+
+
+def test_every_grafana_panel_queries_only_metrics_the_collector_exports(scene):
+    app, store, _ = scene
+    exported = exported_names(app, store)
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert dashboard["panels"]
+    for panel in dashboard["panels"]:
+        exprs = [t["expr"] for t in panel["targets"]]
+        assert exprs, panel["title"]
+        for expr in exprs:
+            used = set(METRIC.findall(expr))
+            assert used, (panel["title"], expr)
+            assert used <= exported, (panel["title"], used - exported)
+
+
+def test_the_grafana_dashboard_ships_as_package_data():
+    assert "contrib/grafana/*.json" in (ROOT / "setup.cfg").read_text()
 
 
 PROMTOOL = shutil.which("promtool")
@@ -275,21 +416,25 @@ tests:
     input_series:
       - {series: 'celery_lease_running_expired_jobs{queue="celery",task="ops.quick"}', values: '1x20'}
       - {series: 'celery_lease_running_expired_jobs{queue="celery",task="ops.slow"}', values: '1 1 0x20'}
-      - {series: 'celery_lease_heartbeat_lag_seconds_gcount{queue="celery",task="ops.quick"}', values: '3x20'}
-      - {series: 'celery_lease_heartbeat_lag_seconds_bucket{le="30.0",queue="celery",task="ops.quick"}',
-         values: '1x20'}
-      - {series: 'celery_lease_heartbeat_lag_seconds_gcount{queue="q3",task="t3"}', values: '2x20'}
-      - {series: 'celery_lease_heartbeat_lag_seconds_bucket{le="30",queue="q3",task="t3"}', values: '2x20'}
+      - {series: 'celery_lease_heartbeat_lag_max_seconds{queue="celery",task="ops.quick"}', values: '90x20'}
+      - {series: 'celery_lease_heartbeat_lag_max_seconds{queue="q3",task="t3"}', values: '12x20'}
       - {series: 'celery_lease_oldest_running_seconds{queue="celery",task="ops.slow"}', values: '600+60x20'}
       - {series: 'celery_lease_oldest_running_seconds{queue="celery",task="ops.quick"}', values: '30x20'}
-      - {series: 'celery_lease_task_runtime_seconds_bucket{le="10.0",task="ops.slow"}', values: '0x20'}
-      - {series: 'celery_lease_task_runtime_seconds_bucket{le="30.0",task="ops.slow"}', values: '20x20'}
-      - {series: 'celery_lease_task_runtime_seconds_bucket{le="+Inf",task="ops.slow"}', values: '20x20'}
-      - {series: 'celery_lease_task_runtime_seconds_bucket{le="1.0",task="ops.quick"}', values: '9x20'}
-      - {series: 'celery_lease_task_runtime_seconds_bucket{le="+Inf",task="ops.quick"}', values: '10x20'}
-      - {series: 'celery_lease_reaped_total', values: '0+30x20'}
-      - {series: 'celery_lease_dead_lettered_total{cause="task_failure"}', values: '0 0 2 2 2'}
-      - {series: 'celery_lease_stale_writes_rejected_total{write="completion"}', values: '0 0 1 1 1'}
+      - {series: 'celery_lease_task_runtime_seconds_bucket{le="10.0",queue="celery",task="ops.slow"}',
+         values: '0x20'}
+      - {series: 'celery_lease_task_runtime_seconds_bucket{le="30.0",queue="celery",task="ops.slow"}',
+         values: '0+20x20'}
+      - {series: 'celery_lease_task_runtime_seconds_bucket{le="+Inf",queue="celery",task="ops.slow"}',
+         values: '0+20x20'}
+      - {series: 'celery_lease_task_runtime_seconds_bucket{le="1.0",queue="celery",task="ops.quick"}',
+         values: '0+9x20'}
+      - {series: 'celery_lease_task_runtime_seconds_bucket{le="+Inf",queue="celery",task="ops.quick"}',
+         values: '0+10x20'}
+      - {series: 'celery_lease_reaped_total{queue="celery",task="ops.quick"}', values: '0+30x20'}
+      - {series: 'celery_lease_dead_lettered_total{cause="task_failure",queue="celery",task="ops.fails"}',
+         values: '0 0 2 2 2'}
+      - {series: 'celery_lease_stale_writes_rejected_total{write="completion",queue="celery",task="t"}',
+         values: '0 0 1 1 1'}
       - {series: 'celery_lease_store_up', values: '0x10'}
     alert_rule_test:
       - {eval_time: 7m, alertname: CeleryLeaseExpiredLeasesNotReaped, exp_alerts: [
@@ -298,7 +443,8 @@ tests:
           {exp_labels: {severity: warning, queue: celery, task: ops.quick}}]}
       - {eval_time: 12m, alertname: CeleryLeaseOldestRunningAboveP99, exp_alerts: [
           {exp_labels: {severity: warning, task: ops.slow}}]}
-      - {eval_time: 12m, alertname: CeleryLeaseReaperBusy, exp_alerts: [{exp_labels: {severity: warning}}]}
+      - {eval_time: 12m, alertname: CeleryLeaseReaperBusy, exp_alerts: [
+          {exp_labels: {severity: warning, queue: celery}}]}
       - {eval_time: 3m, alertname: CeleryLeaseDeadLetters, exp_alerts: [
           {exp_labels: {severity: warning, cause: task_failure}}]}
       - {eval_time: 3m, alertname: CeleryLeaseStaleWritesRejected, exp_alerts: [
@@ -312,13 +458,14 @@ tests:
       - {series: 'celery_lease_oldest_pending_seconds{queue="celery"}', values: '10x40'}
       - {series: 'celery_lease_pending_jobs{queue="celery"}', values: '10+5x40'}
       - {series: 'celery_lease_workers_alive', values: '2x40'}
-      - {series: 'celery_lease_duplicate_deliveries_skipped_total', values: '0+5x40'}
+      - {series: 'celery_lease_duplicate_deliveries_skipped_total{queue="celery",task="ops.quick"}',
+         values: '0+5x40'}
       - {series: 'celery_lease_scrape_duration_seconds', values: '3x40'}
     alert_rule_test:
       - {eval_time: 30m, alertname: CeleryLeasePendingPilingUp, exp_alerts: [
           {exp_labels: {severity: warning, queue: reports}}]}
       - {eval_time: 25m, alertname: CeleryLeaseDuplicateDeliveriesRising, exp_alerts: [
-          {exp_labels: {severity: warning}}]}
+          {exp_labels: {severity: warning, queue: celery}}]}
       - {eval_time: 12m, alertname: CeleryLeaseScrapeSlow, exp_alerts: [{exp_labels: {severity: warning}}]}
   - interval: 1m
     input_series:
@@ -327,6 +474,24 @@ tests:
       - {series: 'celery_lease_workers_alive', values: '0x40'}
     alert_rule_test:
       - {eval_time: 30m, alertname: CeleryLeasePendingPilingUp, exp_alerts: []}
+  - interval: 1m
+    input_series:
+      # A reaper that ran every 15 s until minute 10 (epoch seconds of the test's clock), then stopped.
+      - {series: 'celery_lease_reaper_last_run_timestamp_seconds', values: '0+60x10 600x30'}
+      - {series: 'celery_lease_store_up', values: '1x10'}
+    alert_rule_test:
+      - {eval_time: 9m, alertname: CeleryLeaseReaperNotRunning, exp_alerts: []}
+      - {eval_time: 18m, alertname: CeleryLeaseReaperNotRunning, exp_alerts: [
+          {exp_labels: {severity: critical}}]}
+      - {eval_time: 8m, alertname: CeleryLeaseExporterDown, exp_alerts: []}
+      - {eval_time: 25m, alertname: CeleryLeaseExporterDown, exp_alerts: [
+          {exp_labels: {severity: critical}}]}
+  - interval: 1m
+    input_series:
+      - {series: 'celery_lease_reaper_last_run_timestamp_seconds', values: '0x20'}
+    alert_rule_test:
+      - {eval_time: 10m, alertname: CeleryLeaseReaperNotRunning, exp_alerts: [
+          {exp_labels: {severity: critical}}]}
 """
 
 

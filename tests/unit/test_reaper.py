@@ -687,3 +687,26 @@ def test_a_reaper_that_does_not_import_the_task_applies_the_policy_the_job_carri
     assert (result.reaped, result.dead_lettered) == (0, 1)
     assert store.get("parked").status == FAILED
     assert "lease_on_expired='dead_letter'" in store.get("parked").last_error
+
+
+# -- the reaper's own runs -----------------------------------------------------------
+def test_each_run_records_itself_with_its_counts_and_a_dry_run_does_not(app, store):
+    running(store, "job-rec")
+    Reaper(app).run_once(dry_run=True)
+    assert store.reaper_runs() == []
+    result = Reaper(app).run_once()
+    (run,) = store.reaper_runs()
+    assert run["counts"]["reaped"] == result.reaped == 1
+    assert run["worker"].startswith("reaper@") and run["duration"] >= 0
+    assert run["finished_at"] - run["started_at"] == pytest.approx(run["duration"], abs=1e-3)
+    now, last = store.last_reaper_run()
+    assert last["id"] == run["id"] and 0 <= now - last["finished_at"] < 30
+
+
+def test_old_runs_are_pruned_to_the_newest_kept(app, store, monkeypatch):
+    monkeypatch.setattr(reaper, "REAPER_RUNS_KEPT", 3)
+    for _ in range(5):
+        Reaper(app).run_once()
+    runs = store.reaper_runs(limit=10)
+    assert len(runs) == 3
+    assert [r["id"] for r in runs] == sorted((r["id"] for r in runs), reverse=True)

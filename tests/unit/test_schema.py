@@ -9,7 +9,7 @@ import sqlalchemy as sa
 from celery_lease import config
 from celery_lease.store import schema
 
-TABLES = ("jobs", "events", "workers", "effects", "locks", "idempotency_keys")
+TABLES = ("jobs", "events", "workers", "effects", "locks", "idempotency_keys", "reaper_runs", "meta")
 
 
 def prefixed_tables(engine: sa.Engine, prefix: str) -> set[str]:

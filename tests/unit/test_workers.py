@@ -67,12 +67,13 @@ def test_a_worker_process_records_its_pool_and_concurrency(store):
 
 
 def test_on_the_previous_revision_the_registry_is_written_without_a_pool(store_factory):
-    from celery_lease.store import Store, migrations
+    from celery_lease.store import Store
 
     made = store_factory(migrate=False)
-    made.migrate(to=migrations.supported()[0])
+    made.migrate(to="0002")
     store = Store(made.url, made.prefix)
-    assert store.ensure_schema() < "0003"
+    # As the release whose window was 0002..0003 found it (this release's window starts at 0003).
+    store.revision = "0002"
     store.worker_pool = ("threads", 8)
 
     store.touch_worker("w1", "host", 42)
