@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .masking import mask_secrets, mask_value
+
 __all__ = [
     "LeaseError",
     "LeaseConfigError",
@@ -42,7 +44,8 @@ class LeaseError(Exception):
         self.context = context
         for key, value in context.items():
             setattr(self, key, value)
-        super().__init__(message or (self.__doc__ or "").strip())
+        # A driver's message may quote the store URL: no password leaves in an exception.
+        super().__init__(mask_secrets(message or (self.__doc__ or "").strip()))
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Subclasses take keyword context, not the message: rebuild from both so
@@ -51,13 +54,17 @@ class LeaseError(Exception):
 
 
 class LeaseConfigError(LeaseError):
-    """A celery_lease setting is invalid."""
+    """A celery_lease setting is invalid.
+
+    The message and ``value`` never carry a password: a store URL is shown masked.
+    """
 
     def __init__(self, setting: str, value: Any, rule: str, hint: str = "") -> None:
+        value = mask_value(value)
         message = f"{setting}={value!r} is invalid: {rule}"
         if hint:
             message += f". {hint}"
-        super().__init__(message, setting=setting, value=value, rule=rule)
+        super().__init__(message, setting=setting, value=value, rule=mask_secrets(rule))
 
 
 class StoreUnavailable(LeaseError):

@@ -60,10 +60,11 @@ class Decision(Name):
 
 
 class RecoveryAction(Name):
-    """What a manual recovery (``lease requeue``, ``lease dlq redrive``) did to one job."""
+    """What a manual recovery (``lease requeue``, ``lease dlq redrive|discard``) did to one job."""
 
     REQUEUED = "requeued"
     REDRIVEN = "redriven"
+    DISCARDED = "discarded"
     SKIPPED = "skipped"
     PUBLISH_FAILED = "publish_failed"
 
@@ -110,6 +111,7 @@ class Event(Name):
     # An operator.
     MANUAL_REQUEUE = "manual_requeue"
     DLQ_REDRIVEN = "dlq_redriven"
+    DLQ_DISCARDED = "dlq_discarded"
 
 
 #: Stale writes rejected by the token check, in the order metrics and the CLI list them.
@@ -123,7 +125,7 @@ RELEASES: tuple[Event, ...] = (Event.RELEASED_ON_SHUTDOWN, Event.REJECTED_REQUEU
 #: A job taken back from a crashed or lost worker: proof that recovery works on a store.
 RECOVERIES: tuple[Event, ...] = (Event.LEASE_TAKEN_OVER, Event.REAPED_EXPIRED_LEASE, Event.REDISPATCHED)
 #: Recoveries an operator ran by hand.
-MANUAL_RECOVERIES: tuple[Event, ...] = (Event.MANUAL_REQUEUE, Event.DLQ_REDRIVEN)
+MANUAL_RECOVERIES: tuple[Event, ...] = (Event.MANUAL_REQUEUE, Event.DLQ_REDRIVEN, Event.DLQ_DISCARDED)
 
 
 def stale_write(event: Event) -> str:

@@ -4,20 +4,26 @@ Installed through the ``celery.commands`` entry point, so Celery loads the app
 (``-A``) and hands it over in ``ctx.obj.app`` as it does for its own commands.
 Every verb prints a table on a terminal and JSON with ``--json``; library errors
 leave as one line that names the job or setting and what to do, with an exit
-status that says which kind of failure it was.
+status that says which kind of failure it was. Only the command's output goes to
+stdout; library logs go to stderr.
 """
 
 from __future__ import annotations
 
+import logging
+import sys
 from typing import Any
 
 import click
 
 from ..errors import LeaseConfigError, LeaseError, StoreUnavailable
+from ..masking import mask_secrets
+from .output import with_app
 
-__all__ = ["lease", "CommandError", "app_of", "store_of", "json_option"]
+__all__ = ["lease", "CommandError", "app_of", "store_of", "json_option", "app_argument", "NO_APP"]
 
 EX_FAILURE, EX_UNAVAILABLE, EX_CONFIG = 1, 69, 78  # as celery.platforms / sysexits.h
+NO_APP = "name your app: celery -A proj lease ... (the module or package that defines the Celery app)"
 
 
 class CommandError(click.ClickException):
@@ -36,19 +42,47 @@ def _exit_code(exc: LeaseError) -> int:
     return EX_FAILURE
 
 
+def app_argument(ctx: click.Context | None = None) -> str | None:
+    """The ``-A`` value the command was given (also from CELERY_APP), or None."""
+    ctx = ctx or click.get_current_context(silent=True)
+    if ctx is None:
+        return None
+    value = ctx.find_root().params.get("app")
+    if value is None or isinstance(value, str):
+        return value
+    return getattr(value, "main", None) or "proj"
+
+
 class LeaseGroup(click.Group):
-    """Turns celery_lease errors raised by a verb into clean command errors."""
+    """Turns celery_lease errors raised by a verb into clean one-line command errors."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except LeaseError as exc:
-            raise CommandError(str(exc), _exit_code(exc)) from exc
+            message = with_app(mask_secrets(" ".join(str(exc).split())), app_argument(ctx))
+            raise CommandError(message, _exit_code(exc)) from exc
+        except click.ClickException as exc:
+            exc.message = with_app(mask_secrets(exc.message), app_argument(ctx))
+            raise
+
+
+def _log_to_stderr(verbose: int) -> None:
+    """celery_lease's log records to stderr: warnings and errors, INFO with -v, DEBUG with -vv."""
+    logger = logging.getLogger("celery_lease")
+    if not any(getattr(h, "_celery_lease_cli", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        handler._celery_lease_cli = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING)
 
 
 @click.group(name="lease", cls=LeaseGroup)
+@click.option("-v", "--verbose", count=True, help="Also log celery_lease's INFO (-vv: DEBUG) to stderr.")
 @click.pass_context
-def lease(ctx: click.Context, **_: Any) -> None:
+def lease(ctx: click.Context, verbose: int = 0, **_: Any) -> None:
     """Leases, the reaper, dead letters and metrics of celery_lease jobs.
 
     The playbook for zombie jobs: confirm (status, inspect), scope (jobs, events),
@@ -56,12 +90,25 @@ def lease(ctx: click.Context, **_: Any) -> None:
     batches (requeue, dlq redrive), then retune (tune, check).
     """
     if getattr(ctx.obj, "app", None) is None:
-        raise CommandError("run this as a Celery subcommand: celery -A proj lease ...")
+        raise CommandError(NO_APP)
+    _log_to_stderr(verbose)
 
 
 def app_of(ctx: click.Context) -> Any:
-    """The Celery app that `celery -A` loaded."""
-    return ctx.obj.app
+    """The Celery app that `celery -A` loaded, with its task modules imported as a worker does.
+
+    ``include=`` modules and autodiscovered ones register their tasks only when imported; a
+    command that reads tasks (check, tune, reap) must see the same tasks a worker runs.
+    """
+    if app_argument(ctx) is None:
+        # Celery's fallback app (or whichever app happens to be current): refuse before
+        # anything, such as a SQLite store file in the working directory, is made for it.
+        raise CommandError(NO_APP, EX_CONFIG)
+    app = ctx.obj.app
+    if not getattr(app, "_celery_lease_modules_loaded", False):
+        app.loader.import_default_modules()
+        app._celery_lease_modules_loaded = True
+    return app
 
 
 def store_of(ctx: click.Context) -> Any:
