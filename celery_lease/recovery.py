@@ -90,24 +90,20 @@ def operator() -> str:
     return f"cli:{user}@{socket.gethostname()}"
 
 
-def _seconds(value: float) -> str:
-    return f"{value:.0f} s" if abs(value) >= 10 else f"{value:.1f} s"
-
-
 def _lease_state(store: Store, job: Job, cfg: Any) -> str:
     """Why a lease still counts as live, in ages: the lease's expiry and the owner's last heartbeat."""
     now, seen = store.workers_last_seen([job.locked_by] if job.locked_by else [])
     if job.lease_expires_at is None:
-        lease = "no lease expiry"
+        lease = "its lease has no expiry"
     elif job.lease_expires_at > now:
-        lease = f"lease valid for another {_seconds(job.lease_expires_at - now)}"
+        lease = f"its lease is valid for another {job.lease_expires_at - now:.1f}s"
     else:
-        lease = (f"lease expired {_seconds(now - job.lease_expires_at)} ago (the reaper takes it once its "
-                 f"owner is gone, or {_seconds(cfg.reaper_hard_grace)} past expiry)")
+        lease = f"its lease expired {now - job.lease_expires_at:.1f}s ago"
     last = seen.get(job.locked_by or "")
-    owner = ("owner never registered" if last is None else
-             f"owner last seen {_seconds(now - last)} ago (gone after {_seconds(cfg.worker_stale_after)})")
-    return f"{lease}; {owner}"
+    owner = (f"owner {job.locked_by} never registered" if last is None
+             else f"owner {job.locked_by} was last seen {now - last:.1f}s ago")
+    return (f"{lease} and {owner} (a worker counts as gone after {cfg.worker_stale_after:g}s without a "
+            f"heartbeat; the reaper takes a lease {cfg.reaper_hard_grace:g}s past expiry regardless)")
 
 
 def requeue_plan(app: Any, store: Store, job_id: str | None = None, expired: bool = False,
@@ -134,9 +130,9 @@ def requeue_plan(app: Any, store: Store, job_id: str | None = None, expired: boo
             f"lease_dispatch_timeout. Use --force to re-publish its message now"))
     if not store.is_claimable_expired(job_id, cfg.reaper_hard_grace, cfg.worker_stale_after):
         raise RecoveryRefused(job_id, (
-            f"job {job_id} holds a live lease (owner {job.locked_by}, {_lease_state(store, job, cfg)}); "
-            "requeueing it may run it twice while its worker still works on it. Wait for the reaper, "
-            "check the owner (`celery lease inspect`), or use --force if you know the owner is gone"))
+            f"job {job_id} holds a live lease: {_lease_state(store, job, cfg)}. Requeueing it may run it "
+            "twice while its worker still works on it. Wait for the reaper, check the owner "
+            f"(`celery lease inspect {job_id}`), or use --force if you know the owner is gone"))
     return [job]
 
 

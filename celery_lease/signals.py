@@ -15,8 +15,8 @@ from celery.exceptions import TimeLimitExceeded, WorkerLostError
 from celery.worker.request import Request
 
 from . import heartbeat
-from .config import app_config
-from .errors import LeaseError
+from .config import app_config, task_policy
+from .errors import LeaseConfigError, LeaseError
 from .vocabulary import Event
 
 __all__ = ["LeaseRequest", "WorkerStep", "install"]
@@ -43,7 +43,8 @@ class LeaseRequest(Request):
 
 
 class WorkerStep(bootsteps.StartStopStep):
-    """At worker start: validate the lease settings and check the store's schema (fail fast).
+    """At worker start: validate the lease settings, every LeaseTask's options on every queue it
+    may run on, and check the store's schema (fail fast).
 
     An empty store is created at the newest revision; an older schema is refused, never
     upgraded behind the operator's back.
@@ -55,10 +56,45 @@ class WorkerStep(bootsteps.StartStopStep):
         from .store import for_app
 
         app_config(worker.app)
+        validate_tasks(worker.app, consumed_queues(worker.app))
         store = for_app(worker.app, check=False)
         store.ensure_schema(create=True)
         store.worker_pool = (pool_name(worker.pool_cls), int(worker.concurrency or 0))
         super().__init__(worker, **kwargs)
+
+
+def consumed_queues(app: Any) -> list[str]:
+    """The queues this worker consumes (``-Q``, else the app's queues), set up before the steps."""
+    queues = app.amqp.queues
+    names = getattr(queues, "consume_from", None) or queues
+    return sorted(names)
+
+
+def routed_queue(app: Any, task: Any) -> str | None:
+    """The queue the app's routes (or the task's ``queue`` option) send a task to by default."""
+    queue = getattr(task, "queue", None)
+    route = app.amqp.router.route({"queue": queue} if queue else {}, task.name)
+    queue = route.get("queue")
+    return getattr(queue, "name", queue)
+
+
+def validate_tasks(app: Any, queues: list[str]) -> None:
+    """Resolve the lease policy of every registered LeaseTask on its routed queue and on each
+    queue this worker consumes: a bad option stops the worker here, naming the task and setting,
+    instead of failing the first publish of that task in a web request."""
+    from .task import LeaseTask
+
+    for name, task in sorted(app.tasks.items()):
+        if not isinstance(task, LeaseTask):
+            continue
+        for queue in dict.fromkeys([routed_queue(app, task), *queues]):
+            try:
+                task_policy(task, queue)
+            except LeaseConfigError as exc:
+                where = f", on queue {queue!r}" if queue else ""
+                raise LeaseConfigError(exc.setting, exc.value, f"{exc.rule}{where}",
+                                       f"Fix task {name}'s lease options or lease_queue_policies; the worker "
+                                       "would otherwise fail this task at its first publish") from None
 
 
 def pool_name(pool_cls: Any) -> str:

@@ -67,16 +67,31 @@ class LeaseGroup(click.Group):
             raise
 
 
+class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is at the time of the record (click's test runner swaps it)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _: Any) -> None:
+        pass
+
+
 def _log_to_stderr(verbose: int) -> None:
-    """celery_lease's log records to stderr: warnings and errors, INFO with -v, DEBUG with -vv."""
+    """celery_lease's log records to stderr, never stdout: warnings and errors, INFO with -v, DEBUG
+    with -vv. The logger's own level is only lowered for -v, so that a host process keeps its own."""
     logger = logging.getLogger("celery_lease")
-    if not any(getattr(h, "_celery_lease_cli", False) for h in logger.handlers):
-        handler = logging.StreamHandler(sys.stderr)
+    handler = next((h for h in logger.handlers if isinstance(h, _Stderr)), None)
+    if handler is None:
+        handler = _Stderr()
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        handler._celery_lease_cli = True  # type: ignore[attr-defined]
         logger.addHandler(handler)
-        logger.propagate = False
-    logger.setLevel(logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING)
+    level = logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING
+    handler.setLevel(level)
+    if verbose:
+        logger.setLevel(level)
 
 
 @click.group(name="lease", cls=LeaseGroup)

@@ -79,7 +79,7 @@ def job_plan(store: Any, jobs: Sequence[Job]) -> list[dict[str, Any]]:
         if j.status == RUNNING and j.lease_expires_at is not None:
             left = j.lease_expires_at - now
             why.append(f"lease expired {age(-left)} ago" if left < 0 else f"lease valid for {age(left)}")
-        if j.locked_by:
+        if j.locked_by and j.status == RUNNING:
             last = seen.get(j.locked_by)
             why.append(f"owner {j.locked_by} " + ("never registered" if last is None
                                                    else f"last seen {age(now - last)} ago"))

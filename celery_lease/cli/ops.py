@@ -68,8 +68,8 @@ def _aged_reason(d: dict[str, Any]) -> str:
         last = d.get("owner_last_seen_ago")
         ages.append(f"owner last seen {age(last)} ago" if last is not None else "owner never registered")
     if d["decision"] == Decision.SKIP_OWNER_ALIVE:
-        return "; ".join(ages) + "; waiting for the hard grace"
-    return "; ".join([d["reason"], *ages])
+        return ", ".join(ages) + ": waiting for the hard grace"
+    return f"{d['reason']} ({', '.join(ages)})" if ages else d["reason"]
 
 
 @lease.command()

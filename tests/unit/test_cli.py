@@ -37,6 +37,10 @@ class Scene:
     def run(self, *args: str) -> Result:
         return CliRunner().invoke(celery, ["-A", "tests.apps.ops_app", "lease", *args])
 
+    def run_input(self, text: str, *args: str) -> Result:
+        """Run with ``text`` as what the operator types."""
+        return CliRunner().invoke(celery, ["-A", "tests.apps.ops_app", "lease", *args], input=text)
+
     def json(self, *args: str) -> Any:
         result = self.run(*args, "--json")
         assert result.exit_code == 0, result.output
