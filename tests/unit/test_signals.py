@@ -38,7 +38,7 @@ def test_a_worker_refuses_to_start_with_a_lease_too_short_for_its_heartbeat(tmp_
 def test_every_lease_task_is_resolved_on_each_queue_the_worker_consumes():
     app = app_with(fast={"lease_duration": 3.0, "lease_heartbeat_interval": 1.0})
 
-    @app.task(base=LeaseTask, name="steps.ok", lease_heartbeat_interval=2.0)
+    @app.task(base=LeaseTask, name="steps.ok", shared=False, lease_heartbeat_interval=2.0)
     def ok() -> None: ...
 
     validate_tasks(app, ["celery"])  # 2 s beats within the default 30 s lease
@@ -52,7 +52,7 @@ def test_a_queue_policy_can_make_a_task_option_valid_on_that_queue():
     app = app_with(reports={"lease_duration": 600.0})
     app.conf.task_routes = {"steps.report": {"queue": "reports"}}
 
-    @app.task(base=LeaseTask, name="steps.report", lease_heartbeat_interval=60.0)
+    @app.task(base=LeaseTask, name="steps.report", shared=False, lease_heartbeat_interval=60.0)
     def report() -> None: ...
 
     validate_tasks(app, ["reports"])
@@ -63,7 +63,7 @@ def test_a_queue_policy_can_make_a_task_option_valid_on_that_queue():
 def test_plain_tasks_are_left_alone():
     app = app_with()
 
-    @app.task(name="steps.plain", lease_duration=1.0)
+    @app.task(name="steps.plain", shared=False, lease_duration=1.0)
     def plain() -> None: ...
 
     validate_tasks(app, ["celery"])
