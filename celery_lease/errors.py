@@ -59,6 +59,10 @@ class LeaseConfigError(LeaseError):
     The message and ``value`` never carry a password: a store URL is shown masked.
     """
 
+    setting: str
+    value: Any
+    rule: str
+
     def __init__(self, setting: str, value: Any, rule: str, hint: str = "") -> None:
         value = mask_value(value)
         message = f"{setting}={value!r} is invalid: {rule}"

@@ -20,7 +20,7 @@ class Name(str, enum.Enum):
     """A stored name: ``str()`` and ``format()`` give its value, as for ``enum.StrEnum`` (3.11+)."""
 
     __str__ = str.__str__
-    __format__ = str.__format__
+    __format__ = str.__format__  # type: ignore[assignment]  # typeshed's Enum.__format__ differs in name only
 
 
 class Status(Name):

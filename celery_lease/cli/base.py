@@ -31,7 +31,7 @@ class CommandError(click.ClickException):
 
     def __init__(self, message: str, exit_code: int = EX_FAILURE) -> None:
         super().__init__(message)
-        self.exit_code = exit_code
+        self.exit_code = exit_code  # type: ignore[misc]  # click declares a class default, read per instance
 
 
 def _exit_code(exc: LeaseError) -> int:
@@ -63,14 +63,16 @@ class LeaseGroup(click.Group):
             message = with_app(mask_secrets(" ".join(str(exc).split())), app_argument(ctx))
             raise CommandError(message, _exit_code(exc)) from exc
         except click.ClickException as exc:
-            exc.message = with_app(mask_secrets(exc.message), app_argument(ctx))
-            raise
+            message = with_app(mask_secrets(exc.message), app_argument(ctx))
+            if message == exc.message:
+                raise
+            raise CommandError(message, exc.exit_code) from exc
 
 
-class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+class _Stderr(logging.StreamHandler):
     """Writes to whatever ``sys.stderr`` is at the time of the record (click's test runner swaps it)."""
 
-    @property  # type: ignore[override]
+    @property
     def stream(self) -> Any:
         return sys.stderr
 

@@ -146,8 +146,8 @@ def exporter(ctx: click.Context, port: int, addr: str) -> None:
         raise CommandError(str(exc)) from exc
     except OSError as exc:
         raise CommandError(f"cannot listen on {addr}:{port} ({exc}); pick another --port") from exc
-    host, bound = server.server_address[:2]
-    echo(f"celery_lease exporter on http://{host}:{bound}/metrics (Ctrl-C to stop)", err=True)
+    host, bound = str(server.server_address[0]), server.server_address[1]
+    click.echo(f"celery_lease exporter on http://{host}:{bound}/metrics (Ctrl-C to stop)", err=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -37,7 +37,7 @@ def _parsed(text: str | None) -> Any:
 def job_dict(job: Job, payload: bool = False) -> dict[str, Any]:
     """A job for --json: its checkpoint as the object it stores, not a JSON string."""
     data = dataclasses.asdict(job)
-    data["checkpoint"] = _parsed(job.checkpoint)
+    data.update(checkpoint=_parsed(job.checkpoint))
     if not payload:
         data.pop("payload")
     return data
