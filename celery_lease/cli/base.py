@@ -11,6 +11,7 @@ stdout; library logs go to stderr.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any
 
@@ -50,7 +51,19 @@ def app_argument(ctx: click.Context | None = None) -> str | None:
     value = ctx.find_root().params.get("app")
     if value is None or isinstance(value, str):
         return value
-    return getattr(value, "main", None) or "proj"
+    # Older Celery (5.3) converts -A to the app object: find the text on the command line.
+    return _argv_app(sys.argv[1:]) or os.environ.get("CELERY_APP") or getattr(value, "main", None) or "proj"
+
+
+def _argv_app(argv: list[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg in ("-A", "--app") and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--app="):
+            return arg[len("--app="):]
+        if arg.startswith("-A") and len(arg) > 2:
+            return arg[2:]
+    return None
 
 
 class LeaseGroup(click.Group):
