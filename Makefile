@@ -1,6 +1,7 @@
 # The project's commands. `make test` is THE test command (README).
 #   make test PYTEST_ARGS='-k reaper -x'     run the suite (bootstraps .venv first)
-#   make lint                                ruff over the code and the tests
+#   make lint                                ruff over the code and the tests, mypy over the package
+#   make mindeps                             unit and broker tests on the lowest versions setup.cfg admits
 #   make demo MODE=plain                     the demo with plain Celery tasks, for comparison
 #   make bench                               run every benchmark in bench/
 
@@ -8,11 +9,15 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-EXTRAS := test,postgres,mysql,metrics
+EXTRAS := test,redis,postgres,mysql,metrics
+# A second venv with the dependency floors (tools/mindeps-requirements.txt).
+MINDEPS := .venv-mindeps
+MINDEPS_STAMP := $(MINDEPS)/.installed
+MINDEPS_TESTS := tests/unit tests/integration/test_redis_visibility.py tests/integration/test_rabbitmq.py
 # ruff fails on a path that does not exist; lint the ones that do.
 LINT_PATHS := $(wildcard celery_lease tests tools bench example_project)
 
-.PHONY: venv test lint demo bench settings-table clean
+.PHONY: venv test lint mindeps demo bench settings-table clean
 
 venv: $(STAMP)
 
@@ -28,6 +33,20 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/mypy
+
+$(MINDEPS_STAMP): setup.cfg pyproject.toml tools/mindeps-requirements.txt
+	test -x $(MINDEPS)/bin/python || $(PYTHON) -m venv $(MINDEPS)
+	$(MINDEPS)/bin/python -m pip install --quiet --upgrade pip
+	$(MINDEPS)/bin/python -m pip install --quiet -r tools/mindeps-requirements.txt
+	$(MINDEPS)/bin/python -m pip install --quiet --no-deps -e .
+	touch $@
+
+# The store-parametrized tests run on SQLite and PostgreSQL here (the floors of both drivers
+# that matter most); `make test` covers MariaDB.
+mindeps: $(MINDEPS_STAMP)
+	CELERY_LEASE_TEST_STORES=$${CELERY_LEASE_TEST_STORES:-sqlite,postgres} \
+	    $(MINDEPS)/bin/python -m pytest -q $(MINDEPS_TESTS) $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(PY) -m example_project.demo $(if $(MODE),--mode $(MODE))
@@ -45,4 +64,4 @@ settings-table: $(STAMP)
 	$(PY) tools/settings_table.py --write README.md
 
 clean:
-	rm -rf build dist *.egg-info .pytest_cache .ruff_cache
+	rm -rf build dist *.egg-info .pytest_cache .ruff_cache .mypy_cache

@@ -146,7 +146,10 @@ def held_messages() -> list[Held]:
     active = _snapshot(state.active_requests)
     running = {id(r) for r in active}
     held: dict[str, Held] = {}
-    for request in [*active, *_snapshot(state.reserved_requests), *_snapshot(state.scheduled_requests)]:
+    # Celery 5.7 keeps the requests waiting for their ETA in scheduled_requests; before it they
+    # are not tracked, and their messages age in unacked_index as in plain Celery.
+    scheduled = getattr(state, "scheduled_requests", ())
+    for request in [*active, *_snapshot(state.reserved_requests), *_snapshot(scheduled)]:
         message = request.message
         tag = getattr(message, "delivery_tag", None)
         if tag is None or tag in held or message.acknowledged:

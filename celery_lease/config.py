@@ -385,7 +385,7 @@ def load(conf: Mapping[str, Any], namespace: str | None = None) -> AppConfig:
         if not isinstance(key, str):
             continue
         if key.startswith("lease_") or (prefix and key.startswith(prefix)):
-            name = key if key.startswith("lease_") else key[len(namespace) + 1:].lower()
+            name = key if key.startswith("lease_") else key[len(namespace or "") + 1:].lower()
             _validate(name, conf[key])
     values = {s.name: _validate(s.name, _read(conf, s.name, namespace)) for s in SETTINGS}
     _cross_check(values)

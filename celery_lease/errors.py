@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .masking import mask_secrets, mask_value
+
 __all__ = [
     "LeaseError",
     "LeaseConfigError",
@@ -42,7 +44,8 @@ class LeaseError(Exception):
         self.context = context
         for key, value in context.items():
             setattr(self, key, value)
-        super().__init__(message or (self.__doc__ or "").strip())
+        # A driver's message may quote the store URL: no password leaves in an exception.
+        super().__init__(mask_secrets(message or (self.__doc__ or "").strip()))
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Subclasses take keyword context, not the message: rebuild from both so
@@ -51,13 +54,21 @@ class LeaseError(Exception):
 
 
 class LeaseConfigError(LeaseError):
-    """A celery_lease setting is invalid."""
+    """A celery_lease setting is invalid.
+
+    The message and ``value`` never carry a password: a store URL is shown masked.
+    """
+
+    setting: str
+    value: Any
+    rule: str
 
     def __init__(self, setting: str, value: Any, rule: str, hint: str = "") -> None:
+        value = mask_value(value)
         message = f"{setting}={value!r} is invalid: {rule}"
         if hint:
             message += f". {hint}"
-        super().__init__(message, setting=setting, value=value, rule=rule)
+        super().__init__(message, setting=setting, value=value, rule=mask_secrets(rule))
 
 
 class StoreUnavailable(LeaseError):
@@ -99,6 +110,10 @@ class JobNotFound(LeaseError):
 
 class LeaseLost(LeaseError):
     """This worker no longer holds the job's lease; stop and let the new owner finish."""
+
+    job_id: str
+    reason: str
+    owner: str | None
 
     def __init__(self, job_id: str, reason: str = "lost", owner: str | None = None) -> None:
         message = f"lease on job {job_id} lost: {reason}"

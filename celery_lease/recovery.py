@@ -1,10 +1,10 @@
-"""Manual recovery: requeue abandoned leases and redrive dead letters, in small batches.
+"""Manual recovery: requeue abandoned leases, redrive or discard dead letters, forget effect keys.
 
 These are the operator's versions of the reaper's moves, with the same rules: a
 lease is only taken when it expired past its grace and its owner is gone (unless
-forced), every move is one compare-and-set, and each one is audited
-(``manual_requeue``, ``dlq_redriven``). The row changes first and the stored
-message is re-published after: a message that arrived while the old lease still
+forced), every move is one compare-and-set, and each one is audited (``manual_requeue``,
+``dlq_redriven``, ``dlq_discarded``, ``effect_forgotten``). The row changes first and the
+stored message is re-published after: a message that arrived while the old lease still
 stood would be skipped as a duplicate and acknowledged, leaving a pending job
 with no message. If the publish fails after the change, the job is pending and
 the reaper re-dispatches it after ``lease_dispatch_timeout``; the outcome says so.
@@ -20,11 +20,12 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from . import messages
-from .errors import LeaseError
+from .errors import JobNotFound, LeaseError
 from .store import COMPLETED, FAILED, PENDING, Job, ReportStore
 from .vocabulary import RecoveryAction
 
-__all__ = ["RecoveryRefused", "Outcome", "operator", "requeue_plan", "requeue", "redrive_plan", "redrive"]
+__all__ = ["RecoveryRefused", "AmbiguousJobId", "Outcome", "operator", "resolve_job_id", "requeue_plan",
+           "requeue", "redrive_plan", "redrive", "discard_plan", "discard", "forget_plan", "forget"]
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +37,38 @@ class RecoveryRefused(LeaseError):
         super().__init__(message, job_id=job_id)
 
 
+class AmbiguousJobId(LeaseError):
+    """A job id prefix matches more than one job."""
+
+    def __init__(self, prefix: str, matches: list[str]) -> None:
+        shown = ", ".join(matches[:PREFIX_MATCHES_SHOWN])
+        if len(matches) > PREFIX_MATCHES_SHOWN:
+            shown += ", ..."
+        super().__init__(f"job id prefix {prefix!r} matches several jobs ({shown}); give more of the id",
+                         job_id=prefix, matches=matches)
+
+
+PREFIX_MATCHES_SHOWN = 10
+
+
+def resolve_job_id(store: ReportStore, text: str) -> str:
+    """The id of the job ``text`` names: the id itself or a prefix unique among the store's ids.
+
+    JobNotFound when nothing matches; AmbiguousJobId (listing the matches) when several do.
+    """
+    if store.get(text) is not None:
+        return text
+    matches = store.job_ids_starting(text, PREFIX_MATCHES_SHOWN + 1) if text else []
+    if not matches:
+        raise JobNotFound(text)
+    if len(matches) > 1:
+        raise AmbiguousJobId(text, matches)
+    return matches[0]
+
+
 @dataclasses.dataclass(frozen=True)
 class Outcome:
-    """What happened to one job: ``requeued``/``redriven``, ``skipped`` or ``publish_failed``."""
+    """What happened to one job: its action (requeued, redriven, discarded, skipped...) and why."""
 
     job_id: str
     task: str
@@ -60,13 +90,19 @@ def operator() -> str:
 
 
 def _lease_state(store: ReportStore, job: Job) -> str:
-    now = store.now()
+    """Why a lease still counts as live, in ages: the lease's expiry and the owner's last heartbeat."""
+    now, seen = store.workers_last_seen([job.locked_by] if job.locked_by else [])
     if job.lease_expires_at is None:
-        return "no lease expiry"
-    left = job.lease_expires_at - now
-    if left > 0:
-        return f"lease valid for another {left:.1f}s"
-    return f"lease expired {-left:.1f}s ago, within its grace period or its owner is alive"
+        lease = "its lease has no expiry"
+    elif job.lease_expires_at > now:
+        lease = f"its lease is valid for another {job.lease_expires_at - now:.1f}s"
+    else:
+        lease = f"its lease expired {now - job.lease_expires_at:.1f}s ago"
+    last = seen.get(job.locked_by or "")
+    owner = (f"owner {job.locked_by} never registered" if last is None
+             else f"owner {job.locked_by} was last seen {now - last:.1f}s ago")
+    return (f"{lease} and {owner} (a worker counts as gone after {store.stale_after:g}s without a "
+            f"heartbeat; the reaper takes a lease {store.hard_grace:g}s past expiry regardless)")
 
 
 def requeue_plan(app: Any, store: ReportStore, job_id: str | None = None, expired: bool = False,
@@ -77,6 +113,7 @@ def requeue_plan(app: Any, store: ReportStore, job_id: str | None = None, expire
         if not expired:
             raise RecoveryRefused("", "name a job with --job ID or take expired leases with --expired")
         return store.requeue_candidates(force, batch)
+    job_id = resolve_job_id(store, job_id)
     job = store.require(job_id)
     if job.status == COMPLETED:
         raise RecoveryRefused(job_id, f"job {job_id} is completed; there is nothing to requeue")
@@ -91,9 +128,9 @@ def requeue_plan(app: Any, store: ReportStore, job_id: str | None = None, expire
             f"lease_dispatch_timeout. Use --force to re-publish its message now"))
     if not store.is_claimable_expired(job_id):
         raise RecoveryRefused(job_id, (
-            f"job {job_id} holds a live lease (owner {job.locked_by}, {_lease_state(store, job)}); "
-            "requeueing it may run it twice while its worker still works on it. Wait for the reaper, "
-            "check the owner (`celery lease inspect`), or use --force if you know the owner is gone"))
+            f"job {job_id} holds a live lease: {_lease_state(store, job)}. Requeueing it may run it "
+            "twice while its worker still works on it. Wait for the reaper, check the owner "
+            f"(`celery lease inspect {job_id}`), or use --force if you know the owner is gone"))
     return [job]
 
 
@@ -130,11 +167,15 @@ def redrive_plan(store: ReportStore, job_id: str | None = None, task: str | None
     jobs (oldest first) that were not revoked on purpose."""
     if job_id is None:
         return store.dead_letters(task, batch, include_revoked=False)
-    job = store.require(job_id)
+    return [_dead_letter(store, job_id, "redriven")]
+
+
+def _dead_letter(store: ReportStore, job_id: str, verb: str) -> Job:
+    job = store.require(resolve_job_id(store, job_id))
     if job.status != FAILED:
-        raise RecoveryRefused(job_id, f"job {job_id} is {job.status}, not a dead letter; only failed "
-                                      "jobs can be redriven (see `celery lease dlq list`)")
-    return [job]
+        raise RecoveryRefused(job.id, f"job {job.id} is {job.status}, not a dead letter; only failed "
+                                      f"jobs can be {verb} (see `celery lease dlq list`)")
+    return job
 
 
 def redrive(app: Any, store: ReportStore, jobs: Iterable[Job], who: str | None = None) -> Iterator[Outcome]:
@@ -148,3 +189,42 @@ def redrive(app: Any, store: ReportStore, jobs: Iterable[Job], who: str | None =
         log.info("job %s redriven from the dead letters by %s", job.id, who, extra={"action": "dlq_redriven"})
         yield _publish(app, job, RecoveryAction.REDRIVEN)
 
+
+
+def discard_plan(store: ReportStore, job_id: str | None = None, task: str | None = None,
+                 batch: int = 10) -> list[Job]:
+    """The dead letters a discard would delete: one named job, or up to ``batch`` (oldest first)."""
+    if job_id is None:
+        return store.dead_letters(task, batch)
+    return [_dead_letter(store, job_id, "discarded")]
+
+
+def discard(store: ReportStore, jobs: Iterable[Job], who: str | None = None) -> Iterator[Outcome]:
+    """Delete each dead letter (CAS on status and failed_at), audited dlq_discarded; no message is sent."""
+    who = who or operator()
+    for job in jobs:
+        if not store.discard_dead_letter(job, who):
+            yield Outcome(job.id, job.task_name, job.queue_name, RecoveryAction.SKIPPED,
+                          "changed since it was read")
+            continue
+        log.info("dead letter %s discarded by %s", job.id, who, extra={"action": "dlq_discarded"})
+        yield Outcome(job.id, job.task_name, job.queue_name, RecoveryAction.DISCARDED,
+                      "deleted from the store")
+
+
+def forget_plan(store: ReportStore, key: str) -> dict[str, Any]:
+    """The effect key an ``effects forget`` would delete: its job and when it was recorded."""
+    found = store.effect_record(key)
+    if found is None:
+        raise RecoveryRefused("", f"no effect key {key!r} in the lease store; a job's keys show with "
+                                  "`celery lease inspect JOB`")
+    return found
+
+
+def forget(store: ReportStore, key: str, who: str | None = None) -> bool:
+    """Delete an effect key, so that the next run of its effect happens again (audited effect_forgotten)."""
+    who = who or operator()
+    done = store.forget_effect(key, reason=f"forgotten by {who}")
+    if done:
+        log.info("effect key %r forgotten by %s", key, who, extra={"action": "effect_forgotten"})
+    return done

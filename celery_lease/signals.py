@@ -15,7 +15,7 @@ from celery.worker.request import Request
 from celery.worker.state import task_ready
 
 from . import runtime
-from .config import app_config, check_recovery_bound
+from .config import app_config, check_recovery_bound, task_policy
 from .errors import LeaseConfigError, LeaseError
 from .heartbeat import worker_id
 from .vocabulary import Event
@@ -42,7 +42,7 @@ class LeaseRequest(Request):
             # Billiard calls on_timeout right after this, and it stores FAILURE, fires the
             # errbacks and sends task-failed: the failure path must not do it a second time.
             return super().on_failure(exc_info, send_failed_event=False, return_ok=True)
-        if self.worker_pid and self._child_lost(exc):
+        if self.worker_pid and exc is not None and self._child_lost(exc):
             outcome = _settle_dead_child(self, type(exc).__name__, final=False)
             if outcome in RERUN:
                 return self._rerun_by_lease(exc, exc_info, outcome)
@@ -88,7 +88,8 @@ def _settle_dead_child(request: LeaseRequest, reason: str, final: bool) -> str:
 
 
 class WorkerStep(bootsteps.StartStopStep):
-    """At worker start: validate the lease settings and check the store's schema (fail fast).
+    """At worker start: validate the lease settings, every LeaseTask's options on every queue it
+    may run on, and check the store's schema (fail fast).
 
     An empty store is created at the newest revision; an older schema is refused, never
     upgraded behind the operator's back.
@@ -100,13 +101,49 @@ class WorkerStep(bootsteps.StartStopStep):
         from .store import for_app
 
         app_config(worker.app)
+        # An unreachable store or a schema of the wrong revision stops the worker first.
+        store = for_app(worker.app, check=False)
+        store.ensure_schema(create=True)
         check_recovery_bound(worker.app)
         pool = pool_name(worker)
         check_pool(worker.app, pool)
-        store = for_app(worker.app, check=False)
-        store.ensure_schema(create=True)
+        validate_tasks(worker.app, consumed_queues(worker.app))
         store.worker_pool = (pool, int(getattr(worker, "concurrency", 0) or 0))
         super().__init__(worker, **kwargs)
+
+
+def consumed_queues(app: Any) -> list[str]:
+    """The queues this worker consumes (``-Q``, else the app's queues), set up before the steps."""
+    queues = app.amqp.queues
+    names = getattr(queues, "consume_from", None) or queues
+    return sorted(names)
+
+
+def routed_queue(app: Any, task: Any) -> str | None:
+    """The queue the app's routes (or the task's ``queue`` option) send a task to by default."""
+    queue = getattr(task, "queue", None)
+    route = app.amqp.router.route({"queue": queue} if queue else {}, task.name)
+    queue = route.get("queue")
+    return getattr(queue, "name", queue)
+
+
+def validate_tasks(app: Any, queues: list[str]) -> None:
+    """Resolve the lease policy of every registered LeaseTask on its routed queue and on each
+    queue this worker consumes: a bad option stops the worker here, naming the task and setting,
+    instead of failing the first publish of that task in a web request."""
+    from .task import LeaseTask
+
+    for name, task in sorted(app.tasks.items()):
+        if not isinstance(task, LeaseTask):
+            continue
+        for queue in dict.fromkeys([routed_queue(app, task), *queues]):
+            try:
+                task_policy(task, queue)
+            except LeaseConfigError as exc:
+                where = f", on queue {queue!r}" if queue else ""
+                raise LeaseConfigError(exc.setting, exc.value, f"{exc.rule}{where}",
+                                       f"Fix task {name}'s lease options or lease_queue_policies; the worker "
+                                       "would otherwise fail this task at its first publish") from None
 
 
 def pool_name(worker: Any) -> str:

@@ -20,7 +20,7 @@ class Name(str, enum.Enum):
     """A stored name: ``str()`` and ``format()`` give its value, as for ``enum.StrEnum`` (3.11+)."""
 
     __str__ = str.__str__
-    __format__ = str.__format__
+    __format__ = str.__format__  # type: ignore[assignment]  # typeshed's Enum.__format__ differs in name only
 
 
 class Status(Name):
@@ -60,10 +60,11 @@ class Decision(Name):
 
 
 class RecoveryAction(Name):
-    """What a manual recovery (``lease requeue``, ``lease dlq redrive``) did to one job."""
+    """What a manual recovery (``lease requeue``, ``lease dlq redrive|discard``) did to one job."""
 
     REQUEUED = "requeued"
     REDRIVEN = "redriven"
+    DISCARDED = "discarded"
     SKIPPED = "skipped"
     PUBLISH_FAILED = "publish_failed"
 
@@ -112,6 +113,7 @@ class Event(Name):
     # An operator.
     MANUAL_REQUEUE = "manual_requeue"
     DLQ_REDRIVEN = "dlq_redriven"
+    DLQ_DISCARDED = "dlq_discarded"
 
 
 #: Stale writes rejected by the token check, in the order metrics and the CLI list them.
@@ -126,7 +128,7 @@ RELEASES: tuple[Event, ...] = (Event.RELEASED_ON_SHUTDOWN, Event.REJECTED_REQUEU
 #: A job taken back from a crashed or lost worker: proof that recovery works on a store.
 RECOVERIES: tuple[Event, ...] = (Event.LEASE_TAKEN_OVER, Event.REAPED_EXPIRED_LEASE, Event.REDISPATCHED)
 #: Recoveries an operator ran by hand.
-MANUAL_RECOVERIES: tuple[Event, ...] = (Event.MANUAL_REQUEUE, Event.DLQ_REDRIVEN)
+MANUAL_RECOVERIES: tuple[Event, ...] = (Event.MANUAL_REQUEUE, Event.DLQ_REDRIVEN, Event.DLQ_DISCARDED)
 
 
 def stale_write(event: Event) -> str:

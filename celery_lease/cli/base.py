@@ -4,23 +4,31 @@ Installed through the ``celery.commands`` entry point, so Celery loads the app
 (``-A``) and hands it over in ``ctx.obj.app`` as it does for its own commands.
 Every verb prints a table on a terminal and JSON with ``--json``; library errors
 leave as one line that names the job or setting and what to do, with an exit
-status that says which kind of failure it was.
+status that says which kind of failure it was. Only the command's output goes to
+stdout; library logs go to stderr.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 import click
 
 from ..errors import LeaseConfigError, LeaseError, StoreUnavailable
+from ..masking import mask_secrets
+from .output import with_app
 
 if TYPE_CHECKING:
-    from ..store import ReportStore
+    from ..store import ReaperStore, ReportStore
 
-__all__ = ["lease", "CommandError", "app_of", "store_of", "json_option"]
+__all__ = ["lease", "CommandError", "app_of", "store_of", "reaper_store_of", "json_option", "app_argument",
+           "NO_APP"]
 
 EX_FAILURE, EX_UNAVAILABLE, EX_CONFIG = 1, 69, 78  # as celery.platforms / sysexits.h
+NO_APP = "name your app: celery -A proj lease ... (the module or package that defines the Celery app)"
 
 
 class CommandError(click.ClickException):
@@ -28,7 +36,7 @@ class CommandError(click.ClickException):
 
     def __init__(self, message: str, exit_code: int = EX_FAILURE) -> None:
         super().__init__(message)
-        self.exit_code = exit_code
+        self.exit_code = exit_code  # type: ignore[misc]  # click declares a class default, read per instance
 
 
 def _exit_code(exc: LeaseError) -> int:
@@ -39,19 +47,76 @@ def _exit_code(exc: LeaseError) -> int:
     return EX_FAILURE
 
 
+def app_argument(ctx: click.Context | None = None) -> str | None:
+    """The ``-A`` value the command was given (also from CELERY_APP), or None."""
+    ctx = ctx or click.get_current_context(silent=True)
+    if ctx is None:
+        return None
+    value = ctx.find_root().params.get("app")
+    if value is None or isinstance(value, str):
+        return value
+    # Older Celery (5.3) converts -A to the app object: find the text on the command line.
+    return _argv_app(sys.argv[1:]) or os.environ.get("CELERY_APP") or getattr(value, "main", None) or "proj"
+
+
+def _argv_app(argv: list[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg in ("-A", "--app") and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--app="):
+            return arg[len("--app="):]
+        if arg.startswith("-A") and len(arg) > 2:
+            return arg[2:]
+    return None
+
+
 class LeaseGroup(click.Group):
-    """Turns celery_lease errors raised by a verb into clean command errors."""
+    """Turns celery_lease errors raised by a verb into clean one-line command errors."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except LeaseError as exc:
-            raise CommandError(str(exc), _exit_code(exc)) from exc
+            message = with_app(mask_secrets(" ".join(str(exc).split())), app_argument(ctx))
+            raise CommandError(message, _exit_code(exc)) from exc
+        except click.ClickException as exc:
+            message = with_app(mask_secrets(exc.message), app_argument(ctx))
+            if message == exc.message:
+                raise
+            raise CommandError(message, exc.exit_code) from exc
+
+
+class _Stderr(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time of the record (click's test runner swaps it)."""
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _: Any) -> None:
+        pass
+
+
+def _log_to_stderr(verbose: int) -> None:
+    """celery_lease's log records to stderr, never stdout: warnings and errors, INFO with -v, DEBUG
+    with -vv. The logger's own level is only lowered for -v, so that a host process keeps its own."""
+    logger = logging.getLogger("celery_lease")
+    handler = next((h for h in logger.handlers if isinstance(h, _Stderr)), None)
+    if handler is None:
+        handler = _Stderr()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+    level = logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING
+    handler.setLevel(level)
+    if verbose:
+        logger.setLevel(level)
 
 
 @click.group(name="lease", cls=LeaseGroup)
+@click.option("-v", "--verbose", count=True, help="Also log celery_lease's INFO (-vv: DEBUG) to stderr.")
 @click.pass_context
-def lease(ctx: click.Context, **_: Any) -> None:
+def lease(ctx: click.Context, verbose: int = 0, **_: Any) -> None:
     """Leases, the reaper, dead letters and metrics of celery_lease jobs.
 
     The playbook for zombie jobs: confirm (status, inspect), scope (jobs, events),
@@ -59,12 +124,32 @@ def lease(ctx: click.Context, **_: Any) -> None:
     batches (requeue, dlq redrive), then retune (tune, check).
     """
     if getattr(ctx.obj, "app", None) is None:
-        raise CommandError("run this as a Celery subcommand: celery -A proj lease ...")
+        raise CommandError(NO_APP)
+    _log_to_stderr(verbose)
 
 
 def app_of(ctx: click.Context) -> Any:
-    """The Celery app that `celery -A` loaded."""
-    return ctx.obj.app
+    """The Celery app that `celery -A` loaded, with its task modules imported as a worker does.
+
+    ``include=`` modules and autodiscovered ones register their tasks only when imported; a
+    command that reads tasks (check, tune, reap) must see the same tasks a worker runs.
+    """
+    if app_argument(ctx) is None:
+        # Celery's fallback app (or whichever app happens to be current): refuse before
+        # anything, such as a SQLite store file in the working directory, is made for it.
+        raise CommandError(NO_APP, EX_CONFIG)
+    app = ctx.obj.app
+    if not getattr(app, "_celery_lease_modules_loaded", False):
+        app.loader.import_default_modules()
+        app._celery_lease_modules_loaded = True
+    return app
+
+
+def reaper_store_of(ctx: click.Context) -> ReaperStore:
+    """The app's lease store seen as the reaper sees it (for `lease reap`), with the long bound."""
+    from ..store import for_app
+
+    return for_app(app_of(ctx), check=False, operator=True)
 
 
 def store_of(ctx: click.Context) -> ReportStore:

@@ -1,21 +1,16 @@
-"""Verbs that act or serve: migrate, reap, requeue, dlq list/redrive, check, exporter."""
+"""Verbs that act or serve: migrate, reap, check, exporter (the scripted ones: no prompt)."""
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 import click
 
-from .. import recovery
-from ..vocabulary import RecoveryAction
-from .base import CommandError, app_of, json_option, lease, store_of
-from .output import emit_json, is_tty, progress, table, when
+from ..vocabulary import Decision
+from .base import CommandError, app_of, json_option, lease, reaper_store_of, store_of
+from .output import age, echo, emit_json, table
 
-__all__ = ["migrate", "reap", "requeue", "dlq", "check", "exporter"]
-
-OUTCOME_COLUMNS = [("job_id", "job"), ("task", "task"), ("queue", "queue"), ("action", "action"),
-                   ("reason", "reason")]
+__all__ = ["migrate", "reap", "check", "exporter"]
 
 
 @lease.command()
@@ -36,17 +31,45 @@ def migrate(ctx: click.Context, as_sql: bool, to: str, as_json: bool) -> None:
     store = store_of(ctx)
     if as_sql:
         revision, _ = store.schema_state()
-        click.echo(migrations.sql(store.url, store.prefix, to, start=revision), nl=False)
+        echo(migrations.sql(store.url, store.prefix, to, start=revision), nl=False)
         return
     done = store.migrate(to)
     revision, _ = store.schema_state()
     if as_json:
         emit_json({"store": store.safe_url, "done": done, "revision": revision})
     elif done:
-        click.echo(f"lease store {store.safe_url}:")
-        click.echo("\n".join(f"  {what}" for what in done))
+        echo(f"lease store {store.safe_url}:")
+        echo("\n".join(f"  {what}" for what in done))
     else:
-        click.echo(f"lease store {store.safe_url}: already at revision {revision}, nothing to do")
+        echo(f"lease store {store.safe_url}: already at revision {revision}, nothing to do")
+
+
+def _with_ages(store: Any, planned: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Planned decisions with seconds since each lease expired and since its owner was last seen."""
+    if not planned:
+        return planned
+    now, seen = store.workers_last_seen(sorted({d["owner"] for d in planned if d.get("owner")}))
+    out = []
+    for d in planned:
+        job = store.get(d["job_id"])
+        expires = job.lease_expires_at if job is not None else None
+        last = seen.get(d.get("owner") or "")
+        out.append({**d, "lease_expired_ago": None if expires is None else now - expires,
+                    "owner_last_seen_ago": None if last is None else now - last})
+    return out
+
+
+def _aged_reason(d: dict[str, Any]) -> str:
+    """The reaper's reason in ages: how long ago the lease expired and its owner was last seen."""
+    ages = []
+    if d.get("lease_expired_ago") is not None:
+        ages.append(f"lease expired {age(d['lease_expired_ago'])} ago")
+    if d.get("owner"):
+        last = d.get("owner_last_seen_ago")
+        ages.append(f"owner last seen {age(last)} ago" if last is not None else "owner never registered")
+    if d["decision"] == Decision.SKIP_OWNER_ALIVE:
+        return ", ".join(ages) + ": waiting for the hard grace"
+    return f"{d['reason']} ({', '.join(ages)})" if ages else d["reason"]
 
 
 @lease.command()
@@ -57,105 +80,23 @@ def reap(ctx: click.Context, dry_run: bool, as_json: bool) -> None:
     """Run the reaper once now (with --dry-run: only say what it would do)."""
     from ..reaper import Reaper
 
-    result = Reaper(app_of(ctx), store_of(ctx)).run_once(dry_run=dry_run)
+    store = store_of(ctx)
+    result = Reaper(app_of(ctx), reaper_store_of(ctx)).run_once(dry_run=dry_run)
+    planned = _with_ages(store, [d.as_dict() for d in result.planned])
     if as_json:
-        emit_json(result.as_dict())
+        emit_json({**result.as_dict(), "planned": planned} if dry_run else result.as_dict())
         return
     if dry_run:
-        rows = [{**d.as_dict(), "delay": f"{d.delay:.1f}s" if d.delay else ""} for d in result.planned]
-        click.echo(table(rows, [("job_id", "job"), ("task", "task"), ("decision", "would"),
+        rows = [{**d, "reason": _aged_reason(d), "delay": f"{d['delay']:.1f}s" if d["delay"] else ""}
+                for d in planned]
+        echo(table(rows, [("job_id", "job"), ("task", "task"), ("decision", "would"),
                                 ("reason", "reason"), ("owner", "owner"), ("delay", "delay"),
                                 ("queue", "queue")], empty="the reaper would change nothing now"))
-        click.echo(f"dry run: {result.summary()}")
+        echo(f"dry run: {result.summary()}")
     elif result.skipped:
-        click.echo("another reaper holds the reaper lock; nothing done")
+        echo("another reaper holds the reaper lock; nothing done")
     else:
-        click.echo(f"reaped: {result.summary()}")
-
-
-def _report(outcomes: list[recovery.Outcome], done: RecoveryAction, batch: int, as_json: bool) -> None:
-    counts = Counter(o.action for o in outcomes)
-    skipped, failed = counts[RecoveryAction.SKIPPED], counts[RecoveryAction.PUBLISH_FAILED]
-    if as_json:
-        emit_json({"batch": batch, "outcomes": [o.as_dict() for o in outcomes], done.value: counts[done],
-                   RecoveryAction.SKIPPED.value: skipped, RecoveryAction.PUBLISH_FAILED.value: failed})
-    else:
-        click.echo(table([o.as_dict() for o in outcomes], OUTCOME_COLUMNS, empty="nothing to do"))
-        full = len(outcomes) >= batch
-        more = " (the batch was full: watch the effects, then run again for more)" if full else ""
-        click.echo(f"{done} {counts[done]}, skipped {skipped}, publish failed {failed}; batch {batch}{more}")
-    if failed:
-        raise CommandError(f"{failed} job(s) are pending without a message; "
-                           "see the reasons above")
-
-
-@lease.command()
-@click.option("--job", "job_id", help="Requeue this job.")
-@click.option("--expired", is_flag=True, help="Requeue expired leases of dead owners, oldest first.")
-@click.option("--batch", default=10, show_default=True, type=click.IntRange(1),
-              help="Jobs at most in this run (recover in small batches).")
-@click.option("--force", is_flag=True, help="Also take live leases and re-publish pending jobs: may run a "
-              "job twice if its worker still works on it.")
-@json_option
-@click.pass_context
-def requeue(ctx: click.Context, job_id: str | None, expired: bool, batch: int, force: bool,
-            as_json: bool) -> None:
-    """Give jobs of dead workers back to the queue (CAS on the lease token, audited manual_requeue).
-
-    Without --force only leases that expired past their grace period and whose owner is
-    gone are taken: the same rule as the reaper's. Check `lease reap --dry-run` first.
-    """
-    if job_id is not None and expired:
-        raise click.UsageError("use either --job ID or --expired")
-    app, store = app_of(ctx), store_of(ctx)
-    jobs = recovery.requeue_plan(app, store, job_id, expired, batch, force)
-    with progress(jobs, "requeueing", not as_json and is_tty()) as items:
-        outcomes = list(recovery.requeue(app, store, items, force))
-    _report(outcomes, RecoveryAction.REQUEUED, batch, as_json)
-
-
-@lease.group()
-def dlq() -> None:
-    """Dead letters: jobs that ended failed."""
-
-
-@dlq.command("list")
-@click.option("--task", help="Only dead letters of this task.")
-@click.option("--limit", default=50, show_default=True, type=click.IntRange(1), help="Rows at most.")
-@json_option
-@click.pass_context
-def dlq_list(ctx: click.Context, task: str | None, limit: int, as_json: bool) -> None:
-    """Failed jobs, oldest failure first."""
-    from .reads import job_dict
-
-    store = store_of(ctx)
-    found = store.dead_letters(task, limit)
-    if as_json:
-        emit_json([job_dict(j) for j in found])
-        return
-    rows = [{"id": j.id, "task": j.task_name, "queue": j.queue_name,
-             "failed": when(j.failed_at or j.updated_at),
-             "attempts": f"{j.attempt_count}/{j.max_attempts}", "expired": j.expired_count,
-             "error": (j.last_error or "").splitlines()[0][:80] if j.last_error else ""} for j in found]
-    click.echo(table(rows, [("id", "job"), ("task", "task"), ("queue", "queue"), ("failed", "failed at"),
-                            ("attempts", "attempts"), ("expired", "expirations"), ("error", "last error")],
-                     empty="no dead letters"))
-
-
-@dlq.command("redrive")
-@click.option("--job", "job_id", help="Redrive this job (also one that was revoked).")
-@click.option("--task", help="Only dead letters of this task.")
-@click.option("--batch", default=10, show_default=True, type=click.IntRange(1),
-              help="Jobs at most in this run; revoked jobs are left out unless named with --job.")
-@json_option
-@click.pass_context
-def dlq_redrive(ctx: click.Context, job_id: str | None, task: str | None, batch: int, as_json: bool) -> None:
-    """Send dead letters back to their queue with fresh attempts (audited dlq_redriven)."""
-    app, store = app_of(ctx), store_of(ctx)
-    jobs = recovery.redrive_plan(store, job_id, task, batch)
-    with progress(jobs, "redriving", not as_json and is_tty()) as items:
-        outcomes = list(recovery.redrive(app, store, items))
-    _report(outcomes, RecoveryAction.REDRIVEN, batch, as_json)
+        echo(f"reaped: {result.summary()}")
 
 
 def _finding_lines(f: dict[str, Any]) -> str:
@@ -184,9 +125,9 @@ def check(ctx: click.Context, as_json: bool) -> None:
     if as_json:
         emit_json(findings)
     else:
-        click.echo("\n".join(_finding_lines(f) for f in findings) or "no checks ran")
+        echo("\n".join(_finding_lines(f) for f in findings) or "no checks ran")
         warnings = sum(1 for f in findings if f["level"] == "warning")
-        click.echo(f"\n{errors} error(s), {warnings} warning(s), {len(findings) - errors - warnings} ok")
+        echo(f"\n{errors} error(s), {warnings} warning(s), {len(findings) - errors - warnings} ok")
     if errors:
         raise CommandError(f"{errors} check(s) failed; apply the fixes above")
 
@@ -205,7 +146,7 @@ def exporter(ctx: click.Context, port: int, addr: str) -> None:
         raise CommandError(str(exc)) from exc
     except OSError as exc:
         raise CommandError(f"cannot listen on {addr}:{port} ({exc}); pick another --port") from exc
-    host, bound = server.server_address[:2]
+    host, bound = str(server.server_address[0]), server.server_address[1]
     click.echo(f"celery_lease exporter on http://{host}:{bound}/metrics (Ctrl-C to stop)", err=True)
     try:
         server.serve_forever()

@@ -12,10 +12,37 @@ from typing import Any
 
 import click
 
-__all__ = ["table", "emit_json", "when", "age", "parse_duration", "progress", "is_tty", "Duration"]
+from ..masking import mask_secrets
+
+__all__ = ["table", "emit_json", "echo", "with_app", "one_line", "when", "age", "parse_duration", "progress",
+           "is_tty", "Duration"]
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
+# A command in a hint: `celery lease jobs`, `celery -A proj lease migrate`.
+_HINT = re.compile(r"\bcelery (?:-A \S+ )?lease\b")
+
+
+def with_app(text: str, app: str | None) -> str:
+    """``text`` whose command hints name the ``-A`` value given (``celery -A shop lease migrate``)."""
+    if not app:
+        return text
+    return _HINT.sub(f"celery -A {app} lease", text)
+
+
+def echo(text: str = "", nl: bool = True) -> None:
+    """Print a command's output: hints name the app given with -A, passwords never show."""
+    from .base import app_argument
+
+    click.echo(with_app(mask_secrets(text), app_argument()), nl=nl)
+
+
+def one_line(value: Any) -> str:
+    """A table cell on one line: a multi-line text (a traceback, an error) folded with " | "."""
+    text = "" if value is None else str(value)
+    if "\n" not in text and "\r" not in text:
+        return text
+    return " | ".join(part.strip() for part in text.splitlines() if part.strip())
 
 
 def is_tty() -> bool:
@@ -28,7 +55,7 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]], em
     if not rows:
         return empty
     cells = [[header for _, header in columns]]
-    cells += [["" if row.get(key) is None else str(row.get(key)) for key, _ in columns] for row in rows]
+    cells += [[one_line(row.get(key)) for key, _ in columns] for row in rows]
     widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
              for line in cells]
@@ -37,7 +64,8 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]], em
 
 
 def emit_json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+    """``data`` as indented JSON on stdout."""
+    echo(json.dumps(data, indent=2, sort_keys=True, default=str))
 
 
 def when(epoch: float | None) -> str | None:

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 import click
 
-from .. import messages
+from .. import messages, recovery
 from ..config import worker_stale_after
 from ..errors import StoreCorrupt
 from ..store import RUNNING, Job
 from ..tuning import percentile
 from ..vocabulary import MANUAL_RECOVERIES, STALE_WRITES, Event, Status
 from .base import app_of, json_option, lease, store_of
-from .output import Duration, age, emit_json, table, when
+from .output import Duration, age, echo, emit_json, table, when
 
 __all__ = ["reaper_status", "status", "jobs", "inspect", "events", "tune"]
 
@@ -23,11 +24,28 @@ LAST_HOUR = (Event.REAPED_EXPIRED_LEASE, Event.DUPLICATE_DELIVERY_SKIPPED, Event
              Event.REDISPATCHED, Event.RELEASED_ON_SHUTDOWN, *MANUAL_RECOVERIES)
 
 
+def _parsed(text: str | None) -> Any:
+    """A stored JSON text as the object it holds (for --json output); text that is not JSON as it is."""
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 def job_dict(job: Job, payload: bool = False) -> dict[str, Any]:
+    """A job for --json: its checkpoint as the object it stores, not a JSON string."""
     data = dataclasses.asdict(job)
+    data.update(checkpoint=_parsed(job.checkpoint))
     if not payload:
         data.pop("payload")
     return data
+
+
+def event_dict(e: dict[str, Any]) -> dict[str, Any]:
+    """An audit event for --json: its detail as an object."""
+    return {**e, "detail": _parsed(e.get("detail"))}
 
 
 def _lease_text(job: Job, now: float) -> str:
@@ -91,7 +109,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
     by_queue: dict[str, dict[str, int]] = {}
     for queue, state, n in counts:
         by_queue.setdefault(queue or "", dict.fromkeys(STATUSES, 0))[state] = n
-    report = {
+    report: dict[str, Any] = {
         "store": store.safe_url, "tables": store.t.jobs.name, "now": now, "jobs": by_queue,
         "totals": {s: sum(q[s] for q in by_queue.values()) for s in STATUSES},
         "running": {
@@ -129,7 +147,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
               f"reaper         {report['reaper']['summary']}",
               "last hour      " + ", ".join(f"{k.replace('_', ' ')} {v}"
                                             for k, v in report["last_hour"].items())]
-    click.echo("\n".join(lines))
+    echo("\n".join(lines))
 
 
 @lease.command()
@@ -149,7 +167,7 @@ def jobs(ctx: click.Context, state: str | None, queue: str | None, task: str | N
         emit_json([job_dict(j) for j in found])
         return
     now = store.now()
-    click.echo(table([job_row(j, now) for j in found], JOB_COLUMNS, empty="no jobs match"))
+    echo(table([job_row(j, now) for j in found], JOB_COLUMNS, empty="no jobs match"))
 
 
 def event_row(e: dict[str, Any]) -> dict[str, Any]:
@@ -165,9 +183,10 @@ EVENT_COLUMNS = [("at", "at"), ("event", "event"), ("job_id", "job"), ("reason",
 @json_option
 @click.pass_context
 def inspect(ctx: click.Context, job_id: str, as_json: bool) -> None:
-    """One job: its row, its stored message and its event history."""
+    """One job (its id or a unique prefix): its row, its stored message and its event history."""
     store = store_of(ctx)
-    job = store.require(job_id)
+    job = store.require(recovery.resolve_job_id(store, job_id))
+    job_id = job.id
     history = store.list_events(job_id=job_id, limit=1000)
     try:
         sig = messages.decode(job.payload, app_of(ctx).conf.accept_content, job.id)
@@ -175,7 +194,8 @@ def inspect(ctx: click.Context, job_id: str, as_json: bool) -> None:
     except StoreCorrupt as exc:
         message = {"error": str(exc)}
     if as_json:
-        emit_json({"job": job_dict(job, payload=True), "message": message, "events": history})
+        emit_json({"job": job_dict(job, payload=True), "message": message,
+                   "effects": store.effect_keys(job_id), "events": [event_dict(e) for e in history]})
         return
     now = store.now()
     fields = job_dict(job)
@@ -185,13 +205,15 @@ def inspect(ctx: click.Context, job_id: str, as_json: bool) -> None:
             fields[key] = f"{when(fields[key])} ({age(now - fields[key])} ago)"
     width = max(map(len, fields))
     lines = [f"{key.ljust(width)}  {'' if value is None else value}" for key, value in fields.items()]
-    lines += ["", "message", *(f"  {k}: {v}" for k, v in message.items()), "", "events",
+    keys = store.effect_keys(job_id)
+    lines += ["", "message", *(f"  {k}: {v}" for k, v in message.items()), "",
+              "effect keys", *(f"  {k}" for k in keys or ["(none)"]), "", "events",
               table([event_row(e) for e in history], EVENT_COLUMNS, empty="(no events)")]
-    click.echo("\n".join(lines))
+    echo("\n".join(lines))
 
 
 @lease.command()
-@click.option("--job", "job_id", help="Only the events of this job.")
+@click.option("--job", "job_id", help="Only the events of this job (its id or a unique prefix).")
 @click.option("--since", type=Duration(), help="Only events newer than this (30s, 10m, 2h, 1d).")
 @click.option("--event", help="Only events with this name (e.g. reaped_expired_lease).")
 @click.option("--limit", default=100, show_default=True, type=click.IntRange(1), help="Newest rows at most.")
@@ -200,11 +222,14 @@ def inspect(ctx: click.Context, job_id: str, as_json: bool) -> None:
 def events(ctx: click.Context, job_id: str | None, since: float | None, event: str | None, limit: int,
            as_json: bool) -> None:
     """The audit log, oldest first among the newest --limit events."""
-    found = store_of(ctx).list_events(job_id=job_id, since=since, event=event, limit=limit)
+    store = store_of(ctx)
+    if job_id is not None and store.get(job_id) is None and store.job_ids_starting(job_id, 1):
+        job_id = recovery.resolve_job_id(store, job_id)  # a prefix; a discarded job's id stays exact
+    found = store.list_events(job_id=job_id, since=since, event=event, limit=limit)
     if as_json:
-        emit_json(found)
+        emit_json([event_dict(e) for e in found])
         return
-    click.echo(table([event_row(e) for e in found], EVENT_COLUMNS, empty="no events match"))
+    echo(table([event_row(e) for e in found], EVENT_COLUMNS, empty="no events match"))
 
 
 def _change(current: Any, recommended: Any) -> str:
@@ -237,11 +262,11 @@ def tune(ctx: click.Context, task: str | None, sample: int, as_json: bool) -> No
             **{k: _change(cur.get(f"lease_{k}"), rec.get(f"lease_{k}"))
                for k in ("duration", "heartbeat_interval", "grace_period", "max_runtime")},
         })
-    click.echo(table(rows, [("task", "task"), ("queue", "queue"), ("n", "jobs"), ("p50", "p50"),
+    echo(table(rows, [("task", "task"), ("queue", "queue"), ("n", "jobs"), ("p50", "p50"),
                             ("p95", "p95"), ("p99", "p99"), ("gap", "heartbeat gap p99"),
                             ("duration", "lease_duration"), ("heartbeat_interval", "heartbeat_interval"),
                             ("grace_period", "grace_period"), ("max_runtime", "max_runtime")],
                      empty="no LeaseTasks and no completed jobs to measure"))
     for r in results:
         for warning in r.warnings:
-            click.echo(f"warning: {r.task}: {warning}")
+            echo(f"warning: {r.task}: {warning}")

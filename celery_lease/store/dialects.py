@@ -24,6 +24,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.sql.elements import ColumnElement
 
 from ..errors import LeaseConfigError, LeaseError
+from ..masking import mask_secrets
 from . import bounded, failures
 
 __all__ = ["Bounds", "Dialect", "SQLite", "PostgreSQL", "MySQL", "for_url", "SUPPORTED"]
@@ -469,10 +470,13 @@ def for_url(url: str, **settings: Any) -> Dialect:
         parsed = sa.engine.make_url(url)
         name = parsed.get_dialect().name
     except Exception as exc:  # noqa: BLE001 - any URL/driver problem is a config error
-        raise LeaseConfigError("lease_store_url", url, f"is not a usable SQLAlchemy URL ({exc})") from exc
+        # "from None": SQLAlchemy's own message may quote the URL with its password.
+        raise LeaseConfigError("lease_store_url", url,
+                               f"is not a usable SQLAlchemy URL ({mask_secrets(str(exc))})") from None
     for family in SUPPORTED:
         if name in family.drivers:
             return family(parsed, **settings)
     names = ", ".join(n for family in SUPPORTED for n in family.drivers)
-    raise LeaseConfigError("lease_store_url", url, f"dialect {name!r} is not supported",
+    raise LeaseConfigError("lease_store_url", parsed.render_as_string(hide_password=True),
+                           f"dialect {name!r} is not supported",
                            f"Use one of {names}.")

@@ -160,6 +160,13 @@ class EffectStatements(StoreBase):
                 self._event(c, job_id, Event.EFFECT_FORGOTTEN, reason, detail={"key": key})
             return res.rowcount == 1
 
+    def effect_record(self, key: str) -> dict[str, Any] | None:
+        """An effect key's row (``key``, ``job_id``, ``at``), or None when no such key is recorded."""
+        e = self.t.effects
+        with self.begin() as c:
+            row = c.execute(sa.select(e.c.key, e.c.job_id, e.c.at).where(e.c.key == key)).first()
+        return None if row is None else dict(row._mapping)
+
     def effect_keys(self, job_id: str) -> list[str]:
         """The effect keys a job recorded, oldest first."""
         e = self.t.effects

@@ -97,6 +97,17 @@ class ReportStatements(StoreBase):
             return {r[0] for r in c.execute(sa.select(w.c.worker_id)
                                             .where(w.c.last_seen_at >= self.now_sql - self.stale_after))}
 
+    def workers_last_seen(self, worker_ids: Sequence[str]) -> tuple[float, dict[str, float]]:
+        """The store's time and when each of these registered worker processes was last seen."""
+        w = self.t.workers
+        with self.begin(long=True) as c:
+            now = self._now(c)
+            if not worker_ids:
+                return now, {}
+            rows = c.execute(sa.select(w.c.worker_id, w.c.last_seen_at)
+                             .where(w.c.worker_id.in_(list(worker_ids)))).all()
+        return now, {r[0]: float(r[1]) for r in rows}
+
     def event_counts(self, names: Sequence[str], since: float | None = None,
                      until: float | None = None) -> dict[str, int]:
         """Events by name with ``since < at <= until`` (store epoch seconds); one range of the
@@ -145,6 +156,13 @@ class ReportStatements(StoreBase):
         if job is None:
             raise JobNotFound(job_id)
         return job
+
+    def job_ids_starting(self, prefix: str, limit: int = 10) -> list[str]:
+        """Up to ``limit`` job ids that start with ``prefix`` (LIKE's wildcards in it escaped), sorted."""
+        j = self.t.jobs
+        q = sa.select(j.c.id).where(j.c.id.startswith(prefix, autoescape=True)).order_by(j.c.id).limit(limit)
+        with self.begin(long=True) as c:
+            return list(c.execute(q).scalars())
 
     def list_events(self, job_id: str | None = None, since: float | None = None,
                     event: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
@@ -314,6 +332,22 @@ class ReportStatements(StoreBase):
             self._event(c, job.id, Event.DLQ_REDRIVEN, error, operator, detail={
                 "previous_attempts": job.attempt_count, "previous_expirations": job.expired_count,
                 "queue": job.queue_name,
+            })
+        return True
+
+    def discard_dead_letter(self, job: Job, operator: str) -> bool:
+        """Delete a failed job's row (CAS on status and failed_at); audited dlq_discarded with its last
+        error. Its events stay; its idempotency key keeps answering with this job until it is pruned."""
+        j = self.t.jobs
+        same_failure = j.c.failed_at.is_(None) if job.failed_at is None else j.c.failed_at == job.failed_at
+        with self.begin(long=True) as c:
+            res = c.execute(sa.delete(j).where(j.c.id == job.id, j.c.status == FAILED, same_failure))
+            if res.rowcount != 1:
+                return False
+            error = (job.last_error or "")[:200] or None
+            self._event(c, job.id, Event.DLQ_DISCARDED, error, operator, detail={
+                "task": job.task_name, "queue": job.queue_name, "attempts": job.attempt_count,
+                "idempotency_key": job.idempotency_key,
             })
         return True
 

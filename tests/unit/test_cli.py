@@ -24,8 +24,8 @@ from tests.apps import ops_app
 from tests.conftest import drop_store_tables, flushed_redis, require_service, service_url, unique_prefix
 
 REDIS_DB = 10
-VERBS = ("migrate", "status", "jobs", "inspect", "events", "reap", "requeue", "dlq", "check", "tune",
-         "exporter")
+VERBS = ("migrate", "status", "jobs", "inspect", "events", "reap", "requeue", "dlq", "effects", "check",
+         "tune", "exporter")
 
 
 @dataclasses.dataclass
@@ -36,6 +36,10 @@ class Scene:
 
     def run(self, *args: str) -> Result:
         return CliRunner().invoke(celery, ["-A", "tests.apps.ops_app", "lease", *args])
+
+    def run_input(self, text: str, *args: str) -> Result:
+        """Run with ``text`` as what the operator types."""
+        return CliRunner().invoke(celery, ["-A", "tests.apps.ops_app", "lease", *args], input=text)
 
     def json(self, *args: str) -> Any:
         result = self.run(*args, "--json")
@@ -221,7 +225,8 @@ def test_inspect_shows_the_row_the_message_and_the_history(ro):
 def test_inspect_of_an_unknown_job_says_so_and_what_to_do(ro):
     result = ro.run("inspect", "no-such-job")
     assert result.exit_code == 1
-    assert "no job 'no-such-job'" in result.output and "celery lease jobs" in result.output
+    assert "no job 'no-such-job'" in result.output
+    assert "lease jobs`" in result.output  # with the -A value given: tests/unit/test_cli_app.py
 
 
 def test_events_filter_by_job_name_and_age(ro):
@@ -329,12 +334,12 @@ def test_store_unreachable_is_a_clear_error(monkeypatch):
 
 # -- manual recovery ----------------------------------------------------------------------
 def test_requeue_expired_takes_only_abandoned_leases_a_batch_at_a_time(rw, broker):
-    first = rw.json("requeue", "--expired", "--batch", "2")
+    first = rw.json("requeue", "--yes", "--expired", "--batch", "2")
     assert [o["job_id"] for o in first["outcomes"]] == ["abandoned-2", "abandoned-1"]
     assert first["requeued"] == 2 and first["batch"] == 2
-    out = rw.run("requeue", "--expired").output
+    out = rw.run("requeue", "--yes", "--expired").output
     assert "abandoned-0" in out and "requeued 1," in out
-    assert "nothing to do" in rw.run("requeue", "--expired").output
+    assert "nothing to do" in rw.run("requeue", "--yes", "--expired").output
     for job_id in rw.ids["abandoned"]:
         job = rw.store.get(job_id)
         assert (job.status, job.lock_token, job.locked_by, job.expired_count) == ("pending", None, None, 1)
@@ -347,7 +352,7 @@ def test_requeue_expired_takes_only_abandoned_leases_a_batch_at_a_time(rw, broke
 
 def test_requeue_force_takes_a_live_lease_and_fences_its_old_owner(rw, broker):
     old = rw.store.get("live-0")
-    result = rw.run("requeue", "--job", "live-0", "--force")
+    result = rw.run("requeue", "--yes", "--job", "live-0", "--force")
     assert result.exit_code == 0, result.output
     job = rw.store.get("live-0")
     assert job.status == "pending" and job.lock_token is None
@@ -357,16 +362,16 @@ def test_requeue_force_takes_a_live_lease_and_fences_its_old_owner(rw, broker):
 
 
 def test_requeue_force_re_publishes_a_pending_job(rw, broker):
-    assert rw.json("requeue", "--job", "pending-late", "--force")["requeued"] == 1
+    assert rw.json("requeue", "--yes", "--job", "pending-late", "--force")["requeued"] == 1
     assert queued_ids(broker, "reports") == ["pending-late"]
     assert rw.store.get("pending-late").dispatch_count == 1
 
 
 def test_requeue_shows_a_progress_bar_on_a_terminal_only(rw, broker, monkeypatch):
-    assert "requeueing" not in rw.run("requeue", "--expired", "--batch", "1").stderr
-    monkeypatch.setattr("celery_lease.cli.ops.is_tty", lambda: True)
-    assert "requeueing" in rw.run("requeue", "--expired", "--batch", "1").stderr
-    assert "requeueing" not in rw.run("requeue", "--expired", "--batch", "1", "--json").stderr
+    assert "requeueing" not in rw.run("requeue", "--yes", "--expired", "--batch", "1").stderr
+    monkeypatch.setattr("celery_lease.cli.manual.is_tty", lambda: True)
+    assert "requeueing" in rw.run("requeue", "--yes", "--expired", "--batch", "1").stderr
+    assert "requeueing" not in rw.run("requeue", "--yes", "--expired", "--batch", "1", "--json").stderr
 
 
 def test_requeue_reports_a_publish_failure_and_exits_non_zero(rw, monkeypatch):
@@ -376,7 +381,7 @@ def test_requeue_reports_a_publish_failure_and_exits_non_zero(rw, monkeypatch):
     app.conf.task_publish_retry = False
     app.conf.broker_transport_options = {"max_retries": 0}  # kombu retries a refused connection for 6 s
     app._celery_lease_store = rw.store
-    result = rw.run("requeue", "--job", "abandoned-0", "--json")
+    result = rw.run("requeue", "--yes", "--job", "abandoned-0", "--json")
     assert result.exit_code == 1
     outcome = json.loads(result.stdout)["outcomes"][0]
     assert outcome["action"] == "publish_failed" and "lease_dispatch_timeout" in outcome["reason"]
@@ -384,15 +389,15 @@ def test_requeue_reports_a_publish_failure_and_exits_non_zero(rw, monkeypatch):
 
 
 def test_dlq_redrive_sends_dead_letters_back_with_fresh_attempts(rw, broker):
-    first = rw.json("dlq", "redrive", "--batch", "1")
+    first = rw.json("dlq", "redrive", "--yes", "--batch", "1")
     assert [o["job_id"] for o in first["outcomes"]] == ["failed-0"] and first["redriven"] == 1
     job = rw.store.get("failed-0")
     assert (job.status, job.attempt_count, job.failed_at) == ("pending", 0, None)
     assert job.idempotency_key == "fails-0"
     assert rw.store.list_events(job_id="failed-0", event="dlq_redriven")[0]["reason"] == "ValueError: boom"
-    out = rw.run("dlq", "redrive").output  # the revoked job stays out of a batch
+    out = rw.run("dlq", "redrive", "--yes").output  # the revoked job stays out of a batch
     assert "failed-1" in out and "revoked-0" not in out and "redriven 1," in out
-    assert rw.json("dlq", "redrive", "--job", "revoked-0")["redriven"] == 1
+    assert rw.json("dlq", "redrive", "--yes", "--job", "revoked-0")["redriven"] == 1
     assert sorted(queued_ids(broker, "celery")) == ["failed-0", "failed-1", "revoked-0"]
     assert rw.store.record("again", "ops.fails", "celery", None, 3, idempotency_key="fails-0") == (
         False, "failed-0")

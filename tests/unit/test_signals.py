@@ -1,16 +1,75 @@
-"""Worker hooks: the pool checks made at worker start."""
+"""Worker hooks: the pool checks and the start-up step that refuses LeaseTask options that cannot work."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from celery import Celery
 
 from celery_lease import LeaseTask
 from celery_lease.errors import LeaseConfigError
-from celery_lease.signals import check_pool, pool_name
+from celery_lease.signals import check_pool, pool_name, validate_tasks
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def app_with(on_lost: str) -> Celery:
+def app_with(**policies) -> Celery:
+    app = Celery("steps", set_as_current=False)
+    app.conf.lease_queue_policies = policies
+    return app
+
+
+def test_a_worker_refuses_to_start_with_a_lease_too_short_for_its_heartbeat(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "BAD_STORE": f"sqlite:///{tmp_path / 'lease.sqlite3'}"}
+    result = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "tests.apps.bad_task_app", "worker", "-P", "solo",
+         "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "LeaseConfigError: lease_heartbeat_interval=10.0 is invalid" in output
+    assert "task bad.short_lease" in output and "ready." not in output
+
+
+def test_every_lease_task_is_resolved_on_each_queue_the_worker_consumes():
+    app = app_with(fast={"lease_duration": 3.0, "lease_heartbeat_interval": 1.0})
+
+    @app.task(base=LeaseTask, name="steps.ok", shared=False, lease_heartbeat_interval=2.0)
+    def ok() -> None: ...
+
+    validate_tasks(app, ["celery"])  # 2 s beats within the default 30 s lease
+    with pytest.raises(LeaseConfigError) as info:
+        validate_tasks(app, ["celery", "fast"])  # but not within the fast queue's 3 s lease
+    assert info.value.setting == "lease_heartbeat_interval"
+    assert "task steps.ok" in str(info.value) and "on queue 'fast'" in str(info.value)
+
+
+def test_a_queue_policy_can_make_a_task_option_valid_on_that_queue():
+    app = app_with(reports={"lease_duration": 600.0})
+    app.conf.task_routes = {"steps.report": {"queue": "reports"}}
+
+    @app.task(base=LeaseTask, name="steps.report", shared=False, lease_heartbeat_interval=60.0)
+    def report() -> None: ...
+
+    validate_tasks(app, ["reports"])
+    with pytest.raises(LeaseConfigError):
+        validate_tasks(app, ["reports", "celery"])
+
+
+def test_plain_tasks_are_left_alone():
+    app = app_with()
+
+    @app.task(name="steps.plain", shared=False, lease_duration=1.0)
+    def plain() -> None: ...
+
+    validate_tasks(app, ["celery"])
+
+
+def app_losing(on_lost: str) -> Celery:
     app = Celery(f"signals_{on_lost}", set_as_current=False)
     app.conf.update(lease_store_url="sqlite://")
 
@@ -24,7 +83,7 @@ def app_with(on_lost: str) -> Celery:
 def test_raise_on_lost_is_refused_in_the_eventlet_pool_at_worker_start():
     with pytest.raises(LeaseConfigError, match="lease_on_lost='raise' is invalid: cannot interrupt a body in "
                                                "the eventlet pool"):
-        check_pool(app_with("raise"), "eventlet")
+        check_pool(app_losing("raise"), "eventlet")
 
 
 STARTS = [("flag", "eventlet"), ("raise", "gevent"), ("raise", "prefork"), ("raise", "threads")]
@@ -32,7 +91,7 @@ STARTS = [("flag", "eventlet"), ("raise", "gevent"), ("raise", "prefork"), ("rai
 
 @pytest.mark.parametrize(("on_lost", "pool"), STARTS)
 def test_every_other_pool_and_policy_starts(on_lost, pool):
-    check_pool(app_with(on_lost), pool)
+    check_pool(app_losing(on_lost), pool)
 
 
 def test_the_pool_is_named_from_the_worker_setting_or_its_class():

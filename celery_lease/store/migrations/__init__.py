@@ -94,4 +94,6 @@ def sql(url: str, table_prefix: str, to: str, start: str | None = None) -> str:
     target = f"{start}:{to}" if start else to
     going_down = start is not None and revisions().index(to) < revisions().index(start)
     (command.downgrade if going_down else command.upgrade)(cfg, target, sql=True)
-    return cfg.output_buffer.getvalue()
+    buffer = cfg.output_buffer
+    assert isinstance(buffer, io.StringIO)  # _config gives every offline run one
+    return buffer.getvalue()

@@ -25,7 +25,7 @@ def upgrade() -> None:
     # The same DDL as the first release's create_all, and printable by `migrate --sql`.
     for table in tables(prefix()).sorted_tables:
         op.execute(CreateTable(table))
-        for index in sorted(table.indexes, key=lambda ix: ix.name):
+        for index in sorted(table.indexes, key=lambda ix: str(ix.name)):
             op.execute(CreateIndex(index))
 
 

@@ -10,6 +10,8 @@ Revises: 0001
 
 from __future__ import annotations
 
+from typing import Any
+
 import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects import mysql
@@ -22,7 +24,7 @@ branch_labels = None
 depends_on = None
 
 ID = 255
-POLICY_COLUMNS = (
+POLICY_COLUMNS: tuple[tuple[str, sa.types.TypeEngine[Any]], ...] = (
     ("on_expired", sa.String(16)),
     ("max_expirations", sa.Integer()),
     ("backoff_base", sa.Double()),
