@@ -65,7 +65,7 @@ def main() -> None:
     try:
         run(store, args.calls, args.rounds)
     finally:
-        store.t.metadata.drop_all(store.engine)
+        store.drop_schema()
         store.engine.dispose()
 
 

@@ -130,7 +130,7 @@ def measure(url: str, rows: int, history: bool, scrapes: int) -> dict[str, float
                 "scrape": timed(lambda: generate_latest(registry), scrapes),
                 "group_by": timed(store.job_counts, 3)}
     finally:
-        store.t.metadata.drop_all(store.engine)
+        store.drop_schema()
         store.engine.dispose()
 
 

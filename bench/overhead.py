@@ -44,6 +44,10 @@ def run(task: str, seconds: float, n: int, store_url: str, prefix: str, concurre
     bench_app.app._celery_lease_config = None
     bench_app.app._celery_lease_store = None
     target = bench_app.leased if task == "leased" else bench_app.plain
+    if task == "leased":
+        from celery_lease.store import for_app
+
+        for_app(bench_app.app, check=False).migrate()  # publishing never creates tables
     with bench_app.app.producer_or_acquire() as producer:
         for _ in range(n):
             target.apply_async((seconds,), producer=producer)
@@ -127,7 +131,7 @@ def main() -> None:
                 ratios[name].append(leased / ((plain + after) / 2))
                 rates[name].append(((plain + after) / 2, leased))
                 store = Store(url, prefix)
-                store.t.metadata.drop_all(store.engine)
+                store.drop_schema()
                 store.engine.dispose()
                 plain = after
         for name in stores:
@@ -147,7 +151,7 @@ def main() -> None:
             row = "  ".join(f"{n} leases: {r:.0f} / {a:.0f}" for n, (r, a) in counts.items())
             print(f"  {name:<9} {row}")
         finally:
-            store.t.metadata.drop_all(store.engine)
+            store.drop_schema()
             store.engine.dispose()
 
 

@@ -109,7 +109,7 @@ def bench(url: str, rows: int, expired: int, broker: str) -> tuple[float, float,
         assert result.reaped == expired, result
         return built, statistics.median(empty), full
     finally:
-        store.t.metadata.drop_all(store.engine)
+        store.drop_schema()
         store.engine.dispose()
 
 

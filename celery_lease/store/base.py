@@ -373,6 +373,13 @@ class StoreBase:
         with self._schema_lock:
             return migrating.migrate(self, to)
 
+    def drop_schema(self) -> list[str]:
+        """Drop every table of this store (its prefix), the version table too; the tables dropped."""
+        from . import migrating
+
+        with self._schema_lock:
+            return migrating.drop(self)
+
     def schema_state(self) -> tuple[str | None, bool]:
         """(revision, has tables) as the store reports them now; changes nothing."""
         from . import migrating

@@ -203,3 +203,14 @@ def test_migrate_to_an_unknown_revision_names_the_known_ones(store):
 def test_version_table_carries_the_prefix(store):
     tables = sa.inspect(store.engine).get_table_names()
     assert f"{store.prefix}alembic_version" in tables
+
+
+def test_drop_schema_removes_every_table_of_the_store_and_only_those(store_factory):
+    mine, other = store_factory(), store_factory()
+
+    dropped = mine.drop_schema()
+
+    assert f"{mine.prefix}alembic_version" in dropped and f"{mine.prefix}jobs" in dropped
+    names = sa.inspect(mine.engine).get_table_names()
+    assert not [n for n in names if n.startswith(mine.prefix)]
+    assert f"{other.prefix}jobs" in names
