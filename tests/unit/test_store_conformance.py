@@ -1,0 +1,178 @@
+"""The store's conformance suite: every role's transitions and the races between them, one module
+run against SQLite, PostgreSQL and MariaDB (the `store` fixture), so a database family or a new
+driver path that breaks a guarantee fails here by name.
+
+Each race starts its contenders on a barrier and asserts exactly one winner and one audit event.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections.abc import Callable
+
+import pytest
+import sqlalchemy as sa
+
+from celery_lease.store import COMPLETED, FAILED, PENDING, RUNNING, ClaimTerms, Store
+from celery_lease.vocabulary import EffectOutcome, Event
+
+TERMS = ClaimTerms(duration=30.0, grace=1.0, max_attempts=5, max_expirations=5, takeover=True)
+
+
+@pytest.fixture
+def store(store):
+    """Owners count as gone at once and leases are taken back right after their grace."""
+    store.hard_grace, store.stale_after = 0.0, 0.001
+    store.clock_tolerance, store.claim_async_commit = 0.0, False
+    return store
+
+
+def claimed(store: Store, job_id: str, worker: str = "w1") -> str:
+    """Record and claim ``job_id``; its token."""
+    store.record(job_id, "t.task", "q", "{}", 5)
+    tok = secrets.token_hex(16)
+    assert store.claim(job_id, worker, tok, TERMS, "t.task", "q", lambda: None).claimed
+    return tok
+
+
+def expire(store: Store, job_id: str) -> None:
+    """Move a lease past its expiry and grace on the store's clock (test-only SQL)."""
+    j = store.t.jobs
+    with store.begin() as c:
+        c.execute(sa.update(j).where(j.c.id == job_id).values(lease_expires_at=store.now_sql - 10.0))
+
+
+def race(*contenders: Callable[[], object]) -> list[object]:
+    """Run the contenders at once; their results in order."""
+    barrier, results = threading.Barrier(len(contenders)), [None] * len(contenders)
+
+    def run(n: int) -> None:
+        barrier.wait()
+        results[n] = contenders[n]()
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in range(len(contenders))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def count(store: Store, job_id: str, event: Event) -> int:
+    return len(store.events(job_id, event))
+
+
+# -- one job's life ------------------------------------------------------------------------
+def test_a_job_goes_pending_running_completed_with_one_event_per_transition(store):
+    tok = claimed(store, "life")
+
+    assert store.complete("life", tok, "w1")
+
+    assert store.get("life").status == COMPLETED
+    assert [e["event"] for e in store.events("life")] == [Event.PUBLISHED, Event.CLAIMED, Event.COMPLETED]
+
+
+@pytest.mark.parametrize(("write", "stale"), [
+    (lambda s, t: s.complete("j", t, "w1"), Event.STALE_COMPLETION_REJECTED),
+    (lambda s, t: s.fail("j", t, "boom", "w1"), Event.STALE_FAILURE_REJECTED),
+    (lambda s, t: s.retry_later("j", t, 1.0, None, "again", "w1"), Event.STALE_RETRY_REJECTED),
+    (lambda s, t: s.release("j", t, "w1"), Event.STALE_RELEASE_REJECTED),
+    (lambda s, t: s.checkpoint("j", t, {"step": 2}, "w1"), Event.STALE_CHECKPOINT_REJECTED),
+], ids=["complete", "fail", "retry", "release", "checkpoint"])
+def test_every_owner_write_with_a_stale_token_changes_nothing_and_is_audited(store, write, stale):
+    old = claimed(store, "j")
+    expire(store, "j")
+    new = secrets.token_hex(16)
+    assert store.claim("j", "w2", new, TERMS, "t.task", "q", lambda: None).claimed
+    before = store.get("j")
+
+    assert write(store, old) is False
+
+    after = store.get("j")
+    assert (after.status, after.lock_token, after.checkpoint) == (RUNNING, new, before.checkpoint)
+    assert count(store, "j", stale) == 1
+
+
+# -- races -----------------------------------------------------------------------------------
+def test_claim_against_claim_has_one_winner(store):
+    store.record("cc", "t.task", "q", "{}", 5)
+    outcomes = race(*(lambda n=n: store.claim("cc", f"w{n}", secrets.token_hex(16), TERMS, "t.task", "q",
+                                              lambda: None).outcome for n in range(6)))
+    assert sorted(outcomes) == ["busy"] * 5 + ["claimed"]
+    assert count(store, "cc", Event.CLAIMED) == 1
+
+
+def test_a_takeover_against_the_reaper_has_one_winner(store):
+    old = claimed(store, "cr", "dead")
+    expire(store, "cr")
+    new = secrets.token_hex(16)
+
+    took, requeued = race(
+        lambda: store.claim("cr", "w2", new, TERMS, "t.task", "q", lambda: None).claimed,
+        lambda: store.requeue_abandoned("cr", old, "dead", delay=0.0, reason="lease expired"))
+
+    job = store.get("cr")
+    assert [took, requeued].count(True) >= 1
+    if took and not requeued:
+        assert (job.status, job.lock_token) == (RUNNING, new)
+        assert count(store, "cr", Event.REAPED_EXPIRED_LEASE) == 0
+    elif requeued and not took:
+        assert (job.status, job.lock_token) == (PENDING, None)
+        assert count(store, "cr", Event.LEASE_TAKEN_OVER) == 0
+    else:  # the reaper requeued first, then the claim took the pending job: still one owner
+        assert (job.status, job.lock_token) == (RUNNING, new)
+    assert job.expired_count == 1  # one expiration counted, whoever won
+
+
+def test_two_reapers_take_one_lease_back_once(store):
+    old = claimed(store, "rr", "dead")
+    expire(store, "rr")
+
+    results = race(*(lambda: store.requeue_abandoned("rr", old, "dead", delay=0.0, reason="expired"),) * 4)
+
+    assert results.count(True) == 1
+    assert count(store, "rr", Event.REAPED_EXPIRED_LEASE) == 1
+
+
+def test_a_dead_letter_against_a_late_completion_has_one_outcome(store):
+    tok = claimed(store, "dc", "dead")
+    expire(store, "dc")
+
+    completed, dead = race(lambda: store.complete("dc", tok, "dead"),
+                           lambda: store.dead_letter_abandoned("dc", tok, "dead", error="expired"))
+
+    assert [completed, dead].count(True) == 1
+    assert store.get("dc").status == (COMPLETED if completed else FAILED)
+
+
+# -- effects and locks ---------------------------------------------------------------------------
+def test_an_effect_key_is_first_once_duplicate_after_and_lost_to_a_stale_owner(store):
+    tok = claimed(store, "fx")
+    racers = race(*(lambda: store.record_effect("pay:1", "fx", tok, "w1"),) * 4)
+    assert sorted(racers) == [EffectOutcome.DUPLICATE] * 3 + [EffectOutcome.FIRST]
+
+    expire(store, "fx")
+    assert store.claim("fx", "w2", secrets.token_hex(16), TERMS, "t.task", "q", lambda: None).claimed
+
+    assert store.record_effect("pay:2", "fx", tok, "w1") == EffectOutcome.LOST
+    assert store.effect_keys("fx") == ["pay:1"]
+    assert count(store, "fx", Event.STALE_EFFECT_REJECTED) == 1
+
+
+def test_a_resource_lock_has_one_holder_is_taken_after_expiry_and_refused_to_a_stale_lease(store):
+    tok = claimed(store, "lk")
+    holders = race(*(lambda n=n: store.acquire_lock("acct:7", f"lt{n}", 30.0, "w1", "lk", tok)
+                     for n in range(4)))
+    assert sorted(holders) == [EffectOutcome.DUPLICATE] * 3 + [EffectOutcome.FIRST]
+
+    k = store.t.locks
+    with store.begin() as c:
+        c.execute(sa.update(k).where(k.c.resource == "acct:7").values(expires_at=store.now_sql - 1.0))
+    assert store.acquire_lock("acct:7", "late", 30.0, "w1", "lk", tok) == EffectOutcome.FIRST
+    assert count(store, "lk", Event.LOCK_TAKEN_AFTER_EXPIRY) == 1
+
+    expire(store, "lk")
+    assert store.claim("lk", "w2", secrets.token_hex(16), TERMS, "t.task", "q", lambda: None).claimed
+    assert store.acquire_lock("acct:8", "stale", 30.0, "w1", "lk", tok) == EffectOutcome.LOST
+    assert store.lock_holder("acct:8") is None
