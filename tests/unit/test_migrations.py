@@ -214,3 +214,28 @@ def test_drop_schema_removes_every_table_of_the_store_and_only_those(store_facto
     names = sa.inspect(mine.engine).get_table_names()
     assert not [n for n in names if n.startswith(mine.prefix)]
     assert f"{other.prefix}jobs" in names
+
+
+def test_a_worker_refuses_to_start_against_an_old_schema(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    url = f"sqlite:///{tmp_path / 'old.sqlite3'}"
+    Store(url, "core_").migrate(to="0001")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "CORE_STORE": url, "CORE_PREFIX": "core_",
+           "CORE_BROKER": "redis://127.0.0.1:6379/4"}  # never reached: the worker stops first
+
+    result = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "tests.apps.core_app", "worker", "-P", "solo",
+         "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+
+    assert result.returncode != 0
+    oldest, newest = migrations.supported()
+    output = result.stdout + result.stderr
+    assert "is at revision 0001; celery_lease" in output, output[-2000:]
+    assert f"runs against revisions {oldest} to {newest}: run `celery -A proj lease migrate`" in output
+    assert Store(url, "core_").schema_state() == ("0001", True)  # nothing upgraded behind our back
