@@ -51,7 +51,8 @@ def leased(task: Any) -> bool:
     ``task_cls`` is LeaseTask makes them LeaseTasks) would only add rows and races.
     """
     name = getattr(task, "name", None) or ""
-    return isinstance(task, LeaseTask) and (not name.startswith("celery.") or name in LEASED_BUILTINS)
+    kind = task if isinstance(task, type) else type(task)
+    return issubclass(kind, LeaseTask) and (not name.startswith("celery.") or name in LEASED_BUILTINS)
 
 
 def _seconds_until(when: Any) -> float:
