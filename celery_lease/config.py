@@ -221,6 +221,12 @@ SETTINGS: tuple[Setting, ...] = (
        "Seconds RabbitMQ lets a delivery go unacknowledged (its consumer_timeout), for `lease check`; "
        "None: ask the management API, else assume RabbitMQ's default of 1800.",
        _number(0, strict=True, allow_none=True), "None or a number of seconds > 0", False),
+    # eager runs
+    _S("lease_eager_store", False,
+       "Eager runs (task_always_eager, apply()) take a real lease in the store, so effects, locks and "
+       "checkpoints are fenced there as in a worker. False: self.lease is a local handle whose effect "
+       "keys are kept in this process (once per key within it) and whose locks are in-process locks.",
+       _bool, "True or False", False),
     # resource locks
     _S("lease_lock_ttl", 30.0,
        "Seconds a resource lock lasts without renewal.",

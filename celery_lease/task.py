@@ -21,8 +21,8 @@ from celery.app.task import get_actual_ignore_result
 from celery.exceptions import Ignore, Reject, Retry, WorkerShutdown, WorkerTerminate
 from celery.utils import uuid
 
-from . import deadline, deliveries, messages, replacing, runtime
-from .config import TaskPolicy, task_policy
+from . import deadline, deliveries, local, messages, replacing, runtime
+from .config import TaskPolicy, app_config, task_policy
 from .errors import LeaseLost, StoreUnavailable
 from .lease import Lease
 from .store import ClaimTerms, Store, for_app
@@ -113,22 +113,21 @@ class LeaseTask(Task):
         install(app)
 
     @property
-    def lease(self) -> Lease | None:
-        """The running job's lease (None outside a leased run), found through the current request.
+    def lease(self) -> Lease | local.LocalLease | None:
+        """The running job's lease, found through the current request (None outside any run).
 
         A LeaseTask called directly inside a leased body (the items of ``celery.map``,
-        ``celery.starmap`` and ``celery.chunks``) shares the lease of that body.
+        ``celery.starmap`` and ``celery.chunks``) shares the lease of that body. A run outside
+        a worker (eager, ``apply()``, a direct call) gets a local handle (local.py).
         """
         rt = runtime.current(self.app)
-        if rt is None:
-            return None
-        lease = rt.lease_for(self.request)
-        if lease is None and self.request.called_directly:
+        lease = rt.lease_for(self.request) if rt is not None else None
+        if lease is None and rt is not None and self.request.called_directly:
             for caller in reversed(_task_stack.stack):
                 lease = rt.lease_for(caller.request)
                 if lease is not None:
                     break
-        return lease
+        return lease if lease is not None else local.current()
 
     def lease_policy(self, queue: str | None = None) -> TaskPolicy:
         """The lease options in force for this task on a queue."""
@@ -186,8 +185,15 @@ class LeaseTask(Task):
     # -- run -------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request
-        if request.called_directly or request.is_eager or not leased(self):
+        if not leased(self):
             return super().__call__(*args, **kwargs)
+        if request.is_eager and not request.called_directly and app_config(self.app).eager_store:
+            return _run_leased(self, args, kwargs)
+        if request.called_directly or request.is_eager:
+            if self.lease is not None:
+                return super().__call__(*args, **kwargs)  # inside a leased or local run: share it
+            with local.running(self.app, request.id, self.name):
+                return super().__call__(*args, **kwargs)
         return _run_leased(self, args, kwargs)
 
 
@@ -226,6 +232,8 @@ def _run_leased(task: LeaseTask, args: tuple[Any, ...], kwargs: dict[str, Any]) 
                                             task.serializer),
         )
     except StoreUnavailable as exc:
+        if request.is_eager:
+            raise  # no message to deliver again: the caller sees the outage
         deliveries.fail_closed(task, policy.store_retry_delay, exc)
     if claim.outcome == ClaimOutcome.EARLY:
         deliveries.defer_early(task, store, rt.worker, claim.wait)
