@@ -25,6 +25,7 @@ from celery import Task, shared_task
 from . import messages
 from .config import TaskPolicy, app_config, task_policy, worker_stale_after
 from .errors import StoreCorrupt, StoreUnavailable
+from .outcomes import report_failure
 from .store import RUNNING, Job, ReaperStore, for_app
 
 # The kinds of a Decision (the dataclass below names one decision about one job).
@@ -234,6 +235,7 @@ class Reaper:
     def _recover_expired(self, result: ReapResult, now: float | None, token: str | None) -> bool:
         budget, after, dry = self.batch_size, None, token is None
         for _ in range(MAX_PAGES):
+            finals: list[tuple[Job, str]] = []
             with self.store.begin(long=True) as c:
                 page = self.store.scan_expired(c, limit=self.batch_size, after=after, now=now, lock=not dry)
                 for item in page:
@@ -266,7 +268,12 @@ class Reaper:
                                   "the next run", job.id, (job.lock_token or "")[:8], exc,
                                   extra={"action": "reap_publish_failed"})
                         break
-                    _settle(self.store, job, decision, result, now=now, c=c)
+                    if _settle(self.store, job, decision, result, now=now, c=c) and (
+                            decision.decision != Kind.REQUEUE):
+                        finals.append((job, decision.reason))
+            # Celery hears of each dead letter once the page's transaction committed it.
+            for job, reason in finals:
+                report_failure(self.app, job, reason)
             if len(page) < self.batch_size or budget == 0 or result.publish_errors:
                 return not result.publish_errors
             if not self._still_ours(token):
