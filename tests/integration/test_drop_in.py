@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
@@ -52,9 +53,14 @@ def app(redis_url, postgres_url):
 
     @app.task(base=LeaseTask, bind=True, shared=False, name="d.flaky")
     def flaky(self, times):
-        client.incr(f"runs:{self.request.id}")
+        runs = client.incr(f"runs:{self.request.id}")
         if self.request.retries < times:
-            raise self.retry(countdown=0)
+            retry = self.retry(countdown=0, throw=False)
+            # Hold the attempt open until the retry's message was consumed (or 3 s): its delivery
+            # must find the job claimable, not busy, while the attempt is still finishing.
+            with contextlib.suppress(AssertionError):
+                wait_for(lambda: int(client.get(f"runs:{self.request.id}")) > runs, timeout=3)
+            raise retry
         return self.request.retries
 
     migrated_store(app)
