@@ -142,9 +142,15 @@ class LeaseTask(Task):
         if eager or messages.recording_disabled() or not leased(self):
             return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow, **options)
         task_id = task_id or uuid()
-        payload = messages.encode(self.name, args, kwargs, {
+        serializer = options.get("serializer") or self.serializer
+        record_args, record_kwargs = args, kwargs
+        dump = getattr(self, "_dump_pydantic_arguments", None)  # pydantic=True (Celery >= 5.5)
+        if dump is not None and serializer != "pickle":
+            # The models as Celery puts them in the message, so the record encodes what it sends.
+            record_args, record_kwargs = dump(args, kwargs)
+        payload = messages.encode(self.name, record_args, record_kwargs, {
             **options, "link": link, "link_error": link_error, "shadow": shadow,
-        }, options.get("serializer") or self.serializer)
+        }, serializer)
         delay = _seconds_until(options.get("eta")) or _seconds_until(options.get("countdown"))
         if replacing.claim_on_publish(self, task_id, payload):
             with messages.publishing_unrecorded():

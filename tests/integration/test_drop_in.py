@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
@@ -18,6 +19,17 @@ from tests.helpers import wait_for
 from tests.integration.test_leased_execution import make_app
 
 pytestmark = pytest.mark.integration
+
+try:
+    import pydantic
+except ImportError:  # pragma: no cover - pydantic=True tasks need it
+    pydantic = None
+else:
+
+    class Item(pydantic.BaseModel):
+        """A model argument of a pydantic=True task (module level: its annotation must resolve)."""
+
+        n: int
 
 REDIS_DB = 3
 
@@ -174,3 +186,19 @@ def test_celery_builtins_are_never_leased_and_map_items_share_one_lease(redis_ur
             assert names == ["celery.map", "d.by_group", "d.lease_of", "d.lease_of"]
         finally:
             drop_app_store(app)
+
+
+def test_pydantic_arguments_and_string_etas_publish_as_with_celery(app):
+    if pydantic is None:
+        pytest.skip("pydantic is not installed")
+
+    @app.task(base=LeaseTask, shared=False, name="d.double", pydantic=True)
+    def double(item: Item) -> Item:
+        return Item(n=item.n * 2)
+
+    add = app.tasks["d.add"]
+    eta = (datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=1)).isoformat()
+    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+        assert double.delay(Item(n=2)).get(timeout=20) == {"n": 4}
+        assert add.apply_async((1, 2), eta=eta).get(timeout=20) == 3
+    assert statuses(app) == ["completed"] * 2
