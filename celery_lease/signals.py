@@ -58,7 +58,7 @@ class LeaseRequest(Request):
         give-back on its way out finds nothing to give back, and the job is never requeued.
         """
         # Threads and solo cannot terminate a run (Celery raises NotImplementedError): it goes on.
-        if self.time_start and self.worker_pid and type(pool).terminate_job is not BasePool.terminate_job:
+        if self.time_start and self.worker_pid and _can_terminate(pool):
             _cancel_terminated(self)
         return super().terminate(pool, signal)
 
@@ -87,6 +87,11 @@ class LeaseRequest(Request):
 
 # What recover_worker_lost answers when the job runs again (or someone else holds it).
 RERUN = ("requeue", "lost_race", "error", "store_unavailable")
+
+
+def _can_terminate(pool: Any) -> bool:
+    # Prefork binds billiard's terminate_job on the instance; threads and solo keep BasePool's.
+    return getattr(pool.terminate_job, "__func__", None) is not BasePool.terminate_job
 
 
 def _cancel_terminated(request: LeaseRequest) -> None:
