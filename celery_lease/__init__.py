@@ -2,6 +2,7 @@
 
 from . import reaper as _reaper  # registers celery_lease.reap  # noqa: F401
 from .errors import (
+    JobDeadLettered,
     JobNotFound,
     LeaseConfigError,
     LeaseError,
@@ -22,6 +23,7 @@ __all__ = [
     "LeaseError",
     "LeaseConfigError",
     "LeaseLost",
+    "JobDeadLettered",
     "LockUnavailable",
     "JobNotFound",
     "StoreCorrupt",

@@ -243,6 +243,12 @@ SETTINGS: tuple[Setting, ...] = (
        "Absolute URL of the operator's playbook that alert rules link to (runbook_url = this URL + "
        "'#' + the step's anchor); point it at your own copy of the README.",
        _url, "an absolute http(s) URL without a '#' fragment", False),
+    # eager runs
+    _S("lease_eager_store", False,
+       "Eager runs (task_always_eager, apply()) take a real lease in the store, so effects, locks and "
+       "checkpoints are fenced there as in a worker. False: self.lease is a local handle whose effect "
+       "keys are kept in this process (once per key within it) and whose locks are in-process locks.",
+       _bool, "True or False", False),
     # resource locks
     _S("lease_lock_ttl", 30.0,
        "Seconds a resource lock lasts without renewal.",

@@ -10,6 +10,7 @@
     ├── StoreCorrupt          a row in the store cannot be understood
     ├── JobNotFound           no job with that id in the store
     ├── LeaseLost             this worker no longer holds the job's lease
+    ├── JobDeadLettered       the reaper gave up on a job (the failure Celery is told of)
     └── LockUnavailable       a resource lock is held by someone else
 
 Each class's docstring is its default message; instances carry the job id,
@@ -30,6 +31,7 @@ __all__ = [
     "StoreNotMigrated",
     "StoreRejected",
     "StoreConflict",
+    "JobDeadLettered",
     "StoreCorrupt",
     "JobNotFound",
     "LeaseLost",
@@ -96,6 +98,13 @@ class StoreConflict(StoreRejected):
 
 class StoreCorrupt(LeaseError):
     """A row in the lease store cannot be understood."""
+
+
+class JobDeadLettered(LeaseError):
+    """The job was dead-lettered: its lease expired and it will not run again."""
+
+    def __init__(self, job_id: str, reason: str) -> None:
+        super().__init__(f"job {job_id} dead-lettered: {reason}", job_id=job_id, reason=reason)
 
 
 class JobNotFound(LeaseError):

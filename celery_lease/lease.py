@@ -54,6 +54,9 @@ class Lease:
         self.confirmed_at = sent_at
         self.deadline = deadline.local_deadline(sent_at, self.duration)
         self.finishing = False
+        # Set when the body handed the job on: Task.replace() or Task.retry() changed the row.
+        self.handed_over = False
+        self.retried = False
         self._in_body = False
         self._interrupter = runtime.interrupter()
         self._guard = threading.Lock()

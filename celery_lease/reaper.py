@@ -26,6 +26,7 @@ from celery import Task, shared_task
 from . import messages
 from .config import REAPER_RUNS_KEPT, TaskPolicy, app_config, task_policy, worker_stale_after
 from .errors import StoreCorrupt, StoreUnavailable
+from .outcomes import report_failure
 from .store import RUNNING, Job, ReaperStore, for_app
 
 # The kinds of a Decision (the dataclass below names one decision about one job).
@@ -249,6 +250,7 @@ class Reaper:
     def _recover_expired(self, result: ReapResult, now: float | None, token: str | None) -> bool:
         budget, after, dry = self.batch_size, None, token is None
         for _ in range(MAX_PAGES):
+            finals: list[tuple[Job, str]] = []
             with self.store.begin(long=True) as c:
                 page = self.store.scan_expired(c, limit=self.batch_size, after=after, now=now, lock=not dry)
                 for item in page:
@@ -281,7 +283,12 @@ class Reaper:
                                   "the next run", job.id, (job.lock_token or "")[:8], exc,
                                   extra={"action": "reap_publish_failed"})
                         break
-                    _settle(self.store, job, decision, result, now=now, c=c)
+                    if _settle(self.store, job, decision, result, now=now, c=c) and (
+                            decision.decision != Kind.REQUEUE):
+                        finals.append((job, decision.reason))
+            # Celery hears of each dead letter once the page's transaction committed it.
+            for job, reason in finals:
+                report_failure(self.app, job, reason)
             if len(page) < self.batch_size or budget == 0 or result.publish_errors:
                 return not result.publish_errors
             if not self._still_ours(token):
@@ -386,6 +393,8 @@ def recover_worker_lost(app: Any, job_id: str, owner: str, reason: str, final: b
         decision = Decision(job.id, job.task_name, kind, why, job.locked_by, 0.0, policy.dead_letter_queue)
     else:
         decision = decide(job, policy, f"worker process lost: {reason}")
+    if decision.decision == Kind.REQUEUE:
+        return _requeue_lost(app, store, job, decision, owner, reason)
     try:
         decision = _publish(app, job, decision)
     except Exception as exc:  # noqa: BLE001 - broker down: the reaper recovers it after expiry
@@ -397,6 +406,35 @@ def recover_worker_lost(app: Any, job_id: str, owner: str, reason: str, final: b
         return "lost_race"
     log.info("job %s [%s]: worker process %s lost (%s): %s", job_id, job.lock_token[:8], owner, reason,
              decision.decision, extra={"action": "worker_lost_recovered"})
+    return decision.decision
+
+
+def _requeue_lost(app: Any, store: ReaperStore, job: Job, decision: Decision, owner: str, reason: str) -> str:
+    """Requeue a dead child's job: the row first, then its message, so no delivery finds it busy.
+
+    The owner is known dead (its main process saw it go), so nothing holds the row across
+    the publish; a publish that fails leaves a pending job for the dispatch scan.
+    """
+    try:
+        messages.decode(job.payload, app.conf.accept_content, job.id)
+    except StoreCorrupt as exc:
+        decision = dataclasses.replace(decision, decision=Kind.FAIL, queue=None,
+                                       reason=f"{decision.reason}; message unreadable: {exc}")
+    if not _settle(store, job, decision, ReapResult(), expired=False):
+        return "lost_race"
+    if decision.decision != Kind.REQUEUE:
+        return decision.decision
+    try:
+        messages.republish(app, job.id, job.payload, countdown=decision.delay)
+    except Exception as exc:  # noqa: BLE001 - broker down: the dispatch scan re-sends it
+        log.error("job %s: child %s lost, job requeued but its message could not be sent (%s); the reaper "
+                  "re-dispatches it after lease_dispatch_timeout", job.id, owner, exc,
+                  extra={"action": "worker_lost_publish_failed"})
+        return "error"
+    if after_publish is not None:
+        after_publish(job.id)
+    log.info("job %s [%s]: worker process %s lost (%s): %s", job.id, (job.lock_token or "")[:8], owner,
+             reason, decision.decision, extra={"action": "worker_lost_recovered"})
     return decision.decision
 
 

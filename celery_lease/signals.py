@@ -10,6 +10,7 @@ import logging
 from typing import Any
 
 from celery import bootsteps, signals
+from celery.concurrency.base import BasePool
 from celery.exceptions import TimeLimitExceeded, WorkerLostError
 from celery.worker.request import Request
 from celery.worker.state import task_ready
@@ -48,11 +49,24 @@ class LeaseRequest(Request):
                 return self._rerun_by_lease(exc, exc_info, outcome)
         return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
+    def terminate(self, pool: Any, signal: Any = None) -> Any:
+        """``revoke(terminate=True)``: cancel the job this delivery runs, then let Celery kill the run.
+
+        Fenced by the owner that is terminated (``hostname:pid`` of the process running the
+        body, as the worker-lost path is): the main process of a prefork worker never sees
+        the child's token. The job is cancelled before the signal is sent, so the run's own
+        give-back on its way out finds nothing to give back, and the job is never requeued.
+        """
+        # Threads and solo cannot terminate a run (Celery raises NotImplementedError): it goes on.
+        if self.time_start and self.worker_pid and _can_terminate(pool):
+            _cancel_terminated(self)
+        return super().terminate(pool, signal)
+
     def _child_lost(self, exc: Any) -> bool:
         # Billiard reports a child's exit as SystemExit before Celery turns it into WorkerLostError.
-        if isinstance(exc, (SystemExit, KeyboardInterrupt)):
-            return not (self._already_cancelled or self._already_revoked)
-        return isinstance(exc, WorkerLostError)
+        if self._already_cancelled or self._already_revoked:
+            return False  # terminated on purpose: the revoke cancelled the job
+        return isinstance(exc, (SystemExit, KeyboardInterrupt, WorkerLostError))
 
     def _rerun_by_lease(self, exc: BaseException, exc_info: Any, outcome: str) -> None:
         """The lease re-sends the job (or already moved on): no FAILURE, no errback; RETRY as Celery's own.
@@ -73,6 +87,21 @@ class LeaseRequest(Request):
 
 # What recover_worker_lost answers when the job runs again (or someone else holds it).
 RERUN = ("requeue", "lost_race", "error", "store_unavailable")
+
+
+def _can_terminate(pool: Any) -> bool:
+    # Prefork binds billiard's terminate_job on the instance; threads and solo keep BasePool's.
+    return getattr(pool.terminate_job, "__func__", None) is not BasePool.terminate_job
+
+
+def _cancel_terminated(request: LeaseRequest) -> None:
+    owner = worker_id(request.hostname, request.worker_pid)
+    try:
+        from .store import for_app
+
+        for_app(request.task.app).cancel(request.id, "terminated", owner=owner)
+    except LeaseError as error:
+        log.warning("job %s: could not cancel the lease of terminated run %s: %s", request.id, owner, error)
 
 
 def _settle_dead_child(request: LeaseRequest, reason: str, final: bool) -> str:
@@ -195,10 +224,14 @@ def _on_worker_shutdown(**_: Any) -> None:
 @signals.task_revoked.connect
 def _on_revoked(request: Any = None, terminated: bool = False, expired: bool = False,
                 sender: Any = None, **_: Any) -> None:
+    """A delivery Celery discarded as revoked or expired cancels the job only while it is pending.
+
+    The delivery may be a late duplicate of a run that is live elsewhere: a running job is
+    cancelled only by ``revoke(terminate=True)`` (LeaseRequest.terminate).
+    """
     task = sender
-    if request is None or task is None or not hasattr(task, "lease_policy"):
+    if request is None or task is None or terminated or not hasattr(task, "lease_policy"):
         return
     from .store import for_app
 
-    reason = "expired" if expired else ("terminated" if terminated else "revoked")
-    for_app(task.app).cancel(request.id, reason)
+    for_app(task.app).cancel(request.id, "expired" if expired else "revoked")

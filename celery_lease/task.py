@@ -11,16 +11,18 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import os
 import secrets
 from typing import Any
 
-from celery import Task
+from celery import Task, states
 from celery._state import _task_stack
+from celery.app.task import get_actual_ignore_result
 from celery.exceptions import Ignore, Reject, Retry, WorkerShutdown, WorkerTerminate
 from celery.utils import uuid
 
-from . import deadline, deliveries, messages, runtime
-from .config import TaskPolicy, task_policy
+from . import deadline, deliveries, local, messages, replacing, runtime
+from .config import TaskPolicy, app_config, task_policy
 from .errors import LeaseLost, StoreUnavailable
 from .lease import Lease
 from .store import ClaimTerms, Store, for_app
@@ -36,9 +38,29 @@ def _queue_of(task: Task, request: Any) -> str | None:
     return info.get("routing_key") or getattr(task, "queue", None) or task.app.conf.task_default_queue
 
 
+#: Celery's built-ins that run a LeaseTask's items in one body: leased as one job whose lease
+#: the items share. Every other ``celery.*`` task is never leased.
+LEASED_BUILTINS = frozenset({"celery.map", "celery.starmap", "celery.chunks"})
+
+
+def leased(task: Any) -> bool:
+    """Whether runs of ``task`` take a lease: LeaseTasks, except Celery's own plumbing.
+
+    ``celery.chord_unlock`` retries every second, ``celery.accumulate`` ends a replacement,
+    ``celery.backend_cleanup`` is periodic housekeeping: leasing them (an app whose
+    ``task_cls`` is LeaseTask makes them LeaseTasks) would only add rows and races.
+    """
+    name = getattr(task, "name", None) or ""
+    kind = task if isinstance(task, type) else type(task)
+    return issubclass(kind, LeaseTask) and (not name.startswith("celery.") or name in LEASED_BUILTINS)
+
+
 def _seconds_until(when: Any) -> float:
     if when is None:
         return 0.0
+    if isinstance(when, str):
+        # Celery accepts an ISO 8601 string as eta.
+        when = datetime.datetime.fromisoformat(when)
     if isinstance(when, datetime.datetime):
         if when.tzinfo is None:
             when = when.replace(tzinfo=datetime.timezone.utc)
@@ -68,6 +90,22 @@ class LeaseTask(Task):
 
     Request = "celery_lease.signals:LeaseRequest"
 
+    #: Whether Celery's ``task_track_started`` applies to this task. A leased task stores
+    #: STARTED itself once its claim succeeded, so a duplicate delivery of a finished job
+    #: never turns its state back to STARTED (Celery's tracer would, before the body runs).
+    lease_tracks_started: bool | None = None
+
+    @classmethod
+    def bind(cls, app: Any) -> Any:
+        inherited = getattr(cls, "lease_tracks_started", None)
+        own = cls.__dict__.get("track_started")
+        bound = super().bind(app)
+        if "lease_tracks_started" not in cls.__dict__ and leased(cls):
+            tracks = own if own is not None else inherited if inherited is not None else cls.track_started
+            cls.lease_tracks_started = bool(tracks)
+            cls.track_started = False
+        return bound
+
     @classmethod
     def on_bound(cls, app: Any) -> None:
         from .signals import install
@@ -75,10 +113,21 @@ class LeaseTask(Task):
         install(app)
 
     @property
-    def lease(self) -> Lease | None:
-        """The running job's lease (None outside a leased run), found through the current request."""
+    def lease(self) -> Lease | local.LocalLease | None:
+        """The running job's lease, found through the current request (None outside any run).
+
+        A LeaseTask called directly inside a leased body (the items of ``celery.map``,
+        ``celery.starmap`` and ``celery.chunks``) shares the lease of that body. A run outside
+        a worker (eager, ``apply()``, a direct call) gets a local handle (local.py).
+        """
         rt = runtime.current(self.app)
-        return rt.lease_for(self.request) if rt is not None else None
+        lease = rt.lease_for(self.request) if rt is not None else None
+        if lease is None and rt is not None and self.request.called_directly:
+            for caller in reversed(_task_stack.stack):
+                lease = rt.lease_for(caller.request)
+                if lease is not None:
+                    break
+        return lease if lease is not None else local.current()
 
     def lease_policy(self, queue: str | None = None) -> TaskPolicy:
         """The lease options in force for this task on a queue."""
@@ -90,16 +139,34 @@ class LeaseTask(Task):
                     idempotency_key: str | None = None, **options: Any) -> Any:
         """Record the job (once per ``idempotency_key``), then publish it as Celery does."""
         eager = self.app.conf.task_always_eager
-        if eager or messages.recording_disabled():
+        if eager or messages.recording_disabled() or not leased(self):
             return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow, **options)
         task_id = task_id or uuid()
+        serializer = options.get("serializer") or self.serializer
+        record_args, record_kwargs = args, kwargs
+        dump = getattr(self, "_dump_pydantic_arguments", None)  # pydantic=True (Celery >= 5.5)
+        if dump is not None and serializer != "pickle":
+            # The models as Celery puts them in the message, so the record encodes what it sends.
+            record_args, record_kwargs = dump(args, kwargs)
+        payload = messages.encode(self.name, record_args, record_kwargs, {
+            **options, "link": link, "link_error": link_error, "shadow": shadow,
+        }, serializer)
+        delay = _seconds_until(options.get("eta")) or _seconds_until(options.get("countdown"))
+        if replacing.claim_on_publish(self, task_id, payload):
+            with messages.publishing_unrecorded():
+                return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow,
+                                           **options)
+        lease = _own_lease(self)
+        if lease is not None and lease.job_id == task_id and not (lease.lost or lease.handed_over):
+            # The running job sends itself again (Task.retry()): the row becomes pending first,
+            # so the new message finds it claimable however soon it is consumed.
+            _retry_first(lease, delay, payload)
+            with messages.publishing_unrecorded():
+                return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow,
+                                           **options)
         route = self.app.amqp.router.route(dict(options), self.name, args, kwargs)
         queue = getattr(route.get("queue"), "name", None)
         policy = task_policy(self, queue)
-        payload = messages.encode(self.name, args, kwargs, {
-            **options, "link": link, "link_error": link_error, "shadow": shadow,
-        }, options.get("serializer") or self.serializer)
-        delay = _seconds_until(options.get("eta")) or _seconds_until(options.get("countdown"))
         store = for_app(self.app)
         created, holder = store.record(task_id, self.name, queue, payload, policy.max_attempts,
                                        idempotency_key, delay, recovery=policy.recovery())
@@ -114,12 +181,40 @@ class LeaseTask(Task):
                 store.forget_unpublished(task_id)
             raise
 
+    def on_replace(self, sig: Any) -> Any:
+        """``Task.replace()``: hand the job's id over to the replacement, then let Celery send it."""
+        lease = _own_lease(self)
+        if self.request.is_eager or lease is None or lease.job_id != self.request.id:
+            return super().on_replace(sig)
+        return replacing.hand_over(self, lease, sig, super().on_replace)
+
     # -- run -------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request
-        if request.called_directly or request.is_eager:
+        if not leased(self):
             return super().__call__(*args, **kwargs)
+        if request.is_eager and not request.called_directly and app_config(self.app).eager_store:
+            return _run_leased(self, args, kwargs)
+        if request.called_directly or request.is_eager:
+            if self.lease is not None:
+                return super().__call__(*args, **kwargs)  # inside a leased or local run: share it
+            with local.running(self.app, request.id, self.name):
+                return super().__call__(*args, **kwargs)
         return _run_leased(self, args, kwargs)
+
+
+def _own_lease(task: LeaseTask) -> Lease | None:
+    """The lease of the body running for the task's own request (never a caller's)."""
+    rt = runtime.current(task.app)
+    return rt.lease_for(task.request) if rt is not None else None
+
+
+def _retry_first(lease: Lease, delay: float, payload: str) -> None:
+    """running -> pending under the token before the retry's message is sent; LeaseLost if it moved on."""
+    if not lease.store.retry_later(lease.job_id, lease.token, delay, payload, None, lease.worker):
+        lease.mark_lost("retry rejected: token no longer matches")
+        lease.check()
+    lease.retried = True
 
 
 def _run_leased(task: LeaseTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -143,6 +238,8 @@ def _run_leased(task: LeaseTask, args: tuple[Any, ...], kwargs: dict[str, Any]) 
                                             task.serializer),
         )
     except StoreUnavailable as exc:
+        if request.is_eager:
+            raise  # no message to deliver again: the caller sees the outage
         deliveries.fail_closed(task, policy.store_retry_delay, exc)
     if claim.outcome == ClaimOutcome.EARLY:
         deliveries.defer_early(task, store, rt.worker, claim.wait)
@@ -154,6 +251,10 @@ def _run_leased(task: LeaseTask, args: tuple[Any, ...], kwargs: dict[str, Any]) 
                   job.idempotency_key or f"{task.name}:{job_id}", job.checkpoint_state(),
                   sent_at=sent, app=task.app, acks_late=bool(task.acks_late))
     rt.attach(request, lease)
+    if task.lease_tracks_started and not get_actual_ignore_result(task, request):
+        # Celery's task_track_started, once the claim proved this delivery runs the job.
+        task.backend.store_result(job_id, {"pid": os.getpid(), "hostname": request.hostname},
+                                  states.STARTED, request=request)
     try:
         return _run_body(task, lease, args, kwargs)
     finally:
@@ -220,6 +321,8 @@ def _run_body(task: LeaseTask, lease: Lease, args: tuple[Any, ...], kwargs: dict
         log.warning("job %s [%s] stopped: %s", job_id, token[:8], exc, extra={"action": "lease_lost"})
         raise Ignore() from exc
     except Retry as exc:
+        if lease.retried:
+            raise  # the row became pending before the retry's message was sent
         payload = None
         if exc.sig is not None:
             payload = messages.encode(exc.sig.task, exc.sig.args, exc.sig.kwargs, dict(exc.sig.options),
@@ -229,6 +332,8 @@ def _run_body(task: LeaseTask, lease: Lease, args: tuple[Any, ...], kwargs: dict
             raise Ignore() from exc
         raise
     except Ignore:
+        if lease.handed_over:
+            raise  # Task.replace(): the replacement carries the job on
         # The task chose to drop its result: the job is still over.
         store.complete(job_id, token, worker)
         raise

@@ -12,7 +12,7 @@ import enum
 
 __all__ = [
     "Name", "Status", "ClaimOutcome", "EffectOutcome", "Decision", "RecoveryAction", "Event",
-    "STALE_WRITES", "RELEASES", "RECOVERIES", "MANUAL_RECOVERIES",
+    "STALE_WRITES", "RELEASES", "RECOVERIES", "MANUAL_RECOVERIES", "REPLACEMENTS",
 ]
 
 
@@ -83,6 +83,11 @@ class Event(Name):
     REVOKED = "revoked"
     LEASE_LOST = "lease_lost"
     DEAD_LETTER_PUBLISHED = "dead_letter_published"
+    # Task.replace(): the job's id passed to its replacement, which claims it (or records it
+    # when it is published later in a chain); or, when the replacement is not leased, the
+    # job's lease ends with it.
+    HANDED_OVER = "handed_over"
+    REPLACED = "replaced"
     # Leases given back before expiry: the release's reason is its event.
     RELEASED_ON_SHUTDOWN = "released_on_shutdown"
     REJECTED_REQUEUE = "rejected_requeue"
@@ -127,6 +132,8 @@ RELEASES: tuple[Event, ...] = (Event.RELEASED_ON_SHUTDOWN, Event.REJECTED_REQUEU
                                Event.RELEASED_AFTER_LOCAL_LOSS)
 #: A job taken back from a crashed or lost worker: proof that recovery works on a store.
 RECOVERIES: tuple[Event, ...] = (Event.LEASE_TAKEN_OVER, Event.REAPED_EXPIRED_LEASE, Event.REDISPATCHED)
+#: A job that passed its id to a replacement (Task.replace()).
+REPLACEMENTS: tuple[Event, ...] = (Event.HANDED_OVER, Event.REPLACED)
 #: Recoveries an operator ran by hand.
 MANUAL_RECOVERIES: tuple[Event, ...] = (Event.MANUAL_REQUEUE, Event.DLQ_REDRIVEN, Event.DLQ_DISCARDED)
 

@@ -21,8 +21,8 @@ from ..vocabulary import EffectOutcome, Event
 from . import dialects, schema
 from .base import COMPLETED, FAILED, PENDING, RUNNING, Claim, ClaimTerms, Job, StoreBase
 from .effects import EffectStatements
-from .jobs import JobStatements
 from .reaping import Expired, ReaperStatements
+from .replacing import ReplaceStatements
 from .reports import ReportStatements
 from .runs import RunStatements
 
@@ -30,7 +30,8 @@ __all__ = ["Store", "WorkerStore", "ReaperStore", "ReportStore", "Claim", "Claim
            "call_timeout", "pool_size", "PENDING", "RUNNING", "COMPLETED", "FAILED"]
 
 
-class Store(JobStatements, ReaperStatements, EffectStatements, ReportStatements, RunStatements, StoreBase):
+class Store(ReplaceStatements, ReaperStatements, EffectStatements, ReportStatements, RunStatements,
+            StoreBase):
     """The lease store of one app.
 
     Each caller sees it through the surface of its role: WorkerStore, ReaperStore or ReportStore.
@@ -59,7 +60,10 @@ class WorkerStore(Protocol):
     def retry_later(self, job_id: str, token: str, delay: float, payload: str | None, error: str | None,
                     worker: str | None = ...) -> bool: ...
     def release(self, job_id: str, token: str, worker: str | None = ..., reason: Event = ...) -> bool: ...
-    def cancel(self, job_id: str, reason: str = ...) -> bool: ...
+    def cancel(self, job_id: str, reason: str = ..., owner: str | None = ...) -> bool: ...
+    def hand_over(self, job_id: str, token: str, worker: str | None, payload: str | None,
+                  carrier: str) -> bool: ...
+    def replaced(self, job_id: str, token: str, worker: str | None, carrier: str) -> bool: ...
     def checkpoint(self, job_id: str, token: str, state: Any, worker: str | None = ...) -> bool: ...
     def describe_loss(self, job_id: str, token: str, worker: str | None = ...) -> tuple[str, str | None]: ...
     def record_effect(self, key: str, job_id: str, token: str, worker: str | None = ...) -> EffectOutcome: ...

@@ -242,16 +242,24 @@ class JobStatements(WorkerStatements):
             locked_by=None, attempt_count=sa.case((j.c.attempt_count > 0, j.c.attempt_count - 1), else_=0),
         ))
 
-    def cancel(self, job_id: str, reason: str = "revoked") -> bool:
-        """pending/running -> failed because Celery revoked the task; no re-run follows."""
+    def cancel(self, job_id: str, reason: str = "revoked", owner: str | None = None) -> bool:
+        """pending -> failed because Celery revoked the task; no re-run follows.
+
+        With ``owner`` (``revoke(terminate=True)`` of the run in that worker process) a job
+        running under that owner is cancelled too; a running job is never cancelled by a
+        revoked or expired delivery, which may be a late duplicate of a live run.
+        """
         j = self.t.jobs
+        unfinished = j.c.status == PENDING
+        if owner is not None:
+            unfinished = sa.or_(unfinished, sa.and_(j.c.status == RUNNING, j.c.locked_by == owner))
         with self.begin() as c:
-            res = c.execute(sa.update(j).where(j.c.id == job_id, j.c.status.in_([PENDING, RUNNING])).values(
+            res = c.execute(sa.update(j).where(j.c.id == job_id, unfinished).values(
                 status=FAILED, failed_at=self.now_sql, updated_at=self.now_sql, lease_expires_at=None,
                 lock_token=None, last_error=f"revoked ({reason})",
             ))
             if res.rowcount == 1:
-                self._event(c, job_id, Event.REVOKED, reason)
+                self._event(c, job_id, Event.REVOKED, reason, owner)
             return res.rowcount == 1
 
     def checkpoint(self, job_id: str, token: str, state: Any, worker: str | None = None) -> bool:

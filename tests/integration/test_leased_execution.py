@@ -254,14 +254,14 @@ def test_the_body_does_not_run_while_the_store_is_unreachable(broker, postgres_u
         direct.dispose()
 
 
-def test_eager_mode_runs_the_body_without_a_lease(broker, postgres_url):
+def test_eager_mode_runs_the_body_with_a_local_lease_and_records_nothing(broker, postgres_url):
     app = make_app(broker[0], postgres_url, task_always_eager=True)
 
     @app.task(base=LeaseTask, bind=True, shared=False, name="t.eager")
     def eager(self, x):
-        return (x * 2, self.lease)
+        return (x * 2, type(self.lease).__name__)
 
-    assert eager.delay(21).get() == (42, None)
+    assert eager.delay(21).get() == (42, "LocalLease")
     engine = sa.create_engine(postgres_url)
     try:
         assert not sa.inspect(engine).has_table(f"{app.conf.lease_table_prefix}jobs")

@@ -81,3 +81,24 @@ def test_a_soft_time_limit_fails_the_job_as_celery_does(env, tmp_path):
     job = store.get(result.id)
     assert job.status == "failed" and job.last_error.startswith("SoftTimeLimitExceeded")
     assert int(client.get(f"runs:{result.id}")) == 1
+
+
+def test_revoke_with_terminate_cancels_the_running_job_and_never_requeues_it(env, tmp_path):
+    env_vars, store, client = env
+    app = client_app(env_vars)
+    with celery_processes(tmp_path) as procs:
+        procs.append(worker("tests.apps.core_app", env_vars, tmp_path, pool="prefork"))
+        result = app.send_task("core.work", (30,))
+        wait_for(lambda: (store.get(result.id) or None) and store.get(result.id).status == "running",
+                 timeout=30, message="job never claimed")
+        app.control.revoke(result.id, terminate=True)
+        wait_for(lambda: store.get(result.id).status == "failed", timeout=15,
+                 message=f"job not cancelled: {store.events(result.id)}")
+        wait_for(lambda: result.state == "REVOKED", timeout=15, message="Celery did not mark it revoked")
+        # A fresh job runs on the replacement child: the worker went on, and the revoked job with it.
+        after = app.send_task("core.work", (0.0,))
+        after.get(timeout=30)
+    job = store.get(result.id)
+    assert job.last_error == "revoked (terminated)" and job.attempt_count == 1
+    assert int(client.get(f"runs:{result.id}")) == 1
+    assert [e["event"] for e in store.events(result.id)].count("claimed") == 1

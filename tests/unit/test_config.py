@@ -42,6 +42,7 @@ BAD_VALUES = {
     "lease_idempotency_retention": 0,
     "lease_queue_policies": [("reports", {"lease_duration": 600})],
     "lease_extend_visibility": 1,
+    "lease_eager_store": "yes",
     "lease_rabbitmq_consumer_timeout": 0,
     "lease_runbook_base_url": "wiki/celery-lease#playbook",
     "lease_lock_ttl": 0,

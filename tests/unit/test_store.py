@@ -264,6 +264,36 @@ def test_cancel_fails_an_unfinished_job_once(store):
     assert store.cancel("j1", "revoked") is False
 
 
+def test_cancel_leaves_a_running_job_to_its_run_unless_its_owner_is_terminated(store):
+    store.record("j1", "t.task", "q", "{}", 3)
+    claim(store, "j1", "node@h:7")
+    assert store.cancel("j1", "expired") is False
+    assert store.cancel("j1", "terminated", owner="node@h:8") is False
+    assert store.get("j1").status == RUNNING
+    assert store.cancel("j1", "terminated", owner="node@h:7") is True
+    job = store.get("j1")
+    assert (job.status, job.last_error, job.lock_token) == (FAILED, "revoked (terminated)", None)
+
+
+def test_a_hand_over_puts_the_job_back_to_pending_with_the_carriers_message(store):
+    store.record("j1", "t.task", "q", "{}", 3)
+    tok = claim(store, "j1").job.lock_token
+    assert store.hand_over("j1", "stale", "w1", '{"v": 2}', "t.next") is False
+    assert store.hand_over("j1", tok, "w1", '{"v": 2}', "t.next") is True
+    job = store.get("j1")
+    assert (job.status, job.payload, job.attempt_count, job.lock_token) == (PENDING, '{"v": 2}', 0, None)
+    assert events(store, "j1")[-1] == "handed_over"
+
+
+def test_a_hand_over_to_a_later_carrier_removes_the_row_and_replaced_completes_it(store):
+    store.record("j1", "t.task", "q", "{}", 3)
+    store.record("j2", "t.task", "q", "{}", 3)
+    assert store.hand_over("j1", claim(store, "j1").job.lock_token, "w1", None, "t.last") is True
+    assert store.get("j1") is None and events(store, "j1")[-1] == "handed_over"
+    assert store.replaced("j2", claim(store, "j2").job.lock_token, "w1", "celery.accumulate") is True
+    assert store.get("j2").status == COMPLETED and events(store, "j2")[-1] == "replaced"
+
+
 def test_checkpoint_is_fenced_by_the_token(store):
     store.record("j1", "t.task", "q", "{}", 3)
     tok = claim(store, "j1").job.lock_token

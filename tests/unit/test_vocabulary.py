@@ -97,7 +97,7 @@ def test_every_event_member_is_written_somewhere():
 def test_lists_of_metrics_cli_and_checks_are_event_members():
     named = [*metrics.EVENT_NAMES, *(e for *_, events in metrics.COUNTERS for e in events),
              *reads.LAST_HOUR, *checks.RECOVERY_EVENTS, *vocabulary.STALE_WRITES, *vocabulary.RELEASES,
-             *vocabulary.RECOVERIES, *vocabulary.MANUAL_RECOVERIES]
+             *vocabulary.RECOVERIES, *vocabulary.MANUAL_RECOVERIES, *vocabulary.REPLACEMENTS]
     assert [n for n in named if not isinstance(n, Event)] == []
     assert set(STALE_WRITES) == {e for e in Event if e.value.startswith("stale_")}
 

@@ -1,0 +1,43 @@
+"""LeaseTask composed with an app's own task class: Django's DjangoTask, or any ``task_cls``.
+
+Celery's Django fixup makes ``celery.contrib.django.task.DjangoTask`` (``delay_on_commit``,
+``apply_async_on_commit``) an app's default task class; ``base=LeaseTask`` alone would
+drop it. Compose the two instead, and make the result the app's ``task_cls``::
+
+    app = Celery("proj", task_cls="celery_lease.django:LeaseDjangoTask")
+
+``LeaseDjangoTask`` needs Celery >= 5.4 (where DjangoTask exists); importing it on an
+older Celery raises ImportError saying so. ``lease_task_class(MyTask)`` composes
+LeaseTask with any other custom task class the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .task import LeaseTask
+
+__all__ = ["LeaseDjangoTask", "lease_task_class"]  # noqa: F822 - LeaseDjangoTask is built on first use
+
+
+def lease_task_class(base: type[Any], name: str | None = None) -> type[LeaseTask]:
+    """A task class that is both LeaseTask and ``base`` (LeaseTask first, so it records and claims)."""
+    if issubclass(base, LeaseTask):
+        return base
+    return type(name or f"Lease{base.__name__}", (LeaseTask, base), {"__module__": base.__module__})
+
+
+def __getattr__(name: str) -> Any:
+    # Built on first use, so importing this module never imports Django.
+    if name != "LeaseDjangoTask":
+        raise AttributeError(name)
+    try:
+        from celery.contrib.django.task import DjangoTask
+    except ImportError as exc:
+        raise ImportError("celery_lease.django.LeaseDjangoTask needs Celery >= 5.4 (which has "
+                          "celery.contrib.django.task.DjangoTask) and Django: "
+                          "pip install 'celery>=5.4' django") from exc
+    cls = lease_task_class(DjangoTask, "LeaseDjangoTask")
+    cls.__module__ = __name__
+    globals()["LeaseDjangoTask"] = cls
+    return cls

@@ -1,0 +1,137 @@
+"""``self.lease`` outside a worker: eager runs, ``apply()`` and direct calls.
+
+A run that no worker delivered has no lease to hold, yet its body still calls
+``self.lease``. It gets a local handle with the same surface: ``check()`` and
+``extend()`` always pass, ``checkpoint()`` keeps the state on the handle, ``effect(key)``
+is first once per key within this process, and ``lock(resource)`` is an in-process
+lock. The keys and locks live on the app (one ``LocalState`` each), so a test sees
+what a run did and can start again from nothing (``celery_lease.testing``). With
+``lease_eager_store = True`` an eager run takes a real lease in the store instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import secrets
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["LocalLease", "LocalState", "state", "current", "running"]
+
+_current: contextvars.ContextVar[LocalLease | None] = contextvars.ContextVar("celery_lease_local",
+                                                                            default=None)
+
+
+@dataclasses.dataclass
+class LocalState:
+    """The effect keys and resource locks of the local runs of one app, in this process."""
+
+    effects: dict[str, str] = dataclasses.field(default_factory=dict)
+    checkpoints: dict[str, Any] = dataclasses.field(default_factory=dict)
+    _locks: dict[str, threading.Lock] = dataclasses.field(default_factory=dict)
+    _mutex: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def claim_effect(self, key: str, job_id: str) -> bool:
+        with self._mutex:
+            if key in self.effects:
+                return False
+            self.effects[key] = job_id
+            return True
+
+    def forget_effect(self, key: str) -> None:
+        with self._mutex:
+            self.effects.pop(key, None)
+
+    def lock_for(self, resource: str) -> threading.Lock:
+        with self._mutex:
+            return self._locks.setdefault(resource, threading.Lock())
+
+    def clear(self) -> None:
+        with self._mutex:
+            self.effects.clear()
+            self.checkpoints.clear()
+            self._locks.clear()
+
+
+def state(app: Any) -> LocalState:
+    """The app's local state in this process (made on first use)."""
+    found = getattr(app, "_celery_lease_local", None)
+    if found is None:
+        found = app._celery_lease_local = LocalState()
+    return found
+
+
+class LocalLease:
+    """The handle of a run outside a worker: the Lease surface, kept in this process."""
+
+    lost = False
+    lost_reason: str | None = None
+
+    def __init__(self, app: Any, job_id: str, idempotency_key: str) -> None:
+        self.state = state(app)
+        self.job_id = job_id
+        self.token = secrets.token_hex(16)
+        self.attempt = 1
+        self.idempotency_key = idempotency_key
+        self.checkpoint_state = self.state.checkpoints.get(job_id)
+
+    def __repr__(self) -> str:
+        return f"<LocalLease job={self.job_id}>"
+
+    def check(self) -> None:
+        """A local run never loses its lease."""
+
+    def extend(self, seconds: float) -> None:
+        """Nothing to renew outside a worker."""
+
+    def checkpoint(self, state: Any) -> None:
+        """Keep the progress for a later run of the same job id in this process."""
+        self.checkpoint_state = state
+        self.state.checkpoints[self.job_id] = state
+
+    @contextlib.contextmanager
+    def effect(self, key: str, connection: Any = None) -> Iterator[bool]:
+        """First once per key in this process; a block that raises gives its key back."""
+        first = self.state.claim_effect(key, self.job_id)
+        try:
+            yield first
+        except BaseException:
+            if first:
+                self.state.forget_effect(key)
+            raise
+
+    @contextlib.contextmanager
+    def lock(self, resource: str, ttl: float | None = None, timeout: float | None = None) -> Iterator[None]:
+        """An in-process lock on ``resource``; LockUnavailable after ``timeout`` seconds (default:
+        lease_lock_timeout's default)."""
+        from .config import BY_NAME
+        from .errors import LockUnavailable
+
+        wait = BY_NAME["lease_lock_timeout"].default if timeout is None else float(timeout)
+        held = self.state.lock_for(resource)
+        if not held.acquire(timeout=wait):
+            raise LockUnavailable(resource, wait)
+        try:
+            yield
+        finally:
+            held.release()
+
+
+def current() -> LocalLease | None:
+    """The local handle of the run in this context, if any."""
+    return _current.get()
+
+
+@contextlib.contextmanager
+def running(app: Any, job_id: str | None, name: str) -> Iterator[LocalLease]:
+    """Make a local handle the current one while a body runs outside a worker."""
+    job_id = job_id or secrets.token_hex(16)
+    lease = LocalLease(app, job_id, f"{name}:{job_id}")
+    token = _current.set(lease)
+    try:
+        yield lease
+    finally:
+        _current.reset(token)

@@ -1,0 +1,98 @@
+"""``Task.replace()`` under a lease: the replaced job's id passes to the task that carries it.
+
+Celery freezes the replacement with the replaced task's id, sends it and raises
+``Ignore``. The job is not over then: its carrier (the signature frozen with the id)
+runs it. Three cases, each fenced on the replaced run's token:
+
+- the carrier is a leased task sent now: the row goes back to ``pending`` with the
+  carrier's message just before that message is published, so its delivery claims it;
+- the carrier is a leased task sent later (the last step of a chain): the row is
+  removed before anything is sent, and the carrier's own publish records the job anew;
+- the carrier is not leased (``celery.accumulate`` for a group, a plain task): the
+  lease's part of the job ends, ``completed``, once the replacement was sent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from celery.canvas import Signature, _chain, _chord, group
+from celery.exceptions import Ignore
+
+if TYPE_CHECKING:
+    from .lease import Lease
+
+__all__ = ["hand_over", "claim_on_publish"]
+
+_handing: contextvars.ContextVar[Lease | None] = contextvars.ContextVar("celery_lease_handing", default=None)
+
+
+def carrier(sig: Signature, job_id: str, first: bool = True) -> tuple[Signature | None, bool]:
+    """The signature frozen with ``job_id`` in a replacement, and whether it is published now."""
+    if isinstance(sig, _chain):
+        for index, step in enumerate(sig.tasks):
+            found, now = carrier(step, job_id, first and index == 0)
+            if found is not None:
+                return found, now
+        return None, False
+    if isinstance(sig, _chord):
+        header = sig.tasks if isinstance(sig.tasks, Signature) else group(sig.tasks)
+        found, now = carrier(header, job_id, first)
+        return (found, now) if found is not None else (carrier(sig.body, job_id, False)[0], False)
+    if isinstance(sig, group):
+        for member in sig.tasks:
+            found, now = carrier(member, job_id, first)
+            if found is not None:
+                return found, now
+        return None, False
+    return (sig, first) if sig.id == job_id else (None, False)
+
+
+def hand_over(task: Any, lease: Lease, sig: Signature, send: Callable[[Signature], Any]) -> Any:
+    """Hand the job over to its replacement, then ``send`` it (Celery's on_replace: raises Ignore)."""
+    from .task import leased
+
+    found, now = carrier(sig, lease.job_id)
+    target = task.app.tasks.get(found.task) if found is not None else None
+    name = found.task if found is not None else type(sig).__name__
+    store, job_id, token, worker = lease.store, lease.job_id, lease.token, lease.worker
+    if target is not None and leased(target) and not now:
+        if not store.hand_over(job_id, token, worker, None, name):
+            raise Ignore()
+        lease.handed_over = True
+        return send(sig)
+    if target is not None and leased(target):
+        with _handing_over(lease):
+            return send(sig)
+    try:
+        return send(sig)
+    except Ignore:
+        lease.handed_over = store.replaced(job_id, token, worker, name)
+        raise
+
+
+@contextlib.contextmanager
+def _handing_over(lease: Lease) -> Iterator[None]:
+    token = _handing.set(lease)
+    try:
+        yield
+    finally:
+        _handing.reset(token)
+
+
+def claim_on_publish(task: Any, task_id: str, payload: str) -> bool:
+    """In the carrier's apply_async: the row goes back to pending with its message; True when it did.
+
+    Called just before the carrier's message is published, so its delivery finds the job
+    claimable however soon it is consumed. Raises Ignore when the replaced run's lease moved on.
+    """
+    lease = _handing.get()
+    if lease is None or lease.job_id != task_id or lease.handed_over:
+        return False
+    if not lease.store.hand_over(lease.job_id, lease.token, lease.worker, payload, task.name):
+        raise Ignore()
+    lease.handed_over = True
+    return True

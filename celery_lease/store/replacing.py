@@ -1,0 +1,55 @@
+"""Statements of ``Task.replace()``: a leased job passes its id to its replacement.
+
+Celery freezes the replacement with the replaced task's id and publishes it; the
+replaced body then raises ``Ignore``. The job is not over: the task that carries the
+id next (the carrier) runs it. Each statement is fenced on the replaced run's token
+and writes its audit event in the same transaction.
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+from ..vocabulary import Event
+from .base import COMPLETED, PENDING
+from .jobs import JobStatements
+
+__all__ = ["ReplaceStatements"]
+
+
+class ReplaceStatements(JobStatements):
+    """The three ways a replaced job's lease ends: claimed by its carrier, recorded by it, or over."""
+
+    def hand_over(self, job_id: str, token: str, worker: str | None, payload: str | None,
+                  carrier: str) -> bool:
+        """running -> pending, available now, with the carrier's message; the attempt is given back.
+
+        ``payload`` is the carrier's stored message (the reaper re-sends it, not the replaced
+        task's). With ``payload`` None the carrier is published later (the last step of a
+        chain): the row is removed and the carrier's publish records the job anew, so the
+        dispatch scan never re-sends a step before the steps in front of it ran.
+        """
+        j = self.t.jobs
+        fence = self._fenced(job_id, token)
+        with self.begin() as c:
+            if payload is None:
+                res = c.execute(sa.delete(j).where(fence))
+                detail = {"carrier": carrier, "row": "recorded again when the carrier is published"}
+            else:
+                res = c.execute(sa.update(j).where(fence).values(
+                    status=PENDING, available_at=self.now_sql, payload=payload, lease_expires_at=None,
+                    lock_token=None, locked_by=None, updated_at=self.now_sql,
+                    attempt_count=sa.case((j.c.attempt_count > 0, j.c.attempt_count - 1), else_=0)))
+                detail = {"carrier": carrier}
+            if res.rowcount != 1:
+                self._stale(c, job_id, Event.STALE_RELEASE_REJECTED, worker, token)
+                return False
+            self._event(c, job_id, Event.HANDED_OVER, f"replaced by {carrier}", worker, token, detail)
+            return True
+
+    def replaced(self, job_id: str, token: str, worker: str | None, carrier: str) -> bool:
+        """running -> completed: the replacement that carries the id is not leased (a built-in such
+        as ``celery.accumulate``, or a plain task); the lease's part of the job is over."""
+        return self._owner_write(job_id, token, worker, Event.REPLACED, Event.STALE_COMPLETION_REJECTED, dict(
+            status=COMPLETED, completed_at=self.now_sql, lease_expires_at=None, lock_token=None,
+        ), reason=f"replaced by {carrier} (not leased)", detail={"carrier": carrier})

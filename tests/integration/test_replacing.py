@@ -1,0 +1,110 @@
+"""Task.replace() under leases: the replacement runs once and the replaced job's lease ends with it."""
+
+from __future__ import annotations
+
+import pytest
+from celery import chain, group
+from celery.contrib.testing.worker import start_worker
+
+from celery_lease import LeaseTask
+from celery_lease.store import for_app
+from celery_lease.vocabulary import Event
+from tests.conftest import drop_app_store, flushed_redis, migrated_store
+from tests.integration.test_leased_execution import make_app
+
+pytestmark = pytest.mark.integration
+
+REDIS_DB = 14
+
+
+@pytest.fixture
+def counted(redis_url, postgres_url):
+    with flushed_redis(redis_url, REDIS_DB) as (url, client):
+        app = make_app(url, postgres_url)
+
+        def ran(task):
+            client.incr(f"runs:{task.name}:{task.request.id}")
+
+        @app.task(base=LeaseTask, bind=True, shared=False, name="r.add")
+        def add(self, x, y):
+            ran(self)
+            return x + y
+
+        @app.task(base=LeaseTask, bind=True, shared=False, name="r.by_add")
+        def by_add(self, x, depth=0):
+            ran(self)
+            if depth:
+                return self.replace(by_add.s(x, depth - 1))
+            return self.replace(add.s(x, 1))
+
+        @app.task(base=LeaseTask, bind=True, shared=False, name="r.by_chain")
+        def by_chain(self, x):
+            ran(self)
+            return self.replace(chain(add.s(x, 1), add.s(10)))
+
+        @app.task(base=LeaseTask, bind=True, shared=False, name="r.by_group")
+        def by_group(self, n):
+            ran(self)
+            return self.replace(group(add.s(i, i) for i in range(n)))
+
+        migrated_store(app)
+        yield app, client
+        drop_app_store(app)
+
+
+def runs(client) -> dict[str, int]:
+    return {key.decode(): int(client.get(key)) for key in client.scan_iter("runs:*")}
+
+
+def events(app, job_id):
+    return [e["event"] for e in for_app(app).events(job_id)]
+
+
+def test_a_replacement_runs_once_and_claims_the_replaced_job(counted):
+    app, client = counted
+    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+        result = app.tasks["r.by_add"].delay(1)
+        assert result.get(timeout=20) == 2
+    assert runs(client) == {f"runs:r.by_add:{result.id}": 1, f"runs:r.add:{result.id}": 1}
+    assert events(app, result.id) == [Event.PUBLISHED, Event.CLAIMED, Event.HANDED_OVER, Event.CLAIMED,
+                                      Event.COMPLETED]
+    job = for_app(app).get(result.id)
+    assert (job.status, job.attempt_count, job.task_name) == ("completed", 1, "r.by_add")
+
+
+def test_a_chain_continues_after_a_nested_replacement(counted):
+    app, client = counted
+    add = app.tasks["r.add"]
+    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+        result = chain(app.tasks["r.by_add"].s(1, depth=2), add.s(100)).delay()
+        assert result.get(timeout=20) == 102
+    job_id = result.parent.id
+    # Three replaced bodies under one id, then the carrier, then the chain's last step.
+    assert runs(client) == {f"runs:r.by_add:{job_id}": 3, f"runs:r.add:{job_id}": 1,
+                            f"runs:r.add:{result.id}": 1}
+    assert events(app, job_id).count(Event.HANDED_OVER) == 3
+
+
+def test_a_replacement_chain_records_its_last_step_when_it_is_sent(counted):
+    app, client = counted
+    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+        result = app.tasks["r.by_chain"].delay(1)
+        assert result.get(timeout=20) == 12
+    assert sorted(runs(client).values()) == [1] * 3
+    assert events(app, result.id) == [Event.PUBLISHED, Event.CLAIMED, Event.HANDED_OVER, Event.PUBLISHED,
+                                      Event.CLAIMED, Event.COMPLETED]
+    assert for_app(app).get(result.id).task_name == "r.add"
+
+
+def test_a_group_replacement_ends_the_lease_and_gives_the_group_result(counted):
+    app, client = counted
+    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+        result = app.tasks["r.by_group"].delay(3)
+        assert result.get(timeout=20) == [0, 2, 4]
+    assert sorted(runs(client).values()) == [1] * 4
+    job = for_app(app).get(result.id)
+    assert job.status == "completed" and events(app, result.id)[-1] == Event.REPLACED
+    store = for_app(app)
+    with store.begin() as c:
+        names = {r[0] for r in c.execute(store.t.jobs.select().with_only_columns(store.t.jobs.c.task_name))}
+    assert names == {"r.by_group", "r.add"}  # celery.accumulate carries the id, unleased
