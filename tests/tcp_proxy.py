@@ -8,16 +8,19 @@ import threading
 
 
 class TcpProxy:
-    """Forwards 127.0.0.1:<port> to a target; ``cut()`` drops every connection and refuses new ones.
+    """Forwards <host>:<port> to a target; ``cut()`` drops every connection and refuses new ones.
+
+    ``host`` is 127.0.0.1 unless told (another address lets a network namespace reach it).
 
     ``freeze()`` keeps every connection open (and accepts new ones) but passes no bytes until
     ``thaw()``: a hung server or a black-holed path, whose sockets this machine's kernel still
     acknowledges, so neither keepalives nor unacknowledged-data timeouts notice it.
     """
 
-    def __init__(self, target_host: str, target_port: int) -> None:
+    def __init__(self, target_host: str, target_port: int, host: str = "127.0.0.1") -> None:
         self.target = (target_host, target_port)
-        self.port = self._free_port()
+        self.host = host
+        self.port = self._free_port(host)
         self._server: socket.socket | None = None
         self._conns: list[socket.socket] = []
         self._lock = threading.Lock()
@@ -25,15 +28,15 @@ class TcpProxy:
         self._flowing.set()
 
     @staticmethod
-    def _free_port() -> int:
+    def _free_port(host: str) -> int:
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
+            s.bind((host, 0))
             return s.getsockname()[1]
 
     def start(self) -> TcpProxy:
         server = socket.socket()
         server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        server.bind(("127.0.0.1", self.port))
+        server.bind((self.host, self.port))
         server.listen(64)
         self._server = server
         threading.Thread(target=self._accept, args=(server,), daemon=True).start()

@@ -38,12 +38,13 @@ class Proc:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
 
-def _spawn(args: list[str], env: Mapping[str, str], log_dir: Path, name: str) -> Proc:
+def _spawn(args: list[str], env: Mapping[str, str], log_dir: Path, name: str,
+           wrapper: tuple[str, ...] = ()) -> Proc:
     log = log_dir / f"{name}.log"
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
     handle = open(log, "wb")  # noqa: SIM115 - owned by the subprocess for its lifetime
     popen = subprocess.Popen(
-        [sys.executable, "-m", "celery", *args], cwd=ROOT, env=full_env, stdout=handle,
+        [*wrapper, sys.executable, "-m", "celery", *args], cwd=ROOT, env=full_env, stdout=handle,
         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
     )
     handle.close()
@@ -63,14 +64,18 @@ def celery_processes(log_dir: Path) -> Iterator[list[Proc]]:
 
 def worker(app: str, env: Mapping[str, str], log_dir: Path, *, pool: str = "prefork",
            concurrency: int = 1, queues: str | None = None, name: str | None = None,
-           extra: tuple[str, ...] = ()) -> Proc:
-    """Start ``celery -A app worker``; the node name is unique per call."""
+           extra: tuple[str, ...] = (), wrapper: tuple[str, ...] = ()) -> Proc:
+    """Start ``celery -A app worker``; the node name is unique per call.
+
+    ``wrapper`` prefixes the command with one that execs it (``ip netns exec NS``), so the
+    process group is still the worker's own.
+    """
     node = name or f"w{uuid.uuid4().hex[:6]}"
     args = ["-A", app, "worker", "-P", pool, "-c", str(concurrency), "-n", f"{node}@%h",
             "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO", *extra]
     if queues:
         args += ["-Q", queues]
-    return _spawn(args, env, log_dir, node)
+    return _spawn(args, env, log_dir, node, wrapper)
 
 
 def beat(app: str, env: Mapping[str, str], log_dir: Path, name: str = "beat") -> Proc:
