@@ -110,10 +110,22 @@ class Context:
     def transport(self) -> str:
         return brokers.transport_kind(self.app)
 
+    @functools.cached_property
+    def registered_pool(self) -> str | None:
+        """The pool most live workers record in the registry (schema 0003 on), or None."""
+        if self.store is None or self.store_error:
+            return None
+        try:
+            pools = self.store.worker_pools()
+        except StoreUnavailable:
+            return None
+        return max(pools, key=lambda name: pools[name]) if pools else None
+
     @property
     def pool(self) -> str:
-        """The pool the check was told, else the app's worker_pool setting."""
-        return str(self._pool or self.conf.worker_pool or "prefork").rsplit(":", 1)[-1].lower()
+        """The pool the check was told, else the one live workers run, else the app's worker_pool."""
+        chosen = self._pool or self.registered_pool or self.conf.worker_pool or "prefork"
+        return str(chosen).rsplit(":", 1)[-1].lower()
 
     def time_limit(self, task: Any) -> float | None:
         limit = task.time_limit if task.time_limit is not None else self.conf.task_time_limit

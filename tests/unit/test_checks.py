@@ -481,3 +481,15 @@ def test_every_limit_is_compared_with_the_measured_p99(sqlite_store, options, le
     assert [(f.level, f.settings, f.values) for f in found] == [
         (level, (setting,), {"task": "c.work", setting: limit, "p99": 45.0})]
     assert found[0].fix == f"raise {setting} above the p99 (45s) with room for the tail, or split the task"
+
+
+def test_the_pool_live_workers_record_is_judged_not_the_apps_setting(sqlite_store):
+    store = baseline_store(sqlite_store)
+    store.worker_pool = ("threads", 8)  # a live worker that started with -P threads
+    store.touch_worker("w2@host:2", "w2@host", 2)
+    app = make_app(worker_pool="prefork", tasks={"c.work": {"time_limit": 60}})
+
+    (finding,) = [f for f in run_checks(app, store) if f.code == "runtime_limit_unenforced"]
+
+    assert finding.level == "warning" and finding.values["worker_pool"] == "threads"
+    assert not [f for f in run_checks(app, store, pool="prefork") if f.code == "runtime_limit_unenforced"]
