@@ -144,7 +144,7 @@ def store_factory(store_url) -> Iterator[Callable[..., object]]:
     yield make
     for store in made:
         try:
-            drop_store_tables(store.engine, store.prefix)
+            store.drop_schema()
         finally:
             store.engine.dispose()
 
@@ -168,7 +168,7 @@ def drop_app_store(app) -> None:
 
     store = for_app(app, check=False)
     try:
-        drop_store_tables(store.engine, store.prefix)
+        store.drop_schema()
     finally:
         store.engine.dispose()
 

@@ -101,20 +101,22 @@ def _migrate(conn: Connection, store: object, to: str) -> list[str]:
 
 def migrate(store: object, to: str = "head") -> list[str]:
     """Bring the store to revision ``to``; returns what was done (empty: already there)."""
-    engine = store.engine  # type: ignore[attr-defined]
     for attempt in (1, 2):
         try:
-            with engine.begin() as conn:
+            # DDL is no lease's business: it gets the long bound of operators' calls.
+            with store.begin(long=True) as conn:  # type: ignore[attr-defined]
                 done = _migrate(conn, store, to)
             break
-        except sa.exc.DBAPIError as exc:
+        except (SchemaMismatch, LeaseConfigError):
+            raise
+        except StoreUnavailable as exc:
             # Two processes creating one empty store race; the loser looks again and finds
             # the schema made (MySQL's DDL is not transactional, so it cannot wait for it).
             if attempt == 2:
                 raise StoreUnavailable(
-                    f"cannot migrate lease store {store.safe_url}: {exc.orig}"  # type: ignore[attr-defined]
+                    f"cannot migrate lease store {store.safe_url}: {exc}"  # type: ignore[attr-defined]
                 ) from exc
-            log.debug("migrate raced (%s); looking again", exc.orig)
+            log.debug("migrate raced (%s); looking again", exc)
     store.revision = None  # type: ignore[attr-defined]
     return done
 
@@ -122,7 +124,7 @@ def migrate(store: object, to: str = "head") -> list[str]:
 def describe(store: object) -> tuple[str | None, bool]:
     """(revision, has tables) of a store, read without changing it."""
     prefix = store.prefix  # type: ignore[attr-defined]
-    with store.begin() as conn:  # type: ignore[attr-defined]
+    with store.begin(long=True) as conn:  # type: ignore[attr-defined]
         revision = migrations.current(conn, prefix)
         return revision, revision is not None or bool(_has_tables(conn, prefix))
 
@@ -162,7 +164,7 @@ def drop(store: object) -> list[str]:
     """
     prefix = store.prefix  # type: ignore[attr-defined]
     tables = sa.MetaData()
-    with store.engine.begin() as conn:  # type: ignore[attr-defined]
+    with store.begin(long=True) as conn:  # type: ignore[attr-defined]
         tables.reflect(conn, only=lambda name, _: name.startswith(prefix))
         tables.drop_all(conn)
     store.revision = None  # type: ignore[attr-defined]

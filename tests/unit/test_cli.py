@@ -21,7 +21,7 @@ from click.testing import CliRunner, Result
 
 from celery_lease.store import for_app
 from tests.apps import ops_app
-from tests.conftest import drop_store_tables, flushed_redis, require_service, service_url, unique_prefix
+from tests.conftest import flushed_redis, require_service, service_url, unique_prefix
 
 REDIS_DB = 10
 VERBS = ("migrate", "status", "jobs", "inspect", "events", "reap", "requeue", "dlq", "effects", "check",
@@ -62,7 +62,7 @@ def scene(url: str, broker: str) -> Iterator[Scene]:
             ids = ops_app.populate(store)
             yield Scene(app, store, ids)
         finally:
-            drop_store_tables(store.engine, prefix)
+            store.drop_schema()
             store.engine.dispose()
 
 
