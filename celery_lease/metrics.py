@@ -250,8 +250,8 @@ class LeaseCollector:
                 for (queue, task), hist in sorted(self._histograms[key].items()):
                     fams[key].add_metric([queue, task], hist.buckets(bounds), hist.total)
             for name, *_ in COUNTERS:
-                for labels, n in sorted(self._totals[name].items()):
-                    fams[name].add_metric(list(labels), n)
+                for counted, n in sorted(self._totals[name].items()):
+                    fams[name].add_metric(list(counted), n)
         for r in pending:
             due = r["oldest_due_at"]
             fams["pending"].add_metric([r["queue"] or ""], r["pending"])
@@ -280,9 +280,9 @@ class LeaseCollector:
         if until <= self._through:
             return
         finished = self.store.finished_between(self._through, until, RUNTIME_BUCKETS, ATTEMPT_BUCKETS)
-        for (queue, task), data in finished.items():
+        for (finished_queue, finished_task), data in finished.items():
             for key, values in data.items():
-                self._observe(key, queue, task, values)
+                self._observe(key, finished_queue, finished_task, values)
         counts = self.store.labelled_event_counts(EVENT_NAMES, self._through, until)
         for (event, queue, task), n in counts.items():
             name, extra = _BY_EVENT[Event(event)]

@@ -257,7 +257,7 @@ class Reaper:
                     if budget == 0:
                         break
                     job = item.job
-                    after = (job.lease_expires_at, job.id)
+                    after = item.keyset
                     result.seen += 1
                     if not item.reapable:
                         result.skipped_owner_alive += 1

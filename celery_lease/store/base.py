@@ -52,7 +52,7 @@ class _Audited:
     with its result ``columns``), or an ``update`` and its ``audit`` insert for one transaction."""
 
     statement: Any = None
-    compiled: tuple[str, dict[str, Any]] | None = None
+    compiled: tuple[str, Mapping[str, Any]] | None = None
     columns: list[str] = dataclasses.field(default_factory=list)
     update: Any = None
     audit: Any = None
@@ -273,14 +273,14 @@ class StoreBase:
                 return conn.execute(built.statement, bind).first()
         return self._audited_in_transaction(built, bind, job_id, full_row)
 
-    def _audited_row(self, stmt: sa.Update | Callable[[], sa.Update], job_id: str, event: str, *,
+    def _audited_row(self, stmt: sa.Update | Callable[[], sa.Update], job_id: str, event: Event, *,
                      worker: str | None = None, token: str | None = None, key: str | None = None,
                      params: dict[str, Any] | None = None) -> Job | None:
         """The audited write of a transition that hands its caller the job (a claim): the new row or None."""
         row = self._audited(stmt, job_id, event, None, worker, token, None, key, params, True)
         return None if row is None else Job.from_row(row)
 
-    def _audited_write(self, stmt: sa.Update | Callable[[], sa.Update], job_id: str, event: str,
+    def _audited_write(self, stmt: sa.Update | Callable[[], sa.Update], job_id: str, event: Event,
                        reason: str | None = None, worker: str | None = None, token: str | None = None,
                        detail: Any = None, *, key: str | None = None,
                        params: dict[str, Any] | None = None) -> bool:
@@ -345,10 +345,10 @@ class StoreBase:
             try:
                 raw = self.engine.raw_connection()
                 try:
-                    driver = raw.driver_connection
+                    driver: Any = raw.driver_connection  # psycopg's: autocommit, closed
                     driver.autocommit = True
                     try:
-                        with raw.cursor() as cursor:
+                        with contextlib.closing(raw.cursor()) as cursor:
                             cursor.execute(sql, {**static, **bind})
                             values = cursor.fetchone()
                     finally:

@@ -19,17 +19,17 @@ from sqlalchemy.engine import Connection, Engine
 
 __all__ = ["install", "waiting"]
 
-_classes: dict[type, type] = {}
+_classes: dict[type[Any], type[Any]] = {}
 
 
-def _bounded(base: type) -> type:
+def _bounded(base: type[Any]) -> type[Any]:
     """A subclass of psycopg's Connection whose waits end after ``call_timeout`` seconds."""
     if base not in _classes:
         import psycopg
 
         timeout_error = getattr(psycopg.errors, "_WaitTimeout", psycopg.errors.OperationalError)
 
-        class BoundedConnection(base):  # type: ignore[misc, valid-type]
+        class BoundedConnection(base):
             call_timeout: float | None = None
 
             def wait(self, gen: Any, interval: Any = None, timeout: float | None = None) -> Any:
@@ -62,7 +62,7 @@ def install(engine: Engine, seconds: float) -> None:
 @contextlib.contextmanager
 def waiting(conn: Connection, seconds: float | None) -> Iterator[None]:
     """Let the waits of ``conn``'s driver connection last ``seconds`` (None: leave them) for a while."""
-    driver = conn.connection.driver_connection
+    driver: Any = conn.connection.driver_connection  # psycopg's, or another driver's
     saved = getattr(driver, "call_timeout", None)
     if seconds is None or saved is None:
         yield

@@ -309,7 +309,8 @@ class PostgreSQL(_OnConflict):
         # is read when a lock wait begins, after the WHERE ran: it bounds the row-lock wait, the
         # one wait such a write has. statement_timeout is not set here: PostgreSQL arms it when
         # a statement starts, so set inside one it would not apply; the client's bound covers it.
-        settings = [sa.func.set_config("lock_timeout", _ms(bounds.server_lock), True).is_not(None)]
+        settings: list[ColumnElement[bool]] = [
+            sa.func.set_config("lock_timeout", _ms(bounds.server_lock), True).is_not(None)]
         if async_commit:
             # If a server crash undoes an asynchronously committed claim, nothing built on it
             # survives: its owner's later writes are fenced, synchronous, and come after it in the WAL.
@@ -436,7 +437,7 @@ class MySQL(Dialect):
         if not long:
             yield
             return
-        driver = conn.connection.driver_connection
+        driver: Any = conn.connection.driver_connection  # PyMySQL's, or another driver's
         saved = getattr(driver, "_read_timeout", None), getattr(driver, "_write_timeout", None)
         if saved != (None, None):  # PyMySQL reads its socket timeouts before every round trip
             driver._read_timeout = driver._write_timeout = bounds.round_trip

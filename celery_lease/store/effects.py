@@ -184,8 +184,9 @@ class EffectStatements(StoreBase):
         lk, j = self.t.locks, self.t.jobs
         fence = self._fenced(job_id, job_token) if job_token is not None and job_id is not None else None
         with self.begin() as c:
-            values = [sa.literal(resource, sa.String()), sa.literal(token, sa.String()),
-                      sa.literal(job_id, sa.String()), sa.literal(owner, sa.String()), self.now_sql + ttl]
+            values: list[sa.ColumnElement[Any]] = [
+                sa.literal(resource, sa.String()), sa.literal(token, sa.String()),
+                sa.literal(job_id, sa.String()), sa.literal(owner, sa.String()), self.now_sql + ttl]
             # SQLite wants a WHERE before ON CONFLICT in INSERT ... SELECT.
             source = sa.select(*values).where(sa.true())
             if fence is not None:
@@ -201,7 +202,8 @@ class EffectStatements(StoreBase):
             if res.rowcount == 1:
                 self._event(c, job_id, Event.LOCK_TAKEN_AFTER_EXPIRY, resource, owner, token)
                 return FIRST
-            if fence is not None and not self._lease_held(c, job_id, job_token):
+            if fence is not None and job_id is not None and job_token is not None \
+                    and not self._lease_held(c, job_id, job_token):
                 self._stale(c, job_id, Event.STALE_LOCK_REJECTED, owner, job_token, {"resource": resource})
                 return LOST
             return DUPLICATE

@@ -84,12 +84,12 @@ class JobStatements(WorkerStatements):
     def _claim_pending_statement(self, async_commit: bool) -> sa.Update:
         """pending -> running, as a statement of bind parameters (built once per store)."""
         j = self.t.jobs
-        duration = sa.bindparam("duration", type_=sa.Double())
-        early = sa.bindparam("early", type_=sa.Double())
+        duration: sa.BindParameter[float] = sa.bindparam("duration", type_=sa.Double())
+        early: sa.BindParameter[float] = sa.bindparam("early", type_=sa.Double())
         conditions = [j.c.id == sa.bindparam("job_id"), j.c.status == PENDING,
                       j.c.available_at <= self.now_sql + early,
                       *self.dialect.autocommit_settings(self.bounds, async_commit)]
-        grace = sa.bindparam("grace", type_=sa.Double())
+        grace: sa.BindParameter[float] = sa.bindparam("grace", type_=sa.Double())
         # The running code's recovery policy replaces the recorded one; NULL keeps it.
         recovery = {name: sa.func.coalesce(sa.bindparam(f"r_{name}", type_=j.c[name].type), j.c[name])
                     for name in RECOVERY}
@@ -277,7 +277,7 @@ class JobStatements(WorkerStatements):
     def _renewal(self, leases: Mapping[str, str], extend: Mapping[str, float] | None,
                  *where: sa.ColumnElement[bool]) -> sa.Update:
         j = self.t.jobs
-        duration = j.c.lease_duration
+        duration: sa.ColumnElement[Any] = j.c.lease_duration
         if extend:
             duration = sa.case(*((j.c.lock_token == tok, sa.literal(sec)) for tok, sec in extend.items()),
                                else_=j.c.lease_duration)

@@ -35,6 +35,12 @@ class Expired:
     owner_alive: bool
     reapable: bool  # owner gone, or lease past the hard grace
 
+    @property
+    def keyset(self) -> tuple[float, str]:
+        """This row's place in the scan's keyset ``(lease_expires_at, id)``."""
+        assert self.job.lease_expires_at is not None  # the scan selects expired leases only
+        return self.job.lease_expires_at, self.job.id
+
 
 class ReaperStatements(StoreBase):
     """Statements of the reaper: scans of abandoned leases and lost dispatches, recovery CAS, pruning."""

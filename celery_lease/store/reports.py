@@ -185,7 +185,7 @@ class ReportStatements(StoreBase):
         j = self.t.jobs
         with self.begin(long=True) as c:
             now = self._now(c)
-            at = sa.literal(now, sa.Double())
+            at: sa.BindParameter[float] = sa.literal(now, sa.Double())
             lag = at - sa.func.coalesce(j.c.last_heartbeat_at, j.c.started_at, at)
             cols = [j.c.queue_name, j.c.task_name, sa.func.count(),
                     sa.func.sum(sa.case((j.c.lease_expires_at < at, 1), else_=0)),
@@ -383,9 +383,9 @@ class ReportStatements(StoreBase):
         with self.begin(long=True) as c:
             hosts = [r[0] for r in c.execute(sa.select(w.c.hostname).distinct())]
             jobs = c.execute(usage).all()
-            effects = dict(c.execute(sa.select(j.c.task_name, sa.func.count()).select_from(
+            effects: dict[str, int] = dict(c.execute(sa.select(j.c.task_name, sa.func.count()).select_from(
                 e.join(j, e.c.job_id == j.c.id)).group_by(j.c.task_name)).all())
-            locks = dict(c.execute(sa.select(j.c.task_name, sa.func.count()).select_from(
+            locks: dict[str, int] = dict(c.execute(sa.select(j.c.task_name, sa.func.count()).select_from(
                 lk.join(j, lk.c.job_id == j.c.id)).group_by(j.c.task_name)).all())
         tasks = {name: {"jobs": int(n), "keyed": int(keyed), "failed": int(failed or 0),
                         "longest_delay": float(delay or 0.0), "effects": int(effects.get(name, 0)),

@@ -139,15 +139,21 @@ def test_self_lease_resolves_through_the_current_request(store):
     rt = runtime.for_app(app, store, "host")
     rt.start = lambda: None
     first, second = claim(store, rt, "job-1"), claim(store, rt, "job-2")
+    # The runtime keys leases by the request object's id until detach; the test keeps both
+    # requests alive as the worker does, so a new object cannot take a popped one's id.
     task.push_request(id="job-1")
-    rt.attach(task.request, first)
+    outer = task.request
+    rt.attach(outer, first)
     task.push_request(id="job-1")  # a second claim of the same id, in the same process
-    rt.attach(task.request, second)
+    inner = task.request
+    rt.attach(inner, second)
     assert task.lease is second
     task.pop_request()
     assert task.lease is first
     task.pop_request()
     assert task.lease is None
+    rt.detach(inner, second)
+    rt.detach(outer, first)
 
 
 def test_a_lease_past_its_max_runtime_is_lost_at_its_deadline_and_left_to_expire(store, rt, monkeypatch):
