@@ -301,7 +301,9 @@ def _fail(task: LeaseTask, lease: Lease, exc: BaseException) -> None:
 def _call(task: LeaseTask, lease: Lease, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Celery's ``Task.__call__``, with the body's own request context resolved to its lease."""
     _task_stack.push(task)
-    task.push_request(args=args, kwargs=kwargs)
+    # A copy of the worker's request, as Celery >= 5.5 makes itself: before 5.5 push_request
+    # starts from a blank one, and the body would see no id, hostname or delivery_info.
+    task.push_request(**{**task.request.__dict__, "args": args, "kwargs": kwargs})
     request = task.request
     lease.runtime.bind(request, lease)
     try:
