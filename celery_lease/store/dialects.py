@@ -172,6 +172,10 @@ class Dialect:
         """The LeaseError a driver or pool error means (see store/failures.py)."""
         return failures.classify(exc, where, bounds, self.failure_kind(exc))
 
+    def retryable(self, exc: BaseException | None) -> bool:
+        """Whether the server rolled the transaction back to break a deadlock: run it again."""
+        return False
+
     def failure_kind(self, exc: Exception) -> str | None:
         """``missing``, ``conflict``, ``constraint``, ``permission``, ``syntax``, ``data``,
         ``timeout`` or ``unreachable`` for a driver error this family knows; None otherwise."""
@@ -347,6 +351,10 @@ class PostgreSQL(_OnConflict):
         with bounded.waiting(conn, bounds.round_trip if long else None):
             yield
 
+    def retryable(self, exc: BaseException | None) -> bool:
+        state = getattr(getattr(exc, "orig", None), "sqlstate", None)
+        return state in ("40P01", "40001")  # deadlock_detected, serialization_failure
+
     def failure_kind(self, exc: Exception) -> str | None:
         state = getattr(getattr(exc, "orig", None), "sqlstate", None) or getattr(
             getattr(exc, "orig", None), "pgcode", None)
@@ -394,6 +402,11 @@ class MySQL(Dialect):
         super().__init__(url, **settings)
         self.is_mariadb = url.get_backend_name() == "mariadb"
         self.server_label = "MariaDB" if self.is_mariadb else "MySQL"
+
+    def retryable(self, exc: BaseException | None) -> bool:
+        # 1213: InnoDB broke a deadlock (gap locks of INSERT IGNORE + UPDATE racing on one key).
+        args: tuple[Any, ...] = tuple(getattr(getattr(exc, "orig", None), "args", ()))
+        return bool(args) and args[0] == 1213
 
     def upsert(self, table: sa.Table, values: Mapping[str, Any], update: tuple[str, ...]) -> Any:
         from sqlalchemy.dialects.mysql import insert

@@ -15,6 +15,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from ..errors import StoreUnavailable
 from ..vocabulary import EffectOutcome, Event
 from .base import StoreBase
 
@@ -181,6 +182,18 @@ class EffectStatements(StoreBase):
         With ``job_token`` the lock is taken only while that job lease holds; LOST otherwise,
         audited as ``stale_lock_rejected`` like a stale effect.
         """
+        for attempt in range(3):
+            try:
+                return self._acquire_lock_once(resource, token, ttl, owner, job_id, job_token)
+            except StoreUnavailable as exc:
+                # Racing takers of one key can deadlock on MySQL; the loser's transaction was
+                # rolled back whole, so running it again is safe.
+                if attempt == 2 or not self.dialect.retryable(exc.__cause__):
+                    raise
+        raise AssertionError("unreachable")
+
+    def _acquire_lock_once(self, resource: str, token: str, ttl: float, owner: str | None,
+                           job_id: str | None, job_token: str | None) -> EffectOutcome:
         lk, j = self.t.locks, self.t.jobs
         fence = self._fenced(job_id, job_token) if job_token is not None and job_id is not None else None
         with self.begin() as c:

@@ -56,7 +56,9 @@ def scene(url: str, broker: str) -> Iterator[Scene]:
         mp.setenv("OPS_PREFIX", prefix)
         mp.setenv("OPS_BROKER", broker)
         app = ops_app.app
-        store = for_app(app, check=False)
+        # The store the commands find cached on the app: an operator's, with the long call bound
+        # (`celery lease` builds it so), not a worker's third of the test's 1 s lease.
+        store = for_app(app, check=False, operator=True)
         store.migrate()
         try:
             ids = ops_app.populate(store)

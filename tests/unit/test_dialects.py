@@ -333,3 +333,28 @@ def test_a_hung_postgresql_server_fails_each_call_within_its_bound(postgres_url)
         store.engine.dispose()
         direct.t.metadata.drop_all(direct.engine)
         direct.engine.dispose()
+
+
+class _Driver(Exception):
+    def __init__(self, *args, sqlstate=None):
+        super().__init__(*args)
+        self.sqlstate = sqlstate
+
+
+class _Wrapped(Exception):
+    def __init__(self, orig):
+        super().__init__(str(orig))
+        self.orig = orig
+
+
+def test_only_a_deadlock_the_server_broke_is_worth_running_again():
+    mysql = dialects.for_url("mysql+pymysql://root@127.0.0.1/test")
+    postgres = dialects.for_url("postgresql+psycopg://postgres@127.0.0.1/test")
+    sqlite = dialects.for_url("sqlite://")
+
+    assert mysql.retryable(_Wrapped(_Driver(1213, "Deadlock found")))
+    assert not mysql.retryable(_Wrapped(_Driver(1205, "Lock wait timeout exceeded")))
+    assert postgres.retryable(_Wrapped(_Driver("deadlock detected", sqlstate="40P01")))
+    assert not postgres.retryable(_Wrapped(_Driver("lock timeout", sqlstate="55P03")))
+    assert not sqlite.retryable(_Wrapped(_Driver("database is locked")))
+    assert not mysql.retryable(None)
