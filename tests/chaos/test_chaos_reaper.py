@@ -116,9 +116,6 @@ def test_a_task_that_kills_its_own_process_every_time_ends_dead_lettered(renv, t
     assert renv.broker.llen(renv.queue) == 0
 
 
-@pytest.mark.skip(reason="fails on this machine since 16:40 on 2026-11-30 at every commit, also at one that "
-                         "passed at 15:40 (a timing shift in redispatch/takeover under investigation); the "
-                         "guarantee is still exercised by test_chaos_deadline and test_store_conformance")
 def test_a_reaper_killed_between_publish_and_cas_leaves_nothing_stuck(renv, tmp_path):
     env, app = renv.env(), renv.app()
     work = app.tasks["reaper_app.work"]
@@ -150,9 +147,6 @@ def test_a_reaper_killed_between_publish_and_cas_leaves_nothing_stuck(renv, tmp_
     assert unfinished(renv) == 0
 
 
-@pytest.mark.skip(reason="fails on this machine since 16:40 on 2026-11-30 at every commit, also at one that "
-                         "passed at 15:40 (a timing shift in redispatch/takeover under investigation); the "
-                         "guarantee is still exercised by test_chaos_deadline and test_store_conformance")
 def test_jobs_whose_messages_vanished_from_the_broker_are_redispatched_and_complete(renv, tmp_path):
     quick = {"lease_dispatch_timeout": 3.0}
     app = renv.app(**quick)
