@@ -171,24 +171,25 @@ def store_factory(store_url) -> Iterator[Callable[..., object]]:
     """
     from celery_lease.store import Store
 
-    made: list[Store] = []
+    made: list[tuple[Store, bool]] = []
     pool = _SCHEMAS.setdefault(store_url, []) if not store_url.startswith("sqlite") else None
 
-    def make(prefix: str | None = None, migrate: bool = True) -> Store:
-        if prefix is None and migrate and pool:
+    def make(prefix: str | None = None, migrate: bool = True, reuse: bool = True) -> Store:
+        """``reuse=False`` for a test that alters the schema behind the version table's back."""
+        if prefix is None and migrate and reuse and pool:
             store = Store(store_url, prefix=pool.pop())
-            made.append(store)
+            made.append((store, True))
             return store
         store = Store(store_url, prefix=prefix or unique_prefix())
-        made.append(store)
+        made.append((store, reuse))
         if migrate:
             store.migrate()
         return store
 
     yield make
-    for store in made:
+    for store, reuse in made:
         try:
-            if pool is not None and _reusable(store):
+            if pool is not None and reuse and _reusable(store):
                 pool.append(store.prefix)
             else:
                 store.drop_schema()
