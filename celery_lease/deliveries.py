@@ -1,6 +1,7 @@
 """Deliveries whose body must not run now: the store is down, the job is not available
 yet, or the job is leased or finished. Each is acknowledged, logged and audited, and
-the first two are sent again for later; none writes a task state or result.
+the first two are sent again for later; none writes a task state or result, except to
+finish what a crash interrupted (``resume_post_run``).
 """
 
 from __future__ import annotations
@@ -8,7 +9,9 @@ from __future__ import annotations
 import logging
 from typing import Any, NoReturn
 
-from celery import Task
+from celery import Task, states
+from celery.app.task import get_actual_ignore_result
+from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore, Reject
 
 from . import messages
@@ -16,7 +19,7 @@ from .errors import StoreUnavailable
 from .store import Store
 from .vocabulary import ClaimOutcome, Event
 
-__all__ = ["fail_closed", "defer_early", "skip_duplicate"]
+__all__ = ["fail_closed", "defer_early", "skip_duplicate", "keepable_result", "resume_post_run"]
 
 log = logging.getLogger(__name__)
 
@@ -73,3 +76,50 @@ def skip_duplicate(task: Task, store: Store, worker: str, outcome: ClaimOutcome,
            {"owner": job.locked_by if job else None,
             "redelivered": bool((task.request.delivery_info or {}).get("redelivered"))})
     raise Ignore()
+
+
+def _has_results(task: Task) -> bool:
+    return not (get_actual_ignore_result(task, task.request) or isinstance(task.backend, DisabledBackend))
+
+
+def keepable_result(task: Task, value: Any) -> str | None:
+    """The return value encoded for the completion to keep; None when Celery stores no result
+    for this run (no backend, ``ignore_result``), so the rare path has nothing to finish."""
+    if not _has_results(task):
+        return None
+    try:
+        return messages.encode_result(value, task.app.conf.result_serializer)
+    except Exception as exc:  # noqa: BLE001 - Celery's own store_result reports it as the task's failure
+        log.warning("job %s: result not kept (%s); a crash before Celery stores it leaves it unstored",
+                    task.request.id, exc)
+        return None
+
+
+def resume_post_run(task: Task, store: Store, worker: str, job: Any) -> tuple[bool, Any]:
+    """(True, result) when this delivery must finish a completed job's post-run work.
+
+    Celery sends the chain's next step and the link callbacks, then stores the result: a
+    completed job whose result the backend lacks was interrupted by a crash. Returning the
+    result the completion kept lets Celery's tracer do that work now; the body does not run.
+    """
+    request = task.request
+    if not _has_results(task):
+        return False, None
+    try:
+        state = task.backend.get_state(job.id)
+    except Exception as exc:  # noqa: BLE001 - any backend failure: treat as an ordinary duplicate
+        log.warning("job %s: result backend unreadable (%s); duplicate delivery skipped", job.id, exc)
+        return False, None
+    if state in states.READY_STATES:
+        return False, None
+    kept = store.kept_result(job.id)
+    if kept is None:
+        return False, None
+    accept = task.app.conf.result_accept_content or task.app.conf.accept_content
+    value = messages.decode_result(kept, accept, job.id)
+    log.warning("job %s completed but its result was never stored (state %s): storing the kept result "
+                "and continuing its canvas; the body does not run again", job.id, state,
+                extra={"action": "post_run_resumed"})
+    _audit(store, job.id, Event.POST_RUN_RESUMED, f"result backend state was {state}", worker,
+           {"redelivered": bool((request.delivery_info or {}).get("redelivered"))})
+    return True, value

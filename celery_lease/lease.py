@@ -57,6 +57,7 @@ class Lease:
         # Set when the body handed the job on: Task.replace() or Task.retry() changed the row.
         self.handed_over = False
         self.retried = False
+        self.kept_result: str | None = None  # the encoded return value the completion keeps
         self._in_body = False
         self._interrupter = runtime.interrupter()
         self._guard = threading.Lock()

@@ -19,7 +19,8 @@ from kombu import serialization
 
 from .errors import StoreCorrupt
 
-__all__ = ["encode", "decode", "republish", "publishing_unrecorded", "recording_disabled", "PAYLOAD_VERSION"]
+__all__ = ["encode", "decode", "encode_result", "decode_result", "republish", "publishing_unrecorded",
+           "recording_disabled", "PAYLOAD_VERSION"]
 
 PAYLOAD_VERSION = 1
 
@@ -65,7 +66,12 @@ def encode(task_name: str, args: Any, kwargs: Any, options: Mapping[str, Any],
         "subtask_type": None,
         "immutable": False,
     }
-    content_type, encoding, data = serialization.dumps(sig, serializer=serializer)
+    return _envelope(sig, serializer)
+
+
+def _envelope(value: Any, serializer: str) -> str:
+    """``value`` serialized by kombu as a JSON text column (binary serializers in base64)."""
+    content_type, encoding, data = serialization.dumps(value, serializer=serializer)
     binary = isinstance(data, bytes)
     return json.dumps({
         "v": PAYLOAD_VERSION,
@@ -81,14 +87,7 @@ def decode(payload: str | None, accept: Any = None, job_id: str | None = None) -
     if not payload:
         raise StoreCorrupt(f"job {job_id} has no stored message to re-publish", job_id=job_id)
     try:
-        envelope = json.loads(payload)
-        data = envelope["data"]
-        if envelope.get("b64"):
-            data = base64.b64decode(data)
-        if accept is not None:
-            # Celery settings name serializers ('json'); kombu compares MIME types.
-            accept = serialization.prepare_accept_content(accept)
-        sig = serialization.loads(data, envelope["content_type"], envelope["content_encoding"], accept=accept)
+        sig = _open(payload, accept)
         if not isinstance(sig, dict) or "task" not in sig:
             raise ValueError("not a task signature")
         return sig
@@ -97,6 +96,30 @@ def decode(payload: str | None, accept: Any = None, job_id: str | None = None) -
             f"job {job_id}: stored message cannot be decoded ({exc}); inspect it with "
             f"`celery lease inspect {job_id}`", job_id=job_id,
         ) from exc
+
+
+def _open(text: str, accept: Any) -> Any:
+    envelope = json.loads(text)
+    data = envelope["data"]
+    if envelope.get("b64"):
+        data = base64.b64decode(data)
+    if accept is not None:
+        # Celery settings name serializers ('json'); kombu compares MIME types.
+        accept = serialization.prepare_accept_content(accept)
+    return serialization.loads(data, envelope["content_type"], envelope["content_encoding"], accept=accept)
+
+
+def encode_result(value: Any, serializer: str) -> str:
+    """A task's return value for ``jobs.result``, in the app's result serializer."""
+    return _envelope(value, serializer)
+
+
+def decode_result(text: str, accept: Any, job_id: str) -> Any:
+    """The return value a completed job kept; StoreCorrupt when it cannot be read."""
+    try:
+        return _open(text, accept)
+    except Exception as exc:  # noqa: BLE001 - any decoding problem means a corrupt row
+        raise StoreCorrupt(f"job {job_id}: kept result cannot be decoded ({exc})", job_id=job_id) from exc
 
 
 def republish(app: Any, job_id: str, payload: str | None, countdown: float = 0.0,

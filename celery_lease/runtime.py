@@ -208,7 +208,7 @@ class Runtime:
             deferred = list(self._deferred.values())
         for lease in deferred:
             try:
-                self.store.complete(lease.job_id, lease.token, self.worker)
+                self.store.complete(lease.job_id, lease.token, self.worker, lease.kept_result)
             except StoreUnavailable:
                 return
             log.info("job %s [%s] completed after the store came back", lease.job_id, lease.token[:8])

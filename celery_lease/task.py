@@ -26,7 +26,7 @@ from .config import TaskPolicy, app_config, task_policy
 from .errors import LeaseLost, StoreUnavailable
 from .lease import Lease
 from .store import ClaimTerms, Store, for_app
-from .vocabulary import ClaimOutcome, Decision, Event
+from .vocabulary import ClaimOutcome, Decision, Event, Status
 
 __all__ = ["LeaseTask", "Lease"]
 
@@ -244,6 +244,10 @@ def _run_leased(task: LeaseTask, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     if claim.outcome == ClaimOutcome.EARLY:
         deliveries.defer_early(task, store, rt.worker, claim.wait)
     if not claim.claimed:
+        if claim.job is not None and claim.job.status == Status.COMPLETED:
+            resumed, value = deliveries.resume_post_run(task, store, rt.worker, claim.job)
+            if resumed:
+                return value  # Celery's tracer stores it and sends the chain's next step
         deliveries.skip_duplicate(task, store, rt.worker, claim.outcome, claim.job)
     job = claim.job
     assert job is not None
@@ -367,8 +371,9 @@ def _run_body(task: LeaseTask, lease: Lease, args: tuple[Any, ...], kwargs: dict
     if lease.lost:
         # Lost while finishing: the completion below is fenced and will be rejected.
         log.warning("job %s [%s] finished after losing its lease", job_id, token[:8])
+    lease.kept_result = deliveries.keepable_result(task, result)
     try:
-        completed = store.complete(job_id, token, worker)
+        completed = store.complete(job_id, token, worker, lease.kept_result)
     except StoreUnavailable as exc:
         log.error("job %s [%s] finished but the store is unreachable (%s); completion deferred",
                   job_id, token[:8], exc, extra={"action": "completion_deferred"})

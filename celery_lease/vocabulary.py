@@ -96,6 +96,9 @@ class Event(Name):
     # Deliveries whose body did not run.
     EARLY_DELIVERY_DEFERRED = "early_delivery_deferred"
     DUPLICATE_DELIVERY_SKIPPED = "duplicate_delivery_skipped"
+    # A delivery of a completed job whose result never reached the result backend (a crash
+    # interrupted Celery's post-run work): the kept result is stored and the canvas continues.
+    POST_RUN_RESUMED = "post_run_resumed"
     # Writes of a worker that had lost its lease, rejected by the token check.
     STALE_COMPLETION_REJECTED = "stale_completion_rejected"
     STALE_FAILURE_REJECTED = "stale_failure_rejected"

@@ -20,13 +20,15 @@ from ..errors import StoreCorrupt
 from ..vocabulary import ClaimOutcome, Event, Status
 from . import dialects, schema
 
-__all__ = ["StoreBase", "Claim", "ClaimTerms", "Job", "RUNS_REVISION"]
+__all__ = ["StoreBase", "Claim", "ClaimTerms", "Job", "RUNS_REVISION", "RESULT_REVISION"]
 
 log = logging.getLogger(__name__)
 
 PENDING, RUNNING, COMPLETED, FAILED = Status.PENDING, Status.RUNNING, Status.COMPLETED, Status.FAILED
 # The first schema revision with the reaper_runs and meta tables and events' queue and task.
 RUNS_REVISION = "0004"
+# The first schema revision whose jobs keep a completed job's result.
+RESULT_REVISION = "0005"
 
 
 STALE_REASON = "lock token no longer matches"  # the reason of every write a fence refused
@@ -305,7 +307,13 @@ class StoreBase:
     def _row_columns(self, full_row: bool) -> list[sa.Column]:
         # A claim needs the lease and progress columns; the stored message stays in the store.
         jobs = self.t.jobs
-        return [c for c in jobs.c if c is not jobs.c.payload] if full_row else [jobs.c.id]
+        return [c for c in self._job_columns() if c is not jobs.c.payload] if full_row else [jobs.c.id]
+
+    def _job_columns(self) -> list[sa.Column]:
+        """The jobs columns a Job is read from: all but the kept result, which only the rare
+        path after a crash reads (and which a store one revision back does not have)."""
+        jobs = self.t.jobs
+        return [c for c in jobs.c if c is not jobs.c.result]
 
     def _build_audited(self, stmt: sa.Update, event: Event, full_row: bool, reused: bool) -> _Audited:
         columns = self._row_columns(full_row)
@@ -492,6 +500,6 @@ class StoreBase:
 
     def get(self, job_id: str) -> Job | None:
         with self.begin() as c:
-            row = c.execute(sa.select(self.t.jobs).where(self.t.jobs.c.id == job_id)).first()
+            row = c.execute(sa.select(*self._job_columns()).where(self.t.jobs.c.id == job_id)).first()
         return None if row is None else Job.from_row(row)
 

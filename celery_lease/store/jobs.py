@@ -12,7 +12,7 @@ from sqlalchemy.engine import Connection
 from ..config import RECOVERY
 from ..errors import StoreConflict, StoreUnavailable
 from ..vocabulary import ClaimOutcome, Event
-from .base import COMPLETED, FAILED, PENDING, RUNNING, Claim, ClaimTerms, Job, where_given
+from .base import COMPLETED, FAILED, PENDING, RESULT_REVISION, RUNNING, Claim, ClaimTerms, Job, where_given
 from .workers import WorkerStatements
 
 __all__ = ["JobStatements"]
@@ -96,14 +96,16 @@ class JobStatements(WorkerStatements):
         return sa.update(j).where(*conditions).values(
             **self._lease_values(sa.bindparam("worker"), sa.bindparam("token"), duration, grace), **recovery)
 
-    def _complete_running(self) -> sa.Update:
-        """running -> completed under the token, as a statement of bind parameters."""
+    def _complete_running(self, keep: bool = False) -> sa.Update:
+        """running -> completed under the token (``keep``: with the result), as a statement of bind
+        parameters."""
         j = self.t.jobs
+        kept = {"result": sa.bindparam("result", type_=sa.Text())} if keep else {}
         return sa.update(j).where(
             j.c.id == sa.bindparam("job_id"), j.c.lock_token == sa.bindparam("token"), j.c.status == RUNNING,
             *self.dialect.autocommit_settings(self.bounds),
         ).values(status=COMPLETED, completed_at=self.now_sql, lease_expires_at=None, lock_token=None,
-                 updated_at=self.now_sql)
+                 updated_at=self.now_sql, **kept)
 
     def claim(self, job_id: str, worker: str, token: str, terms: ClaimTerms, task_name: str,
               queue: str | None, payload: Callable[[], str | None]) -> Claim:
@@ -190,7 +192,7 @@ class JobStatements(WorkerStatements):
             return None
 
     def _job(self, c: Connection, job_id: str) -> Job | None:
-        row = c.execute(sa.select(self.t.jobs).where(self.t.jobs.c.id == job_id)).first()
+        row = c.execute(sa.select(*self._job_columns()).where(self.t.jobs.c.id == job_id)).first()
         return None if row is None else Job.from_row(row)
 
     # -- owner transitions (fenced) -------------------------------------------
@@ -205,13 +207,26 @@ class JobStatements(WorkerStatements):
         self._stale(None, job_id, stale, worker, token, detail)
         return False
 
-    def complete(self, job_id: str, token: str, worker: str | None = None) -> bool:
-        """running -> completed; False (audited) when the token no longer matches."""
-        if self._audited_write(self._complete_running, job_id, Event.COMPLETED, worker=worker, token=token,
-                               key="complete", params={"job_id": job_id, "token": token}):
+    def complete(self, job_id: str, token: str, worker: str | None = None, result: str | None = None) -> bool:
+        """running -> completed, keeping ``result`` (encoded) in the same statement; False
+        (audited) when the token no longer matches."""
+        params: dict[str, Any] = {"job_id": job_id, "token": token}
+        keep = result is not None and self.at_least(RESULT_REVISION)
+        if keep:
+            params["result"] = result
+        if self._audited_write(lambda: self._complete_running(keep), job_id, Event.COMPLETED, worker=worker,
+                               token=token, key="complete_kept" if keep else "complete", params=params):
             return True
         self._stale(None, job_id, Event.STALE_COMPLETION_REJECTED, worker, token)
         return False
+
+    def kept_result(self, job_id: str) -> str | None:
+        """The encoded result a completed job kept (None: not completed, or nothing kept)."""
+        if not self.at_least(RESULT_REVISION):
+            return None
+        j = self.t.jobs
+        with self.begin() as c:
+            return c.execute(sa.select(j.c.result).where(j.c.id == job_id, j.c.status == COMPLETED)).scalar()
 
     def fail(self, job_id: str, token: str, error: str, worker: str | None = None) -> bool:
         """running -> failed (dead letter) after a final task failure."""

@@ -140,7 +140,7 @@ class ReportStatements(StoreBase):
                   expired: bool = False, limit: int = 50) -> list[Job]:
         """Jobs matching the filters, most recently changed first (expired: oldest lease first)."""
         j = self.t.jobs
-        q = sa.select(j).limit(limit)
+        q = sa.select(*self._job_columns()).limit(limit)
         if expired:
             q = q.where(j.c.status == RUNNING, j.c.lease_expires_at < self.now_sql)
             q = q.order_by(j.c.lease_expires_at, j.c.id)
@@ -268,7 +268,7 @@ class ReportStatements(StoreBase):
         j = self.t.jobs
         cond = (sa.and_(j.c.status == RUNNING, j.c.lease_expires_at < self.now_sql) if force
                 else self._claimable_expired())
-        q = sa.select(j).where(cond).order_by(j.c.lease_expires_at, j.c.id).limit(limit)
+        q = sa.select(*self._job_columns()).where(cond).order_by(j.c.lease_expires_at, j.c.id).limit(limit)
         with self.begin(long=True) as c:
             return [Job.from_row(r) for r in c.execute(q)]
 
@@ -308,7 +308,8 @@ class ReportStatements(StoreBase):
                      include_revoked: bool = True) -> list[Job]:
         """Failed jobs, oldest failure first."""
         j = self.t.jobs
-        q = sa.select(j).where(j.c.status == FAILED).order_by(j.c.updated_at, j.c.id).limit(limit)
+        q = (sa.select(*self._job_columns()).where(j.c.status == FAILED)
+             .order_by(j.c.updated_at, j.c.id).limit(limit))
         q = where_given(q, (j.c.task_name, task))
         if not include_revoked:
             q = q.where(sa.or_(j.c.last_error.is_(None), ~j.c.last_error.startswith(REVOKED_PREFIX)))

@@ -84,6 +84,9 @@ def tables(prefix: str = "celery_lease_") -> Tables:
         sa.Column("backoff_jitter", sa.Boolean(create_constraint=False), nullable=True),
         sa.Column("dead_letter_queue", sa.String(ID), nullable=True),
         sa.Column("dispatch_timeout", sa.Double(), nullable=True),
+        # A completed job's return value, encoded by the result serializer (revision 0005):
+        # read only when a crash interrupted Celery's post-run work.
+        sa.Column("result", sa.Text(), nullable=True),
         sa.UniqueConstraint("idempotency_key", name=f"{p}jobs_idempotency_key_uq"),
         sa.CheckConstraint(
             "status IN ('pending', 'running', 'completed', 'failed')", name=f"{p}jobs_status_ck"

@@ -360,11 +360,10 @@ def test_a_reaper_on_a_work_queue_or_without_expires_is_flagged(sqlite_store, op
     assert "lease-maintenance" in finding.fix and "expires" in finding.fix
 
 
-def test_reaper_and_scrape_features_need_migrate_on_the_previous_revision(tmp_path):
-    from celery_lease.store import migrations
-
+def test_reaper_and_scrape_features_need_migrate_on_the_revision_before_them(tmp_path):
     store = Store(f"sqlite:///{tmp_path / 'old.sqlite3'}", unique_prefix())
-    store.migrate(to=migrations.supported()[0])
+    store.migrate(to="0003")
+    store.revision = "0003"  # as the release whose window was 0003..0004 found it
     run_job(store)
     store.event(None, "lease_taken_over", "test")
     assert store.record_reaper_run(0.1, {}, "reaper@host:1", keep=10) is False

@@ -56,3 +56,76 @@ def test_fail_closed_with_the_broker_down_too_rejects_the_message_back_to_the_qu
         deliveries.fail_closed(task, 5.0, StoreUnavailable("lease store unreachable"))
     assert info.value.requeue is True and task.countdown == 5.0
     assert "cannot re-send" in caplog.text
+
+
+# -- finishing what a crash interrupted ----------------------------------------------------
+@pytest.fixture
+def results_app():
+    from celery import Celery
+
+    app = Celery("kept", broker="memory://", backend="cache+memory://", set_as_current=False)
+
+    @app.task(name="kept.task", bind=True)
+    def kept(self):
+        return None
+
+    yield app, kept
+    app.close()
+
+
+class KeptStore:
+    """A completed job's kept result, and the audit events written."""
+
+    def __init__(self, kept):
+        self.kept, self.written = kept, []
+
+    def kept_result(self, job_id):
+        return self.kept
+
+    def event(self, job_id, event, *args, **kwargs):
+        self.written.append(str(event))
+
+
+class CompletedJob:
+    id, status, locked_by = "job-1", "completed", None
+
+
+def test_a_result_is_kept_only_when_celery_stores_results(results_app):
+    from celery.backends.base import DisabledBackend
+
+    app, task = results_app
+    task.push_request(id="job-1")
+    try:
+        assert deliveries.keepable_result(task, {"total": 3}) is not None
+        task.request.ignore_result = True
+        assert deliveries.keepable_result(task, {"total": 3}) is None
+        task.request.ignore_result = False
+        task.backend = DisabledBackend(app)
+        assert deliveries.keepable_result(task, {"total": 3}) is None
+    finally:
+        task.pop_request()
+
+
+def test_a_completed_job_without_a_stored_result_resumes_with_the_kept_one(results_app):
+    _, task = results_app
+    task.push_request(id="job-1", delivery_info={})
+    try:
+        store = KeptStore(deliveries.keepable_result(task, {"total": 3}))
+        assert deliveries.resume_post_run(task, store, "me:1", CompletedJob()) == (True, {"total": 3})
+        assert store.written == ["post_run_resumed"]
+        task.backend.mark_as_done("job-1", {"total": 3})
+        assert deliveries.resume_post_run(task, store, "me:1", CompletedJob()) == (False, None)
+        assert store.written == ["post_run_resumed"]  # a stored result: an ordinary duplicate
+    finally:
+        task.pop_request()
+
+
+def test_a_completed_job_that_kept_nothing_is_an_ordinary_duplicate(results_app):
+    _, task = results_app
+    task.push_request(id="job-1", delivery_info={})
+    try:
+        store = KeptStore(None)
+        assert deliveries.resume_post_run(task, store, "me:1", CompletedJob()) == (False, None)
+        assert store.written == []
+    finally:
+        task.pop_request()

@@ -196,6 +196,32 @@ def test_complete_with_a_stale_token_changes_nothing_and_is_audited(store):
     assert job.status == COMPLETED and job.lock_token is None and job.completed_at is not None
 
 
+def test_a_completion_keeps_its_result_in_the_same_write_and_only_when_given(store):
+    store.record("j1", "t.task", "q", "{}", 3)
+    store.record("j2", "t.task", "q", "{}", 3)
+    tok1, tok2 = claim(store, "j1").job.lock_token, claim(store, "j2").job.lock_token
+    assert store.kept_result("j1") is None  # running: nothing to finish
+    assert store.complete("j1", "stale-token", result='"stale"') is False
+    assert store.complete("j1", tok1, result='{"data": "42"}') is True
+    assert store.complete("j2", tok2) is True
+    assert (store.kept_result("j1"), store.kept_result("j2"), store.kept_result("nope")) == (
+        '{"data": "42"}', None, None)
+    assert events(store, "j1").count("completed") == 1
+
+
+def test_on_the_revision_before_kept_results_a_completion_keeps_nothing(store_factory):
+    made = store_factory(migrate=False)
+    made.migrate(to="0004")
+    store = Store(made.url, made.prefix)
+    store.revision = "0004"  # the previous revision, which this release still runs against
+    store.record("j1", "t.task", "q", "{}", 3)
+    tok = claim(store, "j1").job.lock_token
+    assert store.complete("j1", tok, result='"kept"') is True
+    assert store.get("j1").status == COMPLETED
+    assert store.kept_result("j1") is None
+    store.engine.dispose()
+
+
 def test_fail_is_fenced_and_records_the_error(store):
     store.record("j1", "t.task", "q", "{}", 3)
     tok = claim(store, "j1").job.lock_token
