@@ -10,7 +10,7 @@ import logging
 from typing import Any, NoReturn
 
 from celery import Task, states
-from celery.app.task import get_actual_ignore_result
+from celery.app.task import Context
 from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore, Reject
 
@@ -19,7 +19,8 @@ from .errors import StoreUnavailable
 from .store import Store
 from .vocabulary import ClaimOutcome, Event
 
-__all__ = ["fail_closed", "defer_early", "skip_duplicate", "keepable_result", "resume_post_run"]
+__all__ = ["fail_closed", "defer_early", "skip_duplicate", "ignores_result", "keepable_result",
+           "resume_post_run"]
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +79,16 @@ def skip_duplicate(task: Task, store: Store, worker: str, outcome: ClaimOutcome,
     raise Ignore()
 
 
+def ignores_result(task: Task, request: Any) -> bool:
+    """Whether Celery stores no result for this run: the request's own ``ignore_result`` when
+    it set one, else the task's (Celery 5.7's rule, which 5.3 does not export)."""
+    explicit = request.__dict__.get("ignore_result") if isinstance(request, Context) else getattr(
+        request, "ignore_result", None)
+    return bool(explicit if explicit is not None else task.ignore_result)
+
+
 def _has_results(task: Task) -> bool:
-    return not (get_actual_ignore_result(task, task.request) or isinstance(task.backend, DisabledBackend))
+    return not (ignores_result(task, task.request) or isinstance(task.backend, DisabledBackend))
 
 
 def keepable_result(task: Task, value: Any) -> str | None:

@@ -17,7 +17,6 @@ from typing import Any
 
 from celery import Task, states
 from celery._state import _task_stack
-from celery.app.task import get_actual_ignore_result
 from celery.exceptions import Ignore, Reject, Retry, WorkerShutdown, WorkerTerminate
 from celery.utils import uuid
 
@@ -255,7 +254,7 @@ def _run_leased(task: LeaseTask, args: tuple[Any, ...], kwargs: dict[str, Any]) 
                   job.idempotency_key or f"{task.name}:{job_id}", job.checkpoint_state(),
                   sent_at=sent, app=task.app, acks_late=bool(task.acks_late))
     rt.attach(request, lease)
-    if task.lease_tracks_started and not get_actual_ignore_result(task, request):
+    if task.lease_tracks_started and not deliveries.ignores_result(task, request):
         # Celery's task_track_started, once the claim proved this delivery runs the job.
         task.backend.store_result(job_id, {"pid": os.getpid(), "hostname": request.hostname},
                                   states.STARTED, request=request)

@@ -129,3 +129,17 @@ def test_a_completed_job_that_kept_nothing_is_an_ordinary_duplicate(results_app)
         assert store.written == []
     finally:
         task.pop_request()
+
+
+def test_a_request_that_sets_ignore_result_overrides_the_task_and_one_that_does_not_defers_to_it(results_app):
+    from celery.app.task import Context
+
+    _, task = results_app
+    assert deliveries.ignores_result(task, Context(id="j")) is False
+    assert deliveries.ignores_result(task, Context(id="j", ignore_result=True)) is True
+    task.ignore_result = True
+    try:
+        assert deliveries.ignores_result(task, Context(id="j")) is True
+        assert deliveries.ignores_result(task, Context(id="j", ignore_result=False)) is False
+    finally:
+        task.ignore_result = False
