@@ -3,6 +3,9 @@ and publish once the transaction commits, and an idempotency key still publishes
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+
 import pytest
 from celery import Celery
 
@@ -10,6 +13,8 @@ from celery_lease import LeaseTask
 from tests.conftest import drop_app_store, migrated_store, unique_prefix
 
 django = pytest.importorskip("django")
+# DjangoTask exists from Celery 5.4; the floor-versions run has 5.3, where only the refusal applies.
+HAS_DJANGO_TASK = importlib.util.find_spec("celery.contrib.django") is not None
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +32,8 @@ def transaction():
 
 @pytest.fixture
 def app(tmp_path, transaction):
+    if not HAS_DJANGO_TASK:
+        pytest.skip("celery.contrib.django.task.DjangoTask exists from Celery 5.4 (this is the 5.3 floor)")
     app = Celery(f"django_{unique_prefix()}", broker="memory://", set_as_current=False,
                  task_cls="celery_lease.django:LeaseDjangoTask")
     app.conf.update(lease_store_url=f"sqlite:///{tmp_path}/store.db", lease_table_prefix=unique_prefix())
@@ -91,3 +98,12 @@ def test_any_task_class_composes_with_lease_task():
     assert issubclass(composed, LeaseTask) and issubclass(composed, Audited)
     assert composed.__mro__.index(LeaseTask) < composed.__mro__.index(Audited)
     assert lease_task_class(composed) is composed
+
+
+def test_without_djangos_task_class_the_import_says_which_celery_is_needed(monkeypatch):
+    import celery_lease.django as composed
+
+    monkeypatch.delitem(composed.__dict__, "LeaseDjangoTask", raising=False)
+    monkeypatch.setitem(sys.modules, "celery.contrib.django.task", None)  # as on Celery 5.3
+    with pytest.raises(ImportError, match=r"needs Celery >= 5\.4"):
+        composed.LeaseDjangoTask  # noqa: B018 - the attribute access is the import
