@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -18,6 +19,8 @@ app.conf.update(
     lease_table_prefix=os.environ.get("BENCH_PREFIX", "bench_"),
     task_ignore_result=True, worker_prefetch_multiplier=4,
 )
+# BENCH_CONF: JSON of extra settings, e.g. '{"lease_sqlite_synchronous": "NORMAL"}' to price durability.
+app.conf.update(json.loads(os.environ.get("BENCH_CONF", "{}")))
 counter = redis.Redis.from_url(BROKER)
 _pause = threading.Event()
 
