@@ -12,7 +12,19 @@ from sqlalchemy.engine import Connection
 from ..config import RECOVERY
 from ..errors import StoreConflict, StoreUnavailable
 from ..vocabulary import ClaimOutcome, Event
-from .base import COMPLETED, FAILED, PENDING, RESULT_REVISION, RUNNING, Claim, ClaimTerms, Job, where_given
+from .base import (
+    COMPLETED,
+    FAILED,
+    PENDING,
+    RESULT_REVISION,
+    RUNNING,
+    RUNS_REVISION,
+    Claim,
+    ClaimTerms,
+    Job,
+    _Audited,
+    where_given,
+)
 from .workers import WorkerStatements
 
 __all__ = ["JobStatements"]
@@ -37,19 +49,21 @@ class JobStatements(WorkerStatements):
         (until lease_idempotency_retention).
         """
         j, k = self.t.jobs, self.t.idempotency_keys
+        params = {"job_id": job_id, "task_name": task_name, "queue": queue, "payload": payload,
+                  "max_attempts": max_attempts, "idempotency_key": idempotency_key, "delay": delay,
+                  "detail": json.dumps({"queue": queue}) if queue else None,
+                  **{f"r_{name}": (recovery or {}).get(name) for name in RECOVERY}}
+        keyed = idempotency_key is not None
         try:
-            with self.begin() as c:
-                c.execute(sa.insert(j).values(
-                    id=job_id, task_name=task_name, queue_name=queue, payload=payload,
-                    status=PENDING, attempt_count=0, expired_count=0, dispatch_count=0,
-                    max_attempts=max_attempts, idempotency_key=idempotency_key,
-                    available_at=self.now_sql + delay, created_at=self.now_sql, updated_at=self.now_sql,
-                    **(recovery or {}),
-                ))
-                if idempotency_key is not None:
-                    c.execute(sa.insert(k).values(key=idempotency_key, job_id=job_id,
-                                                  created_at=self.now_sql))
-                self._event(c, job_id, Event.PUBLISHED, detail={"queue": queue} if queue else None)
+            built = self._record_statements(keyed)
+            if built.compiled is not None:
+                self._execute_compiled(built, params)
+            else:
+                with self.begin() as c:
+                    c.execute(built.update, params)
+                    if keyed:
+                        c.execute(built.statement, params)
+                    c.execute(built.audit, params)
             return True, job_id
         except StoreConflict:
             pass
@@ -62,6 +76,59 @@ class JobStatements(WorkerStatements):
                 if other is not None:
                     return False, other
             return False, job_id
+
+    def _record_statements(self, keyed: bool) -> _Audited:
+        """The publish record as statements of bind parameters, built once per store.
+
+        On PostgreSQL the job, its key and its ``published`` event are one statement in
+        autocommit (data-modifying CTEs), compiled once: one round trip and one commit per
+        publish. A duplicate id or key fails the whole statement (StoreConflict). Elsewhere
+        they are an INSERT each (``update``, ``statement`` for the key, ``audit``) in one
+        transaction. The event's queue and task are the row's own values (a subquery in the
+        same statement would not see the row yet).
+        """
+        cache_key = "record_keyed" if keyed else "record"
+        built = self._built.get(cache_key)
+        if built is not None:
+            return built
+        j, k, e = self.t.jobs, self.t.idempotency_keys, self.t.events
+        job_id = sa.bindparam("job_id", type_=sa.String())
+        row: dict[str, Any] = {
+            "id": job_id, "task_name": sa.bindparam("task_name", type_=sa.String()),
+            "queue_name": sa.bindparam("queue", type_=sa.String()),
+            "payload": sa.bindparam("payload", type_=sa.Text()),
+            "status": sa.literal(str(PENDING), sa.String()), "attempt_count": sa.literal(0),
+            "expired_count": sa.literal(0), "dispatch_count": sa.literal(0),
+            "max_attempts": sa.bindparam("max_attempts", type_=sa.Integer()),
+            "idempotency_key": sa.bindparam("idempotency_key", type_=sa.String()),
+            "available_at": self.now_sql + sa.bindparam("delay", type_=sa.Double()),
+            "created_at": self.now_sql, "updated_at": self.now_sql,
+            **{name: sa.bindparam(f"r_{name}", type_=j.c[name].type) for name in RECOVERY},
+        }
+        event: dict[str, Any] = {"event": sa.literal(str(Event.PUBLISHED), sa.String()), "at": self.now_sql,
+                 "detail": sa.bindparam("detail", type_=sa.Text())}
+        if self.at_least(RUNS_REVISION):
+            event.update(queue_name=row["queue_name"], task_name=row["task_name"])
+        key: dict[str, Any] = {"key": row["idempotency_key"], "created_at": self.now_sql}
+        if not (self.dialect.one_statement_writes and self.dialect.compiled_fast_path):
+            built = _Audited(update=sa.insert(j).values(**row),
+                             statement=sa.insert(k).values(job_id=job_id, **key),
+                             audit=sa.insert(e).values(job_id=job_id, **event))
+        else:
+            inserted = sa.insert(j).from_select(
+                list(row), sa.select(*row.values()).where(*self.dialect.autocommit_settings(self.bounds))
+            ).returning(j.c.id).cte("inserted")
+            statement = sa.select(inserted.c.id)
+            if keyed:
+                statement = statement.add_cte(sa.insert(k).from_select(
+                    ["job_id", *key], sa.select(inserted.c.id, *key.values())).cte("keyed"))
+            statement = statement.add_cte(sa.insert(e).from_select(
+                ["job_id", *event], sa.select(inserted.c.id, *event.values())).cte("audit"))
+            compiled = statement.compile(dialect=self.engine.dialect)
+            built = _Audited(compiled=(compiled.string, compiled.construct_params(_check=False)),
+                             columns=["id"])
+        self._built[cache_key] = built
+        return built
 
     def forget_unpublished(self, job_id: str) -> bool:
         """Delete a pending job whose message never reached the broker."""
