@@ -17,6 +17,7 @@ from celery_lease.errors import LeaseLost, StoreUnavailable
 from celery_lease.lease import Lease
 from celery_lease.runtime import Runtime
 from celery_lease.store import ClaimTerms
+from tests.helpers import wait_for
 
 
 def policy(**overrides):
@@ -80,6 +81,23 @@ def test_the_timer_marks_leases_lost_at_their_deadline_and_returns_the_next_one(
     assert rt.timer.run_once(early.deadline) == late.deadline
     assert early.lost and not late.lost
     assert rt.leases() == [late]  # no longer renewed
+
+
+def test_a_lease_due_after_the_timers_next_look_does_not_wake_it_and_an_earlier_one_does(store):
+    rt = Runtime(store, "host", default_interval=0.2, worker="host:3")
+    try:
+        first = claim(store, rt, "job-1", duration=30.0)
+        rt.attach(Request(), first)  # starts the thread, which then sleeps (5 s at most)
+        wait_for(lambda: rt.timer._planned is not None, timeout=5, message="the timer never planned")
+        planned = rt.timer._planned
+        assert planned <= first.deadline
+        rt.timer._wake.clear()
+        rt.timer.watch(planned + 30.0)
+        assert not rt.timer._wake.is_set()  # it looks again before that lease is due anyway
+        rt.timer.watch(planned - 0.5)
+        assert rt.timer._wake.is_set()
+    finally:
+        rt.stop()
 
 
 def test_the_timer_thread_interrupts_a_busy_body_on_time(store):
