@@ -9,7 +9,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-EXTRAS := test,redis,postgres,mysql,metrics
+EXTRAS := test,redis,postgres,mysql,metrics,web
 # A second venv with the dependency floors (tools/mindeps-requirements.txt).
 MINDEPS := .venv-mindeps
 MINDEPS_STAMP := $(MINDEPS)/.installed
