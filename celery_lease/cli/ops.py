@@ -1,4 +1,4 @@
-"""Verbs that act or serve: migrate, reap, check, exporter (the scripted ones: no prompt)."""
+"""Verbs that act or serve: migrate, reap, check, exporter, web (the scripted ones: no prompt)."""
 
 from __future__ import annotations
 
