@@ -4,12 +4,13 @@
 #   make mindeps                             unit and broker tests on the lowest versions setup.cfg admits
 #   make demo MODE=plain                     the demo with plain Celery tasks, for comparison
 #   make bench                               run every benchmark in bench/
+#   make screenshots                         the web page's pictures in docs/img (needs chromium)
 
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-EXTRAS := test,redis,postgres,mysql,metrics
+EXTRAS := test,redis,postgres,mysql,metrics,web
 # A second venv with the dependency floors (tools/mindeps-requirements.txt).
 MINDEPS := .venv-mindeps
 MINDEPS_STAMP := $(MINDEPS)/.installed
@@ -17,7 +18,7 @@ MINDEPS_TESTS := tests/unit tests/integration/test_redis_visibility.py tests/int
 # ruff fails on a path that does not exist; lint the ones that do.
 LINT_PATHS := $(wildcard celery_lease tests tools bench example_project)
 
-.PHONY: venv test lint mindeps demo bench settings-table clean
+.PHONY: venv test lint mindeps demo bench settings-table screenshots clean
 
 venv: $(STAMP)
 
@@ -62,6 +63,10 @@ bench: $(STAMP)
 # Rewrite the settings table in README.md from celery_lease.config.SETTINGS.
 settings-table: $(STAMP)
 	$(PY) tools/settings_table.py --write README.md
+
+# Pictures of `celery lease web`'s pages for the README (Debian's chromium through Playwright).
+screenshots: $(STAMP)
+	$(PY) tools/screenshots.py --out docs/img
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache .mypy_cache

@@ -15,11 +15,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .errors import LeaseConfigError
+from .masking import MASK
 
 __all__ = ["SETTINGS", "Setting", "AppConfig", "TaskPolicy", "app_config", "task_policy", "shortest_lease",
            "derive_stale_after", "worker_stale_after", "check_recovery_bound",
            "CALL_TIMEOUT_SHARE", "DEFAULT_POOL_SIZE", "LONG_CALL_TIMEOUT", "REAPER_RUNS_KEPT",
-           "REAPER_OVERDUE_INTERVALS", "METRICS_MAX_SERIES", "SCRAPE_FRESH", "RUNBOOK_BASE_URL"]
+           "REAPER_OVERDUE_INTERVALS", "METRICS_MAX_SERIES", "SCRAPE_FRESH", "RUNBOOK_BASE_URL", "SECRETS"]
 
 # A store call may take at most this share of the shortest lease (seconds per second). The
 # heartbeat runs at most every third of a lease so that two renewals can fail before it
@@ -111,6 +112,21 @@ def _optional_queue(value: Any) -> str | None:
     if value is None:
         return None
     return _text(value)
+
+
+def _optional_secret(value: Any) -> str | None:
+    if value is None:
+        return None
+    return _text(value)
+
+
+def _basic_auth(value: Any) -> str | None:
+    if value is None:
+        return None
+    user, sep, password = _text(value).partition(":")
+    if not (sep and user and password):
+        raise ValueError
+    return value
 
 
 def _identifier(value: Any) -> str:
@@ -243,6 +259,20 @@ SETTINGS: tuple[Setting, ...] = (
        "Absolute URL of the operator's playbook that alert rules link to (runbook_url = this URL + "
        "'#' + the step's anchor); point it at your own copy of the README.",
        _url, "an absolute http(s) URL without a '#' fragment", False),
+    # the web page (`celery lease web`)
+    _S("lease_web_token", None,
+       "Bearer token `celery lease web` asks of every request (an 'Authorization: Bearer ...' header, "
+       "or typed once on its sign-in page). None: no token.",
+       _optional_secret, "None or a non-empty string", False),
+    _S("lease_web_basic_auth", None,
+       "'user:password' that `celery lease web` asks of every request by HTTP basic authentication. "
+       "None: no password. With neither this nor lease_web_token, the page answers only requests "
+       "addressed to an IP address or localhost.",
+       _basic_auth, "None or a 'user:password' string with a non-empty user and password", False),
+    _S("lease_web_show_arguments", False,
+       "Show jobs' message arguments on `celery lease web`'s job page; they may hold personal data, so "
+       "they are hidden by default.",
+       _bool, "True or False", False),
     # eager runs
     _S("lease_eager_store", False,
        "Eager runs (task_always_eager, apply()) take a real lease in the store, so effects, locks and "
@@ -258,6 +288,8 @@ SETTINGS: tuple[Setting, ...] = (
        _number(0), "a number of seconds >= 0", True),
 )
 BY_NAME = {s.name: s for s in SETTINGS}
+# Settings whose values are credentials: an error about them never shows the value.
+SECRETS = ("lease_web_token", "lease_web_basic_auth")
 PER_TASK = tuple(s.name for s in SETTINGS if s.per_task)
 
 
@@ -271,7 +303,8 @@ def _validate(name: str, value: Any, source: str = "") -> Any:
     try:
         return setting.check(value)
     except (ValueError, TypeError):
-        raise LeaseConfigError(name, value, f"must be {setting.rule}", source) from None
+        shown = MASK if name in SECRETS and value is not None else value
+        raise LeaseConfigError(name, shown, f"must be {setting.rule}", source) from None
 
 
 def _cross_check(values: Mapping[str, Any], where: str = "") -> None:

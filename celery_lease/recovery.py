@@ -80,13 +80,15 @@ class Outcome:
         return dataclasses.asdict(self)
 
 
-def operator() -> str:
-    """Who ran a manual recovery, for the audit log."""
-    try:
-        user = getpass.getuser()
-    except (KeyError, OSError):
-        user = "unknown"
-    return f"cli:{user}@{socket.gethostname()}"
+def operator(via: str = "cli", user: str | None = None, host: str | None = None) -> str:
+    """Who ran a manual recovery, for the audit log: ``via:user@host`` (the command line's user and
+    host by default; the web page passes its signed-in user and the client's address)."""
+    if user is None:
+        try:
+            user = getpass.getuser()
+        except (KeyError, OSError):
+            user = "unknown"
+    return f"{via}:{user}@{host or socket.gethostname()}"
 
 
 def _lease_state(store: ReportStore, job: Job) -> str:

@@ -21,7 +21,7 @@ from ..vocabulary import RecoveryAction
 from .base import CommandError, app_of, json_option, lease, store_of
 from .output import age, echo, emit_json, is_tty, progress, table, when
 
-__all__ = ["requeue", "dlq", "effects", "can_prompt"]
+__all__ = ["requeue", "dlq", "effects", "can_prompt", "job_plan"]
 
 OUTCOME_COLUMNS = [("job_id", "job"), ("task", "task"), ("queue", "queue"), ("action", "action"),
                    ("reason", "reason")]

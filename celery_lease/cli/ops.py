@@ -1,4 +1,4 @@
-"""Verbs that act or serve: migrate, reap, check, exporter (the scripted ones: no prompt)."""
+"""Verbs that act or serve: migrate, reap, check, exporter, web (the scripted ones: no prompt)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from ..vocabulary import Decision
 from .base import CommandError, app_of, json_option, lease, reaper_store_of, store_of
 from .output import age, echo, emit_json, table
 
-__all__ = ["migrate", "reap", "check", "exporter"]
+__all__ = ["migrate", "reap", "check", "exporter", "web", "with_ages", "aged_reason"]
 
 
 @lease.command()
@@ -44,7 +44,7 @@ def migrate(ctx: click.Context, as_sql: bool, to: str, as_json: bool) -> None:
         echo(f"lease store {store.safe_url}: already at revision {revision}, nothing to do")
 
 
-def _with_ages(store: Any, planned: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def with_ages(store: Any, planned: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Planned decisions with seconds since each lease expired and since its owner was last seen."""
     if not planned:
         return planned
@@ -59,7 +59,7 @@ def _with_ages(store: Any, planned: list[dict[str, Any]]) -> list[dict[str, Any]
     return out
 
 
-def _aged_reason(d: dict[str, Any]) -> str:
+def aged_reason(d: dict[str, Any]) -> str:
     """The reaper's reason in ages: how long ago the lease expired and its owner was last seen."""
     ages = []
     if d.get("lease_expired_ago") is not None:
@@ -82,12 +82,12 @@ def reap(ctx: click.Context, dry_run: bool, as_json: bool) -> None:
 
     store = store_of(ctx)
     result = Reaper(app_of(ctx), reaper_store_of(ctx)).run_once(dry_run=dry_run)
-    planned = _with_ages(store, [d.as_dict() for d in result.planned])
+    planned = with_ages(store, [d.as_dict() for d in result.planned])
     if as_json:
         emit_json({**result.as_dict(), "planned": planned} if dry_run else result.as_dict())
         return
     if dry_run:
-        rows = [{**d, "reason": _aged_reason(d), "delay": f"{d['delay']:.1f}s" if d["delay"] else ""}
+        rows = [{**d, "reason": aged_reason(d), "delay": f"{d['delay']:.1f}s" if d["delay"] else ""}
                 for d in planned]
         echo(table(rows, [("job_id", "job"), ("task", "task"), ("decision", "would"),
                                 ("reason", "reason"), ("owner", "owner"), ("delay", "delay"),
@@ -154,3 +154,50 @@ def exporter(ctx: click.Context, port: int, addr: str) -> None:
         pass
     finally:
         server.server_close()
+
+
+@lease.command()
+@click.option("--port", default=9809, show_default=True, type=click.IntRange(0, 65535), help="TCP port.")
+@click.option("--bind", default="127.0.0.1", show_default=True,
+              help="Address to listen on (the page can act: keep it on this machine or behind a proxy).")
+@click.option("--allow-actions", is_flag=True,
+              help="Let the page redrive and discard dead letters (read-only without it).")
+@click.option("--url-prefix", default="", metavar="PATH",
+              help="Serve under this path, as a reverse proxy forwards it (e.g. /lease).")
+@click.pass_context
+def web(ctx: click.Context, port: int, bind: str, allow_actions: bool, url_prefix: str) -> None:
+    """Serve the operator's web page on http://BIND:PORT/ (overview, jobs, reaper, dead letters)."""
+    from ..config import app_config
+
+    try:
+        from ..web.app import create_app, make_server
+        from ..web.security import is_loopback
+    except ImportError as exc:
+        from ..web import INSTALL_HINT
+
+        raise CommandError(f"{INSTALL_HINT} ({exc})") from exc
+    if url_prefix and not url_prefix.startswith("/"):
+        raise click.BadParameter("a path that starts with /, e.g. /lease", param_hint="--url-prefix")
+    from ..store import for_app
+
+    app = app_of(ctx)
+    store = for_app(app, check=False, operator=True)  # store_of's, as a Store: the reaper reads it too
+    cfg = app_config(app)
+    guarded = cfg.web_token is not None or cfg.web_basic_auth is not None
+    if allow_actions and not guarded and not is_loopback(bind):
+        raise CommandError(f"--allow-actions on {bind} would let anyone who reaches it change jobs: set "
+                           "lease_web_token or lease_web_basic_auth, or --bind 127.0.0.1 behind a proxy")
+    store.ensure_schema()
+    try:
+        server = make_server(create_app(app, store, allow_actions=allow_actions), bind, port, url_prefix)
+    except OSError as exc:
+        raise CommandError(f"cannot listen on {bind}:{port} ({exc}); pick another --port") from exc
+    mode = "actions allowed" if allow_actions else "read-only"
+    click.echo(f"celery_lease web on http://{server.effective_host}:{server.effective_port}"
+               f"{url_prefix.rstrip('/')}/ ({mode}; Ctrl-C to stop)", err=True)
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()

@@ -155,14 +155,16 @@ def status(ctx: click.Context, as_json: bool) -> None:
 @click.option("--queue", help="Only jobs of this queue.")
 @click.option("--task", help="Only jobs of this task name.")
 @click.option("--expired", is_flag=True, help="Only running jobs whose lease has expired.")
+@click.option("--owner", help="Only jobs this worker holds or last held (a worker id, as in `status`).")
+@click.option("--since", type=Duration(), help="Only jobs changed within this (30s, 10m, 2h, 1d).")
 @click.option("--limit", default=50, show_default=True, type=click.IntRange(1), help="Rows at most.")
 @json_option
 @click.pass_context
 def jobs(ctx: click.Context, state: str | None, queue: str | None, task: str | None, expired: bool,
-         limit: int, as_json: bool) -> None:
+         owner: str | None, since: float | None, limit: int, as_json: bool) -> None:
     """Jobs as a table, most recently changed first (--expired: oldest lease first)."""
     store = store_of(ctx)
-    found = store.list_jobs(state, queue, task, expired, limit)
+    found = store.list_jobs(state, queue, task, expired, limit, owner=owner, since=since)
     if as_json:
         emit_json([job_dict(j) for j in found])
         return

@@ -59,14 +59,47 @@ class ReportStatements(StoreBase):
             now = self._now(c)
             rows = c.execute(
                 sa.select(j.c.id, j.c.task_name, j.c.queue_name, j.c.locked_by, j.c.started_at,
-                          j.c.lease_expires_at, sa.func.coalesce(j.c.last_heartbeat_at, j.c.started_at))
+                          j.c.lease_expires_at, sa.func.coalesce(j.c.last_heartbeat_at, j.c.started_at),
+                          j.c.lease_duration)
                 .where(j.c.status == RUNNING).order_by(j.c.lease_expires_at, j.c.id).limit(limit)
             ).all()
         return now, [
             {"id": r[0], "task": r[1], "queue": r[2], "owner": r[3], "started_at": _f(r[4]),
-             "lease_expires_at": _f(r[5]), "heartbeat_lag": now - float(r[6]) if r[6] is not None else None}
+             "lease_expires_at": _f(r[5]), "heartbeat_lag": now - float(r[6]) if r[6] is not None else None,
+             "lease_duration": _f(r[7])}
             for r in rows
         ]
+
+    def overview_counts(self, since: float) -> tuple[float, list[tuple[str | None, str, int]]]:
+        """The store's now and (queue, status, count) of the work an operator acts on: every pending,
+        running and failed job, and the jobs completed in the last ``since`` seconds.
+
+        Each count is a range of a (status, ...) index: the cost follows the work in flight and the
+        recent completions, not the history (a whole-table GROUP BY reads every completed row).
+        """
+        j = self.t.jobs
+        open_ = [PENDING, RUNNING, FAILED]
+        with self.begin(long=True) as c:
+            now = self._now(c)
+            rows = c.execute(sa.select(j.c.queue_name, j.c.status, sa.func.count())
+                             .where(j.c.status.in_(open_)).group_by(j.c.queue_name, j.c.status)).all()
+            # A bound value, not the clock expression: an index range needs a constant.
+            done = c.execute(sa.select(j.c.queue_name, sa.func.count())
+                             .where(j.c.status == COMPLETED, j.c.updated_at > now - since)
+                             .group_by(j.c.queue_name)).all()
+        counts = [(r[0], str(r[1]), int(r[2])) for r in rows]
+        counts += [(r[0], COMPLETED.value, int(r[1])) for r in done]
+        return now, sorted(counts, key=lambda r: (r[0] or "", r[1]))
+
+    def list_workers(self, limit: int = 100) -> tuple[float, list[dict[str, Any]]]:
+        """The store's now and up to ``limit`` registered worker processes, most recently seen first,
+        each with ``alive`` (seen within lease_worker_stale_after)."""
+        w = self.t.workers
+        with self.begin(long=True) as c:
+            now = self._now(c)
+            rows = c.execute(sa.select(w).order_by(w.c.last_seen_at.desc(), w.c.worker_id).limit(limit)).all()
+        stale_after = self.stale_after
+        return now, [{**r._mapping, "alive": now - float(r.last_seen_at) <= stale_after} for r in rows]
 
     def worker_counts(self) -> dict[str, int]:
         """Registered worker processes seen within lease_worker_stale_after (alive) or not (stale)."""
@@ -137,8 +170,11 @@ class ReportStatements(StoreBase):
 
     # -- listings -------------------------------------------------------------
     def list_jobs(self, status: str | None = None, queue: str | None = None, task: str | None = None,
-                  expired: bool = False, limit: int = 50) -> list[Job]:
-        """Jobs matching the filters, most recently changed first (expired: oldest lease first)."""
+                  expired: bool = False, limit: int = 50, owner: str | None = None,
+                  since: float | None = None) -> list[Job]:
+        """Jobs matching the filters, most recently changed first (expired: oldest lease first);
+        ``owner`` is the worker holding or last holding the lease, ``since`` seconds back from now
+        bounds when the job last changed."""
         j = self.t.jobs
         q = sa.select(*self._job_columns()).limit(limit)
         if expired:
@@ -146,8 +182,11 @@ class ReportStatements(StoreBase):
             q = q.order_by(j.c.lease_expires_at, j.c.id)
         else:
             q = q.order_by(j.c.updated_at.desc(), j.c.id)
-        q = where_given(q, (j.c.status, status), (j.c.queue_name, queue), (j.c.task_name, task))
+        q = where_given(q, (j.c.status, status), (j.c.queue_name, queue), (j.c.task_name, task),
+                        (j.c.locked_by, owner))
         with self.begin(long=True) as c:
+            if since is not None:
+                q = q.where(j.c.updated_at >= self._now(c) - since)  # bound: an index range (list_events)
             return [Job.from_row(r) for r in c.execute(q)]
 
     def require(self, job_id: str) -> Job:

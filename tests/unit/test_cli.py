@@ -25,7 +25,7 @@ from tests.conftest import flushed_redis, require_service, service_url, unique_p
 
 REDIS_DB = 10
 VERBS = ("migrate", "status", "jobs", "inspect", "events", "reap", "requeue", "dlq", "effects", "check",
-         "tune", "exporter")
+         "tune", "exporter", "web")
 
 
 @dataclasses.dataclass
@@ -190,6 +190,7 @@ def test_status_json_has_every_figure(ro):
     (("--task", "ops.fails"), {"failed-0", "failed-1"}),
     (("--status", "running", "--queue", "celery"), {"abandoned-0", "abandoned-1", "abandoned-2",
                                                      "alive-expired"}),
+    (("--owner", "dead@ops:2", "--since", "1h"), {"abandoned-0", "abandoned-1", "abandoned-2"}),
 ])
 def test_jobs_filters(ro, args, expected):
     assert {j["id"] for j in ro.json("jobs", *args)} == expected

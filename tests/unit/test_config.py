@@ -9,6 +9,7 @@ from celery import Celery
 
 from celery_lease import config
 from celery_lease.errors import LeaseConfigError
+from celery_lease.masking import MASK
 
 # One value per setting that its rule rejects. test_every_setting_has_a_bad_value
 # keeps this table complete when a setting is added.
@@ -47,6 +48,9 @@ BAD_VALUES = {
     "lease_runbook_base_url": "wiki/celery-lease#playbook",
     "lease_lock_ttl": 0,
     "lease_lock_timeout": -1,
+    "lease_web_token": "",
+    "lease_web_basic_auth": "admin",  # no password
+    "lease_web_show_arguments": "yes",
 }
 
 
@@ -75,11 +79,28 @@ def test_bad_value_is_rejected_naming_setting_value_and_rule(name):
         config.app_config(make_app(**{name: value}))
 
     err = info.value
+    shown = MASK if name in config.SECRETS else value  # a credential never shows, not even a bad one
     assert err.setting == name
-    assert err.value == value
+    assert err.value == shown
     assert name in str(err)
-    assert repr(value) in str(err)
+    assert repr(shown) in str(err)
     assert rule in str(err)
+
+
+@pytest.mark.parametrize("name", config.SECRETS)
+def test_a_bad_credential_setting_is_refused_without_showing_it(name):
+    with pytest.raises(LeaseConfigError) as info:
+        config.app_config(make_app(**{name: 12345678}))
+
+    assert "12345678" not in str(info.value) and info.value.value == MASK
+
+
+def test_web_basic_auth_takes_user_colon_password():
+    cfg = config.app_config(make_app(lease_web_basic_auth="ops:pa:ss"))
+    assert cfg.web_basic_auth == "ops:pa:ss"
+    for bad in (":secret", "ops:", "ops"):
+        with pytest.raises(LeaseConfigError, match="user:password"):
+            config.app_config(make_app(lease_web_basic_auth=bad))
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,102 @@
+"""Redrive or discard dead letters from the page: the plan first, then the operator's confirmation.
+
+The moves are the CLI's (``recovery.redrive_plan``/``redrive``, ``discard_plan``/``discard``):
+one compare-and-set per job, audited ``dlq_redriven`` / ``dlq_discarded`` with the operator
+``web:USER@ADDRESS``. A selection is one small batch at most. The confirmation carries each
+job's ``updated_at`` as the plan showed it, so a job that changed in between is skipped, not
+moved on the strength of a plan that no longer describes it. Refused unless the server was
+started with ``--allow-actions``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from flask import Flask, abort, g, render_template, request
+
+from .. import recovery
+from ..cli.manual import job_plan
+from ..errors import LeaseError
+from ..store import Job
+from ..vocabulary import RecoveryAction
+from .app import Console, console
+
+__all__ = ["register", "BATCH", "ACTIONS"]
+
+BATCH = 10  # jobs at most per action, as the CLI's default --batch: recover in small batches
+ACTIONS = {
+    "redrive": ("redrive", "send back to their queue with fresh attempts", RecoveryAction.REDRIVEN),
+    "discard": ("delete for good", "delete from the store (their events stay)", RecoveryAction.DISCARDED),
+}
+
+
+def _plans(action: str) -> Callable[..., list[Job]]:
+    return recovery.redrive_plan if action == "redrive" else recovery.discard_plan
+
+
+def _planned(c: Console, action: str, ids: list[str], task: str | None) -> tuple[list[Job], list[str]]:
+    """The jobs an action would move (each named job, or the oldest batch of ``task``) and, for
+    named jobs that cannot be moved, why not."""
+    plan = _plans(action)
+    if not ids:
+        return plan(c.store, None, task, BATCH), []
+    jobs, refused = [], []
+    for job_id in ids:
+        try:
+            jobs += plan(c.store, job_id, None, BATCH)
+        except LeaseError as exc:
+            refused.append(" ".join(str(exc).split()))
+    return jobs, refused
+
+
+def _outcomes(c: Console, action: str, jobs: list[Job], who: str) -> Iterator[recovery.Outcome]:
+    if action == "redrive":
+        return recovery.redrive(c.app, c.store, jobs, who=who)
+    return recovery.discard(c.store, jobs, who=who)
+
+
+def _request() -> tuple[Console, str, list[str]]:
+    c = console()
+    if not c.allow_actions:
+        abort(403, "this page is read-only: start it with `celery lease web --allow-actions` to redrive or "
+                   "discard dead letters (or use `celery lease dlq redrive|discard`)")
+    action = request.form.get("action", "")
+    if action not in ACTIONS:
+        abort(400, f"unknown action {action!r}; one of {', '.join(ACTIONS)}")
+    ids = [i for i in request.form.getlist("job") if i]
+    if len(ids) > BATCH:
+        abort(400, f"{len(ids)} jobs selected; select at most {BATCH} (recover in small batches, watch the "
+                   "effects, then go on)")
+    return c, action, ids
+
+
+def register(web: Flask) -> None:
+    """Add the dead letters' plan and confirm steps to ``web``."""
+
+    @web.post("/dead-letters/plan", endpoint="plan")
+    def plan() -> Any:
+        c, action, ids = _request()
+        task = request.form.get("task") or None
+        jobs, refused = _planned(c, action, ids, task)
+        return render_template("plan.html", page="dead_letters", action=action, verb=ACTIONS[action],
+                               jobs=jobs, rows=job_plan(c.store, jobs), refused=refused, task=task,
+                               batch=BATCH, stamps={j.id: repr(j.updated_at) for j in jobs})
+
+    @web.post("/dead-letters/apply", endpoint="apply")
+    def apply() -> Any:
+        c, action, ids = _request()
+        if request.form.get("confirm") != "yes" or not ids:
+            abort(400, "nothing confirmed: plan the action first and confirm it")
+        stamps = dict(zip(ids, request.form.getlist("stamp"), strict=False))
+        jobs, refused = _planned(c, action, ids, None)
+        changed = [j for j in jobs if repr(j.updated_at) != stamps.get(j.id)]
+        jobs = [j for j in jobs if j not in changed]
+        who = recovery.operator("web", g.get("user") or "anonymous", request.remote_addr or "unknown")
+        outcomes = [recovery.Outcome(j.id, j.task_name, j.queue_name, RecoveryAction.SKIPPED,
+                                     "changed since the plan was shown") for j in changed]
+        outcomes += list(_outcomes(c, action, jobs, who))
+        status = 200 if not any(o.action == RecoveryAction.PUBLISH_FAILED for o in outcomes) else 502
+        return render_template("done.html", page="dead_letters", action=action, verb=ACTIONS[action],
+                               outcomes=outcomes, refused=refused, who=who,
+                               done=ACTIONS[action][2]), status
