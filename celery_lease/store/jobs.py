@@ -77,7 +77,7 @@ class JobStatements(WorkerStatements):
                     return False, other
             return False, job_id
 
-    def _record_statements(self, keyed: bool) -> _Audited:
+    def _record_statements(self, keyed: bool, event_name: Event = Event.PUBLISHED) -> _Audited:
         """The publish record as statements of bind parameters, built once per store.
 
         On PostgreSQL the job, its key and its ``published`` event are one statement in
@@ -105,7 +105,7 @@ class JobStatements(WorkerStatements):
             "created_at": self.now_sql, "updated_at": self.now_sql,
             **{name: sa.bindparam(f"r_{name}", type_=j.c[name].type) for name in RECOVERY},
         }
-        event: dict[str, Any] = {"event": sa.literal(str(Event.PUBLISHED), sa.String()), "at": self.now_sql,
+        event: dict[str, Any] = {"event": sa.literal(str(event_name), sa.String()), "at": self.now_sql,
                  "detail": sa.bindparam("detail", type_=sa.Text())}
         if self.at_least(RUNS_REVISION):
             event.update(queue_name=row["queue_name"], task_name=row["task_name"])

@@ -35,6 +35,7 @@ WRITERS: dict[str, tuple[tuple[int, str], ...]] = {
     "_audited_row": ((2, "event"),),
     "_audited_write": ((2, "event"),),
     "_build_audited": ((1, "event"),),
+    "_record_statements": ((1, "event_name"),),  # JobStatements: the publish record's event
     "_owner_write": ((3, "event"), (4, "stale")),
     "_stale": ((2, "event"),),  # StoreBase._stale(conn or None, job_id, event, ...)
     "_take_back": ((7, "event"),),
