@@ -201,8 +201,15 @@ SETTINGS: tuple[Setting, ...] = (
        "and still run, for worker clocks ahead of the store's; an earlier one is sent again for later.",
        _number(0), "a number of seconds >= 0", False),
     _S("lease_dispatch_timeout", 600.0,
-       "Seconds a pending job may wait past available_at before its message is re-published.",
+       "Seconds a pending job may wait past available_at before its message is re-published; after "
+       "each re-publish the job waits twice as long (up to lease_dispatch_backoff_max).",
        _number(0, strict=True), "a number of seconds > 0", True),
+    _S("lease_dispatch_backoff_max", 10800.0,
+       "Upper bound in seconds of the wait between two re-publishes of one pending job's message "
+       "(lease_dispatch_timeout x 2^re-publishes so far, never less than lease_dispatch_timeout): a job "
+       "queued behind a long backlog gets a few copies, not one per lease_dispatch_timeout, and a job "
+       "whose copies keep vanishing is still re-sent at least this often.",
+       _number(0, strict=True), "a number of seconds > 0", False),
     # reaper and registry
     _S("lease_reaper_batch_size", 100,
        "Jobs the reaper recovers at most per run and per kind of work.",

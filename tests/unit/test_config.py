@@ -34,6 +34,7 @@ BAD_VALUES = {
     "lease_backoff_jitter": "yes",
     "lease_dead_letter_queue": "",
     "lease_dispatch_timeout": 0.0,
+    "lease_dispatch_backoff_max": 0,
     "lease_reaper_batch_size": True,
     "lease_reaper_hard_grace": "2m",
     "lease_reaper_lock_ttl": 0,
