@@ -22,7 +22,6 @@ import sqlalchemy as sa
 from celery import Celery, Task
 
 from celery_lease import LeaseTask, messages, reaper
-from celery_lease.backoff import dispatch_wait
 from celery_lease.config import app_config
 from celery_lease.reaper import Reaper, backoff, recover_worker_lost
 from celery_lease.store import COMPLETED, FAILED, PENDING, RUNNING, ClaimTerms, Store
@@ -140,13 +139,6 @@ def test_backoff_with_full_jitter_stays_between_zero_and_the_exponential_delay()
     assert min(delays) < 0.1 and max(delays) > 3.9  # spread over the whole range, not a fixed value
     capped = [backoff(20, 1.0, 5.0, True, rng) for _ in range(500)]
     assert max(capped) <= 5.0
-
-
-def test_the_dispatch_wait_doubles_per_re_send_and_stops_at_the_cap():
-    assert [dispatch_wait(600.0, n, 10800.0) for n in range(7)] == [
-        600.0, 1200.0, 2400.0, 4800.0, 9600.0, 10800.0, 10800.0]
-    assert dispatch_wait(600.0, 10_000, 10800.0) == 10800.0  # no overflow
-    assert dispatch_wait(600.0, 3, 300.0) == 600.0  # a cap below the timeout never shortens it
 
 
 # -- expired leases ----------------------------------------------------------------
