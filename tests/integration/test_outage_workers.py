@@ -1,5 +1,6 @@
-"""outage.py: a real worker (Redis db 13, PostgreSQL behind a proxy the test cuts) stops consuming
-while its store is unreachable and consumes again once it answers; what it sent back backs off.
+"""outage.py: a real worker (Redis db 13 or RabbitMQ, PostgreSQL behind a proxy the test cuts)
+stops consuming while its store is unreachable and consumes again once it answers; what it sent
+back backs off.
 
 Fast settings (tests/apps/owner_app.py): acks_late, prefetch multiplier 1; here a store retry
 delay of 0.3 s (the probe's interval too) capped at 1.2 s, and two pool slots.
@@ -12,6 +13,7 @@ import re
 import time
 from datetime import datetime
 
+import kombu
 import pytest
 
 from celery_lease.deliveries import STORE_RETRIES_HEADER
@@ -88,3 +90,46 @@ def test_a_worker_stops_consuming_while_its_store_is_unreachable_and_consumes_ag
                  message="not every job completed after the store came back")
         assert {job_id: len(oenv.started(job_id)) for job_id in jobs} == dict.fromkeys(jobs, 1)
         assert FAILED_CLOSED.findall(w.output()) == failed_closed
+
+
+def ready_messages(amqp_url: str, queue: str) -> int:
+    """Messages waiting in a RabbitMQ queue (not those delivered to a consumer)."""
+    with kombu.Connection(amqp_url) as connection:
+        return connection.default_channel.queue_declare(queue, passive=True).message_count
+
+
+def test_a_worker_on_rabbitmq_stops_consuming_while_its_store_is_unreachable(oenv, tmp_path, amqp_url):
+    proxy, store_url = oenv.proxied_store()
+    app = oenv.app(broker_url=amqp_url)
+    env = oenv.env(store_url=store_url, broker_url=amqp_url, lease_store_retry_delay=0.3,
+                   lease_store_retry_max=1.2)
+    try:
+        with celery_processes(tmp_path) as procs:
+            # Given a prefork worker on RabbitMQ whose only way to the store is the proxy
+            w = worker(APP, env, tmp_path, concurrency=2, name="outage-amqp")
+            procs.append(w)
+            warm = app.tasks["owner.guarded"].delay(0.05)
+            wait_for(lambda: completed(oenv, warm.id), timeout=30, message="the worker never completed a job")
+            # When the store becomes unreachable and ten jobs are published
+            proxy.cut()
+            jobs = {app.tasks["owner.guarded"].delay(0.05).id for _ in range(JOBS)}
+            # Then the worker stops consuming, and the ten messages wait in the queue, none held by it,
+            # still after the longest re-send delay (1.2 s) passed
+            wait_for(lambda: "stops consuming until the lease store answers" in w.output(), timeout=15,
+                     message="the worker never stopped consuming")
+            wait_for(lambda: ready_messages(amqp_url, oenv.queue) == JOBS, timeout=15,
+                     message="the jobs' messages never all waited in the queue")
+            longest = time.monotonic() + 1.2 + 1.0
+            wait_for(lambda: time.monotonic() > longest, timeout=5)
+            assert ready_messages(amqp_url, oenv.queue) == JOBS
+            failed_closed = FAILED_CLOSED.findall(w.output())
+            assert 0 < len(failed_closed) < JOBS
+            # When the store answers again, the worker consumes again and runs every job once
+            proxy.start()
+            wait_for(lambda: all(completed(oenv, job_id) for job_id in jobs), timeout=30,
+                     message="not every job completed after the store came back")
+            assert {job_id: len(oenv.started(job_id)) for job_id in jobs} == dict.fromkeys(jobs, 1)
+            assert FAILED_CLOSED.findall(w.output()) == failed_closed
+    finally:
+        with kombu.Connection(amqp_url) as connection:
+            connection.default_channel.queue_delete(oenv.queue)
