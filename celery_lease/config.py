@@ -165,8 +165,14 @@ SETTINGS: tuple[Setting, ...] = (
        "{'poolclass': sqlalchemy.pool.NullPool} behind PgBouncer.",
        _mapping, "a mapping of create_engine keyword arguments", False),
     _S("lease_store_retry_delay", 5.0,
-       "Seconds before a task whose store was unreachable is delivered again (fail closed).",
+       "Seconds before a delivery that found the store unreachable is delivered again (fail closed); "
+       "each time the same message finds it unreachable again the delay doubles, up to "
+       "lease_store_retry_max, with jitter. Meanwhile the worker stops consuming until the store "
+       "answers, asking it every lease_store_retry_delay (the app's).",
        _number(0, strict=True), "a number of seconds > 0", True),
+    _S("lease_store_retry_max", 300.0,
+       "Upper bound in seconds of the fail-closed re-send delay.",
+       _number(0, strict=True), "a number of seconds > 0, at least lease_store_retry_delay", True),
     # lease
     _S("lease_duration", 30.0,
        "Seconds a lease lasts without a heartbeat.",
@@ -217,8 +223,15 @@ SETTINGS: tuple[Setting, ...] = (
        "and still run, for worker clocks ahead of the store's; an earlier one is sent again for later.",
        _number(0), "a number of seconds >= 0", False),
     _S("lease_dispatch_timeout", 600.0,
-       "Seconds a pending job may wait past available_at before its message is re-published.",
+       "Seconds a pending job may wait past available_at before its message is re-published; after "
+       "each re-publish the job waits twice as long (up to lease_dispatch_backoff_max).",
        _number(0, strict=True), "a number of seconds > 0", True),
+    _S("lease_dispatch_backoff_max", 10800.0,
+       "Upper bound in seconds of the wait between two re-publishes of one pending job's message "
+       "(lease_dispatch_timeout x 2^re-publishes so far, never less than lease_dispatch_timeout): a job "
+       "queued behind a long backlog gets a few copies, not one per lease_dispatch_timeout, and a job "
+       "whose copies keep vanishing is still re-sent at least this often.",
+       _number(0, strict=True), "a number of seconds > 0", False),
     # reaper and registry
     _S("lease_reaper_batch_size", 100,
        "Jobs the reaper recovers at most per run and per kind of work.",
@@ -322,6 +335,11 @@ def _cross_check(values: Mapping[str, Any], where: str = "") -> None:
             f"must be at least lease_retention ({values['lease_retention']:g}s){where}",
             "A key must outlive its job, or a pruned job's key would publish the job again.",
         )
+    if values["lease_store_retry_max"] < values["lease_store_retry_delay"]:
+        raise LeaseConfigError(
+            "lease_store_retry_max", values["lease_store_retry_max"],
+            f"must be >= lease_store_retry_delay ({values['lease_store_retry_delay']:g}){where}",
+        )
     if values["lease_backoff_max"] < values["lease_backoff_base"]:
         raise LeaseConfigError(
             "lease_backoff_max", values["lease_backoff_max"],
@@ -339,6 +357,7 @@ class TaskPolicy:
     """The lease options in force for one task on one queue."""
 
     store_retry_delay: float
+    store_retry_max: float
     duration: float
     heartbeat_interval: float
     grace_period: float

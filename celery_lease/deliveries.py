@@ -2,11 +2,17 @@
 yet, or the job is leased or finished. Each is acknowledged, logged and audited, and
 the first two are sent again for later; none writes a task state or result, except to
 finish what a crash interrupted (``resume_post_run``).
+
+A delivery sent again because the store is down counts its re-sends in a message header
+(the store cannot keep the count while it is down), so each re-send waits twice as long
+as the one before, up to ``lease_store_retry_max``. It leaves with ``FailedClosed``, which
+tells the worker's main process to stop consuming until the store answers (outage.py).
 """
 
 from __future__ import annotations
 
 import logging
+import random
 from typing import Any, NoReturn
 
 from celery import Task, states
@@ -15,34 +21,78 @@ from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore, Reject
 
 from . import messages
+from .backoff import store_retry_delay
 from .errors import StoreUnavailable
 from .store import Store
 from .vocabulary import ClaimOutcome, Event
 
 __all__ = ["fail_closed", "defer_early", "skip_duplicate", "ignores_result", "keepable_result",
-           "resume_post_run"]
+           "resume_post_run", "store_retries", "forget_store_retries", "FailedClosed",
+           "FailedClosedRequeued", "StoreDown", "STORE_RETRIES_HEADER"]
 
 log = logging.getLogger(__name__)
 
+#: The message header that counts a delivery's re-sends while the store was unreachable.
+STORE_RETRIES_HEADER = "celery_lease_store_retries"
 
-def _send_again(task: Task, countdown: float, why: str) -> NoReturn:
-    """Re-send this delivery's message ``countdown`` seconds from now and drop this one."""
+
+class StoreDown:
+    """Marks the way out of a delivery that found the store unreachable (see FailedClosed)."""
+
+
+class FailedClosed(StoreDown, Ignore):
+    """The store was unreachable: the message was sent again for later and this delivery is acked."""
+
+
+class FailedClosedRequeued(StoreDown, Reject):
+    """The store was unreachable and the broker refused the re-send: the delivery goes back to its queue."""
+
+
+def store_retries(request: Any) -> int:
+    """How many times this delivery's message was sent again because the store was unreachable."""
+    value = getattr(request, STORE_RETRIES_HEADER, None)
+    if value is None:
+        value = (getattr(request, "headers", None) or {}).get(STORE_RETRIES_HEADER)
+    try:
+        return max(0, int(value or 0))
+    except (TypeError, ValueError):
+        return 0
+
+
+def forget_store_retries(request: Any) -> None:
+    """The store answered this delivery: a message the run sends again (a retry) counts from zero."""
+    headers = getattr(request, "headers", None)
+    if isinstance(headers, dict):
+        headers.pop(STORE_RETRIES_HEADER, None)
+
+
+def _send_again(task: Task, countdown: float, why: str, headers: dict[str, Any] | None = None,
+                requeued: type[Reject] = Reject) -> None:
+    """Re-send this delivery's message ``countdown`` seconds from now (with ``headers`` instead of
+    the delivery's own custom headers, when given); ``requeued`` when the broker refuses it."""
     request = task.request
-    sig = task.signature_from_request(request, countdown=countdown)
+    options: dict[str, Any] = {"countdown": countdown}
+    if headers is not None:
+        options["headers"] = headers
+    sig = task.signature_from_request(request, **options)
     try:
         with messages.publishing_unrecorded():
             sig.apply_async()
     except Exception as publish_error:  # noqa: BLE001 - the broker is failing too
         log.error("job %s: cannot re-send (%s); rejecting with requeue", request.id, publish_error)
-        raise Reject(why, requeue=True) from publish_error
-    raise Ignore()
+        raise requeued(why, requeue=True) from publish_error
 
 
-def fail_closed(task: Task, retry_delay: float, exc: StoreUnavailable) -> NoReturn:
-    """The store is down: send the message again later and do not run the body."""
-    log.warning("job %s not started, lease store unreachable (%s); delivering again in %gs",
-                task.request.id, exc, retry_delay, extra={"action": "fail_closed"})
-    _send_again(task, retry_delay, str(exc))
+def fail_closed(task: Task, base: float, cap: float, exc: StoreUnavailable, rng: Any = random) -> NoReturn:
+    """The store is down: send the message again later, each time later, and do not run the body."""
+    request = task.request
+    retries = store_retries(request)
+    delay = store_retry_delay(retries, base, cap, rng)
+    log.warning("job %s not started, lease store unreachable (%s); delivering again in %.1fs (re-send %d)",
+                request.id, exc, delay, retries + 1, extra={"action": "fail_closed"})
+    headers = {**(getattr(request, "headers", None) or {}), STORE_RETRIES_HEADER: retries + 1}
+    _send_again(task, delay, str(exc), headers, FailedClosedRequeued)
+    raise FailedClosed(str(exc))
 
 
 def defer_early(task: Task, store: Store, worker: str, wait: float) -> NoReturn:
@@ -53,6 +103,7 @@ def defer_early(task: Task, store: Store, worker: str, wait: float) -> NoReturn:
     _audit(store, job_id, Event.EARLY_DELIVERY_DEFERRED, f"available in {wait:.1f}s", worker,
            {"wait": round(wait, 3)})
     _send_again(task, wait, "delivered before the job is available")
+    raise Ignore()
 
 
 def _audit(store: Store, job_id: str, event: Event, reason: str, worker: str, detail: Any) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 from celery import Task, shared_task
 
 from . import messages
+from .backoff import backoff, dispatch_wait
 from .config import REAPER_RUNS_KEPT, TaskPolicy, app_config, task_policy, worker_stale_after
 from .errors import StoreCorrupt, StoreUnavailable
 from .outcomes import report_failure
@@ -43,12 +44,6 @@ MAX_PAGES = 10  # keyset pages one run may walk past leases left to live owners
 PRUNE_CHUNK = 1000  # rows deleted per statement
 PRUNE_CHUNKS = 10  # statements per table per run
 WORKER_PRUNE_FACTOR = 10  # registry rows go after 10 x lease_worker_stale_after unseen
-
-
-def backoff(attempt: int, base: float, cap: float, jitter: bool, rng: Any = random) -> float:
-    """Seconds before attempt ``attempt + 1``: ``base * 2**(attempt - 1)`` capped, full jitter."""
-    ceiling = min(cap, base * 2.0 ** min(max(attempt, 1) - 1, 64))
-    return rng.uniform(0.0, ceiling) if jitter else ceiling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,20 +301,24 @@ class Reaper:
 
     def _redispatch(self, result: ReapResult, now: float | None, token: str | None) -> bool:
         budget, after, dry = self.batch_size, None, token is None
-        floor = self._dispatch_floor()
+        floor, cap = self._dispatch_floor(), self.cfg.dispatch_backoff_max
         for _ in range(MAX_PAGES):
             with self.store.begin(long=True) as c:
                 page = self.store.scan_lost_dispatches(c, older_than=floor, limit=self.batch_size,
-                                                       after=after, now=now, lock=not dry)
+                                                       after=after, now=now, lock=not dry, backoff_max=cap)
                 for job, waited in page:
                     if budget == 0:
                         break
                     after = (job.available_at, job.id)
                     timeout = policy_for(self.app, job).dispatch_timeout
-                    if waited <= timeout:
+                    wait = dispatch_wait(timeout, job.dispatch_count, cap)
+                    if waited <= wait:
                         continue
                     budget -= 1
-                    why = f"pending {waited:.1f}s past available_at (lease_dispatch_timeout {timeout:g}s)"
+                    why = f"pending {waited:.1f}s past available_at (lease_dispatch_timeout {timeout:g}s"
+                    if job.dispatch_count:
+                        why += f", doubled per re-send: {job.dispatch_count} so far, so {wait:g}s"
+                    why += ")"
                     if dry:
                         result.planned.append(Decision(job.id, job.task_name, Kind.REDISPATCH, why))
                         continue

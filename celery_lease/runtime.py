@@ -26,6 +26,7 @@ from .vocabulary import Event
 if TYPE_CHECKING:
     from .effects import Locks
     from .lease import Lease
+    from .outage import ConsumerPause
     from .store import Store
 
 __all__ = ["Runtime", "DeadlineTimer", "for_app", "current", "in_process", "release_all_in_process"]
@@ -115,6 +116,8 @@ class Runtime:
         self.locks: Locks = Locks(store)
         self.heartbeat = Heartbeat(self)
         self.timer = DeadlineTimer(self)
+        # A worker's main process stops its consumer here while the store is down (outage.py).
+        self.pause: ConsumerPause | None = None
 
     # -- membership ---------------------------------------------------------------------
     def attach(self, request: Any, lease: Lease) -> None:

@@ -1,4 +1,4 @@
-"""Thin hooks into the worker: start-up checks, lost children, revokes and shutdown.
+"""Thin hooks into the worker: start-up checks, lost children, store outages, revokes and shutdown.
 
 Each hook delegates to one function; a failure in one is logged and contained,
 except at start-up, where a bad setting must stop the worker.
@@ -17,8 +17,10 @@ from celery.worker.state import task_ready
 
 from . import runtime
 from .config import app_config, check_recovery_bound, task_policy
+from .deliveries import StoreDown
 from .errors import LeaseConfigError, LeaseError
 from .heartbeat import worker_id
+from .outage import PauseStep, store_unreachable
 from .vocabulary import Event
 
 __all__ = ["LeaseRequest", "WorkerStep", "install"]
@@ -27,7 +29,8 @@ log = logging.getLogger(__name__)
 
 
 class LeaseRequest(Request):
-    """A request whose main-process failure handler settles the lease of a dead pool child.
+    """A request whose main-process failure handler settles the lease of a dead pool child, and
+    stops the worker's consumer when the delivery found the store unreachable (outage.py).
 
     A hard time limit is a final failure, as in plain Celery: the lease fails the job and
     Celery stores FAILURE and fires the errbacks (once: plain Celery's prefork pool fires
@@ -38,6 +41,8 @@ class LeaseRequest(Request):
     def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> Any:
         exc = getattr(exc_info, "exception", None)
         exc = getattr(exc, "exc", exc)  # ExceptionWithTraceback
+        if isinstance(exc, StoreDown):
+            store_unreachable(self.task.app, str(exc))
         if self.worker_pid and isinstance(exc, TimeLimitExceeded):
             _settle_dead_child(self, type(exc).__name__, final=True)
             # Billiard calls on_timeout right after this, and it stores FAILURE, fires the
@@ -204,6 +209,7 @@ def install(app: Any) -> None:
         return
     app._celery_lease_installed = True
     app.steps["worker"].add(WorkerStep)
+    app.steps["consumer"].add(PauseStep)
     try:
         from .brokers import VisibilityStep
     except ImportError:

@@ -71,6 +71,7 @@ class LeaseTask(Task):
     """A Celery task that runs only while its worker holds a lease on the job."""
 
     lease_store_retry_delay: float | None = None
+    lease_store_retry_max: float | None = None
     lease_duration: float | None = None
     lease_heartbeat_interval: float | None = None
     lease_grace_period: float | None = None
@@ -239,7 +240,7 @@ def _run_leased(task: LeaseTask, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     except StoreUnavailable as exc:
         if request.is_eager:
             raise  # no message to deliver again: the caller sees the outage
-        deliveries.fail_closed(task, policy.store_retry_delay, exc)
+        deliveries.fail_closed(task, policy.store_retry_delay, policy.store_retry_max, exc)
     if claim.outcome == ClaimOutcome.EARLY:
         deliveries.defer_early(task, store, rt.worker, claim.wait)
     if not claim.claimed:
@@ -250,6 +251,7 @@ def _run_leased(task: LeaseTask, args: tuple[Any, ...], kwargs: dict[str, Any]) 
         deliveries.skip_duplicate(task, store, rt.worker, claim.outcome, claim.job)
     job = claim.job
     assert job is not None
+    deliveries.forget_store_retries(request)
     lease = Lease(rt, job_id, token, job.attempt_count, policy,
                   job.idempotency_key or f"{task.name}:{job_id}", job.checkpoint_state(),
                   sent_at=sent, app=task.app, acks_late=bool(task.acks_late))

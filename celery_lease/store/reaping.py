@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -139,14 +140,34 @@ class ReaperStatements(StoreBase):
         return True
 
     # -- lost dispatches --------------------------------------------------------
+    def _dispatch_wait(self, floor: float, cap: float) -> sa.ColumnElement[float]:
+        """backoff.dispatch_wait of each row: its own timeout (``floor`` where it carries none),
+        doubled per re-send so far, at most ``cap`` but never less than the timeout."""
+        j = self.t.jobs
+        timeout = sa.func.coalesce(j.c.dispatch_timeout, sa.literal(floor, sa.Double()))
+        # Past this many re-sends every timeout (>= floor) doubled is past the cap.
+        doublings = math.ceil(math.log2(max(cap / floor, 1.0))) + 1
+        factor = sa.case({n: sa.literal(2.0 ** n, sa.Double()) for n in range(doublings)},
+                         value=j.c.dispatch_count, else_=sa.literal(2.0 ** doublings, sa.Double()))
+        grown, ceiling = timeout * factor, sa.literal(cap, sa.Double[float]())
+        return sa.case((grown <= ceiling, grown), (timeout >= ceiling, timeout), else_=ceiling)
+
     def scan_lost_dispatches(self, c: Connection, *, older_than: float, limit: int,
                              after: tuple[float, str] | None = None, now: float | None = None,
-                             lock: bool = True) -> list[tuple[Job, float]]:
-        """Pending jobs available for longer than ``older_than``, oldest first, with seconds waited."""
+                             lock: bool = True, backoff_max: float | None = None) -> list[tuple[Job, float]]:
+        """Pending jobs available for longer than ``older_than``, oldest first, with seconds waited.
+
+        ``backoff_max``: only the jobs past their own wait (``_dispatch_wait``, with ``older_than``
+        standing in for a timeout the row does not carry), so that jobs waiting out their backoff
+        never fill the pages in front of the ones that are due.
+        """
         j = self.t.jobs
         clock = self._clock(now)
+        due = [j.c.available_at < clock - older_than]  # the index's range
+        if backoff_max is not None:
+            due.append(j.c.available_at < clock - self._dispatch_wait(older_than, backoff_max))
         query = (sa.select(j, (clock - j.c.available_at).label("waited"))
-                 .where(j.c.status == PENDING, j.c.available_at < clock - older_than).limit(limit))
+                 .where(j.c.status == PENDING, *due).limit(limit))
         rows = c.execute(self._locking(self._after(query, j.c.available_at, after), lock)).all()
         return [(Job.from_row(r), float(r.waited)) for r in rows]
 

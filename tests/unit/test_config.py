@@ -20,6 +20,7 @@ BAD_VALUES = {
     "lease_sqlite_synchronous": "OFF",  # a power loss could corrupt the file, not just lose commits
     "lease_store_engine_options": ["poolclass"],
     "lease_store_retry_delay": 0,
+    "lease_store_retry_max": -1,
     "lease_clock_tolerance": -0.5,
     "lease_claim_async_commit": "yes",
     "lease_duration": "30s",
@@ -35,6 +36,7 @@ BAD_VALUES = {
     "lease_backoff_jitter": "yes",
     "lease_dead_letter_queue": "",
     "lease_dispatch_timeout": 0.0,
+    "lease_dispatch_backoff_max": 0,
     "lease_reaper_batch_size": True,
     "lease_reaper_hard_grace": "2m",
     "lease_reaper_lock_ttl": 0,
@@ -165,6 +167,14 @@ def test_backoff_max_below_backoff_base_is_rejected():
     with pytest.raises(LeaseConfigError) as info:
         config.app_config(make_app(lease_backoff_base=10, lease_backoff_max=5))
     assert info.value.setting == "lease_backoff_max"
+
+
+def test_store_retry_max_below_the_store_retry_delay_is_rejected_for_the_app_and_for_a_task():
+    with pytest.raises(LeaseConfigError) as info:
+        config.app_config(make_app(lease_store_retry_delay=10, lease_store_retry_max=5))
+    assert info.value.setting == "lease_store_retry_max"
+    with pytest.raises(LeaseConfigError, match="lease_store_retry_delay"):
+        config.app_config(make_app()).policy({"lease_store_retry_delay": 600.0}, where="task t")
 
 
 def test_app_config_is_built_once_and_cached_on_the_app():

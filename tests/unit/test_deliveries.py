@@ -1,14 +1,28 @@
-"""deliveries.py: a delivery whose body does not run is audited, sent again or given back, never failed."""
+"""deliveries.py: a delivery whose body does not run is audited, sent again or given back, never failed.
+
+Re-sent messages go to a real Redis broker (db 12) and are read back from their queue.
+"""
 
 from __future__ import annotations
 
+import datetime
+import json
 import logging
+import random
+import time
+import uuid
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
+import redis
+from celery import Celery
 from celery.exceptions import Ignore, Reject
 
-from celery_lease import deliveries
+from celery_lease import LeaseTask, deliveries
+from celery_lease.deliveries import STORE_RETRIES_HEADER
 from celery_lease.errors import StoreUnavailable
+
+REDIS_DB = 12  # never flushed: each test's queue is its own
 
 
 class DownStore:
@@ -45,7 +59,7 @@ class BrokerDownSignature:
 
 
 class BrokerDownTask(Task):
-    def signature_from_request(self, request, countdown=None):
+    def signature_from_request(self, request, countdown=None, headers=None):
         self.countdown = countdown
         return BrokerDownSignature()
 
@@ -53,9 +67,69 @@ class BrokerDownTask(Task):
 def test_fail_closed_with_the_broker_down_too_rejects_the_message_back_to_the_queue(caplog):
     task = BrokerDownTask()
     with pytest.raises(Reject) as info:
-        deliveries.fail_closed(task, 5.0, StoreUnavailable("lease store unreachable"))
-    assert info.value.requeue is True and task.countdown == 5.0
+        deliveries.fail_closed(task, 5.0, 300.0, StoreUnavailable("lease store unreachable"))
+    assert info.value.requeue is True and 2.5 <= task.countdown <= 5.0
+    assert isinstance(info.value, deliveries.StoreDown)  # the worker stops consuming all the same
     assert "cannot re-send" in caplog.text
+
+
+@pytest.fixture
+def resending(redis_url):
+    """A LeaseTask whose re-sent messages go to a queue of its own on a real Redis broker."""
+    url = urlunsplit(urlsplit(redis_url)._replace(path=f"/{REDIS_DB}"))
+    queue = f"deliveries-{uuid.uuid4().hex[:8]}"
+    app = Celery(f"resend_{queue}", broker=url, set_as_current=False)
+    app.conf.task_default_queue = queue
+
+    @app.task(base=LeaseTask, bind=True, shared=False, name="d.work")
+    def work(self, x):
+        return x
+
+    client = redis.Redis.from_url(url)
+    yield work, client, queue
+    client.delete(queue)
+    client.close()
+    app.close()
+
+
+def test_each_fail_closed_re_send_waits_twice_as_long_up_to_the_cap_counting_in_a_header(resending):
+    task, client, queue = resending
+    rng = random.Random(5)
+    # Given a first delivery carrying a custom header of the app's own
+    headers = {"id": "job-1", "task": "d.work", "tenant": "shop-7"}
+    steps = []
+    for _ in range(7):
+        # When each delivery of the message finds the store unreachable (base 1 s, cap 8 s)
+        task.push_request(args=[1], kwargs={}, delivery_info={"exchange": "", "routing_key": queue},
+                          **headers)
+        sent = time.time()
+        try:
+            with pytest.raises(deliveries.FailedClosed):
+                deliveries.fail_closed(task, 1.0, 8.0, StoreUnavailable("lease store unreachable"), rng)
+        finally:
+            task.pop_request()
+        # (the next delivery is the message it sent, as the broker hands it over)
+        [raw] = client.lrange(queue, 0, -1)
+        client.delete(queue)
+        headers = json.loads(raw)["headers"]
+        eta = datetime.datetime.fromisoformat(headers["eta"]).timestamp()
+        steps.append((headers[STORE_RETRIES_HEADER], eta - sent))
+    # Then each re-send counts one more in the header and waits between half and all of
+    # 1, 2, 4, 8, 8, ... seconds
+    assert [count for count, _ in steps] == [1, 2, 3, 4, 5, 6, 7]
+    for (_, delay), step in zip(steps, [1.0, 2.0, 4.0, 8.0, 8.0, 8.0, 8.0], strict=True):
+        assert step / 2 - 0.1 <= delay <= step + 0.1, steps
+    # and the message keeps its own id and headers
+    assert headers["id"] == "job-1" and headers["tenant"] == "shop-7"
+
+
+def test_a_delivery_the_store_answered_sends_its_retry_without_the_count():
+    from celery.app.task import Context
+
+    request = Context(id="job-1", tenant="shop-7", **{STORE_RETRIES_HEADER: 6})
+    assert deliveries.store_retries(request) == 6
+    deliveries.forget_store_retries(request)
+    assert request.as_execution_options()["headers"] == {"tenant": "shop-7"}
 
 
 # -- finishing what a crash interrupted ----------------------------------------------------
@@ -65,7 +139,7 @@ def results_app():
 
     app = Celery("kept", broker="memory://", backend="cache+memory://", set_as_current=False)
 
-    @app.task(name="kept.task", bind=True)
+    @app.task(name="kept.task", bind=True, shared=False)
     def kept(self):
         return None
 

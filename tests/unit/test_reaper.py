@@ -710,3 +710,67 @@ def test_old_runs_are_pruned_to_the_newest_kept(app, store, monkeypatch):
     runs = store.reaper_runs(limit=10)
     assert len(runs) == 3
     assert [r["id"] for r in runs] == sorted((r["id"] for r in runs), reverse=True)
+
+
+# -- a backlog --------------------------------------------------------------------------------
+REAPER_INTERVAL = 15.0  # seconds between the simulated reaper runs (beat's usual schedule)
+
+
+def age(store: Store, seconds: float) -> None:
+    """Time passes for every job: its times move ``seconds`` into the past (the store's clock
+    stays real, since a re-dispatch writes the real clock)."""
+    j = store.t.jobs
+    with store.begin() as c:
+        c.execute(sa.update(j).values(available_at=j.c.available_at - seconds,
+                                      created_at=j.c.created_at - seconds,
+                                      updated_at=j.c.updated_at - seconds))
+
+
+def copies_in_a_backlog(app, store, broker, *, jobs: int, timeout: float, minutes: float) -> dict[str, int]:
+    """Messages the dispatch scan sends per job while ``jobs`` pending jobs wait ``minutes`` in a
+    backlog nobody consumes, with a reaper run every REAPER_INTERVAL seconds."""
+    for n in range(jobs):
+        store.record(f"b{n:02d}", "t.work", "celery", payload(), 3, recovery={"dispatch_timeout": timeout})
+    reaper_ = Reaper(app)
+    for _ in range(int(minutes * 60 / REAPER_INTERVAL)):
+        age(store, REAPER_INTERVAL)
+        reaper_.run_once()
+    sent = [m["headers"]["id"] for m in queued(broker)]
+    return {f"b{n:02d}": sent.count(f"b{n:02d}") for n in range(jobs)}
+
+
+def test_a_30_minute_backlog_makes_a_bounded_number_of_copies_per_job(app, store, broker):
+    # Given five jobs whose messages wait 30 minutes in a backlog, a dispatch timeout of 60 s
+    # (a re-send every 60 s would be 30 copies each) and a reaper run every 15 s
+    copies = copies_in_a_backlog(app, store, broker, jobs=5, timeout=60.0, minutes=30)
+    # Then each job was re-sent after 60, 120, 240 and 480 more seconds: 4 copies, the most
+    # that waits doubling from 60 s fit in 1,800 s (60 x (2**n - 1) <= 1800, n <= log2(31))
+    assert set(copies.values()) == {4}, copies
+    # and each copy was counted on the row and audited once
+    assert {store.get(job_id).dispatch_count for job_id in copies} == {4}
+    assert len(events(store, "b00", "redispatched")) == 4
+
+
+def test_the_wait_between_re_sends_stops_growing_at_lease_dispatch_backoff_max(app, store, broker):
+    app.conf.lease_dispatch_backoff_max = 120.0
+    app._celery_lease_config = None  # the settings are read once per app: read them again
+    # re-sends after 60, 120, then every 120 s: 60 + 120 x 14 = 1,740 s <= 1,800 s
+    copies = copies_in_a_backlog(app, store, broker, jobs=2, timeout=60.0, minutes=30)
+    assert set(copies.values()) == {15}, copies
+
+
+def test_a_job_waiting_out_its_backoff_does_not_hold_up_the_due_ones_behind_it(app, store):
+    # Given more jobs re-sent once before than a run's pages hold, older than a job never re-sent
+    # (each carries its dispatch timeout, as a publish records it)
+    backed, recovery = reaper.MAX_PAGES * 2 + 1, {"dispatch_timeout": 600.0}
+    for n in range(backed):
+        store.record(f"backed{n}", "t.work", "celery", payload(), 3, delay=-700.0 - n, recovery=recovery)
+    j = store.t.jobs
+    with store.begin() as c:
+        c.execute(sa.update(j).where(j.c.id.startswith("backed")).values(dispatch_count=1))
+    store.record("due", "t.work", "celery", payload(), 3, delay=-650.0, recovery=recovery)
+    # When a reaper whose batch is smaller than the jobs in backoff runs (they wait 1,200 s now)
+    result = Reaper(app, batch_size=2).run_once()
+    # Then the due job is re-sent, and none of the others
+    assert result.redispatched == 1 and store.get("due").dispatch_count == 1
+    assert {store.get(f"backed{n}").dispatch_count for n in range(backed)} == {1}
