@@ -74,8 +74,9 @@ def test_running_jobs_expired_leases_and_oldest_age_per_queue_and_task(scene):
 
 
 def test_heartbeat_lag_histogram_counts_each_running_job_once_per_scrape(scene):
-    app, store, _ = scene
+    app, store, jobs = scene
     collector = LeaseCollector(app, store)
+    ops_app.heartbeat(store, jobs["live"])  # filling the scene may take seconds on a busy machine
     scrape = samples(collector)
     quick = {"queue": "celery", "task": "ops.quick"}
     bucket = "celery_lease_heartbeat_lag_seconds_bucket"
