@@ -519,7 +519,7 @@ def test_a_second_reaper_skips_its_run_while_the_lock_is_held(app, store):
 
 
 def test_an_expired_reaper_lock_is_taken_over(store):
-    assert store.acquire_reaper_lock("a" * 32, "crashed", 0.05)
+    assert store.acquire_reaper_lock("a" * 32, "crashed", 30.0)
     assert not store.acquire_reaper_lock("b" * 32, "next", 30.0)
     k = store.t.locks
     with store.begin() as c:
