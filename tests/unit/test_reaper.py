@@ -425,7 +425,7 @@ def test_two_scanners_racing_over_1000_expired_rows_requeue_each_exactly_once(st
     def scan_and_requeue() -> None:
         after = None
         while True:
-            with store.begin() as c:
+            with store.begin(long=True) as c:  # as the reaper's own pages: the long bound
                 page = store.scan_expired(c, limit=100, after=after)
                 if not page:
                     return
