@@ -49,9 +49,11 @@ class JobStatements(WorkerStatements):
         (until lease_idempotency_retention).
         """
         j, k = self.t.jobs, self.t.idempotency_keys
-        params = {"job_id": job_id, "task_name": task_name, "queue": queue, "payload": payload,
-                  "max_attempts": max_attempts, "idempotency_key": idempotency_key, "delay": delay,
-                  "detail": json.dumps({"queue": queue}) if queue else None,
+        # Parameter names are no column's: an INSERT given an extra key named like one of its
+        # table's columns would write it (SQLAlchemy adds parameters' columns to an INSERT).
+        params = {"p_job": job_id, "p_task": task_name, "p_queue": queue, "p_payload": payload,
+                  "p_max_attempts": max_attempts, "p_key": idempotency_key, "p_delay": delay,
+                  "p_detail": json.dumps({"queue": queue}) if queue else None,
                   **{f"r_{name}": (recovery or {}).get(name) for name in RECOVERY}}
         keyed = idempotency_key is not None
         try:
@@ -92,21 +94,21 @@ class JobStatements(WorkerStatements):
         if built is not None:
             return built
         j, k, e = self.t.jobs, self.t.idempotency_keys, self.t.events
-        job_id = sa.bindparam("job_id", type_=sa.String())
+        job_id = sa.bindparam("p_job", type_=sa.String())
         row: dict[str, Any] = {
-            "id": job_id, "task_name": sa.bindparam("task_name", type_=sa.String()),
-            "queue_name": sa.bindparam("queue", type_=sa.String()),
-            "payload": sa.bindparam("payload", type_=sa.Text()),
+            "id": job_id, "task_name": sa.bindparam("p_task", type_=sa.String()),
+            "queue_name": sa.bindparam("p_queue", type_=sa.String()),
+            "payload": sa.bindparam("p_payload", type_=sa.Text()),
             "status": sa.literal(str(PENDING), sa.String()), "attempt_count": sa.literal(0),
             "expired_count": sa.literal(0), "dispatch_count": sa.literal(0),
-            "max_attempts": sa.bindparam("max_attempts", type_=sa.Integer()),
-            "idempotency_key": sa.bindparam("idempotency_key", type_=sa.String()),
-            "available_at": self.now_sql + sa.bindparam("delay", type_=sa.Double()),
+            "max_attempts": sa.bindparam("p_max_attempts", type_=sa.Integer()),
+            "idempotency_key": sa.bindparam("p_key", type_=sa.String()),
+            "available_at": self.now_sql + sa.bindparam("p_delay", type_=sa.Double()),
             "created_at": self.now_sql, "updated_at": self.now_sql,
             **{name: sa.bindparam(f"r_{name}", type_=j.c[name].type) for name in RECOVERY},
         }
         event: dict[str, Any] = {"event": sa.literal(str(event_name), sa.String()), "at": self.now_sql,
-                 "detail": sa.bindparam("detail", type_=sa.Text())}
+                 "detail": sa.bindparam("p_detail", type_=sa.Text())}
         if self.at_least(RUNS_REVISION):
             event.update(queue_name=row["queue_name"], task_name=row["task_name"])
         key: dict[str, Any] = {"key": row["idempotency_key"], "created_at": self.now_sql}

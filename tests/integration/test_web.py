@@ -32,9 +32,13 @@ REDIS_DB = 12
 PREFIX = "/ops/lease"  # where the reverse proxy forwards the page
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    """One headless Chromium (Debian's package) for the session; skipped without it, failed in CI."""
+    """One headless Chromium (Debian's package) for this module, skipped without it, failed in CI.
+
+    Not for the session: Playwright's event loop runs as long as it does, and Django refuses
+    synchronous database calls from a thread with a running loop (tests/unit/test_django.py).
+    """
     path = shutil.which("chromium") or shutil.which("chromium-browser")
     reason = None
     try:
