@@ -11,6 +11,7 @@ shutdown path reach the runtime through the functions at the bottom of this modu
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import socket
@@ -34,6 +35,7 @@ __all__ = ["Runtime", "DeadlineTimer", "for_app", "current", "in_process", "rele
 log = logging.getLogger(__name__)
 
 MAX_TIMER_SLEEP = 5.0  # seconds the timer sleeps with no deadline in sight
+UNANSWERED_KEPT = 1000  # unanswered claim tokens a process remembers
 
 
 class DeadlineTimer:
@@ -118,6 +120,26 @@ class Runtime:
         self.timer = DeadlineTimer(self)
         # A worker's main process stops its consumer here while the store is down (outage.py).
         self.pause: ConsumerPause | None = None
+        # Tokens of claims this process sent and gave up on (no answer within the bound): the
+        # server may still have committed one, leaving a job "running" under us that no body runs.
+        self._unanswered: collections.OrderedDict[str, str] = collections.OrderedDict()
+
+    # -- claims whose answer was lost ----------------------------------------------------
+    def claim_unanswered(self, job_id: str, token: str) -> None:
+        """A claim of ``job_id`` with ``token`` got no answer: remember it (the newest 1,000)."""
+        with self._mutex:
+            self._unanswered[token] = job_id
+            while len(self._unanswered) > UNANSWERED_KEPT:
+                self._unanswered.popitem(last=False)
+
+    def orphaned_claim(self, job_id: str, token: str | None) -> bool:
+        """Whether ``token`` on ``job_id`` is a claim of ours whose answer was lost (no body runs it)."""
+        with self._mutex:
+            return token is not None and self._unanswered.get(token) == job_id
+
+    def forget_unanswered(self, token: str) -> None:
+        with self._mutex:
+            self._unanswered.pop(token, None)
 
     # -- membership ---------------------------------------------------------------------
     def attach(self, request: Any, lease: Lease) -> None:

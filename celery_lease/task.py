@@ -24,7 +24,7 @@ from . import deadline, deliveries, local, messages, replacing, runtime
 from .config import TaskPolicy, app_config, task_policy
 from .errors import LeaseLost, StoreUnavailable
 from .lease import Lease
-from .store import ClaimTerms, Store, for_app
+from .store import Claim, ClaimTerms, Store, for_app
 from .vocabulary import ClaimOutcome, Decision, Event, Status
 
 __all__ = ["LeaseTask", "Lease"]
@@ -223,6 +223,7 @@ def _run_leased(task: LeaseTask, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     queue = _queue_of(task, request)
     policy = task_policy(task, queue)
     token = secrets.token_hex(16)
+    rt: runtime.Runtime | None = None
     try:
         store = for_app(task.app)
         rt = runtime.for_app(task.app, store, request.hostname)
@@ -240,9 +241,14 @@ def _run_leased(task: LeaseTask, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     except StoreUnavailable as exc:
         if request.is_eager:
             raise  # no message to deliver again: the caller sees the outage
+        if rt is not None:
+            rt.claim_unanswered(job_id, token)  # the server may still commit it
         deliveries.fail_closed(task, policy.store_retry_delay, policy.store_retry_max, exc)
     if claim.outcome == ClaimOutcome.EARLY:
         deliveries.defer_early(task, store, rt.worker, claim.wait)
+    assert rt is not None
+    if not claim.claimed and claim.job is not None and rt.orphaned_claim(job_id, claim.job.lock_token):
+        claim = _reclaim(store, rt, claim, token, terms)
     if not claim.claimed:
         if claim.job is not None and claim.job.status == Status.COMPLETED:
             resumed, value = deliveries.resume_post_run(task, store, rt.worker, claim.job)
@@ -264,6 +270,23 @@ def _run_leased(task: LeaseTask, args: tuple[Any, ...], kwargs: dict[str, Any]) 
         return _run_body(task, lease, args, kwargs)
     finally:
         rt.detach(request, lease)
+
+
+def _reclaim(store: Store, rt: runtime.Runtime, claim: Claim, token: str, terms: ClaimTerms) -> Claim:
+    """The job runs under a claim of this very process whose answer was lost: take it with ``token``."""
+    assert claim.job is not None and claim.job.lock_token is not None
+    lost = claim.job.lock_token
+    try:
+        job = store.reclaim(claim.job.id, lost, rt.worker, token, terms)
+    except StoreUnavailable as exc:
+        log.warning("job %s: could not take back the claim whose answer was lost (%s)", claim.job.id, exc)
+        return claim
+    if job is None:
+        return claim
+    rt.forget_unanswered(lost)
+    log.info("job %s [%s]: took back this process's claim [%s] whose answer was lost", job.id, token[:8],
+             lost[:8], extra={"action": "lost_claim_taken_back"})
+    return Claim(ClaimOutcome.CLAIMED, job)
 
 
 def _dead_letter(task: LeaseTask, store: Store, job_id: str, policy: TaskPolicy) -> None:

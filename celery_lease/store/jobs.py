@@ -240,6 +240,27 @@ class JobStatements(WorkerStatements):
                             "previous_token": (current.lock_token or "")[:8]})
         return self._job(c, current.id)
 
+    def reclaim(self, job_id: str, lost_token: str, worker: str, token: str, terms: ClaimTerms) -> Job | None:
+        """A running lease of ``worker``'s own claim whose answer it never got -> a new token for it.
+
+        The claim committed on the server after the worker gave up waiting (a lock held the
+        row or the table longer than the call bound), so no body runs under ``lost_token``. The
+        attempt that claim counted is the one this takes on: the count does not grow again.
+        """
+        j = self.t.jobs
+        lease = {k: v for k, v in self._lease_values(worker, token, terms.duration, terms.grace).items()
+                 if k != "attempt_count"}
+        with self.begin() as c:
+            res = c.execute(sa.update(j).where(
+                j.c.id == job_id, j.c.lock_token == lost_token, j.c.locked_by == worker,
+                j.c.status == RUNNING,
+            ).values(**lease))
+            if res.rowcount != 1:
+                return None
+            self._event(c, job_id, Event.LEASE_TAKEN_OVER, reason="own claim whose answer was lost",
+                        worker=worker, token=token, detail={"previous_token": lost_token[:8]})
+            return self._job(c, job_id)
+
     def _insert_first_seen(self, job_id: str, worker: str, token: str, terms: ClaimTerms, task_name: str,
                            queue: str | None, payload: Callable[[], str | None]) -> Job | None:
         """A job published without celery_lease -> a running row of ours; None when another insert won."""

@@ -222,6 +222,20 @@ def test_on_the_revision_before_kept_results_a_completion_keeps_nothing(store_fa
     store.engine.dispose()
 
 
+def test_a_claim_whose_answer_was_lost_is_taken_back_by_its_own_worker_only(store):
+    store.record("j1", "t.task", "q", "{}", 3)
+    lost = claim(store, "j1", worker="w1").job.lock_token  # committed; the worker never heard
+    terms = ClaimTerms(**TERMS)
+    assert store.reclaim("j1", lost, "w2", token(), terms) is None  # not w2's claim
+    assert store.reclaim("j1", "other-token", "w1", token(), terms) is None
+    fresh = token()
+    job = store.reclaim("j1", lost, "w1", fresh, terms)
+    assert (job.status, job.lock_token, job.locked_by, job.attempt_count) == (RUNNING, fresh, "w1", 1)
+    assert store.reclaim("j1", lost, "w1", token(), terms) is None  # once
+    assert events(store, "j1") == ["published", "claimed", "lease_taken_over"]
+    assert store.complete("j1", lost) is False and store.complete("j1", fresh) is True
+
+
 def test_fail_is_fenced_and_records_the_error(store):
     store.record("j1", "t.task", "q", "{}", 3)
     tok = claim(store, "j1").job.lock_token
