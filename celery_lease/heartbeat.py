@@ -71,10 +71,6 @@ class Heartbeat:
                         extra={"action": "heartbeat_store_unavailable"})
             return counts
         self.beats += 1
-        if rt.pause is not None:
-            # A worker that stopped consuming during an outage resumes as soon as any call of
-            # its own gets through, not only when its probe's next turn comes.
-            rt.pause.store_answers()
         for lease in renewable:
             if self._renewed(lease, renewed, renewable):
                 if lease.confirm(sent):

@@ -72,31 +72,22 @@ class ConsumerPause:
         else:
             task_consumer.consume()
 
-    def store_answers(self) -> None:
-        """The store answered a call of this process (the probe's, or the heartbeat's): consume again."""
-        with self._mutex:
-            if not self.paused:
-                return
-            self.paused = False
-            self._probe = None
-            consumer = self._consumer
-        log.info("lease store answers again: this worker consumes again",
-                 extra={"action": "consuming_resumed"})
-        consumer.call_soon(self._apply)
-
     def _wait_for_store(self) -> None:
-        while self.paused and not self._stop.wait(self.interval):
-            if not self.paused:
-                return  # the heartbeat heard the store first
+        while not self._stop.wait(self.interval):
             try:
                 self.store.now()
-            except StoreUnavailable as exc:
-                log.debug("lease store still unreachable: %s", exc)
+            except StoreUnavailable:
                 continue
             except Exception:  # noqa: BLE001 - the probe must outlive any one bad answer
                 log.exception("probe of the lease store failed")
                 continue
-            self.store_answers()
+            with self._mutex:
+                self.paused = False
+                self._probe = None
+                consumer = self._consumer
+            log.info("lease store answers again: this worker consumes again",
+                     extra={"action": "consuming_resumed"})
+            consumer.call_soon(self._apply)
             return
 
     def stop(self, timeout: float = 5.0) -> None:

@@ -115,24 +115,3 @@ def test_a_report_without_a_consumer_or_after_the_stop_changes_nothing(proxied):
     assert not stopped.paused and consumer.run_loop() == 0
     app = Celery("no_worker", set_as_current=False)
     store_unreachable(app, "lease store unreachable")  # no runtime in this process: nothing to pause
-
-
-def test_a_heartbeat_that_gets_through_resumes_the_consumer_before_the_probes_next_turn(store):
-    from celery_lease.runtime import Runtime
-
-    rt = Runtime(store, "host", default_interval=0.2, worker="host:9")
-    # A probe that would not ask again for an hour: only the heartbeat can resume the consumer.
-    rt.pause = pause = ConsumerPause(store, 3600.0)
-    consumer = Consumer()
-    pause.bind(consumer)
-    try:
-        pause.store_unreachable("lease store unreachable")
-        consumer.run_loop()
-        assert not consumer.task_consumer.consuming
-        rt.heartbeat.beat()  # the store answers this process's heartbeat
-        assert not pause.paused
-        consumer.run_loop()
-        assert consumer.task_consumer.consuming
-    finally:
-        pause.stop(timeout=0.1)
-        rt.stop()
