@@ -12,8 +12,8 @@ Celery's conftest defines ``celery_config``, and ``celery_parameters`` comes fro
 ``celery.contrib.pytest``; both return a dict that each app is built from, so this plugin adds
 its settings to those dicts as the fixtures are set up, whichever definition pytest chose.
 
-``--celery-suite-record PATH`` writes the node ids whose outcome was as expected (passed, or
-xfailed: a declared failure that failed) to PATH: the pass list. ``--celery-suite-expect PATH``
+``--celery-suite-record PATH`` writes the node ids of the tests that passed (or xpassed: a
+declared failure that did not fail) to PATH: the pass list. ``--celery-suite-expect PATH``
 compares with such a list: the session fails, listing them, when a test on the list ran and
 did not pass, and succeeds otherwise (tests off the list fail with plain Celery too).
 """
@@ -33,8 +33,8 @@ STORE_ENV = "CELERY_SUITE_STORE"
 DEFAULT_STORE = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 TABLE_PREFIX = "celery_suite_"
 LEASE_TASK = "celery_lease:LeaseTask"
-#: Outcomes that count as "as Celery expects" for the pass list.
-GOOD = ("passed", "xfailed")
+#: Outcomes that count as a pass: the test's body ran to its end without an error.
+GOOD = ("passed", "xpassed")
 
 
 def mode() -> str:
@@ -52,9 +52,9 @@ def lease_settings() -> dict[str, Any]:
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("celery_suite", "Celery's integration tests under LeaseTask")
     group.addoption("--celery-suite-record", metavar="PATH",
-                    help="write the node ids that passed (or xfailed) to PATH")
+                    help="write the node ids that passed (or xpassed) to PATH")
     group.addoption("--celery-suite-expect", metavar="PATH",
-                    help="fail when a test listed in PATH ran and did not pass (or xfail)")
+                    help="fail when a test listed in PATH ran and did not pass")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -133,8 +133,9 @@ class SuitePlugin:
         expect = self.config.getoption("celery_suite_expect")
         if record:
             good = sorted(n for n in self.selected if self.outcomes.get(n) in GOOD)
-            header = (f"# Celery's integration tests that pass (or xfail) with task_cls {self._task_cls()},\n"
-                      "# written by `make test-celery-baseline` (tools/celery_suite).\n")
+            header = (f"# Celery's integration tests that pass with task_cls {self._task_cls()} (passed, or\n"
+                      "# xpassed: a declared failure that did not fail), written by `make test-celery-baseline`\n"
+                      "# (tools/celery_suite).\n")
             Path(record).write_text(header + "".join(f"{n}\n" for n in good))
         if expect:
             listed = read_pass_list(Path(expect))
