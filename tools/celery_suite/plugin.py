@@ -35,6 +35,11 @@ TABLE_PREFIX = "celery_suite_"
 LEASE_TASK = "celery_lease:LeaseTask"
 #: Outcomes that count as a pass: the test's body ran to its end without an error.
 GOOD = ("passed", "xpassed")
+PASS_LIST_HEADER = """\
+# Celery's integration tests that pass with task_cls {task_cls} (passed, or
+# xpassed: a declared failure that did not fail), written by `make test-celery-baseline`
+# (tools/celery_suite).
+"""
 
 
 def mode() -> str:
@@ -133,10 +138,8 @@ class SuitePlugin:
         expect = self.config.getoption("celery_suite_expect")
         if record:
             good = sorted(n for n in self.selected if self.outcomes.get(n) in GOOD)
-            header = (f"# Celery's integration tests that pass with task_cls {self._task_cls()} (passed, or\n"
-                      "# xpassed: a declared failure that did not fail), written by `make test-celery-baseline`\n"
-                      "# (tools/celery_suite).\n")
-            Path(record).write_text(header + "".join(f"{n}\n" for n in good))
+            Path(record).write_text(PASS_LIST_HEADER.format(task_cls=self._task_cls())
+                                    + "".join(f"{n}\n" for n in good))
         if expect:
             listed = read_pass_list(Path(expect))
             ran = [n for n in self.selected if n in listed]

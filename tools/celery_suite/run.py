@@ -131,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     python = ensure_venv(version, sdist)
     # Celery's pytest settings (test_* classes, markers, strict xfail), never this checkout's.
     command = [str(python), "-m", "pytest", "-c", "pyproject.toml", "--rootdir", ".",
-               "-p", "no:celery", "-p", "celery.contrib.pytest", "-p", "celery_suite.plugin", "-ra", *SUITE]
+               "-p", "no:celery", "-p", "celery.contrib.pytest", "-p", "celery_suite.plugin", "-ra",
+               # A test that hangs ends as Celery's @flaky ones do; a test's own mark wins.
+               "--timeout=300", *SUITE]
     command.append(f"--celery-suite-{'record' if args.record else 'expect'}={expected}")
     if args.subset == "ci":
         command += ["-k", CI_SUBSET]
