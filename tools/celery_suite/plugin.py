@@ -16,6 +16,8 @@ its settings to those dicts as the fixtures are set up, whichever definition pyt
 declared failure that did not fail) to PATH: the pass list. ``--celery-suite-expect PATH``
 compares with such a list: the session fails, listing them, when a test on the list ran and
 did not pass, and succeeds otherwise (tests off the list fail with plain Celery too).
+``--celery-suite-differences PATH`` deselects the tests listed there: the known differences of
+LeaseTask, each explained in the README ("Celery's own integration tests").
 """
 
 from __future__ import annotations
@@ -60,6 +62,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="write the node ids that passed (or xpassed) to PATH")
     group.addoption("--celery-suite-expect", metavar="PATH",
                     help="fail when a test listed in PATH ran and did not pass")
+    group.addoption("--celery-suite-differences", metavar="PATH",
+                    help="deselect the known differences listed in PATH")
+
+
+@pytest.fixture(autouse=True)
+def celery_suite_worker(request: pytest.FixtureRequest) -> None:
+    """Start Celery's session worker before the first test, whichever tests were selected.
+
+    A few of Celery's tests send tasks without asking for the worker (test_trace_log_arguments)
+    and pass only after an earlier test started it: this keeps any selection self-contained.
+    """
+    request.getfixturevalue("celery_session_worker")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -91,6 +105,7 @@ class SuitePlugin:
         self.outcomes: dict[str, str] = {}
         self.selected: list[str] = []
         self.differences: list[tuple[str, str]] = []
+        self.known: list[str] = []
         self.compared = 0
 
     def pytest_sessionstart(self, session: pytest.Session) -> None:
@@ -114,6 +129,17 @@ class SuitePlugin:
             value.update(lease_settings())
         else:
             value["task_cls"] = LEASE_TASK
+
+    @pytest.hookimpl(trylast=True)  # after -k and -m: report only the differences they selected
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        path = config.getoption("celery_suite_differences")
+        if not path:
+            return
+        known = read_list(Path(path))
+        self.known = [item.nodeid for item in items if item.nodeid in known]
+        if self.known:
+            config.hook.pytest_deselected(items=[item for item in items if item.nodeid in known])
+            items[:] = [item for item in items if item.nodeid not in known]
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         self.selected = [item.nodeid for item in session.items]
@@ -141,7 +167,7 @@ class SuitePlugin:
             Path(record).write_text(PASS_LIST_HEADER.format(task_cls=self._task_cls())
                                     + "".join(f"{n}\n" for n in good))
         if expect:
-            listed = read_pass_list(Path(expect))
+            listed = read_list(Path(expect))
             ran = [n for n in self.selected if n in listed]
             self.compared = len(ran)
             self.differences = [(n, self.outcomes.get(n, "not run")) for n in ran
@@ -161,6 +187,11 @@ class SuitePlugin:
                 tr.write_line(f"  {outcome:8} {nodeid}")
         else:
             tr.write_line(f"all {self.compared} tests on the pass list passed", green=True)
+        if self.known:
+            tr.write_line(f"{len(self.known)} known differences deselected (README, \"Celery's own "
+                          "integration tests\"):")
+            for nodeid in self.known:
+                tr.write_line(f"  {nodeid}")
 
     def _task_cls(self) -> str:
         return LEASE_TASK if self.mode == "lease" else "celery.Task"
@@ -174,7 +205,7 @@ def _phase_outcome(report: pytest.TestReport) -> str:
     return report.outcome
 
 
-def read_pass_list(path: Path) -> set[str]:
-    """The node ids of a pass list (one per line; ``#`` starts a comment)."""
-    lines = (line.strip() for line in path.read_text().splitlines())
+def read_list(path: Path) -> set[str]:
+    """The node ids listed in a file: one per line, `` #`` starts a comment."""
+    lines = (line.split(" #", 1)[0].strip() for line in path.read_text().splitlines())
     return {line for line in lines if line and not line.startswith("#")}
