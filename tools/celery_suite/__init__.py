@@ -1,0 +1,1 @@
+"""Celery's own integration tests run with every task a LeaseTask (``make test-celery``)."""
