@@ -11,6 +11,7 @@ tells the worker's main process to stop consuming until the store answers (outag
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import random
 from typing import Any, NoReturn
@@ -26,7 +27,7 @@ from .errors import StoreUnavailable
 from .store import Store
 from .vocabulary import ClaimOutcome, Event
 
-__all__ = ["fail_closed", "defer_early", "skip_duplicate", "ignores_result", "keepable_result",
+__all__ = ["fail_closed", "defer_early", "skip_duplicate", "ignores_result", "keepable_result", "resumed",
            "resume_post_run", "store_retries", "forget_store_retries", "FailedClosed",
            "FailedClosedRequeued", "StoreDown", "STORE_RETRIES_HEADER"]
 
@@ -155,6 +156,16 @@ def keepable_result(task: Task, value: Any) -> str | None:
         return None
 
 
+# The job whose post-run work this context is finishing: its publishes re-send what a crash
+# may have sent already (the chain's next step under its frozen id), so they reopen nothing.
+_resumed: contextvars.ContextVar[str | None] = contextvars.ContextVar("celery_lease_resumed", default=None)
+
+
+def resumed(job_id: str) -> bool:
+    """Whether this context is finishing ``job_id``'s post-run work (resume_post_run)."""
+    return _resumed.get() == job_id
+
+
 def resume_post_run(task: Task, store: Store, worker: str, job: Any) -> tuple[bool, Any]:
     """(True, result) when this delivery must finish a completed job's post-run work.
 
@@ -177,6 +188,7 @@ def resume_post_run(task: Task, store: Store, worker: str, job: Any) -> tuple[bo
         return False, None
     accept = task.app.conf.result_accept_content or task.app.conf.accept_content
     value = messages.decode_result(kept, accept, job.id)
+    _resumed.set(job.id)
     log.warning("job %s completed but its result was never stored (state %s): storing the kept result "
                 "and continuing its canvas; the body does not run again", job.id, state,
                 extra={"action": "post_run_resumed"})

@@ -25,7 +25,7 @@ from celery.exceptions import Ignore
 if TYPE_CHECKING:
     from .lease import Lease
 
-__all__ = ["hand_over", "claim_on_publish"]
+__all__ = ["hand_over", "hands_over_to", "claim_on_publish"]
 
 _handing: contextvars.ContextVar[Lease | None] = contextvars.ContextVar("celery_lease_handing", default=None)
 
@@ -81,6 +81,12 @@ def _handing_over(lease: Lease) -> Iterator[None]:
         yield
     finally:
         _handing.reset(token)
+
+
+def hands_over_to(task_id: str) -> bool:
+    """Whether a publish of ``task_id`` now is the carrier of a running job's replacement."""
+    lease = _handing.get()
+    return lease is not None and lease.job_id == task_id and not lease.handed_over
 
 
 def claim_on_publish(task: Any, task_id: str, payload: str) -> bool:

@@ -13,17 +13,19 @@ import datetime
 import logging
 import os
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 from celery import Task, states
-from celery._state import _task_stack
+from celery._state import _task_stack, get_current_worker_task
 from celery.exceptions import Ignore, Reject, Retry, WorkerShutdown, WorkerTerminate
 from celery.utils import uuid
 
 from . import deadline, deliveries, local, messages, replacing, runtime
 from .config import TaskPolicy, app_config, task_policy
-from .errors import LeaseLost, StoreUnavailable
+from .errors import LeaseError, LeaseLost, StoreUnavailable
 from .lease import Lease
+from .publishing import RecordingProducer
 from .store import Claim, ClaimTerms, Store, for_app
 from .vocabulary import ClaimOutcome, Decision, Event, Status
 
@@ -65,6 +67,15 @@ def _seconds_until(when: Any) -> float:
             when = when.replace(tzinfo=datetime.timezone.utc)
         return max(0.0, (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds())
     return max(0.0, float(when))
+
+
+class _KeyTaken(LeaseError):  # noqa: N818 - a signal inside apply_async, never seen by users
+    """Raised by the publish record to stop the send: the idempotency key belongs to ``holder``."""
+
+    holder: str
+
+    def __init__(self, holder: str) -> None:
+        super().__init__(f"idempotency key belongs to job {holder}", holder=holder)
 
 
 class LeaseTask(Task):
@@ -142,37 +153,66 @@ class LeaseTask(Task):
         if eager or messages.recording_disabled() or not leased(self):
             return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow, **options)
         task_id = task_id or uuid()
-        serializer = options.get("serializer") or self.serializer
-        record_args, record_kwargs = args, kwargs
-        dump = getattr(self, "_dump_pydantic_arguments", None)  # pydantic=True (Celery >= 5.5)
-        if dump is not None and serializer != "pickle":
-            # The models as Celery puts them in the message, so the record encodes what it sends.
-            record_args, record_kwargs = dump(args, kwargs)
-        payload = messages.encode(self.name, record_args, record_kwargs, {
-            **options, "link": link, "link_error": link_error, "shadow": shadow,
-        }, serializer)
+        if self.app.conf.task_protocol == 1:
+            return self._publish_signature(args, kwargs, task_id, producer, link, link_error, shadow,
+                                           idempotency_key, options)
         delay = _seconds_until(options.get("eta")) or _seconds_until(options.get("countdown"))
-        if replacing.claim_on_publish(self, task_id, payload):
-            with messages.publishing_unrecorded():
-                return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow,
-                                           **options)
-        lease = _own_lease(self)
-        if lease is not None and lease.job_id == task_id and not (lease.lost or lease.handed_over):
+        record: Callable[[str], None]
+        created = False
+        if replacing.hands_over_to(task_id):
+            def record(payload: str) -> None:
+                replacing.claim_on_publish(self, task_id, payload)
+        elif (lease := _own_lease(self)) is not None and lease.job_id == task_id and not (
+                lease.lost or lease.handed_over):
             # The running job sends itself again (Task.retry()): the row becomes pending first,
             # so the new message finds it claimable however soon it is consumed.
-            _retry_first(lease, delay, payload)
-            with messages.publishing_unrecorded():
-                return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow,
-                                           **options)
+            def record(payload: str) -> None:
+                _retry_first(lease, delay, payload)
+        else:
+            route = self.app.amqp.router.route(dict(options), self.name, args, kwargs)
+            queue = getattr(route.get("queue"), "name", None)
+            policy = task_policy(self, queue)
+            store = for_app(self.app)
+
+            def record(payload: str) -> None:
+                nonlocal created
+                created, holder = store.record(task_id, self.name, queue, payload, policy.max_attempts,
+                                               idempotency_key, delay, recovery=policy.recovery(),
+                                               reopen=_reopens(task_id))
+                if holder != task_id:
+                    raise _KeyTaken(holder)
+        connection = options.pop("connection", None)
+        if connection and producer is None:
+            producer = self.app.amqp.Producer(connection, auto_declare=False)
+        try:
+            with self.app.producer_or_acquire(producer) as sender:
+                return super().apply_async(args, kwargs, task_id, RecordingProducer(sender, task_id, record),
+                                           link, link_error, shadow, **options)
+        except _KeyTaken as taken:
+            log.info("task %s not published again: idempotency key %r belongs to job %s",
+                     self.name, idempotency_key, taken.holder, extra={"action": "idempotent_publish"})
+            return self.AsyncResult(taken.holder)
+        except BaseException:
+            if created:
+                for_app(self.app).forget_unpublished(task_id)
+            raise
+
+    def _publish_signature(self, args: Any, kwargs: Any, task_id: str, producer: Any, link: Any,
+                           link_error: Any, shadow: Any, idempotency_key: str | None,
+                           options: dict[str, Any]) -> Any:
+        """Celery's task protocol 1 (deprecated): the record holds the job's signature, not the message."""
+        serializer = options.get("serializer") or self.serializer
+        payload = messages.encode(self.name, args, kwargs, {
+            **options, "link": link, "link_error": link_error, "shadow": shadow,
+        }, serializer)
         route = self.app.amqp.router.route(dict(options), self.name, args, kwargs)
         queue = getattr(route.get("queue"), "name", None)
         policy = task_policy(self, queue)
         store = for_app(self.app)
+        delay = _seconds_until(options.get("eta")) or _seconds_until(options.get("countdown"))
         created, holder = store.record(task_id, self.name, queue, payload, policy.max_attempts,
                                        idempotency_key, delay, recovery=policy.recovery())
         if holder != task_id:
-            log.info("task %s not published again: idempotency key %r belongs to job %s",
-                     self.name, idempotency_key, holder, extra={"action": "idempotent_publish"})
             return self.AsyncResult(holder)
         try:
             return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow, **options)
@@ -201,6 +241,19 @@ class LeaseTask(Task):
             with local.running(self.app, request.id, self.name):
                 return super().__call__(*args, **kwargs)
         return _run_leased(self, args, kwargs)
+
+
+def _reopens(task_id: str) -> bool:
+    """Whether publishing ``task_id`` runs a finished job of that id again, as Celery would.
+
+    Not from the job's own run (a retry after its lease was lost), and not while a delivery
+    finishes a crash's post-run work (it re-sends the chain's next step under its frozen id).
+    """
+    current = get_current_worker_task()
+    if current is None:
+        return True
+    current_id = current.request.id
+    return current_id != task_id and not deliveries.resumed(current_id)
 
 
 def _own_lease(task: LeaseTask) -> Lease | None:

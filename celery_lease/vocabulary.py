@@ -74,6 +74,8 @@ class Event(Name):
 
     # A job's life, written by its worker.
     PUBLISHED = "published"
+    # A finished job's task id published again by a caller (not a redelivery): it runs again.
+    REPUBLISHED = "republished"
     CLAIMED = "claimed"
     LEASE_TAKEN_OVER = "lease_taken_over"
     COMPLETED = "completed"

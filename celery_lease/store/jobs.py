@@ -41,12 +41,14 @@ class JobStatements(WorkerStatements):
     # -- publish ----------------------------------------------------------
     def record(self, job_id: str, task_name: str, queue: str | None, payload: str | None,
                max_attempts: int, idempotency_key: str | None = None,
-               delay: float = 0.0, recovery: Mapping[str, Any] | None = None) -> tuple[bool, str]:
+               delay: float = 0.0, recovery: Mapping[str, Any] | None = None,
+               reopen: bool = False) -> tuple[bool, str]:
         """Insert a pending job; returns (created, job id holding the key).
 
         ``recovery`` is the task's recovery policy (config.RECOVERY), carried on the row. A
         key lives in its own table too, so it keeps its job's id after the job is pruned
-        (until lease_idempotency_retention).
+        (until lease_idempotency_retention). With ``reopen``, a finished job of this id and no
+        key runs again (see reopen()).
         """
         j, k = self.t.jobs, self.t.idempotency_keys
         # Parameter names are no column's: an INSERT given an extra key named like one of its
@@ -69,6 +71,9 @@ class JobStatements(WorkerStatements):
             return True, job_id
         except StoreConflict:
             pass
+        if reopen and not keyed:
+            self.reopen(job_id, task_name, payload, delay)
+            return False, job_id
         with self.begin() as c:
             if idempotency_key is not None:
                 # The key table names the holder; a job recorded before it existed holds it itself.
@@ -78,6 +83,34 @@ class JobStatements(WorkerStatements):
                 if other is not None:
                     return False, other
             return False, job_id
+
+    def reopen(self, job_id: str, task_name: str, payload: str | None, delay: float = 0.0) -> bool:
+        """completed or failed -> pending with fresh attempts: its task id was published again.
+
+        Celery runs a task again when a caller applies a signature whose id already ran (a
+        frozen signature applied twice, one errback shared by several chords): a new publish,
+        not a duplicate delivery. A job with an idempotency key is never reopened this way.
+        Audited ``republished`` with the finish it replaces.
+        """
+        j = self.t.jobs
+        values: dict[str, Any] = dict(
+            status=PENDING, task_name=task_name, available_at=self.now_sql + delay, updated_at=self.now_sql,
+            completed_at=None, failed_at=None, attempt_count=0, expired_count=0, dispatch_count=0,
+            lock_token=None, locked_by=None, lease_expires_at=None, last_error=None)
+        if payload is not None:
+            values["payload"] = payload
+        if self.at_least(RESULT_REVISION):
+            values["result"] = None
+        with self.begin() as c:
+            before = c.execute(sa.select(j.c.status, j.c.last_error).where(j.c.id == job_id)).first()
+            res = c.execute(sa.update(j).where(
+                j.c.id == job_id, j.c.status.in_((COMPLETED, FAILED)), j.c.idempotency_key.is_(None),
+            ).values(**values))
+            if res.rowcount != 1 or before is None:
+                return False
+            self._event(c, job_id, Event.REPUBLISHED, (before.last_error or "")[:200] or None,
+                        detail={"previous_status": before.status})
+        return True
 
     def _record_statements(self, keyed: bool, event_name: Event = Event.PUBLISHED) -> _Audited:
         """The publish record as statements of bind parameters, built once per store.

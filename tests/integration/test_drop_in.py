@@ -202,3 +202,51 @@ def test_pydantic_arguments_and_string_etas_publish_as_with_celery(app):
         assert double.delay(Item(n=2)).get(timeout=20) == {"n": 4}
         assert add.apply_async((1, 2), eta=eta).get(timeout=20) == 3
     assert statuses(app) == ["completed"] * 2
+
+
+def counting_task(app, client):
+    @app.task(base=LeaseTask, bind=True, shared=False, name="d.counted")
+    def counted(self):
+        return client.incr(f"runs:{self.request.id}")
+
+    return counted
+
+
+def test_a_frozen_signature_applied_again_runs_again_as_with_celery(app, redis_url):
+    client = redis.Redis.from_url(urlunsplit(urlsplit(redis_url)._replace(path=f"/{REDIS_DB}")))
+    sig = counting_task(app, client).s()
+    job_id = sig.freeze().id
+    store = for_app(app)
+    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+        assert sig.apply_async().get(timeout=20) == 1
+        sig.apply_async()  # a new publish of a finished job's id: Celery runs it again
+        wait_for(lambda: int(client.get(f"runs:{job_id}") or 0) == 2
+                 and store.get(job_id).status == "completed",
+                 timeout=20, message="the re-applied signature did not run again")
+        messages.republish(app, job_id, store.get(job_id).payload)  # a redelivery stays a duplicate
+        wait_for(lambda: event_count(app, Event.DUPLICATE_DELIVERY_SKIPPED) == 1, timeout=15,
+                 message="the redelivered copy was never delivered")
+    assert int(client.get(f"runs:{job_id}")) == 2
+    assert [e["event"] for e in store.events(job_id)].count("republished") == 1
+    client.close()
+
+
+def test_finishing_an_interrupted_post_run_does_not_run_the_next_step_again(app, redis_url):
+    client = redis.Redis.from_url(urlunsplit(urlsplit(redis_url)._replace(path=f"/{REDIS_DB}")))
+    counted = counting_task(app, client)
+    store = for_app(app)
+    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+        result = chain(counted.si(), counted.si()).apply_async()
+        assert result.get(timeout=20) == 1
+        first, second = result.parent.id, result.id
+        app.backend.forget(first)  # as if the worker died before Celery stored the first result
+        messages.republish(app, first, store.get(first).payload)
+        wait_for(lambda: app.AsyncResult(first).state == "SUCCESS", timeout=20,
+                 message="the interrupted post-run work was not finished")
+        # The chain's next step is sent again under its frozen id: a duplicate, not a new run.
+        wait_for(lambda: event_count(app, Event.DUPLICATE_DELIVERY_SKIPPED) == 1, timeout=15,
+                 message="the next step's second copy was never delivered")
+    assert [int(client.get(f"runs:{job}")) for job in (first, second)] == [1, 1]
+    assert event_count(app, Event.POST_RUN_RESUMED) == 1
+    assert event_count(app, Event.REPUBLISHED) == 0
+    client.close()

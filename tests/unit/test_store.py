@@ -74,6 +74,34 @@ def test_record_with_a_taken_idempotency_key_returns_the_holder(store):
     assert store.get("second") is None
 
 
+def test_a_finished_job_published_again_with_reopen_runs_again(store):
+    store.record("done", "t.task", "q", '{"v": 1}', 3)
+    tok = token()
+    assert claim(store, "done", tok=tok).claimed
+    assert store.complete("done", tok, "w1")
+    assert store.record("done", "t.task", "q", '{"v": 2}', 3) == (False, "done")
+    assert store.get("done").status == COMPLETED  # without reopen: a duplicate, left alone
+    assert store.record("done", "t.task", "q", '{"v": 2}', 3, reopen=True) == (False, "done")
+    job = store.get("done")
+    assert (job.status, job.attempt_count, job.lock_token, job.payload) == (PENDING, 0, None, '{"v": 2}')
+    assert job.completed_at is None
+    assert events(store, "done")[-1] == "republished"
+    assert claim(store, "done").claimed
+
+
+def test_reopen_leaves_unfinished_and_keyed_jobs_alone(store):
+    store.record("waiting", "t.task", "q", "{}", 3)
+    store.record("busy", "t.task", "q", "{}", 3)
+    assert claim(store, "busy").claimed
+    store.record("keyed", "t.task", "q", "{}", 3, idempotency_key="order-9")
+    tok = token()
+    assert claim(store, "keyed", tok=tok).claimed and store.complete("keyed", tok, "w1")
+    for job_id in ("waiting", "busy", "keyed"):
+        assert store.record(job_id, "t.task", "q", "{}", 3, reopen=True) == (False, job_id)
+    assert [store.get(j).status for j in ("waiting", "busy", "keyed")] == [PENDING, RUNNING, COMPLETED]
+    assert "republished" not in events(store, "waiting") + events(store, "busy") + events(store, "keyed")
+
+
 def test_record_delay_sets_available_at_in_the_future(store):
     before = store.now()
     store.record("later", "t.task", "q", "{}", 3, delay=120.0)

@@ -1,0 +1,166 @@
+"""The publish record is the message Celery sent: captured in the producer, encoded once.
+
+Real Redis broker (db 6, a key prefix per test) and a SQLite store; each test reads the
+message the broker holds and compares it with the stored payload.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import json
+import pickle
+
+import kombu
+import kombu.compression
+import pytest
+from celery import Celery, signals
+from kombu import serialization
+
+from celery_lease import LeaseTask, messages
+from celery_lease.errors import StoreCorrupt
+from celery_lease.store import for_app
+from tests.conftest import drop_app_store, migrated_store, prefixed_redis, unique_prefix
+
+REDIS_DB = 6
+
+
+@pytest.fixture
+def broker(redis_url):
+    with prefixed_redis(redis_url, REDIS_DB) as (url, _, keyprefix):
+        yield url, keyprefix
+
+
+@pytest.fixture
+def app(broker, sqlite_url):
+    url, keyprefix = broker
+    app = Celery(f"pub_{unique_prefix()}", broker=url, set_as_current=False)
+    app.conf.update(lease_store_url=sqlite_url, broker_transport_options={"global_keyprefix": keyprefix},
+                    task_default_queue="pub")
+
+    @app.task(base=LeaseTask, shared=False, name="pub.work")
+    def work(*args, **kwargs):
+        return args
+
+    migrated_store(app)
+    yield app
+    drop_app_store(app)
+
+
+def received(app: Celery, queue: str = "pub") -> list[kombu.Message]:
+    """Every message waiting in ``queue``, as a consumer gets it."""
+    options = app.conf.broker_transport_options
+    with kombu.Connection(app.conf.broker_url, transport_options=options) as conn:
+        q = conn.SimpleQueue(queue, no_ack=True, accept=["json", "pickle", "application/x-counted"])
+        found = []
+        while True:
+            try:
+                found.append(q.get(timeout=0.5))
+            except q.Empty:
+                return found
+
+
+def stored(app: Celery, job_id: str) -> dict:
+    return json.loads(for_app(app).get(job_id).payload)
+
+
+@pytest.mark.parametrize(("serializer", "compression"),
+                         [("json", None), ("pickle", "zlib"), ("json", "bzip2")])
+def test_the_recorded_message_is_the_message_the_broker_received(app, serializer, compression):
+    app.conf.accept_content = ["json", "pickle"]
+    result = app.tasks["pub.work"].apply_async((1, datetime.date(2026, 1, 2)), {"k": b"\x00\xff"},
+                                               serializer=serializer, compression=compression)
+    [message] = received(app)
+    payload = stored(app, result.id)
+    body = base64.b64decode(payload["body"]) if payload["b64"] else payload["body"].encode()
+    if compression:  # the consumer's message holds the body decompressed
+        body = kombu.compression.decompress(body, payload["headers"]["compression"])
+    assert body == message.body
+    assert payload["content_type"] == message.content_type
+    assert payload["headers"]["id"] == message.headers["id"] == result.id
+    assert payload["headers"].get("compression") == message.headers.get("compression")
+    sig = messages.decode(for_app(app).get(result.id).payload, app.conf.accept_content, result.id)
+    assert sig["task"] == "pub.work" and sig["args"][0] == 1 and sig["kwargs"]["k"] == b"\x00\xff"
+
+
+def test_a_publish_encodes_its_message_once(app):
+    calls = []
+
+    def counted(value):
+        calls.append(value)
+        return pickle.dumps(value)
+
+    serialization.register("counted", counted, pickle.loads, "application/x-counted", "binary")
+    try:
+        app.conf.accept_content = ["json", "counted"]
+        result = app.tasks["pub.work"].apply_async((7,), serializer="counted")
+        [message] = received(app)
+    finally:
+        serialization.unregister("counted")
+    assert len(calls) == 1  # Celery's own encoding is the record's: never a second one
+    assert message.headers["id"] == result.id
+    assert stored(app, result.id)["content_type"] == "application/x-counted"
+
+
+def test_a_redispatch_sends_the_recorded_bytes_again(app):
+    result = app.tasks["pub.work"].apply_async((3,), compression="zlib", priority=3)
+    [first] = received(app)
+    messages.republish(app, result.id, for_app(app).get(result.id).payload)
+    before = datetime.datetime.now(datetime.timezone.utc)
+    messages.republish(app, result.id, for_app(app).get(result.id).payload, countdown=30)
+    again, later = received(app)
+    assert again.body == later.body == first.body
+    assert dict(again.headers) == dict(first.headers)
+    assert again.properties.get("priority") == first.properties.get("priority") == 3
+    eta = datetime.datetime.fromisoformat(later.headers["eta"])
+    assert eta >= before + datetime.timedelta(seconds=29)
+
+
+def test_a_taken_idempotency_key_sends_nothing_and_names_the_first_job(app):
+    sent = []
+
+    def count(sender=None, **_):
+        sent.append(sender)
+
+    signals.after_task_publish.connect(count, weak=False)
+    try:
+        first = app.tasks["pub.work"].apply_async((1,), idempotency_key="order-1")
+        second = app.tasks["pub.work"].apply_async((2,), idempotency_key="order-1")
+    finally:
+        signals.after_task_publish.disconnect(count)
+    assert second.id == first.id
+    assert len(received(app)) == 1
+    assert sent == ["pub.work"]
+
+
+def test_the_task_sent_event_passes_through_unrecorded(app):
+    app.conf.task_send_sent_event = True
+    result = app.tasks["pub.work"].apply_async((5,))
+    [message] = received(app)
+    assert message.headers["id"] == result.id
+    assert stored(app, result.id)["headers"]["id"] == result.id
+
+
+def test_a_stored_message_reads_back_as_its_signature(app):
+    work = app.tasks["pub.work"]
+    result = work.apply_async((1, 2), {"x": 3}, link_error=work.si(9), expires=60)
+    sig = messages.decode(for_app(app).get(result.id).payload, app.conf.accept_content, result.id)
+    assert (sig["task"], sig["args"], sig["kwargs"]) == ("pub.work", [1, 2], {"x": 3})
+    assert sig["options"]["link_error"][0]["args"] == [9]
+    assert sig["options"]["expires"]
+
+
+def test_a_stored_message_for_another_task_id_is_refused_as_corrupt(app):
+    result = app.tasks["pub.work"].apply_async((1,))
+    payload = for_app(app).get(result.id).payload
+    with pytest.raises(StoreCorrupt, match="belongs to task id"):
+        messages.republish(app, "another-id", payload)
+
+
+def test_task_protocol_1_records_the_signature(app):
+    app.conf.task_protocol = 1
+    result = app.tasks["pub.work"].apply_async((4,))
+    payload = stored(app, result.id)
+    assert payload["v"] == messages.PAYLOAD_VERSION
+    assert messages.decode(for_app(app).get(result.id).payload, None, result.id)["args"] == [4]
+    assert len(received(app)) == 1
