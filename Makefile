@@ -19,7 +19,7 @@ MINDEPS_TESTS := tests/unit tests/integration/test_redis_visibility.py tests/int
 # ruff fails on a path that does not exist; lint the ones that do.
 LINT_PATHS := $(wildcard celery_lease tests tools bench example_project)
 
-.PHONY: venv test lint mindeps test-celery test-celery-ci test-celery-baseline demo bench settings-table \
+.PHONY: venv test lint mindeps test-celery test-celery-ci test-celery-baseline demo bench bench-tables settings-table \
 	screenshots clean
 
 venv: $(STAMP)
@@ -70,12 +70,19 @@ demo: $(STAMP)
 	$(PY) -m example_project.demo $(if $(MODE),--mode $(MODE))
 
 # Each bench/NAME.py runs as `python -m bench.NAME` from the root (files named _*.py are helpers).
+# The ones that save figures (bench/results/) then have the README's cost tables rewritten.
 bench: $(STAMP)
 	@set -e; found=0; for f in bench/*.py; do \
 	    case "$$(basename $$f)" in _*) continue ;; esac; \
 	    [ -f "$$f" ] || continue; found=1; \
-	    echo "== $$f"; $(PY) -m bench.$$(basename $$f .py); \
+	    save=; grep -q -- '"--save"' "$$f" && save=--save; \
+	    echo "== $$f"; $(PY) -m bench.$$(basename $$f .py) $$save; \
 	done; [ $$found = 1 ] || echo "no benchmarks in bench/"
+	$(MAKE) bench-tables
+
+# Rewrite the README's cost tables from the figures the benchmarks saved in bench/results/.
+bench-tables: $(STAMP)
+	$(PY) tools/bench_tables.py --write README.md
 
 # Rewrite the settings table in README.md from celery_lease.config.SETTINGS.
 settings-table: $(STAMP)

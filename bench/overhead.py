@@ -1,7 +1,9 @@
 """LeaseTask's cost next to plain Celery: tasks/s for no-op and 10 ms tasks, and heartbeat statements.
 
-Both kinds of task run in the same run, on the same Redis broker and the same prefork
-worker settings; the ratio is what counts. Usage: python -m bench.overhead [--tasks 5000]
+Both kinds of task run in the same run, on the same Redis broker and the same worker
+settings (prefork -c4 and threads -c8 by default); the ratio is what counts. On PostgreSQL
+the worker's commits, rows written and WAL bytes per job come from the server's own
+statistics (a database of the bench's own). Usage: python -m bench.overhead [--tasks 5000]
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 import redis
 import sqlalchemy as sa
 
+from bench import _pg, _results
 from celery_lease import deadline
 from celery_lease.config import load
 from celery_lease.lease import Lease
@@ -29,11 +32,14 @@ from celery_lease.store import ClaimTerms, Store
 
 ROOT = Path(__file__).resolve().parent.parent
 BROKER = os.environ.get("BENCH_BROKER", "redis://127.0.0.1:6379/15")
-POSTGRES = os.environ.get("CELERY_LEASE_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
 
-def run(task: str, seconds: float, n: int, store_url: str, prefix: str, concurrency: int) -> float:
-    """Publish n tasks, start a prefork worker, return tasks/s between the first and last execution."""
+def run(task: str, seconds: float, n: int, store_url: str, prefix: str, pool: str, concurrency: int,
+        cost: dict[str, float] | None = None) -> float:
+    """Publish n tasks, start a worker, return tasks/s between the first and last execution.
+
+    ``cost`` (PostgreSQL stores) receives the worker's store writes per job.
+    """
     client = redis.Redis.from_url(BROKER)
     client.flushdb()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "BENCH_BROKER": BROKER, "BENCH_STORE": store_url,
@@ -52,8 +58,15 @@ def run(task: str, seconds: float, n: int, store_url: str, prefix: str, concurre
     with bench_app.app.producer_or_acquire() as producer:
         for _ in range(n):
             target.apply_async((seconds,), producer=producer)
+    measured = cost is not None and store_url.startswith("postgresql")
+    if measured:
+        from celery_lease.store import for_app
+
+        for_app(bench_app.app, check=False).engine.dispose()
+        time.sleep(0.5)  # the publisher's server processes flush their counters as they exit
+        before = _pg.counters(store_url)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "bench._overhead_app", "worker", "-P", "prefork",
+        [sys.executable, "-m", "celery", "-A", "bench._overhead_app", "worker", "-P", pool,
          "-c", str(concurrency), "--without-gossip", "--without-mingle", "--without-heartbeat",
          "-l", "WARNING"], cwd=ROOT, env=env, start_new_session=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -69,6 +82,9 @@ def run(task: str, seconds: float, n: int, store_url: str, prefix: str, concurre
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         client.flushdb()
+        if measured and cost is not None:
+            time.sleep(0.5)
+            cost.update(_pg.per_job(before, _pg.counters(store_url), n))
 
 
 def heartbeat_statements(store: Store, leases: int, rounds: int = 5) -> tuple[float, float]:
@@ -109,46 +125,62 @@ def heartbeat_statements(store: Store, leases: int, rounds: int = 5) -> tuple[fl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tasks", type=int, default=5000)
-    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--pools", default="prefork:4,threads:8", help="comma-separated POOL:CONCURRENCY")
     parser.add_argument("--bodies", default="no-op,10 ms", help="comma-separated: no-op, 10 ms")
     parser.add_argument("--stores", default="sqlite,postgres", help="comma-separated: sqlite, postgres")
     parser.add_argument("--rounds", type=int, default=3, help="LeaseTask runs per body and store")
+    parser.add_argument("--save", action="store_true", help="write bench/results/overhead.json")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
-    every = {"sqlite": f"sqlite:///{tmp / 'lease.sqlite3'}", "postgres": POSTGRES}
+    every = {"sqlite": f"sqlite:///{tmp / 'lease.sqlite3'}", "postgres": _pg.bench_database()}
     stores = {name: every[name] for name in args.stores.split(",")}
     bodies = {name: seconds for name, seconds in (("no-op", 0.0), ("10 ms", 0.01))
               if name in args.bodies.split(",")}
-    print(f"{args.tasks} tasks per run, prefork -c{args.concurrency}, Redis broker {BROKER}")
+    pools = [(pool, int(c)) for pool, c in (item.split(":") for item in args.pools.split(","))]
+    print(f"{args.tasks} tasks per run, Redis broker {BROKER}")
     print("plain runs alternate with LeaseTask runs; each ratio is to the mean of the plain runs"
           f" just before and after, so drift of the machine shows and cancels; {args.rounds} rounds,"
           " the median ratio counts")
-    print(f"{'task body':<10} {'store':<9} {'plain/s':>9} {'lease/s':>9} {'ratios by round':>18}"
+    print(f"{'pool':<11} {'task body':<10} {'store':<9} {'plain/s':>9} {'lease/s':>9} {'ratios by round':>18}"
           f" {'median':>7}")
-    for label, seconds in bodies.items():
-        ratios: dict[str, list[float]] = {name: [] for name in stores}
-        rates: dict[str, list[tuple[float, float]]] = {name: [] for name in stores}
-        plain = run("plain", seconds, args.tasks, every["sqlite"], "unused_", args.concurrency)
-        for _ in range(args.rounds):
-            for name, url in stores.items():
-                prefix = f"b{secrets.token_hex(3)}_"
-                leased = run("leased", seconds, args.tasks, url, prefix, args.concurrency)
-                after = run("plain", seconds, args.tasks, every["sqlite"], "unused_", args.concurrency)
-                ratios[name].append(leased / ((plain + after) / 2))
-                rates[name].append(((plain + after) / 2, leased))
-                store = Store(url, prefix)
-                store.drop_schema()
-                store.engine.dispose()
-                plain = after
-        for name in stores:
-            plain_rate = statistics.median(p for p, _ in rates[name])
-            lease_rate = statistics.median(lr for _, lr in rates[name])
-            by_round = " ".join(f"{r:.2f}" for r in ratios[name])
-            print(f"{label:<10} {name:<9} {plain_rate:>9.0f} {lease_rate:>9.0f} {by_round:>18}"
-                  f" {statistics.median(ratios[name]):>7.2f}")
+    costs: dict[str, dict[str, float]] = {}
+    rows: list[dict[str, object]] = []
+    for pool, concurrency in pools:
+        for label, seconds in bodies.items():
+            ratios: dict[str, list[float]] = {name: [] for name in stores}
+            rates: dict[str, list[tuple[float, float]]] = {name: [] for name in stores}
+            plain = run("plain", seconds, args.tasks, every["sqlite"], "unused_", pool, concurrency)
+            for _ in range(args.rounds):
+                for name, url in stores.items():
+                    prefix = f"b{secrets.token_hex(3)}_"
+                    cost: dict[str, float] = {}
+                    leased = run("leased", seconds, args.tasks, url, prefix, pool, concurrency, cost)
+                    if cost:
+                        costs[f"{pool} -c{concurrency}, {label}"] = cost
+                    after = run("plain", seconds, args.tasks, every["sqlite"], "unused_", pool, concurrency)
+                    ratios[name].append(leased / ((plain + after) / 2))
+                    rates[name].append(((plain + after) / 2, leased))
+                    store = Store(url, prefix)
+                    store.drop_schema()
+                    store.engine.dispose()
+                    plain = after
+            for name in stores:
+                plain_rate = statistics.median(p for p, _ in rates[name])
+                lease_rate = statistics.median(lr for _, lr in rates[name])
+                by_round = " ".join(f"{r:.2f}" for r in ratios[name])
+                rows.append({"pool": f"{pool} -c{concurrency}", "body": label, "store": name,
+                             "plain": plain_rate, "lease": lease_rate, "ratios": ratios[name],
+                             "median": statistics.median(ratios[name])})
+                print(f"{pool + ' -c' + str(concurrency):<11} {label:<10} {name:<9} {plain_rate:>9.0f}"
+                      f" {lease_rate:>9.0f} {by_round:>18} {statistics.median(ratios[name]):>7.2f}")
+    if costs:
+        print("\nthe worker's PostgreSQL writes per job (last round; claim, completion, heartbeats):")
+        for label, cost in costs.items():
+            print(f"  {label:<24} {_pg.describe(cost)}")
     print("\nstatements per heartbeat round and process, by leases held: lease renewals / all"
           " (PostgreSQL: renewal and worker registry in one statement; SQLite: BEGIN IMMEDIATE,"
           " registry upsert, renewal)")
+    heartbeats: dict[str, dict[str, list[float]]] = {}
     for name, url in stores.items():
         store = Store(url, f"h{secrets.token_hex(3)}_")
         store.migrate()
@@ -156,9 +188,13 @@ def main() -> None:
             counts = {n: heartbeat_statements(store, n) for n in (1, 10, 100, 1000)}
             row = "  ".join(f"{n} leases: {r:.0f} / {a:.0f}" for n, (r, a) in counts.items())
             print(f"  {name:<9} {row}")
+            heartbeats[name] = {str(n): list(v) for n, v in counts.items()}
         finally:
             store.drop_schema()
             store.engine.dispose()
+    if args.save:
+        _results.save("overhead", {"tasks": args.tasks, "rounds": args.rounds, "rows": rows,
+                                   "store_writes_per_job": costs, "heartbeat_statements": heartbeats})
 
 
 if __name__ == "__main__":
