@@ -33,8 +33,8 @@ def _writes(cost: dict[str, float]) -> str:
 
 def overhead(data: dict[str, Any]) -> str:
     lines = [
-        f"`python -m bench.overhead`, {data['date']}, {data['cores']} cores, {data['tasks']:,} tasks per run, "
-        f"median of {data['rounds']} rounds:",
+        f"`python -m bench.overhead`, {data['date']}, {data['cores']} cores, {data['tasks']:,} tasks per "
+        f"run, median of {data['rounds']} rounds:",
         "",
         "| pool | task body | store | plain Celery tasks/s | LeaseTask tasks/s | ratios by round | median |",
         "|---|---|---|---|---|---|---|",
@@ -112,8 +112,8 @@ def extract(text: str, name: str) -> str | None:
     return text[i:j + len(end)]
 
 
-def replace(text: str, results: Path = RESULTS) -> str:
-    for name in RENDERERS:
+def replace(text: str, results: Path = RESULTS, names: list[str] | None = None) -> str:
+    for name in names or list(RENDERERS):
         current = extract(text, name)
         if current is None:
             raise SystemExit(f"README lacks the {markers(name)[0]} ... {markers(name)[1]} block")

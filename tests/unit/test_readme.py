@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,3 +43,34 @@ def test_write_replaces_only_the_marked_block(tmp_path):
     assert text.startswith("intro\n\n") and text.endswith("\n\noutro\n")
     assert "OLD TABLE ROW" not in text
     assert tool.main(["--check", str(readme)]) == 0
+
+
+def load_bench_tables():
+    spec = importlib.util.spec_from_file_location("bench_tables", ROOT / "tools" / "bench_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_readme_cost_tables_are_the_saved_benchmark_figures():
+    tool = load_bench_tables()
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    for name in tool.RENDERERS:
+        current = tool.extract(text, name)
+        assert current is not None, f"README.md lacks the bench:{name} markers"
+        assert current == tool.block(name), f"README's {name} figures are stale: run `make bench-tables`"
+
+
+def test_cost_tables_render_each_saved_row(tmp_path):
+    tool = load_bench_tables()
+    (tmp_path / "publish.json").write_text(json.dumps({
+        "date": "2026-01-01", "cores": 2, "calls": 10, "rounds": 1, "store_writes_per_publish": {},
+        "rows": [{"store": "postgres", "key": True, "plain": 100.0, "lease": 61.0, "ratios": [0.61],
+                  "median": 0.61}],
+    }))
+    rendered = tool.block("publish", tmp_path)
+    assert "| PostgreSQL | yes | 100 | 61 | 0.61 | 0.61 |" in rendered
+    readme = tmp_path / "README.md"
+    start, end = tool.markers("publish")
+    readme.write_text(f"intro\n{start}\nold\n{end}\noutro\n", encoding="utf-8")
+    assert "old" not in tool.replace(readme.read_text(), tmp_path, names=["publish"])
