@@ -75,7 +75,7 @@ def backlog(data: dict[str, Any]) -> str:
              "full": f"{data['history']:,} completed + {data['backlog']:,} pending"}
     lines = [
         f"`python -m bench.backlog`, {data['date']}, {data['cores']} cores, PostgreSQL, {data['jobs']:,} "
-        f"jobs claimed and completed per run, one connection:",
+        f"jobs claimed and completed per run, one connection, the two tables alternately:",
         "",
         "| jobs table | ms per job, by round | statements | commits | rows written | WAL bytes |",
         "|---|---|---|---|---|---|",
