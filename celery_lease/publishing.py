@@ -1,4 +1,4 @@
-"""The producer a LeaseTask publishes through: it records the job's message as Celery sends it.
+"""A LeaseTask's publish: the record of its job, written with the message as Celery sends it.
 
 Celery builds the task message and hands it to ``producer.publish``; this wrapper encodes it
 there once, exactly as kombu would (serializer, compression, pydantic models, protocol
@@ -9,12 +9,144 @@ always be recorded. The store write raises to stop the send (a duplicate idempot
 
 from __future__ import annotations
 
+import datetime
+import logging
 from collections.abc import Callable
 from typing import Any
 
-from . import messages
+from celery._state import get_current_worker_task
 
-__all__ = ["RecordingProducer"]
+from . import deliveries, messages, replacing, runtime
+from .config import task_policy
+from .errors import LeaseError
+from .lease import Lease
+from .store import for_app
+
+__all__ = ["RecordingProducer", "publish", "seconds_until"]
+
+log = logging.getLogger(__name__)
+
+
+def seconds_until(when: Any) -> float:
+    """Seconds from now to an ``eta`` (datetime or ISO 8601 string) or a ``countdown``."""
+    if when is None:
+        return 0.0
+    if isinstance(when, str):
+        # Celery accepts an ISO 8601 string as eta.
+        when = datetime.datetime.fromisoformat(when)
+    if isinstance(when, datetime.datetime):
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=datetime.timezone.utc)
+        return max(0.0, (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds())
+    return max(0.0, float(when))
+
+
+class _KeyTaken(LeaseError):  # noqa: N818 - a signal inside publish(), never seen by users
+    """Raised by the publish record to stop the send: the idempotency key belongs to ``holder``."""
+
+    holder: str
+
+    def __init__(self, holder: str) -> None:
+        super().__init__(f"idempotency key belongs to job {holder}", holder=holder)
+
+
+def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id: str, producer: Any,
+            link: Any, link_error: Any, shadow: Any, idempotency_key: str | None,
+            options: dict[str, Any]) -> Any:
+    """Publish through Celery's ``apply_async`` (``send``), recording the job with the message it sends.
+
+    The record is the hand-over of a replaced job, the row going back to pending for the
+    running job's own retry, or a new job (once per idempotency key).
+    """
+    if task.app.conf.task_protocol == 1:
+        return _publish_signature(task, send, args, kwargs, task_id, producer, link, link_error, shadow,
+                                  idempotency_key, options)
+    delay = seconds_until(options.get("eta")) or seconds_until(options.get("countdown"))
+    record: Callable[[str], None]
+    created = False
+    if replacing.hands_over_to(task_id):
+        def record(payload: str) -> None:
+            replacing.claim_on_publish(task, task_id, payload)
+    elif (lease := runtime.own_lease(task)) is not None and lease.job_id == task_id and not (
+            lease.lost or lease.handed_over):
+        # The running job sends itself again (Task.retry()): the row becomes pending first,
+        # so the new message finds it claimable however soon it is consumed.
+        def record(payload: str) -> None:
+            retry_first(lease, delay, payload)
+    else:
+        route = task.app.amqp.router.route(dict(options), task.name, args, kwargs)
+        queue = getattr(route.get("queue"), "name", None)
+        policy = task_policy(task, queue)
+        store = for_app(task.app)
+
+        def record(payload: str) -> None:
+            nonlocal created
+            created, holder = store.record(task_id, task.name, queue, payload, policy.max_attempts,
+                                           idempotency_key, delay, recovery=policy.recovery(),
+                                           reopen=_reopens(task_id))
+            if holder != task_id:
+                raise _KeyTaken(holder)
+    connection = options.pop("connection", None)
+    if connection and producer is None:
+        producer = task.app.amqp.Producer(connection, auto_declare=False)
+    try:
+        with task.app.producer_or_acquire(producer) as sender:
+            return send(args, kwargs, task_id, RecordingProducer(sender, task_id, record), link, link_error,
+                        shadow, **options)
+    except _KeyTaken as taken:
+        log.info("task %s not published again: idempotency key %r belongs to job %s",
+                 task.name, idempotency_key, taken.holder, extra={"action": "idempotent_publish"})
+        return task.AsyncResult(taken.holder)
+    except BaseException:
+        if created:
+            for_app(task.app).forget_unpublished(task_id)
+        raise
+
+
+def _publish_signature(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id: str,
+                       producer: Any, link: Any, link_error: Any, shadow: Any, idempotency_key: str | None,
+                       options: dict[str, Any]) -> Any:
+    """Celery's task protocol 1 (deprecated): the record holds the job's signature, not the message."""
+    serializer = options.get("serializer") or task.serializer
+    payload = messages.encode(task.name, args, kwargs, {
+        **options, "link": link, "link_error": link_error, "shadow": shadow,
+    }, serializer)
+    route = task.app.amqp.router.route(dict(options), task.name, args, kwargs)
+    queue = getattr(route.get("queue"), "name", None)
+    policy = task_policy(task, queue)
+    store = for_app(task.app)
+    delay = seconds_until(options.get("eta")) or seconds_until(options.get("countdown"))
+    created, holder = store.record(task_id, task.name, queue, payload, policy.max_attempts,
+                                   idempotency_key, delay, recovery=policy.recovery())
+    if holder != task_id:
+        return task.AsyncResult(holder)
+    try:
+        return send(args, kwargs, task_id, producer, link, link_error, shadow, **options)
+    except BaseException:
+        if created:
+            store.forget_unpublished(task_id)
+        raise
+
+
+def retry_first(lease: Lease, delay: float, payload: str) -> None:
+    """running -> pending under the token before the retry's message is sent; LeaseLost if it moved on."""
+    if not lease.store.retry_later(lease.job_id, lease.token, delay, payload, None, lease.worker):
+        lease.mark_lost("retry rejected: token no longer matches")
+        lease.check()
+    lease.retried = True
+
+
+def _reopens(task_id: str) -> bool:
+    """Whether publishing ``task_id`` runs a finished job of that id again, as Celery would.
+
+    Not from the job's own run (a retry after its lease was lost), and not while a delivery
+    finishes a crash's post-run work (it re-sends the chain's next step under its frozen id).
+    """
+    current = get_current_worker_task()
+    if current is None:
+        return True
+    current_id = current.request.id
+    return current_id != task_id and not deliveries.resumed(current_id)
 
 
 class RecordingProducer:

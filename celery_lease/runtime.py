@@ -284,6 +284,12 @@ _runtimes: dict[tuple[int, int], tuple[weakref.ref[Any], Runtime]] = {}
 _runtimes_lock = threading.Lock()
 
 
+def own_lease(task: Any) -> Lease | None:
+    """The lease of the body running for the task's own request (never a caller's)."""
+    rt = current(task.app)
+    return rt.lease_for(task.request) if rt is not None else None
+
+
 def current(app: Any) -> Runtime | None:
     """This process's runtime for an app, if a leased body ever ran here."""
     entry = _runtimes.get((id(app), os.getpid()))

@@ -9,23 +9,20 @@ body: it is acknowledged and audited as ``duplicate_delivery_skipped``.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
 import os
 import secrets
-from collections.abc import Callable
 from typing import Any
 
 from celery import Task, states
-from celery._state import _task_stack, get_current_worker_task
+from celery._state import _task_stack
 from celery.exceptions import Ignore, Reject, Retry, WorkerShutdown, WorkerTerminate
 from celery.utils import uuid
 
-from . import deadline, deliveries, local, messages, replacing, runtime
+from . import deadline, deliveries, local, messages, publishing, replacing, runtime
 from .config import TaskPolicy, app_config, task_policy
-from .errors import LeaseError, LeaseLost, StoreUnavailable
+from .errors import LeaseLost, StoreUnavailable
 from .lease import Lease
-from .publishing import RecordingProducer
 from .store import Claim, ClaimTerms, Store, for_app
 from .vocabulary import ClaimOutcome, Decision, Event, Status
 
@@ -54,28 +51,6 @@ def leased(task: Any) -> bool:
     name = getattr(task, "name", None) or ""
     kind = task if isinstance(task, type) else type(task)
     return issubclass(kind, LeaseTask) and (not name.startswith("celery.") or name in LEASED_BUILTINS)
-
-
-def _seconds_until(when: Any) -> float:
-    if when is None:
-        return 0.0
-    if isinstance(when, str):
-        # Celery accepts an ISO 8601 string as eta.
-        when = datetime.datetime.fromisoformat(when)
-    if isinstance(when, datetime.datetime):
-        if when.tzinfo is None:
-            when = when.replace(tzinfo=datetime.timezone.utc)
-        return max(0.0, (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds())
-    return max(0.0, float(when))
-
-
-class _KeyTaken(LeaseError):  # noqa: N818 - a signal inside apply_async, never seen by users
-    """Raised by the publish record to stop the send: the idempotency key belongs to ``holder``."""
-
-    holder: str
-
-    def __init__(self, holder: str) -> None:
-        super().__init__(f"idempotency key belongs to job {holder}", holder=holder)
 
 
 class LeaseTask(Task):
@@ -149,81 +124,14 @@ class LeaseTask(Task):
                     producer: Any = None, link: Any = None, link_error: Any = None, shadow: Any = None,
                     idempotency_key: str | None = None, **options: Any) -> Any:
         """Record the job (once per ``idempotency_key``), then publish it as Celery does."""
-        eager = self.app.conf.task_always_eager
-        if eager or messages.recording_disabled() or not leased(self):
+        if self.app.conf.task_always_eager or messages.recording_disabled() or not leased(self):
             return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow, **options)
-        task_id = task_id or uuid()
-        if self.app.conf.task_protocol == 1:
-            return self._publish_signature(args, kwargs, task_id, producer, link, link_error, shadow,
-                                           idempotency_key, options)
-        delay = _seconds_until(options.get("eta")) or _seconds_until(options.get("countdown"))
-        record: Callable[[str], None]
-        created = False
-        if replacing.hands_over_to(task_id):
-            def record(payload: str) -> None:
-                replacing.claim_on_publish(self, task_id, payload)
-        elif (lease := _own_lease(self)) is not None and lease.job_id == task_id and not (
-                lease.lost or lease.handed_over):
-            # The running job sends itself again (Task.retry()): the row becomes pending first,
-            # so the new message finds it claimable however soon it is consumed.
-            def record(payload: str) -> None:
-                _retry_first(lease, delay, payload)
-        else:
-            route = self.app.amqp.router.route(dict(options), self.name, args, kwargs)
-            queue = getattr(route.get("queue"), "name", None)
-            policy = task_policy(self, queue)
-            store = for_app(self.app)
-
-            def record(payload: str) -> None:
-                nonlocal created
-                created, holder = store.record(task_id, self.name, queue, payload, policy.max_attempts,
-                                               idempotency_key, delay, recovery=policy.recovery(),
-                                               reopen=_reopens(task_id))
-                if holder != task_id:
-                    raise _KeyTaken(holder)
-        connection = options.pop("connection", None)
-        if connection and producer is None:
-            producer = self.app.amqp.Producer(connection, auto_declare=False)
-        try:
-            with self.app.producer_or_acquire(producer) as sender:
-                return super().apply_async(args, kwargs, task_id, RecordingProducer(sender, task_id, record),
-                                           link, link_error, shadow, **options)
-        except _KeyTaken as taken:
-            log.info("task %s not published again: idempotency key %r belongs to job %s",
-                     self.name, idempotency_key, taken.holder, extra={"action": "idempotent_publish"})
-            return self.AsyncResult(taken.holder)
-        except BaseException:
-            if created:
-                for_app(self.app).forget_unpublished(task_id)
-            raise
-
-    def _publish_signature(self, args: Any, kwargs: Any, task_id: str, producer: Any, link: Any,
-                           link_error: Any, shadow: Any, idempotency_key: str | None,
-                           options: dict[str, Any]) -> Any:
-        """Celery's task protocol 1 (deprecated): the record holds the job's signature, not the message."""
-        serializer = options.get("serializer") or self.serializer
-        payload = messages.encode(self.name, args, kwargs, {
-            **options, "link": link, "link_error": link_error, "shadow": shadow,
-        }, serializer)
-        route = self.app.amqp.router.route(dict(options), self.name, args, kwargs)
-        queue = getattr(route.get("queue"), "name", None)
-        policy = task_policy(self, queue)
-        store = for_app(self.app)
-        delay = _seconds_until(options.get("eta")) or _seconds_until(options.get("countdown"))
-        created, holder = store.record(task_id, self.name, queue, payload, policy.max_attempts,
-                                       idempotency_key, delay, recovery=policy.recovery())
-        if holder != task_id:
-            return self.AsyncResult(holder)
-        try:
-            return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow, **options)
-        except BaseException:
-            if created:
-                store.forget_unpublished(task_id)
-            raise
+        return publishing.publish(self, super().apply_async, args, kwargs, task_id or uuid(), producer,
+                                  link, link_error, shadow, idempotency_key, options)
 
     def on_replace(self, sig: Any) -> Any:
         """``Task.replace()``: hand the job's id over to the replacement, then let Celery send it."""
-        lease = _own_lease(self)
+        lease = runtime.own_lease(self)
         if self.request.is_eager or lease is None or lease.job_id != self.request.id:
             return super().on_replace(sig)
         return replacing.hand_over(self, lease, sig, super().on_replace)
@@ -241,33 +149,6 @@ class LeaseTask(Task):
             with local.running(self.app, request.id, self.name):
                 return super().__call__(*args, **kwargs)
         return _run_leased(self, args, kwargs)
-
-
-def _reopens(task_id: str) -> bool:
-    """Whether publishing ``task_id`` runs a finished job of that id again, as Celery would.
-
-    Not from the job's own run (a retry after its lease was lost), and not while a delivery
-    finishes a crash's post-run work (it re-sends the chain's next step under its frozen id).
-    """
-    current = get_current_worker_task()
-    if current is None:
-        return True
-    current_id = current.request.id
-    return current_id != task_id and not deliveries.resumed(current_id)
-
-
-def _own_lease(task: LeaseTask) -> Lease | None:
-    """The lease of the body running for the task's own request (never a caller's)."""
-    rt = runtime.current(task.app)
-    return rt.lease_for(task.request) if rt is not None else None
-
-
-def _retry_first(lease: Lease, delay: float, payload: str) -> None:
-    """running -> pending under the token before the retry's message is sent; LeaseLost if it moved on."""
-    if not lease.store.retry_later(lease.job_id, lease.token, delay, payload, None, lease.worker):
-        lease.mark_lost("retry rejected: token no longer matches")
-        lease.check()
-    lease.retried = True
 
 
 def _run_leased(task: LeaseTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -410,7 +291,7 @@ def _run_body(task: LeaseTask, lease: Lease, args: tuple[Any, ...], kwargs: dict
         if exc.sig is not None:
             payload = messages.encode(exc.sig.task, exc.sig.args, exc.sig.kwargs, dict(exc.sig.options),
                                       task.serializer)
-        if not store.retry_later(job_id, token, _seconds_until(exc.when), payload,
+        if not store.retry_later(job_id, token, publishing.seconds_until(exc.when), payload,
                                  str(exc.exc or exc), worker):
             raise Ignore() from exc
         raise
