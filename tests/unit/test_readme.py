@@ -9,11 +9,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def load_tool():
-    spec = importlib.util.spec_from_file_location("settings_table", ROOT / "tools" / "settings_table.py")
+def load(name: str):
+    """A script of tools/ as a module."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_tool():
+    return load("settings_table")
 
 
 def test_readme_settings_table_matches_the_code():
@@ -46,10 +51,7 @@ def test_write_replaces_only_the_marked_block(tmp_path):
 
 
 def load_bench_tables():
-    spec = importlib.util.spec_from_file_location("bench_tables", ROOT / "tools" / "bench_tables.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("bench_tables")
 
 
 def test_readme_cost_tables_are_the_saved_benchmark_figures():
