@@ -58,9 +58,6 @@ def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id
     The record is the hand-over of a replaced job, the row going back to pending for the
     running job's own retry, or a new job (once per idempotency key).
     """
-    if task.app.conf.task_protocol == 1:
-        return _publish_signature(task, send, args, kwargs, task_id, producer, link, link_error, shadow,
-                                  idempotency_key, options)
     delay = seconds_until(options.get("eta")) or seconds_until(options.get("countdown"))
     record: Callable[[str], None]
     created = False
@@ -90,6 +87,13 @@ def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id
     if connection and producer is None:
         producer = task.app.amqp.Producer(connection, auto_declare=False)
     try:
+        if task.app.conf.task_protocol == 1:
+            # Celery's deprecated protocol 1 carries the task id in the body, not the headers:
+            # the job's signature is recorded before the send instead of the message.
+            serializer = options.get("serializer") or task.serializer
+            record(messages.encode(task.name, args, kwargs, {
+                **options, "link": link, "link_error": link_error, "shadow": shadow}, serializer))
+            return send(args, kwargs, task_id, producer, link, link_error, shadow, **options)
         with task.app.producer_or_acquire(producer) as sender:
             return send(args, kwargs, task_id, RecordingProducer(sender, task_id, record), link, link_error,
                         shadow, **options)
@@ -100,31 +104,6 @@ def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id
     except BaseException:
         if created:
             for_app(task.app).forget_unpublished(task_id)
-        raise
-
-
-def _publish_signature(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id: str,
-                       producer: Any, link: Any, link_error: Any, shadow: Any, idempotency_key: str | None,
-                       options: dict[str, Any]) -> Any:
-    """Celery's task protocol 1 (deprecated): the record holds the job's signature, not the message."""
-    serializer = options.get("serializer") or task.serializer
-    payload = messages.encode(task.name, args, kwargs, {
-        **options, "link": link, "link_error": link_error, "shadow": shadow,
-    }, serializer)
-    route = task.app.amqp.router.route(dict(options), task.name, args, kwargs)
-    queue = getattr(route.get("queue"), "name", None)
-    policy = task_policy(task, queue)
-    store = for_app(task.app)
-    delay = seconds_until(options.get("eta")) or seconds_until(options.get("countdown"))
-    created, holder = store.record(task_id, task.name, queue, payload, policy.max_attempts,
-                                   idempotency_key, delay, recovery=policy.recovery())
-    if holder != task_id:
-        return task.AsyncResult(holder)
-    try:
-        return send(args, kwargs, task_id, producer, link, link_error, shadow, **options)
-    except BaseException:
-        if created:
-            store.forget_unpublished(task_id)
         raise
 
 
