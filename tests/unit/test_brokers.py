@@ -304,7 +304,9 @@ def test_the_step_is_included_only_for_redis_or_sqs_with_the_setting_on(redis9):
 def test_a_worker_keeps_a_job_longer_than_the_visibility_timeout_from_being_redelivered(redis9, tmp_path):
     url, client, prefix = redis9
     app = make_app(url, lease_store_url=f"sqlite:///{tmp_path / 'lease.sqlite3'}", task_acks_late=True,
-                   worker_hijack_root_logger=False, lease_duration=1.0, lease_heartbeat_interval=0.2,
+                   # A lease far above the visibility timeout: its store calls (bounded by a third
+                   # of it) then tolerate a slow disk, and only the visibility is under test.
+                   worker_hijack_root_logger=False, lease_duration=6.0, lease_heartbeat_interval=1.0,
                    broker_transport_options={"visibility_timeout": 1, "unacked_restore_interval": 0.2,
                                              "unacked_restore_throttle": 1, "global_keyprefix": prefix})
 
