@@ -25,6 +25,15 @@ __all__ = ["StoreBase", "Claim", "ClaimTerms", "Job", "RUNS_REVISION", "RESULT_R
 log = logging.getLogger(__name__)
 
 PENDING, RUNNING, COMPLETED, FAILED = Status.PENDING, Status.RUNNING, Status.COMPLETED, Status.FAILED
+
+
+def status_sql(status: Status) -> sa.ColumnElement[Any]:
+    """A status written into the statement's text, not bound.
+
+    The scans' indexes hold one status each (partial indexes, revision 0006): a planner uses
+    one only for a statement whose text states that status, which a bound value does not.
+    """
+    return sa.literal_column(f"'{Status(status).value}'")
 # The first schema revision with the reaper_runs and meta tables and events' queue and task.
 RUNS_REVISION = "0004"
 # The first schema revision whose jobs keep a completed job's result.
@@ -474,7 +483,7 @@ class StoreBase:
         j = self.t.jobs
         clock = self.now_sql if now is None else now
         return sa.and_(
-            j.c.status == RUNNING,
+            j.c.status == status_sql(RUNNING),
             j.c.lease_expires_at + sa.func.coalesce(j.c.grace_period, 0.0) < clock,
             sa.or_(~self._owner_alive(clock), j.c.lease_expires_at + self.hard_grace < clock),
         )
@@ -482,7 +491,7 @@ class StoreBase:
     def _fenced(self, job_id: str, token: str) -> sa.ColumnElement[bool]:
         """The owner's fence: the job's row still carries ``token`` and is running."""
         j = self.t.jobs
-        return sa.and_(j.c.id == job_id, j.c.lock_token == token, j.c.status == RUNNING)
+        return sa.and_(j.c.id == job_id, j.c.lock_token == token, j.c.status == status_sql(RUNNING))
 
     def _stale(self, c: Connection | None, job_id: str, event: Event, worker: str | None,
                token: str | None, detail: Any = None) -> None:

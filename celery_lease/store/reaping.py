@@ -21,7 +21,7 @@ from sqlalchemy.engine import Connection
 
 from ..errors import StoreConflict
 from ..vocabulary import Event
-from .base import COMPLETED, FAILED, PENDING, RUNNING, Job, StoreBase
+from .base import COMPLETED, FAILED, PENDING, RUNNING, Job, StoreBase, status_sql
 
 __all__ = ["ReaperStatements", "Expired", "REAPER_LOCK"]
 
@@ -83,7 +83,7 @@ class ReaperStatements(StoreBase):
         query = (
             sa.select(j, self._owner_alive(clock).label("owner_alive"),
                       self._claimable_expired(now=clock).label("reapable"))
-            .where(j.c.status == RUNNING, j.c.lease_expires_at < clock, self._past_grace(clock))
+            .where(j.c.status == status_sql(RUNNING), j.c.lease_expires_at < clock, self._past_grace(clock))
             .limit(limit)
         )
         rows = c.execute(self._locking(self._after(query, j.c.lease_expires_at, after), lock)).all()
@@ -167,7 +167,7 @@ class ReaperStatements(StoreBase):
         if backoff_max is not None:
             due.append(j.c.available_at < clock - self._dispatch_wait(older_than, backoff_max))
         query = (sa.select(j, (clock - j.c.available_at).label("waited"))
-                 .where(j.c.status == PENDING, *due).limit(limit))
+                 .where(j.c.status == status_sql(PENDING), *due).limit(limit))
         rows = c.execute(self._locking(self._after(query, j.c.available_at, after), lock)).all()
         return [(Job.from_row(r), float(r.waited)) for r in rows]
 
@@ -176,7 +176,7 @@ class ReaperStatements(StoreBase):
         j = self.t.jobs
         with self._tx(c) as tx:
             res = tx.execute(sa.update(j).where(
-                j.c.id == job.id, j.c.status == PENDING, j.c.dispatch_count == job.dispatch_count,
+                j.c.id == job.id, j.c.status == status_sql(PENDING), j.c.dispatch_count == job.dispatch_count,
                 j.c.updated_at == job.updated_at,
             ).values(dispatch_count=j.c.dispatch_count + 1, available_at=self.now_sql,
                      updated_at=self.now_sql))
@@ -236,12 +236,12 @@ class ReaperStatements(StoreBase):
         """Delete up to ``limit`` completed jobs finished more than ``older_than`` seconds ago."""
         j = self.t.jobs
         return self._delete_ids(j, j.c.id, sa.and_(
-            j.c.status == COMPLETED, j.c.updated_at < self._clock(now) - older_than), limit)
+            j.c.status == status_sql(COMPLETED), j.c.updated_at < self._clock(now) - older_than), limit)
 
     def prune_events(self, older_than: float, limit: int, now: float | None = None) -> int:
         """Delete up to ``limit`` old events, except a dead letter's: its history lasts as long as it."""
         e, j = self.t.events, self.t.jobs
-        dead_letter = sa.exists().where(j.c.id == e.c.job_id, j.c.status == FAILED)
+        dead_letter = sa.exists().where(j.c.id == e.c.job_id, j.c.status == status_sql(FAILED))
         old = e.c.at < self._clock(now) - older_than
         return self._delete_ids(e, e.c.id, sa.and_(old, ~dead_letter), limit)
 

@@ -16,7 +16,7 @@ import sqlalchemy as sa
 
 from ..errors import JobNotFound
 from ..vocabulary import Event
-from .base import COMPLETED, FAILED, PENDING, RUNNING, RUNS_REVISION, Job, StoreBase, where_given
+from .base import COMPLETED, FAILED, PENDING, RUNNING, RUNS_REVISION, Job, StoreBase, status_sql, where_given
 from .workers import POOL_REVISION
 
 __all__ = ["ReportStatements"]
@@ -61,7 +61,7 @@ class ReportStatements(StoreBase):
                 sa.select(j.c.id, j.c.task_name, j.c.queue_name, j.c.locked_by, j.c.started_at,
                           j.c.lease_expires_at, sa.func.coalesce(j.c.last_heartbeat_at, j.c.started_at),
                           j.c.lease_duration)
-                .where(j.c.status == RUNNING).order_by(j.c.lease_expires_at, j.c.id).limit(limit)
+                .where(j.c.status == status_sql(RUNNING)).order_by(j.c.lease_expires_at, j.c.id).limit(limit)
             ).all()
         return now, [
             {"id": r[0], "task": r[1], "queue": r[2], "owner": r[3], "started_at": _f(r[4]),
@@ -82,10 +82,11 @@ class ReportStatements(StoreBase):
         with self.begin(long=True) as c:
             now = self._now(c)
             rows = c.execute(sa.select(j.c.queue_name, j.c.status, sa.func.count())
-                             .where(j.c.status.in_(open_)).group_by(j.c.queue_name, j.c.status)).all()
+                             .where(j.c.status.in_([status_sql(s) for s in open_]))
+                             .group_by(j.c.queue_name, j.c.status)).all()
             # A bound value, not the clock expression: an index range needs a constant.
             done = c.execute(sa.select(j.c.queue_name, sa.func.count())
-                             .where(j.c.status == COMPLETED, j.c.updated_at > now - since)
+                             .where(j.c.status == status_sql(COMPLETED), j.c.updated_at > now - since)
                              .group_by(j.c.queue_name)).all()
         counts = [(r[0], str(r[1]), int(r[2])) for r in rows]
         counts += [(r[0], COMPLETED.value, int(r[1])) for r in done]
@@ -178,7 +179,7 @@ class ReportStatements(StoreBase):
         j = self.t.jobs
         q = sa.select(*self._job_columns()).limit(limit)
         if expired:
-            q = q.where(j.c.status == RUNNING, j.c.lease_expires_at < self.now_sql)
+            q = q.where(j.c.status == status_sql(RUNNING), j.c.lease_expires_at < self.now_sql)
             q = q.order_by(j.c.lease_expires_at, j.c.id)
         else:
             q = q.order_by(j.c.updated_at.desc(), j.c.id)
@@ -230,7 +231,7 @@ class ReportStatements(StoreBase):
                     sa.func.sum(sa.case((j.c.lease_expires_at < at, 1), else_=0)),
                     sa.func.min(j.c.started_at), sa.func.max(lag), sa.func.sum(lag)]
             cols += [sa.func.sum(sa.case((lag <= b, 1), else_=0)) for b in lag_buckets]
-            rows = c.execute(sa.select(*cols).where(j.c.status == RUNNING)
+            rows = c.execute(sa.select(*cols).where(j.c.status == status_sql(RUNNING))
                              .group_by(j.c.queue_name, j.c.task_name)).all()
         return now, [{
             "queue": r[0], "task": r[1], "running": int(r[2]), "expired": int(r[3] or 0),
@@ -245,7 +246,7 @@ class ReportStatements(StoreBase):
             now = self._now(c)
             due = sa.case((j.c.available_at <= now, j.c.available_at), else_=None)
             rows = c.execute(sa.select(j.c.queue_name, sa.func.count(), sa.func.min(due))
-                             .where(j.c.status == PENDING).group_by(j.c.queue_name)).all()
+                             .where(j.c.status == status_sql(PENDING)).group_by(j.c.queue_name)).all()
         return now, [{"queue": r[0], "pending": int(r[1]), "oldest_due_at": _f(r[2])} for r in rows]
 
     def finished_between(self, since: float, until: float, runtime_buckets: Sequence[float],
@@ -283,7 +284,7 @@ class ReportStatements(StoreBase):
     def finished_tasks(self, limit: int = 10_000) -> list[str]:
         """Task names among the newest ``limit`` completed jobs."""
         j = self.t.jobs
-        sub = (sa.select(j.c.task_name).where(j.c.status == COMPLETED)
+        sub = (sa.select(j.c.task_name).where(j.c.status == status_sql(COMPLETED))
                .order_by(j.c.updated_at.desc()).limit(limit).subquery())
         with self.begin(long=True) as c:
             return sorted(r[0] for r in c.execute(sa.select(sub.c.task_name).distinct()))
@@ -294,7 +295,7 @@ class ReportStatements(StoreBase):
         q = (sa.select(j.c.completed_at - j.c.started_at,
                        j.c.completed_at - sa.func.coalesce(j.c.last_heartbeat_at, j.c.started_at),
                        j.c.queue_name)
-             .where(j.c.task_name == task, j.c.status == COMPLETED, j.c.started_at.is_not(None),
+             .where(j.c.task_name == task, j.c.status == status_sql(COMPLETED), j.c.started_at.is_not(None),
                     j.c.completed_at.is_not(None))
              .order_by(j.c.updated_at.desc()).limit(limit))
         with self.begin(long=True) as c:
@@ -305,7 +306,7 @@ class ReportStatements(StoreBase):
         """Running jobs the reaper would take (expired past grace, owner gone or past the hard
         grace), oldest lease first; with ``force`` every running job whose lease has expired."""
         j = self.t.jobs
-        cond = (sa.and_(j.c.status == RUNNING, j.c.lease_expires_at < self.now_sql) if force
+        cond = (sa.and_(j.c.status == status_sql(RUNNING), j.c.lease_expires_at < self.now_sql) if force
                 else self._claimable_expired())
         q = sa.select(*self._job_columns()).where(cond).order_by(j.c.lease_expires_at, j.c.id).limit(limit)
         with self.begin(long=True) as c:
@@ -327,12 +328,12 @@ class ReportStatements(StoreBase):
                                       lock_token=None, locked_by=None, lease_expires_at=None,
                                       dispatch_count=j.c.dispatch_count + 1)
         if job.status == RUNNING and job.lock_token:
-            where = [j.c.id == job.id, j.c.status == RUNNING, j.c.lock_token == job.lock_token]
+            where = [j.c.id == job.id, j.c.status == status_sql(RUNNING), j.c.lock_token == job.lock_token]
             if not force:
                 where.append(self._claimable_expired())
             values["expired_count"] = j.c.expired_count + 1
         elif job.status == PENDING and force:
-            where = [j.c.id == job.id, j.c.status == PENDING, j.c.updated_at == job.updated_at]
+            where = [j.c.id == job.id, j.c.status == status_sql(PENDING), j.c.updated_at == job.updated_at]
         else:
             return False
         with self.begin(long=True) as c:
@@ -347,7 +348,7 @@ class ReportStatements(StoreBase):
                      include_revoked: bool = True) -> list[Job]:
         """Failed jobs, oldest failure first."""
         j = self.t.jobs
-        q = (sa.select(*self._job_columns()).where(j.c.status == FAILED)
+        q = (sa.select(*self._job_columns()).where(j.c.status == status_sql(FAILED))
              .order_by(j.c.updated_at, j.c.id).limit(limit))
         q = where_given(q, (j.c.task_name, task))
         if not include_revoked:
@@ -361,7 +362,8 @@ class ReportStatements(StoreBase):
         j = self.t.jobs
         same_failure = j.c.failed_at.is_(None) if job.failed_at is None else j.c.failed_at == job.failed_at
         with self.begin(long=True) as c:
-            res = c.execute(sa.update(j).where(j.c.id == job.id, j.c.status == FAILED, same_failure).values(
+            failed = j.c.status == status_sql(FAILED)
+            res = c.execute(sa.update(j).where(j.c.id == job.id, failed, same_failure).values(
                 status=PENDING, available_at=self.now_sql, updated_at=self.now_sql, failed_at=None,
                 attempt_count=0, expired_count=0, lock_token=None, locked_by=None, lease_expires_at=None,
                 dispatch_count=j.c.dispatch_count + 1,
@@ -381,7 +383,8 @@ class ReportStatements(StoreBase):
         j = self.t.jobs
         same_failure = j.c.failed_at.is_(None) if job.failed_at is None else j.c.failed_at == job.failed_at
         with self.begin(long=True) as c:
-            res = c.execute(sa.delete(j).where(j.c.id == job.id, j.c.status == FAILED, same_failure))
+            failed = j.c.status == status_sql(FAILED)
+            res = c.execute(sa.delete(j).where(j.c.id == job.id, failed, same_failure))
             if res.rowcount != 1:
                 return False
             error = (job.last_error or "")[:200] or None
@@ -399,7 +402,8 @@ class ReportStatements(StoreBase):
         j = self.t.jobs
         with self.begin(long=True) as c:
             rows = c.execute(sa.select(j.c.id, j.c.locked_by).where(
-                j.c.id.in_(list(job_ids)), j.c.status == RUNNING, j.c.lease_expires_at > self.now_sql,
+                j.c.id.in_(list(job_ids)), j.c.status == status_sql(RUNNING),
+                j.c.lease_expires_at > self.now_sql,
             )).all()
         return {r[0]: r[1] for r in rows}
 
@@ -416,8 +420,8 @@ class ReportStatements(StoreBase):
             return {"missing_tables": missing}
         usage = sa.select(
             j.c.task_name, sa.func.count(), sa.func.count(j.c.idempotency_key),
-            sa.func.sum(sa.case((j.c.status == FAILED, 1), else_=0)),
-            sa.func.max(sa.case((sa.and_(j.c.status == PENDING, j.c.attempt_count == 0),
+            sa.func.sum(sa.case((j.c.status == status_sql(FAILED), 1), else_=0)),
+            sa.func.max(sa.case((sa.and_(j.c.status == status_sql(PENDING), j.c.attempt_count == 0),
                                  j.c.available_at - j.c.created_at), else_=None)),
         ).group_by(j.c.task_name)
         with self.begin(long=True) as c:

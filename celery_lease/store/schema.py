@@ -14,10 +14,18 @@ import dataclasses
 import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
 
-__all__ = ["Tables", "tables", "STATUSES", "ID"]
+__all__ = ["Tables", "tables", "created_on", "STATUSES", "ID", "PARTIAL_INDEXES"]
 
 STATUSES = ("pending", "running", "completed", "failed")
 ID = 255  # Celery task ids are UUIDs, but custom ids may be longer.
+# The databases whose jobs indexes are partial (one status each); the others' lead with status.
+PARTIAL_INDEXES = ("postgresql", "sqlite")
+FULL_INDEXES = ("mysql", "mariadb")
+
+
+def created_on(index: sa.Index, dialect_name: str) -> bool:
+    """Whether ``index`` exists on a database of ``dialect_name`` (some are one family's only)."""
+    return dialect_name in index.info.get("dialects", (dialect_name,))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,9 +100,19 @@ def tables(prefix: str = "celery_lease_") -> Tables:
             "status IN ('pending', 'running', 'completed', 'failed')", name=f"{p}jobs_status_ck"
         ),
     )
-    # The reaper's expired-lease scan and the dispatch scan walk these by keyset.
-    sa.Index(f"{p}jobs_status_lease_ix", jobs.c.status, jobs.c.lease_expires_at, jobs.c.id)
-    sa.Index(f"{p}jobs_status_available_ix", jobs.c.status, jobs.c.available_at, jobs.c.id)
+    # The reaper's expired-lease scan and the dispatch scan walk these by keyset. Where the
+    # database has partial indexes (revision 0006), each holds the rows of its one status only:
+    # PostgreSQL writes a new entry in every index a changed row is in, so a claim then skips
+    # the pending index and a completion both. MySQL keeps the (status, ...) ones.
+    for name, status, column in (("running_lease_ix", "running", jobs.c.lease_expires_at),
+                                 ("pending_at_ix", "pending", jobs.c.available_at)):
+        where = sa.text(f"status = '{status}'")
+        sa.Index(f"{p}jobs_{name}", column, jobs.c.id, postgresql_where=where, sqlite_where=where,
+                 info={"dialects": PARTIAL_INDEXES}).ddl_if(dialect=PARTIAL_INDEXES)  # type: ignore[arg-type]
+    for name, column in (("status_lease_ix", jobs.c.lease_expires_at),
+                         ("status_available_ix", jobs.c.available_at)):
+        sa.Index(f"{p}jobs_{name}", jobs.c.status, column, jobs.c.id,
+                 info={"dialects": FULL_INDEXES}).ddl_if(dialect=FULL_INDEXES)  # type: ignore[arg-type]
     # The heartbeat renews by owner; the CLI and pruning read by finish time.
     sa.Index(f"{p}jobs_locked_by_ix", jobs.c.locked_by)
     sa.Index(f"{p}jobs_status_updated_ix", jobs.c.status, jobs.c.updated_at)
