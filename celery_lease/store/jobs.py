@@ -23,7 +23,7 @@ from .base import (
     ClaimTerms,
     Job,
     _Audited,
-    status_sql,
+    fenced_status,
     where_given,
 )
 from .workers import WorkerStatements
@@ -105,7 +105,8 @@ class JobStatements(WorkerStatements):
         with self.begin() as c:
             before = c.execute(sa.select(j.c.status, j.c.last_error).where(j.c.id == job_id)).first()
             res = c.execute(sa.update(j).where(
-                j.c.id == job_id, j.c.status.in_([status_sql(COMPLETED), status_sql(FAILED)]),
+                j.c.id == job_id,
+                sa.or_(fenced_status(j.c.status, COMPLETED), fenced_status(j.c.status, FAILED)),
                 j.c.idempotency_key.is_(None),
             ).values(**values))
             if res.rowcount != 1 or before is None:
@@ -171,7 +172,7 @@ class JobStatements(WorkerStatements):
         """Delete a pending job whose message never reached the broker."""
         j = self.t.jobs
         with self.begin() as c:
-            res = c.execute(sa.delete(j).where(j.c.id == job_id, j.c.status == status_sql(PENDING),
+            res = c.execute(sa.delete(j).where(j.c.id == job_id, fenced_status(j.c.status, PENDING),
                                                j.c.attempt_count == 0, j.c.dispatch_count == 0))
             return res.rowcount == 1
 
@@ -190,7 +191,7 @@ class JobStatements(WorkerStatements):
         j = self.t.jobs
         duration: sa.BindParameter[float] = sa.bindparam("duration", type_=sa.Double())
         early: sa.BindParameter[float] = sa.bindparam("early", type_=sa.Double())
-        conditions = [j.c.id == sa.bindparam("job_id"), j.c.status == status_sql(PENDING),
+        conditions = [j.c.id == sa.bindparam("job_id"), fenced_status(j.c.status, PENDING),
                       j.c.available_at <= self.now_sql + early,
                       *self.dialect.autocommit_settings(self.bounds, async_commit)]
         grace: sa.BindParameter[float] = sa.bindparam("grace", type_=sa.Double())
@@ -207,7 +208,7 @@ class JobStatements(WorkerStatements):
         kept = {"result": sa.bindparam("result", type_=sa.Text())} if keep else {}
         return sa.update(j).where(
             j.c.id == sa.bindparam("job_id"), j.c.lock_token == sa.bindparam("token"),
-            j.c.status == status_sql(RUNNING),
+            fenced_status(j.c.status, RUNNING),
             *self.dialect.autocommit_settings(self.bounds),
         ).values(status=COMPLETED, completed_at=self.now_sql, lease_expires_at=None, lock_token=None,
                  updated_at=self.now_sql, **kept)
@@ -289,7 +290,7 @@ class JobStatements(WorkerStatements):
         with self.begin() as c:
             res = c.execute(sa.update(j).where(
                 j.c.id == job_id, j.c.lock_token == lost_token, j.c.locked_by == worker,
-                j.c.status == status_sql(RUNNING),
+                fenced_status(j.c.status, RUNNING),
             ).values(**lease))
             if res.rowcount != 1:
                 return None
@@ -353,7 +354,7 @@ class JobStatements(WorkerStatements):
         j = self.t.jobs
         with self.begin() as c:
             return c.execute(sa.select(j.c.result)
-                             .where(j.c.id == job_id, j.c.status == status_sql(COMPLETED))).scalar()
+                             .where(j.c.id == job_id, fenced_status(j.c.status, COMPLETED))).scalar()
 
     def fail(self, job_id: str, token: str, error: str, worker: str | None = None) -> bool:
         """running -> failed (dead letter) after a final task failure."""
@@ -392,9 +393,9 @@ class JobStatements(WorkerStatements):
         revoked or expired delivery, which may be a late duplicate of a live run.
         """
         j = self.t.jobs
-        unfinished = j.c.status == status_sql(PENDING)
+        unfinished = fenced_status(j.c.status, PENDING)
         if owner is not None:
-            running = j.c.status == status_sql(RUNNING)
+            running = fenced_status(j.c.status, RUNNING)
             unfinished = sa.or_(unfinished, sa.and_(running, j.c.locked_by == owner))
         with self.begin() as c:
             res = c.execute(sa.update(j).where(j.c.id == job_id, unfinished).values(
@@ -415,7 +416,7 @@ class JobStatements(WorkerStatements):
         # heartbeat must not scan the table.
         j = self.t.jobs
         return sa.and_(j.c.id.in_(set(leases.values())), j.c.lock_token.in_(list(leases)),
-                       j.c.status == status_sql(RUNNING))
+                       fenced_status(j.c.status, RUNNING))
 
     def _renewal(self, leases: Mapping[str, str], extend: Mapping[str, float] | None,
                  *where: sa.ColumnElement[bool]) -> sa.Update:

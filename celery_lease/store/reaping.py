@@ -21,7 +21,7 @@ from sqlalchemy.engine import Connection
 
 from ..errors import StoreConflict
 from ..vocabulary import Event
-from .base import COMPLETED, FAILED, PENDING, RUNNING, Job, StoreBase, status_sql
+from .base import COMPLETED, FAILED, PENDING, RUNNING, Job, StoreBase, fenced_status, status_sql
 
 __all__ = ["ReaperStatements", "Expired", "REAPER_LOCK"]
 
@@ -176,8 +176,8 @@ class ReaperStatements(StoreBase):
         j = self.t.jobs
         with self._tx(c) as tx:
             res = tx.execute(sa.update(j).where(
-                j.c.id == job.id, j.c.status == status_sql(PENDING), j.c.dispatch_count == job.dispatch_count,
-                j.c.updated_at == job.updated_at,
+                j.c.id == job.id, fenced_status(j.c.status, PENDING),
+                j.c.dispatch_count == job.dispatch_count, j.c.updated_at == job.updated_at,
             ).values(dispatch_count=j.c.dispatch_count + 1, available_at=self.now_sql,
                      updated_at=self.now_sql))
             if res.rowcount != 1:
@@ -241,7 +241,7 @@ class ReaperStatements(StoreBase):
     def prune_events(self, older_than: float, limit: int, now: float | None = None) -> int:
         """Delete up to ``limit`` old events, except a dead letter's: its history lasts as long as it."""
         e, j = self.t.events, self.t.jobs
-        dead_letter = sa.exists().where(j.c.id == e.c.job_id, j.c.status == status_sql(FAILED))
+        dead_letter = sa.exists().where(j.c.id == e.c.job_id, fenced_status(j.c.status, FAILED))
         old = e.c.at < self._clock(now) - older_than
         return self._delete_ids(e, e.c.id, sa.and_(old, ~dead_letter), limit)
 

@@ -16,7 +16,18 @@ import sqlalchemy as sa
 
 from ..errors import JobNotFound
 from ..vocabulary import Event
-from .base import COMPLETED, FAILED, PENDING, RUNNING, RUNS_REVISION, Job, StoreBase, status_sql, where_given
+from .base import (
+    COMPLETED,
+    FAILED,
+    PENDING,
+    RUNNING,
+    RUNS_REVISION,
+    Job,
+    StoreBase,
+    fenced_status,
+    status_sql,
+    where_given,
+)
 from .workers import POOL_REVISION
 
 __all__ = ["ReportStatements"]
@@ -307,7 +318,7 @@ class ReportStatements(StoreBase):
         grace), oldest lease first; with ``force`` every running job whose lease has expired."""
         j = self.t.jobs
         cond = (sa.and_(j.c.status == status_sql(RUNNING), j.c.lease_expires_at < self.now_sql) if force
-                else self._claimable_expired())
+                else self._claimable_expired(scan=True))
         q = sa.select(*self._job_columns()).where(cond).order_by(j.c.lease_expires_at, j.c.id).limit(limit)
         with self.begin(long=True) as c:
             return [Job.from_row(r) for r in c.execute(q)]
@@ -328,12 +339,12 @@ class ReportStatements(StoreBase):
                                       lock_token=None, locked_by=None, lease_expires_at=None,
                                       dispatch_count=j.c.dispatch_count + 1)
         if job.status == RUNNING and job.lock_token:
-            where = [j.c.id == job.id, j.c.status == status_sql(RUNNING), j.c.lock_token == job.lock_token]
+            where = [j.c.id == job.id, fenced_status(j.c.status, RUNNING), j.c.lock_token == job.lock_token]
             if not force:
                 where.append(self._claimable_expired())
             values["expired_count"] = j.c.expired_count + 1
         elif job.status == PENDING and force:
-            where = [j.c.id == job.id, j.c.status == status_sql(PENDING), j.c.updated_at == job.updated_at]
+            where = [j.c.id == job.id, fenced_status(j.c.status, PENDING), j.c.updated_at == job.updated_at]
         else:
             return False
         with self.begin(long=True) as c:
@@ -362,7 +373,7 @@ class ReportStatements(StoreBase):
         j = self.t.jobs
         same_failure = j.c.failed_at.is_(None) if job.failed_at is None else j.c.failed_at == job.failed_at
         with self.begin(long=True) as c:
-            failed = j.c.status == status_sql(FAILED)
+            failed = fenced_status(j.c.status, FAILED)
             res = c.execute(sa.update(j).where(j.c.id == job.id, failed, same_failure).values(
                 status=PENDING, available_at=self.now_sql, updated_at=self.now_sql, failed_at=None,
                 attempt_count=0, expired_count=0, lock_token=None, locked_by=None, lease_expires_at=None,
@@ -383,7 +394,7 @@ class ReportStatements(StoreBase):
         j = self.t.jobs
         same_failure = j.c.failed_at.is_(None) if job.failed_at is None else j.c.failed_at == job.failed_at
         with self.begin(long=True) as c:
-            failed = j.c.status == status_sql(FAILED)
+            failed = fenced_status(j.c.status, FAILED)
             res = c.execute(sa.delete(j).where(j.c.id == job.id, failed, same_failure))
             if res.rowcount != 1:
                 return False
@@ -402,7 +413,7 @@ class ReportStatements(StoreBase):
         j = self.t.jobs
         with self.begin(long=True) as c:
             rows = c.execute(sa.select(j.c.id, j.c.locked_by).where(
-                j.c.id.in_(list(job_ids)), j.c.status == status_sql(RUNNING),
+                j.c.id.in_(list(job_ids)), fenced_status(j.c.status, RUNNING),
                 j.c.lease_expires_at > self.now_sql,
             )).all()
         return {r[0]: r[1] for r in rows}

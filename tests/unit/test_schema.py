@@ -9,7 +9,7 @@ import pytest
 import sqlalchemy as sa
 
 from celery_lease import config
-from celery_lease.store import schema
+from celery_lease.store import ClaimTerms, schema
 
 TABLES = ("jobs", "events", "workers", "effects", "locks", "idempotency_keys", "reaper_runs", "meta")
 
@@ -118,7 +118,8 @@ def test_longest_allowed_prefix_migrates_twice(store_factory):
 
 
 def test_the_scans_indexes_hold_one_status_where_the_database_has_partial_indexes(store):
-    jobs = {ix["name"][len(store.prefix):]: ix for ix in sa.inspect(store.engine).get_indexes(store.t.jobs.name)}
+    found = sa.inspect(store.engine).get_indexes(store.t.jobs.name)
+    jobs = {ix["name"][len(store.prefix):]: ix for ix in found}
     if store.engine.dialect.name in schema.PARTIAL_INDEXES:
         assert jobs["jobs_running_lease_ix"]["column_names"] == ["lease_expires_at", "id"]
         assert jobs["jobs_pending_at_ix"]["column_names"] == ["available_at", "id"]
@@ -129,20 +130,23 @@ def test_the_scans_indexes_hold_one_status_where_the_database_has_partial_indexe
         assert not {"jobs_running_lease_ix", "jobs_pending_at_ix"} & set(jobs)
 
 
-def _plan(store, statement: str, params: dict) -> str:
-    """The plan the database picks for a statement the store ran, over a table of mostly finished
-    jobs and some open ones, whose statistics the planner has, table scans priced out (it is small)."""
+def _fill_and_analyze(store, open_statuses: tuple[str, ...] = ("running", "pending")) -> None:
+    """Mostly finished jobs and some open ones, whose statistics the planner has."""
     with store.engine.begin() as c:
         c.execute(sa.insert(store.t.jobs), [
-            {"id": f"done-{i}", "task_name": "t", "status": "completed", "attempt_count": 1, "max_attempts": 5,
-             "available_at": i, "created_at": i, "updated_at": i} for i in range(300)])
-        for status in ("running", "pending"):
+            {"id": f"done-{i}", "task_name": "t", "status": "completed", "attempt_count": 1,
+             "max_attempts": 5, "available_at": i, "created_at": i, "updated_at": i} for i in range(300)])
+        for status in open_statuses:
             c.execute(sa.insert(store.t.jobs), [
                 {"id": f"{status}-{i}", "task_name": "t", "status": status, "attempt_count": 1,
                  "max_attempts": 5, "available_at": i, "created_at": i, "updated_at": i,
                  "lease_expires_at": i if status == "running" else None} for i in range(100)])
         analyze = "ANALYZE TABLE" if store.engine.dialect.name in ("mysql", "mariadb") else "ANALYZE"
         c.exec_driver_sql(f"{analyze} {store.t.jobs.name}")
+
+
+def _plan(store, statement: str, params: dict) -> str:
+    """The plan the database picks for a statement the store ran, table scans priced out (small table)."""
     with store.engine.connect() as c:
         if store.engine.dialect.name == "postgresql":
             # The plan PostgreSQL keeps for a statement prepared on a pooled connection (psycopg
@@ -181,8 +185,51 @@ def test_the_reapers_scans_use_the_index_of_their_status(store, scan):
         sa.event.remove(store.engine, "before_cursor_execute", keep)
 
     partial = store.engine.dialect.name in schema.PARTIAL_INDEXES
+    _fill_and_analyze(store)
     index = {("expired", True): "jobs_running_lease_ix", ("dispatch", True): "jobs_pending_at_ix",
              ("expired", False): "jobs_status_lease_ix", ("dispatch", False): "jobs_status_available_ix"}[
         scan, partial]
     assert ran, "the scan ran no SELECT on the jobs table"
     assert f"{store.prefix}{index}" in _plan(store, *ran[-1])
+
+
+def test_a_claim_takes_its_job_by_primary_key_when_the_statistics_count_no_pending_job(store, monkeypatch):
+    """A backlog that arrived after the table was last analyzed: the claim must not walk the pending
+    index (which holds the job id as its second column) however cheap the statistics make it look."""
+    _fill_and_analyze(store, open_statuses=("running",))
+    for i in range(500):
+        store.record(f"backlog-{i}", "t", "celery", None, 5)
+    ran: list[tuple[str, dict]] = []
+    if store.engine.dialect.name == "postgresql":
+        import psycopg  # the hot statements run on the driver's cursor, under SQLAlchemy's events
+
+        execute = psycopg.Cursor.execute
+
+        def keep(cursor, query, params=None, **kw):
+            ran.append((str(query), params))
+            return execute(cursor, query, params, **kw)
+
+        monkeypatch.setattr(psycopg.Cursor, "execute", keep)
+    else:
+        sa.event.listen(store.engine, "before_cursor_execute",
+                        lambda _c, _cu, statement, params, *_: ran.append((statement, params)))
+    terms = ClaimTerms(duration=30.0, grace=1.0, max_attempts=5, max_expirations=3, takeover=False)
+    assert store.claim("backlog-250", "w", "tok", terms, task_name="t", queue="celery",
+                       payload=lambda: None).claimed
+    monkeypatch.undo()
+    statement, params = next((s, p) for s, p in ran if s.lstrip().upper().startswith(("UPDATE", "WITH")))
+    name = store.engine.dialect.name
+    with store.engine.connect() as c:
+        if name == "postgresql":
+            with c.begin():  # EXPLAIN plans the UPDATE without running it
+                plan = "\n".join(r[0] for r in c.exec_driver_sql(f"EXPLAIN {statement}", params))
+            assert f"Index Scan using {store.prefix}jobs_pkey on {store.t.jobs.name} " in plan, plan
+        elif name == "sqlite":
+            plan = "\n".join(str(r[-1]) for r in c.exec_driver_sql(f"EXPLAIN QUERY PLAN {statement}", params))
+            assert "(id=?)" in plan, plan
+        else:
+            rows = c.exec_driver_sql(f"EXPLAIN {statement}", params)
+            plan = "\n".join(str(r._mapping["key"]) for r in rows)
+            assert plan.splitlines()[0] == "PRIMARY", plan
+    assert not [ix for ix in ("pending_at_ix", "status_available_ix", "status_updated_ix") if ix in plan], \
+        plan
