@@ -76,3 +76,12 @@ def test_cost_tables_render_each_saved_row(tmp_path):
     start, end = tool.markers("publish")
     readme.write_text(f"intro\n{start}\nold\n{end}\noutro\n", encoding="utf-8")
     assert "old" not in tool.replace(readme.read_text(), tmp_path, names=["publish"])
+
+
+def test_the_upgrading_table_has_one_row_per_schema_revision():
+    from celery_lease.store import migrations
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Upgrading", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1].strip() for line in section.splitlines() if line.startswith("| 0")]
+    assert rows == list(migrations.revisions())
