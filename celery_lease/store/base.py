@@ -45,6 +45,8 @@ def fenced_status(column: sa.ColumnElement[Any], status: Status) -> sa.ColumnEle
     index, which holds the job's id as its second column (measured: twice as slow at 2,000).
     """
     return sa.func.coalesce(column, sa.literal_column("''")) == status_sql(status)
+
+
 # The first schema revision with the reaper_runs and meta tables and events' queue and task.
 RUNS_REVISION = "0004"
 # The first schema revision whose jobs keep a completed job's result.
