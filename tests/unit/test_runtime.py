@@ -124,7 +124,9 @@ def test_the_timer_thread_interrupts_a_busy_body_on_time(store):
         rt.stop()
     [(exc, at)] = caught
     assert "local deadline passed" in str(exc)
-    assert lease.deadline <= at < lease.deadline + 0.5
+    # Well before the body's own end (10 s): the timer thread, not the loop, stopped it. The slack
+    # is for a loaded 2-core machine, where the timer thread may wait for the GIL and the CPU.
+    assert lease.deadline <= at < lease.deadline + 2.0
 
 
 def test_two_claims_of_one_job_in_one_process_keep_their_own_leases(store, rt):
