@@ -5,7 +5,9 @@ Plain and LeaseTask publishes alternate in rounds on the same Redis broker and t
 producer; each ratio is to the mean of the plain rounds just before and after, so drift of the
 machine cancels. On PostgreSQL the commits, rows and WAL bytes per publish come from the
 server's own statistics, in a database of the bench's own (WAL is counted for the whole server:
-run it on an otherwise idle one). Usage: python -m bench.publish [--calls 2000] [--rounds 3]
+run it on an otherwise idle one). PostgreSQL runs twice: at the defaults, and with the opt-in
+lease_publish_async_commit. Then whole groups: a group of 1,000 signatures published at once,
+tasks per second. Usage: python -m bench.publish [--calls 2000] [--rounds 3] [--group 1000]
 """
 
 from __future__ import annotations
@@ -20,18 +22,25 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from celery import Celery
+from celery import Celery, group
 
 from bench import _pg, _results
 from celery_lease import LeaseTask
 from celery_lease.store import Store
+from celery_lease.store.publishes import RECORD_BATCH
 
 BROKER = os.environ.get("BENCH_BROKER", "redis://127.0.0.1:6379/15")
 
 
-def build(store_url: str, prefix: str) -> tuple[Celery, Any, Any]:
+# A store of the bench, and the settings its app adds: "postgres-async" is PostgreSQL with the
+# opt-in publish that does not wait for the WAL flush.
+MODES: dict[str, dict[str, Any]] = {"postgres": {}, "postgres-async": {"lease_publish_async_commit": True},
+                                    "sqlite": {}}
+
+
+def build(store_url: str, prefix: str, **settings: Any) -> tuple[Celery, Any, Any]:
     app = Celery("bench_publish", broker=BROKER, set_as_current=False)
-    app.conf.update(lease_store_url=store_url, lease_table_prefix=prefix, task_ignore_result=True)
+    app.conf.update(lease_store_url=store_url, lease_table_prefix=prefix, task_ignore_result=True, **settings)
 
     @app.task(name="bench.plain", shared=False)
     def plain(n: int) -> int:
@@ -55,6 +64,14 @@ def rate(app: Celery, task: Any, calls: int, keyed: bool) -> float:
         return calls / (time.perf_counter() - started)
 
 
+def group_rate(app: Celery, task: Any, size: int) -> float:
+    """Tasks per second published as one ``group`` of a list of ``size`` signatures (a group made
+    from a generator is sent as the generator yields, one record per publish)."""
+    started = time.perf_counter()
+    group([task.s(i) for i in range(size)]).apply_async()
+    return size / (time.perf_counter() - started)
+
+
 def per_publish(app: Celery, task: Any, url: str, calls: int, keyed: bool) -> dict[str, float]:
     """What the store did per LeaseTask publish, from PostgreSQL's statistics.
 
@@ -75,20 +92,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--stores", default="postgres,sqlite")
+    parser.add_argument("--group", type=int, default=1000, help="signatures per group in the group rounds")
+    parser.add_argument("--stores", default=",".join(MODES))
     parser.add_argument("--save", action="store_true", help="write the figures to bench/results/publish.json")
     args = parser.parse_args()
     client = redis.Redis.from_url(BROKER)
     print(f"{args.calls} apply_async calls per round, Redis broker {BROKER}; plain rounds alternate with "
           f"LeaseTask rounds, each ratio to the mean of the plain rounds around it; {args.rounds} rounds")
-    print(f"{'store':10} {'key':4} {'plain/s':>8} {'lease/s':>8}  {'ratios by round':20} median")
+    print(f"{'store':14} {'key':4} {'plain/s':>8} {'lease/s':>8}  {'ratios by round':20} median")
     rows: list[dict[str, Any]] = []
+    groups: list[dict[str, Any]] = []
     costs: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        urls = {"postgres": _pg.bench_database(), "sqlite": f"sqlite:///{Path(tmp) / 'publish.sqlite3'}"}
+        pg = _pg.bench_database()
+        urls = {"postgres": pg, "postgres-async": pg, "sqlite": f"sqlite:///{Path(tmp) / 'publish.sqlite3'}"}
         for name in args.stores.split(","):
             prefix = f"bp{uuid.uuid4().hex[:6]}_"
-            app, plain, leased = build(urls[name], prefix)
+            app, plain, leased = build(urls[name], prefix, **MODES[name])
             store = Store(urls[name], prefix)
             store.migrate()
             try:
@@ -104,9 +124,21 @@ def main() -> None:
                     rows.append({"store": name, "key": keyed, "plain": statistics.median(plains),
                                  "lease": statistics.median(leases), "ratios": ratios,
                                  "median": statistics.median(ratios)})
-                    print(f"{name:10} {'yes' if keyed else 'no':4} {statistics.median(plains):8.0f} "
+                    print(f"{name:14} {'yes' if keyed else 'no':4} {statistics.median(plains):8.0f} "
                           f"{statistics.median(leases):8.0f}  {' '.join(f'{r:.2f}' for r in ratios):20} "
                           f"{statistics.median(ratios):.2f}")
+                plains, leases, ratios = [group_rate(app, plain, args.group)], [], []
+                for _ in range(args.rounds):
+                    leases.append(group_rate(app, leased, args.group))
+                    plains.append(group_rate(app, plain, args.group))
+                    ratios.append(leases[-1] / statistics.mean(plains[-2:]))
+                    client.flushdb()
+                groups.append({"store": name, "plain": statistics.median(plains),
+                               "lease": statistics.median(leases), "ratios": ratios,
+                               "median": statistics.median(ratios)})
+                print(f"{name:14} {'group of ' + str(args.group):18} {statistics.median(plains):8.0f} "
+                      f"{statistics.median(leases):8.0f}  {' '.join(f'{r:.2f}' for r in ratios):20} "
+                      f"{statistics.median(ratios):.2f}")
                 if name == "postgres":
                     for keyed in (False, True):
                         cost = per_publish(app, leased, urls[name], 1000, keyed)
@@ -119,6 +151,7 @@ def main() -> None:
                 app.close()
     if args.save:
         _results.save("publish", {"calls": args.calls, "rounds": args.rounds, "rows": rows,
+                                  "group": args.group, "batch": RECORD_BATCH, "groups": groups,
                                   "store_writes_per_publish": costs})
 
 

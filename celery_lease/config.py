@@ -152,7 +152,8 @@ SETTINGS: tuple[Setting, ...] = (
        _identifier, "letters, digits and underscores, not starting with a digit, at most 30", False),
     _S("lease_sqlite_busy_timeout", 30.0,
        "Seconds a SQLite writer waits for the file lock before failing; at most half the store call "
-       "bound (a third of the shortest lease), so that a call stays bounded.",
+       "bound (a third of the shortest lease), so that a call stays bounded (a reaper batch or an "
+       "operator's command: half the long bound). Reads do not wait for it.",
        _number(0), "a number of seconds >= 0", False),
     _S("lease_sqlite_synchronous", "FULL",
        "SQLite's synchronous pragma: 'FULL' syncs the WAL on every commit, so a commit carrying a "
@@ -217,6 +218,12 @@ SETTINGS: tuple[Setting, ...] = (
        "PostgreSQL: commit a claim without waiting for its WAL flush. A server crash may then undo "
        "a claim made in its last moments; that run meets a lost lease, fenced like any other. "
        "False waits for the flush (about 5% fewer 10 ms tasks per second).",
+       _bool, "True or False", False),
+    _S("lease_publish_async_commit", False,
+       "PostgreSQL: commit a publish's record (job, key, event) without waiting for its WAL flush. "
+       "A server crash may then undo records of its last moments: a job whose message was lost as "
+       "well is not sent again, and its idempotency key can be taken again. About a fifth more "
+       "apply_async calls per second (README, What it costs). False waits for the flush.",
        _bool, "True or False", False),
     _S("lease_clock_tolerance", 1.0,
        "Seconds a delivery may arrive before its job's available_at (countdown, retry ETA, backoff) "

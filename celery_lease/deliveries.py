@@ -107,6 +107,33 @@ def defer_early(task: Task, store: Store, worker: str, wait: float) -> NoReturn:
     raise Ignore()
 
 
+def _defer_if_owner_may_be_finishing(task: Task, store: Store, worker: str, job: Any) -> None:
+    """Send this delivery again for later when the job completed less than a lease ago.
+
+    The owner completes the job in the store before Celery stores its result and sends the
+    chain's next step: a duplicate delivered in between would find no result and take the
+    owner's post-run work for one a crash interrupted. A live owner finishes that work well
+    within its lease duration; after it, a result still missing means a crash.
+    """
+    completed_at = getattr(job, "completed_at", None)
+    settle = float(getattr(job, "lease_duration", None) or 0.0)
+    if completed_at is None or settle <= 0:
+        return
+    try:
+        now = store.now()
+    except StoreUnavailable:
+        now = completed_at  # the store's clock is out of reach: look again after a whole lease
+    wait = completed_at + settle - now
+    if wait <= 0:
+        return
+    log.info("job %s completed %.1fs ago and its result is not stored yet: delivery sent again in %.1fs",
+             job.id, settle - wait, wait, extra={"action": "early_delivery_deferred"})
+    _audit(store, job.id, Event.EARLY_DELIVERY_DEFERRED, f"completed {settle - wait:.1f}s ago, result not "
+           f"stored yet", worker, {"wait": round(wait, 3), "after": "completion"})
+    _send_again(task, wait, "completed moments ago; its owner may still store the result")
+    raise Ignore()
+
+
 def _audit(store: Store, job_id: str, event: Event, reason: str, worker: str, detail: Any) -> None:
     """Audit a delivery whose body does not run; a store outage costs the event, not the delivery.
 
@@ -186,6 +213,7 @@ def resume_post_run(task: Task, store: Store, worker: str, job: Any) -> tuple[bo
     kept = store.kept_result(job.id)
     if kept is None:
         return False, None
+    _defer_if_owner_may_be_finishing(task, store, worker, job)
     accept = task.app.conf.result_accept_content or task.app.conf.accept_content
     value = messages.decode_result(kept, accept, job.id)
     _resumed.set(job.id)

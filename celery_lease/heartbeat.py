@@ -76,9 +76,10 @@ class Heartbeat:
                 if lease.confirm(sent):
                     counts["renewed"] += 1
                 # else: lost locally while the statement was out; the runtime gives it back.
-            elif lease.finishing and not rt.is_deferred(lease):
-                # The body is over and its final write already cleared the token:
-                # not a loss, just a lease that ended between snapshot and renewal.
+            elif (lease.finishing or lease.handed_over) and not rt.is_deferred(lease):
+                # The body is over (or Task.replace() handed the job over) and that write
+                # already cleared the token: not a loss, a lease that ended between snapshot
+                # and renewal.
                 continue
             else:
                 reason, owner = self.store.describe_loss(lease.job_id, lease.token, self.worker)

@@ -16,11 +16,11 @@ from typing import Any
 
 from celery._state import get_current_worker_task
 
-from . import deliveries, messages, replacing, runtime
+from . import batching, deliveries, messages, replacing, runtime
 from .config import task_policy
 from .errors import LeaseError
 from .lease import Lease
-from .store import for_app
+from .store import NewJob, for_app
 
 __all__ = ["RecordingProducer", "publish", "seconds_until"]
 
@@ -60,7 +60,9 @@ def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id
     """
     delay = seconds_until(options.get("eta")) or seconds_until(options.get("countdown"))
     record: Callable[[str], None]
+    keep: Callable[[str, Callable[[Any], Any]], None] | None = None
     created = False
+    batch = batching.current()
     if replacing.hands_over_to(task_id):
         def record(payload: str) -> None:
             replacing.claim_on_publish(task, task_id, payload)
@@ -83,6 +85,16 @@ def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id
                                            reopen=_reopens(task_id))
             if holder != task_id:
                 raise _KeyTaken(holder)
+
+        if batch is not None and idempotency_key is None and task.app.conf.task_protocol != 1:
+            # Inside a group's publish: recorded and sent with the next batch of its jobs (batching.py).
+            reopen = _reopens(task_id)
+
+            def keep(payload: str, send_message: Callable[[Any], Any]) -> None:
+                batch.keep(task.app, store, NewJob(task_id, task.name, queue, payload, policy.max_attempts,
+                                                   delay, policy.recovery()), reopen, send_message)
+    if batch is not None and keep is None:
+        batch.flush()  # the group's order: the jobs kept so far go out before this one
     connection = options.pop("connection", None)
     if connection and producer is None:
         producer = task.app.amqp.Producer(connection, auto_declare=False)
@@ -95,8 +107,8 @@ def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id
                 **options, "link": link, "link_error": link_error, "shadow": shadow}, serializer))
             return send(args, kwargs, task_id, producer, link, link_error, shadow, **options)
         with task.app.producer_or_acquire(producer) as sender:
-            return send(args, kwargs, task_id, RecordingProducer(sender, task_id, record), link, link_error,
-                        shadow, **options)
+            return send(args, kwargs, task_id, RecordingProducer(sender, task_id, record, keep), link,
+                        link_error, shadow, **options)
     except _KeyTaken as taken:
         log.info("task %s not published again: idempotency key %r belongs to job %s",
                  task.name, idempotency_key, taken.holder, extra={"action": "idempotent_publish"})
@@ -131,10 +143,12 @@ def _reopens(task_id: str) -> bool:
 class RecordingProducer:
     """Wraps a kombu producer for one ``apply_async``; everything but the task's publish passes through."""
 
-    def __init__(self, producer: Any, task_id: str, record: Callable[[str], None]) -> None:
+    def __init__(self, producer: Any, task_id: str, record: Callable[[str], None],
+                 keep: Callable[[str, Callable[[Any], Any]], None] | None = None) -> None:
         self._producer = producer
         self._task_id = task_id
         self._record = record
+        self._keep = keep  # a group's batch: it records the job and sends the message later
         self._recorded = False
 
     def __getattr__(self, name: str) -> Any:
@@ -152,8 +166,16 @@ class RecordingProducer:
         data, content_type, content_encoding = producer._prepare(
             body, kwargs.pop("serializer", None), kwargs.pop("content_type", None),
             kwargs.pop("content_encoding", None), compression, headers)
-        self._record(messages.capture(data, content_type, content_encoding, kwargs))
+        payload = messages.capture(data, content_type, content_encoding, kwargs)
         self._recorded = True
-        # Already encoded and compressed: kombu sends the bytes as they are.
-        return producer.publish(data, content_type=content_type, content_encoding=content_encoding,
-                                compression="", **kwargs)
+
+        def send_message(sender: Any) -> Any:
+            # Already encoded and compressed: kombu sends the bytes as they are.
+            return sender.publish(data, content_type=content_type, content_encoding=content_encoding,
+                                  compression="", **kwargs)
+
+        if self._keep is not None:
+            self._keep(payload, send_message)
+            return None
+        self._record(payload)
+        return send_message(producer)

@@ -246,7 +246,7 @@ class Reaper:
         budget, after, dry = self.batch_size, None, token is None
         for _ in range(MAX_PAGES):
             finals: list[tuple[Job, str]] = []
-            with self.store.begin(long=True) as c:
+            with self.store.begin(long=True, read=dry) as c:  # a dry run only reads
                 page = self.store.scan_expired(c, limit=self.batch_size, after=after, now=now, lock=not dry)
                 for item in page:
                     if budget == 0:
@@ -303,7 +303,7 @@ class Reaper:
         budget, after, dry = self.batch_size, None, token is None
         floor, cap = self._dispatch_floor(), self.cfg.dispatch_backoff_max
         for _ in range(MAX_PAGES):
-            with self.store.begin(long=True) as c:
+            with self.store.begin(long=True, read=dry) as c:  # a dry run only reads
                 page = self.store.scan_lost_dispatches(c, older_than=floor, limit=self.batch_size,
                                                        after=after, now=now, lock=not dry, backoff_max=cap)
                 for job, waited in page:

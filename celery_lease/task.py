@@ -19,12 +19,15 @@ from celery._state import _task_stack
 from celery.exceptions import Ignore, Reject, Retry, WorkerShutdown, WorkerTerminate
 from celery.utils import uuid
 
-from . import deadline, deliveries, local, messages, publishing, replacing, runtime
+from . import batching, deadline, deliveries, local, messages, publishing, replacing, runtime
 from .config import TaskPolicy, app_config, task_policy
 from .errors import LeaseLost, StoreUnavailable
 from .lease import Lease
 from .store import Claim, ClaimTerms, Store, for_app
 from .vocabulary import ClaimOutcome, Decision, Event, Status
+
+# A group publishes its LeaseTask jobs a batch at a time: one INSERT per table per batch.
+batching.install()
 
 __all__ = ["LeaseTask", "Lease"]
 

@@ -39,6 +39,22 @@ class Proc:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.popen.pid, sig)
 
+    def stopped(self) -> bool:
+        """Whether every process of the group is stopped (SIGSTOP has landed everywhere).
+
+        Read from /proc; where there is none (not Linux) the answer is True: no way to tell.
+        """
+        proc = Path("/proc")
+        if not proc.is_dir():
+            return True
+        for stat in proc.glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
+                state, _ppid, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+                if int(pgrp) == self.pid and state not in ("T", "t", "Z", "X"):
+                    return False
+        return True
+
     def kill(self) -> None:
         self.signal(signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):

@@ -7,11 +7,12 @@ the frozen worker's stall in plain mode, which has no reaper to wait for.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from . import settings, tracking
@@ -145,6 +146,21 @@ class Scenario:
                 raise ScenarioError(f"gave up after {timeout:g}s waiting for {what}")
             time.sleep(POLL)
 
+    @contextlib.contextmanager
+    def _between_writes(self) -> Iterator[None]:
+        """On a SQLite store, hold its write lock while a worker is being frozen.
+
+        SQLite has one write lock per file: a worker frozen in the middle of a write would keep
+        it, and every other writer, the reaper too, would wait until it wakes (README, "The
+        limits, plainly"). This step shows a lease outliving a silent worker, so it freezes
+        the worker between two of its writes. PostgreSQL and MySQL lock rows, not the store.
+        """
+        if self.store is None or not self.store.dialect.single_writer:
+            yield
+            return
+        with self.store.begin(long=True):
+            yield
+
     def running(self, task: str | None = None) -> list[dict[str, Any]]:
         """Executions in progress on workers that were not killed."""
         dead = self._disrupted("kill")
@@ -205,7 +221,9 @@ class Scenario:
         )
         proc = self.workers[run["node"]]
         stop = Disruption.of("stop", run)
-        proc.signal(signal.SIGSTOP)
+        with self._between_writes():
+            proc.signal(signal.SIGSTOP)
+            self.wait_until(proc.stopped, STEP_TIMEOUT, f"{run['node']} to stop")
         self.record.disruptions.append(stop)
         self.act(f"SIGSTOP {run['node']} at {run['label']} {run['phase']}: frozen, its heartbeat stops too",
                  stop.at)

@@ -133,6 +133,25 @@ def store_url(request) -> str:
 _SCHEMAS: dict[str, list[str]] = {}
 
 
+@pytest.fixture(autouse=True)
+def _stop_runtimes_after_each_test() -> Iterator[None]:
+    """Stop this process's lease runtimes after each test; the next use makes a new one.
+
+    A worker embedded in the test process (Celery's ``start_worker``) ends with a cold stop,
+    which sends no ``worker_shutdown``: its app's runtime would keep its heartbeat and
+    deadline threads beating in this process for the rest of the run, and dozens of them
+    slowed later modules threefold.
+    """
+    yield
+    from celery_lease import runtime
+
+    with runtime._runtimes_lock:
+        stopped = [rt for _, rt in runtime._runtimes.values()]
+        runtime._runtimes.clear()
+    for rt in stopped:
+        rt.stop(timeout=2.0)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _drop_pooled_schemas() -> Iterator[None]:
     yield

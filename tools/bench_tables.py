@@ -20,7 +20,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-STORES = {"postgres": "PostgreSQL", "sqlite": "SQLite"}
+STORES = {"postgres": "PostgreSQL", "postgres-async": "PostgreSQL, `lease_publish_async_commit`",
+          "sqlite": "SQLite"}
 
 
 def _ratios(values: list[float]) -> str:
@@ -62,6 +63,13 @@ def publish(data: dict[str, Any]) -> str:
     for row in data["rows"]:
         lines.append(f"| {STORES[row['store']]} | {'yes' if row['key'] else 'no'} | {row['plain']:.0f} | "
                      f"{row['lease']:.0f} | {_ratios(row['ratios'])} | {row['median']:.2f} |")
+    if data.get("groups"):
+        lines += ["", f"A `group` of {data['group']:,} signatures, `group(...).apply_async()` (its jobs "
+                  f"recorded {data['batch']} to a statement):", "",
+                  "| store | plain Celery tasks/s | LeaseTask tasks/s | ratios by round | median |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {STORES[row['store']]} | {row['plain']:.0f} | {row['lease']:.0f} | "
+                  f"{_ratios(row['ratios'])} | {row['median']:.2f} |" for row in data["groups"]]
     costs = data.get("store_writes_per_publish") or {}
     if costs:
         lines += ["", "| PostgreSQL, per publish | commits | rows written | WAL bytes |", "|---|---|---|---|"]

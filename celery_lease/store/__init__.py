@@ -19,15 +19,15 @@ from sqlalchemy.engine import Connection
 from .. import config
 from ..vocabulary import EffectOutcome, Event
 from . import dialects, schema
-from .base import COMPLETED, FAILED, PENDING, RUNNING, Claim, ClaimTerms, Job, StoreBase
+from .base import COMPLETED, FAILED, PENDING, RUNNING, Claim, ClaimTerms, Job, NewJob, StoreBase
 from .effects import EffectStatements
 from .reaping import Expired, ReaperStatements
 from .replacing import ReplaceStatements
 from .reports import ReportStatements
 from .runs import RunStatements
 
-__all__ = ["Store", "WorkerStore", "ReaperStore", "ReportStore", "Claim", "ClaimTerms", "Job", "for_app",
-           "call_timeout", "pool_size", "PENDING", "RUNNING", "COMPLETED", "FAILED"]
+__all__ = ["Store", "WorkerStore", "ReaperStore", "ReportStore", "Claim", "ClaimTerms", "Job", "NewJob",
+           "for_app", "call_timeout", "pool_size", "PENDING", "RUNNING", "COMPLETED", "FAILED"]
 
 
 class Store(ReplaceStatements, ReaperStatements, EffectStatements, ReportStatements, RunStatements,
@@ -47,6 +47,7 @@ class WorkerStore(Protocol):
     def record(self, job_id: str, task_name: str, queue: str | None, payload: str | None, max_attempts: int,
                idempotency_key: str | None = ..., delay: float = ...,
                recovery: Mapping[str, Any] | None = ..., reopen: bool = ...) -> tuple[bool, str]: ...
+    def record_batch(self, jobs: Sequence[NewJob]) -> None: ...
     def reopen(self, job_id: str, task_name: str, payload: str | None, delay: float = ...) -> bool: ...
     def forget_unpublished(self, job_id: str) -> bool: ...
     def claim(self, job_id: str, worker: str, token: str, terms: ClaimTerms, task_name: str,
@@ -94,7 +95,8 @@ class ReaperStore(Protocol):
     """What the reaper asks of the store: scans, fenced take-backs, re-dispatches, its own lock and
     pruning (reaper.py)."""
 
-    def begin(self, *, long: bool = ...) -> contextlib.AbstractContextManager[Connection]: ...
+    def begin(self, *, long: bool = ...,
+              read: bool = ...) -> contextlib.AbstractContextManager[Connection]: ...
     def now(self) -> float: ...
     def get(self, job_id: str) -> Job | None: ...
     def scan_expired(self, c: Connection, *, limit: int, after: tuple[float, str] | None = ...,

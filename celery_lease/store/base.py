@@ -9,18 +9,21 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from .. import config
 from ..config import RECOVERY
-from ..errors import StoreCorrupt
+from ..errors import StoreCorrupt, StoreUnavailable
 from ..vocabulary import ClaimOutcome, Event, Status
 from . import dialects, schema
 
-__all__ = ["StoreBase", "Claim", "ClaimTerms", "Job", "RUNS_REVISION", "RESULT_REVISION"]
+if TYPE_CHECKING:
+    from .audited import _Audited
+
+__all__ = ["StoreBase", "Claim", "ClaimTerms", "Job", "NewJob", "RUNS_REVISION", "RESULT_REVISION"]
 
 log = logging.getLogger(__name__)
 
@@ -71,15 +74,16 @@ def _default(setting: str, value: Any) -> Any:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Audited:
-    """An audited write, built once: one statement (``statement``, or ``compiled`` for the driver
-    with its result ``columns``), or an ``update`` and its ``audit`` insert for one transaction."""
+class NewJob:
+    """A job to record as published, without an idempotency key (see PublishStatements.record_batch)."""
 
-    statement: Any = None
-    compiled: tuple[str, Mapping[str, Any]] | None = None
-    columns: list[str] = dataclasses.field(default_factory=list)
-    update: Any = None
-    audit: Any = None
+    id: str
+    task_name: str
+    queue: str | None
+    payload: str | None
+    max_attempts: int
+    delay: float = 0.0
+    recovery: Mapping[str, Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,11 +182,12 @@ class StoreBase:
                  engine_options: Mapping[str, Any] | None = None, hard_grace: float | None = None,
                  stale_after: float | Callable[[], float] | None = None,
                  clock_tolerance: float | None = None,
-                 claim_async_commit: bool | None = None) -> None:
+                 claim_async_commit: bool | None = None, publish_async_commit: bool | None = None) -> None:
         """A store on ``url``; ``call_timeout`` bounds every call (seconds, see dialects.Bounds).
 
         The app-wide lease settings its statements apply (lease_reaper_hard_grace,
-        lease_worker_stale_after, lease_clock_tolerance, lease_claim_async_commit) default to
+        lease_worker_stale_after, lease_clock_tolerance, lease_claim_async_commit,
+        lease_publish_async_commit) default to
         config.py's; ``from_config`` takes them from the app.
         """
         self.url = url
@@ -193,6 +198,7 @@ class StoreBase:
             config.load({}))
         self.clock_tolerance: float = _default("lease_clock_tolerance", clock_tolerance)
         self.claim_async_commit: bool = _default("lease_claim_async_commit", claim_async_commit)
+        self.publish_async_commit: bool = _default("lease_publish_async_commit", publish_async_commit)
         self.prefix = prefix
         self.t = schema.tables(prefix)
         self.revision: str | None = None  # the schema revision, once a check found it usable
@@ -206,6 +212,7 @@ class StoreBase:
         self.engine_options = dict(_default("lease_store_engine_options", engine_options))
         self._engine: Engine | None = None
         self._pid = -1
+        self._writer: threading.RLock | None = None  # per process, see _writer_turn
         self._lock = threading.Lock()
         self._schema_lock = threading.Lock()
         self._built: dict[str, _Audited] = {}
@@ -233,7 +240,8 @@ class StoreBase:
                    engine_options=cfg.store_engine_options, hard_grace=cfg.reaper_hard_grace,
                    stale_after=stale_after if stale_after is not None else config.cfg_stale_after(cfg),
                    clock_tolerance=cfg.clock_tolerance,
-                   claim_async_commit=cfg.claim_async_commit)
+                   claim_async_commit=cfg.claim_async_commit,
+                   publish_async_commit=cfg.publish_async_commit)
 
     # -- plumbing ---------------------------------------------------------
     @property
@@ -246,6 +254,8 @@ class StoreBase:
                         self._engine.dispose(close=False)
                     self._engine = self.dialect.create_engine(self.bounds, self.pool_size,
                                                               self.engine_options)
+                    # A fork copies a lock as it was: one a parent thread held stays held.
+                    self._writer = threading.RLock() if self.dialect.single_writer else None
                     self._pid = os.getpid()
         assert self._engine is not None
         return self._engine
@@ -259,138 +269,54 @@ class StoreBase:
             raise self.dialect.classify(exc, self.safe_url, self.bounds) from exc
 
     @contextlib.contextmanager
-    def begin(self, *, long: bool = False) -> Iterator[Connection]:
+    def begin(self, *, long: bool = False, read: bool = False) -> Iterator[Connection]:
         """A transaction; driver errors become StoreUnavailable (or a subclass naming the refusal).
 
         ``long``: the reaper's batches and operators' reads, which may take minutes, get the
-        longer bound instead of the call bound a lease can afford.
+        longer bound instead of the call bound a lease can afford. ``read``: the transaction
+        only reads, so on a one-writer database it neither queues for nor takes the write lock
+        (a reader sees the last commit while a writer works, or while a frozen one holds it).
         """
         bounds = self.long_bounds if long else self.bounds
-        with self._driver_errors(), self.engine.begin() as conn, self.dialect.transaction(conn, bounds, long):
-            yield conn
+        with (self._driver_errors(), self._writer_turn(bounds, read), self.engine.connect() as conn):
+            if read:
+                conn.execution_options(**{dialects.READ_ONLY: True})
+            elif long:
+                conn.execution_options(**{dialects.LOCK_WAIT: self.dialect.busy_wait(bounds)})
+            with conn.begin(), self.dialect.transaction(conn, bounds, long):
+                yield conn
 
-    def _audited(self, stmt: sa.Update | Callable[[], sa.Update], job_id: str, event: Event,
-                 reason: str | None, worker: str | None, token: str | None, detail: Any,
-                 key: str | None, params: dict[str, Any] | None, full_row: bool) -> Any:
-        """A one-row UPDATE and its audit event as one atomic write: the changed row, or None.
+    @contextlib.contextmanager
+    def _writer_turn(self, bounds: dialects.Bounds, read: bool) -> Iterator[None]:
+        """On a one-writer database, this process's threads take their turns at a lock.
 
-        Where the dialect allows (PostgreSQL) it is a single statement in autocommit (the
-        UPDATE and the event INSERT in data-modifying CTEs): one round trip instead of four.
-        Elsewhere it is an UPDATE, an INSERT and a commit in one transaction. With ``key``
-        the statements are built once (from a callable using bind parameters ``params``) and
-        reused: on the hot path, building them costs more CPU than running them; on
-        PostgreSQL they are also compiled once and run on the driver connection.
+        SQLite's own wait for its write lock polls, sleeping 1, 2, 5, 10... ms between tries:
+        threads of one process that queue here instead are handed the turn the moment it is
+        free. Other processes still meet at SQLite's lock, so a write that waited here and
+        then meets one there waits twice, each within SQLite's own bound: a late answer costs
+        time, never a second owner (a lease counts from when its renewal was sent).
         """
-        built = self._built.get(key) if key else None
-        if built is None:
-            built = self._build_audited(stmt() if callable(stmt) else stmt, event, full_row, bool(key))
-            if key:
-                self._built[key] = built
-        bind = {**(params or {}), "ev_job": job_id, "ev_reason": reason, "ev_worker": worker,
-                "ev_token": token[:8] if token else None,
-                "ev_detail": None if detail is None else json.dumps(detail, default=str)}
-        if built.compiled is not None:
-            return self._execute_compiled(built, bind)
-        if built.statement is not None:
-            with self._driver_errors(), self.engine.connect() as conn:
-                conn = conn.execution_options(isolation_level="AUTOCOMMIT")
-                return conn.execute(built.statement, bind).first()
-        return self._audited_in_transaction(built, bind, job_id, full_row)
-
-    def _audited_row(self, stmt: sa.Update | Callable[[], sa.Update], job_id: str, event: Event, *,
-                     worker: str | None = None, token: str | None = None, key: str | None = None,
-                     params: dict[str, Any] | None = None) -> Job | None:
-        """The audited write of a transition that hands its caller the job (a claim): the new row or None."""
-        row = self._audited(stmt, job_id, event, None, worker, token, None, key, params, True)
-        return None if row is None else Job.from_row(row)
-
-    def _audited_write(self, stmt: sa.Update | Callable[[], sa.Update], job_id: str, event: Event,
-                       reason: str | None = None, worker: str | None = None, token: str | None = None,
-                       detail: Any = None, *, key: str | None = None,
-                       params: dict[str, Any] | None = None) -> bool:
-        """The audited write of a fenced transition: whether it happened."""
-        row = self._audited(stmt, job_id, event, reason, worker, token, detail, key, params, False)
-        return row is not None
-
-    def _audited_in_transaction(self, built: _Audited, bind: dict[str, Any], job_id: str,
-                                full_row: bool) -> Any:
-        with self.begin() as c:
-            if self.dialect.update_returning:
-                row = c.execute(built.update, bind).first()
-            elif c.execute(built.update, bind).rowcount == 1:
-                row = c.execute(sa.select(*self._row_columns(full_row))
-                                .where(self.t.jobs.c.id == job_id)).first()
-            else:
-                row = None
-            if row is not None:
-                c.execute(built.audit, bind)
-        return row
-
-    def _row_columns(self, full_row: bool) -> list[sa.Column]:
-        # A claim needs the lease and progress columns; the stored message stays in the store.
-        jobs = self.t.jobs
-        return [c for c in self._job_columns() if c is not jobs.c.payload] if full_row else [jobs.c.id]
+        self.engine  # noqa: B018 (builds this process's engine and lock after a fork)
+        writer = self._writer
+        if writer is None or read:
+            yield
+            return
+        wait = self.dialect.busy_wait(bounds)
+        if not writer.acquire(timeout=wait):
+            raise StoreUnavailable(f"lease store {self.safe_url} unreachable: another thread of this "
+                                   f"process held the database's one writer for {wait:g}s; check for "
+                                   "a long transaction (a reaper batch, an operator's command)",
+                                   kind="timeout")
+        try:
+            yield
+        finally:
+            writer.release()
 
     def _job_columns(self) -> list[sa.Column]:
         """The jobs columns a Job is read from: all but the kept result, which only the rare
         path after a crash reads (and which a store one revision back does not have)."""
         jobs = self.t.jobs
         return [c for c in jobs.c if c is not jobs.c.result]
-
-    def _build_audited(self, stmt: sa.Update, event: Event, full_row: bool, reused: bool) -> _Audited:
-        columns = self._row_columns(full_row)
-        values = dict(
-            event=sa.literal(str(event), sa.String()), reason=sa.bindparam("ev_reason", type_=sa.Text()),
-            worker=sa.bindparam("ev_worker", type_=sa.String()),
-            token=sa.bindparam("ev_token", type_=sa.String()), at=self.now_sql,
-            detail=sa.bindparam("ev_detail", type_=sa.Text()),
-        )
-        job = sa.bindparam("ev_job", type_=sa.String())
-        values.update(self._job_labels(job))
-        if not self.dialect.one_statement_writes:
-            update = stmt.returning(*columns) if self.dialect.update_returning else stmt
-            return _Audited(update=update, audit=sa.insert(self.t.events).values(job_id=job, **values))
-        changed = stmt.returning(*columns).cte("changed")
-        audit = sa.insert(self.t.events).from_select(
-            ["job_id", *values], sa.select(changed.c.id, *values.values())
-        ).cte("audit")
-        statement = sa.select(changed).add_cte(audit)
-        if not (reused and self.dialect.compiled_fast_path):
-            return _Audited(statement=statement)
-        compiled = statement.compile(dialect=self.engine.dialect)
-        static = compiled.construct_params(_check=False)  # the literals SQLAlchemy made parameters
-        return _Audited(compiled=(compiled.string, static), columns=[c.name for c in columns])
-
-    def _execute_compiled(self, built: _Audited, bind: dict[str, Any]) -> dict[str, Any] | None:
-        """Run a statement compiled once on a pooled driver connection, in autocommit: its row or None.
-
-        The hot transitions (claim, complete) skip SQLAlchemy's execution layer: on a
-        worker that sleeps between tasks its cold path costs as much CPU as the round
-        trip. Driver errors are wrapped as SQLAlchemy's so that they map as elsewhere.
-        """
-        assert built.compiled is not None
-        sql, static = built.compiled
-        dbapi = self.engine.dialect.loaded_dbapi
-        with self._driver_errors():
-            try:
-                raw = self.engine.raw_connection()
-                try:
-                    driver: Any = raw.driver_connection  # psycopg's: autocommit, closed
-                    driver.autocommit = True
-                    try:
-                        with contextlib.closing(raw.cursor()) as cursor:
-                            cursor.execute(sql, {**static, **bind})
-                            values = cursor.fetchone()
-                    finally:
-                        if not driver.closed:
-                            driver.autocommit = False
-                finally:
-                    # A dead connection fails its reset here and the pool discards it.
-                    raw.close()
-            except dbapi.Error as exc:
-                raise sa.exc.DBAPIError.instance(sql, None, exc, dbapi.Error, hide_parameters=True,
-                                                 dialect=self.engine.dialect) from exc
-        return None if values is None else dict(zip(built.columns, values, strict=True))
 
     @property
     def safe_url(self) -> str:
@@ -434,7 +360,7 @@ class StoreBase:
 
     def now(self) -> float:
         """The store's clock, in epoch seconds."""
-        with self.begin() as c:
+        with self.begin(read=True) as c:
             return float(c.execute(sa.select(self.now_sql)).scalar_one())
 
     def at_least(self, revision: str) -> bool:
@@ -523,7 +449,7 @@ class StoreBase:
             return c.execute(sa.delete(k).where(k.c.resource == resource, k.c.token == token)).rowcount == 1
 
     def get(self, job_id: str) -> Job | None:
-        with self.begin() as c:
+        with self.begin(read=True) as c:
             row = c.execute(sa.select(*self._job_columns()).where(self.t.jobs.c.id == job_id)).first()
         return None if row is None else Job.from_row(row)
 

@@ -29,6 +29,10 @@ from . import bounded, failures
 
 __all__ = ["Bounds", "Dialect", "SQLite", "PostgreSQL", "MySQL", "for_url", "SUPPORTED"]
 
+# Execution options StoreBase.begin sets on its connection: the transaction only reads; the
+# seconds a long one (a reaper batch, an operator's command) may wait for a lock.
+READ_ONLY = "lease_read_only"
+LOCK_WAIT = "lease_lock_wait"
 IDLE_PING_AFTER = 2.0  # seconds a pooled connection may idle before it is pinged on checkout
 
 
@@ -91,6 +95,10 @@ class Dialect:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} dialect>"
+
+    def busy_wait(self, bounds: Bounds) -> float:
+        """How long a write waits for the database's one write lock (single_writer)."""
+        return min(self.busy_timeout, bounds.round_trip)
 
     def speaks(self, driver_dialect: str) -> bool:
         """Whether a SQLAlchemy connection of this dialect name talks to this family."""
@@ -236,9 +244,6 @@ class SQLite(_OnConflict):
     minimums: ClassVar[Mapping[str, tuple[tuple[int, ...], str]]] = {
         "SQLite": ((3, 35), "UPDATE ... RETURNING")}
 
-    def _busy(self, bounds: Bounds) -> float:
-        return min(self.busy_timeout, bounds.round_trip)
-
     def _insert(self, table: sa.Table) -> Any:
         from sqlalchemy.dialects.sqlite import insert
 
@@ -248,10 +253,28 @@ class SQLite(_OnConflict):
         return query  # BEGIN IMMEDIATE already serialises writers
 
     def connect_args(self, bounds: Bounds) -> dict[str, Any]:
-        return {"timeout": self._busy(bounds)}
+        return {"timeout": self.busy_wait(bounds)}
 
     def _listen(self, engine: Engine, bounds: Bounds) -> None:
-        sa.event.listen(engine, "begin", lambda conn: conn.exec_driver_sql("BEGIN IMMEDIATE"))
+        short = self.busy_wait(bounds)
+
+        def begin(conn: Connection) -> None:
+            # A writer takes the write lock up front: two deferred transactions that both read
+            # and then write would deadlock on the upgrade. A reader begins deferred: in WAL
+            # mode it reads the last commit and never waits for a writer, even a frozen one.
+            options = conn.get_execution_options()
+            if options.get(READ_ONLY):
+                conn.exec_driver_sql("BEGIN")
+                return
+            # The busy timeout belongs to the connection (setup() sets the short one): a long
+            # transaction sets its own before BEGIN and the next short one sets it back.
+            wait, info = options.get(LOCK_WAIT, short), conn.connection.info
+            if info.get(LOCK_WAIT, short) != wait:
+                conn.exec_driver_sql(f"PRAGMA busy_timeout={int(wait * 1000)}")
+                info[LOCK_WAIT] = wait
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+        sa.event.listen(engine, "begin", begin)
 
     def server(self, dbapi_conn: Any) -> tuple[str, tuple[int, ...]]:
         cur = dbapi_conn.cursor()
@@ -262,11 +285,11 @@ class SQLite(_OnConflict):
 
     def setup(self, dbapi_conn: Any, bounds: Bounds) -> None:
         # pysqlite's own transaction handling begins DEFERRED transactions that
-        # deadlock when two readers upgrade to writers; we issue BEGIN IMMEDIATE.
+        # deadlock when two readers upgrade to writers; _listen's hook begins them.
         dbapi_conn.isolation_level = None
         cur = dbapi_conn.cursor()
         cur.execute("PRAGMA journal_mode=WAL")
-        cur.execute(f"PRAGMA busy_timeout={int(self._busy(bounds) * 1000)}")
+        cur.execute(f"PRAGMA busy_timeout={int(self.busy_wait(bounds) * 1000)}")
         # A validated choice of two words (config.py), not input: pragmas take no parameters.
         cur.execute(f"PRAGMA synchronous={self.synchronous}")
         cur.close()
@@ -345,10 +368,13 @@ class PostgreSQL(_OnConflict):
     @contextlib.contextmanager
     def transaction(self, conn: Connection, bounds: Bounds, long: bool) -> Iterator[None]:
         # SET LOCAL, as set_config(..., true): per transaction, so a pooled server connection
-        # (PgBouncer in transaction mode) never carries one client's limits to another.
-        conn.execute(sa.select(sa.func.set_config("statement_timeout", _ms(bounds.server_statement), True),
-                               sa.func.set_config("lock_timeout", _ms(bounds.server_lock), True)))
+        # (PgBouncer in transaction mode) never carries one client's limits to another. The
+        # settings go out with the transaction's BEGIN, its first round trip: a long one waits
+        # for it with the long bound too.
         with bounded.waiting(conn, bounds.round_trip if long else None):
+            conn.execute(sa.select(
+                sa.func.set_config("statement_timeout", _ms(bounds.server_statement), True),
+                sa.func.set_config("lock_timeout", _ms(bounds.server_lock), True)))
             yield
 
     def retryable(self, exc: BaseException | None) -> bool:

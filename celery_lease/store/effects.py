@@ -164,14 +164,14 @@ class EffectStatements(StoreBase):
     def effect_record(self, key: str) -> dict[str, Any] | None:
         """An effect key's row (``key``, ``job_id``, ``at``), or None when no such key is recorded."""
         e = self.t.effects
-        with self.begin() as c:
+        with self.begin(read=True) as c:
             row = c.execute(sa.select(e.c.key, e.c.job_id, e.c.at).where(e.c.key == key)).first()
         return None if row is None else dict(row._mapping)
 
     def effect_keys(self, job_id: str) -> list[str]:
         """The effect keys a job recorded, oldest first."""
         e = self.t.effects
-        with self.begin() as c:
+        with self.begin(read=True) as c:
             return list(c.execute(sa.select(e.c.key).where(e.c.job_id == job_id).order_by(e.c.at)).scalars())
 
     # -- resource locks ---------------------------------------------------------------
@@ -242,6 +242,6 @@ class EffectStatements(StoreBase):
     def lock_holder(self, resource: str) -> dict[str, Any] | None:
         """The lock row of a resource (token, job_id, owner, expires_at), or None."""
         lk = self.t.locks
-        with self.begin() as c:
+        with self.begin(read=True) as c:
             row = c.execute(sa.select(lk).where(lk.c.resource == resource)).first()
         return None if row is None else dict(row._mapping)

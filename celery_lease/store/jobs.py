@@ -1,4 +1,4 @@
-"""Statements of a job's life: record, claim, renew and the fenced owner writes."""
+"""Statements of a job's life after its publish: claim, renew and the fenced owner writes."""
 
 from __future__ import annotations
 
@@ -18,15 +18,13 @@ from .base import (
     PENDING,
     RESULT_REVISION,
     RUNNING,
-    RUNS_REVISION,
     Claim,
     ClaimTerms,
     Job,
-    _Audited,
     fenced_status,
     where_given,
 )
-from .workers import WorkerStatements
+from .publishes import PublishStatements
 
 __all__ = ["JobStatements"]
 
@@ -36,145 +34,8 @@ def _not_ours(job: Job) -> Claim:
     return Claim(ClaimOutcome.DONE if job.status in (COMPLETED, FAILED) else ClaimOutcome.BUSY, job)
 
 
-class JobStatements(WorkerStatements):
+class JobStatements(PublishStatements):
     """Transitions of one job between pending, running, completed and failed."""
-
-    # -- publish ----------------------------------------------------------
-    def record(self, job_id: str, task_name: str, queue: str | None, payload: str | None,
-               max_attempts: int, idempotency_key: str | None = None,
-               delay: float = 0.0, recovery: Mapping[str, Any] | None = None,
-               reopen: bool = False) -> tuple[bool, str]:
-        """Insert a pending job; returns (created, job id holding the key).
-
-        ``recovery`` is the task's recovery policy (config.RECOVERY), carried on the row. A
-        key lives in its own table too, so it keeps its job's id after the job is pruned
-        (until lease_idempotency_retention). With ``reopen``, a finished job of this id and no
-        key runs again (see reopen()).
-        """
-        j, k = self.t.jobs, self.t.idempotency_keys
-        # Parameter names are no column's: an INSERT given an extra key named like one of its
-        # table's columns would write it (SQLAlchemy adds parameters' columns to an INSERT).
-        params = {"p_job": job_id, "p_task": task_name, "p_queue": queue, "p_payload": payload,
-                  "p_max_attempts": max_attempts, "p_key": idempotency_key, "p_delay": delay,
-                  "p_detail": json.dumps({"queue": queue}) if queue else None,
-                  **{f"r_{name}": (recovery or {}).get(name) for name in RECOVERY}}
-        keyed = idempotency_key is not None
-        try:
-            built = self._record_statements(keyed)
-            if built.compiled is not None:
-                self._execute_compiled(built, params)
-            else:
-                with self.begin() as c:
-                    c.execute(built.update, params)
-                    if keyed:
-                        c.execute(built.statement, params)
-                    c.execute(built.audit, params)
-            return True, job_id
-        except StoreConflict:
-            pass
-        if reopen and not keyed:
-            self.reopen(job_id, task_name, payload, delay)
-            return False, job_id
-        with self.begin() as c:
-            if idempotency_key is not None:
-                # The key table names the holder; a job recorded before it existed holds it itself.
-                other = c.execute(sa.select(k.c.job_id).where(k.c.key == idempotency_key)).scalar()
-                other = other or c.execute(
-                    sa.select(j.c.id).where(j.c.idempotency_key == idempotency_key)).scalar()
-                if other is not None:
-                    return False, other
-            return False, job_id
-
-    def reopen(self, job_id: str, task_name: str, payload: str | None, delay: float = 0.0) -> bool:
-        """completed or failed -> pending with fresh attempts: its task id was published again.
-
-        Celery runs a task again when a caller applies a signature whose id already ran (a
-        frozen signature applied twice, one errback shared by several chords): a new publish,
-        not a duplicate delivery. A job with an idempotency key is never reopened this way.
-        Audited ``republished`` with the finish it replaces.
-        """
-        j = self.t.jobs
-        values: dict[str, Any] = dict(
-            status=PENDING, task_name=task_name, available_at=self.now_sql + delay, updated_at=self.now_sql,
-            completed_at=None, failed_at=None, attempt_count=0, expired_count=0, dispatch_count=0,
-            lock_token=None, locked_by=None, lease_expires_at=None, last_error=None)
-        if payload is not None:
-            values["payload"] = payload
-        if self.at_least(RESULT_REVISION):
-            values["result"] = None
-        with self.begin() as c:
-            before = c.execute(sa.select(j.c.status, j.c.last_error).where(j.c.id == job_id)).first()
-            res = c.execute(sa.update(j).where(
-                j.c.id == job_id,
-                sa.or_(fenced_status(j.c.status, COMPLETED), fenced_status(j.c.status, FAILED)),
-                j.c.idempotency_key.is_(None),
-            ).values(**values))
-            if res.rowcount != 1 or before is None:
-                return False
-            self._event(c, job_id, Event.REPUBLISHED, (before.last_error or "")[:200] or None,
-                        detail={"previous_status": before.status})
-        return True
-
-    def _record_statements(self, keyed: bool, event_name: Event = Event.PUBLISHED) -> _Audited:
-        """The publish record as statements of bind parameters, built once per store.
-
-        On PostgreSQL the job, its key and its ``published`` event are one statement in
-        autocommit (data-modifying CTEs), compiled once: one round trip and one commit per
-        publish. A duplicate id or key fails the whole statement (StoreConflict). Elsewhere
-        they are an INSERT each (``update``, ``statement`` for the key, ``audit``) in one
-        transaction. The event's queue and task are the row's own values (a subquery in the
-        same statement would not see the row yet).
-        """
-        cache_key = "record_keyed" if keyed else "record"
-        built = self._built.get(cache_key)
-        if built is not None:
-            return built
-        j, k, e = self.t.jobs, self.t.idempotency_keys, self.t.events
-        job_id = sa.bindparam("p_job", type_=sa.String())
-        row: dict[str, Any] = {
-            "id": job_id, "task_name": sa.bindparam("p_task", type_=sa.String()),
-            "queue_name": sa.bindparam("p_queue", type_=sa.String()),
-            "payload": sa.bindparam("p_payload", type_=sa.Text()),
-            "status": sa.literal(str(PENDING), sa.String()), "attempt_count": sa.literal(0),
-            "expired_count": sa.literal(0), "dispatch_count": sa.literal(0),
-            "max_attempts": sa.bindparam("p_max_attempts", type_=sa.Integer()),
-            "idempotency_key": sa.bindparam("p_key", type_=sa.String()),
-            "available_at": self.now_sql + sa.bindparam("p_delay", type_=sa.Double()),
-            "created_at": self.now_sql, "updated_at": self.now_sql,
-            **{name: sa.bindparam(f"r_{name}", type_=j.c[name].type) for name in RECOVERY},
-        }
-        event: dict[str, Any] = {"event": sa.literal(str(event_name), sa.String()), "at": self.now_sql,
-                 "detail": sa.bindparam("p_detail", type_=sa.Text())}
-        if self.at_least(RUNS_REVISION):
-            event.update(queue_name=row["queue_name"], task_name=row["task_name"])
-        key: dict[str, Any] = {"key": row["idempotency_key"], "created_at": self.now_sql}
-        if not (self.dialect.one_statement_writes and self.dialect.compiled_fast_path):
-            built = _Audited(update=sa.insert(j).values(**row),
-                             statement=sa.insert(k).values(job_id=job_id, **key),
-                             audit=sa.insert(e).values(job_id=job_id, **event))
-        else:
-            inserted = sa.insert(j).from_select(
-                list(row), sa.select(*row.values()).where(*self.dialect.autocommit_settings(self.bounds))
-            ).returning(j.c.id).cte("inserted")
-            statement = sa.select(inserted.c.id)
-            if keyed:
-                statement = statement.add_cte(sa.insert(k).from_select(
-                    ["job_id", *key], sa.select(inserted.c.id, *key.values())).cte("keyed"))
-            statement = statement.add_cte(sa.insert(e).from_select(
-                ["job_id", *event], sa.select(inserted.c.id, *event.values())).cte("audit"))
-            compiled = statement.compile(dialect=self.engine.dialect)
-            built = _Audited(compiled=(compiled.string, compiled.construct_params(_check=False)),
-                             columns=["id"])
-        self._built[cache_key] = built
-        return built
-
-    def forget_unpublished(self, job_id: str) -> bool:
-        """Delete a pending job whose message never reached the broker."""
-        j = self.t.jobs
-        with self.begin() as c:
-            res = c.execute(sa.delete(j).where(j.c.id == job_id, fenced_status(j.c.status, PENDING),
-                                               j.c.attempt_count == 0, j.c.dispatch_count == 0))
-            return res.rowcount == 1
 
     # -- claim ------------------------------------------------------------
     def _lease_values(self, worker: Any, token: Any, duration: Any, grace: Any) -> dict[str, Any]:
@@ -352,7 +213,7 @@ class JobStatements(WorkerStatements):
         if not self.at_least(RESULT_REVISION):
             return None
         j = self.t.jobs
-        with self.begin() as c:
+        with self.begin(read=True) as c:
             return c.execute(sa.select(j.c.result)
                              .where(j.c.id == job_id, fenced_status(j.c.status, COMPLETED))).scalar()
 
@@ -487,5 +348,5 @@ class JobStatements(WorkerStatements):
         """Audit events, oldest first, of one job or one name when given."""
         e = self.t.events
         q = where_given(sa.select(e).order_by(e.c.id).limit(limit), (e.c.job_id, job_id), (e.c.event, event))
-        with self.begin() as c:
+        with self.begin(read=True) as c:
             return [dict(r._mapping) for r in c.execute(q)]

@@ -124,7 +124,7 @@ def migrate(store: object, to: str = "head") -> list[str]:
 def describe(store: object) -> tuple[str | None, bool]:
     """(revision, has tables) of a store, read without changing it."""
     prefix = store.prefix  # type: ignore[attr-defined]
-    with store.begin(long=True) as conn:  # type: ignore[attr-defined]
+    with store.begin(long=True, read=True) as conn:  # type: ignore[attr-defined]
         revision = migrations.current(conn, prefix)
         return revision, revision is not None or bool(_has_tables(conn, prefix))
 

@@ -218,7 +218,7 @@ class ReaperStatements(StoreBase):
     def reaper_lock_holder(self) -> tuple[str | None, float] | None:
         """(owner, seconds left) of a live reaper lock, or None when it is free."""
         k = self.t.locks
-        with self.begin() as c:
+        with self.begin(read=True) as c:
             row = c.execute(sa.select(k.c.owner, (k.c.expires_at - self.now_sql).label("left"))
                             .where(k.c.resource == REAPER_LOCK, k.c.expires_at >= self.now_sql)).first()
         return None if row is None else (row.owner, float(row.left))

@@ -58,7 +58,7 @@ class ReportStatements(StoreBase):
     def job_counts(self) -> list[tuple[str | None, str, int]]:
         """(queue, status, count) over the whole table: an operator's one-off read, not a scrape."""
         j = self.t.jobs
-        with self.begin(long=True) as c:
+        with self.begin(long=True, read=True) as c:
             rows = c.execute(sa.select(j.c.queue_name, j.c.status, sa.func.count())
                              .group_by(j.c.queue_name, j.c.status)).all()
         return sorted(((r[0], r[1], int(r[2])) for r in rows), key=lambda r: (r[0] or "", r[1]))
@@ -66,7 +66,7 @@ class ReportStatements(StoreBase):
     def running_rows(self, limit: int = 10_000) -> tuple[float, list[dict[str, Any]]]:
         """The store's now and up to ``limit`` running jobs (oldest lease first) with their ages."""
         j = self.t.jobs
-        with self.begin(long=True) as c:
+        with self.begin(long=True, read=True) as c:
             now = self._now(c)
             rows = c.execute(
                 sa.select(j.c.id, j.c.task_name, j.c.queue_name, j.c.locked_by, j.c.started_at,
@@ -90,7 +90,7 @@ class ReportStatements(StoreBase):
         """
         j = self.t.jobs
         open_ = [PENDING, RUNNING, FAILED]
-        with self.begin(long=True) as c:
+        with self.begin(long=True, read=True) as c:
             now = self._now(c)
             rows = c.execute(sa.select(j.c.queue_name, j.c.status, sa.func.count())
                              .where(j.c.status.in_([status_sql(s) for s in open_]))
@@ -107,7 +107,7 @@ class ReportStatements(StoreBase):
         """The store's now and up to ``limit`` registered worker processes, most recently seen first,
         each with ``alive`` (seen within lease_worker_stale_after)."""
         w = self.t.workers
-        with self.begin(long=True) as c:
+        with self.begin(long=True, read=True) as c:
             now = self._now(c)
             rows = c.execute(sa.select(w).order_by(w.c.last_seen_at.desc(), w.c.worker_id).limit(limit)).all()
         stale_after = self.stale_after
@@ -117,7 +117,7 @@ class ReportStatements(StoreBase):
         """Registered worker processes seen within lease_worker_stale_after (alive) or not (stale)."""
         w = self.t.workers
         alive = sa.case((w.c.last_seen_at >= self.now_sql - self.stale_after, 1), else_=0)
-        with self.begin(long=True) as c:
+        with self.begin(long=True, read=True) as c:
             total, live = c.execute(sa.select(sa.func.count(), sa.func.sum(alive))).one()
         return {"alive": int(live or 0), "stale": int(total or 0) - int(live or 0)}
 
@@ -129,7 +129,7 @@ class ReportStatements(StoreBase):
         w = self.t.workers
         if not self.at_least(POOL_REVISION):
             return {}
-        with self.begin() as c:
+        with self.begin(read=True) as c:
             alive = w.c.last_seen_at >= self.now_sql - self.stale_after
             rows = c.execute(sa.select(w.c.pool, sa.func.count()).where(alive, w.c.pool.is_not(None))
                              .group_by(w.c.pool)).all()
@@ -138,14 +138,14 @@ class ReportStatements(StoreBase):
     def alive_workers(self) -> set[str]:
         """Ids of worker processes seen within lease_worker_stale_after (the registry is small)."""
         w = self.t.workers
-        with self.begin(long=True) as c:
+        with self.begin(long=True, read=True) as c:
             return {r[0] for r in c.execute(sa.select(w.c.worker_id)
                                             .where(w.c.last_seen_at >= self.now_sql - self.stale_after))}
 
     def workers_last_seen(self, worker_ids: Sequence[str]) -> tuple[float, dict[str, float]]:
         """The store's time and when each of these registered worker processes was last seen."""
         w = self.t.workers
-        with self.begin(long=True) as c:
+        with self.begin(long=True, read=True) as c:
             now = self._now(c)
             if not worker_ids:
                 return now, {}
@@ -163,7 +163,7 @@ class ReportStatements(StoreBase):
             q = q.where(e.c.at > since)
         if until is not None:
             q = q.where(e.c.at <= until)
-        with self.begin(long=True) as c:
+        with self.begin(long=True, read=True) as c:
             rows = c.execute(q).all()
         return {name: 0 for name in names} | {r[0]: int(r[1]) for r in rows}
 
@@ -176,7 +176,7 @@ class ReportStatements(StoreBase):
         keys = [e.c.event, e.c.queue_name, e.c.task_name] if labelled else [e.c.event]
         q = (sa.select(*keys, sa.func.count()).where(e.c.event.in_(list(names)), e.c.at > since,
                                                      e.c.at <= until).group_by(*keys))
-        with self.begin(long=True) as c:
+        with self.begin(long=True, read=True) as c:
             rows = c.execute(q).all()
         return {(r[0], r[1], r[2]) if labelled else (r[0], None, None): int(r[-1]) for r in rows}
 
@@ -196,7 +196,7 @@ class ReportStatements(StoreBase):
             q = q.order_by(j.c.updated_at.desc(), j.c.id)
         q = where_given(q, (j.c.status, status), (j.c.queue_name, queue), (j.c.task_name, task),
                         (j.c.locked_by, owner))
-        with self.begin(long=True) as c:
+        with self.begin(long=True, read=True) as c:
             if since is not None:
                 q = q.where(j.c.updated_at >= self._now(c) - since)  # bound: an index range (list_events)
             return [Job.from_row(r) for r in c.execute(q)]
@@ -212,7 +212,7 @@ class ReportStatements(StoreBase):
         """Up to ``limit`` job ids that start with ``prefix`` (LIKE's wildcards in it escaped), sorted."""
         j = self.t.jobs
         q = sa.select(j.c.id).where(j.c.id.startswith(prefix, autoescape=True)).order_by(j.c.id).limit(limit)
-        with self.begin(long=True) as c:
+        with self.begin(long=True, read=True) as c:
             return list(c.execute(q).scalars())
 
     def list_events(self, job_id: str | None = None, since: float | None = None,
@@ -221,7 +221,7 @@ class ReportStatements(StoreBase):
         e = self.t.events
         q = where_given(sa.select(e).order_by(e.c.id.desc()).limit(limit),
                         (e.c.job_id, job_id), (e.c.event, event))
-        with self.begin(long=True) as c:
+        with self.begin(long=True, read=True) as c:
             if since is not None:
                 # A bound value, not the clock expression: PostgreSQL cannot range-scan an index
                 # against clock_timestamp(), which is volatile.
@@ -234,7 +234,7 @@ class ReportStatements(StoreBase):
         """Per (queue, task) over running jobs: count, expired leases, oldest start, heartbeat lag
         max/sum and cumulative bucket counts. Bounded by the jobs in flight."""
         j = self.t.jobs
-        with self.begin(long=True) as c:
+        with self.begin(long=True, read=True) as c:
             now = self._now(c)
             at: sa.BindParameter[float] = sa.literal(now, sa.Double())
             lag = at - sa.func.coalesce(j.c.last_heartbeat_at, j.c.started_at, at)
@@ -253,7 +253,7 @@ class ReportStatements(StoreBase):
     def pending_metrics(self) -> tuple[float, list[dict[str, Any]]]:
         """Per queue: pending depth and the oldest ``available_at`` already due."""
         j = self.t.jobs
-        with self.begin(long=True) as c:
+        with self.begin(long=True, read=True) as c:
             now = self._now(c)
             due = sa.case((j.c.available_at <= now, j.c.available_at), else_=None)
             rows = c.execute(sa.select(j.c.queue_name, sa.func.count(), sa.func.min(due))
@@ -272,7 +272,7 @@ class ReportStatements(StoreBase):
         j = self.t.jobs
         sums: dict[tuple[str | None, str], dict[str, list[float]]] = {}
         rt = sa.func.coalesce(j.c.completed_at - j.c.started_at, 0.0)
-        with self.begin(long=True) as c:
+        with self.begin(long=True, read=True) as c:
             for status in (COMPLETED, FAILED):
                 # One bucket index per row and GROUP BY it: one CASE per row instead of one per bucket.
                 rb, ab = _bucket(rt, runtime_buckets), _bucket(j.c.attempt_count, attempt_buckets)
@@ -297,7 +297,7 @@ class ReportStatements(StoreBase):
         j = self.t.jobs
         sub = (sa.select(j.c.task_name).where(j.c.status == status_sql(COMPLETED))
                .order_by(j.c.updated_at.desc()).limit(limit).subquery())
-        with self.begin(long=True) as c:
+        with self.begin(long=True, read=True) as c:
             return sorted(r[0] for r in c.execute(sa.select(sub.c.task_name).distinct()))
 
     def runtime_sample(self, task: str, limit: int = 10_000) -> list[tuple[float, float, str | None]]:
@@ -309,7 +309,7 @@ class ReportStatements(StoreBase):
              .where(j.c.task_name == task, j.c.status == status_sql(COMPLETED), j.c.started_at.is_not(None),
                     j.c.completed_at.is_not(None))
              .order_by(j.c.updated_at.desc()).limit(limit))
-        with self.begin(long=True) as c:
+        with self.begin(long=True, read=True) as c:
             return [(float(r[0]), float(r[1]), r[2]) for r in c.execute(q)]
 
     # -- manual recovery ----------------------------------------------------------
@@ -320,14 +320,14 @@ class ReportStatements(StoreBase):
         cond = (sa.and_(j.c.status == status_sql(RUNNING), j.c.lease_expires_at < self.now_sql) if force
                 else self._claimable_expired(scan=True))
         q = sa.select(*self._job_columns()).where(cond).order_by(j.c.lease_expires_at, j.c.id).limit(limit)
-        with self.begin(long=True) as c:
+        with self.begin(long=True, read=True) as c:
             return [Job.from_row(r) for r in c.execute(q)]
 
     def is_claimable_expired(self, job_id: str) -> bool:
         """Whether the reaper would take this job's lease now (_claimable_expired)."""
         j = self.t.jobs
         q = sa.select(j.c.id).where(j.c.id == job_id, self._claimable_expired())
-        with self.begin(long=True) as c:
+        with self.begin(long=True, read=True) as c:
             return c.execute(q).first() is not None
 
     def manual_requeue(self, job: Job, operator: str, force: bool = False,
@@ -364,7 +364,7 @@ class ReportStatements(StoreBase):
         q = where_given(q, (j.c.task_name, task))
         if not include_revoked:
             q = q.where(sa.or_(j.c.last_error.is_(None), ~j.c.last_error.startswith(REVOKED_PREFIX)))
-        with self.begin(long=True) as c:
+        with self.begin(long=True, read=True) as c:
             return [Job.from_row(r) for r in c.execute(q)]
 
     def redrive(self, job: Job, operator: str) -> bool:
@@ -411,7 +411,7 @@ class ReportStatements(StoreBase):
         if not job_ids:
             return {}
         j = self.t.jobs
-        with self.begin(long=True) as c:
+        with self.begin(long=True, read=True) as c:
             rows = c.execute(sa.select(j.c.id, j.c.locked_by).where(
                 j.c.id.in_(list(job_ids)), fenced_status(j.c.status, RUNNING),
                 j.c.lease_expires_at > self.now_sql,
@@ -421,7 +421,7 @@ class ReportStatements(StoreBase):
     def check_facts(self) -> dict[str, Any]:
         """What `lease check` reads besides durations: tables, hosts, delays and usage per task."""
         j, w, e, lk = self.t.jobs, self.t.workers, self.t.effects, self.t.locks
-        with self.begin(long=True) as c:
+        with self.begin(long=True, read=True) as c:
             existing = set(sa.inspect(c).get_table_names())
         # The previous revision has no reaper_runs or meta table: this code runs against it too.
         newer = () if self.at_least(RUNS_REVISION) else (self.t.reaper_runs.name, self.t.meta.name)
@@ -435,7 +435,7 @@ class ReportStatements(StoreBase):
             sa.func.max(sa.case((sa.and_(j.c.status == status_sql(PENDING), j.c.attempt_count == 0),
                                  j.c.available_at - j.c.created_at), else_=None)),
         ).group_by(j.c.task_name)
-        with self.begin(long=True) as c:
+        with self.begin(long=True, read=True) as c:
             hosts = [r[0] for r in c.execute(sa.select(w.c.hostname).distinct())]
             jobs = c.execute(usage).all()
             effects: dict[str, int] = dict(c.execute(sa.select(j.c.task_name, sa.func.count()).select_from(

@@ -52,7 +52,7 @@ class RunStatements(StoreBase):
         if not self.supports_runs:
             return None
         r = self.t.reaper_runs
-        with self.begin(long=True) as c:
+        with self.begin(long=True, read=True) as c:
             rows = c.execute(sa.select(r).order_by(r.c.id.desc()).limit(limit)).all()
         return [{**row._mapping, "counts": json.loads(row.counts) if row.counts else {}} for row in rows]
 
@@ -78,6 +78,6 @@ class RunStatements(StoreBase):
         if not self.supports_runs:
             return None
         m = self.t.meta
-        with self.begin(long=True) as c:
+        with self.begin(long=True, read=True) as c:
             row = c.execute(sa.select(self.now_sql - m.c.updated_at, m.c.value).where(m.c.key == key)).first()
         return (None, None) if row is None else (float(row[0]), row[1])

@@ -69,7 +69,9 @@ def test_a_chain_finishes_with_each_body_run_once_when_its_worker_dies_after_the
         assert mod.app.AsyncResult(first_id).state == "PENDING"  # its result was never stored
         procs.append(worker("tests.apps.post_run_app", env, tmp_path, name="heir"))
         assert result.get(timeout=60) == 41
-    assert mod.app.AsyncResult(first_id).get(timeout=5) == 40
+        # The heir's delivery came within a lease of the completion: it was sent again for then
+        # (the owner might still have been storing the result), and stores it when it returns.
+        assert mod.app.AsyncResult(first_id).get(timeout=30) == 40
     assert reports.llen(f"runs:{first_id}") == 1 and reports.llen(f"runs:{second_id}") == 1
     first_events = [e["event"] for e in store.events(first_id)]
     assert first_events.count("post_run_resumed") == 1 and first_events.count("claimed") == 1, first_events

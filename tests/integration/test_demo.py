@@ -18,6 +18,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
+from tests.helpers import wait_for
+
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_TIMEOUT = 150.0  # seconds; `make demo` must finish in under two minutes
 REDIS_DB = 11  # the demo's database number (tests/conftest.py: one per test family)
@@ -96,6 +98,39 @@ def test_demo_runs_on_redis_and_postgresql_with_two_environment_variables(tmp_pa
     table = result["table"]
     assert (table["completed"], table["lost"], table["effects"]) == (20, 0, 20), out
     assert all(c["ok"] for c in result["checks"]), out
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads process states from /proc (Linux)")
+def test_a_worker_counts_as_stopped_once_every_process_of_its_group_is(tmp_path):
+    """The demo freezes a worker inside the SQLite store's write lock until the stop has landed."""
+    from example_project.processes import Proc
+
+    # A shell and a child of its own in one new group, as a worker's main process and pool child.
+    popen = subprocess.Popen(["sh", "-c", "sleep 60 & sleep 60; wait"], start_new_session=True)
+    proc = Proc("sh", popen, tmp_path / "log")
+    try:
+        wait_for(lambda: len(group_states(popen.pid)) == 3, message="the group's three processes")
+        assert not proc.stopped()
+        proc.signal(signal.SIGSTOP)
+        wait_for(proc.stopped, message="every process of the group stopped")
+        assert set(group_states(popen.pid)) == {"T"}
+        proc.signal(signal.SIGCONT)
+        wait_for(lambda: not proc.stopped(), message="the group running again")
+    finally:
+        proc.kill()
+
+
+def group_states(pgrp: int) -> list[str]:
+    """The states of the live processes of one process group, from /proc."""
+    states = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgrp and fields[0] not in ("Z", "X"):
+            states.append(fields[0])
+    return states
 
 
 # -- the verdict: lease mode exits non-zero when a run broke a guarantee ------------------------

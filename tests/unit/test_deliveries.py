@@ -148,7 +148,7 @@ def results_app():
 
 
 class KeptStore:
-    """A completed job's kept result, and the audit events written."""
+    """A completed job's kept result, the store's clock (1000.0), and the audit events written."""
 
     def __init__(self, kept):
         self.kept, self.written = kept, []
@@ -156,12 +156,17 @@ class KeptStore:
     def kept_result(self, job_id):
         return self.kept
 
+    def now(self):
+        return 1000.0
+
     def event(self, job_id, event, *args, **kwargs):
         self.written.append(str(event))
 
 
 class CompletedJob:
-    id, status, locked_by = "job-1", "completed", None
+    """Completed two lease durations before KeptStore's clock."""
+
+    id, status, locked_by, completed_at, lease_duration = "job-1", "completed", None, 940.0, 30.0
 
 
 def test_a_result_is_kept_only_when_celery_stores_results(results_app):
@@ -190,6 +195,32 @@ def test_a_completed_job_without_a_stored_result_resumes_with_the_kept_one(resul
         task.backend.mark_as_done("job-1", {"total": 3})
         assert deliveries.resume_post_run(task, store, "me:1", CompletedJob()) == (False, None)
         assert store.written == ["post_run_resumed"]  # a stored result: an ordinary duplicate
+    finally:
+        task.pop_request()
+
+
+def test_a_job_completed_less_than_a_lease_ago_is_looked_at_again_after_it_not_resumed(results_app):
+    from celery.exceptions import Ignore
+
+    app, task = results_app
+    task.push_request(id="job-recent", delivery_info={}, args=[], kwargs={})
+    recent = CompletedJob()
+    recent.id, recent.completed_at = "job-recent", 990.0  # ten seconds before the store's clock; a 30 s lease
+    try:
+        store = KeptStore(deliveries.keepable_result(task, {"total": 3}))
+        with pytest.raises(Ignore):
+            deliveries.resume_post_run(task, store, "me:1", recent)
+        # The owner may still be storing the result: nothing resumed, the delivery sent again.
+        assert store.written == ["early_delivery_deferred"]
+        with app.connection_for_write() as conn:
+            queue = conn.SimpleQueue("celery", no_ack=True)  # kombu's memory broker: shared by the tests
+            sent = []
+            while True:
+                try:
+                    sent.append(queue.get(timeout=0.2).headers)
+                except queue.Empty:
+                    break
+        assert [h["eta"] is not None for h in sent if h["id"] == "job-recent"] == [True]
     finally:
         task.pop_request()
 

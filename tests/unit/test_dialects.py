@@ -308,6 +308,26 @@ def test_postgresql_timeouts_are_set_per_transaction_not_per_session(postgres_ur
     assert session == "0"
 
 
+def test_a_long_postgresql_transaction_waits_with_the_long_bound_from_its_first_round_trip(postgres_url):
+    store = Store(postgres_url, unique_prefix(), call_timeout=2.0)
+    waits: list[tuple[str, float]] = []
+
+    def record_wait(conn, _cursor, statement, *_args):
+        waits.append((statement, conn.connection.driver_connection.call_timeout))
+
+    sa.event.listen(store.engine, "before_cursor_execute", record_wait)
+    try:
+        with store.begin(long=True) as c:
+            c.execute(sa.text("SELECT 1"))
+        with store.begin() as c:
+            c.execute(sa.text("SELECT 1"))
+    finally:
+        store.engine.dispose()
+    assert "set_config" in waits[0][0] and "set_config" in waits[2][0]
+    # The long transaction's BEGIN and settings wait as long as its statements; a short one's do not.
+    assert [bound for _, bound in waits] == [store.long_bounds.round_trip] * 2 + [store.bounds.round_trip] * 2
+
+
 def test_a_hung_postgresql_server_fails_each_call_within_its_bound(postgres_url):
     # A frozen proxy: the kernel acknowledges every byte, the server never sees one.
     target = sa.make_url(postgres_url)

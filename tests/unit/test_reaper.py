@@ -558,6 +558,26 @@ def test_dry_run_plans_every_decision_and_changes_nothing(app, store, broker):
     assert json.dumps(result.as_dict())  # what `celery lease reap --dry-run` and the task return
 
 
+def test_a_dry_run_on_sqlite_answers_while_another_process_holds_the_write_lock(app, store, broker):
+    """The operator's dry run (CLI, web page) only reads: on SQLite it does not wait for a writer,
+    even one frozen in the middle of a write."""
+    if not store.dialect.single_writer:
+        pytest.skip("only SQLite has one write lock for the whole store")
+    import sqlite3
+
+    running(store, "requeue")
+    other = sqlite3.connect(store.engine.url.database, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    try:
+        result = Reaper(app).run_once(dry_run=True)
+        with pytest.raises(StoreUnavailable):
+            Reaper(app).run_once()  # a real run writes, and waits for the lock in vain
+    finally:
+        other.rollback()
+        other.close()
+    assert {d.job_id: d.decision for d in result.planned} == {"requeue": "requeue"}
+
+
 def test_pruning_removes_old_completed_jobs_events_and_stale_workers_only(app, store):
     store.record("old_done", "t.work", "celery", payload(), 3)
     store.record("old_failed", "t.work", "celery", payload(), 3)

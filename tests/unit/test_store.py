@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import secrets
 import threading
+import time
 
 import pytest
 import sqlalchemy as sa
@@ -22,6 +23,7 @@ from celery_lease.store import (
     Store,
     WorkerStore,
 )
+from tests.helpers import wait_for
 
 
 def token() -> str:
@@ -436,6 +438,32 @@ def test_an_async_claim_turns_off_synchronous_commit_for_its_own_transaction_onl
         raw.close()
 
 
+@pytest.mark.parametrize("store_url", ["postgres"], indirect=True)
+@pytest.mark.parametrize("async_commit", [True, False])
+def test_an_async_publish_record_turns_off_synchronous_commit_for_its_own_statement_only(store, async_commit):
+    store.publish_async_commit = async_commit
+    built = store._record_statements(keyed=True)
+    assert built.compiled is not None
+    sql, static = built.compiled
+    params = {"p_job": "a", "p_task": "t.task", "p_queue": "q", "p_payload": None, "p_max_attempts": 3,
+              "p_key": "k-a", "p_delay": 0.0, "p_detail": None, **{f"r_{name}": None for name in RECOVERY}}
+    with store.begin() as c:
+        assert c.exec_driver_sql(sql, {**static, **params}).scalar() == "a"
+        inside = c.execute(sa.text("SELECT current_setting('synchronous_commit')")).scalar()
+        c.rollback()
+    assert inside == ("off" if async_commit else "on")
+    # A real publish record: the job, its key and its event are written; the pooled connection
+    # it ran on waits for the flush again afterwards.
+    assert store.record("b", "t.task", "q", None, 3, idempotency_key="k-b") == (True, "b")
+    assert store.record("c", "t.task", "q", None, 3, idempotency_key="k-b") == (False, "b")
+    assert [e["event"] for e in store.events("b")] == ["published"]
+    raw = store.engine.raw_connection()
+    try:
+        assert raw.driver_connection.execute("SHOW synchronous_commit").fetchone()[0] == "on"
+    finally:
+        raw.close()
+
+
 def test_for_app_bounds_calls_by_the_shortest_lease_and_sizes_the_pool_by_concurrency(tmp_path):
     from celery import Celery
 
@@ -472,14 +500,16 @@ def test_the_store_takes_the_app_wide_lease_settings_from_the_config_and_default
 
     url = f"sqlite:///{tmp_path / 'lease.sqlite3'}"
     cfg = load({"lease_store_url": url, "lease_reaper_hard_grace": 7.0, "lease_worker_stale_after": 3.0,
-                "lease_clock_tolerance": 0.25, "lease_claim_async_commit": False})
+                "lease_clock_tolerance": 0.25, "lease_claim_async_commit": False,
+                "lease_publish_async_commit": True})
     store = Store.from_config(cfg)
-    assert (store.hard_grace, store.stale_after, store.clock_tolerance, store.claim_async_commit) == (
-        7.0, 3.0, 0.25, False)
+    assert (store.hard_grace, store.stale_after, store.clock_tolerance, store.claim_async_commit,
+            store.publish_async_commit) == (7.0, 3.0, 0.25, False, True)
     plain = Store(url)
-    assert (plain.hard_grace, plain.clock_tolerance, plain.claim_async_commit) == tuple(
-        BY_NAME[name].default for name in ("lease_reaper_hard_grace", "lease_clock_tolerance",
-                                           "lease_claim_async_commit"))
+    defaults = ("lease_reaper_hard_grace", "lease_clock_tolerance", "lease_claim_async_commit",
+                "lease_publish_async_commit")
+    assert (plain.hard_grace, plain.clock_tolerance, plain.claim_async_commit,
+            plain.publish_async_commit) == tuple(BY_NAME[name].default for name in defaults)
     # Unset, the worker staleness is derived from the lease settings: lease + grace - a heartbeat.
     assert plain.stale_after == 30.0
     quick = load({"lease_store_url": url, "lease_duration": 6.0, "lease_heartbeat_interval": 1.0,
@@ -512,3 +542,116 @@ def test_every_public_store_method_belongs_to_a_role():
                if not name.startswith("_") and not inspect.ismethod(value)}  # from_config builds, no role
     covered = set().union(*(_surface(role) for role in ROLES))
     assert methods - covered == set()
+
+
+# -- one writer at a time (SQLite) -----------------------------------------------------------
+def test_threads_of_one_process_queue_for_a_sqlite_store_at_its_writer_lock(sqlite_url):
+    """A second thread waits at the process's lock, not in SQLite's polling, and gives up
+    within the bound with an error that names the holder."""
+    store = Store(sqlite_url, "wl_", call_timeout=0.8)
+    store.migrate()
+    store.record("first", "t.x", "celery", None, 3)  # the schema check (a long call) is behind us
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with store.begin():
+            holding.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert holding.wait(10)
+        with pytest.raises(StoreUnavailable, match="another thread of this process held") as caught:
+            store.record("queued", "t.x", "celery", None, 3)
+        assert caught.value.kind == "timeout"
+    finally:
+        release.set()
+        holder.join(10)
+    store.record("queued", "t.x", "celery", None, 3)  # the turn comes once the holder is done
+    assert store.get("queued").status == "pending"
+
+
+def test_reads_of_a_sqlite_store_answer_while_a_writer_holds_it(sqlite_url):
+    """Reads neither queue at the process's lock nor take SQLite's write lock: they see the last
+    commit while a writer works (or while a frozen process holds the lock); writes still wait."""
+    store = Store(sqlite_url, "wr_", call_timeout=0.8)
+    store.migrate()
+    store.record("committed", "t.x", "celery", None, 3)
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with store.begin() as c:
+            c.execute(sa.update(store.t.jobs).values(queue_name="uncommitted"))
+            holding.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert holding.wait(10)
+        assert store.get("committed").queue_name == "celery"
+        assert [e["event"] for e in store.events("committed")] == ["published"]
+        assert [job.id for job in store.list_jobs(status=PENDING)] == ["committed"]
+        with pytest.raises(StoreUnavailable):
+            store.record("queued", "t.x", "celery", None, 3)
+    finally:
+        release.set()
+        holder.join(10)
+    assert store.get("committed").queue_name == "uncommitted"
+
+
+def test_a_long_sqlite_transaction_waits_for_the_file_lock_with_the_long_bound(sqlite_url):
+    """Another process holds the file's write lock past the call bound: a write gives up within
+    it, a reaper batch or an operator's command waits on and gets its turn when the lock frees."""
+    import sqlite3
+
+    store = Store(sqlite_url, "wb_", call_timeout=0.8)
+    store.migrate()
+    store.record("first", "t.x", "celery", None, 3)
+    other = sqlite3.connect(sa.make_url(sqlite_url).database, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # as a worker process in the middle of a write would
+    outcome: list[object] = []
+    began: list[float] = []
+
+    def long_write() -> None:
+        began.append(time.monotonic())
+        try:
+            with store.begin(long=True) as c:
+                c.execute(sa.update(store.t.jobs).values(queue_name="long"))
+            outcome.append("committed")
+        except StoreUnavailable as exc:
+            outcome.append(exc)
+
+    second = Store(sqlite_url, "wb_", call_timeout=0.8)  # its own process lock, as another process
+    waiter = threading.Thread(target=long_write)
+    try:
+        waiter.start()
+        with pytest.raises(StoreUnavailable, match="database is locked"):
+            second.record("short", "t.x", "celery", None, 3)  # gives up within the call bound
+        short = store.dialect.busy_wait(store.bounds)
+        wait_for(lambda: (began and time.monotonic() - began[0] > 2 * short) or outcome,
+                 message="the long transaction waiting past the short bound")
+        assert waiter.is_alive() and not outcome  # still waiting, where a short one gave up
+    finally:
+        other.rollback()
+        other.close()
+        waiter.join(30)
+    assert outcome == ["committed"] and store.get("first").queue_name == "long"
+    store.record("after", "t.x", "celery", None, 3)  # a short write again on the same connection
+    second.record("short", "t.x", "celery", None, 3)
+
+
+def test_a_forked_process_gets_its_own_writer_lock(sqlite_url):
+    store = Store(sqlite_url, "wf_")
+    store.migrate()
+    inherited = store._writer
+    assert inherited is not None and inherited.acquire(timeout=1)  # held, as a parent thread might at fork
+    store._pid = -1  # what the child sees: another pid than the one that built the engine
+    store.record("child", "t.x", "celery", None, 3)
+    assert store._writer is not inherited and store.get("child") is not None
+
+
+def test_a_database_with_many_writers_has_no_writer_lock(store):
+    store.record("any", "t.x", "celery", None, 3)
+    assert (store._writer is None) is (not store.dialect.single_writer)

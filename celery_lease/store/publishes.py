@@ -1,0 +1,225 @@
+"""Statements of a job's publish: its record (one, or a group's batch), reopen and forget."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import sqlalchemy as sa
+
+from ..config import RECOVERY
+from ..errors import StoreConflict
+from ..vocabulary import Event
+from .audited import AuditedWrites, _Audited
+from .base import (
+    COMPLETED,
+    FAILED,
+    PENDING,
+    RESULT_REVISION,
+    RUNS_REVISION,
+    NewJob,
+    fenced_status,
+)
+from .workers import WorkerStatements
+
+__all__ = ["RECORD_BATCH", "PublishStatements"]
+
+# Jobs one statement of record_batch() inserts at most: a 10,000-task group is 20 statements.
+RECORD_BATCH = 500
+
+
+class PublishStatements(AuditedWrites, WorkerStatements):
+    """How a published job enters the store: pending, with its ``published`` event."""
+
+    def record(self, job_id: str, task_name: str, queue: str | None, payload: str | None,
+               max_attempts: int, idempotency_key: str | None = None,
+               delay: float = 0.0, recovery: Mapping[str, Any] | None = None,
+               reopen: bool = False) -> tuple[bool, str]:
+        """Insert a pending job; returns (created, job id holding the key).
+
+        ``recovery`` is the task's recovery policy (config.RECOVERY), carried on the row. A
+        key lives in its own table too, so it keeps its job's id after the job is pruned
+        (until lease_idempotency_retention). With ``reopen``, a finished job of this id and no
+        key runs again (see reopen()).
+        """
+        j, k = self.t.jobs, self.t.idempotency_keys
+        params = _record_params(NewJob(job_id, task_name, queue, payload, max_attempts, delay, recovery),
+                                idempotency_key)
+        keyed = idempotency_key is not None
+        try:
+            built = self._record_statements(keyed)
+            if built.compiled is not None:
+                self._execute_compiled(built, params)
+            else:
+                with self.begin() as c:
+                    c.execute(built.update, params)
+                    if keyed:
+                        c.execute(built.statement, params)
+                    c.execute(built.audit, params)
+            return True, job_id
+        except StoreConflict:
+            pass
+        if reopen and not keyed:
+            self.reopen(job_id, task_name, payload, delay)
+            return False, job_id
+        with self.begin() as c:
+            if idempotency_key is not None:
+                # The key table names the holder; a job recorded before it existed holds it itself.
+                other = c.execute(sa.select(k.c.job_id).where(k.c.key == idempotency_key)).scalar()
+                other = other or c.execute(
+                    sa.select(j.c.id).where(j.c.idempotency_key == idempotency_key)).scalar()
+                if other is not None:
+                    return False, other
+            return False, job_id
+
+    def record_batch(self, jobs: Sequence[NewJob]) -> None:
+        """Insert pending jobs without keys and their ``published`` events, a batch at a time.
+
+        A group's publish records its jobs here before any of their messages is sent. Each
+        batch of up to RECORD_BATCH jobs is one INSERT of many rows into the jobs table and one
+        into the events table, in one transaction (SQLAlchemy renders an executemany INSERT
+        as multi-row VALUES; pymysql does the same). A batch holding an id the store knows
+        writes nothing and raises StoreConflict: the caller records those jobs one by one
+        (record()), as it would have without the batch.
+        """
+        if not jobs:
+            return
+        insert_job, insert_event = self._batch_statements()
+        for start in range(0, len(jobs), RECORD_BATCH):
+            rows = [_record_params(job) for job in jobs[start:start + RECORD_BATCH]]
+            with self.begin() as c:
+                if self.publish_async_commit:
+                    c.execute(sa.select(*self.dialect.autocommit_settings(self.bounds, True)))
+                c.execute(insert_job, rows)
+                c.execute(insert_event, rows)
+
+    def _batch_statements(self) -> tuple[sa.Insert, sa.Insert]:
+        """record_batch()'s two INSERTs of bind parameters, built once per store."""
+        built = self._built.get("record_batch")
+        if built is not None:
+            return built.update, built.audit
+        j, e = self.t.jobs, self.t.events
+        row, event = self._record_values(Event.PUBLISHED)
+        insert_job = sa.insert(j).values(**row)
+        insert_event = sa.insert(e).values(job_id=row["id"], **event)
+        if self.engine.dialect.insert_executemany_returning:
+            # With RETURNING, SQLAlchemy sends an executemany INSERT as one statement of many
+            # VALUES rows ("insertmanyvalues"); without it psycopg would pipeline one per row.
+            insert_job, insert_event = insert_job.returning(j.c.id), insert_event.returning(e.c.id)
+        built = _Audited(update=insert_job, audit=insert_event)
+        self._built["record_batch"] = built
+        return built.update, built.audit
+
+    def reopen(self, job_id: str, task_name: str, payload: str | None, delay: float = 0.0) -> bool:
+        """completed or failed -> pending with fresh attempts: its task id was published again.
+
+        Celery runs a task again when a caller applies a signature whose id already ran (a
+        frozen signature applied twice, one errback shared by several chords): a new publish,
+        not a duplicate delivery. A job with an idempotency key is never reopened this way.
+        Audited ``republished`` with the finish it replaces.
+        """
+        j = self.t.jobs
+        values: dict[str, Any] = dict(
+            status=PENDING, task_name=task_name, available_at=self.now_sql + delay, updated_at=self.now_sql,
+            completed_at=None, failed_at=None, attempt_count=0, expired_count=0, dispatch_count=0,
+            lock_token=None, locked_by=None, lease_expires_at=None, last_error=None)
+        if payload is not None:
+            values["payload"] = payload
+        if self.at_least(RESULT_REVISION):
+            values["result"] = None
+        with self.begin() as c:
+            before = c.execute(sa.select(j.c.status, j.c.last_error).where(j.c.id == job_id)).first()
+            res = c.execute(sa.update(j).where(
+                j.c.id == job_id,
+                sa.or_(fenced_status(j.c.status, COMPLETED), fenced_status(j.c.status, FAILED)),
+                j.c.idempotency_key.is_(None),
+            ).values(**values))
+            if res.rowcount != 1 or before is None:
+                return False
+            self._event(c, job_id, Event.REPUBLISHED, (before.last_error or "")[:200] or None,
+                        detail={"previous_status": before.status})
+        return True
+
+    def _record_statements(self, keyed: bool, event_name: Event = Event.PUBLISHED) -> _Audited:
+        """The publish record as statements of bind parameters, built once per store.
+
+        On PostgreSQL the job, its key and its ``published`` event are one statement in
+        autocommit (data-modifying CTEs), compiled once: one round trip and one commit per
+        publish (with lease_publish_async_commit, one that does not wait for the WAL flush).
+        A duplicate id or key fails the whole statement (StoreConflict). Elsewhere
+        they are an INSERT each (``update``, ``statement`` for the key, ``audit``) in one
+        transaction. The event's queue and task are the row's own values (a subquery in the
+        same statement would not see the row yet).
+        """
+        async_commit = self.publish_async_commit
+        cache_key = ("record_keyed" if keyed else "record") + ("_async" if async_commit else "")
+        built = self._built.get(cache_key)
+        if built is not None:
+            return built
+        j, k, e = self.t.jobs, self.t.idempotency_keys, self.t.events
+        row, event = self._record_values(event_name)
+        job_id = row["id"]
+        key: dict[str, Any] = {"key": row["idempotency_key"], "created_at": self.now_sql}
+        if not (self.dialect.one_statement_writes and self.dialect.compiled_fast_path):
+            built = _Audited(update=sa.insert(j).values(**row),
+                             statement=sa.insert(k).values(job_id=job_id, **key),
+                             audit=sa.insert(e).values(job_id=job_id, **event))
+        else:
+            inserted = sa.insert(j).from_select(
+                list(row), sa.select(*row.values()).where(
+                    *self.dialect.autocommit_settings(self.bounds, async_commit))
+            ).returning(j.c.id).cte("inserted")
+            statement = sa.select(inserted.c.id)
+            if keyed:
+                statement = statement.add_cte(sa.insert(k).from_select(
+                    ["job_id", *key], sa.select(inserted.c.id, *key.values())).cte("keyed"))
+            statement = statement.add_cte(sa.insert(e).from_select(
+                ["job_id", *event], sa.select(inserted.c.id, *event.values())).cte("audit"))
+            compiled = statement.compile(dialect=self.engine.dialect)
+            built = _Audited(compiled=(compiled.string, compiled.construct_params(_check=False)),
+                             columns=["id"])
+        self._built[cache_key] = built
+        return built
+
+    def _record_values(self, event_name: Event) -> tuple[dict[str, Any], dict[str, Any]]:
+        """A published job's columns and its event's, as the bind parameters of _record_params()."""
+        j = self.t.jobs
+        row: dict[str, Any] = {
+            "id": sa.bindparam("p_job", type_=sa.String()),
+            "task_name": sa.bindparam("p_task", type_=sa.String()),
+            "queue_name": sa.bindparam("p_queue", type_=sa.String()),
+            "payload": sa.bindparam("p_payload", type_=sa.Text()),
+            "status": sa.literal(str(PENDING), sa.String()), "attempt_count": sa.literal(0),
+            "expired_count": sa.literal(0), "dispatch_count": sa.literal(0),
+            "max_attempts": sa.bindparam("p_max_attempts", type_=sa.Integer()),
+            "idempotency_key": sa.bindparam("p_key", type_=sa.String()),
+            "available_at": self.now_sql + sa.bindparam("p_delay", type_=sa.Double()),
+            "created_at": self.now_sql, "updated_at": self.now_sql,
+            **{name: sa.bindparam(f"r_{name}", type_=j.c[name].type) for name in RECOVERY},
+        }
+        event: dict[str, Any] = {"event": sa.literal(str(event_name), sa.String()), "at": self.now_sql,
+                                 "detail": sa.bindparam("p_detail", type_=sa.Text())}
+        if self.at_least(RUNS_REVISION):
+            event.update(queue_name=row["queue_name"], task_name=row["task_name"])
+        return row, event
+
+    def forget_unpublished(self, job_id: str) -> bool:
+        """Delete a pending job whose message never reached the broker."""
+        j = self.t.jobs
+        with self.begin() as c:
+            res = c.execute(sa.delete(j).where(j.c.id == job_id, fenced_status(j.c.status, PENDING),
+                                               j.c.attempt_count == 0, j.c.dispatch_count == 0))
+            return res.rowcount == 1
+
+
+def _record_params(job: NewJob, idempotency_key: str | None = None) -> dict[str, Any]:
+    """The bind parameters of one job's record (the same for its jobs, key and events INSERTs).
+
+    Their names are no column's: an INSERT given an extra key named like one of its table's
+    columns would write it (SQLAlchemy adds parameters' columns to an INSERT).
+    """
+    return {"p_job": job.id, "p_task": job.task_name, "p_queue": job.queue, "p_payload": job.payload,
+            "p_max_attempts": job.max_attempts, "p_key": idempotency_key, "p_delay": float(job.delay),
+            "p_detail": json.dumps({"queue": job.queue}) if job.queue else None,
+            **{f"r_{name}": (job.recovery or {}).get(name) for name in RECOVERY}}
