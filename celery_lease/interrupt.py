@@ -51,6 +51,10 @@ class Interrupter:
     def cancel(self) -> None:
         """The body is over: drop an interruption that has not landed yet."""
 
+    def is_current(self) -> bool:
+        """Whether the caller runs in the bound execution unit (the body's own)."""
+        raise NotImplementedError
+
 
 class ThreadInterrupter(Interrupter):
     """An OS thread: an asynchronous exception, cleared if the body ends first."""
@@ -69,6 +73,9 @@ class ThreadInterrupter(Interrupter):
     def cancel(self) -> None:
         if self.thread_id is not None:
             raise_in_thread(self.thread_id, None)
+
+    def is_current(self) -> bool:
+        return self.thread_id == threading.get_ident()
 
 
 class GreenletInterrupter(Interrupter):
@@ -97,6 +104,11 @@ class GreenletInterrupter(Interrupter):
 
         # Thread-safe: the deadline timer may be a real thread (threading not patched).
         self.hub.loop.run_callback_threadsafe(throw)
+
+    def is_current(self) -> bool:
+        import gevent
+
+        return self.greenlet is not None and self.greenlet is gevent.getcurrent()
 
 
 def greenlets_in_use() -> bool:

@@ -59,6 +59,7 @@ class Lease:
         self.retried = False
         self.kept_result: str | None = None  # the encoded return value the completion keeps
         self._in_body = False
+        self._raised = False  # the body raised LeaseLost itself: nothing interrupts it again
         self._interrupter = runtime.interrupter()
         self._guard = threading.Lock()
 
@@ -71,6 +72,13 @@ class Lease:
         if not self.lost:
             self.expire_if_due(deadline.monotonic())
         if self.lost:
+            with self._guard:
+                if self._in_body and self._interrupter.is_current():
+                    # The body raises LeaseLost itself. The timer or the heartbeat may have set
+                    # ``lost`` and not yet interrupted (it logs first): that interruption would
+                    # land a second LeaseLost in the body's own except and finally blocks.
+                    self._raised = True
+                    self._interrupter.cancel()
             raise LeaseLost(self.job_id, self.lost_reason or "lost", self.lost_owner)
 
     def expire_if_due(self, now: float) -> bool:
@@ -163,7 +171,7 @@ class Lease:
                 self._interrupter.interrupt(LeaseLost(self.job_id, reason, owner), self._still_running)
 
     def _still_running(self) -> bool:
-        return self._in_body and not self.finishing
+        return self._in_body and not self.finishing and not self._raised
 
     @contextlib.contextmanager
     def body(self) -> Iterator[None]:

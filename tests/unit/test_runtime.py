@@ -10,7 +10,7 @@ import pytest
 import sqlalchemy as sa
 from celery import Celery
 
-from celery_lease import LeaseTask, deadline, runtime
+from celery_lease import LeaseTask, deadline, interrupt, runtime
 from celery_lease.config import load
 from celery_lease.effects import lock
 from celery_lease.errors import LeaseLost, StoreUnavailable
@@ -127,6 +127,53 @@ def test_the_timer_thread_interrupts_a_busy_body_on_time(store):
     # Well before the body's own end (10 s): the timer thread, not the loop, stopped it. The slack
     # is for a loaded 2-core machine, where the timer thread may wait for the GIL and the CPU.
     assert lease.deadline <= at < lease.deadline + 2.0
+
+
+class _LateInterrupter(interrupt.ThreadInterrupter):
+    """Marks the moment a loss was flagged and holds the interruption back a while, as the
+    timer does while it logs the loss: the window in which the body may see ``lost`` first."""
+
+    flagged = threading.Event()
+    body_raised = threading.Event()
+
+    def interrupt(self, error, still_running):
+        self.flagged.set()
+        self.body_raised.wait(1.0)
+        super().interrupt(error, still_running)
+
+
+def test_a_body_that_raises_lease_lost_itself_is_not_interrupted_again_in_its_handlers(store):
+    rt = Runtime(store, "host", default_interval=0.2, worker="host:3", interrupter=_LateInterrupter)
+    rt.start = lambda: None
+    _LateInterrupter.flagged.clear()
+    _LateInterrupter.body_raised.clear()
+    lease = claim(store, rt, "job-1")
+    in_body = threading.Event()
+    seen: list[str] = []
+
+    def body() -> None:
+        try:
+            with lease.body():
+                in_body.set()
+                assert _LateInterrupter.flagged.wait(10)
+                try:
+                    lease.check()  # sees ``lost`` while the other thread still holds the interruption
+                except LeaseLost:
+                    _LateInterrupter.body_raised.set()
+                    marker.join(10)
+                    for _ in range(100_000):  # a queued interruption lands at one of these bytecodes
+                        pass
+                    seen.append("handler ran to its end")
+        except LeaseLost:
+            seen.append("a second LeaseLost")
+
+    worker = threading.Thread(target=body)
+    marker = threading.Thread(target=lambda: (in_body.wait(10), lease.mark_lost("taken_over")))
+    worker.start()
+    marker.start()
+    worker.join(10)
+    rt.stop()
+    assert seen == ["handler ran to its end"]
 
 
 def test_two_claims_of_one_job_in_one_process_keep_their_own_leases(store, rt):
