@@ -177,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         status = _report(scenario.collect(), started, run_dir)
     except ScenarioError as exc:
         print(f"\nthe scenario could not be played: {exc}")
+        _print_log_tails(run_dir)
     finally:
         if shared_db:
             _drop_tables(app, args.mode)
@@ -185,6 +186,15 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"run directory kept: {run_dir}")
     return status
+
+
+def _print_log_tails(run_dir: Path, lines: int = 8) -> None:
+    """The last lines of each process's log: what a step waited for may say why it never came."""
+    for log in sorted(run_dir.glob("*.log")):
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+        print(f"\n  last lines of {log.name}:")
+        for line in tail:
+            print(f"    {line[:300]}")
 
 
 if __name__ == "__main__":

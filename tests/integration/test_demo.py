@@ -40,7 +40,7 @@ def run_demo(run_dir: Path, *args: str, env: dict[str, str] | None = None) -> tu
         out, _ = proc.communicate(timeout=20)
         pytest.fail(f"the demo took more than {DEMO_TIMEOUT:g}s; its output:\n{out[-4000:]}")
     result_file = run_dir / "result.json"
-    assert result_file.exists(), f"the demo wrote no result (exit {proc.returncode}):\n{out[-4000:]}"
+    assert result_file.exists(), f"the demo wrote no result (exit {proc.returncode}):\n{out[-12000:]}"
     return proc.returncode, out, json.loads(result_file.read_text())
 
 
@@ -118,6 +118,18 @@ def test_a_worker_counts_as_stopped_once_every_process_of_its_group_is(tmp_path)
         wait_for(lambda: not proc.stopped(), message="the group running again")
     finally:
         proc.kill()
+
+
+def test_a_scenario_that_cannot_be_played_shows_the_end_of_each_process_log(tmp_path, capsys):
+    from example_project.demo import _print_log_tails
+
+    (tmp_path / "w1.log").write_text("".join(f"w1 line {n}\n" for n in range(20)))
+    (tmp_path / "reaper.log").write_text("reaper took back rpt-1\n")
+    _print_log_tails(tmp_path, lines=8)
+    out = capsys.readouterr().out
+    assert "last lines of reaper.log" in out and "reaper took back rpt-1" in out
+    assert [f"w1 line {n}" for n in range(12, 20)] == [
+        line.strip() for line in out.splitlines() if line.strip().startswith("w1 line")]
 
 
 def group_states(pgrp: int) -> list[str]:
