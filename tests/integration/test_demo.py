@@ -8,11 +8,14 @@ and check that lease mode exits non-zero for it (and plain mode does not).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -25,30 +28,78 @@ DEMO_TIMEOUT = 150.0  # seconds; `make demo` must finish in under two minutes
 REDIS_DB = 11  # the demo's database number (tests/conftest.py: one per test family)
 
 
-def run_demo(run_dir: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int, str, dict]:
-    """Run the demo in a subprocess; returns (exit status, stdout, result.json)."""
-    clean = {k: v for k, v in os.environ.items()
-             if not k.startswith("EXAMPLE_") and k not in ("CELERY_BROKER_URL", "PYTHONPATH")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "example_project.demo", "--run-dir", str(run_dir), *args],
-        cwd=ROOT, env={**clean, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+class Demo:
+    """One run of ``python -m example_project.demo`` in a subprocess, started now, judged later."""
+
+    def __init__(self, run_dir: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        clean = {k: v for k, v in os.environ.items()
+                 if not k.startswith("EXAMPLE_") and k not in ("CELERY_BROKER_URL", "PYTHONPATH")}
+        self.run_dir = run_dir
+        self.deadline = time.monotonic() + DEMO_TIMEOUT
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "example_project.demo", "--run-dir", str(run_dir), *args],
+            cwd=ROOT, env={**clean, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    def finish(self) -> tuple[int, str, dict]:
+        """Wait for the run to end; returns (exit status, stdout, result.json)."""
+        try:
+            out, _ = self.proc.communicate(timeout=max(0.0, self.deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGTERM)  # the demo kills its workers' process groups on SIGTERM
+            out, _ = self.proc.communicate(timeout=20)
+            pytest.fail(f"the demo took more than {DEMO_TIMEOUT:g}s; its output:\n{out[-4000:]}")
+        result_file = self.run_dir / "result.json"
+        assert result_file.exists(), \
+            f"the demo wrote no result (exit {self.proc.returncode}):\n{out[-12000:]}"
+        return self.proc.returncode, out, json.loads(result_file.read_text())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.communicate(timeout=20)
+
+
+LEASE, PLAIN, SHARED = "lease", "plain", "redis+postgresql"
+
+
+@pytest.fixture(scope="module")
+def demos(request, tmp_path_factory) -> Iterator[dict[str, Demo]]:
+    """The demo runs this session's tests want, all started at once.
+
+    A run mostly waits (its task bodies sleep, its reaper runs every second), so three side by
+    side take about as long as one; each test then judges its own.
+    """
+    wanted = {item.originalname for item in request.session.items if item.module.__name__ == __name__}
+    runs: dict[str, Demo] = {}
     try:
-        out, _ = proc.communicate(timeout=DEMO_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)  # the demo kills its workers' process groups on SIGTERM
-        out, _ = proc.communicate(timeout=20)
-        pytest.fail(f"the demo took more than {DEMO_TIMEOUT:g}s; its output:\n{out[-4000:]}")
-    result_file = run_dir / "result.json"
-    assert result_file.exists(), f"the demo wrote no result (exit {proc.returncode}):\n{out[-12000:]}"
-    return proc.returncode, out, json.loads(result_file.read_text())
+        if test_demo_lease_mode_recovers_killed_and_frozen_workers_and_loses_nothing.__name__ in wanted:
+            runs[LEASE] = Demo(tmp_path_factory.mktemp("lease") / "run")
+        if test_demo_plain_mode_shows_the_job_plain_celery_loses_and_exits_zero.__name__ in wanted:
+            runs[PLAIN] = Demo(tmp_path_factory.mktemp("plain") / "run", "--mode", "plain")
+        if test_demo_runs_on_redis_and_postgresql_with_two_environment_variables.__name__ in wanted:
+            try:
+                redis_url = request.getfixturevalue("redis_url")
+                postgres_url = request.getfixturevalue("postgres_url")
+            except (pytest.skip.Exception, pytest.fail.Exception):
+                pass  # its test asks for the services itself, and skips or fails there
+            else:
+                broker = urlunsplit(urlsplit(redis_url)._replace(path=f"/{REDIS_DB}"))
+                env = {"CELERY_BROKER_URL": broker, "EXAMPLE_LEASE_STORE_URL": postgres_url}
+                runs[SHARED] = Demo(tmp_path_factory.mktemp("shared") / "run", env=env)
+        yield runs
+    finally:
+        for run in runs.values():
+            run.stop()
 
 
 @pytest.mark.integration
 @pytest.mark.chaos
 @pytest.mark.slow
-def test_demo_lease_mode_recovers_killed_and_frozen_workers_and_loses_nothing(tmp_path):
-    status, out, result = run_demo(tmp_path / "run")
+def test_demo_lease_mode_recovers_killed_and_frozen_workers_and_loses_nothing(demos):
+    status, out, result = demos[LEASE].finish()
 
     assert status == 0, out[-4000:]
     table = result["table"]
@@ -69,8 +120,8 @@ def test_demo_lease_mode_recovers_killed_and_frozen_workers_and_loses_nothing(tm
 @pytest.mark.integration
 @pytest.mark.chaos
 @pytest.mark.slow
-def test_demo_plain_mode_shows_the_job_plain_celery_loses_and_exits_zero(tmp_path):
-    status, out, result = run_demo(tmp_path / "run", "--mode", "plain")
+def test_demo_plain_mode_shows_the_job_plain_celery_loses_and_exits_zero(demos):
+    status, out, result = demos[PLAIN].finish()
 
     assert status == 0, out[-4000:]
     table = result["table"]
@@ -86,11 +137,9 @@ def test_demo_plain_mode_shows_the_job_plain_celery_loses_and_exits_zero(tmp_pat
 @pytest.mark.integration
 @pytest.mark.chaos
 @pytest.mark.slow
-def test_demo_runs_on_redis_and_postgresql_with_two_environment_variables(tmp_path, redis_url, postgres_url):
+def test_demo_runs_on_redis_and_postgresql_with_two_environment_variables(redis_url, postgres_url, demos):
     broker = urlunsplit(urlsplit(redis_url)._replace(path=f"/{REDIS_DB}"))
-    status, out, result = run_demo(tmp_path / "run", env={
-        "CELERY_BROKER_URL": broker, "EXAMPLE_LEASE_STORE_URL": postgres_url,
-    })
+    status, out, result = demos[SHARED].finish()
 
     assert status == 0, out[-4000:]
     assert f"broker       {broker}" in out
