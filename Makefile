@@ -45,8 +45,9 @@ $(MINDEPS_STAMP): setup.cfg pyproject.toml tools/mindeps-requirements.txt
 	$(MINDEPS)/bin/python -m pip install --quiet --no-deps -e .
 	touch $@
 
-# The store-parametrized tests run on PostgreSQL here (the driver whose floor matters most: the
-# store's bounded calls need psycopg's wait timeout); `make test` covers SQLite and MariaDB.
+# The store-parametrized tests and the operator scenes run on PostgreSQL here (the driver whose
+# floor matters most: the store's bounded calls need psycopg's wait timeout); `make test` covers
+# SQLite and MariaDB.
 mindeps: $(MINDEPS_STAMP)
 	CELERY_LEASE_TEST_STORES=$${CELERY_LEASE_TEST_STORES:-postgres} \
 	    $(MINDEPS)/bin/python -m pytest -q $(MINDEPS_TESTS) $(PYTEST_ARGS)

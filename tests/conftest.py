@@ -28,6 +28,9 @@ DEFAULT_URLS = {
 CONNECT_TIMEOUT = 3  # seconds
 # CELERY_LEASE_TEST_STORES narrows the store-parametrized tests (tox's py311-<store> envs).
 STORES = os.environ.get("CELERY_LEASE_TEST_STORES", "sqlite,postgres,mysql").split(",")
+# The operator scenes (CLI, metrics, web page, exporter) run on the embedded store and PostgreSQL,
+# as far as CELERY_LEASE_TEST_STORES names them; on SQLite when it names neither.
+SCENE_STORES = [kind for kind in ("sqlite", "postgres") if kind in STORES] or ["sqlite"]
 
 
 def service_url(name: str) -> str:

@@ -20,7 +20,7 @@ from celery_lease.metrics import metric_names
 from celery_lease.reaper import Reaper
 from celery_lease.store import Store
 from tests.apps import ops_app
-from tests.conftest import require_service, service_url, unique_prefix
+from tests.conftest import SCENE_STORES, require_service, service_url, unique_prefix
 from tests.helpers import wait_for
 from tests.workers import _spawn, celery_processes
 
@@ -43,7 +43,7 @@ def scrape(port: int) -> str | None:
         return None
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
+@pytest.fixture(params=SCENE_STORES)
 def exporter(request, tmp_path) -> Iterator[tuple[int, Store, dict, list]]:
     """A populated store and an exporter process serving it on a free port."""
     if request.param == "sqlite":

@@ -21,7 +21,7 @@ from click.testing import CliRunner, Result
 
 from celery_lease.store import for_app, migrations
 from tests.apps import ops_app
-from tests.conftest import flushed_redis, require_service, service_url, unique_prefix
+from tests.conftest import SCENE_STORES, flushed_redis, require_service, service_url, unique_prefix
 
 REDIS_DB = 10
 VERBS = ("migrate", "status", "jobs", "inspect", "events", "reap", "requeue", "dlq", "effects", "check",
@@ -74,7 +74,7 @@ def _url(kind: str, tmp_path_factory: Any) -> str:
     return require_service("PostgreSQL", service_url("postgres"))
 
 
-@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+@pytest.fixture(scope="module", params=SCENE_STORES)
 def ro(request, tmp_path_factory) -> Iterator[Scene]:
     """One populated store per store kind that the read-only tests share (they change nothing)."""
     with scene(_url(request.param, tmp_path_factory), "memory://") as s:
@@ -87,7 +87,7 @@ def broker() -> Iterator[redis.Redis]:
         yield client
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
+@pytest.fixture(params=SCENE_STORES)
 def rw(request, tmp_path_factory, broker) -> Iterator[Scene]:
     """A fresh populated store per test, publishing to Redis db 10."""
     broker_url = urlunsplit(urlsplit(service_url("redis"))._replace(path=f"/{REDIS_DB}"))

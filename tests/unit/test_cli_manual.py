@@ -14,10 +14,11 @@ from collections.abc import Iterator
 import pytest
 
 from tests.apps import ops_app
+from tests.conftest import SCENE_STORES
 from tests.unit.test_cli import Scene, _url, scene
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
+@pytest.fixture(params=SCENE_STORES)
 def fresh(request, tmp_path_factory) -> Iterator[Scene]:
     with scene(_url(request.param, tmp_path_factory), "memory://") as s:
         yield s

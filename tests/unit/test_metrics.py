@@ -23,7 +23,7 @@ from celery_lease.contrib.prometheus import rules as render_rules
 from celery_lease.metrics import LeaseCollector, metric_names
 from celery_lease.store import Store
 from tests.apps import ops_app
-from tests.conftest import require_service, service_url, unique_prefix
+from tests.conftest import SCENE_STORES, require_service, service_url, unique_prefix
 
 ROOT = Path(__file__).resolve().parents[2]
 ALERTS = ROOT / "celery_lease" / "contrib" / "prometheus" / "alerts.yml"
@@ -32,7 +32,7 @@ PLAYBOOK = ROOT / "README.md"
 METRIC = re.compile(r"\bcelery_lease_[a-z0-9_]+\b")
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
+@pytest.fixture(params=SCENE_STORES)
 def scene(request, tmp_path) -> Iterator[tuple[Any, Store, dict[str, list[str]]]]:
     """An app and a store holding ops_app's scene (fresh per test: lags and ages are measured)."""
     if request.param == "sqlite":

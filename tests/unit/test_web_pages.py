@@ -20,7 +20,7 @@ pytest.importorskip("flask", reason="celery lease web needs Flask: pip install '
 from celery_lease.store import for_app  # noqa: E402
 from celery_lease.web.app import create_app  # noqa: E402
 from tests.apps import ops_app  # noqa: E402
-from tests.conftest import require_service, service_url, unique_prefix  # noqa: E402
+from tests.conftest import SCENE_STORES, require_service, service_url, unique_prefix  # noqa: E402
 from tests.helpers import with_password  # noqa: E402
 
 LEAKED = "hunter2"  # the password in a dead letter's error text
@@ -69,13 +69,13 @@ def scene(kind: str, tmp_path: Any, allow_actions: bool = False, **settings: Any
         store.engine.dispose()
 
 
-@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+@pytest.fixture(scope="module", params=SCENE_STORES)
 def ro(request, tmp_path_factory) -> Iterator[Scene]:
     with scene(request.param, tmp_path_factory.mktemp("web")) as s:
         yield s
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
+@pytest.fixture(params=SCENE_STORES)
 def rw(request, tmp_path) -> Iterator[Scene]:
     with scene(request.param, tmp_path, allow_actions=True) as s:
         yield s
