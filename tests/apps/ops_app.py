@@ -144,7 +144,7 @@ def populate(store: Any) -> dict[str, list[str]]:
             job_id = f"done-{task}-{i}"
             store.record(job_id, task, "celery", _payload(task, i), 3)
             store.complete(job_id, _claim(store, job_id, task, "celery", ALIVE), ALIVE)
-            done = store.get(job_id).completed_at
+            done = store.t.jobs.c.completed_at  # as the completion wrote it, read by the UPDATE itself
             _set(store, job_id, started_at=done - runtime(i), last_heartbeat_at=done - min(runtime(i), 0.4),
                  attempt_count=2 if task == "ops.slow" and i % 5 == 0 else 1)
             scene["completed"].append(job_id)
