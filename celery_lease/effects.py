@@ -130,6 +130,8 @@ class ResourceLock:
     def check(self) -> None:
         """Raise LeaseLost if the lock expired and another owner may hold the resource."""
         if self.lost:
+            # The heartbeat flags the lock lost before it marks the lease lost and interrupts.
+            self.lease.raising_in_body()
             raise LeaseLost(self.lease.job_id, f"resource lock {self.resource!r} lost")
 
 

@@ -72,14 +72,20 @@ class Lease:
         if not self.lost:
             self.expire_if_due(deadline.monotonic())
         if self.lost:
-            with self._guard:
-                if self._in_body and self._interrupter.is_current():
-                    # The body raises LeaseLost itself. The timer or the heartbeat may have set
-                    # ``lost`` and not yet interrupted (it logs first): that interruption would
-                    # land a second LeaseLost in the body's own except and finally blocks.
-                    self._raised = True
-                    self._interrupter.cancel()
+            self.raising_in_body()
             raise LeaseLost(self.job_id, self.lost_reason or "lost", self.lost_owner)
+
+    def raising_in_body(self) -> None:
+        """Called just before code in the body's own thread raises LeaseLost: no interruption lands after it.
+
+        The timer or the heartbeat may have flagged the loss and not yet interrupted (it logs
+        first): that interruption would land a second LeaseLost in the body's own except and
+        finally blocks. Called from another thread, it changes nothing.
+        """
+        with self._guard:
+            if self._in_body and self._interrupter.is_current():
+                self._raised = True
+                self._interrupter.cancel()
 
     def expire_if_due(self, now: float) -> bool:
         """Mark the lease lost if ``now`` is past its local deadline; True when it is lost."""

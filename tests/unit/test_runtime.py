@@ -12,7 +12,7 @@ from celery import Celery
 
 from celery_lease import LeaseTask, deadline, interrupt, runtime
 from celery_lease.config import load
-from celery_lease.effects import lock
+from celery_lease.effects import ResourceLock, lock
 from celery_lease.errors import LeaseLost, StoreUnavailable
 from celery_lease.lease import Lease
 from celery_lease.runtime import Runtime
@@ -142,14 +142,22 @@ class _LateInterrupter(interrupt.ThreadInterrupter):
         super().interrupt(error, still_running)
 
 
-def test_a_body_that_raises_lease_lost_itself_is_not_interrupted_again_in_its_handlers(store):
+@pytest.mark.parametrize("found_by", ["lease", "resource lock"])
+def test_a_body_that_raises_lease_lost_itself_is_not_interrupted_again_in_its_handlers(store, found_by):
     rt = Runtime(store, "host", default_interval=0.2, worker="host:3", interrupter=_LateInterrupter)
     rt.start = lambda: None
     _LateInterrupter.flagged.clear()
     _LateInterrupter.body_raised.clear()
     lease = claim(store, rt, "job-1")
+    held = ResourceLock("invoice-7", secrets.token_hex(16), 5.0, lease)
     in_body = threading.Event()
     seen: list[str] = []
+
+    def flag_the_loss() -> None:
+        in_body.wait(10)
+        if found_by == "resource lock":
+            held.lost = True  # the heartbeat flags the lock, then the lease (effects.Locks.renew)
+        lease.mark_lost("taken_over")
 
     def body() -> None:
         try:
@@ -157,7 +165,8 @@ def test_a_body_that_raises_lease_lost_itself_is_not_interrupted_again_in_its_ha
                 in_body.set()
                 assert _LateInterrupter.flagged.wait(10)
                 try:
-                    lease.check()  # sees ``lost`` while the other thread still holds the interruption
+                    # Sees the loss while the other thread still holds the interruption back.
+                    lease.check() if found_by == "lease" else held.check()
                 except LeaseLost:
                     _LateInterrupter.body_raised.set()
                     marker.join(10)
@@ -168,7 +177,7 @@ def test_a_body_that_raises_lease_lost_itself_is_not_interrupted_again_in_its_ha
             seen.append("a second LeaseLost")
 
     worker = threading.Thread(target=body)
-    marker = threading.Thread(target=lambda: (in_body.wait(10), lease.mark_lost("taken_over")))
+    marker = threading.Thread(target=flag_the_loss)
     worker.start()
     marker.start()
     worker.join(10)
