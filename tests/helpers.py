@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
@@ -45,3 +47,25 @@ def with_password(url: str, password: str = "s3cret") -> tuple[str, str]:
     user = parts.username or "postgres"
     return urlunsplit(parts._replace(netloc=f"{user}:{password}@{parts.hostname}"
                                             + (f":{parts.port}" if parts.port else ""))), password
+
+
+@contextlib.contextmanager
+def transaction_held(store, work: Callable = lambda conn: None) -> Iterator[None]:
+    """Another thread opens a write transaction on ``store``, runs ``work(conn)`` in it and keeps it
+    open for the block; it commits once the block ends."""
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with store.begin() as conn:
+            work(conn)
+            holding.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert holding.wait(10), "the other thread never opened its transaction"
+        yield
+    finally:
+        release.set()
+        holder.join(10)

@@ -27,6 +27,7 @@ from celery_lease.errors import StoreUnavailable
 from celery_lease.reaper import Reaper, backoff, recover_worker_lost
 from celery_lease.store import COMPLETED, FAILED, PENDING, RUNNING, ClaimTerms, Store
 from tests.conftest import unique_prefix
+from tests.helpers import transaction_held
 
 REDIS_DB = 12
 DEAD = "dead@host:1"
@@ -291,27 +292,13 @@ def test_a_second_scan_skips_the_rows_another_reaper_holds(store):
         pytest.skip("SQLite has one writer at a time: a second scan waits for the first transaction")
     for n in range(4):
         running(store, f"j{n}", age=10.0 + n)  # j3 and j2 are the oldest
-    held, release = threading.Event(), threading.Event()
     seen: list[str] = []
-
-    def first_reaper() -> None:
-        with store.begin() as c:
-            store.scan_expired(c, limit=2)
-            held.set()
-            release.wait(10)
-
-    holder = threading.Thread(target=first_reaper)
-    holder.start()
-    try:
-        assert held.wait(10)
+    with transaction_held(store, lambda c: store.scan_expired(c, limit=2)):  # the first reaper's page
         second = threading.Thread(target=lambda: seen.extend(
             e.job.id for e in scan_page(store, limit=10)))
         second.start()
         second.join(5)
         assert not second.is_alive(), "the second scan waited on the locked rows"
-    finally:
-        release.set()
-        holder.join(10)
     assert seen == ["j1", "j0"]
 
 

@@ -23,7 +23,7 @@ from celery_lease.store import (
     Store,
     WorkerStore,
 )
-from tests.helpers import wait_for
+from tests.helpers import transaction_held, wait_for
 
 
 def token() -> str:
@@ -551,23 +551,10 @@ def test_threads_of_one_process_queue_for_a_sqlite_store_at_its_writer_lock(sqli
     store = Store(sqlite_url, "wl_", call_timeout=0.8)
     store.migrate()
     store.record("first", "t.x", "celery", None, 3)  # the schema check (a long call) is behind us
-    holding, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with store.begin():
-            holding.set()
-            release.wait(10)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    try:
-        assert holding.wait(10)
+    with transaction_held(store):
         with pytest.raises(StoreUnavailable, match="another thread of this process held") as caught:
             store.record("queued", "t.x", "celery", None, 3)
         assert caught.value.kind == "timeout"
-    finally:
-        release.set()
-        holder.join(10)
     store.record("queued", "t.x", "celery", None, 3)  # the turn comes once the holder is done
     assert store.get("queued").status == "pending"
 
@@ -578,26 +565,13 @@ def test_reads_of_a_sqlite_store_answer_while_a_writer_holds_it(sqlite_url):
     store = Store(sqlite_url, "wr_", call_timeout=0.8)
     store.migrate()
     store.record("committed", "t.x", "celery", None, 3)
-    holding, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with store.begin() as c:
-            c.execute(sa.update(store.t.jobs).values(queue_name="uncommitted"))
-            holding.set()
-            release.wait(10)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    try:
-        assert holding.wait(10)
+    uncommitted = sa.update(store.t.jobs).values(queue_name="uncommitted")
+    with transaction_held(store, lambda c: c.execute(uncommitted)):
         assert store.get("committed").queue_name == "celery"
         assert [e["event"] for e in store.events("committed")] == ["published"]
         assert [job.id for job in store.list_jobs(status=PENDING)] == ["committed"]
         with pytest.raises(StoreUnavailable):
             store.record("queued", "t.x", "celery", None, 3)
-    finally:
-        release.set()
-        holder.join(10)
     assert store.get("committed").queue_name == "uncommitted"
 
 
