@@ -145,3 +145,43 @@ def test_known_differences_are_deselected_and_named(suite, tmp_path):
     assert result.ret == pytest.ExitCode.OK
     result.assert_outcomes(passed=1, xpassed=1, xfailed=1, deselected=1)
     result.stdout.fnmatch_lines(["1 known differences deselected*", "  test_outcomes.py::test_fails"])
+
+
+RERUN_MARKS = """
+import pytest
+
+def test_racy(request):
+    mark = request.node.get_closest_marker("flaky")
+    assert mark is not None and mark.kwargs == {"reruns": 5, "reruns_delay": 2}
+
+@pytest.mark.flaky(reruns=1)
+def test_racy_marked_by_celery(request):
+    assert request.node.get_closest_marker("flaky").kwargs == {"reruns": 1}
+
+def test_not_listed(request):
+    assert request.node.get_closest_marker("flaky") is None
+"""
+
+
+@pytest.mark.parametrize("mode", ["lease", "plain"])
+def test_racy_tests_get_celerys_flaky_reruns_in_both_modes_and_keep_their_own(suite, tmp_path,
+                                                                                monkeypatch, mode):
+    monkeypatch.setenv("CELERY_SUITE_TASK_CLS", mode)
+    suite.makepyfile(test_marks=RERUN_MARKS)
+    racy = tmp_path / "racy.txt"
+    racy.write_text("# the race\ntest_marks.py::test_racy\ntest_marks.py::test_racy_marked_by_celery\n")
+
+    # The flaky mark as pytest-rerunfailures declares it; the plugin itself is not needed here.
+    result = run(suite, "-p", "no:rerunfailures", "-o", "markers=flaky: rerun", f"--celery-suite-racy={racy}")
+
+    result.assert_outcomes(passed=3)
+
+
+def test_the_racy_list_names_only_tests_on_the_pass_list(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    from celery_suite.plugin import read_list
+
+    suite_dir = ROOT / "tools" / "celery_suite"
+    racy = read_list(suite_dir / "racy.txt")
+    passing = set().union(*(read_list(p) for p in suite_dir.glob("pass-*.txt")))
+    assert racy and racy <= passing

@@ -18,6 +18,8 @@ compares with such a list: the session fails, listing them, when a test on the l
 did not pass, and succeeds otherwise (tests off the list fail with plain Celery too).
 ``--celery-suite-differences PATH`` deselects the tests listed there: the known differences of
 LeaseTask, each explained in the README ("Celery's own integration tests").
+``--celery-suite-racy PATH`` gives the tests listed there Celery's own @flaky reruns, in both
+modes: tests whose race is in the test itself, whatever the task class.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ STORE_ENV = "CELERY_SUITE_STORE"
 DEFAULT_STORE = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 TABLE_PREFIX = "celery_suite_"
 LEASE_TASK = "celery_lease:LeaseTask"
+#: The rerun marking of Celery's own @flaky tests (t/integration/test_tasks.py).
+RACY_RERUNS = {"reruns": 5, "reruns_delay": 2}
 #: Outcomes that count as a pass: the test's body ran to its end without an error.
 GOOD = ("passed", "xpassed")
 PASS_LIST_HEADER = """\
@@ -64,6 +68,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="fail when a test listed in PATH ran and did not pass")
     group.addoption("--celery-suite-differences", metavar="PATH",
                     help="deselect the known differences listed in PATH")
+    group.addoption("--celery-suite-racy", metavar="PATH",
+                    help="rerun the tests listed in PATH as Celery reruns its @flaky tests")
 
 
 @pytest.fixture(autouse=True)
@@ -132,6 +138,12 @@ class SuitePlugin:
 
     @pytest.hookimpl(trylast=True)  # after -k and -m: report only the differences they selected
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        racy = config.getoption("celery_suite_racy")
+        if racy:
+            listed = read_list(Path(racy))
+            for item in items:
+                if item.nodeid in listed and item.get_closest_marker("flaky") is None:
+                    item.add_marker(pytest.mark.flaky(**RACY_RERUNS))
         path = config.getoption("celery_suite_differences")
         if not path:
             return

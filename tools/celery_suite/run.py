@@ -60,6 +60,8 @@ CI_SUBSET = ("(replace or chain or chord or group or retry or revoke) "
              "and not allow_error_cb_on_chord_header and not error_propagates_from_chord")
 #: Tests that pass with plain Celery and, on purpose, not with LeaseTask (README).
 DIFFERENCES = HERE / "differences.txt"
+#: Tests whose race is in the test itself: rerun as Celery's @flaky ones, in both modes (README).
+RACY = HERE / "racy.txt"
 
 
 def pass_list(version: str) -> Path:
@@ -145,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                # A test that hangs ends as Celery's @flaky ones do; a test's own mark wins.
                "--timeout=300", *SUITE]
     command.append(f"--celery-suite-{'record' if args.record else 'expect'}={expected}")
+    command.append(f"--celery-suite-racy={RACY}")
     if mode == "lease" and not args.with_differences:
         command.append(f"--celery-suite-differences={DIFFERENCES}")
     if args.subset == "ci":
