@@ -6,19 +6,42 @@ greenlet; a greenlet is interrupted by throwing into it from its hub, which a ca
 scheduled thread-safely on the hub's loop does. Both land when the body next runs
 Python code (a thread blocked in a C call, or a greenlet that never yields, sees it
 when the call returns).
+
+An interruption must not cut the library's own store calls: landing between a lock's
+``acquire()`` and the ``try`` that releases it, or inside the pool's checkout, it would
+leave the lock held or the connection astray for the rest of the process. A call wrapped
+in ``uninterrupted()`` from a body defers the interruption to the call's end
+(``Lease.shielded()``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import Any
 
 from .errors import LeaseLost
 
-__all__ = ["Interrupter", "ThreadInterrupter", "GreenletInterrupter", "raise_in_thread", "for_process"]
+__all__ = ["Interrupter", "ThreadInterrupter", "GreenletInterrupter", "raise_in_thread", "for_process",
+           "uninterrupted", "BODY"]
+
+#: The lease whose body runs in this thread or greenlet (Lease.body() sets it): each has its own.
+BODY: ContextVar[Any] = ContextVar("celery_lease_body", default=None)
+
+
+@contextlib.contextmanager
+def uninterrupted() -> Iterator[None]:
+    """Library code a lost lease's interruption waits for: it lands, if due, when the code ends."""
+    lease = BODY.get()
+    if lease is None:
+        yield
+        return
+    with lease.shielded():
+        yield
 
 
 def raise_in_thread(thread_id: int, exc_type: type[BaseException] | None) -> bool:

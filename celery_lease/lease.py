@@ -15,7 +15,7 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from . import deadline, messages
+from . import deadline, interrupt, messages
 from .config import TaskPolicy
 from .errors import LeaseLost
 from .vocabulary import Event
@@ -59,7 +59,10 @@ class Lease:
         self.retried = False
         self.kept_result: str | None = None  # the encoded return value the completion keeps
         self._in_body = False
-        self._raised = False  # the body raised LeaseLost itself: nothing interrupts it again
+        # The body got its LeaseLost (raised it itself, or the interruption went out): no other.
+        self._raised = False
+        self._shield = 0  # depth of the body's store calls under way (shielded())
+        self._deferred = False  # an interruption came during one: raised when it ends
         self._interrupter = runtime.interrupter()
         self._guard = threading.Lock()
 
@@ -177,7 +180,49 @@ class Lease:
                 self._interrupter.interrupt(LeaseLost(self.job_id, reason, owner), self._still_running)
 
     def _still_running(self) -> bool:
-        return self._in_body and not self.finishing and not self._raised
+        """Whether the interrupter may raise in the body now (called with the guard held, or
+        from the gevent hub while the body is switched out); inside a store call it defers."""
+        running = self._in_body and not self.finishing and not self._raised
+        if running and self._shield:
+            self._deferred = True
+            return False
+        # The interruption goes out: it is the body's one LeaseLost, and the store calls of the
+        # body's handlers (an effect's key given back, a lock released) run as they would.
+        self._raised = self._raised or running
+        return running
+
+    def _interruption_due(self) -> bool:
+        return (self.lost and self.policy.on_lost == "raise" and self._in_body and not self.finishing
+                and not self._raised)
+
+    @contextlib.contextmanager
+    def shielded(self) -> Iterator[None]:
+        """A store call of the body: an interruption waits until it ends, then raises LeaseLost.
+
+        A loss flagged before the call raises at once instead, the interruption already on its
+        way cancelled: with the guard held no other one can be sent, so none lands inside.
+        """
+        with self._guard:
+            lost_already = self._interruption_due()
+            if lost_already:
+                self._raised = True
+                self._interrupter.cancel()
+            else:
+                self._shield += 1
+        if lost_already:
+            raise LeaseLost(self.job_id, self.lost_reason or "lost", self.lost_owner)
+        try:
+            yield
+        finally:
+            with self._guard:
+                self._shield -= 1
+                due = not self._shield and self._deferred and self._interruption_due()
+                if not self._shield:
+                    self._deferred = False
+                if due:
+                    self._raised = True
+            if due:
+                raise LeaseLost(self.job_id, self.lost_reason or "lost", self.lost_owner)
 
     @contextlib.contextmanager
     def body(self) -> Iterator[None]:
@@ -185,9 +230,11 @@ class Lease:
         with self._guard:
             self._interrupter.bind()
             self._in_body = True
+        body = interrupt.BODY.set(self)
         try:
             yield
         finally:
+            interrupt.BODY.reset(body)
             with self._guard:
                 self._in_body = False
                 self.finishing = True

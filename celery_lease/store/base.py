@@ -17,6 +17,7 @@ from sqlalchemy.engine import Connection, Engine
 from .. import config
 from ..config import RECOVERY
 from ..errors import StoreCorrupt, StoreUnavailable
+from ..interrupt import uninterrupted
 from ..vocabulary import ClaimOutcome, Event, Status
 from . import dialects, schema
 
@@ -262,11 +263,16 @@ class StoreBase:
 
     @contextlib.contextmanager
     def _driver_errors(self) -> Iterator[None]:
-        """Turn driver and pool errors into the LeaseError they mean (store/failures.py)."""
-        try:
-            yield
-        except (sa.exc.DBAPIError, sa.exc.TimeoutError) as exc:
-            raise self.dialect.classify(exc, self.safe_url, self.bounds) from exc
+        """Turn driver and pool errors into the LeaseError they mean (store/failures.py).
+
+        Every store call passes here first: a body's lost lease interrupts it only once the
+        call has given back its connection and the writer lock (interrupt.uninterrupted).
+        """
+        with uninterrupted():
+            try:
+                yield
+            except (sa.exc.DBAPIError, sa.exc.TimeoutError) as exc:
+                raise self.dialect.classify(exc, self.safe_url, self.bounds) from exc
 
     @contextlib.contextmanager
     def begin(self, *, long: bool = False, read: bool = False) -> Iterator[Connection]:

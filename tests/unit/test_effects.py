@@ -270,6 +270,33 @@ def test_a_failing_block_releases_its_key_for_the_next_attempt(store, hb):
         assert not first
 
 
+def test_a_block_interrupted_by_its_lost_lease_still_gives_its_key_back(store, hb):
+    # The deadline passed (the store did not take the job over): the token still matches, so the
+    # interrupted block's key goes back and a later attempt performs the effect.
+    lease = claim(store, hb, "job-1", lease_on_lost="raise")
+    inside, caught = threading.Event(), []
+
+    def body() -> None:
+        try:
+            with lease.body(), effect(lease, "capture:p1") as first:
+                assert first
+                inside.set()
+                end = time.monotonic() + 10
+                while time.monotonic() < end:
+                    sum(range(100))
+        except LeaseLost as exc:
+            caught.append(exc.reason)
+
+    worker = threading.Thread(target=body)
+    worker.start()
+    assert inside.wait(10)
+    lease.mark_lost("local deadline passed")
+    worker.join(10)
+    assert caught == ["local deadline passed"]
+    assert keys(store) == {}
+    assert [e["detail"] for e in events(store, "effect_released")] == ['{"key": "capture:p1"}']
+
+
 def test_a_block_failing_after_the_lease_moved_on_keeps_its_key_and_is_audited(store, hb):
     lease = claim(store, hb, "job-1")
     with pytest.raises(ConnectionError), effect(lease, "capture:p1") as first:

@@ -185,6 +185,73 @@ def test_a_body_that_raises_lease_lost_itself_is_not_interrupted_again_in_its_ha
     assert seen == ["handler ran to its end"]
 
 
+def test_a_loss_during_a_store_call_of_the_body_interrupts_it_once_the_call_has_ended(store, rt):
+    lease = claim(store, rt, "job-1")
+    inside, flagged = threading.Event(), threading.Event()
+    seen: list[str] = []
+
+    def body() -> None:
+        try:
+            with lease.body():
+                # A store call of the body: it holds a pooled connection (and SQLite's writer turn).
+                with store.begin() as c:
+                    inside.set()
+                    assert flagged.wait(10)
+                    for _ in range(100_000):  # an interruption not held back lands at one of these
+                        pass
+                    c.execute(sa.select(sa.literal(1)))
+                    seen.append("the call ran to its end")
+                seen.append("after the call")
+        except LeaseLost as exc:
+            seen.append(f"LeaseLost: {exc.reason}")
+
+    worker = threading.Thread(target=body)
+    worker.start()
+    assert inside.wait(10)
+    lease.mark_lost("taken_over")
+    flagged.set()
+    worker.join(10)
+    assert seen == ["the call ran to its end", "LeaseLost: taken_over"]
+    # The connection and the writer turn went back: a write from another thread goes through.
+    assert store.record("job-2", "t.task", "q", "{}", 5) == (True, "job-2")
+
+
+class _HeldInterrupter(interrupt.ThreadInterrupter):
+    """Keeps the interruption on its way, as gevent's hub does until it runs the throw."""
+
+    held: list = []
+
+    def interrupt(self, error, still_running):
+        self.held.append(still_running)
+
+
+def test_a_store_call_begun_after_the_loss_raises_lease_lost_before_any_statement(store):
+    rt = Runtime(store, "host", default_interval=0.2, worker="host:4", interrupter=_HeldInterrupter)
+    rt.start = lambda: None
+    _HeldInterrupter.held.clear()
+    lease = claim(store, rt, "job-1")
+    statements = count_statements(store)
+    raised: list[LeaseLost] = []
+
+    def body() -> None:
+        with lease.body():
+            lease.mark_lost("taken_over")
+            try:
+                store.get("job-1")
+            except LeaseLost as exc:
+                raised.append(exc)
+
+    worker = threading.Thread(target=body)
+    worker.start()
+    worker.join(10)
+    rt.stop()
+    assert [exc.reason for exc in raised] == ["taken_over"]
+    assert statements == []
+    # The interruption still on its way is refused when it arrives: one loss, one LeaseLost.
+    [still_running] = _HeldInterrupter.held
+    assert still_running() is False
+
+
 def test_two_claims_of_one_job_in_one_process_keep_their_own_leases(store, rt):
     # Given a stale claim of job-1 and a new one (taken over) in the same process
     stale_request, new_request = Request(), Request()
