@@ -227,11 +227,12 @@ class Lease:
     @contextlib.contextmanager
     def body(self) -> Iterator[None]:
         """Mark the task body as running so a lost lease may interrupt it."""
-        with self._guard:
-            self._interrupter.bind()
-            self._in_body = True
+        # Set first and reset in the finally: an interruption may land as soon as _in_body is.
         body = interrupt.BODY.set(self)
         try:
+            with self._guard:
+                self._interrupter.bind()
+                self._in_body = True
             yield
         finally:
             interrupt.BODY.reset(body)
