@@ -201,7 +201,12 @@ class Lease:
 
         A loss flagged before the call raises at once instead, the interruption already on its
         way cancelled: with the guard held no other one can be sent, so none lands inside.
+        Code that copied the body's context into another thread (``asyncio.to_thread``) is
+        not the body: nothing is deferred or raised there.
         """
+        if not self._interrupter.is_current():
+            yield
+            return
         with self._guard:
             lost_already = self._interruption_due()
             if lost_already:

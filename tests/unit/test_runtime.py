@@ -252,6 +252,35 @@ def test_a_store_call_begun_after_the_loss_raises_lease_lost_before_any_statemen
     assert still_running() is False
 
 
+def test_a_store_call_from_a_thread_that_copied_the_bodys_context_leaves_the_body_its_interruption(
+        store, rt):
+    import contextvars
+
+    lease = claim(store, rt, "job-1")
+    seen: list[str] = []
+
+    def helper() -> None:  # as asyncio.to_thread runs it: in a copy of the body's context
+        store.get("job-1")
+        seen.append("the helper's call ran")
+
+    def body() -> None:
+        try:
+            with lease.body():
+                lease.mark_lost("taken_over")  # from the body's own thread: nothing sent yet
+                context = contextvars.copy_context()
+                thread = threading.Thread(target=context.run, args=(helper,))
+                thread.start()
+                thread.join(10)
+                lease.check()
+        except LeaseLost as exc:
+            seen.append(f"the body's LeaseLost: {exc.reason}")
+
+    worker = threading.Thread(target=body)
+    worker.start()
+    worker.join(10)
+    assert seen == ["the helper's call ran", "the body's LeaseLost: taken_over"]
+
+
 def test_two_claims_of_one_job_in_one_process_keep_their_own_leases(store, rt):
     # Given a stale claim of job-1 and a new one (taken over) in the same process
     stale_request, new_request = Request(), Request()
