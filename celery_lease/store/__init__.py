@@ -22,6 +22,7 @@ from . import dialects, schema
 from .base import COMPLETED, FAILED, PENDING, RUNNING, Claim, ClaimTerms, Job, NewJob, StoreBase
 from .effects import EffectStatements
 from .reaping import Expired, ReaperStatements
+from .recovery import RecoveryStatements
 from .replacing import ReplaceStatements
 from .reports import ReportStatements
 from .runs import RunStatements
@@ -30,8 +31,8 @@ __all__ = ["Store", "WorkerStore", "ReaperStore", "ReportStore", "Claim", "Claim
            "for_app", "call_timeout", "pool_size", "PENDING", "RUNNING", "COMPLETED", "FAILED"]
 
 
-class Store(ReplaceStatements, ReaperStatements, EffectStatements, ReportStatements, RunStatements,
-            StoreBase):
+class Store(ReplaceStatements, ReaperStatements, EffectStatements, ReportStatements, RecoveryStatements,
+            RunStatements, StoreBase):
     """The lease store of one app.
 
     Each caller sees it through the surface of its role: WorkerStore, ReaperStore or ReportStore.

@@ -17,7 +17,7 @@ from ..cli.output import parse_duration
 from ..cli.reads import LAST_HOUR, STATUSES, job_dict, job_row, reaper_status
 from ..errors import StoreCorrupt
 from ..store import RUNNING
-from ..store.reports import REVOKED_PREFIX
+from ..store.recovery import REVOKED_PREFIX
 from ..tuning import percentile
 from ..vocabulary import STALE_WRITES, Event
 from .app import Console, console
