@@ -16,7 +16,7 @@ import urllib.request
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from .checks import ERROR, OK, WARNING, Context, Finding, ok_unless
+from .check_context import ERROR, OK, WARNING, Context, Finding, ok_unless
 from .config import worker_stale_after
 
 __all__ = ["broker_rules", "rabbitmq_consumer_timeouts", "RABBITMQ_DEFAULT_CONSUMER_TIMEOUT"]

@@ -12,7 +12,7 @@ import inspect
 from collections.abc import Iterator
 from typing import Any
 
-from .checks import ERROR, OK, RECOVERY_EVENTS, WARNING, Context, Finding, ok_unless, percentile
+from .check_context import ERROR, OK, RECOVERY_EVENTS, WARNING, Context, Finding, ok_unless, percentile
 from .config import SCRAPE_FRESH
 from .errors import StoreUnavailable
 from .store.runs import EXPORTER_SCRAPE

@@ -17,7 +17,7 @@ import importlib.util
 from collections.abc import Iterator
 from typing import Any
 
-from .checks import ERROR, OK, WARNING, Context, Finding
+from .check_context import ERROR, OK, WARNING, Context, Finding
 from .config import REAPER_OVERDUE_INTERVALS
 from .errors import StoreUnavailable
 

@@ -14,7 +14,8 @@ import sqlalchemy as sa
 from celery import Celery
 
 from celery_lease import LeaseTask
-from celery_lease.checks import Context, Finding, percentile, run_checks
+from celery_lease.check_context import Context, Finding, percentile
+from celery_lease.checks import run_checks
 from celery_lease.config import app_config
 from celery_lease.store import ClaimTerms, Store
 from tests.conftest import unique_prefix

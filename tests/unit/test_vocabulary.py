@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from celery_lease import checks, metrics, vocabulary
+from celery_lease import check_context, metrics, vocabulary
 from celery_lease.cli import reads
 from celery_lease.config import SETTINGS
 from celery_lease.store import schema
@@ -97,7 +97,7 @@ def test_every_event_member_is_written_somewhere():
 
 def test_lists_of_metrics_cli_and_checks_are_event_members():
     named = [*metrics.EVENT_NAMES, *(e for *_, events in metrics.COUNTERS for e in events),
-             *reads.LAST_HOUR, *checks.RECOVERY_EVENTS, *vocabulary.STALE_WRITES, *vocabulary.RELEASES,
+             *reads.LAST_HOUR, *check_context.RECOVERY_EVENTS, *vocabulary.STALE_WRITES, *vocabulary.RELEASES,
              *vocabulary.RECOVERIES, *vocabulary.MANUAL_RECOVERIES, *vocabulary.REPLACEMENTS]
     assert [n for n in named if not isinstance(n, Event)] == []
     assert set(STALE_WRITES) == {e for e in Event if e.value.startswith("stale_")}
@@ -106,8 +106,8 @@ def test_lists_of_metrics_cli_and_checks_are_event_members():
 def test_metrics_cli_and_checks_name_no_event_by_a_literal_of_their_own():
     # "completed" and "failed" are statuses as well, and name columns and report keys there.
     values = {e.value for e in Event} - {s.value for s in Status}
-    modules = [PACKAGE / "metrics.py", PACKAGE / "checks.py", PACKAGE / "checklist.py",
-               *PACKAGE.glob("cli/*.py")]
+    modules = [PACKAGE / "metrics.py", PACKAGE / "checks.py", PACKAGE / "check_context.py",
+               PACKAGE / "checklist.py", *PACKAGE.glob("cli/*.py")]
     literals = [f"{p.name}:{n.lineno} {n.value}" for p in modules for n in ast.walk(ast.parse(p.read_text()))
                 if isinstance(n, ast.Constant) and n.value in values]
     assert literals == []
