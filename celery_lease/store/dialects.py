@@ -13,9 +13,7 @@ so every lease computation uses the database's time, as float epoch seconds
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
-import time
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
@@ -23,199 +21,13 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.sql.elements import ColumnElement
 
-from ..errors import LeaseConfigError, LeaseError
+from ..errors import LeaseConfigError
 from ..masking import mask_secrets
-from . import bounded, failures
+from . import bounded
+from .dialect import LOCK_WAIT, READ_ONLY, Bounds, Dialect, ms, server_version
 
-__all__ = ["Bounds", "Dialect", "SQLite", "PostgreSQL", "MySQL", "for_url", "SUPPORTED"]
-
-# Execution options StoreBase.begin sets on its connection: the transaction only reads; the
-# seconds a long one (a reaper batch, an operator's command) may wait for a lock.
-READ_ONLY = "lease_read_only"
-LOCK_WAIT = "lease_lock_wait"
-IDLE_PING_AFTER = 2.0  # seconds a pooled connection may idle before it is pinged on checkout
-
-
-@dataclasses.dataclass(frozen=True)
-class Bounds:
-    """How long the parts of one store call may take, all derived from the call bound (seconds).
-
-    Waiting for a pooled connection and opening one get a quarter each, and each round trip
-    half: a call that meets all three still returns within the bound. The server gives up on
-    a lock wait at a quarter and on a statement at four tenths, before the client does, so
-    that the error names what was slow and the connection stays usable.
-    """
-
-    call: float
-
-    @property
-    def pool(self) -> float:
-        return self.call / 4
-
-    @property
-    def connect(self) -> float:
-        return self.call / 4
-
-    @property
-    def round_trip(self) -> float:
-        return self.call / 2
-
-    @property
-    def server_statement(self) -> float:
-        return self.call * 0.4
-
-    @property
-    def server_lock(self) -> float:
-        return self.call / 4
-
-
-def _ms(seconds: float) -> str:
-    return str(max(1, int(seconds * 1000)))
-
-
-class Dialect:
-    """The rules of one database family; a store holds one, chosen from its URL."""
-
-    name: ClassVar[str]
-    drivers: ClassVar[tuple[str, ...]]  # SQLAlchemy dialect names of this family
-    now_sql: ClassVar[str]
-    update_returning: ClassVar[bool] = True
-    one_statement_writes: ClassVar[bool] = False  # audited write and heartbeat as one statement
-    compiled_fast_path: ClassVar[bool] = False  # hot statements compiled once, run on the driver
-    single_writer: ClassVar[bool] = False  # one writer at a time for the whole database
-    fence_locks_rows: ClassVar[bool] = False  # INSERT ... SELECT from jobs share-locks the row
-    local_file: ClassVar[bool] = False  # the store lives on one host's disk
-    minimums: ClassVar[Mapping[str, tuple[tuple[int, ...], str]]]  # server -> (version, why)
-
-    def __init__(self, url: sa.URL, *, busy_timeout: float = 30.0, synchronous: str = "FULL") -> None:
-        self.url = url
-        self.busy_timeout = busy_timeout
-        self.synchronous = synchronous
-        self.server_label = self.name
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} dialect>"
-
-    def busy_wait(self, bounds: Bounds) -> float:
-        """How long a write waits for the database's one write lock (single_writer)."""
-        return min(self.busy_timeout, bounds.round_trip)
-
-    def speaks(self, driver_dialect: str) -> bool:
-        """Whether a SQLAlchemy connection of this dialect name talks to this family."""
-        return driver_dialect in self.drivers
-
-    # -- SQL --------------------------------------------------------------------
-    def now(self) -> ColumnElement[float]:
-        """The current time on the store, in epoch seconds, as a SQL expression."""
-        return sa.literal_column(self.now_sql, type_=sa.Double())
-
-    def upsert(self, table: sa.Table, values: Mapping[str, Any], update: tuple[str, ...]) -> Any:
-        """INSERT ``values``, or on a primary-key conflict set the ``update`` columns to the new values."""
-        raise NotImplementedError
-
-    def insert_ignore(self, table: sa.Table) -> Any:
-        """An INSERT that skips a row whose key exists, without an error that aborts the transaction.
-
-        Its row count says whether it inserted (SQLAlchemy keeps an INSERT's count only on request).
-        """
-        raise NotImplementedError
-
-    def lock_rows(self, query: sa.Select, of: sa.Table) -> sa.Select:
-        """``query`` holding its rows of ``of`` and skipping rows another transaction holds."""
-        return query.with_for_update(skip_locked=True)
-
-    def autocommit_settings(self, bounds: Bounds, async_commit: bool = False) -> list[ColumnElement[bool]]:
-        """Conditions that set a one-statement write's own transaction settings (none here)."""
-        return []
-
-    # -- engines and transactions -------------------------------------------------------
-    def create_engine(self, bounds: Bounds, pool_size: int, options: Mapping[str, Any]) -> Engine:
-        """An engine whose every connection, checkout and round trip is bounded by ``bounds``."""
-        kwargs: dict[str, Any] = {"connect_args": self.connect_args(bounds)}
-        if "poolclass" not in options:
-            kwargs.update(pool_size=pool_size, max_overflow=0, pool_timeout=bounds.pool)
-        engine = sa.create_engine(self.url, **{**kwargs, **options})
-        sa.event.listen(engine, "connect", self._on_connect(bounds))
-        self._listen(engine, bounds)
-        return engine
-
-    def connect_args(self, bounds: Bounds) -> dict[str, Any]:
-        return {}
-
-    def _listen(self, engine: Engine, bounds: Bounds) -> None:
-        sa.event.listen(engine, "checkout", _ping_if_idle)
-
-    def _on_connect(self, bounds: Bounds) -> Any:
-        def on_connect(dbapi_conn: Any, _record: Any) -> None:
-            # An error here closes the connection: the pool never hands it out.
-            self.check_server(*self.server(dbapi_conn))
-            self.setup(dbapi_conn, bounds)
-
-        return on_connect
-
-    def server(self, dbapi_conn: Any) -> tuple[str, tuple[int, ...]]:
-        """(server name, version) of a new connection."""
-        raise NotImplementedError
-
-    def check_server(self, label: str, version: tuple[int, ...]) -> None:
-        """Refuse a server older than the features the store relies on, in one line."""
-        self.server_label = label
-        minimum, why = self.minimums[label]
-        if tuple(version) < minimum:
-            have, need = ".".join(map(str, version)), ".".join(map(str, minimum))
-            raise LeaseConfigError("lease_store_url", self.url.render_as_string(hide_password=True),
-                                   f"{label} {have} is older than {label} {need}, the oldest the lease "
-                                   f"store supports ({why})")
-
-    def setup(self, dbapi_conn: Any, bounds: Bounds) -> None:
-        """Session settings of a new connection."""
-
-    @contextlib.contextmanager
-    def transaction(self, conn: Connection, bounds: Bounds, long: bool) -> Iterator[None]:
-        """Set up one transaction of ``begin()`` (``long``: a reaper, migration or operator's)."""
-        yield
-
-    # -- errors -----------------------------------------------------------------
-    def classify(self, exc: Exception, where: str, bounds: Bounds) -> LeaseError:
-        """The LeaseError a driver or pool error means (see store/failures.py)."""
-        return failures.classify(exc, where, bounds, self.failure_kind(exc))
-
-    def retryable(self, exc: BaseException | None) -> bool:
-        """Whether the server rolled the transaction back to break a deadlock: run it again."""
-        return False
-
-    def failure_kind(self, exc: Exception) -> str | None:
-        """``missing``, ``conflict``, ``constraint``, ``permission``, ``syntax``, ``data``,
-        ``timeout`` or ``unreachable`` for a driver error this family knows; None otherwise."""
-        return None
-
-
-def _ping_if_idle(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
-    """Check a pooled connection that sat idle before handing it out.
-
-    A ping on every checkout (pool_pre_ping) costs a round trip per transition; a
-    connection in steady use is known good, and one that died since is replaced here.
-    """
-    now = time.monotonic()
-    last, record.info["checked_out_at"] = record.info.get("checked_out_at"), now
-    if last is not None and now - last < IDLE_PING_AFTER:
-        return
-    cursor = dbapi_conn.cursor()
-    try:
-        cursor.execute("SELECT 1")
-        cursor.close()
-        # End the ping's implicit transaction: the connection must be handed out idle.
-        dbapi_conn.rollback()
-    except Exception as exc:  # noqa: BLE001 - any failure means this connection is gone
-        raise sa.exc.DisconnectionError(str(exc)) from exc
-
-
-def _version(text: str) -> tuple[int, ...]:
-    numbers = []
-    for part in text.split("-")[0].split(".")[:3]:
-        digits = "".join(ch for ch in part if ch.isdigit())
-        numbers.append(int(digits or 0))
-    return tuple(numbers)
+__all__ = ["Bounds", "Dialect", "SQLite", "PostgreSQL", "MySQL", "for_url", "SUPPORTED", "READ_ONLY",
+           "LOCK_WAIT"]
 
 
 class _OnConflict(Dialect):
@@ -279,7 +91,7 @@ class SQLite(_OnConflict):
     def server(self, dbapi_conn: Any) -> tuple[str, tuple[int, ...]]:
         cur = dbapi_conn.cursor()
         try:
-            return "SQLite", _version(cur.execute("SELECT sqlite_version()").fetchone()[0])
+            return "SQLite", server_version(cur.execute("SELECT sqlite_version()").fetchone()[0])
         finally:
             cur.close()
 
@@ -337,7 +149,7 @@ class PostgreSQL(_OnConflict):
         # one wait such a write has. statement_timeout is not set here: PostgreSQL arms it when
         # a statement starts, so set inside one it would not apply; the client's bound covers it.
         settings: list[ColumnElement[bool]] = [
-            sa.func.set_config("lock_timeout", _ms(bounds.server_lock), True).is_not(None)]
+            sa.func.set_config("lock_timeout", ms(bounds.server_lock), True).is_not(None)]
         if async_commit:
             # If a server crash undoes an asynchronously committed claim, nothing built on it
             # survives: its owner's later writes are fenced, synchronous, and come after it in the WAL.
@@ -373,8 +185,8 @@ class PostgreSQL(_OnConflict):
         # for it with the long bound too.
         with bounded.waiting(conn, bounds.round_trip if long else None):
             conn.execute(sa.select(
-                sa.func.set_config("statement_timeout", _ms(bounds.server_statement), True),
-                sa.func.set_config("lock_timeout", _ms(bounds.server_lock), True)))
+                sa.func.set_config("statement_timeout", ms(bounds.server_statement), True),
+                sa.func.set_config("lock_timeout", ms(bounds.server_lock), True)))
             yield
 
     def retryable(self, exc: BaseException | None) -> bool:
@@ -458,7 +270,7 @@ class MySQL(Dialect):
         self.is_mariadb = "mariadb" in info.lower()
         # MariaDB's handshake prefixes its version with 5.5.5- for old clients' sake.
         info = info.removeprefix("5.5.5-") if self.is_mariadb else info
-        return ("MariaDB" if self.is_mariadb else "MySQL"), _version(info)
+        return ("MariaDB" if self.is_mariadb else "MySQL"), server_version(info)
 
     def setup(self, dbapi_conn: Any, bounds: Bounds) -> None:
         # UNIX_TIMESTAMP(SYSDATE(6)) converts the session's local time back to epoch seconds: in
