@@ -19,12 +19,13 @@ from sqlalchemy.engine import Connection
 from .. import config
 from ..vocabulary import EffectOutcome, Event
 from . import dialects, schema
-from .base import COMPLETED, FAILED, PENDING, RUNNING, Claim, ClaimTerms, Job, NewJob, StoreBase
+from .base import StoreBase
 from .effects import EffectStatements
 from .reaping import Expired, ReaperStatements
 from .recovery import RecoveryStatements
 from .replacing import ReplaceStatements
 from .reports import ReportStatements
+from .rows import COMPLETED, FAILED, PENDING, RUNNING, Claim, ClaimTerms, Job, NewJob
 from .runs import RunStatements
 
 __all__ = ["Store", "WorkerStore", "ReaperStore", "ReportStore", "Claim", "ClaimTerms", "Job", "NewJob",

@@ -15,7 +15,8 @@ from typing import Any
 import sqlalchemy as sa
 
 from ..vocabulary import Event
-from .base import Job, StoreBase
+from .base import StoreBase
+from .rows import Job
 
 __all__ = ["AuditedWrites"]
 

@@ -12,19 +12,9 @@ from sqlalchemy.engine import Connection
 from ..config import RECOVERY
 from ..errors import StoreConflict, StoreUnavailable
 from ..vocabulary import ClaimOutcome, Event
-from .base import (
-    COMPLETED,
-    FAILED,
-    PENDING,
-    RESULT_REVISION,
-    RUNNING,
-    Claim,
-    ClaimTerms,
-    Job,
-    fenced_status,
-    where_given,
-)
+from .base import RESULT_REVISION, where_given
 from .publishes import PublishStatements
+from .rows import COMPLETED, FAILED, PENDING, RUNNING, Claim, ClaimTerms, Job, fenced_status
 
 __all__ = ["JobStatements"]
 

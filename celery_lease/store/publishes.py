@@ -12,15 +12,8 @@ from ..config import RECOVERY
 from ..errors import StoreConflict
 from ..vocabulary import Event
 from .audited import AuditedWrites, _Audited
-from .base import (
-    COMPLETED,
-    FAILED,
-    PENDING,
-    RESULT_REVISION,
-    RUNS_REVISION,
-    NewJob,
-    fenced_status,
-)
+from .base import RESULT_REVISION, RUNS_REVISION
+from .rows import COMPLETED, FAILED, PENDING, NewJob, fenced_status
 from .workers import WorkerStatements
 
 __all__ = ["RECORD_BATCH", "PublishStatements"]

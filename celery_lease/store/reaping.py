@@ -21,7 +21,8 @@ from sqlalchemy.engine import Connection
 
 from ..errors import StoreConflict
 from ..vocabulary import Event
-from .base import COMPLETED, FAILED, PENDING, RUNNING, Job, StoreBase, fenced_status, status_sql
+from .base import StoreBase
+from .rows import COMPLETED, FAILED, PENDING, RUNNING, Job, fenced_status, status_sql
 
 __all__ = ["ReaperStatements", "Expired", "REAPER_LOCK"]
 

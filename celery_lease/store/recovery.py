@@ -11,7 +11,8 @@ from typing import Any
 import sqlalchemy as sa
 
 from ..vocabulary import Event
-from .base import FAILED, PENDING, RUNNING, Job, StoreBase, fenced_status, status_sql, where_given
+from .base import StoreBase, where_given
+from .rows import FAILED, PENDING, RUNNING, Job, fenced_status, status_sql
 
 __all__ = ["RecoveryStatements", "REVOKED_PREFIX"]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 
 from ..vocabulary import Event
-from .base import COMPLETED, PENDING
 from .jobs import JobStatements
+from .rows import COMPLETED, PENDING
 
 __all__ = ["ReplaceStatements"]
 

@@ -14,18 +14,8 @@ from typing import Any
 import sqlalchemy as sa
 
 from ..errors import JobNotFound
-from .base import (
-    COMPLETED,
-    FAILED,
-    PENDING,
-    RUNNING,
-    RUNS_REVISION,
-    Job,
-    StoreBase,
-    fenced_status,
-    status_sql,
-    where_given,
-)
+from .base import RUNS_REVISION, StoreBase, where_given
+from .rows import COMPLETED, FAILED, PENDING, RUNNING, Job, fenced_status, status_sql
 from .workers import POOL_REVISION
 
 __all__ = ["ReportStatements"]

@@ -1,0 +1,143 @@
+"""The jobs row as the store hands it out, and statuses as SQL.
+
+``Job`` is a snapshot of one row; ``Claim`` what a claim found; ``ClaimTerms`` what a
+task's policy asks of a claim; ``NewJob`` a job a batch publish records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import sqlalchemy as sa
+
+from ..config import RECOVERY
+from ..errors import StoreCorrupt
+from ..vocabulary import ClaimOutcome, Status
+
+__all__ = ["PENDING", "RUNNING", "COMPLETED", "FAILED", "status_sql", "fenced_status", "NewJob", "Job",
+           "Claim", "ClaimTerms"]
+
+PENDING, RUNNING, COMPLETED, FAILED = Status.PENDING, Status.RUNNING, Status.COMPLETED, Status.FAILED
+
+
+def status_sql(status: Status) -> sa.ColumnElement[Any]:
+    """A status written into the statement's text, not bound.
+
+    The scans' indexes hold one status each (partial indexes, revision 0006): a planner uses
+    one only for a statement whose text states that status, which a bound value does not.
+    """
+    return sa.literal_column(f"'{Status(status).value}'")
+
+
+def fenced_status(column: sa.ColumnElement[Any], status: Status) -> sa.ColumnElement[bool]:
+    """``column`` is ``status``, in a statement that finds its rows by id.
+
+    Written so that no index matches it: such a statement must take the primary key whatever
+    the statistics say. Statistics that count no pending job (a quiet hour, a table not yet
+    analyzed) would otherwise send each claim of a sudden backlog through the whole pending
+    index, which holds the job's id as its second column (measured: twice as slow at 2,000).
+    """
+    return sa.func.coalesce(column, sa.literal_column("''")) == status_sql(status)
+
+
+@dataclasses.dataclass(frozen=True)
+class NewJob:
+    """A job to record as published, without an idempotency key (see PublishStatements.record_batch)."""
+
+    id: str
+    task_name: str
+    queue: str | None
+    payload: str | None
+    max_attempts: int
+    delay: float = 0.0
+    recovery: Mapping[str, Any] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """A snapshot of one jobs row."""
+
+    id: str
+    task_name: str
+    queue_name: str | None
+    status: str
+    attempt_count: int
+    expired_count: int
+    dispatch_count: int
+    max_attempts: int
+    available_at: float
+    lease_expires_at: float | None
+    last_heartbeat_at: float | None
+    started_at: float | None
+    locked_by: str | None
+    lock_token: str | None
+    idempotency_key: str | None
+    checkpoint: str | None
+    last_error: str | None
+    created_at: float
+    updated_at: float
+    completed_at: float | None = None
+    failed_at: float | None = None
+    lease_duration: float | None = None
+    grace_period: float | None = None
+    payload: str | None = None
+    # The task's recovery policy as recorded (None: recorded before revision 0002; app settings).
+    on_expired: str | None = None
+    max_expirations: int | None = None
+    backoff_base: float | None = None
+    backoff_max: float | None = None
+    backoff_jitter: bool | None = None
+    dead_letter_queue: str | None = None
+    dispatch_timeout: float | None = None
+
+    def recovery(self) -> dict[str, Any]:
+        """The recovery options the row carries (those recorded), by option name."""
+        return {name: getattr(self, name) for name in RECOVERY if getattr(self, name) is not None}
+
+    @classmethod
+    def from_row(cls, row: Any) -> Job:
+        data = getattr(row, "_mapping", row)
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
+
+    def checkpoint_state(self) -> Any:
+        if self.checkpoint is None:
+            return None
+        try:
+            return json.loads(self.checkpoint)
+        except ValueError as exc:
+            raise StoreCorrupt(f"job {self.id}: checkpoint is not JSON ({exc})", job_id=self.id) from exc
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """What a claim found: ``claimed`` (the job is ours), ``busy``, ``done`` or ``early``.
+
+    ``early``: the job is pending but not available for ``wait`` more seconds.
+    """
+
+    outcome: ClaimOutcome
+    job: Job | None
+    wait: float = 0.0
+
+    @property
+    def claimed(self) -> bool:
+        return self.outcome == ClaimOutcome.CLAIMED
+
+
+@dataclasses.dataclass(frozen=True)
+class ClaimTerms:
+    """What a task's policy asks of a claim: its lease, attempt limits, takeover rule and recovery options.
+
+    ``takeover``: a running job whose lease was abandoned may be taken over (on_expired=requeue).
+    ``recovery`` is the task's recovery policy (config.RECOVERY), carried on the row.
+    """
+
+    duration: float
+    grace: float
+    max_attempts: int
+    max_expirations: int
+    takeover: bool
+    recovery: Mapping[str, Any] | None = None
