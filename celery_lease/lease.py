@@ -76,7 +76,10 @@ class Lease:
             self.expire_if_due(deadline.monotonic())
         if self.lost:
             self.raising_in_body()
-            raise LeaseLost(self.job_id, self.lost_reason or "lost", self.lost_owner)
+            raise self._lost_error()
+
+    def _lost_error(self) -> LeaseLost:
+        return LeaseLost(self.job_id, self.lost_reason or "lost", self.lost_owner)
 
     def raising_in_body(self) -> None:
         """Called just before code in the body's own thread raises LeaseLost: no interruption lands after it.
@@ -215,7 +218,7 @@ class Lease:
             else:
                 self._shield += 1
         if lost_already:
-            raise LeaseLost(self.job_id, self.lost_reason or "lost", self.lost_owner)
+            raise self._lost_error()
         try:
             yield
         finally:
@@ -227,7 +230,7 @@ class Lease:
                 if due:
                     self._raised = True
             if due:
-                raise LeaseLost(self.job_id, self.lost_reason or "lost", self.lost_owner)
+                raise self._lost_error()
 
     @contextlib.contextmanager
     def body(self) -> Iterator[None]:
