@@ -28,12 +28,13 @@ from .backoff import backoff, dispatch_wait
 from .config import REAPER_RUNS_KEPT, TaskPolicy, app_config, task_policy, worker_stale_after
 from .errors import StoreCorrupt, StoreUnavailable
 from .outcomes import report_failure
-from .store import RUNNING, Job, ReaperStore, for_app
+from .store import Job, ReaperStore, for_app
 
 # The kinds of a Decision (the dataclass below names one decision about one job).
 from .vocabulary import Decision as Kind
 
-__all__ = ["Reaper", "ReapResult", "Decision", "backoff", "decide", "recover_worker_lost", "reap"]
+__all__ = ["Reaper", "ReapResult", "Decision", "backoff", "decide", "policy_for", "publish_decision",
+           "settle", "reap"]
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +131,7 @@ def decide(job: Job, policy: TaskPolicy, why: str, rng: Any = random) -> Decisio
     return Decision(job.id, job.task_name, kind, reason, job.locked_by, 0.0, queue)
 
 
-def _publish(app: Any, job: Job, decision: Decision) -> Decision:
+def publish_decision(app: Any, job: Job, decision: Decision) -> Decision:
     """Send the job's message for a decision (before its CAS); an unreadable message turns it to ``fail``."""
     if decision.decision == Kind.FAIL or (decision.decision == Kind.DEAD_LETTER and not decision.queue):
         return decision
@@ -145,8 +146,8 @@ def _publish(app: Any, job: Job, decision: Decision) -> Decision:
     return decision
 
 
-def _settle(store: ReaperStore, job: Job, decision: Decision, result: ReapResult, *, expired: bool = True,
-            now: float | None = None, c: Any = None) -> bool:
+def settle(store: ReaperStore, job: Job, decision: Decision, result: ReapResult, *, expired: bool = True,
+           now: float | None = None, c: Any = None) -> bool:
     """The CAS on the token read with the row; a lost race writes nothing and is only counted."""
     kind, token = decision.decision, job.lock_token or ""
     detail: dict[str, Any] = {"attempt": job.attempt_count, "expired_count": job.expired_count + 1}
@@ -271,14 +272,14 @@ class Reaper:
                         result.planned.append(decision)
                         continue
                     try:
-                        decision = _publish(self.app, job, decision)
+                        decision = publish_decision(self.app, job, decision)
                     except Exception as exc:  # noqa: BLE001 - broker down: stop publishing this run
                         result.publish_errors += 1
                         log.error("job %s [%s]: could not publish its message (%s); left expired for "
                                   "the next run", job.id, (job.lock_token or "")[:8], exc,
                                   extra={"action": "reap_publish_failed"})
                         break
-                    if _settle(self.store, job, decision, result, now=now, c=c) and (
+                    if settle(self.store, job, decision, result, now=now, c=c) and (
                             decision.decision != Kind.REQUEUE):
                         finals.append((job, decision.reason))
             # Celery hears of each dead letter once the page's transaction committed it.
@@ -370,71 +371,6 @@ class Reaper:
                 result = ReapResult()
             full = result.reaped + result.dead_lettered + result.failed >= self.batch_size
             stop.wait(0 if full else interval)
-
-
-def recover_worker_lost(app: Any, job_id: str, owner: str, reason: str, final: bool = False) -> str:
-    """In the worker's main process, when a child died under ``job_id``: recover it now.
-
-    Applies the reaper's decision (requeue with backoff or dead-letter at the limit)
-    if the job is still running under ``owner``; the CAS uses the token read from
-    the row. ``final`` (a hard time limit) fails the job instead, dead-lettering its
-    message when a dead-letter queue is set. Returns the outcome: requeue,
-    dead_letter, fail, lost_race, error or none.
-    """
-    store = for_app(app)
-    job = store.get(job_id)
-    if job is None or job.status != RUNNING or job.locked_by != owner or not job.lock_token:
-        return "none"
-    policy = policy_for(app, job)
-    if final:
-        why = f"worker process lost: {reason}; a final failure"
-        kind = Kind.DEAD_LETTER if policy.dead_letter_queue else Kind.FAIL
-        decision = Decision(job.id, job.task_name, kind, why, job.locked_by, 0.0, policy.dead_letter_queue)
-    else:
-        decision = decide(job, policy, f"worker process lost: {reason}")
-    if decision.decision == Kind.REQUEUE:
-        return _requeue_lost(app, store, job, decision, owner, reason)
-    try:
-        decision = _publish(app, job, decision)
-    except Exception as exc:  # noqa: BLE001 - broker down: the reaper recovers it after expiry
-        log.error("job %s [%s]: child %s lost but its message could not be re-sent (%s); the reaper will "
-                  "recover it after the lease expires", job_id, job.lock_token[:8], owner, exc,
-                  extra={"action": "worker_lost_publish_failed"})
-        return "error"
-    if not _settle(store, job, decision, ReapResult(), expired=False):
-        return "lost_race"
-    log.info("job %s [%s]: worker process %s lost (%s): %s", job_id, job.lock_token[:8], owner, reason,
-             decision.decision, extra={"action": "worker_lost_recovered"})
-    return decision.decision
-
-
-def _requeue_lost(app: Any, store: ReaperStore, job: Job, decision: Decision, owner: str, reason: str) -> str:
-    """Requeue a dead child's job: the row first, then its message, so no delivery finds it busy.
-
-    The owner is known dead (its main process saw it go), so nothing holds the row across
-    the publish; a publish that fails leaves a pending job for the dispatch scan.
-    """
-    try:
-        messages.decode(job.payload, app.conf.accept_content, job.id)
-    except StoreCorrupt as exc:
-        decision = dataclasses.replace(decision, decision=Kind.FAIL, queue=None,
-                                       reason=f"{decision.reason}; message unreadable: {exc}")
-    if not _settle(store, job, decision, ReapResult(), expired=False):
-        return "lost_race"
-    if decision.decision != Kind.REQUEUE:
-        return decision.decision
-    try:
-        messages.republish(app, job.id, job.payload, countdown=decision.delay)
-    except Exception as exc:  # noqa: BLE001 - broker down: the dispatch scan re-sends it
-        log.error("job %s: child %s lost, job requeued but its message could not be sent (%s); the reaper "
-                  "re-dispatches it after lease_dispatch_timeout", job.id, owner, exc,
-                  extra={"action": "worker_lost_publish_failed"})
-        return "error"
-    if after_publish is not None:
-        after_publish(job.id)
-    log.info("job %s [%s]: worker process %s lost (%s): %s", job.id, (job.lock_token or "")[:8], owner,
-             reason, decision.decision, extra={"action": "worker_lost_recovered"})
-    return decision.decision
 
 
 @shared_task(name="celery_lease.reap", base=Task, bind=True)

@@ -112,7 +112,7 @@ def _cancel_terminated(request: LeaseRequest) -> None:
 def _settle_dead_child(request: LeaseRequest, reason: str, final: bool) -> str:
     owner = worker_id(request.hostname, request.worker_pid)
     try:
-        from .reaper import recover_worker_lost
+        from .worker_lost import recover_worker_lost
 
         return recover_worker_lost(request.task.app, request.id, owner, reason, final=final)
     except LeaseError as error:

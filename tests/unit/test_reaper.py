@@ -24,8 +24,9 @@ from celery import Celery, Task
 from celery_lease import LeaseTask, messages, reaper
 from celery_lease.config import app_config
 from celery_lease.errors import StoreUnavailable
-from celery_lease.reaper import Reaper, backoff, recover_worker_lost
+from celery_lease.reaper import Reaper, backoff
 from celery_lease.store import COMPLETED, FAILED, PENDING, RUNNING, ClaimTerms, Store
+from celery_lease.worker_lost import recover_worker_lost
 from tests.conftest import unique_prefix
 from tests.helpers import transaction_held
 
@@ -623,7 +624,7 @@ def test_the_reap_task_is_registered_in_every_app_and_is_not_a_lease_task(app, s
     assert counts["reaped"] == 1 and counts["skipped"] is False
 
 
-# -- a child lost under a job ---------------------------------------------------------------
+# -- a child lost under a job (worker_lost.py) ------------------------------------------------
 def test_recover_worker_lost_requeues_the_job_of_that_owner_at_once(app, store, broker):
     token = running(store, "j1", owner="node@h:42", age=-25.0)  # lease still valid for 25 s
     assert recover_worker_lost(app, "j1", "node@h:99", "WorkerLostError") == "none"
