@@ -26,6 +26,7 @@ class TcpProxy:
         self._lock = threading.Lock()
         self._flowing = threading.Event()
         self._flowing.set()
+        self._accepted = 0
 
     @staticmethod
     def _free_port(host: str) -> int:
@@ -41,6 +42,11 @@ class TcpProxy:
         self._server = server
         threading.Thread(target=self._accept, args=(server,), daemon=True).start()
         return self
+
+    @property
+    def accepted(self) -> int:
+        """Connections accepted so far."""
+        return self._accepted
 
     def freeze(self) -> None:
         """Stop passing bytes on every connection, old and new, without closing any."""
@@ -71,6 +77,7 @@ class TcpProxy:
                 client, _ = server.accept()
             except OSError:
                 return
+            self._accepted += 1
             try:
                 upstream = socket.create_connection(self.target, timeout=5)
             except OSError:

@@ -31,6 +31,7 @@ def _bounded(base: type[Any]) -> type[Any]:
 
         class BoundedConnection(base):
             call_timeout: float | None = None
+            timed_out = False  # a wait ran out: the connection is closed, its server silent
 
             def wait(self, gen: Any, interval: Any = None, timeout: float | None = None) -> Any:
                 args = () if interval is None else (interval,)
@@ -39,6 +40,7 @@ def _bounded(base: type[Any]) -> type[Any]:
                 try:
                     return super().wait(gen, *args, timeout=self.call_timeout)
                 except timeout_error:
+                    self.timed_out = True
                     self.pgconn.finish()
                     raise psycopg.OperationalError(
                         f"no answer from the server within {self.call_timeout:g}s; connection closed"

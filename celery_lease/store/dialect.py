@@ -200,6 +200,11 @@ def ping_if_idle(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
         # End the ping's implicit transaction: the connection must be handed out idle.
         dbapi_conn.rollback()
     except Exception as exc:  # noqa: BLE001 - any failure means this connection is gone
+        if getattr(dbapi_conn, "timed_out", False):
+            # The server gave the ping no answer within a round trip's bound: a new connection
+            # to it would spend the rest of the call's bound on the same silence. The call fails
+            # now, naming it, and the pool drops this connection.
+            raise
         raise sa.exc.DisconnectionError(str(exc)) from exc
 
 

@@ -17,7 +17,7 @@ from celery_lease.errors import (
     StoreRejected,
     StoreUnavailable,
 )
-from celery_lease.store import ClaimTerms, Store, dialects
+from celery_lease.store import ClaimTerms, Store, dialect, dialects
 from tests.conftest import unique_prefix
 from tests.helpers import wait_for
 from tests.tcp_proxy import TcpProxy
@@ -355,6 +355,30 @@ def test_a_hung_postgresql_server_fails_each_call_within_its_bound(postgres_url)
         store.engine.dispose()
         direct.t.metadata.drop_all(direct.engine)
         direct.engine.dispose()
+
+
+def test_an_idle_connection_whose_check_gets_no_answer_fails_the_call_without_reconnecting(
+        postgres_url, monkeypatch):
+    # Every checkout checks its connection; the server then hangs behind a frozen proxy.
+    monkeypatch.setattr(dialect, "IDLE_PING_AFTER", 0.0)
+    target = sa.make_url(postgres_url)
+    proxy = TcpProxy(target.host or "127.0.0.1", target.port or 5432).start()
+    store = Store(target.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False),
+                  unique_prefix(), call_timeout=4.0)
+    try:
+        store.now()  # warm: the pool holds a working connection
+        opened = proxy.accepted
+        proxy.freeze()
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable, match="no answer from the server"):
+            store.now()
+        elapsed = time.monotonic() - started
+        # The check waited out one round trip and the call ended there: no new connection tried.
+        assert proxy.accepted == opened
+        assert elapsed < store.bounds.round_trip + SLACK, elapsed
+    finally:
+        proxy.cut()
+        store.engine.dispose()
 
 
 class _Driver(Exception):
