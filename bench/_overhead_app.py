@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import threading
 import time
 
 import redis
 from celery import Celery
 
+from bench._floor import Floor
 from celery_lease import LeaseTask
 
 BROKER = os.environ.get("BENCH_BROKER", "redis://127.0.0.1:6379/15")
@@ -22,6 +24,7 @@ app.conf.update(
 # BENCH_CONF: JSON of extra settings, e.g. '{"lease_sqlite_synchronous": "NORMAL"}' to price durability.
 app.conf.update(json.loads(os.environ.get("BENCH_CONF", "{}")))
 counter = redis.Redis.from_url(BROKER)
+floor = Floor(app.conf.lease_store_url, app.conf.lease_table_prefix)
 _pause = threading.Event()
 
 
@@ -43,3 +46,12 @@ def plain(seconds: float) -> None:
 @app.task(base=LeaseTask, name="bench.leased")
 def leased(seconds: float) -> None:
     _body(seconds)
+
+
+@app.task(name="bench.floor", bind=True)
+def floored(self, seconds: float) -> None:
+    """A plain task with the least a leased run writes: a claim before the body, a completion after."""
+    token = secrets.token_hex(16)
+    floor.claim(self.request.id, token)
+    _body(seconds)
+    floor.complete(self.request.id, token)

@@ -3,7 +3,8 @@
 Both kinds of task run in the same run, on the same Redis broker and the same worker
 settings (prefork -c4 and threads -c8 by default); the ratio is what counts. On PostgreSQL
 the worker's commits, rows written and WAL bytes per job come from the server's own
-statistics (a database of the bench's own). Usage: python -m bench.overhead [--tasks 5000]
+statistics (a database of the bench's own). Each round also runs the floor (bench/_floor.py):
+plain tasks with the least a claim and a completion cost, to the same plain runs. Usage: python -m bench.overhead [--tasks 5000]
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import redis
 import sqlalchemy as sa
 
 from bench import _pg, _results
+from bench._floor import Floor
 from celery_lease import deadline
 from celery_lease.config import load
 from celery_lease.lease import Lease
@@ -50,7 +52,10 @@ def run(task: str, seconds: float, n: int, store_url: str, prefix: str, pool: st
     bench_app.app.conf.update(lease_store_url=store_url, lease_table_prefix=prefix)
     bench_app.app._celery_lease_config = None
     bench_app.app._celery_lease_store = None
-    target = bench_app.leased if task == "leased" else bench_app.plain
+    target = {"leased": bench_app.leased, "floor": bench_app.floored}.get(task, bench_app.plain)
+    floor = Floor(store_url, prefix) if task == "floor" else None
+    if floor is not None:
+        floor.create()
     if task == "leased":
         from celery_lease.store import for_app
 
@@ -82,6 +87,9 @@ def run(task: str, seconds: float, n: int, store_url: str, prefix: str, pool: st
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         client.flushdb()
+        if floor is not None:
+            floor.drop()
+            floor.close()
         if measured and cost is not None:
             time.sleep(0.5)
             cost.update(_pg.per_job(before, _pg.counters(store_url), n))
@@ -141,14 +149,17 @@ def main() -> None:
     print("plain runs alternate with LeaseTask runs; each ratio is to the mean of the plain runs"
           f" just before and after, so drift of the machine shows and cancels; {args.rounds} rounds,"
           " the median ratio counts")
+    print("floor: plain Celery with the least a claim and a completion cost (bench/_floor.py), to the same"
+          " plain runs")
     print(f"{'pool':<11} {'task body':<10} {'store':<9} {'plain/s':>9} {'lease/s':>9} {'ratios by round':>18}"
-          f" {'median':>7}")
+          f" {'median':>7} {'floor':>7}")
     costs: dict[str, dict[str, float]] = {}
     rows: list[dict[str, object]] = []
     for pool, concurrency in pools:
         for label, seconds in bodies.items():
             ratios: dict[str, list[float]] = {name: [] for name in stores}
             rates: dict[str, list[tuple[float, float]]] = {name: [] for name in stores}
+            floors: dict[str, list[float]] = {name: [] for name in stores}
             plain = run("plain", seconds, args.tasks, every["sqlite"], "unused_", pool, concurrency)
             for _ in range(args.rounds):
                 for name, url in stores.items():
@@ -157,8 +168,10 @@ def main() -> None:
                     leased = run("leased", seconds, args.tasks, url, prefix, pool, concurrency, cost)
                     if cost:
                         costs[f"{pool} -c{concurrency}, {label}"] = cost
+                    floored = run("floor", seconds, args.tasks, url, prefix, pool, concurrency)
                     after = run("plain", seconds, args.tasks, every["sqlite"], "unused_", pool, concurrency)
                     ratios[name].append(leased / ((plain + after) / 2))
+                    floors[name].append(floored / ((plain + after) / 2))
                     rates[name].append(((plain + after) / 2, leased))
                     store = Store(url, prefix)
                     store.drop_schema()
@@ -170,9 +183,11 @@ def main() -> None:
                 by_round = " ".join(f"{r:.2f}" for r in ratios[name])
                 rows.append({"pool": f"{pool} -c{concurrency}", "body": label, "store": name,
                              "plain": plain_rate, "lease": lease_rate, "ratios": ratios[name],
-                             "median": statistics.median(ratios[name])})
+                             "median": statistics.median(ratios[name]), "floors": floors[name],
+                             "floor": statistics.median(floors[name])})
                 print(f"{pool + ' -c' + str(concurrency):<11} {label:<10} {name:<9} {plain_rate:>9.0f}"
-                      f" {lease_rate:>9.0f} {by_round:>18} {statistics.median(ratios[name]):>7.2f}")
+                      f" {lease_rate:>9.0f} {by_round:>18} {statistics.median(ratios[name]):>7.2f}"
+                      f" {statistics.median(floors[name]):>7.2f}")
     if costs:
         print("\nthe worker's PostgreSQL writes per job (last round; claim, completion, heartbeats):")
         for label, cost in costs.items():

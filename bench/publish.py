@@ -6,7 +6,9 @@ producer; each ratio is to the mean of the plain rounds just before and after, s
 machine cancels. On PostgreSQL the commits, rows and WAL bytes per publish come from the
 server's own statistics, in a database of the bench's own (WAL is counted for the whole server:
 run it on an otherwise idle one). PostgreSQL runs twice: at the defaults, and with the opt-in
-lease_publish_async_commit. Then whole groups: a group of 1,000 signatures published at once,
+lease_publish_async_commit. Before them, per store, the floor (bench/_floor.py): plain
+publishes each after the least a durable record of it costs, to the same plain rounds. Then
+whole groups: a group of 1,000 signatures published at once,
 tasks per second. Usage: python -m bench.publish [--calls 2000] [--rounds 3] [--group 1000]
 """
 
@@ -22,9 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import redis
+import sqlalchemy as sa
 from celery import Celery, group
 
 from bench import _pg, _results
+from bench._floor import Floor
 from celery_lease import LeaseTask
 from celery_lease.store import Store
 from celery_lease.store.publishes import RECORD_BATCH
@@ -61,6 +65,17 @@ def rate(app: Celery, task: Any, calls: int, keyed: bool) -> float:
         for i in range(calls):
             options = {"idempotency_key": f"{round_id}:{i}"} if keyed else {}
             task.apply_async((i,), producer=producer, **options)
+        return calls / (time.perf_counter() - started)
+
+
+def floor_rate(app: Celery, task: Any, calls: int, floor: Floor, payload: str) -> float:
+    """Plain apply_async calls per second, each after the least a durable record of it costs."""
+    with app.producer_or_acquire() as producer:
+        started = time.perf_counter()
+        for i in range(calls):
+            job_id = str(uuid.uuid4())
+            floor.record(job_id, payload)
+            task.apply_async((i,), producer=producer, task_id=job_id)
         return calls / (time.perf_counter() - started)
 
 
@@ -102,6 +117,7 @@ def main() -> None:
     print(f"{'store':14} {'key':4} {'plain/s':>8} {'lease/s':>8}  {'ratios by round':20} median")
     rows: list[dict[str, Any]] = []
     groups: list[dict[str, Any]] = []
+    floor_rows: list[dict[str, Any]] = []
     costs: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         pg = _pg.bench_database()
@@ -114,6 +130,25 @@ def main() -> None:
             try:
                 rate(app, plain, 200, False)  # warm the producer and the pools
                 rate(app, leased, 200, False)
+                # The floor's record holds a message of the size LeaseTask's records hold.
+                with store.engine.connect() as c:
+                    length = sa.func.length(store.t.jobs.c.payload)
+                    size = c.execute(sa.select(sa.func.avg(length))).scalar_one()
+                payload = "x" * int(size)
+                floor = Floor(urls[name], prefix)
+                floor.create()
+                if name != "postgres-async":
+                    plains, floors = [rate(app, plain, args.calls, False)], []
+                    for _ in range(args.rounds):
+                        floors.append(floor_rate(app, plain, args.calls, floor, payload))
+                        plains.append(rate(app, plain, args.calls, False))
+                        floors[-1] /= statistics.mean(plains[-2:])
+                        client.flushdb()
+                    floor_rows.append({"store": name, "ratios": floors, "median": statistics.median(floors)})
+                    print(f"{name:14} {'floor':18} {statistics.median(plains):8.0f} {'':8}  "
+                          f"{' '.join(f'{r:.2f}' for r in floors):20} {statistics.median(floors):.2f}")
+                floor.drop()
+                floor.close()
                 for keyed in (False, True):
                     plains, leases, ratios = [rate(app, plain, args.calls, False)], [], []
                     for _ in range(args.rounds):
@@ -152,6 +187,7 @@ def main() -> None:
     if args.save:
         _results.save("publish", {"calls": args.calls, "rounds": args.rounds, "rows": rows,
                                   "group": args.group, "batch": RECORD_BATCH, "groups": groups,
+                                  "floors": floor_rows,
                                   "store_writes_per_publish": costs})
 
 

@@ -222,8 +222,8 @@ SETTINGS: tuple[Setting, ...] = (
     _S("lease_publish_async_commit", False,
        "PostgreSQL: commit a publish's record (job, key, event) without waiting for its WAL flush. "
        "A server crash may then undo records of its last moments: a job whose message was lost as "
-       "well is not sent again, and its idempotency key can be taken again. About a fifth more "
-       "apply_async calls per second (README, What it costs). False waits for the flush.",
+       "well is not sent again, and its idempotency key can be taken again. Up to a fifth more "
+       "apply_async calls per second, as measured (README, What it costs). False waits for the flush.",
        _bool, "True or False", False),
     _S("lease_clock_tolerance", 1.0,
        "Seconds a delivery may arrive before its job's available_at (countdown, retry ETA, backoff) "

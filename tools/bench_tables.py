@@ -32,17 +32,26 @@ def _writes(cost: dict[str, float]) -> str:
     return f"{cost['commits']:.2f} | {cost['rows written']:.2f} | {cost['WAL bytes']:,.0f}"
 
 
+def _floor(row: dict[str, Any]) -> str:
+    """The floor's median ratio and its rounds (bench/_floor.py), or a dash for figures saved without it."""
+    if "floor" not in row:
+        return "-"
+    return f"{row['floor']:.2f} ({_ratios(row['floors'])})"
+
+
 def overhead(data: dict[str, Any]) -> str:
     lines = [
         f"`python -m bench.overhead`, {data['date']}, {data['cores']} cores, {data['tasks']:,} tasks per "
         f"run, median of {data['rounds']} rounds:",
         "",
-        "| pool | task body | store | plain Celery tasks/s | LeaseTask tasks/s | ratios by round | median |",
-        "|---|---|---|---|---|---|---|",
+        "| pool | task body | store | plain Celery tasks/s | LeaseTask tasks/s | ratios by round | median "
+        "| floor |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in data["rows"]:
         lines.append(f"| {row['pool']} | {row['body']} | {STORES[row['store']]} | {row['plain']:.0f} | "
-                     f"{row['lease']:.0f} | {_ratios(row['ratios'])} | {row['median']:.2f} |")
+                     f"{row['lease']:.0f} | {_ratios(row['ratios'])} | {row['median']:.2f} | "
+                     f"{_floor(row)} |")
     costs = data.get("store_writes_per_job") or {}
     if costs:
         lines += ["", "The worker's writes per job on PostgreSQL (claim, completion and heartbeats; the "
@@ -63,6 +72,12 @@ def publish(data: dict[str, Any]) -> str:
     for row in data["rows"]:
         lines.append(f"| {STORES[row['store']]} | {'yes' if row['key'] else 'no'} | {row['plain']:.0f} | "
                      f"{row['lease']:.0f} | {_ratios(row['ratios'])} | {row['median']:.2f} |")
+    if data.get("floors"):
+        lines += ["", "The floor: plain Celery's `apply_async` after the least a durable record of the job "
+                  "costs (one bare INSERT of the message, bench/_floor.py), to the same plain rounds:", "",
+                  "| store | floor ratios by round | median |", "|---|---|---|"]
+        lines += [f"| {STORES[row['store']]} | {_ratios(row['ratios'])} | {row['median']:.2f} |"
+                  for row in data["floors"]]
     if data.get("groups"):
         lines += ["", f"A `group` of {data['group']:,} signatures, `group(...).apply_async()` (its jobs "
                   f"recorded {data['batch']} to a statement):", "",

@@ -85,3 +85,23 @@ def test_the_upgrading_table_has_one_row_per_schema_revision():
     section = readme.split("## Upgrading", 1)[1].split("\n## ", 1)[0]
     rows = [line.split("|")[1].strip() for line in section.splitlines() if line.startswith("| 0")]
     assert rows == list(migrations.revisions())
+
+
+def test_cost_tables_show_the_floor_next_to_leasetask(tmp_path):
+    tool = load_bench_tables()
+    (tmp_path / "overhead.json").write_text(json.dumps({
+        "date": "2026-01-01", "cores": 2, "tasks": 10, "rounds": 2,
+        "rows": [{"pool": "threads -c8", "body": "10 ms", "store": "postgres", "plain": 100.0, "lease": 70.0,
+                  "ratios": [0.7, 0.72], "median": 0.71, "floors": [0.9, 0.88], "floor": 0.89},
+                 {"pool": "prefork -c4", "body": "no-op", "store": "sqlite", "plain": 100.0, "lease": 50.0,
+                  "ratios": [0.5], "median": 0.5}],
+    }))
+    (tmp_path / "publish.json").write_text(json.dumps({
+        "date": "2026-01-01", "cores": 2, "calls": 10, "rounds": 1, "rows": [],
+        "floors": [{"store": "sqlite", "ratios": [0.55, 0.6], "median": 0.58}],
+    }))
+    rendered = tool.block("overhead", tmp_path)
+    assert "| threads -c8 | 10 ms | PostgreSQL | 100 | 70 | 0.70 0.72 | 0.71 | 0.89 (0.90 0.88) |" in rendered
+    # Figures saved before the floor existed still render, without one.
+    assert "| prefork -c4 | no-op | SQLite | 100 | 50 | 0.50 | 0.50 | - |" in tool.block("overhead", tmp_path)
+    assert "| SQLite | 0.55 0.60 | 0.58 |" in tool.block("publish", tmp_path)
