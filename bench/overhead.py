@@ -4,7 +4,8 @@ Both kinds of task run in the same run, on the same Redis broker and the same wo
 settings (prefork -c4 and threads -c8 by default); the ratio is what counts. On PostgreSQL
 the worker's commits, rows written and WAL bytes per job come from the server's own
 statistics (a database of the bench's own). Each round also runs the floor (bench/_floor.py):
-plain tasks with the least a claim and a completion cost, to the same plain runs. Usage: python -m bench.overhead [--tasks 5000]
+plain tasks with the least a claim and a completion cost, to the same plain runs.
+Usage: python -m bench.overhead [--tasks 5000]
 """
 
 from __future__ import annotations

@@ -163,6 +163,14 @@ class Dialect:
     def setup(self, dbapi_conn: Any, bounds: Bounds) -> None:
         """Session settings of a new connection."""
 
+    def begin_write(self, raw: Any, bounds: Bounds) -> None:
+        """Open a short write transaction on a pooled driver connection, as begin() would."""
+        cursor = raw.cursor()
+        try:
+            cursor.execute("BEGIN")
+        finally:
+            cursor.close()
+
     @contextlib.contextmanager
     def transaction(self, conn: Connection, bounds: Bounds, long: bool) -> Iterator[None]:
         """Set up one transaction of ``begin()`` (``long``: a reaper, migration or operator's)."""

@@ -53,6 +53,8 @@ class SQLite(_OnConflict):
     now_sql = "((julianday('now') - 2440587.5) * 86400.0)"
     single_writer = True
     local_file = True
+    # Claim, completion and the publish record run on the driver (AuditedWrites._execute_positional).
+    compiled_fast_path = True
     minimums: ClassVar[Mapping[str, tuple[tuple[int, ...], str]]] = {
         "SQLite": ((3, 35), "UPDATE ... RETURNING")}
 
@@ -78,15 +80,27 @@ class SQLite(_OnConflict):
             if options.get(READ_ONLY):
                 conn.exec_driver_sql("BEGIN")
                 return
-            # The busy timeout belongs to the connection (setup() sets the short one): a long
-            # transaction sets its own before BEGIN and the next short one sets it back.
-            wait, info = options.get(LOCK_WAIT, short), conn.connection.info
-            if info.get(LOCK_WAIT, short) != wait:
-                conn.exec_driver_sql(f"PRAGMA busy_timeout={int(wait * 1000)}")
-                info[LOCK_WAIT] = wait
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
+            self._begin_immediate(conn.connection.info, options.get(LOCK_WAIT, short), short,
+                                  conn.exec_driver_sql)
 
         sa.event.listen(engine, "begin", begin)
+
+    @staticmethod
+    def _begin_immediate(info: dict[str, Any], wait: float, short: float, execute: Any) -> None:
+        # The busy timeout belongs to the connection (setup() sets the short one): a long
+        # transaction sets its own before BEGIN and the next short one sets it back.
+        if info.get(LOCK_WAIT, short) != wait:
+            execute(f"PRAGMA busy_timeout={int(wait * 1000)}")
+            info[LOCK_WAIT] = wait
+        execute("BEGIN IMMEDIATE")
+
+    def begin_write(self, raw: Any, bounds: Bounds) -> None:
+        short = self.busy_wait(bounds)
+        cursor = raw.cursor()
+        try:
+            self._begin_immediate(raw.info, short, short, cursor.execute)
+        finally:
+            cursor.close()
 
     def server(self, dbapi_conn: Any) -> tuple[str, tuple[int, ...]]:
         cur = dbapi_conn.cursor()

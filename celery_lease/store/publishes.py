@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from ..config import RECOVERY
 from ..errors import StoreConflict
 from ..vocabulary import Event
-from .audited import AuditedWrites, _Audited
+from .audited import AuditedWrites, _Audited, _Positional
 from .base import RESULT_REVISION, RUNS_REVISION
 from .rows import COMPLETED, FAILED, PENDING, NewJob, fenced_status
 from .workers import WorkerStatements
@@ -44,6 +44,8 @@ class PublishStatements(AuditedWrites, WorkerStatements):
             built = self._record_statements(keyed)
             if built.compiled is not None:
                 self._execute_compiled(built, params)
+            elif built.positional is not None:
+                self._execute_positional(built, params)
             else:
                 with self.begin() as c:
                     c.execute(built.update, params)
@@ -158,6 +160,10 @@ class PublishStatements(AuditedWrites, WorkerStatements):
             built = _Audited(update=sa.insert(j).values(**row),
                              statement=sa.insert(k).values(job_id=job_id, **key),
                              audit=sa.insert(e).values(job_id=job_id, **event))
+            if self.dialect.compiled_fast_path:  # SQLite: the INSERTs on the driver, in one transaction
+                writes = [built.update, *([built.statement] if keyed else []), built.audit]
+                built = _Audited(positional=tuple(_Positional.compile(w, self.engine.dialect)
+                                                  for w in writes))
         else:
             inserted = sa.insert(j).from_select(
                 list(row), sa.select(*row.values()).where(

@@ -629,3 +629,86 @@ def test_a_forked_process_gets_its_own_writer_lock(sqlite_url):
 def test_a_database_with_many_writers_has_no_writer_lock(store):
     store.record("any", "t.x", "celery", None, 3)
     assert (store._writer is None) is (not store.dialect.single_writer)
+
+
+# -- SQLite's hot transitions on the driver ----------------------------------------------------
+def _traced(store: Store) -> tuple[list[str], object]:
+    """Every statement the store's pooled SQLite connections run from now on, values in place."""
+    seen: list[str] = []
+
+    def trace(dbapi_conn, _record, _proxy):
+        dbapi_conn.set_trace_callback(seen.append)
+
+    sa.event.listen(store.engine, "checkout", trace)
+    return seen, trace
+
+
+def test_a_sqlite_claim_and_completion_are_each_one_immediate_transaction_with_its_event(sqlite_url):
+    store = Store(sqlite_url, "hp_")
+    store.migrate()
+    store.record("hot", "t.task", "q", None, 3)
+    seen, _ = _traced(store)
+    tok = token()
+    assert claim(store, "hot", tok=tok).claimed
+    assert store.complete("hot", tok, "w1")
+    writes = [s.split()[0].upper() + (" " + s.split()[1].upper() if s.upper().startswith("BEGIN") else "")
+              for s in seen if not s.upper().startswith(("SELECT 1", "PRAGMA"))]
+    assert writes == ["BEGIN IMMEDIATE", "UPDATE", "INSERT", "COMMIT"] * 2
+    assert events(store, "hot") == ["published", "claimed", "completed"]
+    assert store.get("hot").status == COMPLETED
+
+
+def test_a_sqlite_claim_returns_the_recovery_options_as_the_row_types_say(sqlite_url):
+    """The driver's row is converted as SQLAlchemy would: a Boolean stored as 1 comes back True."""
+    store = Store(sqlite_url, "hb_")
+    store.migrate()
+    store.record("typed", "t.task", "q", None, 3)
+    terms = ClaimTerms(**TERMS, recovery={"backoff_jitter": True, "backoff_base": 2.5, "max_expirations": 4})
+    won = store.claim("typed", "w1", token(), terms, task_name="t.task", queue="q", payload=lambda: None)
+    assert won.job.backoff_jitter is True
+    assert won.job.backoff_base == 2.5 and won.job.max_expirations == 4
+
+
+def test_a_sqlite_claim_after_a_long_transaction_gives_up_within_the_short_bound(sqlite_url):
+    """A reaper batch left its connection with the long busy timeout: the next claim on that
+    connection sets the short one back before it asks for the write lock."""
+    import sqlite3
+
+    store = Store(sqlite_url, "hl_", call_timeout=0.8)
+    store.migrate()
+    store.record("after-long", "t.task", "q", None, 3)
+    with store.begin(long=True) as c:
+        c.execute(sa.update(store.t.jobs).values(queue_name="long"))
+    other = sqlite3.connect(sa.make_url(sqlite_url).database, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # another process in the middle of a write
+    started = time.monotonic()
+    try:
+        with pytest.raises(StoreUnavailable, match="database is locked"):
+            claim(store, "after-long")
+    finally:
+        other.rollback()
+        other.close()
+    waited = time.monotonic() - started
+    assert waited < store.dialect.busy_wait(store.long_bounds) / 2, waited
+    assert claim(store, "after-long").claimed  # and the connection is usable again
+
+
+def test_a_sqlite_write_that_fails_midway_leaves_neither_its_rows_nor_the_write_lock(sqlite_url):
+    """The job row went in, then its idempotency key collided: the write rolls its transaction
+    back itself (here with the pool's reset on return turned off), so no half record stays and
+    another process gets the write lock at once."""
+    import sqlite3
+
+    store = Store(sqlite_url, "hf_", call_timeout=0.8, engine_options={"pool_reset_on_return": None})
+    store.migrate()
+    assert store.record("first", "t.task", "q", None, 3, idempotency_key="k") == (True, "first")
+    with store.begin() as c:  # the key's own row stays while the job's row goes (a pruned job)
+        c.execute(sa.delete(store.t.jobs).where(store.t.jobs.c.id == "first"))
+    assert store.record("second", "t.task", "q", None, 3, idempotency_key="k") == (False, "first")
+    assert store.get("second") is None
+    other = sqlite3.connect(sa.make_url(sqlite_url).database, isolation_level=None, timeout=0)
+    try:
+        other.execute("BEGIN IMMEDIATE")  # would raise "database is locked" if the store still held it
+        other.rollback()
+    finally:
+        other.close()
