@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from . import deadline, interrupt, messages
@@ -58,6 +58,10 @@ class Lease:
         self.handed_over = False
         self.retried = False
         self.kept_result: str | None = None  # the encoded return value the completion keeps
+        # A final failure the store did not take: its error, and what follows the write (the
+        # dead-letter publish), for Runtime.flush_deferred once the store answers.
+        self.deferred_failure: str | None = None
+        self.after_failure: Callable[[], None] | None = None
         self._in_body = False
         # The body got its LeaseLost (raised it itself, or the interruption went out): no other.
         self._raised = False

@@ -247,11 +247,19 @@ class Runtime:
             deferred = list(self._deferred.values())
         for lease in deferred:
             try:
-                self.store.complete(lease.job_id, lease.token, self.worker, lease.kept_result)
+                if lease.deferred_failure is None:
+                    self.store.complete(lease.job_id, lease.token, self.worker, lease.kept_result)
+                    written = False
+                else:
+                    written = self.store.fail(lease.job_id, lease.token, lease.deferred_failure, self.worker)
             except StoreUnavailable:
                 return
-            log.info("job %s [%s] completed after the store came back", lease.job_id, lease.token[:8])
+            log.info("job %s [%s] %s after the store came back", lease.job_id, lease.token[:8],
+                     "completed" if lease.deferred_failure is None else "failed")
             self.forget(lease)
+            if written and lease.after_failure is not None:
+                # The dead-letter publish, once: an error here is the heartbeat round's to log.
+                lease.after_failure()
 
     def release_all(self, reason: Event = Event.RELEASED_ON_SHUTDOWN) -> int:
         """Give back every lease still held (shutdown); returns how many were released."""

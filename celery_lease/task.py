@@ -257,8 +257,23 @@ def _worker_leaving(exc: BaseException) -> bool:
 
 
 def _fail(task: LeaseTask, lease: Lease, exc: BaseException) -> None:
-    """A final failure of the attempt: the job is failed (and dead-lettered); Ignore if it moved on."""
-    if not lease.store.fail(lease.job_id, lease.token, f"{type(exc).__name__}: {exc}", lease.worker):
+    """A final failure of the attempt: the job is failed (and dead-lettered); Ignore if it moved on.
+
+    A store that does not take the write (down, or a lock it waited on too long) gets it later,
+    as a deferred completion does: the lease is kept and renewed, and Celery still sees the
+    body's own exception.
+    """
+    error = f"{type(exc).__name__}: {exc}"
+    try:
+        failed = lease.store.fail(lease.job_id, lease.token, error, lease.worker)
+    except StoreUnavailable as unavailable:
+        log.error("job %s [%s] failed but the store is unreachable (%s); failure deferred",
+                  lease.job_id, lease.token[:8], unavailable, extra={"action": "failure_deferred"})
+        lease.deferred_failure = error
+        lease.after_failure = lambda: _dead_letter(task, lease.store, lease.job_id, lease.policy)
+        lease.runtime.defer_completion(lease)
+        return
+    if not failed:
         raise Ignore() from exc
     _dead_letter(task, lease.store, lease.job_id, lease.policy)
 

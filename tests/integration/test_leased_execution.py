@@ -228,6 +228,36 @@ def test_a_final_failure_marks_the_job_failed_and_celery_sees_the_exception(app,
     assert job.status == "failed" and job.last_error == "ValueError: boom"
 
 
+def test_a_failure_the_store_cannot_take_yet_is_written_later_and_celery_sees_it(app, broker, postgres_url):
+    """The failure write meets the job's row locked past the store's lock wait: the worker keeps
+    the lease, Celery gets the body's own exception, and the job is failed once the lock is gone."""
+    client = broker[1]
+
+    @app.task(base=LeaseTask, bind=True, shared=False, name="t.fails_when_told")
+    def fails_when_told(self):
+        client.set(f"failing:{self.request.id}", 1)
+        wait_for(lambda: client.get(f"go:{self.request.id}"), timeout=15, message="test never said go")
+        raise ValueError("late boom")
+
+    store = for_app(app)
+    other = sa.create_engine(postgres_url)  # a connection of its own, not one of the worker's pool
+    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+        result = fails_when_told.delay()
+        wait_for(lambda: client.get(f"failing:{result.id}"), timeout=15, message="the body never started")
+        with other.connect() as c, c.begin():  # as a long transaction elsewhere would
+            c.execute(sa.select(store.t.jobs.c.id).where(store.t.jobs.c.id == result.id).with_for_update())
+            client.set(f"go:{result.id}", 1)
+            with pytest.raises(ValueError, match="late boom"):
+                result.get(timeout=15)
+            assert store.get(result.id).status == "running"  # not written while the row is locked
+        wait_for(lambda: store.get(result.id).status == "failed", timeout=10,
+                 message="the deferred failure never landed")
+    other.dispose()
+    job = store.get(result.id)
+    assert job.last_error == "ValueError: late boom"
+    assert [e["event"] for e in store.events(result.id)][-1] == "failed"
+
+
 def test_the_body_does_not_run_while_the_store_is_unreachable(broker, postgres_url, caplog):
     pg = urlsplit(postgres_url)
     proxy = TcpProxy(pg.hostname, pg.port or 5432).start()

@@ -195,6 +195,32 @@ def test_deferred_completion_lands_when_the_store_answers(store, hb):
     assert lease not in hb.runtime.leases()
 
 
+def test_a_deferred_failure_lands_when_the_store_answers_and_its_dead_letter_follows_once(store, hb):
+    lease = held_lease(store, hb.runtime, "deferred-failure")
+    followed: list[str] = []
+    lease.deferred_failure = "ValueError: boom"
+    lease.after_failure = lambda: followed.append(lease.job_id)
+    hb.runtime.defer_completion(lease)
+    hb.beat()
+    job = store.get("deferred-failure")
+    assert (job.status, job.last_error) == ("failed", "ValueError: boom")
+    assert followed == ["deferred-failure"] and lease not in hb.runtime.leases()
+    hb.beat()
+    assert followed == ["deferred-failure"]
+
+
+def test_a_deferred_failure_of_a_lease_that_moved_on_writes_and_dead_letters_nothing(store, hb):
+    lease = held_lease(store, hb.runtime, "moved-on")
+    steal(store, "moved-on")
+    followed: list[str] = []
+    lease.deferred_failure = "ValueError: boom"
+    lease.after_failure = lambda: followed.append(lease.job_id)
+    hb.runtime.defer_completion(lease)
+    hb.beat()
+    assert store.get("moved-on").status == "running" and followed == []
+    assert lease not in hb.runtime.leases()
+
+
 def test_the_beat_registers_the_worker_process(store, hb):
     hb.beat()
     with store.begin() as c:
