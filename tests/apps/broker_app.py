@@ -4,7 +4,8 @@ Configured from the environment: BROKER_APP_BROKER (Redis db 9 or RabbitMQ), BRO
 BROKER_APP_PREFIX, BROKER_APP_EXTEND (1/0: lease_extend_visibility), BROKER_APP_VT (Redis
 visibility timeout, seconds), BROKER_APP_COUNTERS (a Redis URL for the counters),
 BROKER_APP_QUEUE (the default queue), BROKER_APP_TIME_LIMIT (the task's time limit, seconds)
-BROKER_APP_CONSUMER_TIMEOUT (lease_rabbitmq_consumer_timeout, seconds) and BROKER_APP_KEYPREFIX:
+BROKER_APP_CONSUMER_TIMEOUT (lease_rabbitmq_consumer_timeout, seconds), BROKER_APP_LEASE
+(lease_duration, seconds; the call bound is a third of it) and BROKER_APP_KEYPREFIX:
 kombu's ``global_keyprefix`` and the counters' prefix, so that concurrent runs sharing the
 Redis database do not see each other's keys.
 
@@ -37,6 +38,7 @@ DEFAULTS = {
     "BROKER_APP_QUEUE": "celery",
     "BROKER_APP_TIME_LIMIT": "",
     "BROKER_APP_CONSUMER_TIMEOUT": "",
+    "BROKER_APP_LEASE": "1",
     "BROKER_APP_KEYPREFIX": "",
 }
 
@@ -67,7 +69,7 @@ def make_app(env: Mapping[str, str]) -> tuple[Celery, Counters]:
     app = Celery("broker_app", broker=conf["BROKER_APP_BROKER"], set_as_current=False)
     app.conf.update(
         lease_store_url=conf["BROKER_APP_STORE"], lease_table_prefix=conf["BROKER_APP_PREFIX"],
-        lease_duration=1.0, lease_heartbeat_interval=0.25, lease_grace_period=0.3,
+        lease_duration=float(conf["BROKER_APP_LEASE"]), lease_heartbeat_interval=0.25, lease_grace_period=0.3,
         lease_worker_stale_after=1.0, lease_extend_visibility=conf["BROKER_APP_EXTEND"] == "1",
         task_acks_late=True, task_ignore_result=True, worker_prefetch_multiplier=2,
         broker_transport_options={
