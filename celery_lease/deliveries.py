@@ -27,8 +27,8 @@ from .errors import StoreUnavailable
 from .store import Store
 from .vocabulary import ClaimOutcome, Event
 
-__all__ = ["fail_closed", "defer_early", "skip_duplicate", "ignores_result", "keepable_result", "resumed",
-           "resume_post_run", "store_retries", "forget_store_retries", "FailedClosed",
+__all__ = ["send_again", "fail_closed", "defer_early", "skip_duplicate", "ignores_result", "keepable_result",
+           "resumed", "resume_post_run", "store_retries", "forget_store_retries", "FailedClosed",
            "FailedClosedRequeued", "StoreDown", "STORE_RETRIES_HEADER"]
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,11 @@ def _send_again(task: Task, countdown: float, why: str, headers: dict[str, Any] 
     except Exception as publish_error:  # noqa: BLE001 - the broker is failing too
         log.error("job %s: cannot re-send (%s); rejecting with requeue", request.id, publish_error)
         raise requeued(why, requeue=True) from publish_error
+
+
+def send_again(task: Task, why: str) -> None:
+    """Send this delivery's message again now (Reject with requeue when the broker refuses it)."""
+    _send_again(task, 0.0, why)
 
 
 def fail_closed(task: Task, base: float, cap: float, exc: StoreUnavailable, rng: Any = random) -> NoReturn:

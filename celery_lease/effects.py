@@ -61,7 +61,8 @@ def effect(lease: Lease, key: str, connection: Connection | None = None) -> Iter
     lease.check()
     store = lease.store
     if connection is None:
-        outcome = store.record_effect(key, lease.job_id, lease.token, lease.worker)
+        # An unreachable store is waited for until the local deadline, then LeaseLost.
+        outcome = lease.patiently(lambda: store.record_effect(key, lease.job_id, lease.token, lease.worker))
     else:
         outcome = store.record_effect_in(connection, key, lease.job_id, lease.token, lease.worker)
     if outcome == EffectOutcome.LOST:
@@ -240,8 +241,8 @@ def _acquire(lease: Lease, held: ResourceLock, timeout: float) -> None:
     delay = 0.02
     while True:
         lease.check()
-        outcome = lease.store.acquire_lock(held.resource, held.token, held.ttl, lease.worker,
-                                           lease.job_id, lease.token)
+        outcome = lease.patiently(lambda: lease.store.acquire_lock(held.resource, held.token, held.ttl,
+                                                                   lease.worker, lease.job_id, lease.token))
         if outcome == EffectOutcome.FIRST:
             log.debug("job %s [%s]: lock %r [%s] taken", lease.job_id, lease.token[:8], held.resource,
                       held.token[:8], extra={"action": "lock_acquired"})

@@ -88,6 +88,7 @@ class Heartbeat:
                 counts["lost"] += 1
         rt.give_back_lost()
         rt.flush_deferred()
+        rt.flush_checkpoints()
         try:
             rt.locks.renew(now)
         except LeaseError as exc:
