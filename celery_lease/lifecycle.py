@@ -312,7 +312,7 @@ def _complete(task: Any, lease: Lease, value: Any) -> Any:
 
 def _lost(task: Any, lease: Lease, exc: BaseException) -> NoReturn:
     log.warning("job %s [%s] stopped: %s", lease.job_id, lease.token[:8], exc, extra={"action": "lease_lost"})
-    if lease.lost_reason == LossReason.VANISHED:
+    if lease.lost_reason == LossReason.VANISHED and not task.request.is_eager:
         # The job's row is gone (a restored backup, a failover that lost its last seconds): the
         # message is the job's only record now. Send it again; its claim records the job anew.
         log.error("job %s [%s]: its row vanished from the store; message sent again", lease.job_id,
