@@ -20,7 +20,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from . import deadline, interrupt
-from .errors import StoreUnavailable
+from .errors import StoreRejected, StoreUnavailable
 from .heartbeat import Heartbeat, worker_id
 from .vocabulary import Event
 
@@ -234,6 +234,14 @@ class Runtime:
                 done = lease.give_back(Event.RELEASED_AFTER_LOCAL_LOSS, republish=True)
             except StoreUnavailable:
                 return released
+            except StoreRejected as exc:
+                # Refused for good: asking again every round cannot help; the reaper recovers it.
+                log.error("job %s [%s] could not be given back, the store refused it (%s); left to "
+                          "the reaper", lease.job_id, lease.token[:8], exc,
+                          extra={"action": "give_back_rejected"})
+                with self._mutex:
+                    self._to_give_back.pop((lease.job_id, lease.token), None)
+                continue
             released += done
             with self._mutex:
                 self._to_give_back.pop((lease.job_id, lease.token), None)
@@ -254,6 +262,16 @@ class Runtime:
                     written = self.store.fail(lease.job_id, lease.token, lease.deferred_failure, self.worker)
             except StoreUnavailable:
                 return
+            except StoreRejected as exc:
+                # Refused for good (a value too long for its column, a permission): never a write
+                # retried every heartbeat. The lease is no longer renewed, so the reaper applies
+                # the job's recovery policy.
+                log.error("job %s [%s]: the store refused its deferred %s (%s); no longer retried, "
+                          "left to the reaper", lease.job_id, lease.token[:8],
+                          "completion" if lease.deferred_failure is None else "failure", exc,
+                          extra={"action": "completion_rejected"})
+                self.forget(lease)
+                continue
             log.info("job %s [%s] %s after the store came back", lease.job_id, lease.token[:8],
                      "completed" if lease.deferred_failure is None else "failed")
             self.forget(lease)
@@ -271,7 +289,7 @@ class Runtime:
                 if lease.give_back(reason):
                     released += 1
                     lease.mark_lost(reason)
-            except StoreUnavailable as exc:
+            except (StoreUnavailable, StoreRejected) as exc:
                 log.warning("could not release job %s [%s] on shutdown: %s", lease.job_id,
                             lease.token[:8], exc)
         self.flush_deferred()

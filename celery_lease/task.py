@@ -21,7 +21,7 @@ from celery.utils import uuid
 
 from . import batching, deadline, deliveries, local, messages, publishing, replacing, runtime
 from .config import TaskPolicy, app_config, task_policy
-from .errors import LeaseLost, StoreUnavailable
+from .errors import LeaseLost, StoreRejected, StoreUnavailable
 from .lease import Lease
 from .store import Claim, ClaimTerms, Store, for_app
 from .vocabulary import ClaimOutcome, Decision, Event, Status
@@ -215,7 +215,7 @@ def _reclaim(store: Store, rt: runtime.Runtime, claim: Claim, token: str, terms:
     lost = claim.job.lock_token
     try:
         job = store.reclaim(claim.job.id, lost, rt.worker, token, terms)
-    except StoreUnavailable as exc:
+    except (StoreUnavailable, StoreRejected) as exc:
         log.warning("job %s: could not take back the claim whose answer was lost (%s)", claim.job.id, exc)
         return claim
     if job is None:
@@ -329,7 +329,7 @@ def _run_body(task: LeaseTask, lease: Lease, args: tuple[Any, ...], kwargs: dict
         if _worker_terminating():
             # A cold shutdown of a solo pool raises Celery's own error inside the body:
             # the job did not fail, the worker left. Give it back and requeue its message.
-            with contextlib.suppress(StoreUnavailable):
+            with contextlib.suppress(StoreUnavailable, StoreRejected):
                 lease.give_back(Event.RELEASED_ON_SHUTDOWN)
             raise Reject(f"worker shutting down: {type(exc).__name__}", requeue=True) from exc
         _fail(task, lease, exc)
@@ -337,7 +337,7 @@ def _run_body(task: LeaseTask, lease: Lease, args: tuple[Any, ...], kwargs: dict
     except BaseException as exc:
         if _worker_leaving(exc):
             # The worker is shutting down mid-body: give the job back.
-            with contextlib.suppress(StoreUnavailable):
+            with contextlib.suppress(StoreUnavailable, StoreRejected):
                 lease.give_back(Event.RELEASED_ON_SHUTDOWN)
             raise
         # The body's own SystemExit or KeyboardInterrupt, or gevent's hard time limit
