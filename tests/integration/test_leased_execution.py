@@ -315,3 +315,28 @@ def test_concurrent_publishers_of_one_key_make_one_job(app, broker):
         t.join()
     assert len(set(ids)) == 1
     assert broker[1].llen("celery") == 1
+
+
+def test_a_completion_the_store_refuses_for_good_reaches_the_caller_and_is_never_deferred(broker, mysql_url):
+    """A MySQL/MariaDB schema of revision 0006 (TEXT, 64 KB) refuses a 70 KB return value: the
+    caller gets StoreRejected, where an outage's deferral would retry the write at every beat."""
+    from celery_lease import runtime
+    from celery_lease.errors import StoreRejected
+
+    app = make_app(broker[0], mysql_url, result_extended=True)
+    store = for_app(app, check=False)
+    store.migrate(to="0006")
+
+    @app.task(base=LeaseTask, bind=True, shared=False, name="t.big_result")
+    def big_result(self):
+        return "r" * 70_000
+
+    try:
+        with start_worker(app, pool="threads", concurrency=1, perform_ping_check=False):
+            result = big_result.delay()
+            with pytest.raises(StoreRejected, match="does not fit its column"):
+                result.get(timeout=15)
+            deferred = [held for rt in runtime.in_process() for held in rt.leases() if rt.is_deferred(held)]
+            assert deferred == []
+    finally:
+        drop_app_store(app)
