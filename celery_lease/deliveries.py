@@ -23,7 +23,7 @@ from celery.exceptions import Ignore, Reject
 
 from . import messages
 from .backoff import store_retry_delay
-from .errors import StoreUnavailable
+from .errors import StoreRejected, StoreUnavailable
 from .store import Store
 from .vocabulary import ClaimOutcome, Event
 
@@ -126,7 +126,7 @@ def _defer_if_owner_may_be_finishing(task: Task, store: Store, worker: str, job:
         return
     try:
         now = store.now()
-    except StoreUnavailable:
+    except (StoreUnavailable, StoreRejected):
         now = completed_at  # the store's clock is out of reach: look again after a whole lease
     wait = completed_at + settle - now
     if wait <= 0:
@@ -147,7 +147,7 @@ def _audit(store: Store, job_id: str, event: Event, reason: str, worker: str, de
     """
     try:
         store.event(job_id, event, reason, worker, detail=detail)
-    except StoreUnavailable as exc:
+    except (StoreUnavailable, StoreRejected) as exc:
         log.warning("job %s: audit event %s not written (%s)", job_id, event, exc)
 
 

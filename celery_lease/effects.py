@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from .errors import LeaseConfigError, LeaseError, LeaseLost, LockUnavailable, StoreUnavailable
+from .errors import LeaseConfigError, LeaseError, LeaseLost, LockUnavailable, StoreRejected, StoreUnavailable
 from .store import schema
 from .store.effects import advance_statement
 from .vocabulary import EffectOutcome, Event
@@ -85,14 +85,14 @@ def _take_back(lease: Lease, key: str, connection: Connection | None, exc: BaseE
     if connection is not None:
         try:
             lease.store.unrecord_effect_in(connection, key, lease.job_id)
-        except StoreUnavailable as error:
+        except (StoreUnavailable, StoreRejected) as error:
             # An aborted transaction (PostgreSQL) can only roll back, and the rollback drops the key.
             log.info("job %s [%s]: effect %r left to the transaction's rollback (%s)", lease.job_id,
                      lease.token[:8], key, error, extra={"action": "effect_released"})
         return
     try:
         released = lease.store.release_effect(key, lease.job_id, lease.token, lease.worker, reason)
-    except StoreUnavailable as error:
+    except (StoreUnavailable, StoreRejected) as error:
         log.error("job %s [%s]: effect %r failed (%s) and its key could not be released (%s); "
                   "the effect may not have happened", lease.job_id, lease.token[:8], key, reason, error,
                   extra={"action": "effect_unconfirmed"})
@@ -161,7 +161,7 @@ class Locks:
                 return
             try:
                 deleted = self.store.release_lock(lk.resource, lk.token)
-            except StoreUnavailable as exc:
+            except (StoreUnavailable, StoreRejected) as exc:
                 log.warning("lock %r [%s] not released yet (%s); it expires in at most %gs", lk.resource,
                             lk.token[:8], exc, lk.ttl, extra={"action": "lock_release_deferred"})
                 return

@@ -119,7 +119,7 @@ def _reclaim(store: Store, rt: runtime.Runtime, claim: Claim, token: str, terms:
     lost = claim.job.lock_token
     try:
         job = store.reclaim(claim.job.id, lost, rt.worker, token, terms)
-    except StoreUnavailable as exc:
+    except (StoreUnavailable, StoreRejected) as exc:
         log.warning("job %s: could not take back the claim whose answer was lost (%s)", claim.job.id, exc)
         return claim
     if job is None:
@@ -278,7 +278,7 @@ def _settle(task: Any, lease: Lease, end: RunEnd, value: Any, exc: BaseException
     elif end == RunEnd.SHUTDOWN:
         # The worker is shutting down mid-body: give the job back (an unreachable store leaves
         # the lease to expire, and the reaper requeues it).
-        with contextlib.suppress(StoreUnavailable):
+        with contextlib.suppress(StoreUnavailable, StoreRejected):
             lease.give_back(Event.RELEASED_ON_SHUTDOWN)
         if isinstance(exc, Exception):
             # A cold shutdown of a solo pool raises Celery's own error inside the body: the job

@@ -235,6 +235,14 @@ class Runtime:
                 done = lease.give_back(Event.RELEASED_AFTER_LOCAL_LOSS, republish=True)
             except StoreUnavailable:
                 return released
+            except StoreRejected as exc:
+                # Refused for good: asking again every round cannot help; the reaper recovers it.
+                log.error("job %s [%s] could not be given back, the store refused it (%s); left to "
+                          "the reaper", lease.job_id, lease.token[:8], exc,
+                          extra={"action": "give_back_rejected"})
+                with self._mutex:
+                    self._to_give_back.pop((lease.job_id, lease.token), None)
+                continue
             released += done
             with self._mutex:
                 self._to_give_back.pop((lease.job_id, lease.token), None)
@@ -301,7 +309,7 @@ class Runtime:
                 if lease.give_back(reason):
                     released += 1
                     lease.mark_lost(reason)
-            except StoreUnavailable as exc:
+            except (StoreUnavailable, StoreRejected) as exc:
                 log.warning("could not release job %s [%s] on shutdown: %s", lease.job_id,
                             lease.token[:8], exc)
         self.flush_deferred()
