@@ -244,6 +244,12 @@ class RedisServer:
     def stop(self) -> None:
         self.kill()
 
+    def client(self):
+        """A redis-py client of this server."""
+        import redis
+
+        return redis.Redis(port=self.port, socket_connect_timeout=2, socket_timeout=5)
+
     def url(self, db: int = 0) -> str:
         return f"redis://127.0.0.1:{self.port}/{db}"
 

@@ -16,11 +16,16 @@ The outage lasts a chosen time: that is the test's input, not a wait for some st
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import pytest
 
 from tests.crash.crash_env import (
-    APP, RECOVERY_EVENTS, CrashEnv, assert_each_effect_once, assert_one_owner_at_a_time,
+    APP,
+    RECOVERY_EVENTS,
+    CrashEnv,
+    assert_each_effect_once,
+    assert_one_owner_at_a_time,
 )
 from tests.helpers import wait_for
 from tests.reaper_env import reaper_loop
@@ -31,11 +36,14 @@ pytestmark = [pytest.mark.crash, pytest.mark.integration, pytest.mark.slow]
 
 LEASE = 3.0
 JOBS = 32
-OUTAGES = {"short": LEASE / 4, "long": 2 * LEASE}
+OUTAGES = {"short": LEASE / 4, "long": 2 * LEASE}  # both longer than a step's 0.3 s pause
+OUTAGE_FAILS_THE_BODY = (
+    "issue 26 / DESIGN guarantee 8 (fix in progress): a store outage inside a body fails the job: "
+    "lease.effect() raises StoreUnavailable out of the body and the job ends 'failed'")
 
 
 def outage(pg, seconds: float) -> tuple[float, float]:
-    """SIGKILL the whole server, keep it down ``seconds``, restart it; (wall time of the kill, seconds down)."""
+    """SIGKILL the whole server, keep it down ``seconds``, restart it; (kill's wall time, seconds down)."""
     killed_at, began = time.time(), time.monotonic()
     pg.kill()
     assert pg.pids() == [], "a server process survived SIGKILL"
@@ -45,7 +53,17 @@ def outage(pg, seconds: float) -> tuple[float, float]:
     return killed_at, time.monotonic() - began
 
 
-def run_through_an_outage(tmp_path, seconds: float):
+@dataclass
+class Outcome:
+    env: CrashEnv
+    ids: list[str]
+    running: set[str]  # jobs with a body under way at the kill
+    killed_at: float
+    down: float
+    events: list[tuple[str, str, str]]
+
+
+def run_through_an_outage(tmp_path, seconds: float) -> Outcome:
     """32 jobs, the store killed when some have finished and some are under way; all done after."""
     with servers(tmp_path) as own:
         pg, broker = own.postgres(), own.redis()
@@ -64,25 +82,29 @@ def run_through_an_outage(tmp_path, seconds: float):
                 events = env.recovery_events()
         finally:
             env.close()
-    return env, ids, running, killed_at, down, events
+    return Outcome(env, ids, running, killed_at, down, events)
 
 
+@pytest.mark.xfail(strict=True, reason=OUTAGE_FAILS_THE_BODY)
 def test_a_store_killed_for_less_than_half_a_lease_runs_no_body_twice_and_reaps_nothing(tmp_path):
-    env, ids, running, killed_at, down, events = run_through_an_outage(tmp_path, OUTAGES["short"])
+    out = run_through_an_outage(tmp_path, OUTAGES["short"])
+    env, ids, running, down = out.env, out.ids, out.running, out.down
     runs = env.executions()
     assert down < LEASE / 2, f"the restart took too long for this case: down {down:.2f} s"
     # Given bodies under way when the server died, some of which went on after it came back
     assert running, "no body was under way at the kill"
-    assert any(line.at > killed_at + down for job in running for e in runs[job] for line in e.lines)
+    assert any(line.at > out.killed_at + down for job in running for e in runs[job] for line in e.lines)
     # Then each job ran its body once, finished once, and nothing was recovered
     assert {job: len(runs[job]) for job in ids} == dict.fromkeys(ids, 1)
     assert {job: sum(e.finished for e in runs[job]) for job in ids} == dict.fromkeys(ids, 1)
-    assert events == [], f"recovery events ({', '.join(RECOVERY_EVENTS)}) after a short outage"
+    assert out.events == [], f"recovery events ({', '.join(RECOVERY_EVENTS)}) after a short outage"
     assert_each_effect_once(env, ids)
 
 
+@pytest.mark.xfail(strict=True, reason=OUTAGE_FAILS_THE_BODY)
 def test_a_store_killed_for_twice_a_lease_runs_each_interrupted_body_once_more(tmp_path):
-    env, ids, running, killed_at, down, events = run_through_an_outage(tmp_path, OUTAGES["long"])
+    out = run_through_an_outage(tmp_path, OUTAGES["long"])
+    env, ids, running, down = out.env, out.ids, out.running, out.down
     runs = env.executions()
     assert down >= 2 * LEASE
     # Given bodies that were under way at the kill and had not finished their first run
@@ -92,6 +114,6 @@ def test_a_store_killed_for_twice_a_lease_runs_each_interrupted_body_once_more(t
     # Then each interrupted body ran exactly once more, every other job once, each finished once
     assert {job: len(runs[job]) for job in ids} == {job: 1 + (job in interrupted) for job in ids}
     assert {job: sum(e.finished for e in runs[job]) for job in ids} == dict.fromkeys(ids, 1)
-    assert [e for e in events if e[0] in ("failed", "dead_lettered")] == []
+    assert [e for e in out.events if e[0] in ("failed", "dead_lettered")] == []
     assert_each_effect_once(env, ids)
     assert_one_owner_at_a_time(runs)
