@@ -7,10 +7,11 @@ settings). Fast settings: 3 s leases, 0.5 s heartbeats, 0.5 s grace.
 
 The record is a file, not a table: it must take writes while the store is down. Each line is
 one ``os.write`` to a file opened with O_APPEND (atomic for lines this short), of the form
-``<kind> <job id> <attempt> <pid> <wall time> [<detail>]``, ``kind`` being ``started``, ``effect``
-(the block of ``lease.effect(key)`` saw ``first``; detail: the key), ``step`` (a step's effect
-and checkpoint are done; detail: the step), ``finished``, ``lost`` (LeaseLost; detail: reason)
-or ``error`` (any other exception out of the body; detail: its type).
+``<kind> <job id> <attempt> <lock token> <pid> <wall time> [<detail>]``; the token names the
+execution (a job given back and claimed again may keep its attempt number). ``kind`` is
+``started``, ``effect`` (the block of ``lease.effect(key)`` saw ``first``; detail: the key),
+``step`` (a step's effect and checkpoint are done; detail: the step), ``finished``, ``lost``
+(LeaseLost; detail: its reason) or ``error`` (any other exception out of the body; its type).
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ class Record:
         self.path = path
 
     def note(self, kind: str, task: Any, detail: Any = "") -> None:
-        line = f"{kind} {task.request.id} {task.lease.attempt} {os.getpid()} {time.time()!r} {detail}"
+        lease = task.lease
+        line = (f"{kind} {task.request.id} {lease.attempt} {lease.token} {os.getpid()} {time.time()!r} "
+                f"{detail}")
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(fd, (" ".join(line.split()) + "\n").encode())

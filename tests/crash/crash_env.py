@@ -31,6 +31,7 @@ class Line:
     kind: str
     job: str
     attempt: int
+    token: str
     pid: int
     at: float
     detail: str
@@ -38,10 +39,10 @@ class Line:
 
 @dataclass
 class Execution:
-    """One body's run of a job, from the record: its lines in order."""
+    """One body's run of a job (one claim, one token), from the record: its lines in order."""
 
     job: str
-    attempt: int
+    token: str
     lines: list[Line]
 
     @property
@@ -87,28 +88,31 @@ class CrashEnv:
             return []
         out = []
         for raw in self.record_path.read_text().splitlines():
-            kind, job, attempt, pid, at, *detail = raw.split(" ")
-            out.append(Line(kind, job, int(attempt), int(pid), float(at), " ".join(detail)))
+            kind, job, attempt, token, pid, at, *detail = raw.split(" ")
+            out.append(Line(kind, job, int(attempt), token, int(pid), float(at), " ".join(detail)))
         return out
 
     def executions(self) -> dict[str, list[Execution]]:
-        """Each job's executions, oldest first (one per claim: attempt numbers differ)."""
-        by_run: dict[tuple[str, int], list[Line]] = collections.defaultdict(list)
+        """Each job's executions, oldest first (one per claim: each has a token of its own)."""
+        by_run: dict[tuple[str, str], list[Line]] = collections.defaultdict(list)
         for line in self.lines():
-            by_run[(line.job, line.attempt)].append(line)
+            by_run[(line.job, line.token)].append(line)
         jobs: dict[str, list[Execution]] = collections.defaultdict(list)
-        for (job, attempt), lines in sorted(by_run.items(), key=lambda item: item[1][0].at):
-            jobs[job].append(Execution(job, attempt, lines))
+        for (job, token), lines in sorted(by_run.items(), key=lambda item: item[1][0].at):
+            jobs[job].append(Execution(job, token, lines))
         return jobs
 
-    def running(self) -> set[str]:
-        """Jobs with a body under way now: started, and neither finished nor out with an exception."""
-        open_runs: set[tuple[str, int]] = set()
+    def running(self, at: float | None = None) -> set[str]:
+        """Jobs with a body under way now (or at wall time ``at``): started, not finished nor out
+        with an exception."""
+        open_runs: set[tuple[str, str]] = set()
         for line in self.lines():
+            if at is not None and line.at > at:
+                continue
             if line.kind == "started":
-                open_runs.add((line.job, line.attempt))
+                open_runs.add((line.job, line.token))
             elif line.kind in ("finished", "lost", "error"):
-                open_runs.discard((line.job, line.attempt))
+                open_runs.discard((line.job, line.token))
         return {job for job, _ in open_runs}
 
     def finished(self) -> int:
@@ -151,7 +155,7 @@ def assert_each_effect_once(env: CrashEnv, ids: list[str]) -> None:
 
 def assert_one_owner_at_a_time(runs: dict[str, list[Execution]]) -> None:
     """No execution of a job acted on its lease after the next execution of that job began."""
-    overlaps = [(job, a.attempt, a.last_trusted_at, b.attempt, b.started_at)
+    overlaps = [(job, a.token[:8], a.last_trusted_at, b.token[:8], b.started_at)
                 for job, execs in runs.items() for a, b in itertools.pairwise(execs)
                 if a.last_trusted_at >= b.started_at]
     assert overlaps == [], overlaps

@@ -40,12 +40,19 @@ OUTAGES = {"short": LEASE / 4, "long": 2 * LEASE}  # both longer than a step's 0
 OUTAGE_FAILS_THE_BODY = (
     "issue 26 / DESIGN guarantee 8 (fix in progress): a store outage inside a body fails the job: "
     "lease.effect() raises StoreUnavailable out of the body and the job ends 'failed'")
+CRASH_UNDOES_THE_CLAIM = (
+    "issue 26 point 2 (fix in progress): with the default lease_claim_async_commit=True the crash "
+    "undoes a claim of its last moments; the body's effect is then rejected (token no longer "
+    "matches), the delivery is ignored and acknowledged, and the job stays pending until "
+    "lease_dispatch_timeout (600 s): not completed within the test's 90 s")
 
 
 def outage(pg, seconds: float) -> tuple[float, float]:
-    """SIGKILL the whole server, keep it down ``seconds``, restart it; (kill's wall time, seconds down)."""
-    killed_at, began = time.time(), time.monotonic()
+    """SIGKILL the whole server, keep it down ``seconds``, restart it; (wall time when all its
+    processes were gone, seconds down)."""
+    began = time.monotonic()
     pg.kill()
+    killed_at = time.time()
     assert pg.pids() == [], "a server process survived SIGKILL"
     while time.monotonic() < began + seconds:  # the outage's length is the test's input
         time.sleep(0.05)
@@ -75,17 +82,16 @@ def run_through_an_outage(tmp_path, seconds: float) -> Outcome:
                 ids = env.publish(app, JOBS)
                 wait_for(lambda: env.finished() >= 4 and len(env.running()) >= 3, timeout=60,
                          message="the worker never had jobs under way")
-                running = env.running()
                 killed_at, down = outage(pg, seconds)
                 wait_for(lambda: env.all_completed(ids), timeout=90, interval=0.25,
                          message="not every job completed after the restart")
                 events = env.recovery_events()
         finally:
             env.close()
-    return Outcome(env, ids, running, killed_at, down, events)
+    return Outcome(env, ids, env.running(at=killed_at), killed_at, down, events)
 
 
-@pytest.mark.xfail(strict=True, reason=OUTAGE_FAILS_THE_BODY)
+@pytest.mark.xfail(strict=True, reason=f"{OUTAGE_FAILS_THE_BODY}; and {CRASH_UNDOES_THE_CLAIM}")
 def test_a_store_killed_for_less_than_half_a_lease_runs_no_body_twice_and_reaps_nothing(tmp_path):
     out = run_through_an_outage(tmp_path, OUTAGES["short"])
     env, ids, running, down = out.env, out.ids, out.running, out.down
