@@ -50,15 +50,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def become_subreaper() -> None:
+def set_subreaper(on: bool) -> None:
     """Adopt orphaned descendants (a killed postmaster's backends) so they can be reaped here."""
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
 
 
+def reap(pids: list[int]) -> None:
+    """Collect those of ``pids`` that are exited children of this process (non-blocking)."""
+    for pid in pids:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+
+
 def reap_zombies() -> None:
-    """Collect every exited child of this process that nobody waits for (non-blocking)."""
+    """Collect every exited child of this process (non-blocking): the orphans it adopted."""
     with contextlib.suppress(ChildProcessError):
         while True:
             pid, _ = os.waitpid(-1, os.WNOHANG)
@@ -88,7 +95,6 @@ class PostgresServer:
     def _run(self, tool: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         done = subprocess.run(["runuser", "-u", PG_USER, "--", str(self.bin / tool), *args],
                               capture_output=True, text=True, stdin=subprocess.DEVNULL)
-        reap_zombies()
         if check and done.returncode:
             raise RuntimeError(f"{tool} {' '.join(args)} exited {done.returncode}: "
                                f"{done.stderr.strip() or done.stdout.strip()}\n{self.log_text()[-2000:]}")
@@ -116,7 +122,6 @@ class PostgresServer:
     def start(self) -> float:
         """Start the server and wait until it accepts connections; returns the seconds it took."""
         began = time.monotonic()
-        reap_zombies()
         self._run("pg_ctl", "-D", str(self.dir), "-l", str(self.log), "-w", "-t", str(START_TIMEOUT),
                   "-o", f"-p {self.port} -k '' -c listen_addresses=127.0.0.1", "start")
         return time.monotonic() - began
@@ -128,10 +133,9 @@ class PostgresServer:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while self.pids() and time.monotonic() < deadline:
-            reap_zombies()
+        while any(_alive(pid) or _zombie_child(pid) for pid in pids) and time.monotonic() < deadline:
+            reap(pids)
             time.sleep(0.01)
-        reap_zombies()
         return pids
 
     def pids(self) -> list[int]:
@@ -193,6 +197,15 @@ def _children(pid: int) -> list[str]:
             found.append(str(child))
             todo.append(child)
     return found
+
+
+def _zombie_child(pid: int) -> bool:
+    """Whether ``pid`` is a zombie whose parent is this process (so it waits for our reaping)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[0] == "Z" and int(fields[1]) == os.getpid()
 
 
 def _alive(pid: int) -> bool:
@@ -306,9 +319,11 @@ class Servers:
 @contextlib.contextmanager
 def servers(log_dir: Path) -> Iterator[Servers]:
     """Private servers that are stopped, reaped and removed however the test ends."""
-    become_subreaper()
+    set_subreaper(True)
     own = Servers(log_dir)
     try:
         yield own
     finally:
         own.close()
+        set_subreaper(False)  # later tests' orphans go to init again, as they would without us
+        reap_zombies()
