@@ -24,6 +24,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
@@ -36,7 +37,7 @@ PG_DEFAULTS = {"fsync": "off"}
 START_TIMEOUT = 30  # seconds pg_ctl waits for a server to accept connections
 
 
-def _missing(what: str) -> None:
+def _missing(what: str) -> NoReturn:
     reason = f"{what} not found: the crash tests start servers of their own"
     if os.environ.get("CELERY_LEASE_REQUIRE_SERVICES"):
         pytest.fail(f"{reason} (CELERY_LEASE_REQUIRE_SERVICES is set)", pytrace=False)

@@ -91,7 +91,8 @@ def run_through_an_outage(tmp_path, seconds: float) -> Outcome:
     return Outcome(env, ids, env.running(at=killed_at), killed_at, down, events)
 
 
-@pytest.mark.xfail(strict=True, reason=f"{OUTAGE_FAILS_THE_BODY}; and {CRASH_UNDOES_THE_CLAIM}")
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason=f"{OUTAGE_FAILS_THE_BODY}; and {CRASH_UNDOES_THE_CLAIM}")
 def test_a_store_killed_for_less_than_half_a_lease_runs_no_body_twice_and_reaps_nothing(tmp_path):
     out = run_through_an_outage(tmp_path, OUTAGES["short"])
     env, ids, running, down = out.env, out.ids, out.running, out.down
@@ -107,7 +108,7 @@ def test_a_store_killed_for_less_than_half_a_lease_runs_no_body_twice_and_reaps_
     assert_each_effect_once(env, ids)
 
 
-@pytest.mark.xfail(strict=True, reason=OUTAGE_FAILS_THE_BODY)
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=OUTAGE_FAILS_THE_BODY)
 def test_a_store_killed_for_twice_a_lease_runs_each_interrupted_body_once_more(tmp_path):
     out = run_through_an_outage(tmp_path, OUTAGES["long"])
     env, ids, running, down = out.env, out.ids, out.running, out.down
