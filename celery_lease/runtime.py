@@ -223,12 +223,18 @@ class Runtime:
 
         The store's expiry becomes ``seconds`` after the statement runs and the local deadline
         ``seconds`` (minus the margin) after it was sent, earlier or later than before. While
-        the statement is out the lease trusts the shorter of the two durations.
+        the statement is out the lease trusts the shorter of the two durations. An unreachable
+        store is waited for, as the body's other store calls are, until the local deadline.
         """
-        sent = deadline.monotonic()
-        lease.extending(sent, seconds)
-        renewed = self.store.renew({lease.token: lease.job_id}, self.worker, {lease.token: seconds})
-        if lease.job_id in renewed and lease.confirm(sent, seconds):
+        sent: list[float] = []
+
+        def attempt() -> set[str]:
+            sent.append(deadline.monotonic())
+            lease.extending(sent[-1], seconds)
+            return self.store.renew({lease.token: lease.job_id}, self.worker, {lease.token: seconds})
+
+        renewed = lease.patiently(attempt)
+        if lease.job_id in renewed and lease.confirm(sent[-1], seconds):
             return True
         if lease.job_id not in renewed:
             reason, owner = self.store.describe_loss(lease.job_id, lease.token, self.worker)
