@@ -208,7 +208,7 @@ class Locks:
 
         The body is stopped as at a lost lease (interrupted, or flagged), the lock is released
         rather than renewed, and the job's lease is given back once the store answers, so the
-        job runs again instead of waiting for its lease to expire.
+        job runs again instead of waiting for its lease to expire (unless it overran).
         """
         # Not lk._mutex: a release may hold it through a store call that does not return.
         with self._mutex:
@@ -216,13 +216,20 @@ class Locks:
                 return
             lk.lost = lk.done = True
         lease = lk.lease
-        silent = (deadline.monotonic() if now is None else now) - lk.confirmed_at
-        why = (f"resource lock {lk.resource!r} past its local deadline: no renewal confirmed for "
-               f"{silent:.1f}s of its {lk.ttl:g}s TTL")
+        now = deadline.monotonic() if now is None else now
+        overran = lease.past_max_runtime(now)
+        if overran:
+            why = (f"resource lock {lk.resource!r} past its local deadline: past lease_max_runtime "
+                   f"({lease.policy.max_runtime:g}s), no longer renewed")
+        else:
+            why = (f"resource lock {lk.resource!r} past its local deadline: no renewal confirmed for "
+                   f"{now - lk.confirmed_at:.1f}s of its {lk.ttl:g}s TTL")
         log.warning("job %s [%s]: resource lock %r [%s] lost: %s", lease.job_id, lease.token[:8],
                     lk.resource, lk.token[:8], why, extra={"action": "lock_lost"})
         lease.mark_lost(why)
-        lease.runtime.lost_locally(lease, give_back=True)
+        # As at the lease's own deadline: an overrun job (its locks no longer renewed) is left to
+        # expire, so the reaper counts the expiration against it.
+        lease.runtime.lost_locally(lease, give_back=not overran)
 
     def expire_due(self, now: float, lease: Lease | None = None) -> float | None:
         """Expire the locks (of ``lease``, or all) past their local deadline; the next deadline, if any."""
