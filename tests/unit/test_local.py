@@ -121,6 +121,7 @@ def test_eager_runs_take_a_real_lease_when_the_store_is_set_for_them(tmp_path):
         drop_app_store(app)
 
 
+@pytest.mark.slow
 def test_ten_thousand_eager_runs_leave_bounded_local_state():
     app = make_app()
 
