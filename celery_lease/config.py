@@ -303,9 +303,12 @@ SETTINGS: tuple[Setting, ...] = (
        "keys are kept in this process (once per key within it) and whose locks are in-process locks.",
        _bool, "True or False", False),
     # resource locks
-    _S("lease_lock_ttl", 30.0,
-       "Seconds a resource lock lasts without renewal.",
-       _number(0, strict=True), "a number of seconds > 0", True),
+    _S("lease_lock_ttl", None,
+       "Seconds a resource lock lasts without renewal (None: the lease's duration); at least two "
+       "heartbeat intervals. Its holder stops trusting it, and the job its lease, at a local deadline "
+       "before the store's expiry (the last confirmed renewal's send time + this - the safety margin), "
+       "whether or not the store answers.",
+       _number(0, strict=True, allow_none=True), "None or a number of seconds > 0", True),
     _S("lease_lock_timeout", 10.0,
        "Seconds lock() waits for a held resource before LockUnavailable.",
        _number(0), "a number of seconds >= 0", True),
@@ -350,6 +353,13 @@ def _cross_check(values: Mapping[str, Any], where: str = "") -> None:
             "lease_store_retry_max", values["lease_store_retry_max"],
             f"must be >= lease_store_retry_delay ({values['lease_store_retry_delay']:g}){where}",
         )
+    lock_ttl = values.get("lease_lock_ttl")
+    if lock_ttl is not None and lock_ttl < 2 * interval:
+        raise LeaseConfigError(
+            "lease_lock_ttl", lock_ttl,
+            f"must be at least two heartbeat intervals ({2 * interval:g}s){where}",
+            "Renewed every interval, a shorter lock would pass its deadline before its next renewal lands.",
+        )
     if values["lease_backoff_max"] < values["lease_backoff_base"]:
         raise LeaseConfigError(
             "lease_backoff_max", values["lease_backoff_max"],
@@ -381,7 +391,7 @@ class TaskPolicy:
     backoff_jitter: bool
     dead_letter_queue: str | None
     dispatch_timeout: float
-    lock_ttl: float
+    lock_ttl: float | None
     lock_timeout: float
 
     def as_settings(self) -> dict[str, Any]:

@@ -47,6 +47,7 @@ class Heartbeat:
         self._stop = threading.Event()
         self._planned_interval = runtime.default_interval
         self._thread: threading.Thread | None = None
+        self._starting = threading.Lock()
 
     def joined(self, lease: Lease) -> None:
         """A lease joined: wake the thread if it needs beats sooner than planned."""
@@ -112,11 +113,13 @@ class Heartbeat:
 
     # -- the loop -------------------------------------------------------------
     def start(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            return
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="celery-lease-heartbeat", daemon=True)
-        self._thread.start()
+        """Start the loop unless it runs; safe from many threads at once (one thread starts)."""
+        with self._starting:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="celery-lease-heartbeat", daemon=True)
+            self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()

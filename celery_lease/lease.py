@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -131,18 +132,38 @@ class Lease:
             # A lease cut off from the store is given back once it answers; an overrun one is
             # left to expire, so the reaper counts the expiration against the job.
             self.runtime.lost_locally(self, give_back=not overran)
+        if not self.lost:
+            # A resource lock held past its own local deadline: the body can no longer trust it.
+            self.runtime.locks.expire_due(now, self)
         return self.lost
 
     def confirm(self, sent_at: float, duration: float | None = None) -> bool:
-        """The store renewed the lease with a statement sent at ``sent_at``; False if already lost."""
+        """The store renewed the lease with a statement sent at ``sent_at``; False if already lost.
+
+        ``duration`` (an ``extend``) sets the lease's duration from then on: the local deadline
+        becomes ``sent_at + duration - margin``, earlier than before when the lease was shortened,
+        as the store's expiry is.
+        """
         with self._guard:
             if self.lost:
                 return False  # never revived: the runtime gives it back instead
             if duration is not None:
                 self.duration = duration
+                self.confirmed_at = max(self.confirmed_at, sent_at)
+                self.deadline = deadline.local_deadline(sent_at, duration)
+                return True
             self.confirmed_at = max(self.confirmed_at, sent_at)
             self.deadline = max(self.deadline, deadline.local_deadline(sent_at, self.duration))
             return True
+
+    def extending(self, sent_at: float, duration: float) -> None:
+        """An ``extend`` to ``duration`` is being sent at ``sent_at``: until it is answered, trust the
+        shorter of both leases, so an answer that never comes cannot leave the deadline past the store's
+        expiry (which may already be the new one)."""
+        with self._guard:
+            if duration < self.duration:
+                self.duration = duration
+                self.deadline = min(self.deadline, deadline.local_deadline(sent_at, duration))
 
     def past_max_runtime(self, now: float) -> bool:
         limit = self.policy.max_runtime
@@ -154,9 +175,18 @@ class Lease:
 
     # -- the user's helpers ---------------------------------------------------------------
     def extend(self, seconds: float) -> None:
-        """Renew now with a longer lease, before a long blocking call."""
+        """Renew now for ``seconds`` from this renewal, before a long blocking call.
+
+        Both clocks move: the store's expiry to ``seconds`` after the statement runs, the local
+        deadline to ``seconds`` (minus the safety margin) after it was sent, and the heartbeat
+        renews for ``seconds`` from then on. Below the lease's duration that shortens the lease,
+        on both clocks. LeaseLost if the lease moved on.
+        """
+        seconds = float(seconds)
+        if not math.isfinite(seconds) or seconds <= 0:
+            raise ValueError(f"extend() takes a number of seconds > 0, got {seconds!r}")
         self.check()
-        if not self.runtime.extend(self, float(seconds)):
+        if not self.runtime.extend(self, seconds):
             self.check()
 
     def checkpoint(self, state: Any) -> None:

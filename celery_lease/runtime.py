@@ -39,20 +39,29 @@ UNANSWERED_KEPT = 1000  # unanswered claim tokens a process remembers
 
 
 class DeadlineTimer:
-    """Marks leases lost at their local deadline; ``run_once(now)`` is one pass, ``start()`` the loop."""
+    """Marks leases and resource locks lost at their local deadlines; ``run_once(now)`` is one pass,
+    ``start()`` the loop."""
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._starting = threading.Lock()
         # When the loop next looks (monotonic); None while a pass is reading the leases.
         self._planned: float | None = None
 
     def run_once(self, now: float | None = None) -> float | None:
-        """Expire every lease past its deadline; returns the next deadline (None: none left)."""
+        """Expire every lease and lock past its deadline; returns the next deadline (None: none left).
+
+        A lock past its deadline marks its job's lease lost (and interrupts the body) as the
+        lease's own deadline does.
+        """
         now = deadline.monotonic() if now is None else now
         upcoming = [lease.deadline for lease in self.runtime.leases() if not lease.expire_if_due(now)]
+        lock_due = self.runtime.locks.expire_due(now)
+        if lock_due is not None:
+            upcoming.append(lock_due)
         return min(upcoming, default=None)
 
     def wake(self) -> None:
@@ -68,11 +77,13 @@ class DeadlineTimer:
             self._wake.set()
 
     def start(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            return
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="celery-lease-deadline", daemon=True)
-        self._thread.start()
+        """Start the loop unless it runs; safe from many threads at once (one thread starts)."""
+        with self._starting:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="celery-lease-deadline", daemon=True)
+            self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
@@ -118,6 +129,7 @@ class Runtime:
         self.locks: Locks = Locks(store)
         self.heartbeat = Heartbeat(self)
         self.timer = DeadlineTimer(self)
+        self._starting = threading.Lock()  # concurrent first tasks (a threads pool) start once
         # A worker's main process stops its consumer here while the store is down (outage.py).
         self.pause: ConsumerPause | None = None
         # Tokens of claims this process sent and gave up on (no answer within the bound): the
@@ -207,10 +219,22 @@ class Runtime:
             self._held[key] = lease
 
     def extend(self, lease: Lease, seconds: float) -> bool:
-        """Renew one lease now with a new duration; False when it is no longer ours."""
-        sent = deadline.monotonic()
-        renewed = self.store.renew({lease.token: lease.job_id}, self.worker, {lease.token: seconds})
-        if lease.job_id in renewed and lease.confirm(sent, seconds):
+        """Renew one lease now with a new duration; False when it is no longer ours.
+
+        The store's expiry becomes ``seconds`` after the statement runs and the local deadline
+        ``seconds`` (minus the margin) after it was sent, earlier or later than before. While
+        the statement is out the lease trusts the shorter of the two durations. An unreachable
+        store is waited for, as the body's other store calls are, until the local deadline.
+        """
+        sent: list[float] = []
+
+        def attempt() -> set[str]:
+            sent.append(deadline.monotonic())
+            lease.extending(sent[-1], seconds)
+            return self.store.renew({lease.token: lease.job_id}, self.worker, {lease.token: seconds})
+
+        renewed = lease.patiently(attempt)
+        if lease.job_id in renewed and lease.confirm(sent[-1], seconds):
             return True
         if lease.job_id not in renewed:
             reason, owner = self.store.describe_loss(lease.job_id, lease.token, self.worker)
@@ -317,8 +341,10 @@ class Runtime:
 
     # -- threads --------------------------------------------------------------------------
     def start(self) -> None:
-        self.heartbeat.start()
-        self.timer.start()
+        """Start the heartbeat and the deadline timer once, however many first tasks call it at once."""
+        with self._starting:
+            self.heartbeat.start()
+            self.timer.start()
 
     def stop(self, timeout: float = 5.0) -> None:
         self.timer.stop(timeout)
