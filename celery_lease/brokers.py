@@ -24,7 +24,7 @@ from celery import bootsteps
 from celery.utils.nodenames import gethostname
 
 from .config import app_config, task_policy
-from .errors import StoreUnavailable
+from .errors import StoreRejected, StoreUnavailable
 from .heartbeat import worker_id
 
 __all__ = ["VisibilityStep", "VisibilityKeeper", "Held", "RedisExtender", "SQSExtender", "extender_for",
@@ -236,7 +236,7 @@ class VisibilityKeeper:
         try:
             store = self.store or for_app(self.app, check=False)
             owners = store.leases_alive([h.job_id for h in leased])
-        except StoreUnavailable as exc:
+        except (StoreUnavailable, StoreRejected) as exc:
             log.warning("visibility refresh cannot reach the lease store (%s); trusting leases seen "
                         "within their duration", exc, extra={"action": "visibility_store_unavailable"})
             return {h.job_id for h in leased if now - self._confirmed.get(h.job_id, -1e18) < h.duration}

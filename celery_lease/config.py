@@ -214,10 +214,13 @@ SETTINGS: tuple[Setting, ...] = (
     _S("lease_dead_letter_queue", None,
        "Queue that receives the message of a dead-lettered job (None: keep it in the store only).",
        _optional_queue, "None or a queue name", True),
-    _S("lease_claim_async_commit", True,
-       "PostgreSQL: commit a claim without waiting for its WAL flush. A server crash may then undo "
-       "a claim made in its last moments; that run meets a lost lease, fenced like any other. "
-       "False waits for the flush (about 5% fewer 10 ms tasks per second).",
+    _S("lease_claim_async_commit", False,
+       "PostgreSQL, opt-in: commit a claim without waiting for its WAL flush. A server crash may then "
+       "undo a claim made in its last moments: the job is pending again, another delivery (a duplicate, "
+       "a redelivery, the dispatch scan) claims it, and the first run goes on beside the second until "
+       "its first heartbeat after the restart finds the lease lost (at worst until its local deadline): "
+       "two owners. A synchronous standby does not wait for such a claim either, so a failover can lose "
+       "it the same way. False waits for the flush (about 5% fewer 10 ms tasks per second).",
        _bool, "True or False", False),
     _S("lease_publish_async_commit", False,
        "PostgreSQL: commit a publish's record (job, key, event) without waiting for its WAL flush. "

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from .errors import LeaseConfigError, LeaseError, LeaseLost, LockUnavailable, StoreUnavailable
+from .errors import LeaseConfigError, LeaseError, LeaseLost, LockUnavailable, StoreRejected, StoreUnavailable
 from .store import schema
 from .store.effects import advance_statement
 from .vocabulary import EffectOutcome, Event
@@ -61,7 +61,8 @@ def effect(lease: Lease, key: str, connection: Connection | None = None) -> Iter
     lease.check()
     store = lease.store
     if connection is None:
-        outcome = store.record_effect(key, lease.job_id, lease.token, lease.worker)
+        # An unreachable store is waited for until the local deadline, then LeaseLost.
+        outcome = lease.patiently(lambda: store.record_effect(key, lease.job_id, lease.token, lease.worker))
     else:
         outcome = store.record_effect_in(connection, key, lease.job_id, lease.token, lease.worker)
     if outcome == EffectOutcome.LOST:
@@ -84,14 +85,14 @@ def _take_back(lease: Lease, key: str, connection: Connection | None, exc: BaseE
     if connection is not None:
         try:
             lease.store.unrecord_effect_in(connection, key, lease.job_id)
-        except StoreUnavailable as error:
+        except (StoreUnavailable, StoreRejected) as error:
             # An aborted transaction (PostgreSQL) can only roll back, and the rollback drops the key.
             log.info("job %s [%s]: effect %r left to the transaction's rollback (%s)", lease.job_id,
                      lease.token[:8], key, error, extra={"action": "effect_released"})
         return
     try:
         released = lease.store.release_effect(key, lease.job_id, lease.token, lease.worker, reason)
-    except StoreUnavailable as error:
+    except (StoreUnavailable, StoreRejected) as error:
         log.error("job %s [%s]: effect %r failed (%s) and its key could not be released (%s); "
                   "the effect may not have happened", lease.job_id, lease.token[:8], key, reason, error,
                   extra={"action": "effect_unconfirmed"})
@@ -160,7 +161,7 @@ class Locks:
                 return
             try:
                 deleted = self.store.release_lock(lk.resource, lk.token)
-            except StoreUnavailable as exc:
+            except (StoreUnavailable, StoreRejected) as exc:
                 log.warning("lock %r [%s] not released yet (%s); it expires in at most %gs", lk.resource,
                             lk.token[:8], exc, lk.ttl, extra={"action": "lock_release_deferred"})
                 return
@@ -240,8 +241,8 @@ def _acquire(lease: Lease, held: ResourceLock, timeout: float) -> None:
     delay = 0.02
     while True:
         lease.check()
-        outcome = lease.store.acquire_lock(held.resource, held.token, held.ttl, lease.worker,
-                                           lease.job_id, lease.token)
+        outcome = lease.patiently(lambda: lease.store.acquire_lock(held.resource, held.token, held.ttl,
+                                                                   lease.worker, lease.job_id, lease.token))
         if outcome == EffectOutcome.FIRST:
             log.debug("job %s [%s]: lock %r [%s] taken", lease.job_id, lease.token[:8], held.resource,
                       held.token[:8], extra={"action": "lock_acquired"})

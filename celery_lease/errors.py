@@ -2,11 +2,12 @@
 
     LeaseError
     ├── LeaseConfigError      a ``lease_*`` setting or task option is invalid
-    ├── StoreUnavailable      the lease store cannot be reached (driver error wrapped)
+    ├── StoreUnavailable      the lease store cannot be reached (driver error wrapped): an outage
     │   ├── SchemaMismatch    the store's schema revision is not one this code runs against
-    │   ├── StoreNotMigrated  a table or column is missing: run `celery -A proj lease migrate`
-    │   └── StoreRejected     the store refused a statement (permission, syntax, data, constraint)
-    │       └── StoreConflict a row with the same key exists (a race the store settles itself)
+    │   └── StoreNotMigrated  a table or column is missing: run `celery -A proj lease migrate`
+    ├── StoreRejected         the store refused a statement for good (permission, syntax, data,
+    │   │                     constraint): not an outage, retrying the same write cannot help
+    │   └── StoreConflict     a row with the same key exists (a race the store settles itself)
     ├── StoreCorrupt          a row in the store cannot be understood
     ├── JobNotFound           no job with that id in the store
     ├── LeaseLost             this worker no longer holds the job's lease
@@ -85,10 +86,11 @@ class StoreNotMigrated(StoreUnavailable):
     """The lease store lacks a table or column; run `celery -A proj lease migrate`."""
 
 
-class StoreRejected(StoreUnavailable):
+class StoreRejected(LeaseError):
     """The lease store refused a statement (permission, syntax, data or constraint).
 
-    A StoreUnavailable, so that callers fail closed; ``kind`` says which refusal it was.
+    Not a StoreUnavailable: the store answered, and the same write would be refused again, so
+    a caller reports it instead of deferring and retrying; ``kind`` says which refusal it was.
     """
 
 

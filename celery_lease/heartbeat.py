@@ -19,7 +19,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from . import deadline
-from .errors import LeaseError, StoreUnavailable
+from .errors import LeaseError, StoreRejected, StoreUnavailable
 
 if TYPE_CHECKING:
     from .lease import Lease
@@ -70,6 +70,11 @@ class Heartbeat:
             log.warning("heartbeat of %s could not reach the lease store: %s", self.worker, exc,
                         extra={"action": "heartbeat_store_unavailable"})
             return counts
+        except StoreRejected as exc:
+            # Unrenewed, each lease lapses at its local deadline, as in an outage.
+            log.error("heartbeat of %s refused by the lease store: %s", self.worker, exc,
+                      extra={"action": "heartbeat_store_rejected"})
+            return counts
         self.beats += 1
         for lease in renewable:
             if self._renewed(lease, renewed, renewable):
@@ -88,6 +93,7 @@ class Heartbeat:
                 counts["lost"] += 1
         rt.give_back_lost()
         rt.flush_deferred()
+        rt.flush_checkpoints()
         try:
             rt.locks.renew(now)
         except LeaseError as exc:

@@ -26,7 +26,7 @@ from celery import Task, shared_task
 from . import messages
 from .backoff import backoff, dispatch_wait
 from .config import REAPER_RUNS_KEPT, TaskPolicy, app_config, task_policy, worker_stale_after
-from .errors import StoreCorrupt, StoreUnavailable
+from .errors import StoreCorrupt, StoreRejected, StoreUnavailable
 from .outcomes import report_failure
 from .store import Job, ReaperStore, for_app
 
@@ -217,7 +217,7 @@ class Reaper:
         finally:
             try:
                 self.store.release_reaper_lock(token)
-            except StoreUnavailable as exc:
+            except (StoreUnavailable, StoreRejected) as exc:
                 log.warning("reaper lock not released (it expires in %gs): %s", ttl, exc)
         self._record(result, time.monotonic() - started)
         if result.changed:
@@ -233,7 +233,7 @@ class Reaper:
         counts = {k: v for k, v in result.as_dict().items() if type(v) is int}
         try:
             self.store.record_reaper_run(duration, counts, self.owner, REAPER_RUNS_KEPT)
-        except StoreUnavailable as exc:
+        except (StoreUnavailable, StoreRejected) as exc:
             log.warning("reaper run not recorded: %s", exc, extra={"action": "reap_record_failed"})
 
     def _still_ours(self, token: str | None) -> bool:
@@ -366,8 +366,8 @@ class Reaper:
         while not stop.is_set():
             try:
                 result = self.run_once()
-            except StoreUnavailable as exc:
-                log.warning("reaper round failed, lease store unreachable: %s", exc)
+            except (StoreUnavailable, StoreRejected) as exc:
+                log.warning("reaper round failed: %s", exc)
                 result = ReapResult()
             full = result.reaped + result.dead_lettered + result.failed >= self.batch_size
             stop.wait(0 if full else interval)

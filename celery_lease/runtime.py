@@ -20,13 +20,13 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from . import deadline, interrupt
-from .errors import StoreUnavailable
+from .errors import StoreRejected, StoreUnavailable
 from .heartbeat import Heartbeat, worker_id
 from .vocabulary import Event
 
 if TYPE_CHECKING:
     from .effects import Locks
-    from .lease import Lease
+    from .lease import DeferredWrite, Lease
     from .outage import ConsumerPause
     from .store import Store
 
@@ -198,10 +198,11 @@ class Runtime:
             if give_back and key not in self._deferred:
                 self._to_give_back[key] = lease
 
-    def defer_completion(self, lease: Lease) -> None:
-        """Keep a finished job's lease and complete it once the store answers again."""
+    def defer(self, lease: Lease, write: DeferredWrite) -> None:
+        """Keep a finished body's lease renewed and make its settle write once the store answers."""
         key = (lease.job_id, lease.token)
         with self._mutex:
+            lease.deferred = write
             self._deferred[key] = lease
             self._held[key] = lease
 
@@ -234,6 +235,14 @@ class Runtime:
                 done = lease.give_back(Event.RELEASED_AFTER_LOCAL_LOSS, republish=True)
             except StoreUnavailable:
                 return released
+            except StoreRejected as exc:
+                # Refused for good: asking again every round cannot help; the reaper recovers it.
+                log.error("job %s [%s] could not be given back, the store refused it (%s); left to "
+                          "the reaper", lease.job_id, lease.token[:8], exc,
+                          extra={"action": "give_back_rejected"})
+                with self._mutex:
+                    self._to_give_back.pop((lease.job_id, lease.token), None)
+                continue
             released += done
             with self._mutex:
                 self._to_give_back.pop((lease.job_id, lease.token), None)
@@ -243,23 +252,52 @@ class Runtime:
         return released
 
     def flush_deferred(self) -> None:
+        """Make the settle writes the store could not take, and act on its real answer to each."""
         with self._mutex:
             deferred = list(self._deferred.values())
         for lease in deferred:
+            write = lease.deferred
+            if write is None:
+                continue
             try:
-                if lease.deferred_failure is None:
-                    self.store.complete(lease.job_id, lease.token, self.worker, lease.kept_result)
-                    written = False
-                else:
-                    written = self.store.fail(lease.job_id, lease.token, lease.deferred_failure, self.worker)
+                written = write.write()
+            except StoreRejected as exc:
+                # Not an outage: retrying would loop for ever. The lease expires and the reaper
+                # decides, as for a worker that died here.
+                log.error("job %s [%s]: deferred %s rejected by the store for good (%s)", lease.job_id,
+                          lease.token[:8], write.end, exc, extra={"action": "deferred_write_rejected"})
+                self.forget(lease)
+                continue
             except StoreUnavailable:
                 return
-            log.info("job %s [%s] %s after the store came back", lease.job_id, lease.token[:8],
-                     "completed" if lease.deferred_failure is None else "failed")
             self.forget(lease)
-            if written and lease.after_failure is not None:
-                # The dead-letter publish, once: an error here is the heartbeat round's to log.
-                lease.after_failure()
+            if not written:
+                # The store audited the stale write; nothing follows it.
+                log.warning("job %s [%s]: deferred %s rejected, the lease moved on", lease.job_id,
+                            lease.token[:8], write.end, extra={"action": "stale_deferred_write_rejected"})
+                continue
+            log.info("job %s [%s]: %s written after the store came back", lease.job_id, lease.token[:8],
+                     write.end, extra={"action": "deferred_write_landed"})
+            if write.then is not None:
+                try:
+                    write.then()
+                except Exception as exc:  # noqa: BLE001 - logged; the write itself landed
+                    log.error("job %s [%s]: what follows the deferred %s failed (%s)", lease.job_id,
+                              lease.token[:8], write.end, exc, extra={"action": "deferred_followup_failed"})
+
+    def flush_checkpoints(self) -> None:
+        """Write the checkpoints of running bodies that an outage held back."""
+        for lease in self.leases():
+            if lease.pending_checkpoint is None:
+                continue
+            try:
+                lease.write_pending_checkpoint()
+            except StoreRejected as exc:
+                log.error("job %s [%s]: held-back checkpoint rejected by the store (%s); dropped",
+                          lease.job_id, lease.token[:8], exc, extra={"action": "checkpoint_rejected"})
+                lease.pending_checkpoint = None
+            except StoreUnavailable:
+                return
 
     def release_all(self, reason: Event = Event.RELEASED_ON_SHUTDOWN) -> int:
         """Give back every lease still held (shutdown); returns how many were released."""
@@ -271,7 +309,7 @@ class Runtime:
                 if lease.give_back(reason):
                     released += 1
                     lease.mark_lost(reason)
-            except StoreUnavailable as exc:
+            except (StoreUnavailable, StoreRejected) as exc:
                 log.warning("could not release job %s [%s] on shutdown: %s", lease.job_id,
                             lease.token[:8], exc)
         self.flush_deferred()

@@ -11,7 +11,8 @@ from __future__ import annotations
 import enum
 
 __all__ = [
-    "Name", "Status", "ClaimOutcome", "EffectOutcome", "Decision", "RecoveryAction", "Event",
+    "Name", "Status", "ClaimOutcome", "EffectOutcome", "Decision", "RecoveryAction", "Event", "RunEnd",
+    "LossReason",
     "STALE_WRITES", "RELEASES", "RECOVERIES", "MANUAL_RECOVERIES", "REPLACEMENTS",
 ]
 
@@ -47,6 +48,28 @@ class EffectOutcome(Name):
     FIRST = "first"
     DUPLICATE = "duplicate"
     LOST = "lost"
+
+
+class RunEnd(Name):
+    """How a leased body ended: the settle step writes each one to the store its own way."""
+
+    RETURNED = "returned"
+    RETRIED = "retried"
+    IGNORED = "ignored"
+    REPLACED = "replaced"
+    REJECTED_REQUEUE = "rejected_requeue"
+    REJECTED = "rejected"
+    FAILED = "failed"
+    LOST = "lost"
+    OUTAGE = "outage"
+    SHUTDOWN = "shutdown"
+
+
+class LossReason(Name):
+    """Why the store did not renew a lease (``describe_loss``): the row is gone or moved on."""
+
+    VANISHED = "vanished"
+    TAKEN_OVER = "taken_over"
 
 
 class Decision(Name):
@@ -95,6 +118,9 @@ class Event(Name):
     REJECTED_REQUEUE = "rejected_requeue"
     # A lease this worker stopped trusting on its own clock, given back once the store answered.
     RELEASED_AFTER_LOCAL_LOSS = "released_after_local_loss"
+    # A body that met an unreachable store where it could not wait (a publish, a hand-over):
+    # its job given back, attempt uncharged, once the store answered.
+    RELEASED_AFTER_OUTAGE = "released_after_outage"
     # Deliveries whose body did not run.
     EARLY_DELIVERY_DEFERRED = "early_delivery_deferred"
     DUPLICATE_DELIVERY_SKIPPED = "duplicate_delivery_skipped"
@@ -134,7 +160,7 @@ STALE_WRITES: tuple[Event, ...] = (
 )
 #: Leases given back before expiry (the reasons ``release`` accepts).
 RELEASES: tuple[Event, ...] = (Event.RELEASED_ON_SHUTDOWN, Event.REJECTED_REQUEUE,
-                               Event.RELEASED_AFTER_LOCAL_LOSS)
+                               Event.RELEASED_AFTER_LOCAL_LOSS, Event.RELEASED_AFTER_OUTAGE)
 #: A job taken back from a crashed or lost worker: proof that recovery works on a store.
 RECOVERIES: tuple[Event, ...] = (Event.LEASE_TAKEN_OVER, Event.REAPED_EXPIRED_LEASE, Event.REDISPATCHED)
 #: A job that passed its id to a replacement (Task.replace()).

@@ -16,6 +16,7 @@ from sqlalchemy.engine import Connection, Engine
 from .. import config
 from ..errors import StoreUnavailable
 from ..interrupt import uninterrupted
+from ..masking import mask_secrets
 from ..vocabulary import Event
 from . import dialects, schema
 from .rows import RUNNING, Job, fenced_status, status_sql
@@ -202,7 +203,7 @@ class StoreBase:
 
     @property
     def safe_url(self) -> str:
-        return sa.engine.make_url(self.url).render_as_string(hide_password=True)
+        return mask_secrets(sa.engine.make_url(self.url).render_as_string(hide_password=True))
 
     def migrate(self, to: str = "head") -> list[str]:
         """Bring the schema to revision ``to`` (create, recognise, upgrade or downgrade); what was done."""

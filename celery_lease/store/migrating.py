@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from .. import __version__
-from ..errors import LeaseConfigError, SchemaMismatch, StoreUnavailable
+from ..errors import LeaseConfigError, SchemaMismatch, StoreRejected, StoreUnavailable
 from . import migrations
 
 __all__ = ["migrate", "ensure", "describe"]
@@ -109,13 +109,14 @@ def migrate(store: object, to: str = "head") -> list[str]:
             break
         except (SchemaMismatch, LeaseConfigError):
             raise
-        except StoreUnavailable as exc:
-            # Two processes creating one empty store race; the loser looks again and finds
-            # the schema made (MySQL's DDL is not transactional, so it cannot wait for it).
+        except (StoreUnavailable, StoreRejected) as exc:
+            # Two processes creating one empty store race (the loser's CREATE is refused: a
+            # table or version row that exists); the loser looks again and finds the schema
+            # made (MySQL's DDL is not transactional, so it cannot wait for it).
             if attempt == 2:
-                raise StoreUnavailable(
-                    f"cannot migrate lease store {store.safe_url}: {exc}"  # type: ignore[attr-defined]
-                ) from exc
+                raise type(exc)(
+                    f"cannot migrate lease store {store.safe_url}: {exc}",  # type: ignore[attr-defined]
+                    **exc.context) from exc
             log.debug("migrate raced (%s); looking again", exc)
     store.revision = None  # type: ignore[attr-defined]
     return done

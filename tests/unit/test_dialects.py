@@ -188,7 +188,7 @@ def test_a_syntax_error_says_so_and_does_not_ask_for_a_migration(store):
     with pytest.raises(StoreRejected) as info, store.begin() as c:
         c.execute(sa.text("SELEC 1"))
     assert info.value.kind == "syntax" and "migrate" not in str(info.value)
-    assert isinstance(info.value, StoreUnavailable)  # callers fail closed
+    assert not isinstance(info.value, StoreUnavailable)  # a refusal is not an outage: never retried
 
 
 def test_a_duplicate_key_is_a_conflict_and_a_missing_value_a_constraint(store):

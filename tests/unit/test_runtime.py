@@ -14,9 +14,10 @@ from celery_lease import LeaseTask, deadline, interrupt, runtime
 from celery_lease.config import load
 from celery_lease.effects import ResourceLock, lock
 from celery_lease.errors import LeaseLost, StoreUnavailable
-from celery_lease.lease import Lease
+from celery_lease.lease import DeferredWrite, Lease
 from celery_lease.runtime import Runtime
 from celery_lease.store import ClaimTerms
+from celery_lease.vocabulary import RunEnd
 from tests.helpers import wait_for
 
 
@@ -407,3 +408,30 @@ def test_a_claim_given_up_is_remembered_for_its_job_only_and_the_oldest_are_forg
     assert rt.orphaned_claim("job-4", "tok-4")
     rt.forget_unanswered("tok-4")
     assert not rt.orphaned_claim("job-4", "tok-4")
+
+
+@pytest.mark.parametrize("store_url", ["mysql"], indirect=True)
+def test_a_deferred_completion_the_store_refuses_for_good_is_not_retried_every_round(store_factory, caplog):
+    """A completion deferred in an outage and then refused (a 70 KB result on a MySQL/MariaDB
+    schema of revision 0006, whose result column is TEXT) is reported once and given up: never
+    the same write again at every heartbeat."""
+    store = store_factory(migrate=False, reuse=False)
+    store.migrate(to="0006")
+    rt = Runtime(store, "host", default_interval=0.2, worker="host:1")
+    rt.start = lambda: None
+    try:
+        lease = claim(store, rt, "too-big")
+        rt.attach(Request(), lease)
+        kept = '"' + "r" * 70_000 + '"'
+        rt.defer(lease, DeferredWrite(RunEnd.RETURNED,
+                                      lambda: store.complete(lease.job_id, lease.token, lease.worker, kept)))
+        with caplog.at_level("ERROR", logger="celery_lease.runtime"):
+            rt.flush_deferred()
+        assert not rt.is_deferred(lease) and lease not in rt.leases()
+        assert any("rejected by the store" in r.getMessage() and "too-big" in r.getMessage()
+                   for r in caplog.records)
+        statements = count_statements(store)
+        rt.flush_deferred()
+        assert statements == []
+    finally:
+        rt.stop()

@@ -7,6 +7,8 @@ Each race starts its contenders on a barrier and asserts exactly one winner and 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import secrets
 import threading
 from collections.abc import Callable
@@ -176,3 +178,38 @@ def test_a_resource_lock_has_one_holder_is_taken_after_expiry_and_refused_to_a_s
     assert store.claim("lk", "w2", secrets.token_hex(16), TERMS, "t.task", "q", lambda: None).claimed
     assert store.acquire_lock("acct:8", "stale", 30.0, "w1", "lk", tok) == EffectOutcome.LOST
     assert store.lock_holder("acct:8") is None
+
+
+# -- what Celery carries ----------------------------------------------------------------------
+TEN_MB = 10 * 1024 * 1024
+
+
+def test_ten_megabyte_arguments_results_and_checkpoints_round_trip(store):
+    """Plain Celery sends a message of any size its broker takes: the store keeps it whole."""
+    from celery_lease import messages
+
+    big = "".join(secrets.choice("abcdefghij") for _ in range(1024)) * (TEN_MB // 1024)
+    payload = messages.encode("t.task", (big,), {"note": "ü€"}, {}, "json")
+    assert len(payload) > TEN_MB
+    # A message recorded by its publisher, and one first seen by a worker (the claim writes it).
+    store.record("published", "t.task", "q", payload, 5)
+    tok = secrets.token_hex(16)
+    assert store.claim("published", "w1", tok, TERMS, "t.task", "q", lambda: None).claimed
+    seen = secrets.token_hex(16)
+    assert store.claim("first-seen", "w1", seen, TERMS, "t.task", "q", lambda: payload).claimed
+    assert store.checkpoint("published", tok, {"rows": big})
+    result = messages.encode_result([big, "ü€"], "json")
+    assert store.complete("published", tok, "w1", result)
+
+    job, first = store.get("published"), store.get("first-seen")
+    kept = {"payload": job.payload, "first-seen payload": first.payload,
+            "checkpoint": job.checkpoint, "result": store.kept_result("published")}
+    want = {"payload": payload, "first-seen payload": payload,
+            "checkpoint": json.dumps({"rows": big}), "result": result}
+    assert job.status == COMPLETED
+    assert {k: _digest(v) for k, v in kept.items()} == {k: _digest(v) for k, v in want.items()}
+
+
+def _digest(text: str | None) -> tuple[int, str] | None:
+    """A long text's length and hash: what a failed comparison can print."""
+    return None if text is None else (len(text), hashlib.sha256(text.encode()).hexdigest()[:16])
