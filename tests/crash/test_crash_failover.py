@@ -32,9 +32,6 @@ LEASE = 3.0
 # Seconds from the kill to the promotion (failure detection): past a step's pause, so every body
 # under way meets the outage, and under half a lease.
 DETECTION = 1.0
-OUTAGE_FAILS_THE_BODY = (
-    "issue 26 / DESIGN guarantee 8 (fix in progress): a store outage inside a body fails the job: "
-    "lease.effect() raises StoreUnavailable out of the body and the job ends 'failed'")
 
 
 def both_hosts_url(primary, standby, db: str = "postgres") -> str:
@@ -43,7 +40,6 @@ def both_hosts_url(primary, standby, db: str = "postgres") -> str:
             f"&host=127.0.0.1:{standby.port}&target_session_attrs=read-write")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=OUTAGE_FAILS_THE_BODY)
 def test_a_primary_killed_and_its_synchronous_standby_promoted_loses_nothing_and_keeps_one_owner(tmp_path):
     with servers(tmp_path) as own:
         primary = own.postgres("primary", synchronous_standby_names="*", synchronous_commit="on")

@@ -38,13 +38,6 @@ pytestmark = [pytest.mark.crash, pytest.mark.integration, pytest.mark.slow]
 LEASE = 3.0
 JOBS = 32
 OUTAGES = {"short": LEASE / 4, "long": 2 * LEASE}  # both longer than a step's 0.3 s pause
-OUTAGE_FAILS_THE_BODY = (
-    "issue 26 / DESIGN guarantee 8 (fix in progress): a store outage inside a body fails the job: "
-    "lease.effect() raises StoreUnavailable out of the body and the job ends 'failed'")
-CRASH_UNDOES_THE_CLAIM = (
-    "issue 26 point 2 (fix in progress): with the default lease_claim_async_commit=True the crash "
-    "undoes a claim of its last moments; the body's effect is then rejected (token no longer "
-    "matches), the delivery is acknowledged as ignored, and the dispatch scan runs the job's body again")
 
 
 def outage(pg, seconds: float) -> tuple[float, float]:
@@ -91,8 +84,6 @@ def run_through_an_outage(tmp_path, seconds: float) -> Outcome:
     return Outcome(env, ids, env.running(at=killed_at), killed_at, down, events)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason=f"{OUTAGE_FAILS_THE_BODY}; and {CRASH_UNDOES_THE_CLAIM}")
 def test_a_store_killed_for_less_than_half_a_lease_runs_no_body_twice_and_reaps_nothing(tmp_path):
     out = run_through_an_outage(tmp_path, OUTAGES["short"])
     env, ids, running, down = out.env, out.ids, out.running, out.down
@@ -108,7 +99,6 @@ def test_a_store_killed_for_less_than_half_a_lease_runs_no_body_twice_and_reaps_
     assert_each_effect_once(env, ids)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=OUTAGE_FAILS_THE_BODY)
 def test_a_store_killed_for_twice_a_lease_runs_each_interrupted_body_once_more(tmp_path):
     out = run_through_an_outage(tmp_path, OUTAGES["long"])
     env, ids, running, down = out.env, out.ids, out.running, out.down
