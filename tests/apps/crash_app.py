@@ -3,7 +3,7 @@
 Configured from the environment: CRASH_BROKER (a private Redis the test may kill), CRASH_STORE
 (the lease store, a private PostgreSQL the test may kill, or a failover pair), CRASH_PREFIX,
 CRASH_RECORD (the file every execution writes its record to) and CRASH_CONF (JSON of extra
-settings). Fast settings: 3 s leases, 0.5 s heartbeats, 0.5 s grace.
+settings). Fast settings: 3 s leases, 0.5 s heartbeats, 0.5 s grace, 2 s dispatch timeout.
 
 The record is a file, not a table: it must take writes while the store is down. Each line is
 one ``os.write`` to a file opened with O_APPEND (atomic for lines this short), of the form
@@ -38,6 +38,8 @@ SETTINGS = dict(
     lease_duration=3.0, lease_heartbeat_interval=0.5, lease_grace_period=0.5, lease_reaper_hard_grace=10.0,
     lease_backoff_base=0.1, lease_backoff_max=0.5, lease_reaper_lock_ttl=3.0, lease_max_attempts=5,
     lease_store_retry_delay=0.5, lease_store_retry_max=1.0,
+    # A pending job whose message is gone (a broker emptied, a claim undone) is re-sent within seconds.
+    lease_dispatch_timeout=2.0, lease_dispatch_backoff_max=4.0,
     task_acks_late=True, worker_prefetch_multiplier=1, task_ignore_result=True, worker_lost_wait=1.0,
     broker_connection_retry_on_startup=True, broker_connection_max_retries=None,
 )

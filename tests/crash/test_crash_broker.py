@@ -2,7 +2,7 @@
 
 A private redis-server (``--save "" --appendonly no``) and a private PostgreSQL store; one
 prefork worker (-c 2) runs 32 jobs of three steps (tests/apps/crash_app.py), the reaper runs
-every second in the test process with a 2 s ``lease_dispatch_timeout``. The queued jobs'
+every second in the test process with a 2 s ``lease_dispatch_timeout`` (the app's). The queued jobs'
 messages die with the broker, the running jobs' acknowledgements cannot be sent: the reaper's
 dispatch scan re-sends every pending job, and each job still runs its body once.
 """
@@ -20,13 +20,12 @@ from tests.workers import celery_processes, worker
 pytestmark = [pytest.mark.crash, pytest.mark.integration, pytest.mark.slow]
 
 JOBS = 32
-DISPATCH = dict(lease_dispatch_timeout=2.0, lease_dispatch_backoff_max=4.0)
 
 
 def test_a_broker_killed_and_restarted_empty_still_completes_every_job_once(tmp_path):
     with servers(tmp_path) as own:
         pg, broker = own.postgres(), own.redis()
-        env = CrashEnv(tmp_path, pg.url(), broker.url(), **DISPATCH)
+        env = CrashEnv(tmp_path, pg.url(), broker.url())
         app = env.app()
         try:
             with celery_processes(tmp_path) as procs, reaper_loop(app, interval=1.0):

@@ -2,7 +2,8 @@
 
 A private cluster on a free port and a private Redis broker; one threads worker (-c 4) runs 32
 jobs of three steps (an effect and a checkpoint each, tests/apps/crash_app.py), the reaper runs
-every second in the test process. Lease 3 s, heartbeat 0.5 s, grace 0.5 s.
+every second in the test process. Lease 3 s, heartbeat 0.5 s, grace 0.5 s, dispatch timeout 2 s
+(a pending job whose message is gone is re-sent).
 
 - Down for less than half a lease: every lease outlives the outage, so no body runs again and
   nothing is reaped or taken over.
