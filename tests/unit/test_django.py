@@ -3,7 +3,10 @@ and publish once the transaction commits, and an idempotency key still publishes
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import importlib.util
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -21,16 +24,18 @@ django = pytest.importorskip("django")
 HAS_DJANGO_TASK = importlib.util.find_spec("celery.contrib.django") is not None
 
 
-# Django's settings are process-wide: one configuration for the module, two databases. The
-# SQLite file is also the SQLite lease store's, PostgreSQL's database the PostgreSQL store's.
-SQLITE_FILE = Path(tempfile.mkdtemp(prefix="celery_lease_django_")) / "db.sqlite3"
+# Django's settings are process-wide: one configuration for the module, three databases, each
+# also the lease store of the tests on it (the SQLite file, PostgreSQL's and MariaDB's `test`).
+SQLITE_DIR = tempfile.mkdtemp(prefix="celery_lease_django_")
+atexit.register(shutil.rmtree, SQLITE_DIR, True)
+SQLITE_FILE = Path(SQLITE_DIR) / "db.sqlite3"
 MODEL_TABLE = f"{unique_prefix()}order"
 
 
-def _postgres_database() -> dict:
-    url = urlsplit(service_url("postgres"))
-    return {"ENGINE": "django.db.backends.postgresql", "NAME": url.path.lstrip("/"), "USER": url.username,
-            "PASSWORD": url.password or "", "HOST": url.hostname, "PORT": str(url.port or 5432)}
+def _server_database(service: str, engine: str, port: int) -> dict:
+    url = urlsplit(service_url(service))
+    return {"ENGINE": f"django.db.backends.{engine}", "NAME": url.path.lstrip("/"), "USER": url.username,
+            "PASSWORD": url.password or "", "HOST": url.hostname, "PORT": str(url.port or port)}
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +45,12 @@ def transaction():
     if not settings.configured:
         databases = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": str(SQLITE_FILE),
                                  "OPTIONS": {"timeout": 30}},
-                     "postgres": _postgres_database()}
+                     "postgres": _server_database("postgres", "postgresql", 5432),
+                     "mysql": _server_database("mysql", "mysql", 3306)}
+        with contextlib.suppress(ImportError):
+            import pymysql
+
+            pymysql.install_as_MySQLdb()  # Django's MySQL backend on PyMySQL where mysqlclient is absent
         settings.configure(DATABASES=databases, INSTALLED_APPS=[], USE_TZ=True)
         django.setup()
     from django.db import transaction
@@ -142,13 +152,13 @@ def order_model(transaction):
     return Order
 
 
-@pytest.fixture(params=["default", "postgres"], ids=["sqlite", "postgres"])
+@pytest.fixture(params=["default", "postgres", "mysql"], ids=["sqlite", "postgres", "mysql"])
 def orm(request, order_model, redis_url):
     """An app whose lease store is the Django database ``alias`` (the Order table beside it)."""
     from django.db import connections
 
     alias = request.param
-    store_url = f"sqlite:///{SQLITE_FILE}" if alias == "default" else request.getfixturevalue("postgres_url")
+    store_url = f"sqlite:///{SQLITE_FILE}" if alias == "default" else request.getfixturevalue(f"{alias}_url")
     broker = urlunsplit(urlsplit(redis_url)._replace(path="/15"))
     app = Celery(f"orm_{unique_prefix()}", broker=broker, set_as_current=False)
     app.conf.update(lease_store_url=store_url, lease_table_prefix=unique_prefix(), lease_duration=5.0,
