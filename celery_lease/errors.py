@@ -2,6 +2,7 @@
 
     LeaseError
     ├── LeaseConfigError      a ``lease_*`` setting or task option is invalid
+    │   └── LeaseConfigErrors several are: ``problems`` lists each (``setting`` is the first's)
     ├── StoreUnavailable      the lease store cannot be reached (driver error wrapped): an outage
     │   ├── SchemaMismatch    the store's schema revision is not one this code runs against
     │   └── StoreNotMigrated  a table or column is missing: run `celery -A proj lease migrate`
@@ -20,6 +21,7 @@ setting or resource a reader needs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from .masking import mask_secrets, mask_value
@@ -27,6 +29,7 @@ from .masking import mask_secrets, mask_value
 __all__ = [
     "LeaseError",
     "LeaseConfigError",
+    "LeaseConfigErrors",
     "StoreUnavailable",
     "SchemaMismatch",
     "StoreNotMigrated",
@@ -72,6 +75,19 @@ class LeaseConfigError(LeaseError):
         if hint:
             message += f". {hint}"
         super().__init__(message, setting=setting, value=value, rule=mask_secrets(rule))
+
+
+class LeaseConfigErrors(LeaseConfigError):
+    """Several celery_lease settings are invalid, reported at once; ``problems`` lists each one."""
+
+    problems: tuple[LeaseConfigError, ...]
+
+    def __init__(self, problems: Sequence[LeaseConfigError]) -> None:
+        first = problems[0]
+        listed = "\n".join(f"  - {problem}" for problem in problems)
+        message = f"{len(problems)} celery_lease settings are invalid:\n{listed}"
+        LeaseError.__init__(self, message, setting=first.setting, value=first.value, rule=first.rule,
+                            problems=tuple(problems))
 
 
 class StoreUnavailable(LeaseError):

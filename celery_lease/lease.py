@@ -243,10 +243,15 @@ class Lease:
             time.sleep(max(0.0, min(delay, remaining)))
             delay = min(delay * 2, MAX_STORE_WAIT)
 
-    def effect(self, key: str, connection: Any = None) -> Any:
-        """``with lease.effect(key) as first:`` records a side effect once per key."""
+    def effect(self, key: str, connection: Any = None, using: str | None = None) -> Any:
+        """``with lease.effect(key) as first:`` records a side effect once per key; ``using`` (a
+        Django database alias) or a Django ``connection`` puts the key in that transaction."""
         from .effects import effect
 
+        if using is not None:
+            from .django import connection_for
+
+            connection = connection_for(using)
         return effect(self, key, connection)
 
     def lock(self, resource: str, ttl: float | None = None, timeout: float | None = None) -> Any:

@@ -21,6 +21,8 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
+from .vocabulary import EffectOutcome
+
 __all__ = ["LocalLease", "LocalState", "state", "current", "running"]
 
 LOCAL_KEPT = 1000  # effect keys, and checkpoints, the local runs of one app keep (the newest)
@@ -115,7 +117,7 @@ class LocalLease:
     lost_reason: str | None = None
 
     def __init__(self, app: Any, job_id: str, idempotency_key: str) -> None:
-        self.state = state(app)
+        self.app, self.state = app, state(app)
         self.job_id = job_id
         self.token = secrets.token_hex(16)
         self.attempt = 1
@@ -137,14 +139,38 @@ class LocalLease:
         self.state.keep_checkpoint(self.job_id, state)
 
     @contextlib.contextmanager
-    def effect(self, key: str, connection: Any = None) -> Iterator[bool]:
-        """First once per key in this process; a block that raises gives its key back."""
+    def effect(self, key: str, connection: Any = None, using: str | None = None) -> Iterator[bool]:
+        """First once per key in this process; a block that raises gives its key back. With a
+        connection (or a Django ``using`` alias) the key is written in that transaction, as a
+        worker writes it, and is first once per key in that database."""
+        if connection is not None or using is not None:
+            with self._effect_in(key, connection, using) as first:
+                yield first
+            return
         first = self.state.claim_effect(key, self.job_id)
         try:
             yield first
         except BaseException:
             if first:
                 self.state.forget_effect(key)
+            raise
+
+    @contextlib.contextmanager
+    def _effect_in(self, key: str, connection: Any, using: str | None) -> Iterator[bool]:
+        from .django import connection_for
+        from .errors import StoreUnavailable
+        from .store import for_app
+
+        connection = connection_for(using) if using is not None else connection
+        store = for_app(self.app, check=False)
+        first = store.record_unfenced_effect_in(connection, key, self.job_id) == EffectOutcome.FIRST
+        try:
+            yield first
+        except BaseException:
+            if first:
+                # An aborted transaction can only roll back, and the rollback drops the key.
+                with contextlib.suppress(StoreUnavailable):
+                    store.unrecord_effect_in(connection, key, self.job_id)
             raise
 
     @contextlib.contextmanager

@@ -3,6 +3,8 @@
 - ``migrate(store, to)`` (``celery lease migrate``): create an empty store at the newest
   revision, stamp a first-release store that has no version table as 0001, then
   upgrade or downgrade to ``to``.
+- ``sql(store, to)`` (``celery lease migrate --sql``): the DDL that would move the store
+  from its revision to ``to``, for a DBA; nothing when it is there already.
 - ``ensure(store, create)``: what a process checks before it uses the store. A worker
   start (``create=True``) creates an empty store; nobody upgrades an existing schema
   implicitly; a schema outside the revisions this code runs against is refused with one
@@ -20,7 +22,7 @@ from .. import __version__
 from ..errors import LeaseConfigError, SchemaMismatch, StoreRejected, StoreUnavailable
 from . import migrations
 
-__all__ = ["migrate", "ensure", "describe"]
+__all__ = ["migrate", "sql", "ensure", "describe"]
 
 log = logging.getLogger(__name__)
 MIGRATE_HINT = "run `celery -A proj lease migrate`"
@@ -69,12 +71,18 @@ def _recognise_first_release(conn: Connection, prefix: str) -> list[str]:
     return done
 
 
-def _migrate(conn: Connection, store: object, to: str) -> list[str]:
-    prefix = store.prefix  # type: ignore[attr-defined]
+def _target(to: str) -> str:
+    """The revision ``to`` names ("head": the newest); LeaseConfigError for one that is none."""
     target = migrations.head() if to == "head" else to
     if target not in migrations.revisions():
         raise LeaseConfigError("--to", to, "is not a schema revision",
                                "Revisions: " + ", ".join(migrations.revisions()))
+    return target
+
+
+def _migrate(conn: Connection, store: object, to: str) -> list[str]:
+    prefix = store.prefix  # type: ignore[attr-defined]
+    target = _target(to)
     revision = migrations.current(conn, prefix)
     if revision is None and not _has_tables(conn, prefix):
         if target == migrations.head():
@@ -120,6 +128,22 @@ def migrate(store: object, to: str = "head") -> list[str]:
             log.debug("migrate raced (%s); looking again", exc)
     store.revision = None  # type: ignore[attr-defined]
     return done
+
+
+def sql(store: object, to: str = "head") -> str:
+    """The DDL that moves the store from its revision to ``to``, read without changing it.
+
+    An empty store gets the script from nothing; a first-release store (tables, no version
+    table) the script from 0001; a store at ``to`` already an SQL comment saying so.
+    """
+    target = _target(to)
+    revision, has_tables = describe(store)
+    if revision is None and has_tables:
+        revision = migrations.FIRST
+    if revision == target:
+        return f"-- lease store already at revision {target}: nothing to run\n"
+    url, prefix = store.url, store.prefix  # type: ignore[attr-defined]
+    return migrations.sql(url, prefix, target, start=revision)
 
 
 def describe(store: object) -> tuple[str | None, bool]:

@@ -268,6 +268,16 @@ def test_each_rule_reports_its_bad_config_with_the_fix(sqlite_store, app_kw, pre
     assert finding.why  # every finding says why it matters
 
 
+def test_lease_check_reports_every_config_problem_with_a_fix_naming_it_as_written(sqlite_store):
+    findings = run_checks(make_app(lease_duraton=60, lease_heartbeat_intervl=5), baseline_store(sqlite_store))
+    assert [(f.code, f.settings, f.fix) for f in problems(findings)] == [
+        ("config_invalid", ("lease_duraton",), "rename lease_duraton to lease_duration"),
+        ("config_invalid", ("lease_heartbeat_intervl",),
+         "rename lease_heartbeat_intervl to lease_heartbeat_interval"),
+    ]
+    assert "Did you mean lease_duration?" in problems(findings)[0].why
+
+
 def test_an_unreachable_store_is_an_error_and_store_questions_are_not_guessed():
     store = Store("postgresql+psycopg://postgres@127.0.0.1:1/nowhere", unique_prefix())
     findings = run_checks(make_app(), store)
