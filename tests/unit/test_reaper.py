@@ -913,8 +913,8 @@ def test_a_step_of_the_store_clock_reaps_no_healthy_lease_and_still_recovers_a_d
             time.sleep(INTERVAL)
         assert taken_back(store, alive) == {}
         assert at is not None, f"the dead owner's job was not recovered within {bound + RUN_SLACK:g}s"
-        print(f"step {step:+g}s: dead owner's job recovered {at - step_at:.2f}s after the step "
-              f"(bound {bound:g}s)")
+        logging.getLogger(__name__).info("step %+gs: dead owner's job recovered %.2fs after it (bound %gs)",
+                                         step, at - step_at, bound)
         assert at - step_at <= bound + RUN_SLACK
     [held] = store.events(None, "reaper_held_back")
     assert "stepped" in held["reason"]
@@ -945,7 +945,8 @@ def test_after_an_outage_nothing_is_taken_back_whose_owner_renews_within_a_lease
         assert taken_back(store, alive) == {}
         assert runs[0].held_back == 4 and runs[0].reaped == 0
         assert at is not None and at - back >= LEASE, "the dead owner's job was not recovered a lease later"
-        print(f"outage: dead owner's job recovered {at - back:.2f}s after the store came back")
+        logging.getLogger(__name__).info("outage: dead owner's job recovered %.2fs after the return",
+                                         at - back)
         assert [e["event"] for e in store.events(None, "reaper_held_back")] == ["reaper_held_back"]
 
 
@@ -992,7 +993,8 @@ def test_a_reaper_whose_own_calls_failed_through_an_outage_takes_back_nothing_re
         assert taken_back(store, alive) == {}
         assert first.held_back == 4 and first.reaped == 0
         assert store.get("dead").status != RUNNING, "the dead owner's job was not recovered a lease later"
-        print(f"outage through a cut path: dead owner's job recovered {done - back:.2f}s after the return")
+        logging.getLogger(__name__).info("cut path: dead owner's job recovered %.2fs after the return",
+                                         done - back)
     finally:
         proxy.cut()
         far.engine.dispose()
