@@ -13,7 +13,7 @@ at a time under the reaper lock), and starts a **hold** when
   gap between runs): the store may have been unreachable, or no reaper ran. A shorter gap
   cannot hurt: a live owner whose last renewal came a heartbeat before the gap began is, at
   its end, neither past lease + grace nor stale (config.derive_stale_after);
-- or this reaper's own calls failed since its last run for longer than that silence.
+- or this process's reaper could not reach the store since its last run, for however long.
 
 While a hold lasts no lease is taken back whose owner has not had its whole lease duration
 plus a heartbeat since the hold began to renew against the store as it is now: a live owner
@@ -62,23 +62,33 @@ class Hold:
 
 
 class ClockGuard:
-    """Judges, once per run, whether the store was away or its clock stepped; keeps its state in the store."""
+    """Judges, once per run, whether the store was away or its clock stepped; keeps its state in
+    the store, and in memory only what the store could not be told: that this process's reaper
+    failed to reach it (one guard per app and process, see ``for_app``)."""
 
-    def __init__(self, store: ReaperStore, tolerance: float) -> None:
-        self.store = store
+    def __init__(self, tolerance: float) -> None:
         self.tolerance = tolerance
-        self._failed_at: float | None = None  # monotonic: this reaper's first failed call since a run
+        self._failed_at: float | None = None  # monotonic: the first failed call since a run
+
+    @classmethod
+    def for_app(cls, app: Any, tolerance: float) -> ClockGuard:
+        """The guard of ``app``'s reapers in this process (the beat task builds a reaper per run)."""
+        guard = getattr(app, "_celery_lease_clock_guard", None)
+        if guard is None:
+            guard = app._celery_lease_clock_guard = cls(tolerance)
+        return guard
 
     def failed(self) -> None:
         """Note that this reaper could not reach the store (its run raised StoreUnavailable)."""
         if self._failed_at is None:
             self._failed_at = time.monotonic()
 
-    def judge(self, now: float, owner: str, stale_after: float, record: bool = True) -> Hold:
+    def judge(self, store: ReaperStore, now: float, owner: str, stale_after: float,
+              record: bool = True) -> Hold:
         """This run's hold, from the previous run's record; ``record`` writes this run's (and the
         hold's one event) in the store, a dry run only reads. ``stale_after``: the registry
         silence after which an owner looks gone (config.worker_stale_after)."""
-        state, mono = self.store.reaper_clock() or {}, time.monotonic()
+        state, mono = store.reaper_clock() or {}, time.monotonic()
         reason, step = self._reason(state, now, mono, stale_after)
         since = now if reason else state.get("calm_since")
         interval = state.get("interval")
@@ -87,7 +97,7 @@ class ClockGuard:
         hold = Hold(since, reason, step is not None and step < 0)
         if record:
             new = {"at": now, "mono": mono, "host": host_clock(), "interval": interval, "calm_since": since}
-            self.store.record_reaper_clock(new, held_back=reason, owner=owner, step_back=hold.step_back)
+            store.record_reaper_clock(new, held_back=reason, owner=owner, step_back=hold.step_back)
             self._failed_at = None
         if reason and record:
             log.warning("reaper holds back: %s; no lease is taken back before its owner had its lease "
@@ -98,11 +108,10 @@ class ClockGuard:
                 stale_after: float) -> tuple[str | None, float | None]:
         """Why the store's history since the previous run calls for a hold (None: it does not),
         and the step of its clock when it stepped (seconds, negative backward)."""
-        own = None if self._failed_at is None else mono - self._failed_at
-        if own is not None and own > stale_after:
-            return f"this reaper could not reach the store for {own:.1f}s", None
+        own = None if self._failed_at is None else (
+            f"this reaper could not reach the store for {mono - self._failed_at:.1f}s before this run")
         if "at" not in state:
-            return None, None
+            return own, None
         gap = now - float(state["at"])
         if state.get("host") == host_clock() and "mono" in state:
             elapsed = mono - float(state["mono"])
@@ -111,8 +120,10 @@ class ClockGuard:
                         f"({gap:.1f}s on it, {elapsed:.1f}s on this host's monotonic clock)"), gap - elapsed
         if gap < -self.tolerance:
             return f"the store's clock stepped back {-gap:.1f}s behind the previous reaper run", gap
+        if own is not None:
+            return own, None
         usual = float(state.get("interval") or 0.0)
-        limit = stale_after if own is not None else max(stale_after, 2 * usual)
+        limit = max(stale_after, 2 * usual)
         if gap > limit:
             return (f"no reaper run for {gap:.1f}s (more than {limit:g}s): the store may have been "
                     "unreachable, or no reaper ran"), None

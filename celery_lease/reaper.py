@@ -189,7 +189,7 @@ class Reaper:
         self.cfg = app_config(app)
         self.batch_size = batch_size or self.cfg.reaper_batch_size
         self.rng = rng or random.Random()
-        self.guard = ClockGuard(self.store, self.cfg.clock_tolerance)
+        self.guard = ClockGuard.for_app(app, self.cfg.clock_tolerance)
 
     @property
     def owner(self) -> str:
@@ -242,7 +242,7 @@ class Reaper:
         """This run's hold (clock_guard.py), under the reaper lock when it records."""
         if not guarded:
             return Hold()
-        return self.guard.judge(now, self.owner, worker_stale_after(self.app), record=record)
+        return self.guard.judge(self.store, now, self.owner, worker_stale_after(self.app), record=record)
 
     def _record(self, result: ReapResult, duration: float) -> None:
         """Note the run in the store (its liveness for `lease check`, status and the exporter).
