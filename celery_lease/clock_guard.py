@@ -84,19 +84,23 @@ class ClockGuard:
             self._failed_at = time.monotonic()
 
     def judge(self, store: ReaperStore, now: float, owner: str, stale_after: float,
-              record: bool = True) -> Hold:
+              record: bool = True, mono: tuple[float, float] | None = None) -> Hold:
         """This run's hold, from the previous run's record; ``record`` writes this run's (and the
         hold's one event) in the store, a dry run only reads. ``stale_after``: the registry
-        silence after which an owner looks gone (config.worker_stale_after)."""
-        state, mono = store.reaper_clock() or {}, time.monotonic()
-        reason, step = self._reason(state, now, mono, stale_after)
+        silence after which an owner looks gone (config.worker_stale_after). ``mono``: this
+        host's monotonic clock when ``now`` was read, and how far off it may be (half the read's
+        round trip); by default read now, taken as exact."""
+        state = store.reaper_clock() or {}
+        at, err = mono if mono is not None else (time.monotonic(), 0.0)
+        reason, step = self._reason(state, now, at, err, stale_after)
         since = now if reason else state.get("calm_since")
         interval = state.get("interval")
         if step is None and "at" in state and now > float(state["at"]):
             interval = now - float(state["at"])  # the usual gap between runs; a step is no gap
         hold = Hold(since, reason, step is not None and step < 0)
         if record:
-            new = {"at": now, "mono": mono, "host": host_clock(), "interval": interval, "calm_since": since}
+            new = {"at": now, "mono": at, "mono_err": err, "host": host_clock(), "interval": interval,
+                   "calm_since": since}
             store.record_reaper_clock(new, held_back=reason, owner=owner, step_back=hold.step_back)
             self._failed_at = None
         if reason and record:
@@ -104,7 +108,7 @@ class ClockGuard:
                         "duration and a heartbeat to renew", reason, extra={"action": "reaper_held_back"})
         return hold
 
-    def _reason(self, state: dict[str, Any], now: float, mono: float,
+    def _reason(self, state: dict[str, Any], now: float, mono: float, err: float,
                 stale_after: float) -> tuple[str | None, float | None]:
         """Why the store's history since the previous run calls for a hold (None: it does not),
         and the step of its clock when it stepped (seconds, negative backward)."""
@@ -115,7 +119,8 @@ class ClockGuard:
         gap = now - float(state["at"])
         if state.get("host") == host_clock() and "mono" in state:
             elapsed = mono - float(state["mono"])
-            if abs(gap - elapsed) > self.tolerance:
+            # Each run's monotonic reading may be off by half its clock read's round trip.
+            if abs(gap - elapsed) > self.tolerance + err + float(state.get("mono_err") or 0.0):
                 return (f"the store's clock stepped {gap - elapsed:+.1f}s between two reaper runs "
                         f"({gap:.1f}s on it, {elapsed:.1f}s on this host's monotonic clock)"), gap - elapsed
         if gap < -self.tolerance:

@@ -212,9 +212,14 @@ class Reaper:
 
     def _run(self, result: ReapResult, now: float | None, dry_run: bool) -> ReapResult:
         # A ``now`` given by the caller is a simulated time: it says nothing of the store's clock.
-        guarded, now = now is None, self.store.now() if now is None else now
+        mono: tuple[float, float] | None = None
+        if now is None:
+            before = time.monotonic()
+            now = self.store.now()
+            after = time.monotonic()
+            mono = ((before + after) / 2, (after - before) / 2)
         if dry_run:
-            hold = self._judge(now, guarded, record=False)
+            hold = self._judge(now, mono, record=False)
             self._recover_expired(result, now, None, hold)
             self._redispatch(result, now, None)
             return result
@@ -225,7 +230,7 @@ class Reaper:
             return result
         started = time.monotonic()
         try:
-            hold = self._judge(now, guarded, record=True)
+            hold = self._judge(now, mono, record=True)
             if self._recover_expired(result, now, token, hold) and self._redispatch(result, now, token):
                 self._prune(result, now)
         finally:
@@ -238,11 +243,13 @@ class Reaper:
             log.info("reaper: %s", result.summary(), extra={"action": "reap"})
         return result
 
-    def _judge(self, now: float, guarded: bool, record: bool) -> Hold:
-        """This run's hold (clock_guard.py), under the reaper lock when it records."""
-        if not guarded:
+    def _judge(self, now: float, mono: tuple[float, float] | None, record: bool) -> Hold:
+        """This run's hold (clock_guard.py), under the reaper lock when it records; none for a
+        simulated ``now`` (``mono`` None)."""
+        if mono is None:
             return Hold()
-        return self.guard.judge(self.store, now, self.owner, worker_stale_after(self.app), record=record)
+        return self.guard.judge(self.store, now, self.owner, worker_stale_after(self.app), record=record,
+                                mono=mono)
 
     def _record(self, result: ReapResult, duration: float) -> None:
         """Note the run in the store (its liveness for `lease check`, status and the exporter).
