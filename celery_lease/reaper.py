@@ -6,6 +6,8 @@ job only by a compare-and-set on the token that writes one audit event. One reap
 works at a time (a lock row of its own). The message is published *before* the CAS,
 so a reaper that dies in between leaves an expired lease (reaped again next run,
 and the early message finds it claimable), never a pending job without a message.
+After the store was away or its clock stepped it takes nothing back until each owner had
+a lease's time to renew (clock_guard.py).
 """
 
 from __future__ import annotations
