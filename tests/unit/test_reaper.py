@@ -991,7 +991,9 @@ def test_a_reaper_whose_own_calls_failed_through_an_outage_takes_back_nothing_re
             done = time.monotonic()
         assert failures > 0
         assert taken_back(store, alive) == {}
-        assert first.held_back == 4 and first.reaped == 0
+        # Nothing is taken back on the return (an owner's beat in flight may land first; the
+        # dead owner's lease at least is held back).
+        assert first.held_back >= 1 and (first.reaped, first.dead_lettered, first.failed) == (0, 0, 0)
         assert store.get("dead").status != RUNNING, "the dead owner's job was not recovered a lease later"
         logging.getLogger(__name__).info("cut path: dead owner's job recovered %.2fs after the return",
                                          done - back)
