@@ -199,4 +199,3 @@ def test_a_resource_lock_has_one_holder_is_taken_after_expiry_and_refused_to_a_s
     assert store.claim("lk", "w2", secrets.token_hex(16), TERMS, "t.task", "q", lambda: None).claimed
     assert store.acquire_lock("acct:8", "stale", 30.0, "w1", "lk", tok) == EffectOutcome.LOST
     assert store.lock_holder("acct:8") is None
-
