@@ -897,14 +897,18 @@ def test_a_step_of_the_store_clock_reaps_no_healthy_lease_and_still_recovers_a_d
 
     clock = [store]
     alive = [f"live-{n}" for n in range(3)]
-    with Owner(clock, ALIVE, alive), Owner(clock, DEAD, ["dead"]) as dead:
+    with Owner(clock, ALIVE, alive) as owner, Owner(clock, DEAD, ["dead"]) as dead:
         for _ in range(3):  # the reaper's history before the step, on the calm clock
             Reaper(quick_app, store=clock[0]).run_once()
             time.sleep(INTERVAL)
         dead.stopped.set()  # its owner dies just before the store's clock steps
         dead.join(5)
+        # The step lands between the live owner's heartbeat and the reaper's next run.
+        owner.paused.set()
         clock[0] = twin = stepped(store, step)
         step_at = time.monotonic()
+        Reaper(quick_app, store=twin).run_once()
+        owner.paused.clear()
         bound = LEASE + GRACE + INTERVAL + BEAT
         at = reaped_at(quick_app, clock, "dead", step_at + bound + RUN_SLACK)
         # Healthy leases stay theirs for a whole lease past the end of any hold.
