@@ -80,6 +80,9 @@ class Decision(Name):
     FAIL = "fail"
     REDISPATCH = "redispatch"
     SKIP_OWNER_ALIVE = "skip_owner_alive"
+    # Left alone after the store was unreachable or its clock stepped: its owner gets a lease's
+    # time to renew against the store as it is now.
+    HOLD_BACK = "hold_back"
 
 
 class RecoveryAction(Name):
@@ -146,6 +149,9 @@ class Event(Name):
     DEAD_LETTERED = "dead_lettered"
     REAP_SKIPPED_OWNER_ALIVE = "reap_skipped_owner_alive"
     REDISPATCHED = "redispatched"
+    # A reaper run found a gap in the store's history or a step of its clock, and takes nothing
+    # back until every owner had a lease's time to renew (one event per hold, its reason).
+    REAPER_HELD_BACK = "reaper_held_back"
     # An operator.
     MANUAL_REQUEUE = "manual_requeue"
     DLQ_REDRIVEN = "dlq_redriven"

@@ -137,6 +137,29 @@ def test_two_reapers_take_one_lease_back_once(store):
     assert count(store, "rr", Event.REAPED_EXPIRED_LEASE) == 1
 
 
+def test_the_reaper_clock_record_round_trips_and_a_step_back_clamps_only_what_lies_in_the_future(store):
+    assert store.reaper_clock() is None
+    claimed(store, "fresh")
+    claimed(store, "old-clock")
+    j, w = store.t.jobs, store.t.workers
+    store.touch_worker("w-old", "host", 1)
+    with store.begin() as c:  # written on a clock 60 s ahead of the store's
+        c.execute(sa.update(j).where(j.c.id == "old-clock").values(lease_expires_at=store.now_sql + 90))
+        c.execute(sa.update(w).where(w.c.worker_id == "w-old").values(last_seen_at=store.now_sql + 60))
+    fresh = store.get("fresh").lease_expires_at
+    state = {"at": store.now(), "calm_since": None}
+    assert store.record_reaper_clock(state, held_back="stepped back", owner="r", step_back=True)
+    now = store.now()
+    assert store.reaper_clock() == state
+    assert store.get("fresh").lease_expires_at == fresh
+    assert now - 1.0 < store.get("old-clock").lease_expires_at - 30.0 <= now
+    with store.begin() as c:
+        seen = c.execute(sa.select(w.c.last_seen_at).where(w.c.worker_id == "w-old")).scalar_one()
+    assert seen <= now
+    [event] = store.events(None, Event.REAPER_HELD_BACK)
+    assert event["reason"] == "stepped back"
+
+
 def test_a_dead_letter_against_a_late_completion_has_one_outcome(store):
     tok = claimed(store, "dc", "dead")
     expire(store, "dc")
