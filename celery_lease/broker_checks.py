@@ -191,9 +191,12 @@ def sqs_queue_attributes(app: Any, queues: Iterable[str]) -> dict[str, dict[str,
     kombu's queue naming (``queue_name_prefix``, ``predefined_queues``). A queue that cannot be
     read maps to ``{"error": ...}``.
     """
-    import boto3  # the SQS transport's own dependency
-    from botocore.config import Config
-    from kombu.transport.SQS import CHARS_REPLACE_TABLE
+    try:
+        import boto3  # the SQS transport's own dependency
+        from botocore.config import Config
+        from kombu.transport.SQS import CHARS_REPLACE_TABLE
+    except ImportError as exc:
+        return {queue: {"error": f"{exc}: pip install celery-lease[sqs]"} for queue in queues}
 
     options = app.conf.broker_transport_options or {}
     connection = app.connection_for_read()
