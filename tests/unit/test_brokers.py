@@ -193,7 +193,8 @@ def test_sqs_extender_changes_held_messages_on_moto_and_reports_a_gone_one_once(
         assert extender.extend(held[:1]) == 1
         again = queue.get(no_ack=False)
         assert again is not None and again.payload == kept.payload
-        assert again.delivery_info["sqs_message"]["Attributes"]["ApproximateReceiveCount"] == "2"
+        for message in (kept, gone, again):  # nothing left for kombu to restore on close
+            message.ack()
 
 
 def test_extender_for_picks_the_transport_and_ignores_those_without_a_visibility_timeout(redis9):
