@@ -293,7 +293,8 @@ def _sqs_queues(ctx: Context, kombu_vt: float) -> Iterator[Finding]:
                 f"queue {queue} hides a received message for {queue_vt:g}s, but the visibility is first "
                 f"extended {refresh:g}s after receipt ({VT} / {REFRESH_SHARE}): every message of a job "
                 "longer than that is delivered again",
-                f"set {VT} to the queue's VisibilityTimeout ({queue_vt:g}), or raise the queue's"))
+                f"set {VT} to the queue's VisibilityTimeout ({queue_vt:g}), or raise the queue's "
+                f"VisibilityTimeout above {refresh:g}s"))
         for name in tasks:
             policy = ctx.policies.get(name)
             if policy is None:

@@ -462,7 +462,8 @@ def test_sqs_check_finds_a_queue_that_hides_messages_for_less_than_the_first_ext
     error = sqs_finding(ctx, level="error")
     assert error.code == "sqs_queue"
     assert error.values["refresh_every"] == 150.0 and error.values["queue_visibility_timeout"] == 30.0
-    assert error.fix == f"set {VT} to the queue's VisibilityTimeout (30), or raise the queue's"
+    assert error.fix == (f"set {VT} to the queue's VisibilityTimeout (30), or raise the queue's "
+                         "VisibilityTimeout above 150s")
 
 
 def test_sqs_check_names_a_job_that_outlives_the_12_hour_visibility_ceiling(sqlite_store):
