@@ -47,6 +47,10 @@ def _runs(job_id: str) -> int:
 @app.task(base=LeaseTask, bind=True, shared=False, name="faults.run")
 def run(self: Any, scenario: dict[str, Any]) -> str:
     """Behave as the scenario's run kind says; log this body's interval."""
+    return _body(self, scenario)
+
+
+def _body(self: Any, scenario: dict[str, Any]) -> str:
     job_id, kind = self.request.id, scenario["kind"]
     lease = self.lease
     start, done = time.monotonic(), False
@@ -85,6 +89,12 @@ def run(self: Any, scenario: dict[str, Any]) -> str:
         log.rpush(f"faults:body:{job_id}", json.dumps({
             "pid": os.getpid(), "token": getattr(lease, "token", None), "start": start,
             "end": time.monotonic(), "done": done}))
+
+
+@app.task(base=LeaseTask, bind=True, shared=False, name="faults.tracked", track_started=True)
+def tracked(self: Any, scenario: dict[str, Any]) -> str:
+    """The ``started`` kind: Celery's task_track_started, which the library writes after the claim."""
+    return _body(self, scenario)
 
 
 @app.task(shared=False, name="faults.linked")

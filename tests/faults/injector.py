@@ -33,6 +33,7 @@ BACKEND_MODES = ("backend_once", "backend_while")
 MODES = STORE_MODES + REJECT_MODES + BACKEND_MODES
 #: Seconds a backend that refuses "for a while" keeps refusing.
 BACKEND_OUTAGE = 3.0
+REFUSED = "Error 111 connecting to 127.0.0.1:6379. Connection refused."
 
 VERBS = frozenset(n for n in dir(Store) if not n.startswith("_") and callable(getattr(Store, n)))
 _STORE_DIR = os.path.dirname(sys.modules[Store.__module__].__file__ or "")
@@ -101,9 +102,10 @@ class Injector:
         if scenario["mode"] == "backend_while" and (
                 self.redis.exists(outage) or (ordinal == scenario["ordinal"] and self._fire(task_id, verb))):
             self.redis.set(outage, 1, px=int(BACKEND_OUTAGE * 1000), nx=True)
-            raise redis.exceptions.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
-        if scenario["mode"] == "backend_once" and ordinal == scenario["ordinal"] and self._fire(task_id, verb):
-            raise redis.exceptions.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+            raise redis.exceptions.ConnectionError(REFUSED)
+        once = scenario["mode"] == "backend_once" and ordinal == scenario["ordinal"]
+        if once and self._fire(task_id, verb):
+            raise redis.exceptions.ConnectionError(REFUSED)
 
     # -- bookkeeping ---------------------------------------------------------------------
     def _scenario(self, job_id: Any) -> dict | None:
@@ -134,10 +136,15 @@ class Injector:
         job, scenario = None, None
         candidates = [loc.get("job_id")]
         if isinstance(loc.get("leases"), Mapping):
-            candidates += list(loc["leases"])
+            candidates += list(loc["leases"].values())  # token -> job id
         job_obj = loc.get("job")
         if job_obj is not None and hasattr(job_obj, "id"):
             candidates.append(job_obj.id)
+        if not any(isinstance(c, str) for c in candidates):  # release_lock(resource, token), ...
+            from celery import current_task
+
+            request = getattr(current_task, "request", None)
+            candidates.append(getattr(request, "id", None))
         for candidate in candidates:
             found_scenario = self._scenario(candidate)
             if found_scenario is not None and (scenario is None or found_scenario["verb"] == verb):
@@ -157,16 +164,17 @@ class Injector:
         call = self.call()
         if call is None or call.job is None:
             return
-        if call.targets("vanished") and not call.vanished and self._fire(call.job, f"{call.verb}#{call.ordinal}"):
+        where = f"{call.verb}#{call.ordinal}"
+        if call.targets("vanished") and not call.vanished and self._fire(call.job, where):
             call.vanished = True
             self._delete_row(conn.store, call.job)
-        elif call.targets("before") and self._fire(call.job, f"{call.verb}#{call.ordinal}"):
+        elif call.targets("before") and self._fire(call.job, where):
             raise _unreachable(conn)
-        elif call.targets("pool_timeout") and self._fire(call.job, f"{call.verb}#{call.ordinal}"):
+        elif call.targets("pool_timeout") and self._fire(call.job, where):
             raise sa.exc.TimeoutError("QueuePool limit of size 6 overflow 0 reached, connection timed out, "
                                       "timeout 1.00 (Background on this error at: https://sqlalche.me/e/20/3o7r)")
         elif (call.targets(*REJECT_MODES) and not _reads_only(statement)
-              and self._fire(call.job, f"{call.verb}#{call.ordinal}")):
+              and self._fire(call.job, where)):
             raise _rejected(conn, call.scenario["mode"])  # type: ignore[index]
 
     def lost_after(self, conn: _Connection, autocommit: bool) -> bool:
@@ -208,7 +216,8 @@ def _rejected(conn: _Connection, mode: str) -> Exception:
 
     if mode == "rejected_data":
         return pymysql.err.DataError(1406, "Data too long for column 'error' at row 1")
-    return pymysql.err.IntegrityError(1452, "Cannot add or update a child row: a foreign key constraint fails")
+    return pymysql.err.IntegrityError(1452, "Cannot add or update a child row: a foreign key constraint "
+                                            "fails")
 
 
 class _Cursor:

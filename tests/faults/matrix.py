@@ -22,7 +22,7 @@ POINTS = HERE / "points.txt"
 KNOWN_FAILING = HERE / "known_failing.txt"
 
 KINDS = ("return", "retry0", "retry_later", "ignore", "reject_requeue", "reject_drop", "raise", "leaselost",
-         "replace_task", "replace_chain", "revoke", "effects", "long", "duplicate")
+         "replace_task", "replace_chain", "revoke", "effects", "long", "duplicate", "started")
 #: Verbs the heartbeat and the reaper call on their own clocks: only their first call is a point.
 PERIODIC_VERBS = frozenset({"beat", "renew", "renew_locks", "touch_worker", "note_skipped_owner_alive",
                             "requeue_abandoned", "dead_letter_abandoned", "redispatched", "leases_alive"})
@@ -85,14 +85,20 @@ def pair_name(point: Point, mode: str) -> str:
     return f"{point} {mode}"
 
 
-def read_known_failing(path: Path = KNOWN_FAILING) -> dict[str, str]:
-    """``kind verb#n mode`` -> the invariant it breaks, as checked in."""
+def read_known_failing(store: str | None = None, path: Path = KNOWN_FAILING) -> dict[str, str]:
+    """``kind verb#n mode`` -> the invariant it breaks, as checked in, for a run whose main lane is on
+    ``store`` (a line ending in ``[sqlite]`` or ``[postgres]`` fails on that store only)."""
     known = {}
     for line in path.read_text().splitlines():
         if not line.strip() or line.startswith("#"):
             continue
         pair, _, why = line.partition("  # ")
-        known[pair.strip()] = why.strip()
+        pair = pair.strip()
+        if pair.endswith("]"):
+            pair, _, only = pair[:-1].rpartition(" [")
+            if store is not None and only != store:
+                continue
+        known[pair] = why.strip()
     return known
 
 

@@ -38,7 +38,8 @@ def test_every_point_names_a_store_method_or_a_backend_call_of_a_known_run_kind(
 
 
 def test_the_backend_adapter_passes_every_call_the_library_makes():
-    adapter = {n for n, v in vars(backend.Injected).items() if not n.startswith("_") and inspect.isfunction(v)}
+    adapter = {n for n, v in vars(backend.Injected).items()
+               if not n.startswith("_") and inspect.isfunction(v)}
     assert adapter == set(backend.VERBS) == matrix.BACKEND_VERBS
 
 
