@@ -82,11 +82,20 @@ class Injector:
             return _Connection(create(record), self, store)
 
         engine.pool._invoke_creator = creator
+        sa.event.listen(engine.pool, "checkout", self._checkout)
         # The driver's own code (psycopg's type lookups, the store's autocommit writes) gets the
         # driver's connection; statements still go through the wrapper's cursors.
         driver_of = engine.dialect.get_driver_connection
         engine.dialect.get_driver_connection = (  # type: ignore[method-assign]
             lambda conn: driver_of(conn._real if isinstance(conn, _Connection) else conn))
+
+    def _checkout(self, _dbapi: Any, _record: Any, _proxy: Any) -> None:
+        """The pool hands out no connection within its timeout: what QueuePool raises."""
+        call = self.call()
+        if call is not None and call.job is not None and call.targets("pool_timeout") and self._fire(
+                call.job, f"{call.verb}#{call.ordinal}"):
+            raise sa.exc.TimeoutError("QueuePool limit of size 6 overflow 0 reached, connection timed out, "
+                                      "timeout 1.00 (Background on this error at: https://sqlalche.me/e/20/3o7r)")
 
     def backend_call(self, verb: str, task_id: str) -> None:
         scenario = self._scenario(task_id)
@@ -170,9 +179,6 @@ class Injector:
             self._delete_row(conn.store, call.job)
         elif call.targets("before") and self._fire(call.job, where):
             raise _unreachable(conn)
-        elif call.targets("pool_timeout") and self._fire(call.job, where):
-            raise sa.exc.TimeoutError("QueuePool limit of size 6 overflow 0 reached, connection timed out, "
-                                      "timeout 1.00 (Background on this error at: https://sqlalche.me/e/20/3o7r)")
         elif (call.targets(*REJECT_MODES) and not _reads_only(statement)
               and self._fire(call.job, where)):
             raise _rejected(conn, call.scenario["mode"])  # type: ignore[index]
@@ -267,12 +273,15 @@ class _Connection:
         return _Cursor(self._real.cursor(*args, **kwargs), self)
 
     def autocommitting(self) -> bool:
+        """Whether the statement just run was committed on its own (no transaction is open now)."""
         real = self._real
         if _family(self) == "sqlite3":
-            return bool(real.isolation_level is None and real.in_transaction is False)
+            return not real.in_transaction
         if _family(self) == "pymysql":
-            return bool(real.get_autocommit())
-        return bool(getattr(real, "autocommit", False))
+            return bool(real.get_autocommit()) and not real.server_status & 1  # SERVER_STATUS_IN_TRANS
+        import psycopg
+
+        return bool(real.autocommit) and real.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
 
     def commit(self) -> None:
         self._real.commit()
