@@ -85,21 +85,27 @@ def pair_name(point: Point, mode: str) -> str:
     return f"{point} {mode}"
 
 
-def read_known_failing(store: str | None = None, path: Path = KNOWN_FAILING) -> dict[str, str]:
-    """``kind verb#n mode`` -> the invariant it breaks, as checked in, for a run whose main lane is on
-    ``store`` (a line ending in ``[sqlite]`` or ``[postgres]`` fails on that store only)."""
-    known = {}
+def read_known_failing(store: str | None = None,
+                       path: Path = KNOWN_FAILING) -> tuple[dict[str, str], set[str]]:
+    """(pair -> the invariant it breaks, pairs that fail only some of the time) for a run whose main
+    lane is on ``store``: a line tagged ``[sqlite]`` or ``[postgres]`` applies on that store only,
+    one tagged ``flaky`` is expected to fail sometimes and never fails the run."""
+    known, flaky = {}, set()
     for line in path.read_text().splitlines():
         if not line.strip() or line.startswith("#"):
             continue
         pair, _, why = line.partition("  # ")
-        pair = pair.strip()
+        pair, tags = pair.strip(), set()
         if pair.endswith("]"):
-            pair, _, only = pair[:-1].rpartition(" [")
-            if store is not None and only != store:
-                continue
-        known[pair] = why.strip()
-    return known
+            pair, _, tag = pair[:-1].rpartition(" [")
+            tags = set(tag.split())
+        if store is not None and tags & set(STORES) and store not in tags:
+            continue
+        if "flaky" in tags:
+            flaky.add(pair)
+        else:
+            known[pair] = why.strip()
+    return known, flaky
 
 
 def lane_of(seed: int) -> tuple[str, str]:

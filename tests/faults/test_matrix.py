@@ -8,7 +8,9 @@ also allowed for a rejection), with no two bodies overlapping, the body's end re
 once, each effect and link callback at most once. Pairs listed in known_failing.txt must fail
 (strictly: one that passes fails the run, so the list only shrinks as fixes land).
 
-``FAULTS_SEED`` replays a run's lane; ``FAULTS_RECORD=1`` rewrites known_failing.txt.
+``FAULTS_SEED`` replays a run's lane; ``FAULTS_RECORD=1`` writes its failing pairs to
+known_failing.<store>.txt (merged by hand into known_failing.txt: tagged by store, and flaky
+where runs disagreed).
 """
 
 from __future__ import annotations
@@ -165,7 +167,7 @@ def test_every_fault_point_leaves_each_job_as_its_clean_run_left_it(
     main_url = postgres_url if store_kind == "postgres" else f"sqlite:///{tmp_path / 'faults.sqlite3'}"
     r = redis.Redis.from_url(redis_url)
     points, _ = matrix.read_points()
-    known = matrix.read_known_failing(store_kind)
+    known, flaky = matrix.read_known_failing(store_kind)
     lanes = {"main": Lane("main", pool, main_url, redis_url, tmp_path),
              "reject": Lane("reject", pool, mysql_url, redis_url, tmp_path)}
     started = time.monotonic()
@@ -241,8 +243,8 @@ def test_every_fault_point_leaves_each_job_as_its_clean_run_left_it(
         (p.kind, p.verb) for p in points}
     missing |= {("any", p.verb) for p in observed} - {("any", p.verb) for p in points}
     assert not missing, f"calls the fault matrix has no point for (add them to points.txt): {sorted(missing)}"
-    new = sorted(set(failures) - set(known))
-    fixed = sorted(set(known) - set(failures) - set(unreached))
+    new = sorted(set(failures) - set(known) - flaky)
+    fixed = sorted(set(known) - set(failures) - set(unreached) - flaky)
     assert not new, "pairs that break an invariant:\n" + "\n".join(f"{p}: {failures[p]}" for p in new)
     assert not fixed, ("pairs listed in known_failing.txt that pass now (remove them):\n"
                        + "\n".join(fixed))
