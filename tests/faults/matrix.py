@@ -37,7 +37,7 @@ BACKEND_VERBS = frozenset({"store_result", "get_state", "mark_as_retry", "mark_a
 POOLS = ("prefork", "threads")
 STORES = ("postgres", "sqlite")
 #: Seconds every job of the run has, after the last was published, to reach its final state.
-SETTLE_BOUND = 75.0
+SETTLE_BOUND = 100.0
 #: Lines for the end of the pytest run (tests/faults/conftest.py prints them).
 REPORT: list[str] = []
 

@@ -40,7 +40,7 @@ from tests.workers import beat, celery_processes, worker
 pytestmark = [pytest.mark.integration, pytest.mark.chaos, pytest.mark.slow]
 
 APP_FILE = Path(__file__).resolve().parents[1] / "apps" / "faults_app.py"
-CONCURRENCY = {"prefork": 3, "threads": 6}
+CONCURRENCY = {"prefork": 4, "threads": 6}
 
 
 class Lane:
