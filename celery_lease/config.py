@@ -130,6 +130,14 @@ def _basic_auth(value: Any) -> str | None:
     return value
 
 
+def _optional_import_path(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not re.match(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$", value):
+        raise ValueError
+    return value
+
+
 def _identifier(value: Any) -> str:
     if not isinstance(value, str) or not (value == "" or IDENTIFIER.match(value)):
         raise ValueError
@@ -303,6 +311,12 @@ SETTINGS: tuple[Setting, ...] = (
        "checkpoints are fenced there as in a worker. False: self.lease is a local handle whose effect "
        "keys are kept in this process (once per key within it) and whose locks are in-process locks.",
        _bool, "True or False", False),
+    # tests
+    _S("lease_fault_injector", None,
+       "'module:attr' of an object that tests hand every store engine (``engine_built(engine, store)``) "
+       "and every result-backend call of the library (``backend_call(verb, task_id)``) to inject "
+       "faults; None in production, where nothing is installed and nothing is asked.",
+       _optional_import_path, "None or a 'module:attr' import path", False),
     # resource locks
     _S("lease_lock_ttl", None,
        "Seconds a resource lock lasts without renewal (None: the lease's duration); at least two "

@@ -21,6 +21,7 @@ from celery.app.task import Context
 from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore, Reject
 
+from . import backend as results
 from . import messages
 from .backoff import store_retry_delay
 from .errors import StoreRejected, StoreUnavailable
@@ -209,7 +210,7 @@ def resume_post_run(task: Task, store: Store, worker: str, job: Any) -> tuple[bo
     if not _has_results(task):
         return False, None
     try:
-        state = task.backend.get_state(job.id)
+        state = results.of(task.app, task.backend).get_state(job.id)
     except Exception as exc:  # noqa: BLE001 - any backend failure: treat as an ordinary duplicate
         log.warning("job %s: result backend unreadable (%s); duplicate delivery skipped", job.id, exc)
         return False, None

@@ -27,6 +27,7 @@ from celery import Task, states
 from celery._state import _task_stack
 from celery.exceptions import Ignore, Reject, Retry, WorkerShutdown, WorkerTerminate
 
+from . import backend as results
 from . import deadline, deliveries, messages, publishing, runtime
 from .config import TaskPolicy, task_policy
 from .errors import LeaseLost, StoreRejected, StoreUnavailable
@@ -140,8 +141,8 @@ def _store_started(task: Any, request: Any, lease: Lease) -> None:
     if not task.lease_tracks_started or deliveries.ignores_result(task, request):
         return
     try:
-        task.backend.store_result(lease.job_id, {"pid": os.getpid(), "hostname": request.hostname},
-                                  states.STARTED, request=request)
+        results.of(task.app, task.backend).store_result(
+            lease.job_id, {"pid": os.getpid(), "hostname": request.hostname}, states.STARTED, request=request)
     except Exception as exc:  # noqa: BLE001 - any backend failure: the run goes on unreported
         log.warning("job %s [%s]: STARTED not stored (%s); the body runs", lease.job_id, lease.token[:8], exc,
                     extra={"action": "started_not_stored"})

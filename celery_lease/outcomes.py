@@ -16,6 +16,7 @@ from celery import signals
 from celery.app.task import Context
 from celery.utils.functional import maybe_list
 
+from . import backend as results
 from . import messages
 from .errors import JobDeadLettered, StoreCorrupt
 from .store import Job
@@ -57,7 +58,8 @@ def report_failure(app: Any, job: Job, reason: str) -> bool:
         request, args, kwargs = request_from(app, job)
         store_result = not (request.ignore_result or getattr(task, "ignore_result", False)) or bool(
             getattr(task, "store_errors_even_if_ignored", False))
-        backend.mark_as_failure(job.id, exc, traceback=None, request=request, store_result=store_result)
+        results.of(app, backend).mark_as_failure(job.id, exc, traceback=None, request=request,
+                                                 store_result=store_result)
         signals.task_failure.send(sender=task, task_id=job.id, exception=exc, args=args, kwargs=kwargs,
                                   traceback=None, einfo=None)
     except Exception as error:  # noqa: BLE001 - the dead letter stands; tell the operator, go on

@@ -15,6 +15,7 @@ from celery.exceptions import TimeLimitExceeded, WorkerLostError
 from celery.worker.request import Request
 from celery.worker.state import task_ready
 
+from . import backend as results
 from . import runtime
 from .config import app_config, check_recovery_bound, task_policy
 from .deliveries import StoreDown
@@ -81,8 +82,8 @@ class LeaseRequest(Request):
         """
         task_ready(self)
         if self.store_errors:
-            self.task.backend.mark_as_retry(self.id, exc, getattr(exc_info, "traceback", None),
-                                            request=self._context)
+            results.of(self.task.app, self.task.backend).mark_as_retry(
+                self.id, exc, getattr(exc_info, "traceback", None), request=self._context)
         if self.task.acks_late:
             self.acknowledge()
         self.send_event("task-retried", exception=repr(exc))

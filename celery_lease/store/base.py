@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import sqlalchemy as sa
+from kombu.utils.imports import symbol_by_name
 from sqlalchemy.engine import Connection, Engine
 
 from .. import config
@@ -61,13 +62,14 @@ class StoreBase:
                  stale_after: float | Callable[[], float] | None = None,
                  clock_tolerance: float | None = None,
                  claim_async_commit: bool | None = None, publish_async_commit: bool | None = None,
-                 clock_offset: float = 0.0) -> None:
+                 clock_offset: float = 0.0, fault_injector: str | None = None) -> None:
         """A store on ``url``; ``call_timeout`` bounds every call (seconds, see dialects.Bounds).
 
         The app-wide lease settings its statements apply (lease_reaper_hard_grace,
         lease_worker_stale_after, lease_clock_tolerance, lease_claim_async_commit,
         lease_publish_async_commit) default to
-        config.py's; ``from_config`` takes them from the app.
+        config.py's; ``from_config`` takes them from the app. ``fault_injector``
+        (lease_fault_injector) is handed each engine this store builds.
         """
         self.url = url
         self.hard_grace: float = _default("lease_reaper_hard_grace", hard_grace)
@@ -89,6 +91,7 @@ class StoreBase:
         self.long_bounds = dialects.Bounds(max(config.LONG_CALL_TIMEOUT, self.bounds.call))
         self.pool_size = pool_size or config.DEFAULT_POOL_SIZE
         self.engine_options = dict(_default("lease_store_engine_options", engine_options))
+        self.fault_injector = fault_injector
         self._engine: Engine | None = None
         self._pid = -1
         self._writer: threading.RLock | None = None  # per process, see _writer_turn
@@ -120,7 +123,8 @@ class StoreBase:
                    stale_after=stale_after if stale_after is not None else config.cfg_stale_after(cfg),
                    clock_tolerance=cfg.clock_tolerance,
                    claim_async_commit=cfg.claim_async_commit,
-                   publish_async_commit=cfg.publish_async_commit)
+                   publish_async_commit=cfg.publish_async_commit,
+                   fault_injector=cfg.fault_injector)
 
     # -- plumbing ---------------------------------------------------------
     @property
@@ -133,6 +137,8 @@ class StoreBase:
                         self._engine.dispose(close=False)
                     self._engine = self.dialect.create_engine(self.bounds, self.pool_size,
                                                               self.engine_options)
+                    if self.fault_injector is not None:
+                        symbol_by_name(self.fault_injector).engine_built(self._engine, self)
                     # A fork copies a lock as it was: one a parent thread held stays held.
                     self._writer = threading.RLock() if self.dialect.single_writer else None
                     self._pid = os.getpid()

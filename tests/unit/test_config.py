@@ -53,6 +53,7 @@ BAD_VALUES = {
     "lease_lock_timeout": -1,
     "lease_web_token": "",
     "lease_web_basic_auth": "admin",  # no password
+    "lease_fault_injector": "tests.faults.injector",  # no attribute after a colon
     "lease_web_show_arguments": "yes",
 }
 

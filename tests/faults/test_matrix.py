@@ -1,0 +1,250 @@
+"""The fault matrix: every (point x fault mode) pair, as jobs in shared real workers, settled and checked.
+
+Each job carries its scenario (run kind, the verb and ordinal of the call to fail, the mode);
+the workers' store and result-backend calls pass tests/faults/injector.py, which fails exactly
+that call as the driver would. A clean job of every kind runs beside them: each faulted job
+must end as the clean one of its kind did (store status, Celery state and result; ``failed``
+also allowed for a rejection), with no two bodies overlapping, the body's end reached at most
+once, each effect and link callback at most once. Pairs listed in known_failing.txt must fail
+(strictly: one that passes fails the run, so the list only shrinks as fixes land).
+
+``FAULTS_SEED`` replays a run's lane; ``FAULTS_RECORD=1`` writes its failing pairs to
+known_failing.<store>.txt (merged by hand into known_failing.txt: tagged by store, and flaky
+where runs disagreed).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import kombu
+import pytest
+import redis
+import sqlalchemy as sa
+
+from celery_lease.store import Store
+from tests.conftest import unique_prefix
+from tests.faults import injector, matrix
+from tests.faults.injector import REJECT_MODES
+from tests.faults.matrix import KINDS, Outcome, Point
+from tests.helpers import wait_for
+from tests.workers import beat, celery_processes, worker
+
+pytestmark = [pytest.mark.integration, pytest.mark.chaos, pytest.mark.slow]
+
+APP_FILE = Path(__file__).resolve().parents[1] / "apps" / "faults_app.py"
+CONCURRENCY = {"prefork": 4, "threads": 6}
+
+
+class Lane:
+    """A store, its worker and beat, and the test process's twin of their app (for publishing)."""
+
+    def __init__(self, name: str, pool: str, store_url: str, redis_url: str, log_dir: Path) -> None:
+        self.name, self.pool, self.store_url = name, pool, store_url
+        self.prefix, self.queue = unique_prefix(), f"faults_{uuid.uuid4().hex[:8]}"
+        self.env = {"FAULTS_BROKER": redis_url, "FAULTS_REDIS": redis_url, "FAULTS_STORE": store_url,
+                    "FAULTS_PREFIX": self.prefix, "FAULTS_QUEUE": self.queue}
+        self.store = Store(store_url, self.prefix)
+        self.store.migrate()
+        saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+        try:
+            spec = importlib.util.spec_from_file_location(f"faults_app_{name}", APP_FILE)
+            assert spec is not None and spec.loader is not None
+            self.mod: Any = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(self.mod)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        self.mod.app.conf.lease_fault_injector = None  # this process only publishes
+        self.log_dir = log_dir
+        self.jobs: dict[str, tuple[str, Point | None, str]] = {}  # job -> (kind, point, mode)
+        self.clean: dict[str, str] = {}  # kind -> job id of its clean run
+        self.duplicated: dict[str, float] = {}
+
+    def start(self, procs: list) -> None:
+        procs.append(worker("tests.apps.faults_app", self.env, self.log_dir, pool=self.pool,
+                            concurrency=CONCURRENCY[self.pool], queues=self.queue,
+                            name=f"faults-{self.name}"))
+        procs.append(beat("tests.apps.faults_app", self.env, self.log_dir, name=f"beat-{self.name}"))
+
+    def publish(self, r: redis.Redis, kind: str, point: Point | None, mode: str) -> str:
+        job = uuid.uuid4().hex
+        scenario = {"kind": kind, "verb": point.verb if point else None,
+                    "ordinal": point.ordinal if point else 0, "mode": mode}
+        r.set(f"faults:scenario:{job}", json.dumps(scenario), ex=3600)
+        options: dict[str, Any] = {"queue": self.queue}
+        if kind == "revoke":
+            options["countdown"] = 2
+        if kind == "duplicate":
+            options["link"] = self.mod.linked.s(job)
+        task = self.mod.tracked if kind == "started" else self.mod.run
+        task.apply_async((scenario,), task_id=job, **options)
+        if kind == "revoke":
+            self.mod.app.control.revoke(job)
+        self.jobs[job] = (kind, point, mode)
+        if mode == "clean":
+            self.clean[kind] = job
+        return job
+
+    def settle(self, r: redis.Redis, jobs: set[str]) -> set[str]:
+        """The jobs of ``jobs`` not final yet (one query and one MGET for all of them)."""
+        t = self.store.t.jobs
+        with self.store.begin(read=True) as c:
+            status = dict(c.execute(sa.select(t.c.id, t.c.status).where(t.c.id.in_(jobs))).all())
+        order = sorted(jobs)
+        metas = dict(zip(order, r.mget([f"celery-task-meta-{job}" for job in order]), strict=True))
+        return {job for job in jobs if not self._final(r, job, status.get(job), metas[job])}
+
+    def _final(self, r: redis.Redis, job: str, status: str | None, meta: bytes | None) -> bool:
+        kind = self.jobs[job][0]
+        if status not in ("completed", "failed"):
+            return False
+        state = json.loads(meta)["status"] if meta else "PENDING"
+        if state not in ("SUCCESS", "FAILURE", "REVOKED"):
+            return kind == "ignore"  # Ignore stores no state: the store's final status is the end
+        if kind == "duplicate":
+            if job not in self.duplicated:
+                # The result expired (or an rpc backend never kept it): a duplicate arrives.
+                r.delete(f"celery-task-meta-{job}")
+                self.mod.app.send_task("faults.run", args=(self.jobs_scenario(r, job),), task_id=job,
+                                       queue=self.queue, link=self.mod.linked.s(job))
+                self.duplicated[job] = time.monotonic()
+                return False
+            seen = {e["event"] for e in self.store.events(job)}
+            return bool(seen & {"duplicate_delivery_skipped", "post_run_resumed"})
+        return True
+
+    @staticmethod
+    def jobs_scenario(r: redis.Redis, job: str) -> dict:
+        return json.loads(r.get(f"faults:scenario:{job}"))
+
+    def close(self, r: redis.Redis, redis_url: str) -> None:
+        for job in self.jobs:
+            r.delete(*[f"faults:{name}:{job}" for name in ("scenario", "fired", "seen", "runs", "body",
+                                                           "linked", "outage", "effect:" + job + ":k1")],
+                     *[f"faults:calls:{job}:{verb}" for verb in injector.VERBS | matrix.BACKEND_VERBS],
+                     f"celery-task-meta-{job}")
+        with kombu.Connection(redis_url) as conn:
+            kombu.Queue(self.queue, channel=conn.default_channel).delete()
+        self.store.drop_schema()
+        self.store.engine.dispose()
+        self.mod.app.close()
+
+
+def _observed(lane: Lane, r: redis.Redis) -> set[Point]:
+    """The points the clean runs walked (heartbeat verbs: their first call only)."""
+    seen = set()
+    for kind, job in lane.clean.items():
+        for call in r.lrange(f"faults:seen:{job}", 0, -1):
+            verb, ordinal = call.decode().split("#")
+            if verb in matrix.PERIODIC_VERBS and int(ordinal) > 1:
+                continue
+            seen.add(Point(kind, verb, int(ordinal)))
+    return seen
+
+
+@pytest.fixture
+def seed() -> int:
+    value = int(os.environ.get("FAULTS_SEED") or random.SystemRandom().randrange(10_000))
+    matrix.REPORT.append(f"fault matrix seed {value} (FAULTS_SEED={value} replays its lane)")
+    return value
+
+
+def test_every_fault_point_leaves_each_job_as_its_clean_run_left_it(
+        seed, redis_url, postgres_url, mysql_url, tmp_path):
+    pool, store_kind = matrix.lane_of(seed)
+    main_url = postgres_url if store_kind == "postgres" else f"sqlite:///{tmp_path / 'faults.sqlite3'}"
+    r = redis.Redis.from_url(redis_url)
+    points, _ = matrix.read_points()
+    known, flaky = matrix.read_known_failing(store_kind)
+    lanes = {"main": Lane("main", pool, main_url, redis_url, tmp_path),
+             "reject": Lane("reject", pool, mysql_url, redis_url, tmp_path)}
+    started = time.monotonic()
+    try:
+        with celery_processes(tmp_path) as procs:
+            for lane in lanes.values():
+                lane.start(procs)
+            for lane in lanes.values():  # a revoke broadcast before a worker listens is lost
+                wait_for(lambda lane=lane: lane.mod.app.control.ping(timeout=0.5), timeout=60,
+                         message=f"the {lane.name} worker never answered a ping")
+            for lane in lanes.values():
+                for kind in KINDS:
+                    lane.publish(r, kind, None, "clean")
+            for point in points:
+                for mode in matrix.modes_of(point):
+                    lanes["reject" if mode in REJECT_MODES else "main"].publish(r, point.kind, point, mode)
+            published = time.monotonic()
+            pending = {name: set(lane.jobs) for name, lane in lanes.items()}
+            while any(pending.values()) and time.monotonic() - published < matrix.SETTLE_BOUND:
+                pending = {name: lanes[name].settle(r, jobs) if jobs else jobs
+                           for name, jobs in pending.items()}
+                time.sleep(0.5)
+            settle = time.monotonic() - published
+            failures, unreached, ran, jobs_of = {}, [], 0, {}
+            for lane in lanes.values():
+                cleans = {kind: Outcome.read(job, lane.store, lane.mod.app, r)
+                          for kind, job in lane.clean.items()}
+                clean_breaks = {kind: matrix.broken(clean, clean, "clean") for kind, clean in cleans.items()}
+                for kind, why in clean_breaks.items():
+                    if why:  # judged once, as the kind's clean run; its pairs are judged on the rest
+                        failures[f"{kind} clean_run#0 clean"] = "; ".join(why)
+                for job, (kind, point, mode) in lane.jobs.items():
+                    if point is None:
+                        continue
+                    ran += 1
+                    outcome = Outcome.read(job, lane.store, lane.mod.app, r)
+                    pair = matrix.pair_name(point, mode)
+                    why = [w for w in matrix.broken(outcome, cleans[kind], mode)
+                           if w not in clean_breaks[kind]]
+                    if outcome.fired is None:
+                        # The call was not made in this run (its ordinal depends on timing), or it
+                        # wrote nothing a rejection could refuse: no verdict.
+                        unreached.append(pair)
+                        continue
+                    if why:
+                        failures[pair], jobs_of[pair] = "; ".join(why), job
+            observed = set().union(*(_observed(lane, r) for lane in lanes.values()))
+    finally:
+        for lane in lanes.values():
+            lane.close(r, redis_url)
+    elapsed = time.monotonic() - started
+    modes = sorted({m for p in points for m in matrix.modes_of(p)})
+    matrix.REPORT.append(f"fault matrix: {len(points)} points, {len(modes)} modes, {ran} pairs run on "
+                         f"{pool}/{store_kind} "
+          f"(rejections on {pool}/mysql), seed {seed}; settle bound {matrix.SETTLE_BOUND:g}s, settled in "
+          f"{settle:.1f}s, {elapsed:.0f}s in all; {len(failures)} failing, {len(unreached)} not reached")
+    for pair in sorted(failures):
+        matrix.REPORT.append(f"  FAIL {pair}: {failures[pair]} [job {jobs_of.get(pair, '-')}]")
+    if os.environ.get("FAULTS_RECORD"):
+        matrix.KNOWN_FAILING.with_suffix(f".{store_kind}.txt").write_text(
+            "# Pairs of the fault matrix that fail on this commit: point, mode, the invariant broken.\n"
+            "# The matrix xfails them strictly; remove a line when its fix lands.\n"
+            + "".join(f"{pair}  # {why}\n" for pair, why in sorted(failures.items())))
+    if os.environ.get("FAULTS_RECORD") == "points":
+        offpath = [line for line in matrix.POINTS.read_text().splitlines() if line.startswith("offpath ")]
+        listed = sorted(observed | set(points))
+        matrix.POINTS.write_text(matrix.POINTS_HEADER + "".join(f"{p}\n" for p in listed)
+                                 + "".join(f"{line}\n" for line in offpath))
+    # Ordinals past the first may depend on timing; a (kind, verb) without any point is a new call.
+    # The heartbeat and the reaper call on their own clocks, in whichever kind runs then: a point
+    # of any kind covers their verb.
+    missing = {(p.kind, p.verb) for p in observed if p.verb not in matrix.PERIODIC_VERBS} - {
+        (p.kind, p.verb) for p in points}
+    missing |= {("any", p.verb) for p in observed} - {("any", p.verb) for p in points}
+    assert not missing, f"calls the fault matrix has no point for (add them to points.txt): {sorted(missing)}"
+    new = sorted(set(failures) - set(known) - flaky)
+    fixed = sorted(set(known) - set(failures) - set(unreached) - flaky)
+    assert not new, "pairs that break an invariant:\n" + "\n".join(f"{p}: {failures[p]}" for p in new)
+    assert not fixed, ("pairs listed in known_failing.txt that pass now (remove them):\n"
+                       + "\n".join(fixed))
