@@ -1,0 +1,104 @@
+"""Duplicates, replacements and revokes that lose nothing and redo nothing, against real workers.
+
+A Redis broker (db 13, shared; each test its own queue and key prefix), a PostgreSQL store
+(reached through a proxy the test can cut where the point needs an outage), real ``celery
+worker`` subprocesses (tests/apps/post_run_safety_app.py).
+"""
+
+from __future__ import annotations
+
+import uuid
+from urllib.parse import urlsplit
+
+import pytest
+import redis
+
+from celery_lease import messages
+from celery_lease.store import Store
+from tests.apps.post_run_safety_app import make_app
+from tests.conftest import unique_prefix
+from tests.helpers import wait_for
+from tests.tcp_proxy import TcpProxy
+from tests.workers import celery_processes, worker
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+REDIS_DB = 13
+APP = "tests.apps.post_run_safety_app"
+
+
+class Scene:
+    """One test's queue, key prefix, store and the environment its workers get."""
+
+    def __init__(self, redis_url: str, postgres_url: str) -> None:
+        self.broker = redis_url.rsplit("/", 1)[0] + f"/{REDIS_DB}"
+        self.reports = redis.Redis.from_url(self.broker, decode_responses=True)
+        self.prefix = unique_prefix()
+        self.queue = f"safety-{uuid.uuid4().hex[:8]}"
+        self.postgres_url = postgres_url
+        self.store = Store(postgres_url, self.prefix)
+        self.store.migrate()
+        self.proxies: list[TcpProxy] = []
+        self.apps: list = []
+
+    def env(self, backend: str, store_url: str | None = None) -> dict[str, str]:
+        return {"SAFETY_BROKER": self.broker, "SAFETY_BACKEND": backend,
+                "SAFETY_STORE": store_url or self.postgres_url, "SAFETY_PREFIX": self.prefix,
+                "SAFETY_QUEUE": self.queue}
+
+    def app(self, backend: str):
+        """The test process's twin of the workers' app, reaching PostgreSQL directly."""
+        app = make_app(self.env(backend))
+        self.apps.append(app)
+        return app
+
+    def proxied_store(self) -> tuple[TcpProxy, str]:
+        pg = urlsplit(self.postgres_url)
+        proxy = TcpProxy(pg.hostname or "127.0.0.1", pg.port or 5432).start()
+        self.proxies.append(proxy)
+        return proxy, self.postgres_url.replace(pg.netloc, f"{pg.username}@127.0.0.1:{proxy.port}")
+
+    def events(self, job_id: str) -> list[str]:
+        return [str(e["event"]) for e in self.store.events(job_id)]
+
+    def close(self) -> None:
+        for proxy in self.proxies:
+            proxy.cut()
+        for app in self.apps:
+            app.close()
+        self.store.drop_schema()
+        self.store.engine.dispose()
+        for key in self.reports.scan_iter(f"{self.prefix}*"):
+            self.reports.delete(key)
+        self.reports.delete(self.queue)
+        self.reports.close()
+
+
+@pytest.fixture
+def scene(redis_url, postgres_url):
+    scene = Scene(redis_url, postgres_url)
+    yield scene
+    scene.close()
+
+
+def test_a_duplicate_of_a_completed_job_with_the_rpc_backend_does_not_run_its_callbacks_again(
+        scene, tmp_path):
+    # Given a job completed with the tutorial's rpc:// backend, its link callback run once.
+    app = scene.app("rpc://")
+    with celery_processes(tmp_path) as procs:
+        procs.append(worker(APP, scene.env("rpc://"), tmp_path, pool="threads", concurrency=2,
+                            queues=scene.queue))
+        result = app.tasks["safety.total"].apply_async((4,), link=app.tasks["safety.callback"].s())
+        assert result.get(timeout=30) == 40
+        job_id = result.id
+        wait_for(lambda: scene.reports.get(f"{scene.prefix}:callback") == "1", timeout=20,
+                 message="the link callback never ran")
+        # When a duplicate of its message is delivered (the worker cannot read an rpc:// result).
+        messages.republish(app, job_id, scene.store.get(job_id).payload)
+        wait_for(lambda: {"duplicate_delivery_skipped", "post_run_resumed"} & set(scene.events(job_id)),
+                 timeout=30, message="the duplicate was never delivered")
+        # Then it is an ordinary skipped duplicate: no post-run work again, no callback again.
+        events = scene.events(job_id)
+        assert "post_run_resumed" not in events, events
+        assert scene.reports.get(f"{scene.prefix}:callback") == "1"
+        assert scene.reports.get(f"{scene.prefix}:runs:safety.total:{job_id}") == "1"
