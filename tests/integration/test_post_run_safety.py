@@ -7,6 +7,7 @@ worker`` subprocesses (tests/apps/post_run_safety_app.py).
 
 from __future__ import annotations
 
+import re
 import uuid
 from urllib.parse import urlsplit
 
@@ -102,3 +103,39 @@ def test_a_duplicate_of_a_completed_job_with_the_rpc_backend_does_not_run_its_ca
         assert "post_run_resumed" not in events, events
         assert scene.reports.get(f"{scene.prefix}:callback") == "1"
         assert scene.reports.get(f"{scene.prefix}:runs:safety.total:{job_id}") == "1"
+
+
+def scheduled_ids(app) -> set[str]:
+    """The ids of the ETA tasks every worker on this broker holds."""
+    replies = app.control.inspect(timeout=1.0).scheduled() or {}
+    return {entry["request"]["id"] for entries in replies.values() for entry in entries}
+
+
+def test_a_revoke_during_a_store_outage_cancels_the_job_once_the_store_answers(scene, tmp_path):
+    proxy, store_url = scene.proxied_store()
+    backend = scene.broker
+    app = scene.app(backend)
+    with celery_processes(tmp_path) as procs:
+        procs.append(worker(APP, scene.env(backend, store_url), tmp_path, pool="threads", concurrency=2,
+                            queues=scene.queue))
+        # Given a pending job whose message the worker holds until its ETA.
+        result = app.tasks["safety.add"].apply_async((1, 2), countdown=6)
+        job_id = result.id
+        wait_for(lambda: job_id in scheduled_ids(app), timeout=30, interval=0.2,
+                 message="the worker never received the job")
+        # When it is revoked while the store is unreachable (the worker discards it at its ETA).
+        proxy.cut()
+        app.control.revoke(job_id)
+        wait_for(lambda: result.state == "REVOKED", timeout=30, interval=0.1,
+                 message="the worker never discarded the revoked job")
+        # The worker's cancel has met the outage (it is logged: nothing else shows it).
+        wait_for(lambda: re.search(r"unreachable|StoreUnavailable",
+                                   procs[0].output().partition("Discarding revoked task")[2]),
+                 timeout=30, interval=0.1, message="the worker's cancel never met the outage")
+        assert scene.store.get(job_id).status == "pending"  # the store has not heard of it yet
+        proxy.start()
+        # Then the cancel reaches the store once it answers: the job never runs.
+        job = wait_for(lambda: (j := scene.store.get(job_id)) is not None and j.status == "failed" and j,
+                       timeout=20, interval=0.1, message="the revoke's cancel never reached the store")
+    assert job.last_error == "revoked (revoked)"
+    assert scene.reports.get(f"{scene.prefix}:runs:safety.add:{job_id}") is None
