@@ -5,18 +5,20 @@ Configured from the environment: SAFETY_BROKER (Redis db 13, also the reports), 
 cut), SAFETY_PREFIX (table prefix and report key prefix) and SAFETY_QUEUE. 2 s leases.
 
 Reports, under ``<prefix>:``: ``callback`` (link-callback calls), ``runs:<task>:<id>`` (bodies).
-``safety.replacer`` waits for ``<prefix>:go`` before it replaces itself with a chain.
+With SAFETY_KILL_BEFORE_STEP set, a worker SIGKILLs its whole process group the first time it
+is about to publish ``safety.add`` (the first step of ``safety.replacer``'s chain), once per test.
 """
 
 from __future__ import annotations
 
 import os
-import time
+import signal
 from collections.abc import Mapping
 from typing import Any
 
 import redis
 from celery import Celery, chain
+from celery.signals import before_task_publish
 
 from celery_lease import LeaseTask
 
@@ -27,7 +29,6 @@ DEFAULTS = {
     "SAFETY_PREFIX": "safety_",
     "SAFETY_QUEUE": "safety",
 }
-GATE_WAIT = 60.0  # seconds safety.replacer waits for its gate, at most
 
 
 def make_app(env: Mapping[str, str]) -> Celery:
@@ -64,10 +65,13 @@ def make_app(env: Mapping[str, str]) -> Celery:
     @app.task(base=LeaseTask, bind=True, shared=False, name="safety.replacer")
     def replacer(self: Any, x: int) -> Any:
         ran(self)
-        deadline = time.monotonic() + GATE_WAIT
-        while not reports.get(f"{prefix}:go") and time.monotonic() < deadline:
-            time.sleep(0.05)
         return self.replace(chain(add.s(x, 1), add.s(10)))
+
+    if env.get("SAFETY_KILL_BEFORE_STEP"):
+        @before_task_publish.connect(weak=False)
+        def die_before_step(sender: str | None = None, **_: Any) -> None:
+            if sender == "safety.add" and reports.set(f"{prefix}:killed", os.getpid(), nx=True):
+                os.killpg(os.getpgid(0), signal.SIGKILL)
 
     return app
 

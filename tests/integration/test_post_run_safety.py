@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from celery_lease import messages
+from celery_lease.reaper import Reaper
 from celery_lease.store import Store
 from tests.apps.post_run_safety_app import make_app
 from tests.conftest import unique_prefix
@@ -139,3 +140,30 @@ def test_a_revoke_during_a_store_outage_cancels_the_job_once_the_store_answers(s
                        timeout=20, interval=0.1, message="the revoke's cancel never reached the store")
     assert job.last_error == "revoked (revoked)"
     assert scene.reports.get(f"{scene.prefix}:runs:safety.add:{job_id}") is None
+
+
+def test_a_worker_killed_while_a_job_replaces_itself_with_a_chain_loses_nothing(scene, tmp_path):
+    # Given a job that replaces itself with chain(add(1, 1), add(10)), acks_late off, and a
+    # worker that dies just before it publishes the chain's first step.
+    backend = scene.broker
+    app = scene.app(backend)
+    with celery_processes(tmp_path) as procs:
+        procs.append(worker(APP, {**scene.env(backend), "SAFETY_KILL_BEFORE_STEP": "1"}, tmp_path,
+                            pool="threads", queues=scene.queue, name="dies"))
+        result = app.tasks["safety.replacer"].delay(1)
+        job_id = result.id
+        wait_for(lambda: procs[0].popen.poll() is not None, timeout=30, message="the worker never died")
+        assert scene.reports.get(f"{scene.prefix}:killed")
+        # When another worker and the reaper take over.
+        procs.append(worker(APP, scene.env(backend), tmp_path, pool="threads", queues=scene.queue,
+                            name="heir"))
+        reaper = Reaper(app)
+
+        def finished() -> bool:
+            reaper.run_once()
+            job = scene.store.get(job_id)
+            return job is not None and job.status == "completed"
+
+        # Then the job still ends: its chain ran and the carrier's result is the job's.
+        wait_for(finished, timeout=40, interval=0.5, message="the replaced job was lost")
+        assert result.get(timeout=20) == 12
