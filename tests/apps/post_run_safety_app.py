@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -61,6 +62,11 @@ def make_app(env: Mapping[str, str]) -> Celery:
     def add(self: Any, x: int, y: int) -> int:
         ran(self)
         return x + y
+
+    @app.task(base=LeaseTask, bind=True, shared=False, name="safety.sleeper")
+    def sleeper(self: Any, seconds: float) -> None:
+        ran(self)
+        time.sleep(seconds)
 
     @app.task(base=LeaseTask, bind=True, shared=False, name="safety.replacer")
     def replacer(self: Any, x: int) -> Any:

@@ -119,8 +119,9 @@ def test_a_revoke_during_a_store_outage_cancels_the_job_once_the_store_answers(s
     with celery_processes(tmp_path) as procs:
         procs.append(worker(APP, scene.env(backend, store_url), tmp_path, pool="threads", concurrency=2,
                             queues=scene.queue))
+        wait_for(lambda: " ready." in procs[0].output(), timeout=30, message="the worker never started")
         # Given a pending job whose message the worker holds until its ETA.
-        result = app.tasks["safety.add"].apply_async((1, 2), countdown=6)
+        result = app.tasks["safety.add"].apply_async((1, 2), countdown=10)
         job_id = result.id
         wait_for(lambda: job_id in scheduled_ids(app), timeout=30, interval=0.2,
                  message="the worker never received the job")
@@ -167,3 +168,40 @@ def test_a_worker_killed_while_a_job_replaces_itself_with_a_chain_loses_nothing(
         # Then the job still ends: its chain ran and the carrier's result is the job's.
         wait_for(finished, timeout=40, interval=0.5, message="the replaced job was lost")
         assert result.get(timeout=20) == 12
+
+
+def test_a_terminating_revoke_during_a_store_outage_cancels_the_running_job_once_the_store_answers(
+        scene, tmp_path):
+    proxy, store_url = scene.proxied_store()
+    backend = scene.broker
+    app = scene.app(backend)
+    with celery_processes(tmp_path) as procs:
+        procs.append(worker(APP, scene.env(backend, store_url), tmp_path, pool="prefork",
+                            queues=scene.queue))
+        # Given a job running in a prefork child.
+        result = app.tasks["safety.sleeper"].delay(30)
+        job_id = result.id
+        wait_for(lambda: scene.reports.get(f"{scene.prefix}:runs:safety.sleeper:{job_id}"), timeout=30,
+                 message="the job never started")
+        # When it is revoked with terminate=True while the store is unreachable.
+        proxy.cut()
+        app.control.revoke(job_id, terminate=True)
+        # Celery stores REVOKED after the worker tried its cancel and signalled the child.
+        wait_for(lambda: result.state == "REVOKED", timeout=30, interval=0.1,
+                 message="the worker never terminated the run")
+        assert scene.store.get(job_id).status == "running"  # the store has not heard of it yet
+        proxy.start()
+        reaper = Reaper(app)
+
+        def settled():
+            reaper.run_once()
+            job = scene.store.get(job_id)
+            return job.status == "failed" and job
+
+        # Then the cancel reaches the store once it answers: the job is not run again.
+        job = wait_for(settled, timeout=20, interval=0.2, message="the terminating revoke's cancel was lost")
+    # The terminating revoke's own cancel, not a later delivery the worker happened to still
+    # know as revoked: the job never went back to its queue, so no worker can run it again.
+    assert job.last_error == "revoked (terminated)"
+    assert "requeued" not in scene.events(job_id), scene.events(job_id)
+    assert scene.reports.get(f"{scene.prefix}:runs:safety.sleeper:{job_id}") == "1"
