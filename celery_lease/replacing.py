@@ -124,7 +124,9 @@ def record_step(store: Store, job_id: str, task_name: str, queue: str | None, pa
                 raise Ignore()
         lease.handed_over = True
         if done:
-            return True, job_id
+            # Not "created": a failed send must not forget the step's row, which now carries the
+            # job (the dispatch scan sends it).
+            return False, job_id
     return store.record(job_id, task_name, queue, payload, max_attempts, idempotency_key, delay,
                         recovery=recovery, reopen=reopen)
 
