@@ -24,7 +24,7 @@ from celery import bootsteps
 from celery.utils.nodenames import gethostname
 
 from .config import app_config, task_policy
-from .errors import StoreUnavailable
+from .errors import StoreRejected, StoreUnavailable
 from .heartbeat import worker_id
 
 __all__ = ["VisibilityStep", "VisibilityKeeper", "Held", "RedisExtender", "SQSExtender", "extender_for",
@@ -80,11 +80,17 @@ class RedisExtender:
 
 
 class SQSExtender:
-    """``ChangeMessageVisibilityBatch`` with each held message's receipt handle."""
+    """``ChangeMessageVisibilityBatch`` with each held message's receipt handle.
+
+    SQS refuses a handle whose message is gone (deleted through an older receipt of the same
+    message, by a worker whose lease had ended); the refusal is logged once per handle, not
+    every round while the worker still holds it.
+    """
 
     def __init__(self, channel: Any) -> None:
         self.channel = channel
         self.visibility_timeout = float(channel.visibility_timeout)
+        self._refused: set[str] = set()
 
     def extend(self, held: Sequence[Held]) -> int:
         batches: dict[tuple[str | None, str], list[str]] = {}
@@ -95,7 +101,7 @@ class SQSExtender:
             routing_key = h.delivery_info.get("routing_key")
             queue = self.channel.canonical_queue_name(routing_key) if routing_key else None
             batches.setdefault((queue, url), []).append(sqs_message["ReceiptHandle"])
-        changed = 0
+        changed, refused = 0, set[str]()
         for (queue, url), handles in batches.items():
             for start in range(0, len(handles), SQS_BATCH):
                 seconds = int(self.visibility_timeout)
@@ -105,9 +111,13 @@ class SQSExtender:
                     QueueUrl=url, Entries=entries)
                 changed += len(reply.get("Successful", ()))
                 for failed in reply.get("Failed", ()):
-                    log.warning("SQS refused to extend the visibility of a message on %s: %s", url,
-                                failed.get("Message") or failed.get("Code"),
-                                extra={"action": "visibility_refused"})
+                    handle = str(entries[int(failed["Id"])]["ReceiptHandle"])
+                    refused.add(handle)
+                    log.log(logging.DEBUG if handle in self._refused else logging.WARNING,
+                            "SQS refused to extend the visibility of a message on %s: %s", url,
+                            failed.get("Message") or failed.get("Code"),
+                            extra={"action": "visibility_refused"})
+        self._refused = refused  # only the handles still held and still refused
         return changed
 
 
@@ -236,7 +246,7 @@ class VisibilityKeeper:
         try:
             store = self.store or for_app(self.app, check=False)
             owners = store.leases_alive([h.job_id for h in leased])
-        except StoreUnavailable as exc:
+        except (StoreUnavailable, StoreRejected) as exc:
             log.warning("visibility refresh cannot reach the lease store (%s); trusting leases seen "
                         "within their duration", exc, extra={"action": "visibility_store_unavailable"})
             return {h.job_id for h in leased if now - self._confirmed.get(h.job_id, -1e18) < h.duration}

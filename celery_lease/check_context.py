@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import brokers
 from .config import AppConfig, TaskPolicy, task_policy
-from .errors import LeaseConfigError, SchemaMismatch, StoreUnavailable
+from .errors import LeaseConfigError, SchemaMismatch, StoreRejected, StoreUnavailable
 from .vocabulary import RECOVERIES
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ class Context:
             return None
         try:
             pools = self.store.worker_pools()
-        except StoreUnavailable:
+        except (StoreUnavailable, StoreRejected):
             return None
         return max(pools, key=lambda name: pools[name]) if pools else None
 
@@ -131,7 +131,7 @@ class Context:
                 self.schema_problem = str(exc)
                 return "not migrated"
             self.facts = self.store.check_facts()
-        except StoreUnavailable as exc:
+        except (StoreUnavailable, StoreRejected) as exc:
             return str(exc)
         return None
 
@@ -141,7 +141,7 @@ class Context:
             return {}
         try:
             return {t.name: [r[0] for r in self.store.runtime_sample(t.name)] for t in self.tasks}
-        except StoreUnavailable:
+        except (StoreUnavailable, StoreRejected):
             return {}  # the store went away after answering: check_store already said what it could
 
     def p99(self, task: Any) -> float | None:

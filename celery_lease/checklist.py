@@ -14,7 +14,7 @@ from typing import Any
 
 from .check_context import ERROR, OK, RECOVERY_EVENTS, WARNING, Context, Finding, ok_unless, percentile
 from .config import SCRAPE_FRESH
-from .errors import StoreUnavailable
+from .errors import StoreRejected, StoreUnavailable
 from .store.runs import EXPORTER_SCRAPE
 
 __all__ = ["checklist_rules"]
@@ -195,7 +195,7 @@ def _dashboards(ctx: Context) -> Iterator[Finding]:
             "celery_lease/contrib/grafana/celery_lease.json")
     try:
         seen = ctx.store.meta_age(EXPORTER_SCRAPE)
-    except StoreUnavailable:
+    except (StoreUnavailable, StoreRejected):
         return
     if seen is None:
         yield Finding(WARNING, "dashboards", (), {"revision": ctx.revision},
@@ -223,7 +223,7 @@ def _crash_tested(ctx: Context) -> Iterator[Finding]:
         return
     try:
         counts = ctx.store.event_counts(RECOVERY_EVENTS)
-    except StoreUnavailable:
+    except (StoreUnavailable, StoreRejected):
         return
     if any(counts.values()):
         yield Finding(OK, "crash_tested", (), {"recoveries": counts},

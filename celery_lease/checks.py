@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from .check_context import ERROR, OK, WARNING, Context, Finding, Rule, ok_unless
-from .config import app_config, task_options
+from .config import app_config, fix_for, problems_of, task_options
 from .errors import LeaseConfigError
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ def check_policies(ctx: Context) -> Iterator[Finding]:
     for name, exc in ctx.policy_errors.items():
         code = "heartbeat_vs_lease" if exc.setting == "lease_heartbeat_interval" else "config_invalid"
         yield Finding(ERROR, code, (exc.setting,), {"task": name, exc.setting: exc.value},
-                      f"task {name}: {exc}", _config_fix(exc))
+                      f"task {name}: {exc}", fix_for(exc))
     ratios = {n: round(p.duration / p.heartbeat_interval, 2) for n, p in ctx.policies.items()}
     if not ctx.policy_errors:
         yield Finding(OK, "heartbeat_vs_lease", ("lease_heartbeat_interval", "lease_duration"),
@@ -117,12 +117,6 @@ def _unenforced_limits(ctx: Context) -> Iterator[Finding]:
             f"task {task.name}: the {ctx.pool} pool does not enforce time limits; {what}",
             f"set lease_max_runtime for {task.name} (past it the lease is lost and the body gets LeaseLost), "
             "or run it in the prefork or gevent pool")
-
-
-def _config_fix(exc: LeaseConfigError) -> str:
-    if exc.setting == "lease_heartbeat_interval":
-        return "lower lease_heartbeat_interval to at most a third of lease_duration, or lengthen the lease"
-    return f"set {exc.setting} to {exc.rule.removeprefix('must be ')}"
 
 
 # -- the worker -------------------------------------------------------------------
@@ -237,6 +231,10 @@ RULES: tuple[Rule, ...] = (check_policies, check_grace, check_time_limits, check
                            check_reaper, check_store, check_broker, check_checklist)
 
 
+def _config_code(problem: LeaseConfigError) -> str:
+    return "heartbeat_vs_lease" if problem.setting == "lease_heartbeat_interval" else "config_invalid"
+
+
 def run_checks(app: Any, store: ReportStore | None = None, pool: str | None = None) -> list[Finding]:
     """Every finding for an app: its config, its tasks, its broker and its store.
 
@@ -245,8 +243,9 @@ def run_checks(app: Any, store: ReportStore | None = None, pool: str | None = No
     try:
         cfg = app_config(app)
     except LeaseConfigError as exc:
-        code = "heartbeat_vs_lease" if exc.setting == "lease_heartbeat_interval" else "config_invalid"
-        return [Finding(ERROR, code, (exc.setting,), {exc.setting: exc.value}, str(exc), _config_fix(exc))]
+        # Every problem at once, each named as the configuration spells it, with its own fix.
+        return [Finding(ERROR, _config_code(p), (p.setting,), {p.setting: p.value}, str(p), fix_for(p))
+                for p in problems_of(exc)]
     if store is None:
         from .store import for_app
 

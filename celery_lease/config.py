@@ -10,11 +10,12 @@ the rule. Defaults live here and nowhere else.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .errors import LeaseConfigError
+from .errors import LeaseConfigError, LeaseConfigErrors
 from .masking import MASK
 
 __all__ = ["SETTINGS", "Setting", "AppConfig", "TaskPolicy", "app_config", "task_policy", "shortest_lease",
@@ -214,10 +215,13 @@ SETTINGS: tuple[Setting, ...] = (
     _S("lease_dead_letter_queue", None,
        "Queue that receives the message of a dead-lettered job (None: keep it in the store only).",
        _optional_queue, "None or a queue name", True),
-    _S("lease_claim_async_commit", True,
-       "PostgreSQL: commit a claim without waiting for its WAL flush. A server crash may then undo "
-       "a claim made in its last moments; that run meets a lost lease, fenced like any other. "
-       "False waits for the flush (about 5% fewer 10 ms tasks per second).",
+    _S("lease_claim_async_commit", False,
+       "PostgreSQL, opt-in: commit a claim without waiting for its WAL flush. A server crash may then "
+       "undo a claim made in its last moments: the job is pending again, another delivery (a duplicate, "
+       "a redelivery, the dispatch scan) claims it, and the first run goes on beside the second until "
+       "its first heartbeat after the restart finds the lease lost (at worst until its local deadline): "
+       "two owners. A synchronous standby does not wait for such a claim either, so a failover can lose "
+       "it the same way. False waits for the flush (about 5% fewer 10 ms tasks per second).",
        _bool, "True or False", False),
     _S("lease_publish_async_commit", False,
        "PostgreSQL: commit a publish's record (job, key, event) without waiting for its WAL flush. "
@@ -300,9 +304,12 @@ SETTINGS: tuple[Setting, ...] = (
        "keys are kept in this process (once per key within it) and whose locks are in-process locks.",
        _bool, "True or False", False),
     # resource locks
-    _S("lease_lock_ttl", 30.0,
-       "Seconds a resource lock lasts without renewal.",
-       _number(0, strict=True), "a number of seconds > 0", True),
+    _S("lease_lock_ttl", None,
+       "Seconds a resource lock lasts without renewal (None: the lease's duration); at least two "
+       "heartbeat intervals. Its holder stops trusting it, and the job its lease, at a local deadline "
+       "before the store's expiry (the last confirmed renewal's send time + this - the safety margin), "
+       "whether or not the store answers.",
+       _number(0, strict=True, allow_none=True), "None or a number of seconds > 0", True),
     _S("lease_lock_timeout", 10.0,
        "Seconds lock() waits for a held resource before LockUnavailable.",
        _number(0), "a number of seconds >= 0", True),
@@ -313,13 +320,65 @@ SECRETS = ("lease_web_token", "lease_web_basic_auth")
 PER_TASK = tuple(s.name for s in SETTINGS if s.per_task)
 
 
+UNKNOWN = "unknown celery_lease setting"  # the rule of a misspelled or made-up setting
+
+
+def written_as(name: str, namespace: str | None) -> str:
+    """A setting's name as a user of this namespace writes it (Django: ``CELERY_LEASE_DURATION``)."""
+    return f"{namespace}_{name}".upper() if namespace else name
+
+
+def closest(written: str, namespace: str | None = None) -> str | None:
+    """The valid setting closest to a misspelled one, written the same way; None when none is close."""
+    name = written[len(namespace) + 1:].lower() if namespace else written
+    # Compared without the "lease_" every name shares, which would make any two look alike.
+    bare = {setting[len("lease_"):]: setting for setting in BY_NAME}
+    match = difflib.get_close_matches(name.removeprefix("lease_"), bare, n=1, cutoff=0.75)
+    return written_as(bare[match[0]], namespace) if match else None
+
+
+def fix_for(problem: LeaseConfigError) -> str:
+    """One line that says what to change for a config problem (``lease check``, Django's checks)."""
+    if problem.rule == UNKNOWN:
+        suggestion = closest(problem.setting, _namespace_of(problem.setting))
+        if suggestion:
+            return f"rename {problem.setting} to {suggestion}"
+        return f"remove {problem.setting}: no celery_lease setting has that name"
+    if problem.setting == "lease_heartbeat_interval":
+        return "lower lease_heartbeat_interval to at most a third of lease_duration, or lengthen the lease"
+    return f"set {problem.setting} to {problem.rule.removeprefix('must be ')}"
+
+
+def _namespace_of(written: str) -> str | None:
+    head, sep, _ = written.partition("_LEASE_")
+    return head if sep and written.isupper() else None
+
+
+def problems_of(error: LeaseConfigError) -> tuple[LeaseConfigError, ...]:
+    """Each problem an error reports: its ``problems`` when it lists several, else itself."""
+    return error.problems if isinstance(error, LeaseConfigErrors) else (error,)
+
+
+def raise_all(problems: Sequence[LeaseConfigError]) -> None:
+    """Raise every problem at once: the one error, or a LeaseConfigErrors listing them all."""
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:
+        raise LeaseConfigErrors(problems)
+
+
+def _unknown(written: str, value: Any, namespace: str | None = None) -> LeaseConfigError:
+    suggestion = closest(written, namespace)
+    if suggestion:
+        return LeaseConfigError(written, value, UNKNOWN, f"Did you mean {suggestion}?")
+    valid = ", ".join(written_as(name, namespace) for name in sorted(BY_NAME))
+    return LeaseConfigError(written, value, UNKNOWN, f"Valid settings: {valid}")
+
+
 def _validate(name: str, value: Any, source: str = "") -> Any:
     setting = BY_NAME.get(name)
     if setting is None:
-        raise LeaseConfigError(
-            name, value, "unknown celery_lease setting",
-            "Valid settings: " + ", ".join(sorted(BY_NAME)),
-        )
+        raise _unknown(name, value)
     try:
         return setting.check(value)
     except (ValueError, TypeError):
@@ -328,30 +387,44 @@ def _validate(name: str, value: Any, source: str = "") -> Any:
 
 
 def _cross_check(values: Mapping[str, Any], where: str = "") -> None:
+    raise_all(_cross_problems(values, where))
+
+
+def _cross_problems(values: Mapping[str, Any], where: str = "") -> list[LeaseConfigError]:
+    """Every rule between two settings that ``values`` breaks."""
+    problems = []
     duration, interval = values["lease_duration"], values["lease_heartbeat_interval"]
     if interval > duration / 3:
-        raise LeaseConfigError(
+        problems.append(LeaseConfigError(
             "lease_heartbeat_interval", interval,
             f"must be at most a third of lease_duration ({duration:g}s){where}",
             "Lower the interval or lengthen the lease so two heartbeats can fail before it expires.",
-        )
+        ))
     if "lease_idempotency_retention" in values and (
             values["lease_idempotency_retention"] < values["lease_retention"]):
-        raise LeaseConfigError(
+        problems.append(LeaseConfigError(
             "lease_idempotency_retention", values["lease_idempotency_retention"],
             f"must be at least lease_retention ({values['lease_retention']:g}s){where}",
             "A key must outlive its job, or a pruned job's key would publish the job again.",
-        )
+        ))
     if values["lease_store_retry_max"] < values["lease_store_retry_delay"]:
-        raise LeaseConfigError(
+        problems.append(LeaseConfigError(
             "lease_store_retry_max", values["lease_store_retry_max"],
             f"must be >= lease_store_retry_delay ({values['lease_store_retry_delay']:g}){where}",
-        )
+        ))
+    lock_ttl = values.get("lease_lock_ttl")
+    if lock_ttl is not None and lock_ttl < 2 * interval:
+        problems.append(LeaseConfigError(
+            "lease_lock_ttl", lock_ttl,
+            f"must be at least two heartbeat intervals ({2 * interval:g}s){where}",
+            "Renewed every interval, a shorter lock would pass its deadline before its next renewal lands.",
+        ))
     if values["lease_backoff_max"] < values["lease_backoff_base"]:
-        raise LeaseConfigError(
+        problems.append(LeaseConfigError(
             "lease_backoff_max", values["lease_backoff_max"],
             f"must be >= lease_backoff_base ({values['lease_backoff_base']:g}){where}",
-        )
+        ))
+    return problems
 
 
 # The per-task options written on each job row, so any reaper applies the task's own policy.
@@ -378,7 +451,7 @@ class TaskPolicy:
     backoff_jitter: bool
     dead_letter_queue: str | None
     dispatch_timeout: float
-    lock_ttl: float
+    lock_ttl: float | None
     lock_timeout: float
 
     def as_settings(self) -> dict[str, Any]:
@@ -433,6 +506,12 @@ def shortest_lease(cfg: AppConfig, tasks: Any = ()) -> float:
     return min(durations)
 
 
+def _written(conf: Any, name: str, namespace: str | None) -> str:
+    """How the configuration spells a setting it sets (its lease name when it does not set it)."""
+    spelled = written_as(name, namespace)
+    return spelled if namespace and spelled in conf.keys() else name
+
+
 def _read(conf: Any, name: str, namespace: str | None) -> Any:
     if name in conf:
         return conf[name]
@@ -444,16 +523,32 @@ def _read(conf: Any, name: str, namespace: str | None) -> Any:
 
 
 def load(conf: Mapping[str, Any], namespace: str | None = None) -> AppConfig:
-    """Validate a Celery configuration's ``lease_*`` settings into an AppConfig."""
+    """Validate a Celery configuration's ``lease_*`` settings into an AppConfig.
+
+    Every problem is reported at once (LeaseConfigErrors when there are several), each
+    naming the setting as the configuration spells it (``CELERY_LEASE_DURATON`` under
+    Django's namespace) and a misspelled one the closest valid name.
+    """
     prefix = f"{namespace}_lease_".upper() if namespace else None
+    problems: dict[str, LeaseConfigError] = {}
     for key in list(conf.keys()):
         if not isinstance(key, str):
             continue
         if key.startswith("lease_") or (prefix and key.startswith(prefix)):
             name = key if key.startswith("lease_") else key[len(namespace or "") + 1:].lower()
-            _validate(name, conf[key])
-    values = {s.name: _validate(s.name, _read(conf, s.name, namespace)) for s in SETTINGS}
-    _cross_check(values)
+            if name not in BY_NAME:
+                problems[key] = _unknown(key, conf[key], namespace if key != name else None)
+    values = {}
+    for setting in SETTINGS:
+        written = _written(conf, setting.name, namespace)
+        try:
+            values[setting.name] = _validate(setting.name, _read(conf, setting.name, namespace),
+                                             f"Set as {written}" if written != setting.name else "")
+        except LeaseConfigError as problem:
+            problems[setting.name] = problem
+    if not problems:
+        problems.update((p.setting, p) for p in _cross_problems(values))
+    raise_all(list(problems.values()))
     for queue, options in values["lease_queue_policies"].items():
         if not isinstance(options, Mapping):
             raise LeaseConfigError(

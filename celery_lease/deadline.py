@@ -12,6 +12,9 @@ worker calls its lease lost at::
 
 which is, for any statement time and any rate within DRIFT, before the store can see the
 lease expired (see README, "One live owner"). Nothing here waits on the store.
+
+A resource lock gets the same deadline with its TTL for the duration. The store lets another
+job take a lock at its expiry itself (no grace), which the inequality covers with grace 0.
 """
 
 from __future__ import annotations

@@ -25,12 +25,12 @@ from celery.exceptions import Ignore, Reject
 
 from . import messages
 from .backoff import store_retry_delay
-from .errors import StoreUnavailable
+from .errors import StoreRejected, StoreUnavailable
 from .store import Store
 from .vocabulary import ClaimOutcome, Event
 
-__all__ = ["fail_closed", "defer_early", "skip_duplicate", "ignores_result", "keepable_result", "resumed",
-           "resume_post_run", "store_retries", "forget_store_retries", "FailedClosed",
+__all__ = ["send_again", "fail_closed", "defer_early", "skip_duplicate", "ignores_result", "keepable_result",
+           "resumed", "resume_post_run", "store_retries", "forget_store_retries", "FailedClosed",
            "FailedClosedRequeued", "StoreDown", "STORE_RETRIES_HEADER"]
 
 log = logging.getLogger(__name__)
@@ -86,6 +86,11 @@ def _send_again(task: Task, countdown: float, why: str, headers: dict[str, Any] 
         raise requeued(why, requeue=True) from publish_error
 
 
+def send_again(task: Task, why: str) -> None:
+    """Send this delivery's message again now (Reject with requeue when the broker refuses it)."""
+    _send_again(task, 0.0, why)
+
+
 def fail_closed(task: Task, base: float, cap: float, exc: StoreUnavailable, rng: Any = random) -> NoReturn:
     """The store is down: send the message again later, each time later, and do not run the body."""
     request = task.request
@@ -123,7 +128,7 @@ def _defer_if_owner_may_be_finishing(task: Task, store: Store, worker: str, job:
         return
     try:
         now = store.now()
-    except StoreUnavailable:
+    except (StoreUnavailable, StoreRejected):
         now = completed_at  # the store's clock is out of reach: look again after a whole lease
     wait = completed_at + settle - now
     if wait <= 0:
@@ -144,7 +149,7 @@ def _audit(store: Store, job_id: str, event: Event, reason: str, worker: str, de
     """
     try:
         store.event(job_id, event, reason, worker, detail=detail)
-    except StoreUnavailable as exc:
+    except (StoreUnavailable, StoreRejected) as exc:
         log.warning("job %s: audit event %s not written (%s)", job_id, event, exc)
 
 

@@ -9,6 +9,11 @@ drop it. Compose the two instead, and make the result the app's ``task_cls``::
 ``LeaseDjangoTask`` needs Celery >= 5.4 (where DjangoTask exists); importing it on an
 older Celery raises ImportError saying so. ``lease_task_class(MyTask)`` composes
 LeaseTask with any other custom task class the same way.
+
+``self.lease.effect(key, using="default")`` (or ``connection=django.db.connection``) writes
+the effect key on that Django connection, inside its current ``transaction.atomic()``: the
+key and the ORM writes commit or roll back together, in a worker and in eager mode alike.
+``connection_for(alias)`` is the connection it takes.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import Any
 
 from .task import LeaseTask
 
-__all__ = ["LeaseDjangoTask", "lease_task_class"]  # noqa: F822 - LeaseDjangoTask is built on first use
+__all__ = ["LeaseDjangoTask", "lease_task_class", "connection_for"]  # noqa: F822 - LeaseDjangoTask is built on first use
 
 
 def lease_task_class(base: type[Any], name: str | None = None) -> type[LeaseTask]:
@@ -25,6 +30,15 @@ def lease_task_class(base: type[Any], name: str | None = None) -> type[LeaseTask
     if issubclass(base, LeaseTask):
         return base
     return type(name or f"Lease{base.__name__}", (LeaseTask, base), {"__module__": base.__module__})
+
+
+def connection_for(using: str) -> Any:
+    """This thread's Django connection for database alias ``using`` (``connections[using]``)."""
+    try:
+        from django.db import connections
+    except ImportError as exc:
+        raise ImportError("effect(using=...) names a Django database: pip install django") from exc
+    return connections[using]
 
 
 def __getattr__(name: str) -> Any:

@@ -9,7 +9,9 @@ transaction and commits or rolls back with the business write.
 
 ``lock(lease, resource)`` leases a business resource under its own token; this
 process's runtime renews every held lock in one statement after each heartbeat and
-releases the locks of a lost lease (and stops renewing those of an overrun one).
+releases the locks of a lost lease (and stops renewing those of an overrun one). Like
+the lease, a lock has a local deadline (deadline.py): past it the holder stops trusting
+the lock, and the body its lease, without waiting for the store to say so.
 ``advance`` moves a column forward only (a replay changes nothing).
 """
 
@@ -27,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from .errors import LeaseConfigError, LeaseError, LeaseLost, LockUnavailable, StoreUnavailable
+from . import deadline
+from .errors import LeaseConfigError, LeaseError, LeaseLost, LockUnavailable, StoreRejected, StoreUnavailable
 from .store import schema
 from .store.effects import advance_statement
 from .vocabulary import EffectOutcome, Event
@@ -61,7 +64,8 @@ def effect(lease: Lease, key: str, connection: Connection | None = None) -> Iter
     lease.check()
     store = lease.store
     if connection is None:
-        outcome = store.record_effect(key, lease.job_id, lease.token, lease.worker)
+        # An unreachable store is waited for until the local deadline, then LeaseLost.
+        outcome = lease.patiently(lambda: store.record_effect(key, lease.job_id, lease.token, lease.worker))
     else:
         outcome = store.record_effect_in(connection, key, lease.job_id, lease.token, lease.worker)
     if outcome == EffectOutcome.LOST:
@@ -84,14 +88,14 @@ def _take_back(lease: Lease, key: str, connection: Connection | None, exc: BaseE
     if connection is not None:
         try:
             lease.store.unrecord_effect_in(connection, key, lease.job_id)
-        except StoreUnavailable as error:
+        except (StoreUnavailable, StoreRejected) as error:
             # An aborted transaction (PostgreSQL) can only roll back, and the rollback drops the key.
             log.info("job %s [%s]: effect %r left to the transaction's rollback (%s)", lease.job_id,
                      lease.token[:8], key, error, extra={"action": "effect_released"})
         return
     try:
         released = lease.store.release_effect(key, lease.job_id, lease.token, lease.worker, reason)
-    except StoreUnavailable as error:
+    except (StoreUnavailable, StoreRejected) as error:
         log.error("job %s [%s]: effect %r failed (%s) and its key could not be released (%s); "
                   "the effect may not have happened", lease.job_id, lease.token[:8], key, reason, error,
                   extra={"action": "effect_unconfirmed"})
@@ -116,23 +120,43 @@ def advance(connection: Connection, column: sa.Column, where: sa.ColumnElement[b
 # -- resource locks ---------------------------------------------------------------
 @dataclasses.dataclass(eq=False)
 class ResourceLock:
-    """A held lease on a business resource: its own token, renewed by the heartbeat."""
+    """A held lease on a business resource: its own token, renewed by the heartbeat.
+
+    Trusted until its local deadline (deadline.py, with the TTL for the duration): the send
+    time of the last acquisition or renewal the store confirmed, plus the TTL, minus the
+    safety margin. The store lets another owner take the lock only after its expiry, so past
+    that deadline the holder stops trusting it whether or not the store answers.
+    """
 
     resource: str
     token: str
     ttl: float
     lease: Lease
+    deadline: float = float("-inf")  # local monotonic seconds, set by the acquisition
+    confirmed_at: float = float("-inf")  # send time of the last confirmed acquisition or renewal
     lost: bool = False
-    done: bool = False  # the block ended (or the lease was lost): release, never renew
+    done: bool = False  # the block ended (or the lock was lost): release, never renew
     released: bool = False
     _mutex: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
+    def confirm(self, sent_at: float) -> None:
+        """The store took or renewed the lock with a statement sent at ``sent_at``; a lost lock stays lost."""
+        if not self.lost:
+            self.confirmed_at = max(self.confirmed_at, sent_at)
+            self.deadline = max(self.deadline, deadline.local_deadline(sent_at, self.ttl))
+
     def check(self) -> None:
-        """Raise LeaseLost if the lock expired and another owner may hold the resource."""
+        """Raise LeaseLost if the lock (or the job's lease) can no longer be trusted.
+
+        Past the local deadline the lock is lost without asking the store, which may not answer.
+        """
+        if not self.lost and not self.done and deadline.monotonic() >= self.deadline:
+            self.lease.runtime.locks.expire(self)
         if self.lost:
             # The heartbeat flags the lock lost before it marks the lease lost and interrupts.
             self.lease.raising_in_body()
             raise LeaseLost(self.lease.job_id, f"resource lock {self.resource!r} lost")
+        self.lease.check()
 
 
 class Locks:
@@ -151,6 +175,8 @@ class Locks:
     def add(self, lk: ResourceLock) -> None:
         with self._mutex:
             self.held[lk.token] = lk
+        # The timer may sleep past this lock's deadline: tell it (it wakes only when it must).
+        lk.lease.runtime.timer.watch(lk.deadline)
 
     def release(self, lk: ResourceLock) -> None:
         """Release fenced by the lock's token, once; retried next round if the store is unreachable."""
@@ -160,7 +186,7 @@ class Locks:
                 return
             try:
                 deleted = self.store.release_lock(lk.resource, lk.token)
-            except StoreUnavailable as exc:
+            except (StoreUnavailable, StoreRejected) as exc:
                 log.warning("lock %r [%s] not released yet (%s); it expires in at most %gs", lk.resource,
                             lk.token[:8], exc, lk.ttl, extra={"action": "lock_release_deferred"})
                 return
@@ -177,11 +203,56 @@ class Locks:
                     lk.resource, lk.token[:8], why, extra={"action": "lock_lost"})
         self.store.event(lease.job_id, Event.LOCK_LOST, f"{lk.resource}: {why}", lease.worker, lk.token)
 
+    def expire(self, lk: ResourceLock, now: float | None = None) -> None:
+        """The lock passed its local deadline: lost, and its job's lease with it; no store call.
+
+        The body is stopped as at a lost lease (interrupted, or flagged), the lock is released
+        rather than renewed, and the job's lease is given back once the store answers, so the
+        job runs again instead of waiting for its lease to expire (unless it overran).
+        """
+        # Not lk._mutex: a release may hold it through a store call that does not return.
+        with self._mutex:
+            if lk.lost or lk.done:
+                return
+            lk.lost = lk.done = True
+        lease = lk.lease
+        now = deadline.monotonic() if now is None else now
+        overran = lease.past_max_runtime(now)
+        if overran:
+            why = (f"resource lock {lk.resource!r} past its local deadline: past lease_max_runtime "
+                   f"({lease.policy.max_runtime:g}s), no longer renewed")
+        else:
+            why = (f"resource lock {lk.resource!r} past its local deadline: no renewal confirmed for "
+                   f"{now - lk.confirmed_at:.1f}s of its {lk.ttl:g}s TTL")
+        log.warning("job %s [%s]: resource lock %r [%s] lost: %s", lease.job_id, lease.token[:8],
+                    lk.resource, lk.token[:8], why, extra={"action": "lock_lost"})
+        lease.mark_lost(why)
+        # As at the lease's own deadline: an overrun job (its locks no longer renewed) is left to
+        # expire, so the reaper counts the expiration against it.
+        lease.runtime.lost_locally(lease, give_back=not overran)
+
+    def expire_due(self, now: float, lease: Lease | None = None) -> float | None:
+        """Expire the locks (of ``lease``, or all) past their local deadline; the next deadline, if any."""
+        if not self.held:
+            return None
+        with self._mutex:
+            held = [lk for lk in self.held.values() if lease is None or lk.lease is lease]
+        upcoming = []
+        for lk in held:
+            if lk.lost or lk.done:
+                continue
+            if now >= lk.deadline:
+                self.expire(lk, now)
+            else:
+                upcoming.append(lk.deadline)
+        return min(upcoming, default=None)
+
     def renew(self, now: float) -> None:
         """Release the locks of ended blocks and lost leases; renew the others in one statement.
 
         The locks of a lease past its ``lease_max_runtime`` are not renewed: they expire
-        with it, so a hung body cannot keep a resource.
+        with it, so a hung body cannot keep a resource. A renewal moves a lock's local
+        deadline from the statement's send time.
         """
         with self._mutex:
             held = list(self.held.values())
@@ -190,11 +261,15 @@ class Locks:
         for lk in held:
             if lk.done or lk.lease.lost:
                 self.release(lk)
-        live = [lk for lk in held if not lk.done and lk.lease.renewable(now)]
+        live = [lk for lk in held if not lk.done and not lk.lost and lk.lease.renewable(now)]
+        sent = deadline.monotonic()
         renewed = self.store.renew_locks({lk.token: lk.ttl for lk in live}) if live else set()
         for lk in live:
             # A block that ended during the renewal released its own row.
-            if lk.token in renewed or lk.done:
+            if lk.token in renewed:
+                lk.confirm(sent)
+                continue
+            if lk.done:
                 continue
             lk.lost = lk.done = True
             with self._mutex:
@@ -210,18 +285,23 @@ def lock(lease: Lease, resource: str, ttl: float | None = None,
 
     Raises LockUnavailable when the resource stays held, LeaseLost when the job's
     lease is gone. Released on exit; the heartbeat renews it meanwhile and releases
-    it if the lease is lost; a dead process's lock expires after ``ttl``.
+    it if the lease is lost; a dead process's lock expires after ``ttl`` (default: the
+    lease's duration). Past the lock's local deadline ``check()`` refuses and the body
+    is stopped as at a lost lease, whether or not the store answers.
     """
     _check_key("lock resource", resource)
     if resource.startswith(RESERVED):
         raise ValueError(f"lock resource {resource!r}: names starting with {RESERVED!r} are reserved "
                          "(the reaper's own lock lives there)")
-    ttl = lease.policy.lock_ttl if ttl is None else float(ttl)
+    if ttl is None:
+        ttl = lease.policy.lock_ttl
+    ttl = lease.duration if ttl is None else float(ttl)
     timeout = lease.policy.lock_timeout if timeout is None else float(timeout)
     interval = lease.policy.heartbeat_interval
-    if ttl < 3 * interval:
-        raise LeaseConfigError("lease_lock_ttl", ttl, f"must be at least three heartbeat intervals "
-                               f"({3 * interval:g}s) so two renewals can fail before the lock expires")
+    if ttl < 2 * interval:
+        raise LeaseConfigError("lease_lock_ttl", ttl, f"must be at least two heartbeat intervals "
+                               f"({2 * interval:g}s): renewed every interval, a shorter lock would pass "
+                               "its deadline before its next renewal lands")
     locks = lease.runtime.locks
     if locks.holds(lease.job_id, resource):
         raise LeaseError(f"job {lease.job_id} already holds the lock on {resource!r}; "
@@ -236,20 +316,28 @@ def lock(lease: Lease, resource: str, ttl: float | None = None,
 
 
 def _acquire(lease: Lease, held: ResourceLock, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
+    give_up = time.monotonic() + timeout
     delay = 0.02
+    sent: list[float] = []
+
+    def attempt() -> EffectOutcome:
+        # The send time of the statement that answers: the one whose expiry the row carries.
+        sent.append(deadline.monotonic())
+        return lease.store.acquire_lock(held.resource, held.token, held.ttl, lease.worker,
+                                        lease.job_id, lease.token)
+
     while True:
         lease.check()
-        outcome = lease.store.acquire_lock(held.resource, held.token, held.ttl, lease.worker,
-                                           lease.job_id, lease.token)
+        outcome = lease.patiently(attempt)
         if outcome == EffectOutcome.FIRST:
+            held.confirm(sent[-1])
             log.debug("job %s [%s]: lock %r [%s] taken", lease.job_id, lease.token[:8], held.resource,
                       held.token[:8], extra={"action": "lock_acquired"})
             return
         if outcome == EffectOutcome.LOST:
             lease.mark_lost(f"lock {held.resource!r} refused: token no longer matches")
             lease.check()
-        remaining = deadline - time.monotonic()
+        remaining = give_up - time.monotonic()
         if remaining <= 0:
             raise LockUnavailable(held.resource, timeout)
         time.sleep(min(delay, remaining))

@@ -2,11 +2,13 @@
 
     LeaseError
     ├── LeaseConfigError      a ``lease_*`` setting or task option is invalid
-    ├── StoreUnavailable      the lease store cannot be reached (driver error wrapped)
+    │   └── LeaseConfigErrors several are: ``problems`` lists each (``setting`` is the first's)
+    ├── StoreUnavailable      the lease store cannot be reached (driver error wrapped): an outage
     │   ├── SchemaMismatch    the store's schema revision is not one this code runs against
-    │   ├── StoreNotMigrated  a table or column is missing: run `celery -A proj lease migrate`
-    │   └── StoreRejected     the store refused a statement (permission, syntax, data, constraint)
-    │       └── StoreConflict a row with the same key exists (a race the store settles itself)
+    │   └── StoreNotMigrated  a table or column is missing: run `celery -A proj lease migrate`
+    ├── StoreRejected         the store refused a statement for good (permission, syntax, data,
+    │   │                     constraint): not an outage, retrying the same write cannot help
+    │   └── StoreConflict     a row with the same key exists (a race the store settles itself)
     ├── StoreCorrupt          a row in the store cannot be understood
     ├── JobNotFound           no job with that id in the store
     ├── LeaseLost             this worker no longer holds the job's lease
@@ -19,6 +21,7 @@ setting or resource a reader needs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from .masking import mask_secrets, mask_value
@@ -26,6 +29,7 @@ from .masking import mask_secrets, mask_value
 __all__ = [
     "LeaseError",
     "LeaseConfigError",
+    "LeaseConfigErrors",
     "StoreUnavailable",
     "SchemaMismatch",
     "StoreNotMigrated",
@@ -73,6 +77,19 @@ class LeaseConfigError(LeaseError):
         super().__init__(message, setting=setting, value=value, rule=mask_secrets(rule))
 
 
+class LeaseConfigErrors(LeaseConfigError):
+    """Several celery_lease settings are invalid, reported at once; ``problems`` lists each one."""
+
+    problems: tuple[LeaseConfigError, ...]
+
+    def __init__(self, problems: Sequence[LeaseConfigError]) -> None:
+        first = problems[0]
+        listed = "\n".join(f"  - {problem}" for problem in problems)
+        message = f"{len(problems)} celery_lease settings are invalid:\n{listed}"
+        LeaseError.__init__(self, message, setting=first.setting, value=first.value, rule=first.rule,
+                            problems=tuple(problems))
+
+
 class StoreUnavailable(LeaseError):
     """The lease store cannot be reached; check lease_store_url and that the database is up."""
 
@@ -85,10 +102,11 @@ class StoreNotMigrated(StoreUnavailable):
     """The lease store lacks a table or column; run `celery -A proj lease migrate`."""
 
 
-class StoreRejected(StoreUnavailable):
+class StoreRejected(LeaseError):
     """The lease store refused a statement (permission, syntax, data or constraint).
 
-    A StoreUnavailable, so that callers fail closed; ``kind`` says which refusal it was.
+    Not a StoreUnavailable: the store answered, and the same write would be refused again, so
+    a caller reports it instead of deferring and retrying; ``kind`` says which refusal it was.
     """
 
 

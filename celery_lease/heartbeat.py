@@ -19,7 +19,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from . import deadline
-from .errors import LeaseError, StoreUnavailable
+from .errors import LeaseError, StoreRejected, StoreUnavailable
 
 if TYPE_CHECKING:
     from .lease import Lease
@@ -47,6 +47,7 @@ class Heartbeat:
         self._stop = threading.Event()
         self._planned_interval = runtime.default_interval
         self._thread: threading.Thread | None = None
+        self._starting = threading.Lock()
 
     def joined(self, lease: Lease) -> None:
         """A lease joined: wake the thread if it needs beats sooner than planned."""
@@ -70,6 +71,11 @@ class Heartbeat:
             log.warning("heartbeat of %s could not reach the lease store: %s", self.worker, exc,
                         extra={"action": "heartbeat_store_unavailable"})
             return counts
+        except StoreRejected as exc:
+            # Unrenewed, each lease lapses at its local deadline, as in an outage.
+            log.error("heartbeat of %s refused by the lease store: %s", self.worker, exc,
+                      extra={"action": "heartbeat_store_rejected"})
+            return counts
         self.beats += 1
         for lease in renewable:
             if self._renewed(lease, renewed, renewable):
@@ -88,6 +94,7 @@ class Heartbeat:
                 counts["lost"] += 1
         rt.give_back_lost()
         rt.flush_deferred()
+        rt.flush_checkpoints()
         try:
             rt.locks.renew(now)
         except LeaseError as exc:
@@ -106,11 +113,13 @@ class Heartbeat:
 
     # -- the loop -------------------------------------------------------------
     def start(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            return
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="celery-lease-heartbeat", daemon=True)
-        self._thread.start()
+        """Start the loop unless it runs; safe from many threads at once (one thread starts)."""
+        with self._starting:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="celery-lease-heartbeat", daemon=True)
+            self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()

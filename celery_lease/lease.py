@@ -10,22 +10,42 @@ the lease is lost whether or not the store ever answers; ``check()``, ``effect()
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import math
 import threading
+import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import deadline, interrupt, messages
 from .config import TaskPolicy
-from .errors import LeaseLost
-from .vocabulary import Event
+from .errors import LeaseLost, StoreRejected, StoreUnavailable
+from .vocabulary import Event, RunEnd
 
 if TYPE_CHECKING:
     from .runtime import Runtime
 
-__all__ = ["Lease"]
+__all__ = ["Lease", "DeferredWrite"]
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+MAX_STORE_WAIT = 1.0  # seconds between two tries of a body's store call while the store is down
+
+
+@dataclasses.dataclass
+class DeferredWrite:
+    """The settle write of a finished body that the store could not take yet.
+
+    The runtime keeps the lease renewed and calls ``write`` after each heartbeat round until the
+    store answers; ``then`` (a dead-letter publish, a message sent again) follows a write the
+    store took, never one it rejected.
+    """
+
+    end: RunEnd
+    write: Callable[[], bool]
+    then: Callable[[], None] | None = None
 
 
 class Lease:
@@ -57,11 +77,13 @@ class Lease:
         # Set when the body handed the job on: Task.replace() or Task.retry() changed the row.
         self.handed_over = False
         self.retried = False
-        self.kept_result: str | None = None  # the encoded return value the completion keeps
-        # A final failure the store did not take: its error, and what follows the write (the
-        # dead-letter publish), for Runtime.flush_deferred once the store answers.
-        self.deferred_failure: str | None = None
-        self.after_failure: Callable[[], None] | None = None
+        # The settle write the store could not take yet (Runtime.flush_deferred writes it).
+        self.deferred: DeferredWrite | None = None
+        # A checkpoint the store could not take yet: the heartbeat writes it once it answers.
+        self.pending_checkpoint: tuple[Any] | None = None
+        # A retry whose row the store could not set pending yet: (due on the monotonic clock,
+        # its message); the message is held back and sent once the row is written.
+        self.deferred_retry: tuple[float, str] | None = None
         self._in_body = False
         # The body got its LeaseLost (raised it itself, or the interruption went out): no other.
         self._raised = False
@@ -110,18 +132,38 @@ class Lease:
             # A lease cut off from the store is given back once it answers; an overrun one is
             # left to expire, so the reaper counts the expiration against the job.
             self.runtime.lost_locally(self, give_back=not overran)
+        if not self.lost:
+            # A resource lock held past its own local deadline: the body can no longer trust it.
+            self.runtime.locks.expire_due(now, self)
         return self.lost
 
     def confirm(self, sent_at: float, duration: float | None = None) -> bool:
-        """The store renewed the lease with a statement sent at ``sent_at``; False if already lost."""
+        """The store renewed the lease with a statement sent at ``sent_at``; False if already lost.
+
+        ``duration`` (an ``extend``) sets the lease's duration from then on: the local deadline
+        becomes ``sent_at + duration - margin``, earlier than before when the lease was shortened,
+        as the store's expiry is.
+        """
         with self._guard:
             if self.lost:
                 return False  # never revived: the runtime gives it back instead
             if duration is not None:
                 self.duration = duration
+                self.confirmed_at = max(self.confirmed_at, sent_at)
+                self.deadline = deadline.local_deadline(sent_at, duration)
+                return True
             self.confirmed_at = max(self.confirmed_at, sent_at)
             self.deadline = max(self.deadline, deadline.local_deadline(sent_at, self.duration))
             return True
+
+    def extending(self, sent_at: float, duration: float) -> None:
+        """An ``extend`` to ``duration`` is being sent at ``sent_at``: until it is answered, trust the
+        shorter of both leases, so an answer that never comes cannot leave the deadline past the store's
+        expiry (which may already be the new one)."""
+        with self._guard:
+            if duration < self.duration:
+                self.duration = duration
+                self.deadline = min(self.deadline, deadline.local_deadline(sent_at, duration))
 
     def past_max_runtime(self, now: float) -> bool:
         limit = self.policy.max_runtime
@@ -133,23 +175,83 @@ class Lease:
 
     # -- the user's helpers ---------------------------------------------------------------
     def extend(self, seconds: float) -> None:
-        """Renew now with a longer lease, before a long blocking call."""
+        """Renew now for ``seconds`` from this renewal, before a long blocking call.
+
+        Both clocks move: the store's expiry to ``seconds`` after the statement runs, the local
+        deadline to ``seconds`` (minus the safety margin) after it was sent, and the heartbeat
+        renews for ``seconds`` from then on. Below the lease's duration that shortens the lease,
+        on both clocks. LeaseLost if the lease moved on.
+        """
+        seconds = float(seconds)
+        if not math.isfinite(seconds) or seconds <= 0:
+            raise ValueError(f"extend() takes a number of seconds > 0, got {seconds!r}")
         self.check()
-        if not self.runtime.extend(self, float(seconds)):
+        if not self.runtime.extend(self, seconds):
             self.check()
 
     def checkpoint(self, state: Any) -> None:
-        """Save JSON progress under the token; a later attempt reads ``checkpoint_state``."""
+        """Save JSON progress under the token; a later attempt reads ``checkpoint_state``.
+
+        An unreachable store does not stop the body: the state is kept and the heartbeat writes
+        it once the store answers (a newer checkpoint replaces one still waiting).
+        """
         self.check()
-        if not self.store.checkpoint(self.job_id, self.token, state, self.worker):
+        try:
+            written = self.store.checkpoint(self.job_id, self.token, state, self.worker)
+        except StoreRejected:
+            raise
+        except StoreUnavailable as exc:
+            log.warning("job %s [%s]: checkpoint kept until the store answers (%s)", self.job_id,
+                        self.token[:8], exc, extra={"action": "checkpoint_deferred"})
+            self.pending_checkpoint = (state,)
+            self.checkpoint_state = state
+            return
+        self.pending_checkpoint = None
+        if not written:
             self.mark_lost("checkpoint rejected: token no longer matches")
             self.check()
         self.checkpoint_state = state
 
-    def effect(self, key: str, connection: Any = None) -> Any:
-        """``with lease.effect(key) as first:`` records a side effect once per key."""
+    def write_pending_checkpoint(self) -> None:
+        """The heartbeat's part: write the checkpoint an outage held back (StoreUnavailable if still down)."""
+        pending = self.pending_checkpoint
+        if pending is None or self.lost or self.finishing:
+            return
+        if self.store.checkpoint(self.job_id, self.token, pending[0], self.worker):
+            if self.pending_checkpoint is pending:
+                self.pending_checkpoint = None
+        else:
+            self.mark_lost("checkpoint rejected: token no longer matches")
+
+    def patiently(self, call: Callable[[], _T]) -> _T:
+        """Make a store call of the body, waiting through an outage until the local deadline.
+
+        Past the deadline ``check()`` raises LeaseLost: the run ends as a lost lease, given
+        back once the store answers. A store that rejects the call is not waited for.
+        """
+        delay = 0.05
+        while True:
+            self.check()
+            try:
+                return call()
+            except StoreRejected:
+                raise
+            except StoreUnavailable as exc:
+                log.warning("job %s [%s]: store unreachable (%s); waiting for it until the lease's local "
+                            "deadline", self.job_id, self.token[:8], exc, extra={"action": "store_waited"})
+            remaining = self.deadline - deadline.monotonic()
+            time.sleep(max(0.0, min(delay, remaining)))
+            delay = min(delay * 2, MAX_STORE_WAIT)
+
+    def effect(self, key: str, connection: Any = None, using: str | None = None) -> Any:
+        """``with lease.effect(key) as first:`` records a side effect once per key; ``using`` (a
+        Django database alias) or a Django ``connection`` puts the key in that transaction."""
         from .effects import effect
 
+        if using is not None:
+            from .django import connection_for
+
+            connection = connection_for(using)
         return effect(self, key, connection)
 
     def lock(self, resource: str, ttl: float | None = None, timeout: float | None = None) -> Any:

@@ -3,9 +3,10 @@
 A run that no worker delivered has no lease to hold, yet its body still calls
 ``self.lease``. It gets a local handle with the same surface: ``check()`` and
 ``extend()`` always pass, ``checkpoint()`` keeps the state on the handle, ``effect(key)``
-is first once per key within this process, and ``lock(resource)`` is an in-process
-lock. The keys and locks live on the app (one ``LocalState`` each), so a test sees
-what a run did and can start again from nothing (``celery_lease.testing``). With
+is first once per key within this process (among its newest 1,000 keys), and
+``lock(resource)`` is an in-process lock. The keys and locks live on the app (one
+``LocalState`` each, bounded), so a test sees what a run did and can start again from
+nothing (``celery_lease.testing``). With
 ``lease_eager_store = True`` an eager run takes a real lease in the store instead.
 """
 
@@ -16,22 +17,40 @@ import contextvars
 import dataclasses
 import secrets
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
+from .vocabulary import EffectOutcome
+
 __all__ = ["LocalLease", "LocalState", "state", "current", "running"]
+
+LOCAL_KEPT = 1000  # effect keys, and checkpoints, the local runs of one app keep (the newest)
 
 _current: contextvars.ContextVar[LocalLease | None] = contextvars.ContextVar("celery_lease_local",
                                                                             default=None)
 
 
 @dataclasses.dataclass
-class LocalState:
-    """The effect keys and resource locks of the local runs of one app, in this process."""
+class _SharedLock:
+    """An in-process lock on one resource and how many runs hold it or wait for it."""
 
-    effects: dict[str, str] = dataclasses.field(default_factory=dict)
-    checkpoints: dict[str, Any] = dataclasses.field(default_factory=dict)
-    _locks: dict[str, threading.Lock] = dataclasses.field(default_factory=dict)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    users: int = 0
+
+
+@dataclasses.dataclass
+class LocalState:
+    """The effect keys and resource locks of the local runs of one app, in this process.
+
+    Bounded, so a long-lived process that calls tasks directly or eagerly does not grow without
+    end: the newest ``LOCAL_KEPT`` effect keys and checkpoints are kept (the oldest forgotten
+    first), and a resource's lock is dropped once no run holds or waits for it.
+    """
+
+    effects: OrderedDict[str, str] = dataclasses.field(default_factory=OrderedDict)
+    checkpoints: OrderedDict[str, Any] = dataclasses.field(default_factory=OrderedDict)
+    _locks: dict[str, _SharedLock] = dataclasses.field(default_factory=dict)
     _mutex: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     def claim_effect(self, key: str, job_id: str) -> bool:
@@ -39,21 +58,48 @@ class LocalState:
             if key in self.effects:
                 return False
             self.effects[key] = job_id
+            _trim(self.effects)
             return True
 
     def forget_effect(self, key: str) -> None:
         with self._mutex:
             self.effects.pop(key, None)
 
-    def lock_for(self, resource: str) -> threading.Lock:
+    def keep_checkpoint(self, job_id: str, state: Any) -> None:
         with self._mutex:
-            return self._locks.setdefault(resource, threading.Lock())
+            self.checkpoints[job_id] = state
+            self.checkpoints.move_to_end(job_id)
+            _trim(self.checkpoints)
+
+    @contextlib.contextmanager
+    def holding(self, resource: str, timeout: float) -> Iterator[bool]:
+        """Hold ``resource``'s in-process lock, waiting up to ``timeout``; yields whether it was taken."""
+        with self._mutex:
+            shared = self._locks.setdefault(resource, _SharedLock())
+            shared.users += 1
+        try:
+            taken = shared.lock.acquire(timeout=timeout)
+            try:
+                yield taken
+            finally:
+                if taken:
+                    shared.lock.release()
+        finally:
+            with self._mutex:
+                shared.users -= 1
+                if not shared.users and self._locks.get(resource) is shared:
+                    del self._locks[resource]
 
     def clear(self) -> None:
         with self._mutex:
             self.effects.clear()
             self.checkpoints.clear()
             self._locks.clear()
+
+
+def _trim(kept: OrderedDict[str, Any]) -> None:
+    while len(kept) > LOCAL_KEPT:
+        kept.popitem(last=False)
 
 
 def state(app: Any) -> LocalState:
@@ -71,7 +117,7 @@ class LocalLease:
     lost_reason: str | None = None
 
     def __init__(self, app: Any, job_id: str, idempotency_key: str) -> None:
-        self.state = state(app)
+        self.app, self.state = app, state(app)
         self.job_id = job_id
         self.token = secrets.token_hex(16)
         self.attempt = 1
@@ -90,17 +136,41 @@ class LocalLease:
     def checkpoint(self, state: Any) -> None:
         """Keep the progress for a later run of the same job id in this process."""
         self.checkpoint_state = state
-        self.state.checkpoints[self.job_id] = state
+        self.state.keep_checkpoint(self.job_id, state)
 
     @contextlib.contextmanager
-    def effect(self, key: str, connection: Any = None) -> Iterator[bool]:
-        """First once per key in this process; a block that raises gives its key back."""
+    def effect(self, key: str, connection: Any = None, using: str | None = None) -> Iterator[bool]:
+        """First once per key in this process; a block that raises gives its key back. With a
+        connection (or a Django ``using`` alias) the key is written in that transaction, as a
+        worker writes it, and is first once per key in that database."""
+        if connection is not None or using is not None:
+            with self._effect_in(key, connection, using) as first:
+                yield first
+            return
         first = self.state.claim_effect(key, self.job_id)
         try:
             yield first
         except BaseException:
             if first:
                 self.state.forget_effect(key)
+            raise
+
+    @contextlib.contextmanager
+    def _effect_in(self, key: str, connection: Any, using: str | None) -> Iterator[bool]:
+        from .django import connection_for
+        from .errors import StoreUnavailable
+        from .store import for_app
+
+        connection = connection_for(using) if using is not None else connection
+        store = for_app(self.app, check=False)
+        first = store.record_unfenced_effect_in(connection, key, self.job_id) == EffectOutcome.FIRST
+        try:
+            yield first
+        except BaseException:
+            if first:
+                # An aborted transaction can only roll back, and the rollback drops the key.
+                with contextlib.suppress(StoreUnavailable):
+                    store.unrecord_effect_in(connection, key, self.job_id)
             raise
 
     @contextlib.contextmanager
@@ -111,13 +181,10 @@ class LocalLease:
         from .errors import LockUnavailable
 
         wait = BY_NAME["lease_lock_timeout"].default if timeout is None else float(timeout)
-        held = self.state.lock_for(resource)
-        if not held.acquire(timeout=wait):
-            raise LockUnavailable(resource, wait)
-        try:
+        with self.state.holding(resource, wait) as taken:
+            if not taken:
+                raise LockUnavailable(resource, wait)
             yield
-        finally:
-            held.release()
 
 
 def current() -> LocalLease | None:

@@ -1,8 +1,12 @@
-"""One rule for keeping store passwords out of messages, logs, CLI output and metric labels.
+"""One rule for keeping store passwords out of messages, logs, CLI output, pages and metric labels.
 
-A store URL may carry a password (``postgresql+psycopg://user:secret@host/db``). Every
-text celery_lease shows that could contain a URL goes through :func:`mask_secrets`,
-which also handles a URL SQLAlchemy cannot parse, so a typo never leaks the password.
+A store URL may carry a secret in its userinfo (``postgresql+psycopg://user:secret@host/db``)
+or in its query string (``?password=...``, ``sslpassword``, any key naming a password, a
+secret or a token). Every text celery_lease shows that could contain a URL goes through
+:func:`mask_secrets`, which also handles a URL SQLAlchemy cannot parse, so a typo never leaks
+the password. It is applied to values where they are formatted (a message, a log argument,
+a page's value before it is escaped into HTML), never to a finished page: there, markup
+between two values could look like a URL.
 """
 
 from __future__ import annotations
@@ -18,11 +22,16 @@ MASK = "***"
 # starts after a slash, a quote, "=", "(" or whitespace; the password runs to the last "@"
 # of the URL (it may itself hold "@" or "/"), and a URL ends at whitespace or a quote.
 _USERINFO = re.compile(r"(?P<head>(?:^|(?<=[/\s'\"=(]))[^\s:/@'\"]*:(?!//))(?P<password>[^\s'\"]*)@")
+# ?password=VALUE or &sslpassword=VALUE (any key naming a password, a secret or a token): the
+# value runs to the next parameter, a fragment, whitespace or a quote.
+_QUERY = re.compile(r"(?P<head>[?&][^=&#\s'\"]*(?:password|secret|token)[^=&#\s'\"]*=)"
+                    r"(?P<value>[^&#\s'\"]*)", re.IGNORECASE)
 
 
 def mask_secrets(text: str) -> str:
-    """``text`` with the password of every URL in it replaced by ``***``."""
-    return _USERINFO.sub(lambda m: f"{m.group('head')}{MASK}@", text)
+    """``text`` with every secret of every URL in it (password, secret or token) replaced by ``***``."""
+    text = _USERINFO.sub(lambda m: f"{m.group('head')}{MASK}@", text)
+    return _QUERY.sub(lambda m: f"{m.group('head')}{MASK}" if m.group("value") else m.group(0), text)
 
 
 def mask_value(value: Any) -> Any:

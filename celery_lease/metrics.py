@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from .config import METRICS_MAX_SERIES
-from .errors import StoreUnavailable
+from .errors import StoreRejected, StoreUnavailable
 from .store.runs import EXPORTER_SCRAPE
 from .vocabulary import STALE_WRITES, Event, stale_write
 
@@ -219,7 +219,7 @@ class LeaseCollector:
             if self.record_scrapes:
                 self.store.set_meta(EXPORTER_SCRAPE, self.whoami)
             fams["up"].add_metric([], 1.0)
-        except StoreUnavailable as exc:
+        except (StoreUnavailable, StoreRejected) as exc:
             log.warning("metrics scrape could not read the lease store: %s", exc,
                         extra={"action": "metrics_store_unavailable"})
             fams = {k: v for k, v in fams.items() if k in ("up", "duration")}

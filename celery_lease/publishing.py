@@ -16,9 +16,9 @@ from typing import Any
 
 from celery._state import get_current_worker_task
 
-from . import batching, deliveries, messages, replacing, runtime
+from . import batching, deadline, deliveries, messages, replacing, runtime
 from .config import task_policy
-from .errors import LeaseError
+from .errors import LeaseError, StoreRejected, StoreUnavailable
 from .lease import Lease
 from .store import NewJob, for_app
 
@@ -59,7 +59,7 @@ def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id
     running job's own retry, or a new job (once per idempotency key).
     """
     delay = seconds_until(options.get("eta")) or seconds_until(options.get("countdown"))
-    record: Callable[[str], None]
+    record: Callable[[str], bool | None]
     keep: Callable[[str, Callable[[Any], Any]], None] | None = None
     created = False
     batch = batching.current()
@@ -70,8 +70,8 @@ def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id
             lease.lost or lease.handed_over):
         # The running job sends itself again (Task.retry()): the row becomes pending first,
         # so the new message finds it claimable however soon it is consumed.
-        def record(payload: str) -> None:
-            retry_first(lease, delay, payload)
+        def record(payload: str) -> bool:
+            return retry_first(lease, delay, payload)
     else:
         route = task.app.amqp.router.route(dict(options), task.name, args, kwargs)
         queue = getattr(route.get("queue"), "name", None)
@@ -103,8 +103,10 @@ def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id
             # Celery's deprecated protocol 1 carries the task id in the body, not the headers:
             # the job's signature is recorded before the send instead of the message.
             serializer = options.get("serializer") or task.serializer
-            record(messages.encode(task.name, args, kwargs, {
-                **options, "link": link, "link_error": link_error, "shadow": shadow}, serializer))
+            signature = messages.encode(task.name, args, kwargs, {
+                **options, "link": link, "link_error": link_error, "shadow": shadow}, serializer)
+            if record(signature) is False:
+                return task.AsyncResult(task_id)  # held back: sent once the store answers
             return send(args, kwargs, task_id, producer, link, link_error, shadow, **options)
         with task.app.producer_or_acquire(producer) as sender:
             return send(args, kwargs, task_id, RecordingProducer(sender, task_id, record, keep), link,
@@ -119,12 +121,26 @@ def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id
         raise
 
 
-def retry_first(lease: Lease, delay: float, payload: str) -> None:
-    """running -> pending under the token before the retry's message is sent; LeaseLost if it moved on."""
-    if not lease.store.retry_later(lease.job_id, lease.token, delay, payload, None, lease.worker):
+def retry_first(lease: Lease, delay: float, payload: str) -> bool:
+    """running -> pending under the token before the retry's message is sent; LeaseLost if it moved on.
+
+    An unreachable store holds the message back (False): the settle step writes the row and
+    then sends the message, once the store answers; the lease stays renewed meanwhile.
+    """
+    try:
+        written = lease.store.retry_later(lease.job_id, lease.token, delay, payload, None, lease.worker)
+    except StoreRejected:
+        raise
+    except StoreUnavailable as exc:
+        log.warning("job %s [%s]: retry held back until the store answers (%s)", lease.job_id,
+                    lease.token[:8], exc, extra={"action": "retry_deferred"})
+        lease.deferred_retry = (deadline.monotonic() + delay, payload)
+        return False
+    if not written:
         lease.mark_lost("retry rejected: token no longer matches")
         lease.check()
     lease.retried = True
+    return True
 
 
 def _reopens(task_id: str) -> bool:
@@ -143,7 +159,7 @@ def _reopens(task_id: str) -> bool:
 class RecordingProducer:
     """Wraps a kombu producer for one ``apply_async``; everything but the task's publish passes through."""
 
-    def __init__(self, producer: Any, task_id: str, record: Callable[[str], None],
+    def __init__(self, producer: Any, task_id: str, record: Callable[[str], bool | None],
                  keep: Callable[[str, Callable[[Any], Any]], None] | None = None) -> None:
         self._producer = producer
         self._task_id = task_id
@@ -177,5 +193,6 @@ class RecordingProducer:
         if self._keep is not None:
             self._keep(payload, send_message)
             return None
-        self._record(payload)
+        if self._record(payload) is False:
+            return None  # held back: the record's owner sends it later
         return send_message(producer)

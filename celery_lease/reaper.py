@@ -6,6 +6,8 @@ job only by a compare-and-set on the token that writes one audit event. One reap
 works at a time (a lock row of its own). The message is published *before* the CAS,
 so a reaper that dies in between leaves an expired lease (reaped again next run,
 and the early message finds it claimable), never a pending job without a message.
+After the store was away or its clock stepped it takes nothing back until each owner had
+a lease's time to renew (clock_guard.py).
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from celery import Task, shared_task
 
 from . import messages
 from .backoff import backoff, dispatch_wait
+from .clock_guard import ClockGuard, Hold
 from .config import REAPER_RUNS_KEPT, TaskPolicy, app_config, task_policy, worker_stale_after
-from .errors import StoreCorrupt, StoreUnavailable
+from .errors import StoreCorrupt, StoreRejected, StoreUnavailable
 from .outcomes import report_failure
 from .store import Job, ReaperStore, for_app
 
@@ -73,6 +76,7 @@ class ReapResult:
     failed: int = 0
     redispatched: int = 0
     skipped_owner_alive: int = 0
+    held_back: int = 0  # expired leases left alone while the store's hold lasts (clock_guard.py)
     lost_races: int = 0
     publish_errors: int = 0
     pruned_jobs: int = 0
@@ -94,7 +98,8 @@ class ReapResult:
     def summary(self) -> str:
         return (f"seen={self.seen} reaped={self.reaped} dead_lettered={self.dead_lettered} "
                 f"failed={self.failed} redispatched={self.redispatched} "
-                f"skipped_owner_alive={self.skipped_owner_alive} lost_races={self.lost_races} "
+                f"skipped_owner_alive={self.skipped_owner_alive} held_back={self.held_back} "
+                f"lost_races={self.lost_races} "
                 f"publish_errors={self.publish_errors} pruned={self.pruned_jobs}/{self.pruned_events}/"
                 f"{self.pruned_workers}/{self.pruned_keys}")
 
@@ -186,6 +191,7 @@ class Reaper:
         self.cfg = app_config(app)
         self.batch_size = batch_size or self.cfg.reaper_batch_size
         self.rng = rng or random.Random()
+        self.guard = ClockGuard.for_app(app, self.cfg.clock_tolerance)
 
     @property
     def owner(self) -> str:
@@ -200,9 +206,23 @@ class Reaper:
         row they would read the whole status range).
         """
         result = ReapResult(dry_run=dry_run)
-        now = self.store.now() if now is None else now
+        try:
+            return self._run(result, now, dry_run)
+        except StoreUnavailable:
+            self.guard.failed()
+            raise
+
+    def _run(self, result: ReapResult, now: float | None, dry_run: bool) -> ReapResult:
+        # A ``now`` given by the caller is a simulated time: it says nothing of the store's clock.
+        mono: tuple[float, float] | None = None
+        if now is None:
+            before = time.monotonic()
+            now = self.store.now()
+            after = time.monotonic()
+            mono = ((before + after) / 2, (after - before) / 2)
         if dry_run:
-            self._recover_expired(result, now, None)
+            hold = self._judge(now, mono, record=False)
+            self._recover_expired(result, now, None, hold)
             self._redispatch(result, now, None)
             return result
         token, ttl = secrets.token_hex(16), self.cfg.reaper_lock_ttl
@@ -212,17 +232,26 @@ class Reaper:
             return result
         started = time.monotonic()
         try:
-            if self._recover_expired(result, now, token) and self._redispatch(result, now, token):
+            hold = self._judge(now, mono, record=True)
+            if self._recover_expired(result, now, token, hold) and self._redispatch(result, now, token):
                 self._prune(result, now)
         finally:
             try:
                 self.store.release_reaper_lock(token)
-            except StoreUnavailable as exc:
+            except (StoreUnavailable, StoreRejected) as exc:
                 log.warning("reaper lock not released (it expires in %gs): %s", ttl, exc)
         self._record(result, time.monotonic() - started)
         if result.changed:
             log.info("reaper: %s", result.summary(), extra={"action": "reap"})
         return result
+
+    def _judge(self, now: float, mono: tuple[float, float] | None, record: bool) -> Hold:
+        """This run's hold (clock_guard.py), under the reaper lock when it records; none for a
+        simulated ``now`` (``mono`` None)."""
+        if mono is None:
+            return Hold()
+        return self.guard.judge(self.store, now, self.owner, worker_stale_after(self.app), record=record,
+                                mono=mono)
 
     def _record(self, result: ReapResult, duration: float) -> None:
         """Note the run in the store (its liveness for `lease check`, status and the exporter).
@@ -233,7 +262,7 @@ class Reaper:
         counts = {k: v for k, v in result.as_dict().items() if type(v) is int}
         try:
             self.store.record_reaper_run(duration, counts, self.owner, REAPER_RUNS_KEPT)
-        except StoreUnavailable as exc:
+        except (StoreUnavailable, StoreRejected) as exc:
             log.warning("reaper run not recorded: %s", exc, extra={"action": "reap_record_failed"})
 
     def _still_ours(self, token: str | None) -> bool:
@@ -243,7 +272,7 @@ class Reaper:
                     self.cfg.reaper_lock_ttl)
         return False
 
-    def _recover_expired(self, result: ReapResult, now: float | None, token: str | None) -> bool:
+    def _recover_expired(self, result: ReapResult, now: float, token: str | None, hold: Hold) -> bool:
         budget, after, dry = self.batch_size, None, token is None
         for _ in range(MAX_PAGES):
             finals: list[tuple[Job, str]] = []
@@ -264,10 +293,19 @@ class Reaper:
                         else:
                             self.store.note_skipped_owner_alive(c, job, why)
                         continue
+                    policy = policy_for(self.app, job)
+                    if hold.holds(now, job.lease_duration or policy.duration, policy.heartbeat_interval):
+                        result.held_back += 1
+                        if dry:
+                            why = (f"lease expired, but the store was away or its clock stepped: owner "
+                                   f"{job.locked_by} gets a lease's time to renew")
+                            result.planned.append(Decision(job.id, job.task_name, Kind.HOLD_BACK, why,
+                                                           job.locked_by))
+                        continue
                     budget -= 1
                     why = ("lease expired past the hard grace, owner still registered" if item.owner_alive
                            else f"lease expired, owner {job.locked_by} gone")
-                    decision = decide(job, policy_for(self.app, job), why, self.rng)
+                    decision = decide(job, policy, why, self.rng)
                     if dry:
                         result.planned.append(decision)
                         continue
@@ -366,8 +404,8 @@ class Reaper:
         while not stop.is_set():
             try:
                 result = self.run_once()
-            except StoreUnavailable as exc:
-                log.warning("reaper round failed, lease store unreachable: %s", exc)
+            except (StoreUnavailable, StoreRejected) as exc:
+                log.warning("reaper round failed: %s", exc)
                 result = ReapResult()
             full = result.reaped + result.dead_lettered + result.failed >= self.batch_size
             stop.wait(0 if full else interval)

@@ -26,7 +26,7 @@ from .vocabulary import Event
 
 if TYPE_CHECKING:
     from .effects import Locks
-    from .lease import Lease
+    from .lease import DeferredWrite, Lease
     from .outage import ConsumerPause
     from .store import Store
 
@@ -41,20 +41,29 @@ CANCELS_KEPT = 10_000  # cancels the store did not take that a process remembers
 
 
 class DeadlineTimer:
-    """Marks leases lost at their local deadline; ``run_once(now)`` is one pass, ``start()`` the loop."""
+    """Marks leases and resource locks lost at their local deadlines; ``run_once(now)`` is one pass,
+    ``start()`` the loop."""
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._starting = threading.Lock()
         # When the loop next looks (monotonic); None while a pass is reading the leases.
         self._planned: float | None = None
 
     def run_once(self, now: float | None = None) -> float | None:
-        """Expire every lease past its deadline; returns the next deadline (None: none left)."""
+        """Expire every lease and lock past its deadline; returns the next deadline (None: none left).
+
+        A lock past its deadline marks its job's lease lost (and interrupts the body) as the
+        lease's own deadline does.
+        """
         now = deadline.monotonic() if now is None else now
         upcoming = [lease.deadline for lease in self.runtime.leases() if not lease.expire_if_due(now)]
+        lock_due = self.runtime.locks.expire_due(now)
+        if lock_due is not None:
+            upcoming.append(lock_due)
         return min(upcoming, default=None)
 
     def wake(self) -> None:
@@ -70,11 +79,13 @@ class DeadlineTimer:
             self._wake.set()
 
     def start(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            return
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="celery-lease-deadline", daemon=True)
-        self._thread.start()
+        """Start the loop unless it runs; safe from many threads at once (one thread starts)."""
+        with self._starting:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="celery-lease-deadline", daemon=True)
+            self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
@@ -209,6 +220,7 @@ class Runtime:
         self.locks: Locks = Locks(store)
         self.heartbeat = Heartbeat(self)
         self.timer = DeadlineTimer(self)
+        self._starting = threading.Lock()  # concurrent first tasks (a threads pool) start once
         # A worker's main process stops its consumer here while the store is down (outage.py).
         self.pause: ConsumerPause | None = None
         # Tokens of claims this process sent and gave up on (no answer within the bound): the
@@ -289,18 +301,31 @@ class Runtime:
             if give_back and key not in self._deferred:
                 self._to_give_back[key] = lease
 
-    def defer_completion(self, lease: Lease) -> None:
-        """Keep a finished job's lease and complete it once the store answers again."""
+    def defer(self, lease: Lease, write: DeferredWrite) -> None:
+        """Keep a finished body's lease renewed and make its settle write once the store answers."""
         key = (lease.job_id, lease.token)
         with self._mutex:
+            lease.deferred = write
             self._deferred[key] = lease
             self._held[key] = lease
 
     def extend(self, lease: Lease, seconds: float) -> bool:
-        """Renew one lease now with a new duration; False when it is no longer ours."""
-        sent = deadline.monotonic()
-        renewed = self.store.renew({lease.token: lease.job_id}, self.worker, {lease.token: seconds})
-        if lease.job_id in renewed and lease.confirm(sent, seconds):
+        """Renew one lease now with a new duration; False when it is no longer ours.
+
+        The store's expiry becomes ``seconds`` after the statement runs and the local deadline
+        ``seconds`` (minus the margin) after it was sent, earlier or later than before. While
+        the statement is out the lease trusts the shorter of the two durations. An unreachable
+        store is waited for, as the body's other store calls are, until the local deadline.
+        """
+        sent: list[float] = []
+
+        def attempt() -> set[str]:
+            sent.append(deadline.monotonic())
+            lease.extending(sent[-1], seconds)
+            return self.store.renew({lease.token: lease.job_id}, self.worker, {lease.token: seconds})
+
+        renewed = lease.patiently(attempt)
+        if lease.job_id in renewed and lease.confirm(sent[-1], seconds):
             return True
         if lease.job_id not in renewed:
             reason, owner = self.store.describe_loss(lease.job_id, lease.token, self.worker)
@@ -325,6 +350,14 @@ class Runtime:
                 done = lease.give_back(Event.RELEASED_AFTER_LOCAL_LOSS, republish=True)
             except StoreUnavailable:
                 return released
+            except StoreRejected as exc:
+                # Refused for good: asking again every round cannot help; the reaper recovers it.
+                log.error("job %s [%s] could not be given back, the store refused it (%s); left to "
+                          "the reaper", lease.job_id, lease.token[:8], exc,
+                          extra={"action": "give_back_rejected"})
+                with self._mutex:
+                    self._to_give_back.pop((lease.job_id, lease.token), None)
+                continue
             released += done
             with self._mutex:
                 self._to_give_back.pop((lease.job_id, lease.token), None)
@@ -334,23 +367,52 @@ class Runtime:
         return released
 
     def flush_deferred(self) -> None:
+        """Make the settle writes the store could not take, and act on its real answer to each."""
         with self._mutex:
             deferred = list(self._deferred.values())
         for lease in deferred:
+            write = lease.deferred
+            if write is None:
+                continue
             try:
-                if lease.deferred_failure is None:
-                    self.store.complete(lease.job_id, lease.token, self.worker, lease.kept_result)
-                    written = False
-                else:
-                    written = self.store.fail(lease.job_id, lease.token, lease.deferred_failure, self.worker)
+                written = write.write()
+            except StoreRejected as exc:
+                # Not an outage: retrying would loop for ever. The lease expires and the reaper
+                # decides, as for a worker that died here.
+                log.error("job %s [%s]: deferred %s rejected by the store for good (%s)", lease.job_id,
+                          lease.token[:8], write.end, exc, extra={"action": "deferred_write_rejected"})
+                self.forget(lease)
+                continue
             except StoreUnavailable:
                 return
-            log.info("job %s [%s] %s after the store came back", lease.job_id, lease.token[:8],
-                     "completed" if lease.deferred_failure is None else "failed")
             self.forget(lease)
-            if written and lease.after_failure is not None:
-                # The dead-letter publish, once: an error here is the heartbeat round's to log.
-                lease.after_failure()
+            if not written:
+                # The store audited the stale write; nothing follows it.
+                log.warning("job %s [%s]: deferred %s rejected, the lease moved on", lease.job_id,
+                            lease.token[:8], write.end, extra={"action": "stale_deferred_write_rejected"})
+                continue
+            log.info("job %s [%s]: %s written after the store came back", lease.job_id, lease.token[:8],
+                     write.end, extra={"action": "deferred_write_landed"})
+            if write.then is not None:
+                try:
+                    write.then()
+                except Exception as exc:  # noqa: BLE001 - logged; the write itself landed
+                    log.error("job %s [%s]: what follows the deferred %s failed (%s)", lease.job_id,
+                              lease.token[:8], write.end, exc, extra={"action": "deferred_followup_failed"})
+
+    def flush_checkpoints(self) -> None:
+        """Write the checkpoints of running bodies that an outage held back."""
+        for lease in self.leases():
+            if lease.pending_checkpoint is None:
+                continue
+            try:
+                lease.write_pending_checkpoint()
+            except StoreRejected as exc:
+                log.error("job %s [%s]: held-back checkpoint rejected by the store (%s); dropped",
+                          lease.job_id, lease.token[:8], exc, extra={"action": "checkpoint_rejected"})
+                lease.pending_checkpoint = None
+            except StoreUnavailable:
+                return
 
     def release_all(self, reason: Event = Event.RELEASED_ON_SHUTDOWN) -> int:
         """Give back every lease still held (shutdown); returns how many were released."""
@@ -362,7 +424,7 @@ class Runtime:
                 if lease.give_back(reason):
                     released += 1
                     lease.mark_lost(reason)
-            except StoreUnavailable as exc:
+            except (StoreUnavailable, StoreRejected) as exc:
                 log.warning("could not release job %s [%s] on shutdown: %s", lease.job_id,
                             lease.token[:8], exc)
         self.flush_deferred()
@@ -380,8 +442,10 @@ class Runtime:
 
     # -- threads --------------------------------------------------------------------------
     def start(self) -> None:
-        self.heartbeat.start()
-        self.timer.start()
+        """Start the heartbeat and the deadline timer once, however many first tasks call it at once."""
+        with self._starting:
+            self.heartbeat.start()
+            self.timer.start()
 
     def stop(self, timeout: float = 5.0) -> None:
         self.timer.stop(timeout)

@@ -150,7 +150,40 @@ class WorkerStep(bootsteps.StartStopStep):
         check_pool(worker.app, pool)
         validate_tasks(worker.app, consumed_queues(worker.app))
         store.worker_pool = (pool, int(getattr(worker, "concurrency", 0) or 0))
+        global _starting
+        _starting = (worker.app, worker.hostname)  # what a forked pool child registers under
+        self.pool = pool
         super().__init__(worker, **kwargs)
+
+    def start(self, worker: Any) -> None:
+        """Register the process that runs bodies now, not after its first LeaseTask.
+
+        The threads, solo and green pools run bodies in this process; a prefork worker's
+        children register themselves as they start (``worker_process_init``).
+        """
+        if self.pool != "prefork":
+            register_process(worker.app, worker.hostname)
+
+
+# The app and node name of the worker starting in this process; its forked children inherit them.
+_starting: tuple[Any, str] | None = None
+
+
+def register_process(app: Any, hostname: str) -> None:
+    """Start this process's runtime: its heartbeat registers the process and keeps it alive."""
+    from .store import for_app
+
+    try:
+        runtime.for_app(app, for_app(app), hostname).start()
+    except LeaseError as error:
+        # The heartbeat registers the process later; leases do not depend on this row.
+        log.warning("worker %s could not register in the lease store yet: %s", hostname, error)
+
+
+@signals.worker_process_init.connect
+def _on_process_init(**_: Any) -> None:
+    if _starting is not None:
+        register_process(*_starting)
 
 
 def consumed_queues(app: Any) -> list[str]:

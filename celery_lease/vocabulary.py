@@ -11,7 +11,8 @@ from __future__ import annotations
 import enum
 
 __all__ = [
-    "Name", "Status", "ClaimOutcome", "EffectOutcome", "Decision", "RecoveryAction", "Event",
+    "Name", "Status", "ClaimOutcome", "EffectOutcome", "Decision", "RecoveryAction", "Event", "RunEnd",
+    "LossReason",
     "STALE_WRITES", "RELEASES", "RECOVERIES", "MANUAL_RECOVERIES", "REPLACEMENTS",
 ]
 
@@ -49,6 +50,28 @@ class EffectOutcome(Name):
     LOST = "lost"
 
 
+class RunEnd(Name):
+    """How a leased body ended: the settle step writes each one to the store its own way."""
+
+    RETURNED = "returned"
+    RETRIED = "retried"
+    IGNORED = "ignored"
+    REPLACED = "replaced"
+    REJECTED_REQUEUE = "rejected_requeue"
+    REJECTED = "rejected"
+    FAILED = "failed"
+    LOST = "lost"
+    OUTAGE = "outage"
+    SHUTDOWN = "shutdown"
+
+
+class LossReason(Name):
+    """Why the store did not renew a lease (``describe_loss``): the row is gone or moved on."""
+
+    VANISHED = "vanished"
+    TAKEN_OVER = "taken_over"
+
+
 class Decision(Name):
     """What the reaper does (or would do) with one job; the first three are ``lease_on_expired``'s values."""
 
@@ -57,6 +80,9 @@ class Decision(Name):
     FAIL = "fail"
     REDISPATCH = "redispatch"
     SKIP_OWNER_ALIVE = "skip_owner_alive"
+    # Left alone after the store was unreachable or its clock stepped: its owner gets a lease's
+    # time to renew against the store as it is now.
+    HOLD_BACK = "hold_back"
 
 
 class RecoveryAction(Name):
@@ -95,6 +121,9 @@ class Event(Name):
     REJECTED_REQUEUE = "rejected_requeue"
     # A lease this worker stopped trusting on its own clock, given back once the store answered.
     RELEASED_AFTER_LOCAL_LOSS = "released_after_local_loss"
+    # A body that met an unreachable store where it could not wait (a publish, a hand-over):
+    # its job given back, attempt uncharged, once the store answered.
+    RELEASED_AFTER_OUTAGE = "released_after_outage"
     # Deliveries whose body did not run.
     EARLY_DELIVERY_DEFERRED = "early_delivery_deferred"
     DUPLICATE_DELIVERY_SKIPPED = "duplicate_delivery_skipped"
@@ -120,6 +149,9 @@ class Event(Name):
     DEAD_LETTERED = "dead_lettered"
     REAP_SKIPPED_OWNER_ALIVE = "reap_skipped_owner_alive"
     REDISPATCHED = "redispatched"
+    # A reaper run found a gap in the store's history or a step of its clock, and takes nothing
+    # back until every owner had a lease's time to renew (one event per hold, its reason).
+    REAPER_HELD_BACK = "reaper_held_back"
     # An operator.
     MANUAL_REQUEUE = "manual_requeue"
     DLQ_REDRIVEN = "dlq_redriven"
@@ -134,7 +166,7 @@ STALE_WRITES: tuple[Event, ...] = (
 )
 #: Leases given back before expiry (the reasons ``release`` accepts).
 RELEASES: tuple[Event, ...] = (Event.RELEASED_ON_SHUTDOWN, Event.REJECTED_REQUEUE,
-                               Event.RELEASED_AFTER_LOCAL_LOSS)
+                               Event.RELEASED_AFTER_LOCAL_LOSS, Event.RELEASED_AFTER_OUTAGE)
 #: A job taken back from a crashed or lost worker: proof that recovery works on a store.
 RECOVERIES: tuple[Event, ...] = (Event.LEASE_TAKEN_OVER, Event.REAPED_EXPIRED_LEASE, Event.REDISPATCHED)
 #: A job that passed its id to a replacement (Task.replace()).

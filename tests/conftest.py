@@ -7,12 +7,20 @@ missing service into a failure. Service URLs come from the environment:
     CELERY_LEASE_TEST_MYSQL      mysql+pymysql://root@127.0.0.1:3306/test
     CELERY_LEASE_TEST_REDIS      redis://127.0.0.1:6379/0
     CELERY_LEASE_TEST_AMQP       amqp://guest:guest@127.0.0.1:5672//
+
+SQS is moto's server (``moto[server]``, a library of the test extra): ``sqs_url`` starts one
+of its own on a free local port for the session.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
+import socket
+import subprocess
+import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit, urlunsplit
@@ -110,6 +118,68 @@ def redis_url() -> str:
 @pytest.fixture(scope="session")
 def amqp_url() -> str:
     return require_service("RabbitMQ", service_url("amqp"))
+
+
+# kombu's SQS transport takes its endpoint from the broker URL's host and port; these
+# options make it speak plain HTTP to moto in moto's default region.
+SQS_TRANSPORT_OPTIONS = {"region": "us-east-1", "is_secure": False}
+SQS_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "AKID", "AWS_SECRET_ACCESS_KEY": "secret",
+                   "AWS_DEFAULT_REGION": "us-east-1"}
+SQS_START_TIMEOUT = 30  # seconds for moto's server to answer
+
+
+def _missing(name: str, reason: str) -> None:
+    if os.environ.get("CELERY_LEASE_REQUIRE_SERVICES"):
+        pytest.fail(f"{name}: {reason} (CELERY_LEASE_REQUIRE_SERVICES is set)", pytrace=False)
+    pytest.skip(f"{name}: {reason}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def sqs_url() -> Iterator[str]:
+    """``sqs://AKID:secret@127.0.0.1:P``: moto's SQS server, started here and stopped at the end.
+
+    Use it with ``SQS_TRANSPORT_OPTIONS``. Dummy ``AWS_*`` credentials are set in this process's
+    environment (and so in the workers it spawns) for the session.
+    """
+    wanted = ("moto.server", "boto3", "pycurl")
+    absent = [name for name in wanted if importlib.util.find_spec(name.split(".")[0]) is None]
+    if absent:
+        _missing("SQS (moto's server)", f"{', '.join(absent)} not installed: pip install -e '.[test]'")
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    saved = {key: os.environ.get(key) for key in SQS_CREDENTIALS}
+    os.environ.update(SQS_CREDENTIALS)
+    try:
+        deadline = time.monotonic() + SQS_START_TIMEOUT
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() >= deadline:
+                    _missing("SQS (moto's server)", f"did not answer on 127.0.0.1:{port} "
+                             f"within {SQS_START_TIMEOUT}s (exit code {proc.poll()})")
+                time.sleep(0.1)
+        yield f"sqs://AKID:secret@127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @pytest.fixture

@@ -62,6 +62,13 @@ class ReaperEnv:
             return [row[0] for row in c.execute(sa.select(r.c.pid).where(r.c.job_id == job_id,
                                                                          r.c.phase == "started"))]
 
+    def attempts(self, job_id: str) -> list[int]:
+        """The attempt number of each execution of ``job_id`` that started."""
+        r = self.runs
+        with self.store.begin() as c:
+            return [row[0] for row in c.execute(sa.select(r.c.attempt).where(r.c.job_id == job_id,
+                                                                             r.c.phase == "started"))]
+
     def status(self, job_id: str) -> str | None:
         job = self.store.get(job_id)
         return job.status if job else None

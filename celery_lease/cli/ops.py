@@ -26,12 +26,11 @@ def migrate(ctx: click.Context, as_sql: bool, to: str, as_json: bool) -> None:
     An empty store is created; a store made by the first release is recognised and
     stamped, not recreated. Workers only ever create an empty store themselves.
     """
-    from ..store import migrations
+    from ..store import migrating
 
     store = store_of(ctx)
     if as_sql:
-        revision, _ = store.schema_state()
-        echo(migrations.sql(store.url, store.prefix, to, start=revision), nl=False)
+        echo(migrating.sql(store, to), nl=False)
         return
     done = store.migrate(to)
     revision, _ = store.schema_state()

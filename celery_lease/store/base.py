@@ -16,6 +16,7 @@ from sqlalchemy.engine import Connection, Engine
 from .. import config
 from ..errors import StoreUnavailable
 from ..interrupt import uninterrupted
+from ..masking import mask_secrets
 from ..vocabulary import Event
 from . import dialects, schema
 from .rows import RUNNING, Job, fenced_status, status_sql
@@ -59,7 +60,8 @@ class StoreBase:
                  engine_options: Mapping[str, Any] | None = None, hard_grace: float | None = None,
                  stale_after: float | Callable[[], float] | None = None,
                  clock_tolerance: float | None = None,
-                 claim_async_commit: bool | None = None, publish_async_commit: bool | None = None) -> None:
+                 claim_async_commit: bool | None = None, publish_async_commit: bool | None = None,
+                 clock_offset: float = 0.0) -> None:
         """A store on ``url``; ``call_timeout`` bounds every call (seconds, see dialects.Bounds).
 
         The app-wide lease settings its statements apply (lease_reaper_hard_grace,
@@ -81,7 +83,7 @@ class StoreBase:
         self.revision: str | None = None  # the schema revision, once a check found it usable
         self.dialect = dialects.for_url(
             url, busy_timeout=_default("lease_sqlite_busy_timeout", busy_timeout),
-            synchronous=_default("lease_sqlite_synchronous", sqlite_synchronous))
+            synchronous=_default("lease_sqlite_synchronous", sqlite_synchronous), clock_offset=clock_offset)
         self.bounds = dialects.Bounds(call_timeout if call_timeout is not None else
                                       config.CALL_TIMEOUT_SHARE * config.BY_NAME["lease_duration"].default)
         self.long_bounds = dialects.Bounds(max(config.LONG_CALL_TIMEOUT, self.bounds.call))
@@ -202,7 +204,7 @@ class StoreBase:
 
     @property
     def safe_url(self) -> str:
-        return sa.engine.make_url(self.url).render_as_string(hide_password=True)
+        return mask_secrets(sa.engine.make_url(self.url).render_as_string(hide_password=True))
 
     def migrate(self, to: str = "head") -> list[str]:
         """Bring the schema to revision ``to`` (create, recognise, upgrade or downgrade); what was done."""

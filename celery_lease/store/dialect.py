@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
@@ -80,10 +81,16 @@ class Dialect:
     local_file: ClassVar[bool] = False  # the store lives on one host's disk
     minimums: ClassVar[Mapping[str, tuple[tuple[int, ...], str]]]  # server -> (version, why)
 
-    def __init__(self, url: sa.URL, *, busy_timeout: float = 30.0, synchronous: str = "FULL") -> None:
+    def __init__(self, url: sa.URL, *, busy_timeout: float = 30.0, synchronous: str = "FULL",
+                 clock_offset: float = 0.0) -> None:
+        """``clock_offset``: seconds added to the store's clock, a test seam for a stepped clock
+        (0, the default, leaves the SQL exactly as the family writes it)."""
+        if not math.isfinite(clock_offset):
+            raise ValueError(f"clock_offset must be a finite number of seconds, not {clock_offset!r}")
         self.url = url
         self.busy_timeout = busy_timeout
         self.synchronous = synchronous
+        self.clock_offset = float(clock_offset)
         self.server_label = self.name
 
     def __repr__(self) -> str:
@@ -99,8 +106,14 @@ class Dialect:
 
     # -- SQL --------------------------------------------------------------------
     def now(self) -> ColumnElement[float]:
-        """The current time on the store, in epoch seconds, as a SQL expression."""
-        return sa.literal_column(self.now_sql, type_=sa.Double())
+        """The current time on the store, in epoch seconds, as a SQL expression.
+
+        A clock offset is written into the text as a constant (no parameter), so that statements
+        compiled once for the driver keep it.
+        """
+        if not self.clock_offset:
+            return sa.literal_column(self.now_sql, type_=sa.Double())
+        return sa.literal_column(f"({self.now_sql} + ({self.clock_offset!r}))", type_=sa.Double())
 
     def upsert(self, table: sa.Table, values: Mapping[str, Any], update: tuple[str, ...]) -> Any:
         """INSERT ``values``, or on a primary-key conflict set the ``update`` columns to the new values."""

@@ -2,8 +2,9 @@
 
 An effect key is inserted only while its job's row still carries the caller's
 token: one ``INSERT ... SELECT`` from the jobs row, whose "nothing inserted" is
-told apart afterwards (the key exists, or the lease is gone). Resource locks are
-rows with their own token and an expiry on the store's clock.
+told apart afterwards (the key exists, or the lease is gone). The ``*_in`` statements run
+in the caller's transaction: on a SQLAlchemy Connection, or on Django's (caller.py). Resource
+locks are rows with their own token and an expiry on the store's clock.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from sqlalchemy.engine import Connection
 from ..errors import StoreUnavailable
 from ..vocabulary import EffectOutcome, Event
 from .base import StoreBase
+from .caller import for_caller, is_django
 
 __all__ = ["EffectStatements", "advance_statement"]
 
@@ -69,7 +71,7 @@ class EffectStatements(StoreBase):
             return LOST
 
     @contextlib.contextmanager
-    def _caller_errors(self, conn: Connection, what: str) -> Iterator[None]:
+    def _caller_errors(self, conn: Any, what: str) -> Iterator[None]:
         """Driver errors of the caller's connection, as the LeaseError they mean, naming the connection."""
         try:
             yield
@@ -78,7 +80,7 @@ class EffectStatements(StoreBase):
             raise type(error)(f"{what}: {error}; pass a connection to the lease store's database "
                               f"({self.safe_url}), migrated", **error.context) from exc
 
-    def record_effect_in(self, conn: Connection, key: str, job_id: str, token: str,
+    def record_effect_in(self, conn: Connection | Any, key: str, job_id: str, token: str,
                          worker: str | None = None) -> EffectOutcome:
         """Like record_effect, but the key is written in the caller's transaction on ``conn``.
 
@@ -88,9 +90,7 @@ class EffectStatements(StoreBase):
         store's own connection just before a plain insert of the key on ``conn``. Raises
         ValueError for a connection to another kind of database.
         """
-        if not self.dialect.speaks(conn.dialect.name):
-            raise ValueError(f"effect(connection=...) needs a connection to the lease store's database "
-                             f"({self.safe_url}); got a {conn.dialect.name} connection")
+        conn = self._caller(conn)
         what = f"effect {key!r}"
         if self.dialect.fence_locks_rows:
             with self.begin() as c:
@@ -110,7 +110,29 @@ class EffectStatements(StoreBase):
         with self.begin() as c:
             return self._duplicate_or_lost(c, key, job_id, token, worker)
 
-    def _duplicate_or_lost(self, c: Connection, key: str, job_id: str, token: str,
+    def _caller(self, conn: Any) -> Any:
+        """The caller's connection as the statements take it: SQLAlchemy's as is, Django's wrapped
+        (caller.py); ValueError for a connection to another kind of database."""
+        django = is_django(conn)
+        name = conn.vendor if django else conn.dialect.name
+        if not self.dialect.speaks(name):
+            raise ValueError(f"effect(connection=...) needs a connection to the lease store's database "
+                             f"({self.safe_url}); got a {name} connection")
+        if not django:
+            return conn
+        if self.revision is None:
+            self.ensure_schema()  # read on the store's own connection: Django's cannot run alembic
+        return for_caller(conn, self.engine.dialect)
+
+    def record_unfenced_effect_in(self, conn: Any, key: str, job_id: str) -> EffectOutcome:
+        """Insert ``key`` in the caller's transaction for a run that holds no lease (an eager run):
+        FIRST, or DUPLICATE when the key is recorded already."""
+        conn = self._caller(conn)
+        with self._caller_errors(conn, f"effect {key!r}"):
+            inserted = conn.execute(self._effect_insert(key, job_id, "", fenced=False))
+        return FIRST if inserted.rowcount == 1 else DUPLICATE
+
+    def _duplicate_or_lost(self, c: Any, key: str, job_id: str, token: str,
                            worker: str | None) -> EffectOutcome:
         """Why a fenced key insert wrote nothing: the key exists (DUPLICATE) or the lease is gone (LOST)."""
         if self._lease_held(c, job_id, token):
@@ -118,7 +140,7 @@ class EffectStatements(StoreBase):
         self._stale_effect(c, key, job_id, token, worker)
         return LOST
 
-    def _stale_effect(self, c: Connection, key: str, job_id: str, token: str, worker: str | None) -> None:
+    def _stale_effect(self, c: Any, key: str, job_id: str, token: str, worker: str | None) -> None:
         self._stale(c, job_id, Event.STALE_EFFECT_REJECTED, worker, token,
                     {"key": key, "in_transaction": True})
 
@@ -143,9 +165,10 @@ class EffectStatements(StoreBase):
                         {"key": key, "error": reason})
             return False
 
-    def unrecord_effect_in(self, conn: Connection, key: str, job_id: str) -> bool:
+    def unrecord_effect_in(self, conn: Connection | Any, key: str, job_id: str) -> bool:
         """Take back a key this transaction wrote on ``conn`` (its block failed; nobody saw it yet)."""
         e = self.t.effects
+        conn = self._caller(conn)
         with self._caller_errors(conn, f"effect {key!r}"):
             return conn.execute(sa.delete(e).where(e.c.key == key, e.c.job_id == job_id)).rowcount == 1
 

@@ -11,7 +11,7 @@ from sqlalchemy.engine import Connection
 
 from ..config import RECOVERY
 from ..errors import StoreConflict, StoreUnavailable
-from ..vocabulary import ClaimOutcome, Event
+from ..vocabulary import ClaimOutcome, Event, LossReason
 from .base import RESULT_REVISION, where_given
 from .publishes import PublishStatements
 from .rows import COMPLETED, FAILED, PENDING, RUNNING, Claim, ClaimTerms, Job, fenced_status
@@ -320,12 +320,13 @@ class JobStatements(PublishStatements):
 
     def describe_loss(self, job_id: str, token: str, worker: str | None = None) -> tuple[str, str | None]:
         """Why a lease was not renewed (vanished, taken over, requeued, finished); audited."""
+        reason: str
         with self.begin() as c:
             job = self._job(c, job_id)
             if job is None:
-                reason, owner = "vanished", None
+                reason, owner = LossReason.VANISHED, None
             elif job.status == RUNNING:
-                reason, owner = "taken_over", job.locked_by
+                reason, owner = LossReason.TAKEN_OVER, job.locked_by
             else:
                 reason, owner = f"now {job.status}", job.locked_by
             self._event(c, job_id, Event.LEASE_LOST, reason, worker, token,

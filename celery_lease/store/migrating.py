@@ -3,6 +3,8 @@
 - ``migrate(store, to)`` (``celery lease migrate``): create an empty store at the newest
   revision, stamp a first-release store that has no version table as 0001, then
   upgrade or downgrade to ``to``.
+- ``sql(store, to)`` (``celery lease migrate --sql``): the DDL that would move the store
+  from its revision to ``to``, for a DBA; nothing when it is there already.
 - ``ensure(store, create)``: what a process checks before it uses the store. A worker
   start (``create=True``) creates an empty store; nobody upgrades an existing schema
   implicitly; a schema outside the revisions this code runs against is refused with one
@@ -17,10 +19,10 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from .. import __version__
-from ..errors import LeaseConfigError, SchemaMismatch, StoreUnavailable
+from ..errors import LeaseConfigError, SchemaMismatch, StoreRejected, StoreUnavailable
 from . import migrations
 
-__all__ = ["migrate", "ensure", "describe"]
+__all__ = ["migrate", "sql", "ensure", "describe"]
 
 log = logging.getLogger(__name__)
 MIGRATE_HINT = "run `celery -A proj lease migrate`"
@@ -69,12 +71,18 @@ def _recognise_first_release(conn: Connection, prefix: str) -> list[str]:
     return done
 
 
-def _migrate(conn: Connection, store: object, to: str) -> list[str]:
-    prefix = store.prefix  # type: ignore[attr-defined]
+def _target(to: str) -> str:
+    """The revision ``to`` names ("head": the newest); LeaseConfigError for one that is none."""
     target = migrations.head() if to == "head" else to
     if target not in migrations.revisions():
         raise LeaseConfigError("--to", to, "is not a schema revision",
                                "Revisions: " + ", ".join(migrations.revisions()))
+    return target
+
+
+def _migrate(conn: Connection, store: object, to: str) -> list[str]:
+    prefix = store.prefix  # type: ignore[attr-defined]
+    target = _target(to)
     revision = migrations.current(conn, prefix)
     if revision is None and not _has_tables(conn, prefix):
         if target == migrations.head():
@@ -109,16 +117,33 @@ def migrate(store: object, to: str = "head") -> list[str]:
             break
         except (SchemaMismatch, LeaseConfigError):
             raise
-        except StoreUnavailable as exc:
-            # Two processes creating one empty store race; the loser looks again and finds
-            # the schema made (MySQL's DDL is not transactional, so it cannot wait for it).
+        except (StoreUnavailable, StoreRejected) as exc:
+            # Two processes creating one empty store race (the loser's CREATE is refused: a
+            # table or version row that exists); the loser looks again and finds the schema
+            # made (MySQL's DDL is not transactional, so it cannot wait for it).
             if attempt == 2:
-                raise StoreUnavailable(
-                    f"cannot migrate lease store {store.safe_url}: {exc}"  # type: ignore[attr-defined]
-                ) from exc
+                raise type(exc)(
+                    f"cannot migrate lease store {store.safe_url}: {exc}",  # type: ignore[attr-defined]
+                    **exc.context) from exc
             log.debug("migrate raced (%s); looking again", exc)
     store.revision = None  # type: ignore[attr-defined]
     return done
+
+
+def sql(store: object, to: str = "head") -> str:
+    """The DDL that moves the store from its revision to ``to``, read without changing it.
+
+    An empty store gets the script from nothing; a first-release store (tables, no version
+    table) the script from 0001; a store at ``to`` already an SQL comment saying so.
+    """
+    target = _target(to)
+    revision, has_tables = describe(store)
+    if revision is None and has_tables:
+        revision = migrations.FIRST
+    if revision == target:
+        return f"-- lease store already at revision {target}: nothing to run\n"
+    url, prefix = store.url, store.prefix  # type: ignore[attr-defined]
+    return migrations.sql(url, prefix, target, start=revision)
 
 
 def describe(store: object) -> tuple[str | None, bool]:

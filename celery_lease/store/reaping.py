@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -21,12 +22,13 @@ from sqlalchemy.engine import Connection
 
 from ..errors import StoreConflict
 from ..vocabulary import Event
-from .base import StoreBase
+from .base import RUNS_REVISION, StoreBase
 from .rows import COMPLETED, FAILED, PENDING, RUNNING, Job, fenced_status, status_sql
 
-__all__ = ["ReaperStatements", "Expired", "REAPER_LOCK"]
+__all__ = ["ReaperStatements", "Expired", "REAPER_LOCK", "REAPER_CLOCK"]
 
 REAPER_LOCK = "celery_lease.reaper"
+REAPER_CLOCK = "reaper_clock"  # meta key: the last run's view of the store's clock and of its hold
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,6 +225,50 @@ class ReaperStatements(StoreBase):
             row = c.execute(sa.select(k.c.owner, (k.c.expires_at - self.now_sql).label("left"))
                             .where(k.c.resource == REAPER_LOCK, k.c.expires_at >= self.now_sql)).first()
         return None if row is None else (row.owner, float(row.left))
+
+    # -- the reaper's view of the store's clock -----------------------------------------
+    def reaper_clock(self) -> dict[str, Any] | None:
+        """What the last reaper run recorded of the store's clock (see reaper.py ``ClockGuard``);
+        None before any run, or on a schema without the meta table."""
+        if not self.at_least(RUNS_REVISION):
+            return None
+        m = self.t.meta
+        with self.begin(read=True) as c:
+            value = c.execute(sa.select(m.c.value).where(m.c.key == REAPER_CLOCK)).scalar()
+        try:
+            state = json.loads(value) if value else None
+        except ValueError:
+            return None  # unreadable: judged as no history, and overwritten by this run
+        return state if isinstance(state, dict) else None
+
+    def record_reaper_clock(self, state: dict[str, Any], *, held_back: str | None = None,
+                            owner: str | None = None, step_back: bool = False) -> bool:
+        """Record this run's view of the clock; with ``held_back`` (the reason) also the hold's one
+        audit event, and with ``step_back`` clamp what a clock that stepped back left in its future.
+
+        After a backward step, a lease renewed on the old clock expires further ahead than any
+        renewal could set now; it is brought back to ``now + lease_duration`` (a renewal made
+        after the step is never beyond that, so it is untouched), and a registry row seen "in the
+        future" to now, so that a dead owner's job is not delayed by the step. False, writing
+        nothing, on a schema without the meta table.
+        """
+        if not self.at_least(RUNS_REVISION):
+            return False
+        j, w = self.t.jobs, self.t.workers
+        with self.begin() as c:
+            c.execute(self.dialect.upsert(self.t.meta, {"key": REAPER_CLOCK, "value": json.dumps(state),
+                                                         "updated_at": self.now_sql},
+                                          update=("value", "updated_at")))
+            if step_back:
+                horizon = self.now_sql + j.c.lease_duration
+                c.execute(sa.update(j).where(j.c.status == status_sql(RUNNING),
+                                             j.c.lease_duration.is_not(None), j.c.lease_expires_at > horizon)
+                          .values(lease_expires_at=horizon))
+                c.execute(sa.update(w).where(w.c.last_seen_at > self.now_sql)
+                          .values(last_seen_at=self.now_sql))
+            if held_back is not None:
+                self._event(c, None, Event.REAPER_HELD_BACK, held_back, owner, detail=state)
+        return True
 
     # -- pruning (bounded batches) ----------------------------------------------------
     def _delete_ids(self, table: sa.Table, key: sa.Column, where: sa.ColumnElement[bool], limit: int) -> int:

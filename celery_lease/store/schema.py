@@ -49,6 +49,12 @@ def _key() -> sa.types.TypeEngine:
     return sa.String(ID).with_variant(mysql.VARCHAR(ID, collation="utf8mb4_bin"), "mysql", "mariadb")
 
 
+def _long_text() -> sa.types.TypeEngine:
+    # A message, result, checkpoint or error: MySQL/MariaDB's TEXT holds 64 KB, LONGTEXT what
+    # Celery carries (revision 0007); the other databases' TEXT has no such limit.
+    return sa.Text().with_variant(mysql.LONGTEXT(), "mysql", "mariadb")
+
+
 def _time(name: str, nullable: bool = True) -> sa.Column:
     return sa.Column(name, sa.Double(), nullable=nullable)
 
@@ -62,7 +68,7 @@ def tables(prefix: str = "celery_lease_") -> Tables:
         sa.Column("id", sa.String(ID), primary_key=True),
         sa.Column("queue_name", sa.String(ID), nullable=True),
         sa.Column("task_name", sa.String(ID), nullable=False),
-        sa.Column("payload", sa.Text(), nullable=True),
+        sa.Column("payload", _long_text(), nullable=True),
         sa.Column("status", sa.String(16), nullable=False),
         sa.Column("attempt_count", sa.Integer(), nullable=False, default=0),
         sa.Column("expired_count", sa.Integer(), nullable=False, default=0),
@@ -79,8 +85,8 @@ def tables(prefix: str = "celery_lease_") -> Tables:
         sa.Column("locked_by", sa.String(ID), nullable=True),
         sa.Column("lock_token", sa.String(64), nullable=True),
         sa.Column("idempotency_key", _key(), nullable=True),
-        sa.Column("checkpoint", sa.Text(), nullable=True),
-        sa.Column("last_error", sa.Text(), nullable=True),
+        sa.Column("checkpoint", _long_text(), nullable=True),
+        sa.Column("last_error", _long_text(), nullable=True),
         _time("created_at", nullable=False),
         _time("updated_at", nullable=False),
         # The recovery policy of the task that recorded or claimed the job (revision 0002), so
@@ -94,7 +100,7 @@ def tables(prefix: str = "celery_lease_") -> Tables:
         sa.Column("dispatch_timeout", sa.Double(), nullable=True),
         # A completed job's return value, encoded by the result serializer (revision 0005):
         # read only when a crash interrupted Celery's post-run work.
-        sa.Column("result", sa.Text(), nullable=True),
+        sa.Column("result", _long_text(), nullable=True),
         sa.UniqueConstraint("idempotency_key", name=f"{p}jobs_idempotency_key_uq"),
         sa.CheckConstraint(
             "status IN ('pending', 'running', 'completed', 'failed')", name=f"{p}jobs_status_ck"

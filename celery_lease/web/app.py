@@ -2,8 +2,9 @@
 
 Flask renders plain HTML on the server (Jinja escapes every value a job carries) and serves the
 package's own CSS and JavaScript; waitress is a production WSGI server in pure Python, with
-threads for a few operators and a ``url_prefix`` for a reverse proxy. Every page goes through
-:func:`celery_lease.masking.mask_secrets` on its way out, as the CLI's output does.
+threads for a few operators and a ``url_prefix`` for a reverse proxy. Every value a page shows
+goes through :func:`celery_lease.masking.mask_secrets` before Jinja escapes it into the page
+(the environment's ``finalize``), as the CLI's output does; the rendered HTML is never rewritten.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import dataclasses
 import hmac
 from typing import Any
 
-from flask import Flask, Response, g, redirect, render_template, request
+from flask import Flask, g, redirect, render_template, request
+from jinja2 import Undefined
+from markupsafe import Markup
 from werkzeug.exceptions import HTTPException
 
 from ..config import app_config
@@ -22,12 +25,11 @@ from ..recovery import AmbiguousJobId, RecoveryRefused
 from ..store import Store
 from .security import COOKIE, CSRF_FIELD, Guard
 
-__all__ = ["Console", "create_app", "make_server", "console"]
+__all__ = ["Console", "create_app", "make_server", "console", "shown"]
 
 THREADS = 4  # requests served at once: a few operators and their pages' refreshes
 TITLES = {400: "Not understood", 403: "Refused", 404: "Not found", 409: "Refused",
           503: "Lease store unavailable"}
-TEXT = ("text/html", "application/json", "text/plain")  # answers masked on their way out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +73,7 @@ def create_app(celery_app: Any, store: Store, *, allow_actions: bool = False) ->
     guard = web.extensions["celery_lease"].guard
     web.before_request(guard.check)
     web.after_request(guard.secure)
-    web.after_request(_masked)
+    web.jinja_env.finalize = shown
     register_filters(web)
 
     @web.context_processor
@@ -113,11 +115,15 @@ def create_app(celery_app: Any, store: Store, *, allow_actions: bool = False) ->
     return web
 
 
-def _masked(response: Response) -> Response:
-    """No store password leaves in a page or a JSON answer, whatever text carried it."""
-    if not response.direct_passthrough and response.mimetype in TEXT:
-        response.set_data(mask_secrets(response.get_data(as_text=True)))
-    return response
+def shown(value: Any) -> Any:
+    """A template value as a page shows it: any secret of a URL in its text masked.
+
+    Jinja calls it on each ``{{ ... }}`` value before escaping it; markup the templates built
+    themselves (a Markup value) passes as it is.
+    """
+    if value is None or isinstance(value, (Markup, Undefined, bool, int, float)):
+        return value
+    return mask_secrets(value if isinstance(value, str) else str(value))
 
 
 def make_server(web: Flask, host: str, port: int, url_prefix: str = "") -> Any:

@@ -5,9 +5,10 @@ BROKER_APP_PREFIX, BROKER_APP_EXTEND (1/0: lease_extend_visibility), BROKER_APP_
 visibility timeout, seconds), BROKER_APP_COUNTERS (a Redis URL for the counters),
 BROKER_APP_QUEUE (the default queue), BROKER_APP_TIME_LIMIT (the task's time limit, seconds)
 BROKER_APP_CONSUMER_TIMEOUT (lease_rabbitmq_consumer_timeout, seconds), BROKER_APP_LEASE
-(lease_duration, seconds; the call bound is a third of it) and BROKER_APP_KEYPREFIX:
+(lease_duration, seconds; the call bound is a third of it), BROKER_APP_KEYPREFIX:
 kombu's ``global_keyprefix`` and the counters' prefix, so that concurrent runs sharing the
-Redis database do not see each other's keys.
+Redis database do not see each other's keys, and BROKER_APP_TRANSPORT (a JSON object merged
+into ``broker_transport_options``: an SQS endpoint's region, queue name prefix, polling).
 
 Counters, per job id (after the key prefix): ``delivered:<id>`` and ``redelivered:<id>`` in the
 main process for every message received (task_received); ``executed:<id>`` for every request
@@ -17,6 +18,7 @@ that reached the pool (task_prerun, whether the lease then ran the body or skipp
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -40,6 +42,7 @@ DEFAULTS = {
     "BROKER_APP_CONSUMER_TIMEOUT": "",
     "BROKER_APP_LEASE": "1",
     "BROKER_APP_KEYPREFIX": "",
+    "BROKER_APP_TRANSPORT": "{}",
 }
 
 
@@ -76,6 +79,7 @@ def make_app(env: Mapping[str, str]) -> tuple[Celery, Counters]:
             "visibility_timeout": float(conf["BROKER_APP_VT"]),
             "unacked_restore_interval": 1, "unacked_restore_throttle": 1,
             **({"global_keyprefix": conf["BROKER_APP_KEYPREFIX"]} if conf["BROKER_APP_KEYPREFIX"] else {}),
+            **json.loads(conf["BROKER_APP_TRANSPORT"]),
         },
         broker_connection_retry_on_startup=True, task_default_queue=conf["BROKER_APP_QUEUE"],
         lease_rabbitmq_consumer_timeout=float(conf["BROKER_APP_CONSUMER_TIMEOUT"] or 0) or None,

@@ -315,3 +315,29 @@ def test_concurrent_publishers_of_one_key_make_one_job(app, broker):
         t.join()
     assert len(set(ids)) == 1
     assert broker[1].llen("celery") == 1
+
+
+def test_a_result_the_store_cannot_keep_is_not_kept_and_the_job_still_completes(broker, mysql_url):
+    """A MySQL/MariaDB schema of revision 0006 (TEXT, 64 KB) refuses a 70 KB return value: the
+    completion is written without it (the kept result only serves a crash's post-run work), never
+    deferred and retried at every beat, and Celery stores the result as plain Celery does."""
+    from celery_lease import runtime
+
+    app = make_app(broker[0], mysql_url, result_extended=True)
+    store = for_app(app, check=False)
+    store.migrate(to="0006")
+
+    @app.task(base=LeaseTask, bind=True, shared=False, name="t.big_result")
+    def big_result(self):
+        return "r" * 70_000
+
+    try:
+        with start_worker(app, pool="threads", concurrency=1, perform_ping_check=False):
+            result = big_result.delay()
+            assert result.get(timeout=15) == "r" * 70_000
+            deferred = [held for rt in runtime.in_process() for held in rt.leases() if rt.is_deferred(held)]
+            assert deferred == []
+            job = store.get(result.id)
+            assert (job.status, store.kept_result(result.id)) == ("completed", None)
+    finally:
+        drop_app_store(app)

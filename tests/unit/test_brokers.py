@@ -1,8 +1,8 @@
 """The visibility extension: extenders, what a worker holds, the keeper's rounds and the bootstep.
 
 Redis parts run against the real Redis (db 9) through kombu's own channel, and kombu's own
-``restore_visible`` decides what comes back. SQS is not reachable here: its extender is
-tested with a recording stand-in for kombu's SQS channel.
+``restore_visible`` decides what comes back. The SQS extender runs against moto's SQS server
+through kombu's SQS channel; its batching per queue is shown with a recording stand-in.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from celery_lease.brokers import (
     held_messages,
 )
 from celery_lease.store import ClaimTerms, Store, for_app
-from tests.conftest import prefixed_redis, unique_prefix
+from tests.conftest import SQS_TRANSPORT_OPTIONS, prefixed_redis, unique_prefix
 from tests.helpers import wait_for
 
 REDIS_DB = 9
@@ -162,6 +162,39 @@ def test_sqs_extender_changes_visibility_in_batches_of_ten_per_queue(caplog, mon
     first = channel.calls[0][2][0]
     assert first == {"Id": "0", "ReceiptHandle": "rh0", "VisibilityTimeout": 1800}
     assert "ReceiptHandleIsInvalid" in caplog.text
+
+
+def test_sqs_extender_changes_held_messages_on_moto_and_reports_a_gone_one_once(sqs_url, caplog, monkeypatch):
+    logger = logging.getLogger("celery_lease.brokers")
+    monkeypatch.setattr(logger, "disabled", False)
+    monkeypatch.setattr(logger, "propagate", True)
+    caplog.set_level(logging.WARNING, logger="celery_lease.brokers")
+    options = {**SQS_TRANSPORT_OPTIONS, "queue_name_prefix": unique_prefix().replace("_", "-"),
+               "visibility_timeout": 30, "wait_time_seconds": 0}
+    with kombu.Connection(sqs_url, transport_options=options) as conn:
+        channel = conn.default_channel
+        queue = kombu.Queue("vis.jobs", kombu.Exchange("vis.jobs"), routing_key="vis.jobs")(channel)
+        queue.declare()
+        for n in range(2):
+            kombu.Producer(channel).publish({"n": n}, exchange="vis.jobs", routing_key="vis.jobs")
+        kept, gone = queue.get(no_ack=False), queue.get(no_ack=False)
+        assert queue.get(no_ack=False) is None  # both hidden for the queue's 30 s
+        extender = extender_for(channel)
+        assert isinstance(extender, SQSExtender)
+        held = [Held(name, m.delivery_tag, m.delivery_info) for name, m in (("kept", kept), ("gone", gone))]
+        assert extender.extend(held) == 2
+        # Deleted through its receipt, as an ack of a worker that held an older receipt does.
+        channel.sqs().delete_message(QueueUrl=gone.delivery_info["sqs_queue"],
+                                     ReceiptHandle=gone.delivery_info["sqs_message"]["ReceiptHandle"])
+        assert [extender.extend(held) for _ in range(3)] == [1, 1, 1]
+        assert caplog.text.count("SQS refused to extend") == 1
+        # The change reaches the message itself: visible again at once with a timeout of 0.
+        extender.visibility_timeout = 0
+        assert extender.extend(held[:1]) == 1
+        again = queue.get(no_ack=False)
+        assert again is not None and again.payload == kept.payload
+        for message in (kept, gone, again):  # nothing left for kombu to restore on close
+            message.ack()
 
 
 def test_extender_for_picks_the_transport_and_ignores_those_without_a_visibility_timeout(redis9):

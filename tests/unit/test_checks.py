@@ -268,6 +268,16 @@ def test_each_rule_reports_its_bad_config_with_the_fix(sqlite_store, app_kw, pre
     assert finding.why  # every finding says why it matters
 
 
+def test_lease_check_reports_every_config_problem_with_a_fix_naming_it_as_written(sqlite_store):
+    findings = run_checks(make_app(lease_duraton=60, lease_heartbeat_intervl=5), baseline_store(sqlite_store))
+    assert [(f.code, f.settings, f.fix) for f in problems(findings)] == [
+        ("config_invalid", ("lease_duraton",), "rename lease_duraton to lease_duration"),
+        ("config_invalid", ("lease_heartbeat_intervl",),
+         "rename lease_heartbeat_intervl to lease_heartbeat_interval"),
+    ]
+    assert "Did you mean lease_duration?" in problems(findings)[0].why
+
+
 def test_an_unreachable_store_is_an_error_and_store_questions_are_not_guessed():
     store = Store("postgresql+psycopg://postgres@127.0.0.1:1/nowhere", unique_prefix())
     findings = run_checks(make_app(), store)
@@ -389,16 +399,96 @@ def test_crash_tests_warn_until_a_recovery_is_recorded(sqlite_store):
 
 
 def test_sqs_warns_when_long_jobs_outlive_its_visibility_and_the_extension_is_off(sqlite_store):
-    from celery_lease.broker_checks import broker_rules
-
     for extend, expected in ((False, "warning"), (True, "ok")):
-        app = make_app("sqs://", lease_extend_visibility=extend,
-                       broker_transport_options={"visibility_timeout": 10})
+        # Nothing listens on port 9: the queue's own attributes cannot be read.
+        app = make_app("sqs://AKID:secret@127.0.0.1:9", lease_extend_visibility=extend,
+                       broker_transport_options={"visibility_timeout": 10, "is_secure": False})
         ctx = Context(app, app_config(app), baseline_store(sqlite_store))
         assert ctx.transport == "sqs"
-        (finding,) = broker_rules(ctx)
-        assert (finding.level, finding.code) == (expected, "sqs_visibility")
-    assert finding.why == "held messages get ChangeMessageVisibility while leased"
+        visibility, queue = sqs_finding(ctx, "sqs_visibility"), sqs_finding(ctx, "sqs_queue")
+        assert (visibility.level, queue.level) == (expected, "warning")
+    assert visibility.why == "held messages get ChangeMessageVisibility while leased"
+    assert queue.why.startswith("queue celery: its attributes could not be read")
+
+
+def sqs_finding(ctx: Context, code: str | None = None, level: str | None = None) -> Finding:
+    """The one SQS finding of ``code`` (or of ``level``) that the broker rules give."""
+    from celery_lease.broker_checks import broker_rules
+
+    found = [f for f in broker_rules(ctx) if code in (None, f.code) and level in (None, f.level)]
+    assert len(found) == 1, f"expected one {code or level} finding, got {found}"
+    return found[0]
+
+
+def sqs_queue(sqs_url: str, name: str, visibility: int, max_receives: int | None) -> None:
+    """Create ``name`` on moto's SQS server with its visibility timeout and redrive policy."""
+    import boto3
+
+    client = boto3.client("sqs", endpoint_url=f"http://127.0.0.1:{sqs_url.rsplit(':', 1)[1]}",
+                          region_name="us-east-1")
+    attributes = {"VisibilityTimeout": str(visibility)}
+    if max_receives is not None:
+        dlq = client.create_queue(QueueName=f"{name}-dlq")["QueueUrl"]
+        arn = client.get_queue_attributes(QueueUrl=dlq, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+        attributes["RedrivePolicy"] = json.dumps({"deadLetterTargetArn": arn,
+                                                  "maxReceiveCount": max_receives})
+    client.create_queue(QueueName=name, Attributes=attributes)
+
+
+@pytest.mark.parametrize(("queue_vt", "max_receives", "extend", "level", "first"), [
+    (60, 3, True, "warning", "SQS ends the job first"),  # 3 receives <= 5 attempts
+    (60, 5, True, "warning", "SQS ends the job first"),  # as many receives as attempts: the skips count
+    (60, 6, True, "ok", "the lease ends the job first"),
+    (60, None, True, "ok", "no redrive policy"),
+    (10, 2, False, "error", "SQS ends the job first: without the extension one run of 30s is received 3"),
+    (10, 6, False, "ok", "the lease ends the job first"),  # 3 receives a run, 6 allowed
+], ids=["receives-below-attempts", "receives-equal-attempts", "receives-above-attempts", "no-redrive",
+        "no-extension-redrive-mid-run", "no-extension-receives-to-spare"])
+def test_sqs_check_says_whether_the_redrive_or_the_lease_ends_a_job_first(
+        sqs_url, sqlite_store, queue_vt, max_receives, extend, level, first):
+
+    prefix = unique_prefix().replace("_", "-")
+    sqs_queue(sqs_url, f"{prefix}celery", queue_vt, max_receives)
+    app = make_app(sqs_url, lease_extend_visibility=extend, lease_max_attempts=5,
+                   broker_transport_options={"region": "us-east-1", "is_secure": False,
+                                             "queue_name_prefix": prefix, "visibility_timeout": queue_vt})
+    ctx = Context(app, app_config(app), baseline_store(sqlite_store))
+    finding = sqs_finding(ctx, "sqs_queue")
+    assert (finding.level, finding.settings) == (level, ("VisibilityTimeout", "maxReceiveCount",
+                                                         "lease_max_attempts"))
+    assert first in finding.why and "c.work" in finding.why
+    assert finding.values["queue_visibility_timeout"] == queue_vt
+    assert finding.values["max_receive_count"] == max_receives
+    assert finding.values["lease_max_attempts"] == 5
+
+
+def test_sqs_check_finds_a_queue_that_hides_messages_for_less_than_the_first_extension(sqs_url, sqlite_store):
+
+    prefix = unique_prefix().replace("_", "-")
+    sqs_queue(sqs_url, f"{prefix}celery", 30, None)  # an existing queue keeps its own 30 s
+    app = make_app(sqs_url, broker_transport_options={"region": "us-east-1", "is_secure": False,
+                                                      "queue_name_prefix": prefix, "visibility_timeout": 600})
+    ctx = Context(app, app_config(app), baseline_store(sqlite_store))
+    error = sqs_finding(ctx, level="error")
+    assert error.code == "sqs_queue"
+    assert error.values["refresh_every"] == 150.0 and error.values["queue_visibility_timeout"] == 30.0
+    assert error.fix == (f"set {VT} to the queue's VisibilityTimeout (30), or raise the queue's "
+                         "VisibilityTimeout above 150s")
+
+
+def test_sqs_check_names_a_job_that_outlives_the_12_hour_visibility_ceiling(sqlite_store):
+
+    app = make_app("sqs://AKID:secret@127.0.0.1:9", tasks={"c.work": {"time_limit": 30},
+                                                           "c.nightly": {"lease_max_runtime": 50000.0}},
+                   broker_transport_options={"is_secure": False})
+    ctx = Context(app, app_config(app), baseline_store(sqlite_store))
+    finding = sqs_finding(ctx, "sqs_visibility_ceiling")
+    assert finding.level == "warning"
+    assert finding.values["task"] == "c.nightly" and finding.values["ceiling"] == 43200.0
+    assert finding.why.startswith("task c.nightly may run 50000s, past SQS's 12-hour visibility ceiling")
+    ok = make_app("sqs://AKID:secret@127.0.0.1:9", broker_transport_options={"is_secure": False})
+    finding = sqs_finding(Context(ok, app_config(ok), baseline_store(sqlite_store)), "sqs_visibility_ceiling")
+    assert finding.level == "ok"
 
 
 def test_percentile_is_nearest_rank():

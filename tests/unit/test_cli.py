@@ -125,6 +125,24 @@ def test_migrate_sql_prints_the_ddl_and_changes_nothing(tmp_path, monkeypatch):
     assert not store_file.exists() or b"jobs" not in store_file.read_bytes()
 
 
+def test_migrate_sql_on_an_existing_store_prints_the_upgrade_from_its_revision(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPS_STORE", f"sqlite:///{tmp_path / 'old.sqlite3'}")
+    monkeypatch.setenv("OPS_PREFIX", unique_prefix())
+    monkeypatch.setenv("OPS_BROKER", "memory://")
+    run = CliRunner().invoke
+    previous = migrations.revisions()[-2]
+    assert run(celery, ["-A", "tests.apps.ops_app", "lease", "migrate", "--to", previous]).exit_code == 0
+
+    upgrade = run(celery, ["-A", "tests.apps.ops_app", "lease", "migrate", "--sql"])
+    assert upgrade.exit_code == 0, upgrade.output
+    assert f"Running upgrade {previous} -> {migrations.head()}" in upgrade.output
+    assert "Running upgrade  -> 0001" not in upgrade.output
+    run(celery, ["-A", "tests.apps.ops_app", "lease", "migrate"])
+    at_head = run(celery, ["-A", "tests.apps.ops_app", "lease", "migrate", "--sql"])
+    assert at_head.exit_code == 0, at_head.output
+    assert f"already at revision {migrations.head()}: nothing to run" in at_head.output
+
+
 def test_migrate_to_an_older_revision_rolls_back_and_forward(tmp_path, monkeypatch):
     monkeypatch.setenv("OPS_STORE", f"sqlite:///{tmp_path / 'new.sqlite3'}")
     monkeypatch.setenv("OPS_PREFIX", unique_prefix())

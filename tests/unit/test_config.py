@@ -8,7 +8,7 @@ import pytest
 from celery import Celery
 
 from celery_lease import config
-from celery_lease.errors import LeaseConfigError
+from celery_lease.errors import LeaseConfigError, LeaseConfigErrors
 from celery_lease.masking import MASK
 
 # One value per setting that its rule rejects. test_every_setting_has_a_bad_value
@@ -136,13 +136,22 @@ def test_integer_durations_become_floats():
 
 def test_unknown_lease_key_is_rejected_listing_the_valid_keys():
     with pytest.raises(LeaseConfigError) as info:
-        config.app_config(make_app(lease_duraton=60))
+        config.app_config(make_app(lease_frobnicate=60))
 
     message = str(info.value)
-    assert info.value.setting == "lease_duraton"
+    assert info.value.setting == "lease_frobnicate"
     assert "unknown" in message
     for setting in config.SETTINGS:
         assert setting.name in message
+
+
+def test_a_misspelled_setting_is_named_as_written_with_the_closest_valid_name():
+    with pytest.raises(LeaseConfigError) as info:
+        config.app_config(make_app(lease_duraton=60))
+
+    assert info.value.setting == "lease_duraton"
+    assert "Did you mean lease_duration?" in str(info.value)
+    assert config.fix_for(info.value) == "rename lease_duraton to lease_duration"
 
 
 def test_heartbeat_interval_above_a_third_of_the_duration_is_rejected():
@@ -363,14 +372,37 @@ def test_bad_namespaced_setting_is_rejected_under_its_lease_name():
     assert info.value.setting == "lease_max_attempts"
 
 
-def test_unknown_namespaced_lease_setting_is_rejected():
+def test_unknown_namespaced_lease_setting_is_named_as_django_spells_it():
     class Typo(DjangoSettings):
         CELERY_LEASE_DURATON = 60
 
     with pytest.raises(LeaseConfigError) as info:
         config.app_config(namespaced_app(Typo))
-    assert info.value.setting == "lease_duraton"
-    assert "lease_duration" in str(info.value)
+    assert info.value.setting == "CELERY_LEASE_DURATON"
+    assert str(info.value).startswith("CELERY_LEASE_DURATON=60 is invalid: unknown celery_lease setting")
+    assert "Did you mean CELERY_LEASE_DURATION?" in str(info.value)
+    assert config.fix_for(info.value) == "rename CELERY_LEASE_DURATON to CELERY_LEASE_DURATION"
+
+
+def test_every_bad_setting_is_reported_at_once():
+    class Typos(DjangoSettings):
+        CELERY_LEASE_DURATON = 60
+        CELERY_LEASE_HEARTBEAT_INTERVL = 5
+        CELERY_LEASE_MAX_ATTEMPTS = 0
+
+    with pytest.raises(LeaseConfigErrors) as info:
+        config.app_config(namespaced_app(Typos))
+    problems = config.problems_of(info.value)
+    assert [p.setting for p in problems] == ["CELERY_LEASE_DURATON", "CELERY_LEASE_HEARTBEAT_INTERVL",
+                                             "lease_max_attempts"]
+    assert info.value.setting == "CELERY_LEASE_DURATON"  # the first problem's
+    assert "Set as CELERY_LEASE_MAX_ATTEMPTS" in str(problems[2])
+    assert [config.fix_for(p) for p in problems] == [
+        "rename CELERY_LEASE_DURATON to CELERY_LEASE_DURATION",
+        "rename CELERY_LEASE_HEARTBEAT_INTERVL to CELERY_LEASE_HEARTBEAT_INTERVAL",
+        "set lease_max_attempts to an integer >= 1"]
+    for problem in problems:
+        assert str(problem) in str(info.value)
 
 
 def test_shortest_lease_takes_the_least_of_setting_queue_policies_and_task_options():

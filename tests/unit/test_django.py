@@ -3,18 +3,39 @@ and publish once the transaction commits, and an idempotency key still publishes
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import importlib.util
+import shutil
 import sys
+import tempfile
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 from celery import Celery
 
 from celery_lease import LeaseTask
-from tests.conftest import drop_app_store, migrated_store, unique_prefix
+from tests.conftest import drop_app_store, migrated_store, service_url, unique_prefix
+from tests.helpers import wait_for
 
 django = pytest.importorskip("django")
 # DjangoTask exists from Celery 5.4; the floor-versions run has 5.3, where only the refusal applies.
 HAS_DJANGO_TASK = importlib.util.find_spec("celery.contrib.django") is not None
+
+
+# Django's settings are process-wide: one configuration for the module, three databases, each
+# also the lease store of the tests on it (the SQLite file, PostgreSQL's and MariaDB's `test`).
+SQLITE_DIR = tempfile.mkdtemp(prefix="celery_lease_django_")
+atexit.register(shutil.rmtree, SQLITE_DIR, True)
+SQLITE_FILE = Path(SQLITE_DIR) / "db.sqlite3"
+MODEL_TABLE = f"{unique_prefix()}order"
+
+
+def _server_database(service: str, engine: str, port: int) -> dict:
+    url = urlsplit(service_url(service))
+    return {"ENGINE": f"django.db.backends.{engine}", "NAME": url.path.lstrip("/"), "USER": url.username,
+            "PASSWORD": url.password or "", "HOST": url.hostname, "PORT": str(url.port or port)}
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +43,15 @@ def transaction():
     from django.conf import settings
 
     if not settings.configured:
-        database = {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}
-        settings.configure(DATABASES={"default": database}, INSTALLED_APPS=[], USE_TZ=True)
+        databases = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": str(SQLITE_FILE),
+                                 "OPTIONS": {"timeout": 30}},
+                     "postgres": _server_database("postgres", "postgresql", 5432),
+                     "mysql": _server_database("mysql", "mysql", 3306)}
+        with contextlib.suppress(ImportError):
+            import pymysql
+
+            pymysql.install_as_MySQLdb()  # Django's MySQL backend on PyMySQL where mysqlclient is absent
+        settings.configure(DATABASES=databases, INSTALLED_APPS=[], USE_TZ=True)
         django.setup()
     from django.db import transaction
 
@@ -107,3 +135,114 @@ def test_without_djangos_task_class_the_import_says_which_celery_is_needed(monke
     monkeypatch.setitem(sys.modules, "celery.contrib.django.task", None)  # as on Celery 5.3
     with pytest.raises(ImportError, match=r"needs Celery >= 5\.4"):
         composed.LeaseDjangoTask  # noqa: B018 - the attribute access is the import
+
+
+# -- effects in Django's transaction ------------------------------------------------------
+@pytest.fixture(scope="module")
+def order_model(transaction):
+    from django.db import models
+
+    class Order(models.Model):
+        number = models.CharField(max_length=40)
+
+        class Meta:
+            app_label = "celery_lease_tests"
+            db_table = MODEL_TABLE
+
+    return Order
+
+
+@pytest.fixture(params=["default", "postgres", "mysql"], ids=["sqlite", "postgres", "mysql"])
+def orm(request, order_model, redis_url):
+    """An app whose lease store is the Django database ``alias`` (the Order table beside it)."""
+    from django.db import connections
+
+    alias = request.param
+    store_url = f"sqlite:///{SQLITE_FILE}" if alias == "default" else request.getfixturevalue(f"{alias}_url")
+    broker = urlunsplit(urlsplit(redis_url)._replace(path="/15"))
+    app = Celery(f"orm_{unique_prefix()}", broker=broker, set_as_current=False)
+    app.conf.update(lease_store_url=store_url, lease_table_prefix=unique_prefix(), lease_duration=5.0,
+                    lease_heartbeat_interval=0.5, task_default_queue=f"orm-{unique_prefix()}",
+                    worker_hijack_root_logger=False, lease_max_attempts=1)
+    Order = order_model
+
+    @app.task(base=LeaseTask, bind=True, shared=False, name="orm.place")
+    def place(self, number, fail=False, by_alias=False):
+        from django.db import transaction
+
+        try:
+            with transaction.atomic(using=alias):
+                Order.objects.using(alias).create(number=number)
+                where = {"using": alias} if by_alias else {"connection": connections[alias]}
+                with self.lease.effect(f"order-placed:{number}", **where) as first:
+                    pass
+                if fail:
+                    raise RuntimeError("the body fails after its effect block")
+            return first
+        finally:
+            if self.request.is_eager is False:
+                connections[alias].close()  # the worker thread's own connection
+
+    store = migrated_store(app)
+    with connections[alias].schema_editor() as editor:
+        editor.create_model(Order)
+    try:
+        yield app, store, alias
+    finally:
+        with connections[alias].schema_editor() as editor:
+            editor.delete_model(Order)
+        connections[alias].close()
+        drop_app_store(app)
+
+
+def orders(alias, order_model, number):
+    return order_model.objects.using(alias).filter(number=number).count()
+
+
+def settled(store, job_id):
+    job = store.get(job_id)
+    return job is not None and job.status in ("completed", "failed")
+
+
+def test_an_effect_on_a_django_connection_commits_with_the_orm_row_in_a_worker(orm, order_model):
+    from celery.contrib.testing.worker import start_worker
+
+    app, store, alias = orm
+    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+        result = app.tasks["orm.place"].delay("w-1")
+        wait_for(lambda: settled(store, result.id), timeout=30, message="the job did not end")
+    assert store.get(result.id).status == "completed", store.get(result.id).last_error
+    assert orders(alias, order_model, "w-1") == 1
+    assert store.effect_record("order-placed:w-1")["job_id"] == result.id
+
+
+def test_a_body_failing_after_the_effect_block_leaves_no_key_and_no_row_in_a_worker(orm, order_model):
+    from celery.contrib.testing.worker import start_worker
+
+    app, store, alias = orm
+    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+        result = app.tasks["orm.place"].delay("w-2", fail=True, by_alias=True)
+        wait_for(lambda: settled(store, result.id), timeout=30, message="the job did not end")
+    assert "the body fails after its effect block" in (store.get(result.id).last_error or "")
+    assert orders(alias, order_model, "w-2") == 0
+    assert store.effect_record("order-placed:w-2") is None
+
+
+def test_an_eager_effect_by_alias_commits_with_the_orm_row_and_is_first_once(orm, order_model):
+    app, store, alias = orm
+    place = app.tasks["orm.place"]
+    assert place.apply(("e-1",), {"by_alias": True}).get() is True
+    assert orders(alias, order_model, "e-1") == 1
+    assert store.effect_record("order-placed:e-1") is not None
+    # A second eager run of the same order finds the key in the database, as a worker would.
+    assert place.apply(("e-1",), {"by_alias": True}).get() is False
+
+
+def test_an_eager_body_failing_after_the_effect_block_rolls_back_key_and_row(orm, order_model):
+    app, store, alias = orm
+    place = app.tasks["orm.place"]
+    with pytest.raises(RuntimeError, match="after its effect block"):
+        place.apply(("e-2",), {"fail": True}).get()
+    assert orders(alias, order_model, "e-2") == 0
+    assert store.effect_record("order-placed:e-2") is None
+    assert place.apply(("e-2",)).get() is True  # the effect was not lost

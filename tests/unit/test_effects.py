@@ -5,6 +5,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 import sqlalchemy as sa
@@ -16,8 +17,10 @@ from celery_lease.errors import LeaseConfigError, LeaseError, LeaseLost, LockUna
 from celery_lease.heartbeat import Heartbeat
 from celery_lease.lease import Lease
 from celery_lease.runtime import Runtime
-from celery_lease.store import ClaimTerms
+from celery_lease.store import ClaimTerms, Store
+from tests.conftest import unique_prefix
 from tests.helpers import wait_for
+from tests.tcp_proxy import TcpProxy
 
 RACERS = 16
 
@@ -489,13 +492,144 @@ def test_a_stale_lease_cannot_take_a_lock_and_the_refusal_is_audited(store, hb):
         ("job-1", stale.token[:8], hb.worker)]
 
 
-def test_locks_are_not_reentrant_and_need_a_ttl_above_three_heartbeats(store, hb):
-    lease = claim(store, hb, "job-1")
+def test_locks_are_not_reentrant_and_need_a_ttl_of_two_heartbeats(store, hb):
+    lease = claim(store, hb, "job-1")  # heartbeat interval 0.2 s
     with lock(lease, "account:42", ttl=3.0), pytest.raises(LeaseError, match="not re-entrant"), \
             lock(lease, "account:42"):
         pass
-    with pytest.raises(LeaseConfigError, match="lease_lock_ttl"), lock(lease, "account:43", ttl=0.5):
+    with pytest.raises(LeaseConfigError, match=r"lease_lock_ttl.*two heartbeat intervals"), \
+            lock(lease, "account:43", ttl=0.39):
         pass
+    with lock(lease, "account:43", ttl=0.4) as held:
+        assert held.ttl == 0.4
+
+
+def test_a_lock_ttl_defaults_to_the_leases_duration(store, hb):
+    lease = claim(store, hb, "job-1", lease_duration=12.0)
+    with lock(lease, "account:42") as held:
+        left = holder(store, "account:42")["expires_at"] - store.now()
+    assert held.ttl == 12.0
+    assert 11.0 < left <= 12.0
+
+
+def test_a_lock_past_its_local_deadline_is_refused_without_asking_the_store(store, hb, monkeypatch):
+    lease = claim(store, hb, "job-1")
+    hb.runtime.attach(object(), lease)
+    sent = deadline.monotonic()
+    with lock(lease, "account:42", ttl=3.0) as held:
+        held.check()  # within its deadline
+        statements: list[str] = []
+
+        def collect(conn, cursor, statement, parameters, context, executemany):
+            statements.append(statement)
+
+        sa.event.listen(store.engine, "before_cursor_execute", collect)
+        try:
+            # When the lock's TTL has passed on the local clock since its acquisition was sent
+            monkeypatch.setattr(deadline, "monotonic", lambda: sent + 3.0)
+            # Then the lock and the job's lease are refused, and nothing asked the store
+            with pytest.raises(LeaseLost, match="account:42"):
+                held.check()
+            with pytest.raises(LeaseLost, match="past its local deadline"):
+                lease.check()
+            assert statements == []
+        finally:
+            sa.event.remove(store.engine, "before_cursor_execute", collect)
+    assert holder(store, "account:42") is None, "the block's exit still releases the row"
+
+
+def test_a_renewal_moves_a_locks_deadline_from_its_send_time(store, hb, monkeypatch):
+    lease = claim(store, hb, "job-1")
+    with lock(lease, "account:42", ttl=3.0) as held:
+        first = held.deadline
+        before = deadline.monotonic()
+        hb.beat()
+        after = deadline.monotonic()
+    assert first < held.deadline
+    assert deadline.local_deadline(before, 3.0) <= held.deadline <= deadline.local_deadline(after, 3.0)
+
+
+def test_a_lock_ttl_under_two_heartbeats_is_refused_when_the_settings_are_loaded():
+    assert load({}).policy().lock_ttl is None  # None: the lease's duration
+    with pytest.raises(LeaseConfigError, match=r"lease_lock_ttl.*two heartbeat intervals"):
+        load({"lease_lock_ttl": 15.0, "lease_heartbeat_interval": 10.0})
+    with pytest.raises(LeaseConfigError, match="lease_lock_ttl"):
+        load({}).policy({"lease_lock_ttl": 1.0, "lease_heartbeat_interval": 1.0})
+    assert load({"lease_lock_ttl": 20.0}).policy().lock_ttl == 20.0
+
+
+@pytest.fixture
+def black_holed(postgres_url):
+    """The same PostgreSQL tables reached directly and through a forwarder the test can freeze."""
+    pg = urlsplit(postgres_url)
+    direct = Store(postgres_url, prefix=unique_prefix())
+    direct.migrate()
+    direct.hard_grace = 0.0
+    proxy = TcpProxy(pg.hostname or "127.0.0.1", pg.port or 5432).start()
+    cut_off = Store(urlunsplit(pg._replace(netloc=f"{pg.username}@127.0.0.1:{proxy.port}")),
+                    prefix=direct.prefix, call_timeout=3.0)
+    yield proxy, direct, cut_off
+    proxy.thaw()
+    proxy.cut()
+    cut_off.engine.dispose()
+    direct.drop_schema()
+    direct.engine.dispose()
+
+
+def _claimed(store, rt: Runtime, job_id: str, **overrides) -> Lease:
+    store.record(job_id, "t.pay", "q", "{}", 5)
+    tok, sent = secrets.token_hex(16), deadline.monotonic()
+    got = store.claim(job_id, rt.worker, tok,
+                      ClaimTerms(duration=30.0, grace=0.0, max_attempts=5, max_expirations=5, takeover=True),
+                      task_name="t.pay", queue="q", payload=lambda: None)
+    assert got.claimed, got
+    return Lease(rt, job_id, tok, 1, policy(**overrides), f"t.pay:{job_id}", None, sent_at=sent)
+
+
+def test_a_holder_cut_off_from_the_store_stops_trusting_its_lock_before_another_job_takes_it(black_holed):
+    proxy, direct, cut_off = black_holed
+    # Given a body holding a 1.5 s lock under a 30 s lease, renewed every 0.5 s through a forwarder
+    rt = Runtime(cut_off, "host", default_interval=0.5, worker="holder:1")
+    other_rt = Runtime(direct, "host", default_interval=0.5, worker="other:2")
+    other_rt.start = lambda: None
+    held_by = _claimed(cut_off, rt, "job-a", lease_heartbeat_interval=0.5, lease_on_lost="raise")
+    other = _claimed(direct, other_rt, "job-b", lease_heartbeat_interval=0.5)
+    acquired, passes, stopped = threading.Event(), [], []
+
+    def body() -> None:
+        try:
+            with held_by.body(), lock(held_by, "account:42", ttl=1.5) as held:
+                acquired.set()
+                end = time.monotonic() + 15
+                while time.monotonic() < end:
+                    held.check()
+                    held_by.check()
+                    passes.append(time.monotonic())
+                    time.sleep(0.01)
+        except LeaseLost as exc:
+            stopped.append(str(exc))
+
+    worker = threading.Thread(target=body)
+    try:
+        rt.attach(object(), held_by)
+        worker.start()
+        assert acquired.wait(10)
+        beats = rt.heartbeat.beats
+        wait_for(lambda: rt.heartbeat.beats >= beats + 2, timeout=10, message="no renewals")
+        # When the path to the store drops every byte (nothing answers, nothing is refused)
+        proxy.freeze()
+        # Then another job takes the lock once it expired in the store ...
+        with lock(other, "account:42", timeout=10.0):
+            taken = time.monotonic()
+        # ... and the holder's body had stopped trusting the lock and its lease before that
+        assert passes, "the body never checked its lock"
+        assert max(passes) < taken, f"check() passed {max(passes) - taken:.2f}s after the other job took it"
+        wait_for(lambda: stopped, timeout=10, message="the body was never stopped")
+        assert held_by.lost and "account:42" in held_by.lost_reason
+    finally:
+        proxy.thaw()
+        worker.join(20)
+        rt.stop()
 
 
 def test_resources_named_like_the_reapers_lock_are_refused(store, hb):

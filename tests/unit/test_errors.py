@@ -111,3 +111,13 @@ def test_exception_can_be_raised_again_after_unpickling(error):
     clone = pickle.loads(pickle.dumps(error))
     with pytest.raises(type(error), match=r"\w"):
         raise clone
+
+
+def test_a_refused_statement_is_not_an_outage():
+    """An outage is retried until the store answers; a refusal would be refused again, so no
+    caller may take it for an outage (and defer the same write for ever)."""
+    assert not issubclass(errors.StoreRejected, StoreUnavailable)
+    assert issubclass(errors.StoreConflict, errors.StoreRejected)
+    assert issubclass(errors.StoreRejected, LeaseError)
+    assert issubclass(errors.StoreNotMigrated, StoreUnavailable)
+    assert issubclass(errors.SchemaMismatch, StoreUnavailable)

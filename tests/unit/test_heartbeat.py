@@ -12,9 +12,10 @@ import sqlalchemy as sa
 from celery_lease import deadline
 from celery_lease.config import load
 from celery_lease.errors import LeaseLost, StoreUnavailable
-from celery_lease.lease import Lease
+from celery_lease.lease import DeferredWrite, Lease
 from celery_lease.runtime import Runtime
 from celery_lease.store import ClaimTerms
+from celery_lease.vocabulary import RunEnd
 from tests.helpers import wait_for
 
 
@@ -187,9 +188,18 @@ def test_a_lease_lost_while_its_renewal_was_out_is_given_back_not_revived(store,
     assert lease not in hb.runtime.leases()
 
 
+def defer(store, lease: Lease, end: RunEnd = RunEnd.RETURNED, then=None) -> None:
+    """Defer the settle write ``end`` names, as the run lifecycle does when the store is down."""
+    writes = {
+        RunEnd.RETURNED: lambda: store.complete(lease.job_id, lease.token, lease.worker),
+        RunEnd.FAILED: lambda: store.fail(lease.job_id, lease.token, "ValueError: boom", lease.worker),
+    }
+    lease.runtime.defer(lease, DeferredWrite(end, writes[end], then))
+
+
 def test_deferred_completion_lands_when_the_store_answers(store, hb):
     lease = held_lease(store, hb.runtime, "deferred")
-    hb.runtime.defer_completion(lease)
+    defer(store, lease)
     hb.beat()
     assert store.get("deferred").status == "completed"
     assert lease not in hb.runtime.leases()
@@ -198,9 +208,7 @@ def test_deferred_completion_lands_when_the_store_answers(store, hb):
 def test_a_deferred_failure_lands_when_the_store_answers_and_its_dead_letter_follows_once(store, hb):
     lease = held_lease(store, hb.runtime, "deferred-failure")
     followed: list[str] = []
-    lease.deferred_failure = "ValueError: boom"
-    lease.after_failure = lambda: followed.append(lease.job_id)
-    hb.runtime.defer_completion(lease)
+    defer(store, lease, RunEnd.FAILED, lambda: followed.append(lease.job_id))
     hb.beat()
     job = store.get("deferred-failure")
     assert (job.status, job.last_error) == ("failed", "ValueError: boom")
@@ -213,12 +221,41 @@ def test_a_deferred_failure_of_a_lease_that_moved_on_writes_and_dead_letters_not
     lease = held_lease(store, hb.runtime, "moved-on")
     steal(store, "moved-on")
     followed: list[str] = []
-    lease.deferred_failure = "ValueError: boom"
-    lease.after_failure = lambda: followed.append(lease.job_id)
-    hb.runtime.defer_completion(lease)
+    defer(store, lease, RunEnd.FAILED, lambda: followed.append(lease.job_id))
     hb.beat()
     assert store.get("moved-on").status == "running" and followed == []
     assert lease not in hb.runtime.leases()
+
+
+def test_a_deferred_completion_the_store_rejects_is_logged_and_audited_as_rejected(store, hb, caplog):
+    # Given a completion deferred through an outage longer than the lease (lost on the local
+    # clock, still deferred), and the job taken by another owner meanwhile:
+    lease = held_lease(store, hb.runtime, "rejected")
+    defer(store, lease)
+    lease.expire_if_due(lease.deadline)
+    steal(store, "rejected")
+    with caplog.at_level("INFO", logger="celery_lease.runtime"):
+        hb.beat()
+    assert store.get("rejected").status == "running"
+    assert "stale_completion_rejected" in [e["event"] for e in store.events("rejected")]
+    actions = [getattr(r, "action", None) for r in caplog.records]
+    assert "stale_deferred_write_rejected" in actions and "deferred_write_landed" not in actions
+
+
+def test_a_checkpoint_held_back_by_an_outage_is_written_by_the_next_round(store, hb, monkeypatch):
+    lease = held_lease(store, hb.runtime, "held-checkpoint")
+    write = store.checkpoint
+
+    def down(*_a, **_k):
+        raise StoreUnavailable("down")
+
+    monkeypatch.setattr(store, "checkpoint", down)
+    lease.checkpoint({"step": 3})  # does not raise: kept for the heartbeat
+    assert lease.checkpoint_state == {"step": 3} and store.get("held-checkpoint").checkpoint_state() is None
+    monkeypatch.setattr(store, "checkpoint", write)
+    hb.beat()
+    assert store.get("held-checkpoint").checkpoint_state() == {"step": 3}
+    assert lease.pending_checkpoint is None and not lease.lost
 
 
 def test_the_beat_registers_the_worker_process(store, hb):

@@ -119,3 +119,23 @@ def test_eager_runs_take_a_real_lease_when_the_store_is_set_for_them(tmp_path):
         assert store.get("eager-1").checkpoint_state() == {"step": 2}
     finally:
         drop_app_store(app)
+
+
+@pytest.mark.slow
+def test_ten_thousand_eager_runs_leave_bounded_local_state():
+    app = make_app()
+
+    @app.task(base=LeaseTask, bind=True, shared=False, name="l.each")
+    def each(self, n):
+        with self.lease.lock(f"order:{n}"), self.lease.effect(f"mailed:{n}") as first:
+            self.lease.checkpoint({"n": n})
+            return first
+
+    with local_leases(app) as state:
+        for n in range(10_000):
+            assert each.apply((n,)).get() is True
+        # The newest keys are still first once; the state keeps the newest 1,000 of each kind
+        assert each.apply((9_999,)).get() is False
+        assert len(state.effects) <= 1_000 and len(state.checkpoints) <= 1_000
+        assert "mailed:9999" in state.effects and "mailed:0" not in state.effects
+        assert state._locks == {}, "a lock nobody holds or waits for is dropped"

@@ -30,6 +30,7 @@ BAD_URLS = [
     "nosuchdriver://u:s3cr3t@h/db",  # no such dialect
     "postgresql+psycopg://u:s3cr3t@h:notaport/db",  # does not parse
     "postgresql+psycopg:/u:s3cr3t@h/db",  # one slash: not a URL at all
+    "postgresql+psycopg://u@host.invalid/db?sslmode=disable&password=s3cr3t",  # in the query string
 ]
 
 
@@ -45,6 +46,23 @@ def everything(exc: BaseException) -> str:
 def test_mask_secrets_hides_the_password_of_any_url_in_a_text(text):
     masked = mask_secrets(text)
     assert "s3cr3t" not in masked and "cr/3t" not in masked and "***" in masked
+
+
+@pytest.mark.parametrize("text", [
+    "postgresql+psycopg://u@h/db?password=s3cr3t", "mysql+pymysql://h/db?charset=utf8mb4&password=s3cr3t",
+    "postgresql://u@h/db?sslmode=verify-full&sslpassword=s3cr3t&connect_timeout=3",
+    "sqs://h?aws_secret_access_key=s3cr3t#x", "x 'redis://h/0?Auth_Token=s3cr3t' y",
+    "postgresql://u:s3cr3t@h/db?password=s3cr3t",
+])
+def test_mask_secrets_hides_a_secret_in_a_url_query_string(text):
+    masked = mask_secrets(text)
+    assert "s3cr3t" not in masked and "=***" in masked
+    assert masked.split("***")[-1] == text.split("s3cr3t")[-1]  # the rest of the URL is kept
+
+
+def test_a_stores_shown_url_masks_a_password_in_its_query():
+    store = Store("postgresql+psycopg://u@h/db?sslmode=require&password=s3cr3t")
+    assert store.safe_url == "postgresql+psycopg://u@h/db?password=***&sslmode=require"
 
 
 def test_mask_secrets_leaves_text_without_passwords_alone():

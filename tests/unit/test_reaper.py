@@ -801,3 +801,206 @@ def test_a_job_waiting_out_its_backoff_does_not_hold_up_the_due_ones_behind_it(a
     # Then the due job is re-sent, and none of the others
     assert result.redispatched == 1 and store.get("due").dispatch_count == 1
     assert {store.get(f"backed{n}").dispatch_count for n in range(backed)} == {1}
+
+
+# -- after a store outage or a step of its clock (DESIGN.md guarantee 6) ----------------------
+LEASE, GRACE, BEAT, INTERVAL = 2.0, 0.5, 0.5, 0.25
+# What a reaper run itself may take on a loaded machine, beyond the bound the guarantee states.
+RUN_SLACK = 1.0
+
+
+@pytest.fixture
+def quick_app(store, broker):
+    """An app of 2 s leases renewed every 0.5 s, whose owners look gone after 2 s of silence."""
+    store.hard_grace, store.stale_after = 60.0, 2.0
+    app = Celery(f"reaper_{unique_prefix()}", broker=broker.url, set_as_current=False)
+    app.conf.update(task_default_queue=broker.queue, lease_store_url=store.url,
+                    lease_table_prefix=store.prefix, lease_duration=LEASE, lease_grace_period=GRACE,
+                    lease_heartbeat_interval=BEAT, lease_reaper_hard_grace=60.0,
+                    lease_worker_stale_after=2.0, lease_backoff_base=0.1, lease_backoff_max=0.1)
+    app._celery_lease_store = store
+
+    @app.task(base=LeaseTask, shared=False, name="t.work")
+    def work(x):
+        return x
+
+    return app
+
+
+class Owner(threading.Thread):
+    """A worker process's heartbeat: its registry row and leases renewed every BEAT seconds on
+    ``clock[0]`` (the store as the test's clock has it), an unreachable store retried next beat."""
+
+    def __init__(self, clock: list[Store], name: str, jobs: list[str]) -> None:
+        super().__init__(daemon=True)
+        self.clock, self.worker, self.leases = clock, name, {}
+        self.paused, self.stopped = threading.Event(), threading.Event()
+        self.landed = 0
+        for job_id in jobs:
+            token = secrets.token_hex(16)
+            claim = clock[0].claim(job_id, name, token, ClaimTerms(LEASE, GRACE, 3, 3, True), "t.work",
+                                   "celery", payload)
+            assert claim.claimed
+            self.leases[token] = job_id
+        clock[0].touch_worker(name, "host", 1)
+
+    def run(self) -> None:
+        while not self.stopped.wait(BEAT):
+            if self.paused.is_set():
+                continue
+            try:
+                self.clock[0].beat(self.worker, "host", 1, self.leases)
+                self.landed += 1
+            except StoreUnavailable:
+                continue
+
+    def __enter__(self) -> Owner:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopped.set()
+        self.join(5)
+
+
+def stepped(store: Store, offset: float) -> Store:
+    """The same store read through a clock ``offset`` seconds from the real one."""
+    twin = Store(store.url, store.prefix, clock_offset=offset)
+    twin.hard_grace, twin.stale_after = store.hard_grace, store.stale_after
+    return twin
+
+
+def reaped_at(app, clock: list[Store], job_id: str, until: float) -> float | None:
+    """Run the reaper every INTERVAL (a new one each run, as the beat task does) until ``job_id``
+    is taken back or ``until`` (monotonic) passes; the monotonic time it was taken back."""
+    import time
+
+    while time.monotonic() < until:
+        Reaper(app, store=clock[0]).run_once()
+        if clock[0].get(job_id).status != RUNNING:
+            return time.monotonic()
+        time.sleep(INTERVAL)
+    return None
+
+
+def taken_back(store: Store, job_ids: list[str]) -> dict[str, list[str]]:
+    """The recovery events of each of ``job_ids`` that has any."""
+    names = ("reaped_expired_lease", "dead_lettered", "lease_taken_over")
+    found = {job_id: [e["event"] for e in store.events(job_id) if e["event"] in names] for job_id in job_ids}
+    return {job_id: names for job_id, names in found.items() if names}
+
+
+@pytest.mark.parametrize("step", [60.0, -60.0], ids=["forward", "backward"])
+def test_a_step_of_the_store_clock_reaps_no_healthy_lease_and_still_recovers_a_dead_owner(
+        quick_app, store, step):
+    import time
+
+    clock = [store]
+    alive = [f"live-{n}" for n in range(3)]
+    with Owner(clock, ALIVE, alive) as owner, Owner(clock, DEAD, ["dead"]) as dead:
+        for _ in range(3):  # the reaper's history before the step, on the calm clock
+            Reaper(quick_app, store=clock[0]).run_once()
+            time.sleep(INTERVAL)
+        dead.stopped.set()  # its owner dies just before the store's clock steps
+        dead.join(5)
+        # The step lands between the live owner's heartbeat and the reaper's next run.
+        owner.paused.set()
+        clock[0] = twin = stepped(store, step)
+        step_at = time.monotonic()
+        Reaper(quick_app, store=twin).run_once()
+        owner.paused.clear()
+        bound = LEASE + GRACE + INTERVAL + BEAT
+        at = reaped_at(quick_app, clock, "dead", step_at + bound + RUN_SLACK)
+        # Healthy leases stay theirs for a whole lease past the end of any hold.
+        while time.monotonic() < step_at + 2 * (LEASE + BEAT) + GRACE:
+            Reaper(quick_app, store=twin).run_once()
+            time.sleep(INTERVAL)
+        assert taken_back(store, alive) == {}
+        assert at is not None, f"the dead owner's job was not recovered within {bound + RUN_SLACK:g}s"
+        logging.getLogger(__name__).info("step %+gs: dead owner's job recovered %.2fs after it (bound %gs)",
+                                         step, at - step_at, bound)
+        assert at - step_at <= bound + RUN_SLACK
+    [held] = store.events(None, "reaper_held_back")
+    assert "stepped" in held["reason"]
+    twin.engine.dispose()
+
+
+def test_after_an_outage_nothing_is_taken_back_whose_owner_renews_within_a_lease_of_the_return(
+        quick_app, store):
+    import time
+
+    clock = [store]
+    alive = [f"live-{n}" for n in range(3)]
+    with Owner(clock, ALIVE, alive) as owner, Owner(clock, DEAD, ["dead"]) as dead:
+        for _ in range(3):
+            Reaper(quick_app, store=store).run_once()
+            time.sleep(INTERVAL)
+        # The outage: no renewal lands and no reaper run gets through, for longer than
+        # lease + grace + the registry's silence; the dead owner dies in it.
+        owner.paused.set()
+        dead.stopped.set()
+        time.sleep(LEASE + GRACE + 2.0 + BEAT)
+        back = time.monotonic()
+        # The store is back: the live owner's deferred renewals land within a lease of it.
+        runs = [Reaper(quick_app, store=store).run_once()]
+        time.sleep(LEASE - BEAT)
+        owner.paused.clear()
+        at = reaped_at(quick_app, clock, "dead", back + LEASE + BEAT + GRACE + INTERVAL + BEAT + RUN_SLACK)
+        assert taken_back(store, alive) == {}
+        assert runs[0].held_back == 4 and runs[0].reaped == 0
+        assert at is not None and at - back >= LEASE, "the dead owner's job was not recovered a lease later"
+        logging.getLogger(__name__).info("outage: dead owner's job recovered %.2fs after the return",
+                                         at - back)
+        assert [e["event"] for e in store.events(None, "reaper_held_back")] == ["reaper_held_back"]
+
+
+def test_a_reaper_whose_own_calls_failed_through_an_outage_takes_back_nothing_renewed_after_it(
+        quick_app, store):
+    import time
+
+    from tests.tcp_proxy import TcpProxy
+
+    if store.dialect.local_file:
+        pytest.skip("SQLite is a file on this host: there is no path to cut")
+    url = sa.engine.make_url(store.url)
+    proxy = TcpProxy(url.host or "127.0.0.1", url.port or 0).start()
+    far = Store(url.set(host=proxy.host, port=proxy.port).render_as_string(hide_password=False), store.prefix)
+    far.hard_grace, far.stale_after = store.hard_grace, store.stale_after
+    clock, alive = [far], [f"live-{n}" for n in range(3)]
+    keeper = Reaper(quick_app, store=far)  # one reaper through the outage, as run_forever keeps it
+    try:
+        with Owner(clock, ALIVE, alive) as owner, Owner(clock, DEAD, ["dead"]) as dead:
+            for _ in range(3):
+                keeper.run_once()
+                time.sleep(INTERVAL)
+            dead.stopped.set()
+            proxy.cut()  # the store is unreachable for the reaper and every owner alike
+            cut_at, failures = time.monotonic(), 0
+            while time.monotonic() < cut_at + LEASE + GRACE + 2.0 + BEAT:
+                with pytest.raises(StoreUnavailable):
+                    keeper.run_once()
+                failures += 1
+                time.sleep(INTERVAL)
+            owner.paused.set()  # its deferred renewals land within a lease of the return
+            proxy.start()
+            back = time.monotonic()
+            first = keeper.run_once()
+            time.sleep(LEASE - BEAT)
+            owner.paused.clear()
+            while time.monotonic() < back + LEASE + BEAT + GRACE + INTERVAL + BEAT + RUN_SLACK:
+                keeper.run_once()
+                if store.get("dead").status != RUNNING:
+                    break
+                time.sleep(INTERVAL)
+            done = time.monotonic()
+        assert failures > 0
+        assert taken_back(store, alive) == {}
+        # Nothing is taken back on the return (an owner's beat in flight may land first; the
+        # dead owner's lease at least is held back).
+        assert first.held_back >= 1 and (first.reaped, first.dead_lettered, first.failed) == (0, 0, 0)
+        assert store.get("dead").status != RUNNING, "the dead owner's job was not recovered a lease later"
+        logging.getLogger(__name__).info("cut path: dead owner's job recovered %.2fs after the return",
+                                         done - back)
+    finally:
+        proxy.cut()
+        far.engine.dispose()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+import sys
 import threading
 import time
 
@@ -14,9 +15,10 @@ from celery_lease import LeaseTask, deadline, interrupt, runtime
 from celery_lease.config import load
 from celery_lease.effects import ResourceLock, lock
 from celery_lease.errors import LeaseLost, StoreUnavailable
-from celery_lease.lease import Lease
+from celery_lease.lease import DeferredWrite, Lease
 from celery_lease.runtime import Runtime
 from celery_lease.store import ClaimTerms
+from celery_lease.vocabulary import RunEnd
 from tests.helpers import wait_for
 
 
@@ -447,3 +449,154 @@ def test_a_cancel_that_meets_an_outage_is_kept_and_written_once_the_store_answer
     assert [(direct.get(j).status, direct.get(j).last_error) for j in ("j1", "j2")] == [
         ("failed", "revoked (revoked)"), ("failed", "revoked (expired)")]
     assert cancels.cancel("j3", "revoked") is True  # nothing kept: an unknown job is a no-op write
+
+
+@pytest.mark.parametrize("store_url", ["mysql"], indirect=True)
+def test_a_deferred_completion_the_store_refuses_for_good_is_not_retried_every_round(store_factory, caplog):
+    """A completion deferred in an outage and then refused (a 70 KB result on a MySQL/MariaDB
+    schema of revision 0006, whose result column is TEXT) is reported once and given up: never
+    the same write again at every heartbeat."""
+    store = store_factory(migrate=False, reuse=False)
+    store.migrate(to="0006")
+    rt = Runtime(store, "host", default_interval=0.2, worker="host:1")
+    rt.start = lambda: None
+    try:
+        lease = claim(store, rt, "too-big")
+        rt.attach(Request(), lease)
+        kept = '"' + "r" * 70_000 + '"'
+        rt.defer(lease, DeferredWrite(RunEnd.RETURNED,
+                                      lambda: store.complete(lease.job_id, lease.token, lease.worker, kept)))
+        with caplog.at_level("ERROR", logger="celery_lease.runtime"):
+            rt.flush_deferred()
+        assert not rt.is_deferred(lease) and lease not in rt.leases()
+        assert any("rejected by the store" in r.getMessage() and "too-big" in r.getMessage()
+                   for r in caplog.records)
+        statements = count_statements(store)
+        rt.flush_deferred()
+        assert statements == []
+    finally:
+        rt.stop()
+
+
+def _clocks(store, lease: Lease) -> tuple[float, float]:
+    """(seconds the store keeps the lease, seconds the worker still trusts it), read together."""
+    local_left = lease.deadline - deadline.monotonic()
+    store_left = store.get(lease.job_id).lease_expires_at - store.now()
+    return store_left, local_left
+
+
+@pytest.mark.parametrize("seconds", [5.0, 60.0])
+def test_extend_moves_the_stores_expiry_and_the_local_deadline_together(store, rt, seconds):
+    # Given a 30 s lease
+    lease = claim(store, rt, "job-1", duration=30.0)
+    rt.attach(Request(), lease)
+    # When the body extends it to a shorter or a longer lease
+    lease.extend(seconds)
+    # Then both clocks count `seconds` from the renewal, the local one first, by the margin
+    store_left, local_left = _clocks(store, lease)
+    assert local_left < store_left <= seconds
+    assert store_left - local_left == pytest.approx(deadline.safety_margin(seconds), abs=0.5)
+    # And the heartbeat renews for the new duration on both clocks
+    rt.heartbeat.beat()
+    store_left, local_left = _clocks(store, lease)
+    assert local_left < store_left <= seconds and store_left > seconds - 1.0
+
+
+def test_an_extend_the_store_does_not_answer_is_trusted_only_for_the_shorter_lease(store, rt, monkeypatch):
+    # Given a 30 s lease whose store stops answering
+    lease = claim(store, rt, "job-1", duration=30.0)
+    rt.attach(Request(), lease)
+
+    def unanswered(*args, **kwargs):
+        raise StoreUnavailable("no answer")
+
+    monkeypatch.setattr(store, "renew", unanswered)
+    # When the body shortens it to 1 s (the statement may have run, its answer lost)
+    sent = deadline.monotonic()
+    with pytest.raises(LeaseLost, match="local deadline passed"):
+        lease.extend(1.0)
+    # Then the body waited for the store only until the shorter lease's deadline, not the 30 s one
+    assert deadline.monotonic() < sent + 2.0
+    assert lease.deadline <= deadline.local_deadline(deadline.monotonic(), 1.0)
+
+
+@pytest.mark.parametrize("seconds", [0, -1, float("nan"), float("inf")])
+def test_extend_refuses_a_duration_that_is_not_a_positive_number(store, rt, seconds):
+    lease = claim(store, rt, "job-1")
+    with pytest.raises(ValueError, match="seconds > 0"):
+        lease.extend(seconds)
+
+
+def test_the_deadline_timer_marks_a_lease_lost_at_its_locks_deadline(store, rt):
+    lease = claim(store, rt, "job-1", duration=30.0)
+    rt.attach(Request(), lease)
+    with lock(lease, "invoice-7", ttl=3.0) as held:
+        # The next look is the lock's deadline, long before the lease's
+        due = rt.timer.run_once(deadline.monotonic())
+        assert due is not None and due <= deadline.monotonic() + 3.0 < lease.deadline
+        assert not lease.lost
+        rt.timer.run_once(due)
+        assert lease.lost and "invoice-7" in lease.lost_reason and held.lost
+        # The job's lease is given back once the store answers, so the job runs again
+        assert rt.give_back_lost() == 1
+    assert store.get("job-1").status == "pending"
+
+
+def test_the_timer_thread_interrupts_a_body_whose_lock_passed_its_deadline(store):
+    rt = Runtime(store, "host", default_interval=0.2, worker="host:5")
+    lease = claim(store, rt, "job-1", duration=30.0, lease_heartbeat_interval=0.3)
+    rt.heartbeat.start = lambda: None  # no renewals: only the deadlines speak
+    caught: list[tuple[BaseException, float]] = []
+    held: list[ResourceLock] = []
+
+    def body() -> None:
+        try:
+            with lease.body(), lock(lease, "invoice-7", ttl=1.0) as lk:
+                held.append(lk)
+                end = time.monotonic() + 10
+                while time.monotonic() < end:
+                    sum(range(100))
+        except LeaseLost as exc:
+            caught.append((exc, deadline.monotonic()))
+
+    worker = threading.Thread(target=body)
+    try:
+        rt.attach(Request(), lease)
+        worker.start()
+        worker.join(10)
+    finally:
+        rt.stop()
+    [(exc, at)] = caught
+    assert "invoice-7" in str(exc)
+    assert held[0].deadline <= at < held[0].deadline + 2.0  # the timer, not the loop's end
+
+
+def test_threads_starting_the_runtime_at_once_start_one_heartbeat_and_one_timer(store, monkeypatch):
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # hand the GIL over as often as possible: widen every race
+    rt = Runtime(store, "host", default_interval=0.2, worker="host:6")
+    started: list[str] = []
+    real_start = threading.Thread.start
+
+    def counting_start(thread: threading.Thread) -> None:
+        if thread.name.startswith("celery-lease-"):
+            started.append(thread.name)
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", counting_start)
+    barrier = threading.Barrier(32)
+
+    def first_task() -> None:
+        barrier.wait()
+        rt.start()
+
+    try:
+        callers = [threading.Thread(target=first_task) for _ in range(32)]
+        for caller in callers:
+            real_start(caller)
+        for caller in callers:
+            caller.join(10)
+    finally:
+        sys.setswitchinterval(previous)
+        rt.stop()
+    assert sorted(started) == ["celery-lease-deadline", "celery-lease-heartbeat"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,35 @@ def test_a_revoke_whose_cancel_meets_an_outage_does_not_raise_and_keeps_the_canc
         assert rt is not None and len(rt.cancels) == 1
     finally:
         app.close()
+
+
+@pytest.mark.parametrize(("pool", "concurrency", "processes"), [("threads", 2, 1), ("prefork", 2, 2)])
+def test_an_idle_worker_is_alive_in_the_registry_before_its_first_task(tmp_path, pool, concurrency,
+                                                                       processes):
+    """Given a worker that has run no task, the registry (what `lease status` counts) has its
+    body-running processes alive: the worker itself for threads, each child for prefork."""
+    from celery_lease.store import for_app
+    from tests.conftest import unique_prefix
+    from tests.workers import celery_processes, worker
+
+    env = {"CORE_STORE": f"sqlite:///{tmp_path / 'lease.sqlite3'}", "CORE_PREFIX": unique_prefix()}
+    app = Celery("registry", set_as_current=False)
+    app.conf.update(lease_store_url=env["CORE_STORE"], lease_table_prefix=env["CORE_PREFIX"])
+    store = for_app(app, check=False)
+    node = f"idle{unique_prefix()}"
+    with celery_processes(tmp_path) as procs:
+        procs.append(proc := worker("tests.apps.core_app", env, tmp_path, pool=pool, concurrency=concurrency,
+                                    queues=f"idle-{node}", name=node))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and "ready." not in proc.output() and proc.popen.poll() is None:
+            time.sleep(0.1)
+        assert "ready." in proc.output(), proc.output()
+        alive: list[str] = []
+        while time.monotonic() < deadline:
+            alive = [w["worker_id"] for w in store.list_workers()[1] if w["alive"]]
+            if len(alive) >= processes:
+                break
+            time.sleep(0.1)
+        assert len(alive) == processes and all(a.startswith(f"{node}@") for a in alive), alive
+        assert store.worker_counts()["alive"] == processes
+        assert "Task core." not in proc.output()  # it ran nothing

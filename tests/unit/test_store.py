@@ -458,6 +458,43 @@ def test_an_async_claim_turns_off_synchronous_commit_for_its_own_transaction_onl
 
 
 @pytest.mark.parametrize("store_url", ["postgres"], indirect=True)
+@pytest.mark.parametrize("opt_in", [False, True])
+def test_a_claim_waits_for_its_wal_flush_unless_the_app_opts_in(store_url, store_factory, opt_in):
+    """A claim a crash can undo lets a second delivery claim the job beside the first run: with
+    the default settings a claim commits durably; only lease_claim_async_commit=True does not.
+    A trigger (test-only SQL) reads synchronous_commit inside the claim's own transaction."""
+    from celery_lease.config import load
+
+    plain = store_factory(reuse=False)
+    settings = {"lease_store_url": store_url, "lease_table_prefix": plain.prefix}
+    if opt_in:
+        settings["lease_claim_async_commit"] = True
+    cfg = load(settings)
+    assert cfg.claim_async_commit is opt_in
+    probe, jobs = f"{plain.prefix}probe", plain.t.jobs.name
+    with plain.begin() as c:
+        c.execute(sa.text(f"CREATE TABLE {probe} (job_id text, setting text)"))
+        c.execute(sa.text(
+            f"CREATE FUNCTION {probe}() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            f"INSERT INTO {probe} VALUES (NEW.id, current_setting('synchronous_commit')); "
+            f"RETURN NEW; END $$"))
+        c.execute(sa.text(f"CREATE TRIGGER {probe} BEFORE UPDATE ON {jobs} FOR EACH ROW "
+                          f"EXECUTE FUNCTION {probe}()"))
+    app_store = Store.from_config(cfg)
+    try:
+        app_store.record("a", "t.task", "q", None, 3)
+        assert claim(app_store, "a").claimed
+        with plain.begin() as c:
+            seen = [tuple(r) for r in c.execute(sa.text(f"SELECT job_id, setting FROM {probe}"))]
+            c.execute(sa.text(f"DROP TABLE {probe}"))
+            c.execute(sa.text(f"DROP TRIGGER {probe} ON {jobs}"))
+            c.execute(sa.text(f"DROP FUNCTION {probe}()"))
+    finally:
+        app_store.engine.dispose()
+    assert seen == [("a", "off" if opt_in else "on")]
+
+
+@pytest.mark.parametrize("store_url", ["postgres"], indirect=True)
 @pytest.mark.parametrize("async_commit", [True, False])
 def test_an_async_publish_record_turns_off_synchronous_commit_for_its_own_statement_only(store, async_commit):
     store.publish_async_commit = async_commit
@@ -519,11 +556,11 @@ def test_the_store_takes_the_app_wide_lease_settings_from_the_config_and_default
 
     url = f"sqlite:///{tmp_path / 'lease.sqlite3'}"
     cfg = load({"lease_store_url": url, "lease_reaper_hard_grace": 7.0, "lease_worker_stale_after": 3.0,
-                "lease_clock_tolerance": 0.25, "lease_claim_async_commit": False,
+                "lease_clock_tolerance": 0.25, "lease_claim_async_commit": True,
                 "lease_publish_async_commit": True})
     store = Store.from_config(cfg)
     assert (store.hard_grace, store.stale_after, store.clock_tolerance, store.claim_async_commit,
-            store.publish_async_commit) == (7.0, 3.0, 0.25, False, True)
+            store.publish_async_commit) == (7.0, 3.0, 0.25, True, True)
     plain = Store(url)
     defaults = ("lease_reaper_hard_grace", "lease_clock_tolerance", "lease_claim_async_commit",
                 "lease_publish_async_commit")

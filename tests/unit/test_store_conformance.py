@@ -7,6 +7,8 @@ Each race starts its contenders on a barrier and asserts exactly one winner and 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import secrets
 import threading
 from collections.abc import Callable
@@ -135,6 +137,29 @@ def test_two_reapers_take_one_lease_back_once(store):
     assert count(store, "rr", Event.REAPED_EXPIRED_LEASE) == 1
 
 
+def test_the_reaper_clock_record_round_trips_and_a_step_back_clamps_only_what_lies_in_the_future(store):
+    assert store.reaper_clock() is None
+    claimed(store, "fresh")
+    claimed(store, "old-clock")
+    j, w = store.t.jobs, store.t.workers
+    store.touch_worker("w-old", "host", 1)
+    with store.begin() as c:  # written on a clock 60 s ahead of the store's
+        c.execute(sa.update(j).where(j.c.id == "old-clock").values(lease_expires_at=store.now_sql + 90))
+        c.execute(sa.update(w).where(w.c.worker_id == "w-old").values(last_seen_at=store.now_sql + 60))
+    fresh = store.get("fresh").lease_expires_at
+    state = {"at": store.now(), "calm_since": None}
+    assert store.record_reaper_clock(state, held_back="stepped back", owner="r", step_back=True)
+    now = store.now()
+    assert store.reaper_clock() == state
+    assert store.get("fresh").lease_expires_at == fresh
+    assert now - 1.0 < store.get("old-clock").lease_expires_at - 30.0 <= now
+    with store.begin() as c:
+        seen = c.execute(sa.select(w.c.last_seen_at).where(w.c.worker_id == "w-old")).scalar_one()
+    assert seen <= now
+    [event] = store.events(None, Event.REAPER_HELD_BACK)
+    assert event["reason"] == "stepped back"
+
+
 def test_a_dead_letter_against_a_late_completion_has_one_outcome(store):
     tok = claimed(store, "dc", "dead")
     expire(store, "dc")
@@ -176,3 +201,38 @@ def test_a_resource_lock_has_one_holder_is_taken_after_expiry_and_refused_to_a_s
     assert store.claim("lk", "w2", secrets.token_hex(16), TERMS, "t.task", "q", lambda: None).claimed
     assert store.acquire_lock("acct:8", "stale", 30.0, "w1", "lk", tok) == EffectOutcome.LOST
     assert store.lock_holder("acct:8") is None
+
+
+# -- what Celery carries ----------------------------------------------------------------------
+TEN_MB = 10 * 1024 * 1024
+
+
+def test_ten_megabyte_arguments_results_and_checkpoints_round_trip(store):
+    """Plain Celery sends a message of any size its broker takes: the store keeps it whole."""
+    from celery_lease import messages
+
+    big = "".join(secrets.choice("abcdefghij") for _ in range(1024)) * (TEN_MB // 1024)
+    payload = messages.encode("t.task", (big,), {"note": "ü€"}, {}, "json")
+    assert len(payload) > TEN_MB
+    # A message recorded by its publisher, and one first seen by a worker (the claim writes it).
+    store.record("published", "t.task", "q", payload, 5)
+    tok = secrets.token_hex(16)
+    assert store.claim("published", "w1", tok, TERMS, "t.task", "q", lambda: None).claimed
+    seen = secrets.token_hex(16)
+    assert store.claim("first-seen", "w1", seen, TERMS, "t.task", "q", lambda: payload).claimed
+    assert store.checkpoint("published", tok, {"rows": big})
+    result = messages.encode_result([big, "ü€"], "json")
+    assert store.complete("published", tok, "w1", result)
+
+    job, first = store.get("published"), store.get("first-seen")
+    kept = {"payload": job.payload, "first-seen payload": first.payload,
+            "checkpoint": job.checkpoint, "result": store.kept_result("published")}
+    want = {"payload": payload, "first-seen payload": payload,
+            "checkpoint": json.dumps({"rows": big}), "result": result}
+    assert job.status == COMPLETED
+    assert {k: _digest(v) for k, v in kept.items()} == {k: _digest(v) for k, v in want.items()}
+
+
+def _digest(text: str | None) -> tuple[int, str] | None:
+    """A long text's length and hash: what a failed comparison can print."""
+    return None if text is None else (len(text), hashlib.sha256(text.encode()).hexdigest()[:16])

@@ -18,6 +18,7 @@ import pytest
 pytest.importorskip("flask", reason="celery lease web needs Flask: pip install 'celery-lease[web]'")
 
 from celery_lease.store import for_app  # noqa: E402
+from celery_lease.vocabulary import Event  # noqa: E402
 from celery_lease.web.app import create_app  # noqa: E402
 from tests.apps import ops_app  # noqa: E402
 from tests.conftest import SCENE_STORES, require_service, service_url, unique_prefix  # noqa: E402
@@ -168,6 +169,34 @@ def test_a_jobs_timeline_lists_its_events_in_time_order_with_its_last_heartbeat(
     assert html.count('class="mark ') == 4
     owners = html.split('id="owners"', 1)[1].split("</ol>", 1)[0]
     assert "dead@ops:2" in owners
+
+
+def test_a_job_with_two_owners_lists_both_with_their_markup_intact(rw):
+    """Masking is done on values: the text between two values (a time, then the next owner)
+    is markup, never taken for a URL's password."""
+    store = rw.store
+    store.record("two-owners", "ops.quick", "celery", None, 3)
+    store.event("two-owners", Event.CLAIMED, "first claim", "celery@alpha:11")
+    store.event("two-owners", Event.LEASE_TAKEN_OVER, "lease expired past grace", "celery@beta:22")
+    html = rw.html("/jobs/two-owners")
+    owners = html.split('<ol id="owners">', 1)[1].split("</ol>", 1)[0]
+
+    items = re.findall(r'<li>([^<]+) <span class="quiet">(\w+) [0-9: .-]+Z</span></li>', owners)
+    assert items == [("celery@alpha:11", "claimed"), ("celery@beta:22", "lease_taken_over")], owners
+    assert "***" not in owners
+
+
+def test_a_page_shows_a_secret_in_a_values_url_query_masked(rw):
+    secret = "qu3rysecret"
+    store = rw.store
+    store.record("query-secret", "ops.quick", "celery", None, 3)
+    error = (f"OperationalError: cannot reach postgresql://shop@db.internal/shop?sslmode=require"
+             f"&password={secret}&application_name=x")
+    ops_app._set(store, "query-secret", last_error=error, status="failed")
+    html = rw.html("/jobs/query-secret")
+
+    assert secret not in html
+    assert "?sslmode=require&amp;password=***&amp;application_name=x" in html
 
 
 def test_a_job_page_hides_the_message_arguments_by_default(ro):
