@@ -12,6 +12,7 @@ tells the worker's main process to stop consuming until the store answers (outag
 from __future__ import annotations
 
 import contextvars
+import datetime
 import logging
 import random
 from typing import Any, NoReturn
@@ -19,6 +20,7 @@ from typing import Any, NoReturn
 from celery import Task, states
 from celery.app.task import Context
 from celery.backends.base import DisabledBackend
+from celery.backends.rpc import RPCBackend
 from celery.exceptions import Ignore, Reject
 
 from . import backend as results
@@ -199,6 +201,34 @@ def resumed(job_id: str) -> bool:
     return _resumed.get() == job_id
 
 
+def _why_not_resumable(task: Task, store: Store, job: Any) -> str | None:
+    """Why a missing result would not prove that a crash interrupted the post-run work; None if it would.
+
+    Resuming is safe only where a worker reads back what the owner stored: a persistent
+    backend (``backend.persistent``) that is not a message to the caller (``rpc://`` sends the
+    result to the caller's reply queue, whatever ``result_persistent`` says, so a worker never
+    sees it), and a result younger than ``result_expires`` on the store's clock (an older one
+    may have expired, and would look missing). Elsewhere the delivery is an ordinary duplicate.
+    """
+    backend = task.backend
+    if isinstance(backend, RPCBackend):
+        return "the rpc:// backend sends results to the caller, a worker cannot read them"
+    if not getattr(backend, "persistent", True):
+        return "the result backend is not persistent"
+    expires = task.app.conf.result_expires
+    if isinstance(expires, datetime.timedelta):
+        expires = expires.total_seconds()
+    completed_at = getattr(job, "completed_at", None)
+    if expires and completed_at is not None:
+        try:
+            age = store.now() - completed_at
+        except StoreUnavailable:
+            return "the store's clock is out of reach, the result's age unknown"
+        if age >= float(expires):
+            return f"completed {age:.0f}s ago, past result_expires ({float(expires):.0f}s)"
+    return None
+
+
 def resume_post_run(task: Task, store: Store, worker: str, job: Any) -> tuple[bool, Any]:
     """(True, result) when this delivery must finish a completed job's post-run work.
 
@@ -208,6 +238,11 @@ def resume_post_run(task: Task, store: Store, worker: str, job: Any) -> tuple[bo
     """
     request = task.request
     if not _has_results(task):
+        return False, None
+    unsafe = _why_not_resumable(task, store, job)
+    if unsafe is not None:
+        log.info("job %s completed; its result cannot be checked (%s): duplicate delivery skipped", job.id,
+                 unsafe, extra={"action": "duplicate_delivery_skipped"})
         return False, None
     try:
         state = results.of(task.app, task.backend).get_state(job.id)

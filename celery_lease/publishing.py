@@ -80,9 +80,9 @@ def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id
 
         def record(payload: str) -> None:
             nonlocal created
-            created, holder = store.record(task_id, task.name, queue, payload, policy.max_attempts,
-                                           idempotency_key, delay, recovery=policy.recovery(),
-                                           reopen=_reopens(task_id))
+            created, holder = replacing.record_step(store, task_id, task.name, queue, payload,
+                                                    policy.max_attempts, idempotency_key, delay,
+                                                    policy.recovery(), _reopens(task_id))
             if holder != task_id:
                 raise _KeyTaken(holder)
 

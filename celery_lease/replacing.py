@@ -7,7 +7,12 @@ runs it. Three cases, each fenced on the replaced run's token:
 - the carrier is a leased task sent now: the row goes back to ``pending`` with the
   carrier's message just before that message is published, so its delivery claims it;
 - the carrier is a leased task sent later (the last step of a chain): the row is
-  removed before anything is sent, and the carrier's own publish records the job anew;
+  removed in the transaction that records the replacement's first step (a leased task),
+  before that step's message is sent, and the carrier's own publish records the job anew.
+  So at every instant one of them is in the store: a worker killed in between loses
+  nothing (the replaced row's lease expires and is reaped, or the step's pending row is
+  re-sent by the dispatch scan). A first step that is not a leased task records nothing
+  to join: the row is then removed just before the replacement is sent, as before;
 - the carrier is not leased (``celery.accumulate`` for a group, a plain task): the
   lease's part of the job ends, ``completed``, once the replacement was sent.
 """
@@ -16,18 +21,24 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from celery.canvas import Signature, _chain, _chord, group
 from celery.exceptions import Ignore
 
+from .store import NewJob
+
 if TYPE_CHECKING:
     from .lease import Lease
+    from .store import Store
 
-__all__ = ["hand_over", "hands_over_to", "claim_on_publish"]
+__all__ = ["hand_over", "hands_over_to", "claim_on_publish", "record_step"]
 
 _handing: contextvars.ContextVar[Lease | None] = contextvars.ContextVar("celery_lease_handing", default=None)
+# A hand-over whose carrier is sent later: the lease and the carrier's name, until the first step is recorded.
+_later: contextvars.ContextVar[tuple[Lease, str] | None] = contextvars.ContextVar(
+    "celery_lease_handing_later", default=None)
 
 
 def carrier(sig: Signature, job_id: str, first: bool = True) -> tuple[Signature | None, bool]:
@@ -60,10 +71,21 @@ def hand_over(task: Any, lease: Lease, sig: Signature, send: Callable[[Signature
     name = found.task if found is not None else type(sig).__name__
     store, job_id, token, worker = lease.store, lease.job_id, lease.token, lease.worker
     if target is not None and leased(target) and not now:
-        if not store.hand_over(job_id, token, worker, None, name):
-            raise Ignore()
-        lease.handed_over = True
-        return send(sig)
+        first = _first_sent(sig)
+        if first is None or not leased(task.app.tasks.get(first.task)):
+            if not store.hand_over(job_id, token, worker, None, name):
+                raise Ignore()
+            lease.handed_over = True
+            return send(sig)
+        later = _later.set((lease, name))
+        try:
+            return send(sig)
+        except Ignore:
+            if not lease.handed_over:  # the first step was not recorded here (its publish took another way)
+                lease.handed_over = store.hand_over(job_id, token, worker, None, name)
+            raise
+        finally:
+            _later.reset(later)
     if target is not None and leased(target):
         with _handing_over(lease):
             return send(sig)
@@ -72,6 +94,41 @@ def hand_over(task: Any, lease: Lease, sig: Signature, send: Callable[[Signature
     except Ignore:
         lease.handed_over = store.replaced(job_id, token, worker, name)
         raise
+
+
+def _first_sent(sig: Signature) -> Signature | None:
+    """The single task a replacement sends first (a chain's first step); None when it starts with a group."""
+    while isinstance(sig, _chain) and sig.tasks:
+        sig = sig.tasks[0]
+    return None if isinstance(sig, (group, _chord, _chain)) else sig
+
+
+def record_step(store: Store, job_id: str, task_name: str, queue: str | None, payload: str | None,
+                max_attempts: int, idempotency_key: str | None, delay: float,
+                recovery: Mapping[str, Any] | None, reopen: bool) -> tuple[bool, str]:
+    """A leased publish's record (``store.record``); the replacement's first step also hands the job over.
+
+    While a running job hands over to a carrier sent later, the first step it publishes is
+    recorded in the transaction that removes the replaced row (store.hand_over_to_step).
+    Raises Ignore when the replaced run's lease moved on: nothing is sent.
+    """
+    later = _later.get()
+    lease, carrier_name = later if later is not None else (None, "")
+    if lease is not None and idempotency_key is None and job_id != lease.job_id and not lease.handed_over:
+        step = NewJob(job_id, task_name, queue, payload, max_attempts, delay, recovery)
+        done = lease.store.hand_over_to_step(lease.job_id, lease.token, lease.worker, carrier_name, step)
+        if done is False:
+            raise Ignore()
+        if done is None:  # the step's id is taken: hand over, then record it as any publish
+            if not lease.store.hand_over(lease.job_id, lease.token, lease.worker, None, carrier_name):
+                raise Ignore()
+        lease.handed_over = True
+        if done:
+            # Not "created": a failed send must not forget the step's row, which now carries the
+            # job (the dispatch scan sends it).
+            return False, job_id
+    return store.record(job_id, task_name, queue, payload, max_attempts, idempotency_key, delay,
+                        recovery=recovery, reopen=reopen)
 
 
 @contextlib.contextmanager

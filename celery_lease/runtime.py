@@ -30,12 +30,14 @@ if TYPE_CHECKING:
     from .outage import ConsumerPause
     from .store import Store
 
-__all__ = ["Runtime", "DeadlineTimer", "for_app", "current", "in_process", "release_all_in_process"]
+__all__ = ["Runtime", "DeadlineTimer", "PendingCancels", "for_app", "current", "in_process",
+           "release_all_in_process"]
 
 log = logging.getLogger(__name__)
 
 MAX_TIMER_SLEEP = 5.0  # seconds the timer sleeps with no deadline in sight
 UNANSWERED_KEPT = 1000  # unanswered claim tokens a process remembers
+CANCELS_KEPT = 10_000  # cancels the store did not take that a process remembers (the newest)
 
 
 class DeadlineTimer:
@@ -106,6 +108,95 @@ class DeadlineTimer:
             self._planned = now + pause
             self._wake.wait(pause)
             self._wake.clear()
+
+
+class PendingCancels:
+    """Cancels (a revoke, ``revoke(terminate=True)``) the store did not take because it was unreachable.
+
+    Celery acknowledges a revoked delivery whatever the store said: a cancel lost to an outage
+    would leave the job pending, and the dispatch scan would run it once the worker forgot the
+    revoke. So a cancel that finds the store down is kept here (the newest CANCELS_KEPT) and
+    written by the next cancel that reaches the store, or by a thread of its own that tries
+    every ``interval`` seconds while any is kept; it stops when none is left.
+    """
+
+    def __init__(self, store: Store, interval: float) -> None:
+        self.store = store
+        self.interval = interval
+        self._mutex = threading.Lock()
+        self._kept: collections.OrderedDict[str, tuple[str, str | None]] = collections.OrderedDict()
+        self._thread: threading.Thread | None = None
+
+    def __len__(self) -> int:
+        with self._mutex:
+            return len(self._kept)
+
+    def cancel(self, job_id: str, reason: str, owner: str | None = None) -> bool:
+        """Cancel ``job_id`` now, or keep the cancel for when the store answers; True when written now.
+
+        The kept cancels go first; while some are still kept (the store just failed them) this
+        one joins them without a call of its own, so an outage costs a revoke one call bound.
+        """
+        self.flush()
+        if len(self):
+            self.keep(job_id, reason, owner)
+            return False
+        try:
+            self.store.cancel(job_id, reason, owner=owner)
+        except StoreRejected as exc:
+            log.error("job %s: the store rejected its cancel (%s); not retried", job_id, exc)
+            return False
+        except StoreUnavailable as exc:
+            self.keep(job_id, reason, owner)
+            log.warning("job %s: lease store unreachable (%s); its cancel (%s) is kept and written when the "
+                        "store answers", job_id, exc, reason, extra={"action": "cancel_deferred"})
+            return False
+        return True
+
+    def keep(self, job_id: str, reason: str, owner: str | None = None) -> None:
+        with self._mutex:
+            self._kept[job_id] = (reason, owner)
+            self._kept.move_to_end(job_id)
+            while len(self._kept) > CANCELS_KEPT:
+                dropped, _ = self._kept.popitem(last=False)
+                log.error("job %s: too many cancels kept while the store is down; dropped", dropped)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="celery-lease-cancels", daemon=True)
+                self._thread.start()
+
+    def flush(self) -> int:
+        """Write the kept cancels, oldest first; stops at the first that finds the store down."""
+        with self._mutex:
+            kept = list(self._kept.items())
+        written = 0
+        for job_id, (reason, owner) in kept:
+            try:
+                self.store.cancel(job_id, reason, owner=owner)
+            except StoreRejected as exc:
+                log.error("job %s: the store rejected its kept cancel (%s); dropped", job_id, exc)
+            except StoreUnavailable:
+                return written
+            else:
+                written += 1
+                log.info("job %s: kept cancel (%s) written after the store came back", job_id, reason,
+                         extra={"action": "cancel_written"})
+            with self._mutex:
+                if self._kept.get(job_id) == (reason, owner):
+                    del self._kept[job_id]
+        return written
+
+    def _run(self) -> None:
+        stop = threading.Event()
+        while True:
+            stop.wait(self.interval)
+            try:
+                self.flush()
+            except Exception:  # noqa: BLE001 - the retry thread must outlive any one bad pass
+                log.exception("kept cancels: flush failed")
+            with self._mutex:
+                if not self._kept:
+                    self._thread = None
+                    return
 
 
 class Runtime:
@@ -338,6 +429,16 @@ class Runtime:
                             lease.token[:8], exc)
         self.flush_deferred()
         return released
+
+    # -- cancels the store did not take ---------------------------------------------------
+    @property
+    def cancels(self) -> PendingCancels:
+        """This process's kept cancels (PendingCancels), made on first use."""
+        with self._mutex:
+            kept: PendingCancels | None = self.__dict__.get("_cancels")
+            if kept is None:
+                kept = self.__dict__["_cancels"] = PendingCancels(self.store, self.default_interval)
+            return kept
 
     # -- threads --------------------------------------------------------------------------
     def start(self) -> None:

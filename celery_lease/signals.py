@@ -102,12 +102,19 @@ def _can_terminate(pool: Any) -> bool:
 
 def _cancel_terminated(request: LeaseRequest) -> None:
     owner = worker_id(request.hostname, request.worker_pid)
+    _cancel(request.task.app, request.id, "terminated", owner)
+
+
+def _cancel(app: Any, job_id: str, reason: str, owner: str | None = None) -> None:
+    """Cancel a job from a hook: a store outage keeps the cancel for later (runtime.PendingCancels),
+    and no error reaches Celery, which acknowledges the revoked delivery whatever happens here."""
     try:
         from .store import for_app
 
-        for_app(request.task.app).cancel(request.id, "terminated", owner=owner)
-    except LeaseError as error:
-        log.warning("job %s: could not cancel the lease of terminated run %s: %s", request.id, owner, error)
+        store = for_app(app, check=False)
+        runtime.for_app(app, store).cancels.cancel(job_id, reason, owner)
+    except Exception as error:  # noqa: BLE001 - a hook never raises into Celery's revoke
+        log.warning("job %s: could not cancel it (%s): %s", job_id, reason, error)
 
 
 def _settle_dead_child(request: LeaseRequest, reason: str, final: bool) -> str:
@@ -272,6 +279,4 @@ def _on_revoked(request: Any = None, terminated: bool = False, expired: bool = F
     task = sender
     if request is None or task is None or terminated or not hasattr(task, "lease_policy"):
         return
-    from .store import for_app
-
-    for_app(task.app).cancel(request.id, "expired" if expired else "revoked")
+    _cancel(task.app, request.id, "expired" if expired else "revoked")

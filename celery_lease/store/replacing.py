@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
+from ..errors import StoreConflict
 from ..vocabulary import Event
 from .jobs import JobStatements
-from .rows import COMPLETED, PENDING
+from .publishes import _record_params
+from .rows import COMPLETED, PENDING, NewJob
 
 __all__ = ["ReplaceStatements"]
 
@@ -46,6 +48,34 @@ class ReplaceStatements(JobStatements):
                 return False
             self._event(c, job_id, Event.HANDED_OVER, f"replaced by {carrier}", worker, token, detail)
             return True
+
+    def hand_over_to_step(self, job_id: str, token: str, worker: str | None, carrier: str,
+                          step: NewJob) -> bool | None:
+        """The replaced row removed and the replacement's first step recorded, in one transaction.
+
+        The carrier is published later (the last step of a chain): until then the first step's
+        row (pending, with its message, which the dispatch scan re-sends) is what carries the
+        job on, so no instant exists where neither row is in the store. Returns False when the
+        replaced run's lease moved on (nothing written), None when the step's id is taken
+        (nothing written; the caller hands over and records the step apart).
+        """
+        j, e = self.t.jobs, self.t.events
+        row, event = self._record_values(Event.PUBLISHED)
+        params = _record_params(step)
+        try:
+            with self.begin() as c:
+                res = c.execute(sa.delete(j).where(self._fenced(job_id, token)))
+                if res.rowcount != 1:
+                    self._stale(c, job_id, Event.STALE_RELEASE_REJECTED, worker, token)
+                    return False
+                c.execute(sa.insert(j).values(**row), params)
+                c.execute(sa.insert(e).values(job_id=row["id"], **event), params)
+                self._event(c, job_id, Event.HANDED_OVER, f"replaced by {carrier}", worker, token, {
+                    "carrier": carrier, "row": "recorded again when the carrier is published",
+                    "first_step": step.id})
+        except StoreConflict:
+            return None
+        return True
 
     def replaced(self, job_id: str, token: str, worker: str | None, carrier: str) -> bool:
         """running -> completed: the replacement that carries the id is not leased (a built-in such

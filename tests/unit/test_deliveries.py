@@ -248,3 +248,20 @@ def test_a_request_that_sets_ignore_result_overrides_the_task_and_one_that_does_
         assert deliveries.ignores_result(task, Context(id="j", ignore_result=False)) is False
     finally:
         task.ignore_result = False
+
+
+def test_a_completed_job_older_than_result_expires_is_an_ordinary_duplicate(results_app):
+    # The result may have expired: a missing one proves no crash, so nothing is resumed.
+    app, task = results_app
+    task.push_request(id="job-old", delivery_info={})
+    old = CompletedJob()
+    old.id = "job-old"
+    app.conf.result_expires = 30  # CompletedJob completed 60 s before the store's clock
+    try:
+        store = KeptStore(deliveries.keepable_result(task, {"total": 3}))
+        assert deliveries.resume_post_run(task, store, "me:1", old) == (False, None)
+        assert store.written == []
+        app.conf.result_expires = 120
+        assert deliveries.resume_post_run(task, store, "me:1", old) == (True, {"total": 3})
+    finally:
+        task.pop_request()

@@ -411,6 +411,46 @@ def test_a_claim_given_up_is_remembered_for_its_job_only_and_the_oldest_are_forg
     assert not rt.orphaned_claim("job-4", "tok-4")
 
 
+# -- cancels the store did not take ----------------------------------------------------------
+@pytest.fixture
+def cut_store(postgres_url):
+    """A migrated PostgreSQL store reached through a proxy the test can cut, and that proxy."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    from celery_lease.store import Store
+    from tests.conftest import unique_prefix
+    from tests.tcp_proxy import TcpProxy
+
+    pg = urlsplit(postgres_url)
+    proxy = TcpProxy(pg.hostname or "127.0.0.1", pg.port or 5432).start()
+    direct = Store(postgres_url, unique_prefix())
+    direct.migrate()
+    store = Store(urlunsplit(pg._replace(netloc=f"{pg.username}@127.0.0.1:{proxy.port}")), direct.prefix)
+    yield proxy, store, direct
+    proxy.cut()
+    store.engine.dispose()
+    direct.drop_schema()
+    direct.engine.dispose()
+
+
+def test_a_cancel_that_meets_an_outage_is_kept_and_written_once_the_store_answers(cut_store):
+    proxy, store, direct = cut_store
+    for job_id in ("j1", "j2"):
+        direct.record(job_id, "t.task", "q", "{}", 3)
+    cancels = runtime.PendingCancels(store, interval=0.1)
+    # Given a store that does not answer, when two jobs are revoked
+    proxy.cut()
+    assert cancels.cancel("j1", "revoked") is False
+    assert cancels.cancel("j2", "expired") is False
+    assert len(cancels) == 2 and direct.get("j1").status == "pending"
+    # Then both cancels reach the store once it answers, without another cancel to carry them
+    proxy.start()
+    wait_for(lambda: len(cancels) == 0, timeout=10, message="the kept cancels were never written")
+    assert [(direct.get(j).status, direct.get(j).last_error) for j in ("j1", "j2")] == [
+        ("failed", "revoked (revoked)"), ("failed", "revoked (expired)")]
+    assert cancels.cancel("j3", "revoked") is True  # nothing kept: an unknown job is a no-op write
+
+
 @pytest.mark.parametrize("store_url", ["mysql"], indirect=True)
 def test_a_deferred_completion_the_store_refuses_for_good_is_not_retried_every_round(store_factory, caplog):
     """A completion deferred in an outage and then refused (a 70 KB result on a MySQL/MariaDB

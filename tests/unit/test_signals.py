@@ -106,6 +106,35 @@ def test_the_pool_is_named_from_the_worker_setting_or_its_class():
     assert pool_name(Worker(TaskPool)) == "eventlet"
 
 
+def test_a_revoke_whose_cancel_meets_an_outage_does_not_raise_and_keeps_the_cancel():
+    import socket
+    from types import SimpleNamespace
+
+    from celery.signals import task_revoked
+
+    from celery_lease import runtime
+
+    with socket.socket() as s:  # a port nothing listens on: the store refuses every connection
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = Celery("revokes", set_as_current=False)
+    app.conf.lease_store_url = f"postgresql+psycopg://postgres@127.0.0.1:{port}/test"
+
+    @app.task(base=LeaseTask, shared=False, name="revokes.task")
+    def task():
+        return None
+
+    try:
+        # Celery's own send, as the worker sends it when it discards a revoked delivery
+        replies = task_revoked.send(sender=task, request=SimpleNamespace(id="job-r"), terminated=False,
+                                    signum=None, expired=False)
+        assert not [r for _, r in replies if isinstance(r, BaseException)]
+        rt = runtime.current(app)
+        assert rt is not None and len(rt.cancels) == 1
+    finally:
+        app.close()
+
+
 @pytest.mark.parametrize(("pool", "concurrency", "processes"), [("threads", 2, 1), ("prefork", 2, 2)])
 def test_an_idle_worker_is_alive_in_the_registry_before_its_first_task(tmp_path, pool, concurrency,
                                                                        processes):

@@ -364,6 +364,25 @@ def test_a_hand_over_to_a_later_carrier_removes_the_row_and_replaced_completes_i
     assert store.get("j2").status == COMPLETED and events(store, "j2")[-1] == "replaced"
 
 
+def test_a_hand_over_to_a_first_step_removes_the_row_and_records_the_step_in_one_write(store):
+    from celery_lease.store import NewJob
+
+    store.record("j1", "t.task", "q", "{}", 3)
+    store.record("taken", "t.task", "q", "{}", 3)
+    tok = claim(store, "j1").job.lock_token
+    step = NewJob("s1", "t.step", "q", '{"v": 3}', 3)
+    assert store.hand_over_to_step("j1", "stale", "w1", "t.last", step) is False
+    assert store.get("j1").status == RUNNING and store.get("s1") is None
+    # A step whose id is taken writes nothing: the replaced row stays.
+    assert store.hand_over_to_step("j1", tok, "w1", "t.last", NewJob("taken", "t.step", "q", "{}", 3)) is None
+    assert store.get("j1").status == RUNNING
+    assert store.hand_over_to_step("j1", tok, "w1", "t.last", step) is True
+    assert store.get("j1") is None and events(store, "j1")[-1] == "handed_over"
+    job = store.get("s1")
+    assert (job.status, job.payload, job.task_name) == (PENDING, '{"v": 3}', "t.step")
+    assert events(store, "s1") == ["published"]
+
+
 def test_checkpoint_is_fenced_by_the_token(store):
     store.record("j1", "t.task", "q", "{}", 3)
     tok = claim(store, "j1").job.lock_token
