@@ -220,10 +220,7 @@ def _why_not_resumable(task: Task, store: Store, job: Any) -> str | None:
         expires = expires.total_seconds()
     completed_at = getattr(job, "completed_at", None)
     if expires and completed_at is not None:
-        try:
-            age = store.now() - completed_at
-        except StoreUnavailable:
-            return "the store's clock is out of reach, the result's age unknown"
+        age = store.now() - completed_at  # unreachable: the delivery is sent again (fail closed)
         if age >= float(expires):
             return f"completed {age:.0f}s ago, past result_expires ({float(expires):.0f}s)"
     return None
@@ -231,6 +228,9 @@ def _why_not_resumable(task: Task, store: Store, job: Any) -> str | None:
 
 def resume_post_run(task: Task, store: Store, worker: str, job: Any) -> tuple[bool, Any]:
     """(True, result) when this delivery must finish a completed job's post-run work.
+
+    StoreUnavailable when the store or the result backend cannot answer: the caller sends the
+    delivery again later rather than skip work a crash may have left undone.
 
     Celery sends the chain's next step and the link callbacks, then stores the result: a
     completed job whose result the backend lacks was interrupted by a crash. Returning the
@@ -246,9 +246,10 @@ def resume_post_run(task: Task, store: Store, worker: str, job: Any) -> tuple[bo
         return False, None
     try:
         state = results.of(task.app, task.backend).get_state(job.id)
-    except Exception as exc:  # noqa: BLE001 - any backend failure: treat as an ordinary duplicate
-        log.warning("job %s: result backend unreadable (%s); duplicate delivery skipped", job.id, exc)
-        return False, None
+    except Exception as exc:  # noqa: BLE001 - any backend failure: ask again later
+        # Skipped now, a crash's unfinished post-run work would never be done: send it again.
+        raise StoreUnavailable(f"job {job.id}: result backend unreadable ({exc}); the duplicate is checked "
+                               "again later", job_id=job.id) from exc
     if state in states.READY_STATES:
         return False, None
     kept = store.kept_result(job.id)

@@ -66,6 +66,8 @@ def effect(lease: Lease, key: str, connection: Connection | None = None) -> Iter
     if connection is None:
         # An unreachable store is waited for until the local deadline, then LeaseLost.
         outcome = lease.patiently(lambda: store.record_effect(key, lease.job_id, lease.token, lease.worker))
+        if outcome == EffectOutcome.LOST and lease.vanished_and_recorded_again():
+            outcome = store.record_effect(key, lease.job_id, lease.token, lease.worker)
     else:
         outcome = store.record_effect_in(connection, key, lease.job_id, lease.token, lease.worker)
     if outcome == EffectOutcome.LOST:
@@ -334,6 +336,8 @@ def _acquire(lease: Lease, held: ResourceLock, timeout: float) -> None:
             log.debug("job %s [%s]: lock %r [%s] taken", lease.job_id, lease.token[:8], held.resource,
                       held.token[:8], extra={"action": "lock_acquired"})
             return
+        if outcome == EffectOutcome.LOST and lease.vanished_and_recorded_again():
+            continue  # the job's row is back under this lease: ask again
         if outcome == EffectOutcome.LOST:
             lease.mark_lost(f"lock {held.resource!r} refused: token no longer matches")
             lease.check()

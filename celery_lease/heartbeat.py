@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from . import deadline
 from .errors import LeaseError, StoreRejected, StoreUnavailable
+from .vocabulary import LossReason
 
 if TYPE_CHECKING:
     from .lease import Lease
@@ -88,7 +89,11 @@ class Heartbeat:
                 # and renewal.
                 continue
             else:
+                again = deadline.monotonic()
                 reason, owner = self.store.describe_loss(lease.job_id, lease.token, self.worker)
+                if reason == LossReason.VANISHED and lease.recorded_again():
+                    lease.confirm(again)
+                    continue
                 lease.mark_lost(reason, owner)
                 rt.forget(lease)
                 counts["lost"] += 1

@@ -53,8 +53,10 @@ class Lease:
 
     def __init__(self, runtime: Runtime, job_id: str, token: str, attempt: int, policy: TaskPolicy,
                  idempotency_key: str, checkpoint_state: Any, *, sent_at: float, app: Any = None,
-                 acks_late: bool = True) -> None:
+                 acks_late: bool = True, record_again: Callable[[], bool] | None = None) -> None:
         self.runtime = runtime
+        # Records the job anew under this lease's token when its row vanished (lifecycle.py).
+        self._record_again = record_again
         self.store = runtime.store
         self.worker = runtime.worker
         self.app = app
@@ -207,10 +209,34 @@ class Lease:
             self.checkpoint_state = state
             return
         self.pending_checkpoint = None
+        if not written and self.vanished_and_recorded_again():
+            written = self.store.checkpoint(self.job_id, self.token, state, self.worker)
         if not written:
             self.mark_lost("checkpoint rejected: token no longer matches")
             self.check()
         self.checkpoint_state = state
+
+    def recorded_again(self) -> bool:
+        """The job's row vanished (a restored backup, a failover that lost its last seconds): record it
+        again from the message this worker holds, under this lease's token; True when it is ours again."""
+        if self._record_again is None or self.lost:
+            return False
+        try:
+            again = self._record_again()
+        except (StoreUnavailable, StoreRejected) as exc:
+            log.warning("job %s [%s]: its row vanished and could not be recorded again (%s)", self.job_id,
+                        self.token[:8], exc)
+            return False
+        if again:
+            log.error("job %s [%s]: its row vanished from the store; recorded again from the message it runs",
+                      self.job_id, self.token[:8], extra={"action": "job_recorded_again"})
+        return again
+
+    def vanished_and_recorded_again(self) -> bool:
+        """After a fenced write changed nothing: whether the row had vanished and is ours again now."""
+        if self._record_again is None or self.store.get(self.job_id) is not None:
+            return False
+        return self.recorded_again()
 
     def write_pending_checkpoint(self) -> None:
         """The heartbeat's part: write the checkpoint an outage held back (StoreUnavailable if still down)."""

@@ -91,6 +91,14 @@ def _claim(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Lease | 
         sent = deadline.monotonic()
         claim = store.claim(job_id, rt.worker, token, terms, task_name=task.name, queue=queue,
                             payload=payload)
+    except StoreRejected as exc:
+        # A claim the store refuses is not run, and not lost either: the message comes back later
+        # (with the fail-closed backoff), each time logged with the store's reason.
+        log.error("job %s: the store refused its claim (%s)", job_id, exc, extra={"action": "claim_rejected"})
+        if request.is_eager:
+            raise
+        deliveries.fail_closed(task, policy.store_retry_delay, policy.store_retry_max,
+                               StoreUnavailable(str(exc), job_id=job_id))
     except StoreUnavailable as exc:
         if request.is_eager:
             raise  # no message to deliver again: the caller sees the outage
@@ -103,15 +111,25 @@ def _claim(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Lease | 
         claim = _reclaim(store, rt, claim, token, terms)
     if not claim.claimed:
         if claim.job is not None and claim.job.status == Status.COMPLETED:
-            resumed, value = deliveries.resume_post_run(task, store, rt.worker, claim.job)
+            try:
+                resumed, value = deliveries.resume_post_run(task, store, rt.worker, claim.job)
+            except StoreUnavailable as exc:
+                deliveries.fail_closed(task, policy.store_retry_delay, policy.store_retry_max, exc)
             if resumed:
                 return _Resumed(value)
         deliveries.skip_duplicate(task, store, rt.worker, claim.outcome, claim.job)
     job = claim.job
     assert job is not None
     deliveries.forget_store_retries(request)
+
+    def record_again() -> bool:
+        again = store.claim(job_id, rt.worker, token, terms, task_name=task.name, queue=queue,
+                            payload=payload)
+        return again.claimed and again.job is not None and again.job.lock_token == token
+
     return Lease(rt, job_id, token, job.attempt_count, policy, job.idempotency_key or f"{task.name}:{job_id}",
-                 job.checkpoint_state(), sent_at=sent, app=task.app, acks_late=bool(task.acks_late))
+                 job.checkpoint_state(), sent_at=sent, app=task.app, acks_late=bool(task.acks_late),
+                 record_again=record_again)
 
 
 def _reclaim(store: Store, rt: runtime.Runtime, claim: Claim, token: str, terms: ClaimTerms) -> Claim:
@@ -232,6 +250,8 @@ def _write(lease: Lease, end: RunEnd, write: Callable[[], bool], then: Callable[
     """
     try:
         written = write()
+        if not written and lease.vanished_and_recorded_again():
+            written = write()
     except StoreRejected:
         raise
     except StoreUnavailable as exc:

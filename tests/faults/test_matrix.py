@@ -115,8 +115,13 @@ class Lane:
             return kind == "ignore"  # Ignore stores no state: the store's final status is the end
         if kind == "duplicate":
             if job not in self.duplicated:
-                # The result expired (or an rpc backend never kept it): a duplicate arrives.
+                # The result expired: its key is gone and the completion is older than
+                # result_expires (a day back on the store's clock). A duplicate arrives.
                 r.delete(f"celery-task-meta-{job}")
+                t = self.store.t.jobs
+                with self.store.begin() as c:
+                    c.execute(sa.update(t).where(t.c.id == job)
+                              .values(completed_at=t.c.completed_at - 2 * 86400))
                 self.mod.app.send_task("faults.run", args=(self.jobs_scenario(r, job),), task_id=job,
                                        queue=self.queue, link=self.mod.linked.s(job))
                 self.duplicated[job] = time.monotonic()
