@@ -88,6 +88,10 @@ class Heartbeat:
                 # already cleared the token: not a loss, a lease that ended between snapshot
                 # and renewal.
                 continue
+            elif rt.is_deferred(lease) and self.store.get(lease.job_id) is not None:
+                # A finished body's deferred write, whose first try may have committed with its
+                # answer lost: flush_deferred (below) makes it and acts on what the store holds.
+                continue
             else:
                 again = deadline.monotonic()
                 reason, owner = self.store.describe_loss(lease.job_id, lease.token, self.worker)

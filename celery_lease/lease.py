@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from . import deadline, interrupt, messages
 from .config import TaskPolicy
 from .errors import LeaseLost, StoreRejected, StoreUnavailable
-from .vocabulary import Event, RunEnd
+from .vocabulary import Event, RunEnd, Status
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -231,6 +231,21 @@ class Lease:
             log.error("job %s [%s]: its row vanished from the store; recorded again from the message it runs",
                       self.job_id, self.token[:8], extra={"action": "job_recorded_again"})
         return again
+
+    def send_if_pending(self) -> bool:
+        """After a deferred write the store refused as stale: when the job is pending (a write of ours
+        whose answer was lost after it committed, or anyone's requeue), send its stored message again.
+
+        A pending job's extra message is harmless (its claim runs it once, a copy is skipped); a
+        missing one would leave it to the dispatch scan.
+        """
+        job = self.store.get(self.job_id)
+        if job is None or job.status != Status.PENDING or self.app is None:
+            return False
+        messages.republish(self.app, self.job_id, job.payload)
+        log.info("job %s [%s]: pending after a write whose answer was lost; its message sent again",
+                 self.job_id, self.token[:8], extra={"action": "pending_job_sent_again"})
+        return True
 
     def vanished_and_recorded_again(self) -> bool:
         """After a fenced write changed nothing: whether the row had vanished and is ours again now."""

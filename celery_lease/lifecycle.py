@@ -259,7 +259,14 @@ def _write(lease: Lease, end: RunEnd, write: Callable[[], bool], then: Callable[
                   lease.job_id, lease.token[:8], end, exc, extra={"action": "settle_deferred"})
         lease.runtime.defer(lease, DeferredWrite(end, later or write, then))
         return None
-    if written and then is not None:
+    if not written:
+        # Stale: the lease moved on, or this very write committed once with its answer lost (a
+        # retry, a release, a hand-over): a job left pending gets its message again.
+        try:
+            lease.send_if_pending()
+        except Exception as error:  # noqa: BLE001 - the reaper's dispatch scan sends it later
+            log.warning("job %s: not sent again (%s); the dispatch scan will", lease.job_id, error)
+    elif then is not None:
         try:
             then()
         except Exception as error:  # noqa: BLE001 - the write landed; what follows it is logged

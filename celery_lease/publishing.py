@@ -136,6 +136,8 @@ def retry_first(lease: Lease, delay: float, payload: str) -> bool:
                     lease.token[:8], exc, extra={"action": "retry_deferred"})
         lease.deferred_retry = (deadline.monotonic() + delay, payload)
         return False
+    if not written and lease.vanished_and_recorded_again():
+        written = lease.store.retry_later(lease.job_id, lease.token, delay, payload, None, lease.worker)
     if not written:
         lease.mark_lost("retry rejected: token no longer matches")
         lease.check()

@@ -387,9 +387,15 @@ class Runtime:
                 return
             self.forget(lease)
             if not written:
-                # The store audited the stale write; nothing follows it.
+                # The store audited the stale write; nothing follows it. The first try may have
+                # committed with its answer lost: a job left pending gets its message again.
                 log.warning("job %s [%s]: deferred %s rejected, the lease moved on", lease.job_id,
                             lease.token[:8], write.end, extra={"action": "stale_deferred_write_rejected"})
+                try:
+                    lease.send_if_pending()
+                except Exception as exc:  # noqa: BLE001 - the dispatch scan sends it later
+                    log.warning("job %s: not sent again (%s); the reaper's dispatch scan will",
+                                lease.job_id, exc)
                 continue
             log.info("job %s [%s]: %s written after the store came back", lease.job_id, lease.token[:8],
                      write.end, extra={"action": "deferred_write_landed"})
