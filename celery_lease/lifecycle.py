@@ -346,6 +346,11 @@ def _lost(task: Any, lease: Lease, exc: BaseException) -> NoReturn:
         log.error("job %s [%s]: its row vanished from the store; message sent again", lease.job_id,
                   lease.token[:8], extra={"action": "vanished_job_sent_again"})
         deliveries.send_again(task, "the job's row vanished from the store")
+    elif not lease.lost:
+        # The body raised LeaseLost on a lease this worker still holds (a check of its own, a
+        # library call below it): nobody else runs the job, so give it back now, uncharged,
+        # instead of leaving it to expire and wait for the reaper.
+        _write(lease, RunEnd.LOST, lambda: lease.give_back(Event.RELEASED_AFTER_LOCAL_LOSS, republish=True))
     raise Ignore() from exc
 
 

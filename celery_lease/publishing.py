@@ -80,9 +80,18 @@ def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id
 
         def record(payload: str) -> None:
             nonlocal created
-            created, holder = replacing.record_step(store, task_id, task.name, queue, payload,
-                                                    policy.max_attempts, idempotency_key, delay,
-                                                    policy.recovery(), _reopens(task_id))
+            try:
+                created, holder = replacing.record_step(store, task_id, task.name, queue, payload,
+                                                        policy.max_attempts, idempotency_key, delay,
+                                                        policy.recovery(), _reopens(task_id))
+            except StoreUnavailable as exc:
+                if idempotency_key is not None or not _after_a_body():
+                    raise
+                # Celery's post-run work (a chain's next step, a link) met the outage: plain
+                # Celery would send it, and its first claim records the job (first seen).
+                log.warning("task %s [%s] sent unrecorded, the store is unreachable (%s); its claim records "
+                            "it", task.name, task_id, exc, extra={"action": "published_unrecorded"})
+                return
             if holder != task_id:
                 raise _KeyTaken(holder)
 
@@ -143,6 +152,13 @@ def retry_first(lease: Lease, delay: float, payload: str) -> bool:
         lease.check()
     lease.retried = True
     return True
+
+
+def _after_a_body() -> bool:
+    """Whether this publish comes from a worker's task outside any leased body: Celery's post-run
+    work (a chain's next step, a link callback) or a plain task."""
+    current = get_current_worker_task()
+    return current is not None and runtime.own_lease(current) is None
 
 
 def _reopens(task_id: str) -> bool:

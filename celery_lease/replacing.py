@@ -155,7 +155,10 @@ def claim_on_publish(task: Any, task_id: str, payload: str) -> bool:
     lease = _handing.get()
     if lease is None or lease.job_id != task_id or lease.handed_over:
         return False
-    if not lease.store.hand_over(lease.job_id, lease.token, lease.worker, payload, task.name):
+    def write() -> bool:
+        return lease.store.hand_over(lease.job_id, lease.token, lease.worker, payload, task.name)
+
+    if not write() and not (lease.vanished_and_recorded_again() and write()):
         raise Ignore()
     lease.handed_over = True
     return True
