@@ -25,14 +25,16 @@ REDIS_DB = 6
 @pytest.fixture
 def app(redis_url, store_url, monkeypatch):
     monkeypatch.setattr(publishes, "RECORD_BATCH", 10)
+    # A 30 s lease bounds each store call at seconds, not a fraction of one: these tests count
+    # statements, and a server stall must not fail them (no lease here expires).
     # A loaded machine could take longer than BATCH_WAIT to build a group: the tests that count
     # statements keep the whole loop in one batch (the generator's test sets it back).
     monkeypatch.setattr(batching, "BATCH_WAIT", 60.0)
     with prefixed_redis(redis_url, REDIS_DB) as (url, client, keyprefix):
         options = {"global_keyprefix": keyprefix}
         app = Celery(f"batch_{unique_prefix()}", broker=url, backend=url, set_as_current=False)
-        app.conf.update(lease_store_url=store_url, lease_table_prefix=unique_prefix(), lease_duration=3.0,
-                        lease_heartbeat_interval=1.0, broker_transport_options=options,
+        app.conf.update(lease_store_url=store_url, lease_table_prefix=unique_prefix(), lease_duration=30.0,
+                        lease_heartbeat_interval=10.0, broker_transport_options=options,
                         result_backend_transport_options=options, task_default_queue="batch")
 
         @app.task(base=LeaseTask, shared=False, name="batch.work")
