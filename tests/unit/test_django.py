@@ -158,6 +158,12 @@ def orm(request, order_model, redis_url):
     from django.db import connections
 
     alias = request.param
+    if alias == "mysql":
+        import pymysql  # posing as mysqlclient for Django (the transaction fixture installs it)
+
+        if tuple(pymysql.version_info[:3]) < (1, 4, 3):
+            pytest.skip(f"PyMySQL {pymysql.__version__} poses as mysqlclient {pymysql.version_info[:3]}, "
+                        "below the 1.4.3 Django's MySQL backend requires (PyMySQL >= 1.1)")
     store_url = f"sqlite:///{SQLITE_FILE}" if alias == "default" else request.getfixturevalue(f"{alias}_url")
     broker = urlunsplit(urlsplit(redis_url)._replace(path="/15"))
     app = Celery(f"orm_{unique_prefix()}", broker=broker, set_as_current=False)
