@@ -24,7 +24,8 @@ KNOWN_FAILING = HERE / "known_failing.txt"
 KINDS = ("return", "retry0", "retry_later", "ignore", "reject_requeue", "reject_drop", "raise", "leaselost",
          "replace_task", "replace_chain", "revoke", "effects", "long", "duplicate", "started")
 #: Verbs the heartbeat and the reaper call on their own clocks: only their first call is a point.
-PERIODIC_VERBS = frozenset({"beat", "renew", "renew_locks", "touch_worker", "note_skipped_owner_alive",
+PERIODIC_VERBS = frozenset({"beat", "renew", "renew_locks", "touch_worker", "describe_loss",
+                            "note_skipped_owner_alive",
                             "requeue_abandoned", "dead_letter_abandoned", "redispatched", "leases_alive"})
 POINTS_HEADER = """\
 # The fault matrix's points: <run kind> <verb>#<ordinal>, the n-th call of a store method (or of a

@@ -593,7 +593,8 @@ def test_a_holder_cut_off_from_the_store_stops_trusting_its_lock_before_another_
     other_rt = Runtime(direct, "host", default_interval=0.5, worker="other:2")
     other_rt.start = lambda: None
     held_by = _claimed(cut_off, rt, "job-a", lease_heartbeat_interval=0.5, lease_on_lost="raise")
-    other = _claimed(direct, other_rt, "job-b", lease_heartbeat_interval=0.5)
+    # (job-b's runtime never renews: a long lease keeps it trusted however slow the machine)
+    other = _claimed(direct, other_rt, "job-b", lease_heartbeat_interval=0.5, lease_duration=300.0)
     acquired, passes, stopped = threading.Event(), [], []
 
     def body() -> None:
