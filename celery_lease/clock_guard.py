@@ -1,4 +1,6 @@
-"""The reaper's guard against a store that was away or whose clock stepped (DESIGN.md guarantee 6).
+"""The reaper's guard against a store that was away or whose clock stepped.
+
+No owner counts as gone until it had a lease's time to renew against the store as it is now.
 
 An owner looks gone when its renewals did not land: after an outage every owner does, and
 after a forward step of the store's clock every lease looks old. So each reaper run compares

@@ -803,7 +803,7 @@ def test_a_job_waiting_out_its_backoff_does_not_hold_up_the_due_ones_behind_it(a
     assert {store.get(f"backed{n}").dispatch_count for n in range(backed)} == {1}
 
 
-# -- after a store outage or a step of its clock (DESIGN.md guarantee 6) ----------------------
+# -- after a store outage or a step of its clock ----------------------
 LEASE, GRACE, BEAT, INTERVAL = 2.0, 0.5, 0.5, 0.25
 # What a reaper run itself may take on a loaded machine, beyond the bound the guarantee states.
 RUN_SLACK = 1.0
