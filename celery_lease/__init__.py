@@ -35,4 +35,4 @@ __all__ = [
     "StoreRejected",
     "StoreConflict",
 ]
-__version__ = "0.1.0"
+from .version import __version__ as __version__  # noqa: E402 - one source for setup.cfg and the store

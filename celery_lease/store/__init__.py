@@ -16,7 +16,8 @@ from typing import Any, Protocol
 
 from sqlalchemy.engine import Connection
 
-from .. import config
+import celery_lease.config as config
+
 from ..vocabulary import EffectOutcome, Event
 from . import dialects, schema
 from .base import StoreBase

@@ -14,7 +14,8 @@ import sqlalchemy as sa
 from kombu.utils.imports import symbol_by_name
 from sqlalchemy.engine import Connection, Engine
 
-from .. import config
+import celery_lease.config as config
+
 from ..errors import StoreUnavailable
 from ..interrupt import uninterrupted
 from ..masking import mask_secrets

@@ -18,8 +18,8 @@ import logging
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from .. import __version__
 from ..errors import LeaseConfigError, SchemaMismatch, StoreRejected, StoreUnavailable
+from ..version import __version__
 from . import migrations
 
 __all__ = ["migrate", "sql", "ensure", "describe"]
