@@ -28,7 +28,7 @@ from . import messages
 from .backoff import store_retry_delay
 from .errors import StoreRejected, StoreUnavailable
 from .store import Store
-from .vocabulary import ClaimOutcome, Event
+from .vocabulary import ClaimOutcome, Event, Status
 
 __all__ = ["send_again", "fail_closed", "defer_early", "skip_duplicate", "ignores_result", "keepable_result",
            "resumed", "resume_post_run", "store_retries", "forget_store_retries", "FailedClosed",
@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 #: The message header that counts a delivery's re-sends while the store was unreachable.
 STORE_RETRIES_HEADER = "celery_lease_store_retries"
+FINISHED = frozenset({Status.COMPLETED, Status.FAILED})
 
 
 class StoreDown:
@@ -163,7 +164,23 @@ def skip_duplicate(task: Task, store: Store, worker: str, outcome: ClaimOutcome,
     _audit(store, job_id, Event.DUPLICATE_DELIVERY_SKIPPED, f"job {job.status if job else outcome}", worker,
            {"owner": job.locked_by if job else None,
             "redelivered": bool((task.request.delivery_info or {}).get("redelivered"))})
+    if job is not None and job.status in FINISHED and _vanished(store, job_id):
+        # A restore or a failover forgot the finished job between the claim's read and now: this
+        # message is all that is left of it, so it is not acknowledged away. Its next delivery
+        # is a first one (its claim records the job) and runs it once more.
+        log.error("job %s: its row vanished from the store while a duplicate delivery was skipped; "
+                  "delivery sent again, it runs as a first one", job_id,
+                  extra={"action": "job_recorded_again"})
+        send_again(task, "its row vanished from the store")
     raise Ignore()
+
+
+def _vanished(store: Store, job_id: str) -> bool:
+    """Whether the store has no row for ``job_id`` now (an unreachable store: it had one a moment ago)."""
+    try:
+        return store.get(job_id) is None
+    except (StoreUnavailable, StoreRejected):
+        return False
 
 
 def ignores_result(task: Task, request: Any) -> bool:

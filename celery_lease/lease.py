@@ -310,6 +310,9 @@ class Lease:
             return False
         if (not self.acks_late if republish is None else republish) and self.app is not None:
             job = self.store.get(self.job_id)
+            if job is None and self.recorded_again() and self.store.release(self.job_id, self.token,
+                                                                             self.worker, reason):
+                job = self.store.get(self.job_id)  # vanished once released: recorded again, released again
             try:
                 messages.republish(self.app, self.job_id, job.payload if job else None)
             except Exception as exc:  # noqa: BLE001 - the dispatch scan re-sends it later

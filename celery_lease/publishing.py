@@ -84,13 +84,17 @@ def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id
                 created, holder = replacing.record_step(store, task_id, task.name, queue, payload,
                                                         policy.max_attempts, idempotency_key, delay,
                                                         policy.recovery(), _reopens(task_id))
-            except StoreUnavailable as exc:
+            except (StoreUnavailable, StoreRejected) as exc:
                 if idempotency_key is not None or not _after_a_body():
                     raise
-                # Celery's post-run work (a chain's next step, a link) met the outage: plain
-                # Celery would send it, and its first claim records the job (first seen).
-                log.warning("task %s [%s] sent unrecorded, the store is unreachable (%s); its claim records "
-                            "it", task.name, task_id, exc, extra={"action": "published_unrecorded"})
+                # Celery's post-run work (a chain's next step, a link) met an outage or a refused
+                # record: raising would drop the rest of the canvas, whose next step may carry a
+                # replaced job. Plain Celery would send it, and its first claim records the job.
+                refused = isinstance(exc, StoreRejected)
+                (log.error if refused else log.warning)(
+                    "task %s [%s] sent unrecorded, the store %s (%s); its claim records it", task.name,
+                    task_id, "refused its record" if refused else "is unreachable", exc,
+                    extra={"action": "published_unrecorded"})
                 return
             if holder != task_id:
                 raise _KeyTaken(holder)

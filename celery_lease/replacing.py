@@ -116,7 +116,13 @@ def record_step(store: Store, job_id: str, task_name: str, queue: str | None, pa
     lease, carrier_name = later if later is not None else (None, "")
     if lease is not None and idempotency_key is None and job_id != lease.job_id and not lease.handed_over:
         step = NewJob(job_id, task_name, queue, payload, max_attempts, delay, recovery)
-        done = lease.store.hand_over_to_step(lease.job_id, lease.token, lease.worker, carrier_name, step)
+
+        def write() -> bool | None:
+            return lease.store.hand_over_to_step(lease.job_id, lease.token, lease.worker, carrier_name, step)
+
+        done = write()
+        if done is False and lease.vanished_and_recorded_again():
+            done = write()  # the replaced row vanished (a restore): recorded again, then handed over
         if done is False:
             raise Ignore()
         if done is None:  # the step's id is taken: hand over, then record it as any publish

@@ -124,38 +124,43 @@ class PendingCancels:
         self.store = store
         self.interval = interval
         self._mutex = threading.Lock()
-        self._kept: collections.OrderedDict[str, tuple[str, str | None]] = collections.OrderedDict()
+        # job id -> (reason, owner, task name, queue)
+        self._kept: collections.OrderedDict[str, tuple[str, str | None, str | None, str | None]] = (
+            collections.OrderedDict())
         self._thread: threading.Thread | None = None
 
     def __len__(self) -> int:
         with self._mutex:
             return len(self._kept)
 
-    def cancel(self, job_id: str, reason: str, owner: str | None = None) -> bool:
+    def cancel(self, job_id: str, reason: str, owner: str | None = None, task_name: str | None = None,
+               queue: str | None = None) -> bool:
         """Cancel ``job_id`` now, or keep the cancel for when the store answers; True when written now.
 
         The kept cancels go first; while some are still kept (the store just failed them) this
         one joins them without a call of its own, so an outage costs a revoke one call bound.
+        ``task_name`` and ``queue`` (a discarded delivery's) record a vanished row again (store.cancel).
         """
         self.flush()
         if len(self):
-            self.keep(job_id, reason, owner)
+            self.keep(job_id, reason, owner, task_name, queue)
             return False
         try:
-            self.store.cancel(job_id, reason, owner=owner)
+            self.store.cancel(job_id, reason, owner=owner, task_name=task_name, queue=queue)
         except StoreRejected as exc:
             log.error("job %s: the store rejected its cancel (%s); not retried", job_id, exc)
             return False
         except StoreUnavailable as exc:
-            self.keep(job_id, reason, owner)
+            self.keep(job_id, reason, owner, task_name, queue)
             log.warning("job %s: lease store unreachable (%s); its cancel (%s) is kept and written when the "
                         "store answers", job_id, exc, reason, extra={"action": "cancel_deferred"})
             return False
         return True
 
-    def keep(self, job_id: str, reason: str, owner: str | None = None) -> None:
+    def keep(self, job_id: str, reason: str, owner: str | None = None, task_name: str | None = None,
+             queue: str | None = None) -> None:
         with self._mutex:
-            self._kept[job_id] = (reason, owner)
+            self._kept[job_id] = (reason, owner, task_name, queue)
             self._kept.move_to_end(job_id)
             while len(self._kept) > CANCELS_KEPT:
                 dropped, _ = self._kept.popitem(last=False)
@@ -169,9 +174,9 @@ class PendingCancels:
         with self._mutex:
             kept = list(self._kept.items())
         written = 0
-        for job_id, (reason, owner) in kept:
+        for job_id, (reason, owner, task_name, queue) in kept:
             try:
-                self.store.cancel(job_id, reason, owner=owner)
+                self.store.cancel(job_id, reason, owner=owner, task_name=task_name, queue=queue)
             except StoreRejected as exc:
                 log.error("job %s: the store rejected its kept cancel (%s); dropped", job_id, exc)
             except StoreUnavailable:
@@ -181,7 +186,7 @@ class PendingCancels:
                 log.info("job %s: kept cancel (%s) written after the store came back", job_id, reason,
                          extra={"action": "cancel_written"})
             with self._mutex:
-                if self._kept.get(job_id) == (reason, owner):
+                if self._kept.get(job_id) == (reason, owner, task_name, queue):
                     del self._kept[job_id]
         return written
 

@@ -105,14 +105,15 @@ def _cancel_terminated(request: LeaseRequest) -> None:
     _cancel(request.task.app, request.id, "terminated", owner)
 
 
-def _cancel(app: Any, job_id: str, reason: str, owner: str | None = None) -> None:
+def _cancel(app: Any, job_id: str, reason: str, owner: str | None = None, task_name: str | None = None,
+            queue: str | None = None) -> None:
     """Cancel a job from a hook: a store outage keeps the cancel for later (runtime.PendingCancels),
     and no error reaches Celery, which acknowledges the revoked delivery whatever happens here."""
     try:
         from .store import for_app
 
         store = for_app(app, check=False)
-        runtime.for_app(app, store).cancels.cancel(job_id, reason, owner)
+        runtime.for_app(app, store).cancels.cancel(job_id, reason, owner, task_name, queue)
     except Exception as error:  # noqa: BLE001 - a hook never raises into Celery's revoke
         log.warning("job %s: could not cancel it (%s): %s", job_id, reason, error)
 
@@ -279,4 +280,5 @@ def _on_revoked(request: Any = None, terminated: bool = False, expired: bool = F
     task = sender
     if request is None or task is None or terminated or not hasattr(task, "lease_policy"):
         return
-    _cancel(task.app, request.id, "expired" if expired else "revoked")
+    queue = (getattr(request, "delivery_info", None) or {}).get("routing_key")
+    _cancel(task.app, request.id, "expired" if expired else "revoked", task_name=task.name, queue=queue)

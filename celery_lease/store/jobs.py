@@ -236,26 +236,39 @@ class JobStatements(PublishStatements):
             locked_by=None, attempt_count=sa.case((j.c.attempt_count > 0, j.c.attempt_count - 1), else_=0),
         ))
 
-    def cancel(self, job_id: str, reason: str = "revoked", owner: str | None = None) -> bool:
+    def cancel(self, job_id: str, reason: str = "revoked", owner: str | None = None,
+               task_name: str | None = None, queue: str | None = None) -> bool:
         """pending -> failed because Celery revoked the task; no re-run follows.
 
         With ``owner`` (``revoke(terminate=True)`` of the run in that worker process) a job
         running under that owner is cancelled too; a running job is never cancelled by a
-        revoked or expired delivery, which may be a late duplicate of a live run.
+        revoked or expired delivery, which may be a late duplicate of a live run. With
+        ``task_name`` (a discarded delivery, whose message names the job) a job the store has
+        no row for (a restore forgot it) is recorded again, failed: it stays revoked.
         """
         j = self.t.jobs
         unfinished = fenced_status(j.c.status, PENDING)
         if owner is not None:
             running = fenced_status(j.c.status, RUNNING)
             unfinished = sa.or_(unfinished, sa.and_(running, j.c.locked_by == owner))
+        error = f"revoked ({reason})"
         with self.begin() as c:
             res = c.execute(sa.update(j).where(j.c.id == job_id, unfinished).values(
                 status=FAILED, failed_at=self.now_sql, updated_at=self.now_sql, lease_expires_at=None,
-                lock_token=None, last_error=f"revoked ({reason})",
+                lock_token=None, last_error=error,
             ))
-            if res.rowcount == 1:
+            done = res.rowcount == 1
+            if not done and task_name is not None and c.execute(
+                    sa.select(j.c.id).where(j.c.id == job_id)).first() is None:
+                c.execute(sa.insert(j).values(
+                    id=job_id, task_name=task_name, queue_name=queue, status=FAILED, attempt_count=0,
+                    expired_count=0, dispatch_count=0, max_attempts=0, available_at=self.now_sql,
+                    failed_at=self.now_sql, created_at=self.now_sql, updated_at=self.now_sql,
+                    last_error=error))
+                reason, done = f"{reason}; its row had vanished and was recorded again", True
+            if done:
                 self._event(c, job_id, Event.REVOKED, reason, owner)
-            return res.rowcount == 1
+            return done
 
     def checkpoint(self, job_id: str, token: str, state: Any, worker: str | None = None) -> bool:
         """Store JSON progress on the job row under the token."""

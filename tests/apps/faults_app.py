@@ -97,6 +97,13 @@ def tracked(self: Any, scenario: dict[str, Any]) -> str:
     return _body(self, scenario)
 
 
+@app.task(base=LeaseTask, bind=True, shared=False, name="faults.revocable", lease_dispatch_timeout=2.0)
+def revocable(self: Any, scenario: dict[str, Any]) -> str:
+    """The ``revoke`` kind: a short dispatch timeout, so a cancel the store refused is tried again on
+    the copy the dispatch scan sends (which the worker discards as revoked) within the settle bound."""
+    return _body(self, scenario)
+
+
 @app.task(shared=False, name="faults.linked")
 def linked(_result: Any, job_id: str) -> None:
     """A link callback: counts its runs per job."""

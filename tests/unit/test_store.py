@@ -334,6 +334,21 @@ def test_cancel_fails_an_unfinished_job_once(store):
     assert store.cancel("j1", "revoked") is False
 
 
+def test_a_revoked_delivery_records_a_vanished_job_again_as_failed(store):
+    assert store.cancel("gone", "revoked") is False  # no message named it: nothing to record
+    assert store.get("gone") is None
+    assert store.cancel("gone", "revoked", task_name="t.task", queue="q") is True
+    job = store.get("gone")
+    assert (job.status, job.task_name, job.queue_name, job.last_error) == (FAILED, "t.task", "q",
+                                                                          "revoked (revoked)")
+    assert [e["event"] for e in store.events("gone")] == ["revoked"]
+    store.record("done", "t.task", "q", "{}", 3)
+    tok = claim(store, "done").job.lock_token
+    assert store.complete("done", tok)
+    assert store.cancel("done", "revoked", task_name="t.task", queue="q") is False  # finished: kept
+    assert store.get("done").status == COMPLETED
+
+
 def test_cancel_leaves_a_running_job_to_its_run_unless_its_owner_is_terminated(store):
     store.record("j1", "t.task", "q", "{}", 3)
     claim(store, "j1", "node@h:7")
