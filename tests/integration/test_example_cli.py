@@ -51,8 +51,9 @@ def test_the_demos_lease_mode_keeps_task_reject_on_worker_lost_off_as_lease_chec
     env = {**os.environ, "EXAMPLE_RUN_DIR": str(tmp_path), "PYTHONPATH": str(ROOT), "EXAMPLE_MODE": "lease"}
     env.pop("CELERY_BROKER_URL", None)
     env.pop("EXAMPLE_LEASE_STORE_URL", None)
-    done = subprocess.run([sys.executable, "-m", "celery", "-A", "example_project", "lease", "check", "--json"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "example_project", "lease", "check", "--json"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     findings = {f["code"]: f for f in json.loads(done.stdout)}
     assert "reject_on_worker_lost" not in findings, findings.get("reject_on_worker_lost")
     assert findings["acks_late"]["level"] == "ok"
