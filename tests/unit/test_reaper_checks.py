@@ -134,3 +134,19 @@ def test_the_schedule_command_sets_the_admin_reaper_right_and_a_second_run_chang
     assert got["said"][1] == "periodic task 'lease-reaper' is already set: nothing to change"
     [routing] = got["routing"]
     assert routing["level"] == "ok", routing
+
+
+def test_with_djangos_database_scheduler_and_no_reaper_the_hint_is_the_schedule_command(tmp_path):
+    from celery import Celery
+
+    from celery_lease.checks import run_checks
+    from celery_lease.store import Store
+
+    app = Celery("dbsched", broker="memory://", set_as_current=False)
+    app.conf.update(lease_store_url=f"sqlite:///{tmp_path / 'lease.sqlite3'}",
+                    beat_scheduler="django_celery_beat.schedulers:DatabaseScheduler")
+    store = Store(app.conf.lease_store_url, "dbsched_")
+    store.migrate()
+    [scheduled] = [f for f in run_checks(app, store) if f.code == "reaper_scheduled"]
+    assert scheduled.level == "error"
+    assert "python manage.py lease_schedule_reaper" in scheduled.fix and "beat_schedule" not in scheduled.fix
