@@ -2,11 +2,12 @@
 
 A store URL may carry a secret in its userinfo (``postgresql+psycopg://user:secret@host/db``)
 or in its query string (``?password=...``, ``sslpassword``, any key naming a password, a
-secret or a token). Every text celery_lease shows that could contain a URL goes through
-:func:`mask_secrets`, which also handles a URL SQLAlchemy cannot parse, so a typo never leaks
-the password. It is applied to values where they are formatted (a message, a log argument,
-a page's value before it is escaped into HTML), never to a finished page: there, markup
-between two values could look like a URL.
+secret or a token), and a driver's keyword/value form of it (``host=h password=...``).
+Every text celery_lease shows that could contain a URL goes through :func:`mask_secrets`,
+which also handles a URL SQLAlchemy cannot parse, so a typo never leaks the password. It is
+applied to values where they are formatted (a message, a log argument, a page's value before
+it is escaped into HTML), never to a finished page: there, markup between two values could
+look like a URL.
 """
 
 from __future__ import annotations
@@ -26,11 +27,16 @@ _USERINFO = re.compile(r"(?P<head>(?:^|(?<=[/\s'\"=(]))[^\s:/@'\"]*:(?!//))(?P<p
 # value runs to the next parameter, a fragment, whitespace or a quote.
 _QUERY = re.compile(r"(?P<head>[?&][^=&#\s'\"]*(?:password|secret|token)[^=&#\s'\"]*=)"
                     r"(?P<value>[^&#\s'\"]*)", re.IGNORECASE)
+# password=VALUE in a libpq keyword/value string ("host=h dbname=d password=VALUE"), the
+# conninfo psycopg builds from a URL: a word of its own, the value bare or single-quoted.
+_KEYWORD = re.compile(r"(?P<head>(?:^|(?<=\s))[a-z_]*(?:password|secret|token)\s*=\s*)"
+                      r"(?P<value>'(?:[^'\\]|\\.)*'|[^\s'\"]+)", re.IGNORECASE)
 
 
 def mask_secrets(text: str) -> str:
     """``text`` with every secret of every URL in it (password, secret or token) replaced by ``***``."""
     text = _USERINFO.sub(lambda m: f"{m.group('head')}{MASK}@", text)
+    text = _KEYWORD.sub(lambda m: f"{m.group('head')}{MASK}", text)
     return _QUERY.sub(lambda m: f"{m.group('head')}{MASK}" if m.group("value") else m.group(0), text)
 
 

@@ -411,7 +411,12 @@ class Reaper:
             stop.wait(0 if full else interval)
 
 
-@shared_task(name="celery_lease.reap", base=Task, bind=True)
+@shared_task(name="celery_lease.reap", base=Task, bind=True, ignore_result=True)
 def reap(self: Task, dry_run: bool = False) -> dict[str, Any]:
-    """One reaper round (schedule it with celery beat); returns the counts."""
+    """One reaper round (schedule it with celery beat); returns the counts.
+
+    Its result is ignored: every few seconds a result row (and a REVOKED one for each run
+    that expired in the queue) would flood the result backend; each run records itself in
+    the store instead (``lease status``).
+    """
     return Reaper(self.app).run_once(dry_run=dry_run).as_dict()

@@ -24,8 +24,16 @@ from .errors import StoreUnavailable
 __all__ = ["ReaperEntry", "reaper_entries", "reaper_rules", "REAP_TASK"]
 
 REAP_TASK = "celery_lease.reap"
-SUGGESTED = ("{'lease-reaper': {'task': 'celery_lease.reap', 'schedule': 15.0, "
-             "'options': {'queue': 'lease-maintenance', 'expires': 10.0}}}")
+# The schedule the hints suggest and ``manage.py lease_schedule_reaper`` writes.
+REAPER_ENTRY = "lease-reaper"
+REAPER_INTERVAL = 15  # seconds between runs
+REAPER_QUEUE = "lease-maintenance"
+REAPER_EXPIRES = 10  # seconds: a run still queued after this is dropped, below the interval
+SUGGESTED = (f"{{'{REAPER_ENTRY}': {{'task': '{REAP_TASK}', 'schedule': {REAPER_INTERVAL:.1f}, "
+             f"'options': {{'queue': '{REAPER_QUEUE}', 'expires': {REAPER_EXPIRES:.1f}}}}}}}")
+# django-celery-beat's admin labels for the fields the routing rule reads.
+ADMIN_FIELDS = "Execution Options: \"Queue Override\" and \"Expires timedelta with seconds\""
+SCHEDULE_COMMAND = "python manage.py lease_schedule_reaper"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,25 +114,50 @@ def _work_queues(ctx: Context) -> set[str]:
 
 def _routing(ctx: Context, entries: list[ReaperEntry]) -> Iterator[Finding]:
     shared = _work_queues(ctx)
-    problems = []
+    problems, faulty = [], set()
     for e in entries:
+        found = []
         if e.queue is None or e.queue in shared:
-            problems.append(f"{e.name} ({e.source}) goes to the work queue {e.queue or 'celery'!r}")
+            found.append(f"{e.name} ({e.source}) goes to the work queue {e.queue or 'celery'!r}")
         if e.expires is None:
-            problems.append(f"{e.name} ({e.source}) has no expires")
+            found.append(f"{e.name} ({e.source}) has no expires")
         elif e.interval is not None and e.expires >= e.interval:
-            problems.append(f"{e.name} ({e.source}) expires after {e.expires:g}s, not below its "
-                            f"{e.interval:g}s interval")
+            found.append(f"{e.name} ({e.source}) expires after {e.expires:g}s, not below its "
+                         f"{e.interval:g}s interval")
+        problems += found
+        faulty |= {e.source} if found else set()
     values = {"entries": [dataclasses.asdict(e) for e in entries]}
     if problems:
         yield Finding(WARNING, "reaper_routing", ("beat_schedule",), {**values, "problems": problems},
                       "a reaper on a work queue waits behind the backlog it should rescue, and runs without "
                       "expires pile up while no worker consumes them, then fire at once",
-                      f"route the reaper to a queue of its own with expires below its interval, e.g. "
-                      f"{SUGGESTED}, and run a worker with -Q lease-maintenance")
+                      _routing_fix(faulty))
     else:
         yield Finding(OK, "reaper_routing", ("beat_schedule",), values,
                       "the reaper has a queue of its own and its runs expire before the next one")
+
+
+def _routing_fix(sources: set[str]) -> str:
+    """How to fix the routing where the faulty entries are held: beat_schedule, the admin, or both."""
+    fixes = []
+    if "beat_schedule" in sources:
+        fixes.append("route the reaper to a queue of its own with expires below its interval, e.g. "
+                     + SUGGESTED)
+    if "django_celery_beat" in sources:
+        fixes.append(f"in django-celery-beat's admin (Periodic tasks, the reaper's entry, {ADMIN_FIELDS}) "
+                     f"set a queue of its own and expiry seconds below the interval, or run "
+                     f"`{SCHEDULE_COMMAND}`, which sets both (queue {REAPER_QUEUE!r}, every "
+                     f"{REAPER_INTERVAL}s, expires {REAPER_EXPIRES}s)")
+    return "; ".join(fixes) + f", and run a worker with -Q {REAPER_QUEUE}"
+
+
+def _scheduled_fix(conf: Any) -> str:
+    """How to schedule the reaper with the scheduler this app's beat runs."""
+    if "django_celery_beat" in str(conf.beat_scheduler or ""):
+        return (f"run `{SCHEDULE_COMMAND}` (it creates the reaper's periodic task with its queue and "
+                f"expiry), or add it in django-celery-beat's admin, and run celery beat")
+    return (f"add {{'{REAPER_ENTRY}': {{'task': '{REAP_TASK}', 'schedule': {REAPER_INTERVAL:.1f}}}}} to "
+            "beat_schedule and run celery beat")
 
 
 def _running(ctx: Context, entries: list[ReaperEntry]) -> Iterator[Finding]:
@@ -181,6 +214,5 @@ def reaper_rules(ctx: Context) -> Iterator[Finding]:
         yield Finding(ERROR, "reaper_scheduled", ("beat_schedule",), values,
                       "nothing takes back the lease of a job whose worker died, or re-sends a job whose "
                       "message vanished: such jobs stay running or pending forever",
-                      "add {'lease-reaper': {'task': 'celery_lease.reap', 'schedule': 15.0}} to "
-                      "beat_schedule and run celery beat")
+                      _scheduled_fix(ctx.conf))
     yield from _running(ctx, entries)

@@ -8,7 +8,9 @@ as ``duplicate_delivery_skipped``.
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from celery import Task
@@ -42,6 +44,15 @@ def leased(task: Any) -> bool:
     name = getattr(task, "name", None) or ""
     kind = task if isinstance(task, type) else type(task)
     return issubclass(kind, LeaseTask) and (not name.startswith("celery.") or name in LEASED_BUILTINS)
+
+
+def _on_commit(call: Callable[[], Any]) -> None:
+    try:
+        from django.db import transaction
+    except ImportError as exc:
+        raise ImportError("delay_on_commit and apply_async_on_commit publish when a Django transaction "
+                          "commits: pip install django (or call delay / apply_async)") from exc
+    transaction.on_commit(call)
 
 
 class LeaseTask(Task):
@@ -119,6 +130,16 @@ class LeaseTask(Task):
             return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow, **options)
         return publishing.publish(self, super().apply_async, args, kwargs, task_id or uuid(), producer,
                                   link, link_error, shadow, idempotency_key, options)
+
+    # Celery's Django fixup makes DjangoTask an app's task class; ``base=LeaseTask`` replaces
+    # that class, so LeaseTask carries DjangoTask's two methods itself, on any Celery version.
+    def delay_on_commit(self, *args: Any, **kwargs: Any) -> None:
+        """``delay()`` once the current Django transaction commits (at once outside one), as DjangoTask."""
+        _on_commit(functools.partial(self.delay, *args, **kwargs))
+
+    def apply_async_on_commit(self, *args: Any, **kwargs: Any) -> None:
+        """``apply_async()`` once the current Django transaction commits, ``idempotency_key=`` too."""
+        _on_commit(functools.partial(self.apply_async, *args, **kwargs))
 
     def on_replace(self, sig: Any) -> Any:
         """``Task.replace()``: hand the job's id over to the replacement, then let Celery send it."""

@@ -28,6 +28,7 @@ app = Celery("example_project", include=["example_project.tasks"])
 app.config_from_object("example_project.settings")
 if MODE == "plain":
     app.conf.beat_schedule = {}
+    app.conf.task_reject_on_worker_lost = True  # plain Celery's own answer to a lost pool process
 
 
 @signals.worker_init.connect

@@ -95,7 +95,8 @@ def _header(mode: str, run_dir: Path) -> list[str]:
         f"celery_lease demo, mode {mode}: {MODES[mode]}",
         f"  broker       {broker}",
         f"  lease store  {settings.lease_store_url}" + ("" if mode == "lease" else " (not used)"),
-        "  Celery       acks_late, reject_on_worker_lost, prefetch 1; 3 workers, prefork, 1 process each",
+        "  Celery       acks_late" + (", reject_on_worker_lost" if mode == "plain" else "")
+        + ", prefetch 1; 3 workers, prefork, 1 process each",
     ]
     if mode == "lease":
         lines.append(f"  leases       {settings.lease_duration:g}s, "

@@ -41,10 +41,12 @@ MAINTENANCE_QUEUE = "shop_maintenance"
 task_routes = {"celery_lease.reap": {"queue": MAINTENANCE_QUEUE}}
 
 # What a careful Celery user sets for work that must not be lost: acknowledge after the
-# task ran, take one message at a time, and give a message back when its pool process
-# dies. Both modes of the demo run with these, so the comparison is fair to Celery.
+# task ran and take one message at a time. Both modes of the demo run with these, so the
+# comparison is fair to Celery. The plain mode also gives a message back when its pool
+# process dies (task_reject_on_worker_lost, set in celery.py); under celery_lease that stays
+# off, as `lease check` advises: the lease's owner is gone and the job is requeued from the
+# store, with its attempts counted, instead of the broker redelivering it without a limit.
 task_acks_late = True
-task_reject_on_worker_lost = True
 worker_prefetch_multiplier = 1
 
 # -- celery_lease -----------------------------------------------------------------------

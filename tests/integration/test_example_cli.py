@@ -45,3 +45,15 @@ def test_reap_dry_run_on_the_example_project_says_what_the_next_run_would_do(tmp
     job = store.get("abandoned")
     assert job.status == "running" and job.lock_token == "t" * 32  # a dry run changes nothing
     store.engine.dispose()
+
+
+def test_the_demos_lease_mode_keeps_task_reject_on_worker_lost_off_as_lease_check_advises(tmp_path):
+    env = {**os.environ, "EXAMPLE_RUN_DIR": str(tmp_path), "PYTHONPATH": str(ROOT), "EXAMPLE_MODE": "lease"}
+    env.pop("CELERY_BROKER_URL", None)
+    env.pop("EXAMPLE_LEASE_STORE_URL", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "example_project", "lease", "check", "--json"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    findings = {f["code"]: f for f in json.loads(done.stdout)}
+    assert "reject_on_worker_lost" not in findings, findings.get("reject_on_worker_lost")
+    assert findings["acks_late"]["level"] == "ok"

@@ -252,3 +252,29 @@ def test_an_eager_body_failing_after_the_effect_block_rolls_back_key_and_row(orm
     assert orders(alias, order_model, "e-2") == 0
     assert store.effect_record("order-placed:e-2") is None
     assert place.apply(("e-2",)).get() is True  # the effect was not lost
+
+
+def test_base_lease_task_keeps_delay_on_commit_where_djangos_fixup_set_the_task_class(tmp_path, transaction):
+    # The task class Celery's Django fixup gives an app; base=LeaseTask replaces it for this task.
+    app = Celery(f"fixup_{unique_prefix()}", broker="memory://", set_as_current=False,
+                 task_cls="celery.contrib.django.task:DjangoTask" if HAS_DJANGO_TASK else None)
+    app.conf.update(lease_store_url=f"sqlite:///{tmp_path}/store.db", lease_table_prefix=unique_prefix())
+
+    @app.task(base=LeaseTask, shared=False, name="dj.ship")
+    def ship(order):
+        return order
+
+    store = migrated_store(app)
+    try:
+        assert callable(getattr(ship, "delay_on_commit", None)), "base=LeaseTask dropped delay_on_commit"
+        with transaction.atomic():
+            ship.delay_on_commit("o-4")
+            ship.apply_async_on_commit(("o-5",), idempotency_key="order-5:ship")
+            assert jobs(store) == []
+        assert set(jobs(store)) == {("dj.ship", None), ("dj.ship", "order-5:ship")}
+        with pytest.raises(RuntimeError), transaction.atomic():
+            ship.delay_on_commit("o-6")
+            raise RuntimeError("rolled back")
+        assert len(jobs(store)) == 2
+    finally:
+        drop_app_store(app)

@@ -125,3 +125,10 @@ def test_an_app_whose_store_url_is_bad_fails_with_the_url_masked():
     with pytest.raises(LeaseError) as info:
         for_app(app)
     assert "nosuchdriver://u:***@h/db" in str(info.value)
+
+
+def test_a_conninfo_password_is_masked_bare_or_quoted():
+    assert mask_secrets("host=h dbname=d user=u password=s3cr3t port=5432") == \
+        "host=h dbname=d user=u password=*** port=5432"
+    assert mask_secrets("password='s3 cr\\'3t' host=h sslpassword=s3cr3t") == \
+        "password=*** host=h sslpassword=***"

@@ -105,3 +105,26 @@ def test_cost_tables_show_the_floor_next_to_leasetask(tmp_path):
     # Figures saved before the floor existed still render, without one.
     assert "| prefork -c4 | no-op | SQLite | 100 | 50 | 0.50 | 0.50 | - |" in tool.block("overhead", tmp_path)
     assert "| SQLite | 0.55 0.60 | 0.58 |" in tool.block("publish", tmp_path)
+
+
+def test_every_reaper_schedule_in_the_readme_passes_lease_checks_reaper_rules(tmp_path):
+    import re
+
+    from celery import Celery
+
+    from celery_lease.checks import run_checks
+    from celery_lease.store import Store
+
+    blocks = re.findall(r"^```python\n(.*?)^```$", (ROOT / "README.md").read_text(), re.MULTILINE | re.DOTALL)
+    schedules = [block for block in blocks if "celery_lease.reap" in block]
+    assert len(schedules) >= 2  # the example at the top and "Adding celery_lease to an existing app"
+    for block in schedules:
+        app = Celery("readme", broker="memory://", set_as_current=False)
+        app.conf.update(lease_store_url=f"sqlite:///{tmp_path / 'lease.sqlite3'}", beat_schedule={})
+        statement = re.search(r"^app\.conf\.beat_schedule = \{\n.*?^\}\n", block, re.MULTILINE | re.DOTALL)
+        exec(statement.group(0), {"app": app})  # noqa: S102 - the README's own statement
+        store = Store(app.conf.lease_store_url, "readme_")
+        store.migrate()
+        found = {f.code: f for f in run_checks(app, store) if f.code.startswith("reaper_")}
+        assert found["reaper_scheduled"].level == "ok", block
+        assert found["reaper_routing"].level == "ok", (block, found["reaper_routing"].values)

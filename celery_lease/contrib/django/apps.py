@@ -8,7 +8,7 @@ __all__ = ["LeaseAppConfig"]
 
 
 class LeaseAppConfig(AppConfig):
-    """celery_lease in ``INSTALLED_APPS``: its system checks."""
+    """celery_lease in ``INSTALLED_APPS``: its system checks and a password-masking error reporter filter."""
 
     name = "celery_lease.contrib.django"
     label = "celery_lease"
@@ -17,6 +17,8 @@ class LeaseAppConfig(AppConfig):
     def ready(self) -> None:
         from django.core import checks
 
+        from . import reporting
         from .checks import check_lease_settings
 
         checks.register(check_lease_settings, "celery_lease")
+        reporting.install()  # the DEBUG page and error mails mask the store's password

@@ -1,0 +1,1 @@
+"""Management commands of the celery_lease Django app."""

@@ -1,0 +1,1 @@
+"""``manage.py lease_schedule_reaper``."""
