@@ -249,8 +249,12 @@ class Lease:
 
     def vanished_and_recorded_again(self) -> bool:
         """After a fenced write changed nothing: whether the row had vanished and is ours again now."""
-        if self._record_again is None or self.store.get(self.job_id) is not None:
+        if self._record_again is None:
             return False
+        job = self.store.get(self.job_id)
+        if job is not None:
+            # The heartbeat, finding the row gone too, may have recorded it again in between.
+            return job.lock_token == self.token and job.status == Status.RUNNING and not self.lost
         return self.recorded_again()
 
     def write_pending_checkpoint(self) -> None:
