@@ -36,7 +36,9 @@ _KEYWORD = re.compile(r"(?P<head>(?:^|(?<=\s))[a-z_]*(?:password|secret|token)\s
 def mask_secrets(text: str) -> str:
     """``text`` with every secret of every URL in it (password, secret or token) replaced by ``***``."""
     text = _USERINFO.sub(lambda m: f"{m.group('head')}{MASK}@", text)
-    text = _KEYWORD.sub(lambda m: f"{m.group('head')}{MASK}", text)
+    # A value masked already (a config error's repr) is left as written.
+    text = _KEYWORD.sub(lambda m: m.group(0) if m.group("value").strip("'") == MASK
+                        else f"{m.group('head')}{MASK}", text)
     return _QUERY.sub(lambda m: f"{m.group('head')}{MASK}" if m.group("value") else m.group(0), text)
 
 
