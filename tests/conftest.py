@@ -120,6 +120,27 @@ def amqp_url() -> str:
     return require_service("RabbitMQ", service_url("amqp"))
 
 
+# -- the real-worker environments (their modules import this one, hence the late imports) ---
+@pytest.fixture
+def renv(redis_url, postgres_url):
+    """A reaper test's app, store and queue (tests/reaper_env.py), torn down after the test."""
+    from tests.reaper_env import ReaperEnv
+
+    env = ReaperEnv(redis_url, postgres_url)
+    yield env
+    env.close()
+
+
+@pytest.fixture
+def oenv(redis_url, postgres_url):
+    """An owner test's app, store and queue (tests/owner_env.py), torn down after the test."""
+    from tests.owner_env import OwnerEnv
+
+    env = OwnerEnv(redis_url, postgres_url)
+    yield env
+    env.close()
+
+
 # kombu's SQS transport takes its endpoint from the broker URL's host and port; these
 # options make it speak plain HTTP to moto in moto's default region.
 SQS_TRANSPORT_OPTIONS = {"region": "us-east-1", "is_secure": False}

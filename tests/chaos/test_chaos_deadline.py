@@ -23,13 +23,6 @@ from tests.workers import celery_processes, worker
 pytestmark = [pytest.mark.chaos, pytest.mark.integration]
 
 
-@pytest.fixture
-def oenv(redis_url, postgres_url):
-    env = OwnerEnv(redis_url, postgres_url)
-    yield env
-    env.close()
-
-
 def second_start(oenv: OwnerEnv, job_id: str) -> float:
     """Wall time at which attempt 2 of the job started (waits for it)."""
     wait_for(lambda: len(oenv.started(job_id)) >= 2, timeout=30, message="the job was not taken over")

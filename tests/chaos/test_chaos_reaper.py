@@ -30,13 +30,6 @@ BOUND = LEASE + GRACE + INTERVAL + HEARTBEAT  # the "no job is stuck" bound
 SLACK = 1.5  # beat's tick, the reap task's trip through the broker, a busy 2-core machine
 
 
-@pytest.fixture
-def renv(redis_url, postgres_url):
-    env = ReaperEnv(redis_url, postgres_url)
-    yield env
-    env.close()
-
-
 def running_on(renv: ReaperEnv, job_ids: list[str]) -> bool:
     return all(renv.status(j) == "running" and renv.count(j, "started") == 1 for j in job_ids)
 

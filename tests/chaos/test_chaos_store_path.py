@@ -40,13 +40,6 @@ HEARTBEAT_UNAVAILABLE = re.compile(
     re.MULTILINE)
 
 
-@pytest.fixture
-def oenv(redis_url, postgres_url):
-    env = OwnerEnv(redis_url, postgres_url)
-    yield env
-    env.close()
-
-
 def _ip(*args: str) -> None:
     done = subprocess.run(["ip", *args], capture_output=True, text=True)
     if done.returncode:

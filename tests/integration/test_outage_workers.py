@@ -27,13 +27,6 @@ JOBS = 10
 FAILED_CLOSED = re.compile(r"job (\S+) not started, lease store unreachable")
 
 
-@pytest.fixture
-def oenv(redis_url, postgres_url):
-    env = OwnerEnv(redis_url, postgres_url)
-    yield env
-    env.close()
-
-
 def queued(oenv: OwnerEnv) -> list[dict]:
     """The messages waiting in the test's queue (Redis list), oldest last."""
     return [json.loads(raw) for raw in oenv.reports.lrange(oenv.queue, 0, -1)]

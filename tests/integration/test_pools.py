@@ -18,13 +18,6 @@ from tests.workers import celery_processes, worker
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def oenv(redis_url, postgres_url):
-    env = OwnerEnv(redis_url, postgres_url)
-    yield env
-    env.close()
-
-
 def steal(oenv: OwnerEnv, job_id: str) -> None:
     """Give the running job's lease to another owner (test-only SQL)."""
     j = oenv.store.t.jobs

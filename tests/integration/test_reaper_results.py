@@ -12,17 +12,10 @@ import pytest
 import redis
 
 from tests.helpers import wait_for
-from tests.reaper_env import APP, ReaperEnv
+from tests.reaper_env import APP
 from tests.workers import celery_processes, worker
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def renv(redis_url, postgres_url):
-    env = ReaperEnv(redis_url, postgres_url)
-    yield env
-    env.close()
 
 
 def test_reaper_runs_store_no_result_and_no_revoked_state_for_expired_runs(renv, tmp_path):

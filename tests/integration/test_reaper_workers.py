@@ -18,13 +18,6 @@ pytestmark = pytest.mark.integration
 LONG_LEASE = {"lease_duration": 30.0, "lease_heartbeat_interval": 1.0}
 
 
-@pytest.fixture
-def renv(redis_url, postgres_url):
-    env = ReaperEnv(redis_url, postgres_url)
-    yield env
-    env.close()
-
-
 def wait_running(renv: ReaperEnv, job_id: str, timeout: float = 30.0) -> None:
     wait_for(lambda: renv.count(job_id, "started") >= 1 and renv.status(job_id) == "running",
              timeout=timeout, message=f"job {job_id} never started")
