@@ -28,7 +28,7 @@ from . import messages
 from .backoff import store_retry_delay
 from .errors import StoreRejected, StoreUnavailable
 from .store import Store
-from .vocabulary import ClaimOutcome, Event, Status
+from .vocabulary import ClaimOutcome, Event
 
 __all__ = ["send_again", "fail_closed", "defer_early", "skip_duplicate", "ignores_result", "keepable_result",
            "resumed", "resume_post_run", "store_retries", "forget_store_retries", "FailedClosed",
@@ -38,7 +38,6 @@ log = logging.getLogger(__name__)
 
 #: The message header that counts a delivery's re-sends while the store was unreachable.
 STORE_RETRIES_HEADER = "celery_lease_store_retries"
-FINISHED = frozenset({Status.COMPLETED, Status.FAILED})
 
 
 class StoreDown:
@@ -164,7 +163,7 @@ def skip_duplicate(task: Task, store: Store, worker: str, outcome: ClaimOutcome,
     _audit(store, job_id, Event.DUPLICATE_DELIVERY_SKIPPED, f"job {job.status if job else outcome}", worker,
            {"owner": job.locked_by if job else None,
             "redelivered": bool((task.request.delivery_info or {}).get("redelivered"))})
-    if job is not None and job.status in FINISHED and _vanished(store, job_id):
+    if outcome == ClaimOutcome.DONE and _vanished(store, job_id):
         # A restore or a failover forgot the finished job between the claim's read and now: this
         # message is all that is left of it, so it is not acknowledged away. Its next delivery
         # is a first one (its claim records the job) and runs it once more.
