@@ -124,9 +124,8 @@ class PendingCancels:
         self.store = store
         self.interval = interval
         self._mutex = threading.Lock()
-        # job id -> (reason, owner, task name, queue)
-        self._kept: collections.OrderedDict[str, tuple[str, str | None, str | None, str | None]] = (
-            collections.OrderedDict())
+        # job id -> store.cancel's keywords for it
+        self._kept: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
         self._thread: threading.Thread | None = None
 
     def __len__(self) -> int:
@@ -141,26 +140,26 @@ class PendingCancels:
         one joins them without a call of its own, so an outage costs a revoke one call bound.
         ``task_name`` and ``queue`` (a discarded delivery's) record a vanished row again (store.cancel).
         """
+        order: dict[str, Any] = {"reason": reason, "owner": owner, "task_name": task_name, "queue": queue}
         self.flush()
         if len(self):
-            self.keep(job_id, reason, owner, task_name, queue)
+            self._keep(job_id, order)
             return False
         try:
-            self.store.cancel(job_id, reason, owner=owner, task_name=task_name, queue=queue)
+            self.store.cancel(job_id, **order)
         except StoreRejected as exc:
             log.error("job %s: the store rejected its cancel (%s); not retried", job_id, exc)
             return False
         except StoreUnavailable as exc:
-            self.keep(job_id, reason, owner, task_name, queue)
+            self._keep(job_id, order)
             log.warning("job %s: lease store unreachable (%s); its cancel (%s) is kept and written when the "
                         "store answers", job_id, exc, reason, extra={"action": "cancel_deferred"})
             return False
         return True
 
-    def keep(self, job_id: str, reason: str, owner: str | None = None, task_name: str | None = None,
-             queue: str | None = None) -> None:
+    def _keep(self, job_id: str, order: dict[str, Any]) -> None:
         with self._mutex:
-            self._kept[job_id] = (reason, owner, task_name, queue)
+            self._kept[job_id] = order
             self._kept.move_to_end(job_id)
             while len(self._kept) > CANCELS_KEPT:
                 dropped, _ = self._kept.popitem(last=False)
@@ -174,19 +173,19 @@ class PendingCancels:
         with self._mutex:
             kept = list(self._kept.items())
         written = 0
-        for job_id, (reason, owner, task_name, queue) in kept:
+        for job_id, order in kept:
             try:
-                self.store.cancel(job_id, reason, owner=owner, task_name=task_name, queue=queue)
+                self.store.cancel(job_id, **order)
             except StoreRejected as exc:
                 log.error("job %s: the store rejected its kept cancel (%s); dropped", job_id, exc)
             except StoreUnavailable:
                 return written
             else:
                 written += 1
-                log.info("job %s: kept cancel (%s) written after the store came back", job_id, reason,
-                         extra={"action": "cancel_written"})
+                log.info("job %s: kept cancel (%s) written after the store came back", job_id,
+                         order["reason"], extra={"action": "cancel_written"})
             with self._mutex:
-                if self._kept.get(job_id) == (reason, owner, task_name, queue):
+                if self._kept.get(job_id) == order:
                     del self._kept[job_id]
         return written
 
