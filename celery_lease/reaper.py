@@ -413,10 +413,6 @@ class Reaper:
 
 @shared_task(name="celery_lease.reap", base=Task, bind=True, ignore_result=True)
 def reap(self: Task, dry_run: bool = False) -> dict[str, Any]:
-    """One reaper round (schedule it with celery beat); returns the counts.
-
-    Its result is ignored: every few seconds a result row (and a REVOKED one for each run
-    that expired in the queue) would flood the result backend; each run records itself in
-    the store instead (``lease status``).
-    """
+    """One reaper round (schedule it with celery beat); returns the counts. Its result is ignored:
+    each run records itself in the store (``lease status``), not a result row every few seconds."""
     return Reaper(self.app).run_once(dry_run=dry_run).as_dict()
