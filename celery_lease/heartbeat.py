@@ -93,12 +93,15 @@ class Heartbeat:
                 # answer lost: flush_deferred (below) makes it and acts on what the store holds.
                 continue
             else:
-                again = deadline.monotonic()
-                reason, owner = self.store.describe_loss(lease.job_id, lease.token, self.worker)
-                if reason == LossReason.VANISHED and lease.recorded_again():
-                    lease.confirm(again)
-                    continue
-                lease.mark_lost(reason, owner)
+                with lease.turn:
+                    if lease.handed_over or lease.retried:
+                        continue  # the body handed the job on while this round was out
+                    again = deadline.monotonic()
+                    reason, owner = self.store.describe_loss(lease.job_id, lease.token, self.worker)
+                    if reason == LossReason.VANISHED and lease.recorded_again():
+                        lease.confirm(again)
+                        continue
+                    lease.mark_lost(reason, owner)
                 rt.forget(lease)
                 counts["lost"] += 1
         rt.give_back_lost()

@@ -93,6 +93,11 @@ class Lease:
         self._deferred = False  # an interruption came during one: raised when it ends
         self._interrupter = runtime.interrupter()
         self._guard = threading.Lock()
+        # Held by a body's hand-over (replace, retry) from its write until its flag is set, and by
+        # the heartbeat while it decides a lease it did not renew is lost or vanished: otherwise a
+        # heartbeat landing between the two would record the handed-over row again, or call the
+        # lease lost and interrupt the body before it sent the message the row now waits for.
+        self.turn = threading.RLock()
 
     def __repr__(self) -> str:
         return f"<Lease job={self.job_id} token={self.token[:8]} attempt={self.attempt}>"

@@ -287,7 +287,7 @@ def _settle(task: Any, lease: Lease, end: RunEnd, value: Any, exc: BaseException
         _retry(task, lease, exc)
     if end == RunEnd.IGNORED:
         # The task chose to drop its result: the job is still over.
-        _write(lease, end, lambda: store.complete(job_id, token, worker))
+        _ending(lease, end, lambda: store.complete(job_id, token, worker))
     elif end == RunEnd.REJECTED_REQUEUE:
         # Requeued while the release waits for the store, the message would meet the lease this
         # worker still holds and be skipped: it is acknowledged, and sent again with the release.
@@ -315,6 +315,22 @@ def _settle(task: Any, lease: Lease, end: RunEnd, value: Any, exc: BaseException
     raise exc
 
 
+def _ending(lease: Lease, end: RunEnd, write: Callable[[], bool]) -> bool | None:
+    """A settle write that ends a job whose body finished; one the store refuses fails the job instead.
+
+    Left running, the refused job's lease would expire and the reaper would run a finished body
+    again. If the failure is refused too, StoreRejected goes to the caller as before.
+    """
+    try:
+        return _write(lease, end, write)
+    except StoreRejected as exc:
+        log.error("job %s [%s]: the store refused its %s (%s); the job is recorded as failed so that its "
+                  "finished body does not run again", lease.job_id, lease.token[:8], end, exc,
+                  extra={"action": "settle_refused"})
+        reason = f"the store refused the write of its end ({end}): {exc}"
+        return _write(lease, end, lambda: lease.store.fail(lease.job_id, lease.token, reason, lease.worker))
+
+
 def _complete(task: Any, lease: Lease, value: Any) -> Any:
     store, job_id, token, worker = lease.store, lease.job_id, lease.token, lease.worker
     if lease.lost:
@@ -322,15 +338,16 @@ def _complete(task: Any, lease: Lease, value: Any) -> Any:
         log.warning("job %s [%s] finished after losing its lease", job_id, token[:8])
     kept = deliveries.keepable_result(task, value)
     try:
-        written = _write(lease, RunEnd.RETURNED, lambda: store.complete(job_id, token, worker, kept))
-    except StoreRejected as exc:
         if kept is None:
-            raise
+            written = _ending(lease, RunEnd.RETURNED, lambda: store.complete(job_id, token, worker))
+        else:
+            written = _write(lease, RunEnd.RETURNED, lambda: store.complete(job_id, token, worker, kept))
+    except StoreRejected as exc:
         # The kept result is only there to finish a crash's post-run work: a result the store
         # cannot hold (too large for its column) is not kept, and the job still completes.
         log.error("job %s [%s]: result not kept, the store refused it (%s)", job_id, token[:8], exc,
                   extra={"action": "result_not_kept"})
-        written = _write(lease, RunEnd.RETURNED, lambda: store.complete(job_id, token, worker))
+        written = _ending(lease, RunEnd.RETURNED, lambda: store.complete(job_id, token, worker))
     if written is False:
         log.warning("job %s [%s]: completion rejected, the lease moved on", job_id, token[:8],
                     extra={"action": "stale_completion_rejected"})

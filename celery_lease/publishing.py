@@ -140,21 +140,22 @@ def retry_first(lease: Lease, delay: float, payload: str) -> bool:
     An unreachable store holds the message back (False): the settle step writes the row and
     then sends the message, once the store answers; the lease stays renewed meanwhile.
     """
-    try:
-        written = lease.store.retry_later(lease.job_id, lease.token, delay, payload, None, lease.worker)
-    except StoreRejected:
-        raise
-    except StoreUnavailable as exc:
-        log.warning("job %s [%s]: retry held back until the store answers (%s)", lease.job_id,
-                    lease.token[:8], exc, extra={"action": "retry_deferred"})
-        lease.deferred_retry = (deadline.monotonic() + delay, payload)
-        return False
-    if not written and lease.vanished_and_recorded_again():
-        written = lease.store.retry_later(lease.job_id, lease.token, delay, payload, None, lease.worker)
-    if not written:
-        lease.mark_lost("retry rejected: token no longer matches")
-        lease.check()
-    lease.retried = True
+    with lease.turn:
+        try:
+            written = lease.store.retry_later(lease.job_id, lease.token, delay, payload, None, lease.worker)
+        except StoreRejected:
+            raise
+        except StoreUnavailable as exc:
+            log.warning("job %s [%s]: retry held back until the store answers (%s)", lease.job_id,
+                        lease.token[:8], exc, extra={"action": "retry_deferred"})
+            lease.deferred_retry = (deadline.monotonic() + delay, payload)
+            return False
+        if not written and lease.vanished_and_recorded_again():
+            written = lease.store.retry_later(lease.job_id, lease.token, delay, payload, None, lease.worker)
+        if not written:
+            lease.mark_lost("retry rejected: token no longer matches")
+            lease.check()
+        lease.retried = True
     return True
 
 

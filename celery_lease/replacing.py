@@ -73,16 +73,18 @@ def hand_over(task: Any, lease: Lease, sig: Signature, send: Callable[[Signature
     if target is not None and leased(target) and not now:
         first = _first_sent(sig)
         if first is None or not leased(task.app.tasks.get(first.task)):
-            if not store.hand_over(job_id, token, worker, None, name):
-                raise Ignore()
-            lease.handed_over = True
+            with lease.turn:
+                if not store.hand_over(job_id, token, worker, None, name):
+                    raise Ignore()
+                lease.handed_over = True
             return send(sig)
         later = _later.set((lease, name))
         try:
             return send(sig)
         except Ignore:
-            if not lease.handed_over:  # the first step was not recorded here (its publish took another way)
-                lease.handed_over = store.hand_over(job_id, token, worker, None, name)
+            with lease.turn:  # the first step was not recorded here (its publish took another way)
+                if not lease.handed_over:
+                    lease.handed_over = store.hand_over(job_id, token, worker, None, name)
             raise
         finally:
             _later.reset(later)
@@ -92,7 +94,8 @@ def hand_over(task: Any, lease: Lease, sig: Signature, send: Callable[[Signature
     try:
         return send(sig)
     except Ignore:
-        lease.handed_over = store.replaced(job_id, token, worker, name)
+        with lease.turn:
+            lease.handed_over = store.replaced(job_id, token, worker, name)
         raise
 
 
@@ -120,15 +123,16 @@ def record_step(store: Store, job_id: str, task_name: str, queue: str | None, pa
         def write() -> bool | None:
             return lease.store.hand_over_to_step(lease.job_id, lease.token, lease.worker, carrier_name, step)
 
-        done = write()
-        if done is False and lease.vanished_and_recorded_again():
-            done = write()  # the replaced row vanished (a restore): recorded again, then handed over
-        if done is False:
-            raise Ignore()
-        if done is None:  # the step's id is taken: hand over, then record it as any publish
-            if not lease.store.hand_over(lease.job_id, lease.token, lease.worker, None, carrier_name):
+        with lease.turn:
+            done = write()
+            if done is False and lease.vanished_and_recorded_again():
+                done = write()  # the replaced row vanished (a restore): recorded again, then handed over
+            if done is False:
                 raise Ignore()
-        lease.handed_over = True
+            if done is None:  # the step's id is taken: hand over, then record it as any publish
+                if not lease.store.hand_over(lease.job_id, lease.token, lease.worker, None, carrier_name):
+                    raise Ignore()
+            lease.handed_over = True
         if done:
             # Not "created": a failed send must not forget the step's row, which now carries the
             # job (the dispatch scan sends it).
@@ -164,7 +168,8 @@ def claim_on_publish(task: Any, task_id: str, payload: str) -> bool:
     def write() -> bool:
         return lease.store.hand_over(lease.job_id, lease.token, lease.worker, payload, task.name)
 
-    if not write() and not (lease.vanished_and_recorded_again() and write()):
-        raise Ignore()
-    lease.handed_over = True
+    with lease.turn:
+        if not write() and not (lease.vanished_and_recorded_again() and write()):
+            raise Ignore()
+        lease.handed_over = True
     return True

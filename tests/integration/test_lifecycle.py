@@ -307,3 +307,29 @@ def test_a_job_whose_row_vanishes_mid_body_is_recorded_again_and_completes_once(
     finally:
         store.drop_schema()
         store.engine.dispose()
+
+
+def test_a_completion_the_store_refuses_fails_the_job_instead_of_running_its_body_again(broker, postgres_url):
+    app = make_app(broker[0], postgres_url, lease_duration=2.0, lease_heartbeat_interval=0.2)
+    store = Store(postgres_url, prefix=app.conf.lease_table_prefix)
+    store.migrate()
+    client = broker[1]
+    jobs = store.t.jobs.name
+    with store.begin() as c:  # a real refusal: PostgreSQL's check constraint turns the completion down
+        c.execute(sa.text(f"ALTER TABLE {jobs} ADD CONSTRAINT {jobs}_refuses CHECK (status <> 'completed')"))
+
+    @app.task(base=LeaseTask, bind=True, shared=False, name="t.refused")
+    def refused(self):
+        return f"run {client.incr(f'runs:{self.request.id}')}"
+
+    try:
+        with start_worker(app, pool="threads", concurrency=1, perform_ping_check=False):
+            result = refused.delay()
+            assert result.get(timeout=30) == "run 1"  # Celery sees what the body returned
+            wait_for(lambda: status(store, result.id) == "failed", timeout=20,
+                     message="a refused completion left the job running, for the reaper to run again")
+            assert "the store refused" in (store.get(result.id).last_error or "")
+        assert runs(client, result.id) == 1
+    finally:
+        store.drop_schema()
+        store.engine.dispose()

@@ -281,3 +281,28 @@ def test_a_lease_with_a_shorter_interval_brings_the_next_beat_forward(store):
         wait_for(lambda: hb.beats >= 3, timeout=3, message="the thread kept its 30 s plan")
     finally:
         rt.stop()
+
+
+def test_a_round_landing_inside_a_hand_over_leaves_the_handed_over_row_alone(store, hb):
+    """A replace removes the row, then flags the lease handed over: a round between the two
+    must neither record the row again (the job would run twice) nor call the lease lost."""
+    lease = held_lease(store, hb.runtime, "handing")
+    terms = ClaimTerms(duration=3.0, grace=0.0, max_attempts=3, max_expirations=3, takeover=True)
+
+    def record_again() -> bool:  # what the lifecycle hands a lease: the job recorded anew under its token
+        again = store.claim("handing", hb.runtime.worker, lease.token, terms, task_name="t.task", queue="q",
+                            payload=lambda: "{}")
+        return again.claimed and again.job is not None and again.job.lock_token == lease.token
+
+    lease._record_again = record_again
+    hb.beat()
+    with lease.turn:  # held by replacing.py from the hand-over's write until its flag is set
+        assert store.hand_over("handing", lease.token, hb.runtime.worker, None, "t.carrier")
+        round_ = threading.Thread(target=hb.beat)
+        round_.start()
+        round_.join(timeout=1.0)  # a round that does not wait for the hand-over ends here
+        lease.handed_over = True
+    round_.join(timeout=10)
+    assert not round_.is_alive()
+    assert store.get("handing") is None, "the round recorded the handed-over row again"
+    assert not lease.lost
