@@ -1,0 +1,102 @@
+"""Celery 5.5–5.7's settings that overlap the lease, under one real prefork worker (Redis db 7,
+PostgreSQL store): ``task_retry_on_worker_lost``, ``task_acks_on_timeout``, ``task_acks_on_failure``.
+
+The worker runs with all three set the way that would re-run a job in plain Celery; the lease
+must keep it to one more run, with its attempts counted once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import celery
+import pytest
+
+from celery_lease.celery_settings import missing_features
+from celery_lease.store import COMPLETED, FAILED
+from tests.helpers import wait_for
+from tests.reaper_env import APP, ReaperEnv
+from tests.workers import celery_processes, worker
+
+pytestmark = pytest.mark.integration
+
+NEEDS = ("task_retry_on_worker_lost", "task_acks_on_timeout", "task_acks_on_failure")
+_missing = sorted(set(NEEDS) & set(missing_features()))
+if _missing:
+    pytestmark = [pytestmark, pytest.mark.skip(
+        reason=f"{', '.join(_missing)} first exist in Celery 5.7; installed: {celery.__version__}")]
+
+
+@pytest.fixture(scope="module")
+def leased(redis_url, postgres_url, tmp_path_factory):
+    """One prefork worker whose settings would re-run lost, timed-out and failed jobs in plain Celery."""
+    renv = ReaperEnv(redis_url, postgres_url)
+    conf = {"lease_duration": 30.0, "lease_heartbeat_interval": 1.0, "task_acks_late": True,
+            "task_retry_on_worker_lost": True, "task_acks_on_timeout": False, "task_acks_on_failure": False,
+            "result_backend": renv.broker_url, "task_ignore_result": False}
+    logs = tmp_path_factory.mktemp("celery-settings")
+    with celery_processes(logs) as procs:
+        procs.append(worker(APP, renv.env(**conf), logs, pool="prefork"))
+        yield renv, renv.app(**conf)
+    renv.close()
+
+
+def wait_started(renv: ReaperEnv, job_id: str, times: int = 1) -> None:
+    wait_for(lambda: renv.count(job_id, "started") >= times and renv.status(job_id) == "running",
+             timeout=30, message=f"job {job_id} never started")
+
+
+def test_retry_on_worker_lost_with_a_lease_runs_a_killed_childs_job_once_more_not_twice(leased):
+    renv, app = leased
+    result = app.tasks["reaper_app.work"].delay(60.0)
+    wait_started(renv, result.id)
+    [child] = renv.pids(result.id)
+    os.kill(child, signal.SIGKILL)
+    assert result.get(timeout=30) == 2  # the re-run's self.lease.attempt
+    assert (renv.count(result.id, "started"), renv.count(result.id, "finished")) == (2, 1)
+    assert renv.attempts(result.id) == [1, 2]
+    job = renv.store.get(result.id)
+    assert job.status == COMPLETED and job.attempt_count == 2
+    # One message ran it again: Celery's own retry was not sent beside the lease's requeue.
+    assert renv.store.events(result.id, "duplicate_delivery_skipped") == []
+
+
+def test_retry_on_worker_lost_leaves_a_job_dead_lettered_at_lease_max_attempts_failed(leased):
+    renv, app = leased
+    result = app.tasks["reaper_app.suicide"].delay()  # kills its child on every attempt; 3 attempts
+    wait_for(lambda: renv.status(result.id) == FAILED, timeout=40, message="job never dead-lettered")
+    wait_for(lambda: result.state == "FAILURE", timeout=10,
+             message="Celery's retry overwrote the dead letter's FAILURE")
+    # A later job on the same single child runs after anything Celery could have re-sent.
+    app.tasks["reaper_app.work"].delay(0.0).get(timeout=30)
+    assert renv.count(result.id, "started") == 3
+    assert renv.store.events(result.id, "duplicate_delivery_skipped") == []
+    assert result.state == "FAILURE"
+
+
+def test_acks_on_timeout_off_requeues_a_timed_out_job_through_the_lease_once(leased):
+    renv, app = leased
+    # 60 s on its first run, killed at its 1.5 s hard limit; 0.1 s on the next.
+    result = app.tasks["reaper_app.work"].apply_async((60.0,), time_limit=1.5)
+    wait_for(lambda: renv.status(result.id) == COMPLETED, timeout=30,
+             message=f"timed-out job not run again: {renv.store.events(result.id)}")
+    assert (renv.count(result.id, "started"), renv.count(result.id, "finished")) == (2, 1)
+    assert renv.attempts(result.id) == [1, 2]
+    reaped = renv.store.events(result.id, "reaped_expired_lease")
+    assert len(reaped) == 1 and "TimeLimitExceeded" in reaped[0]["reason"]
+    assert renv.store.events(result.id, "duplicate_delivery_skipped") == []
+    wait_for(lambda: result.state == "SUCCESS", timeout=10, message="re-run's result not stored")
+
+
+def test_acks_on_failure_off_rejects_a_failed_job_and_the_lease_keeps_it_failed(leased):
+    renv, app = leased
+    result = app.tasks["reaper_app.boom"].delay()
+    with pytest.raises(ValueError, match="boom"):
+        result.get(timeout=30, propagate=True)
+    app.tasks["reaper_app.work"].delay(0.0).get(timeout=30)  # after anything requeued would have run
+    job = renv.store.get(result.id)
+    assert job.status == FAILED and "boom" in job.last_error
+    assert renv.count(result.id, "started") == 1
+    # Rejected, not acknowledged, and not requeued: nothing left for the broker to deliver.
+    assert renv.broker.llen(renv.queue) == 0
