@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import celery
 import pytest
@@ -34,7 +35,7 @@ def leased(redis_url, postgres_url, tmp_path_factory):
     renv = ReaperEnv(redis_url, postgres_url)
     conf = {"lease_duration": 30.0, "lease_heartbeat_interval": 1.0, "task_acks_late": True,
             "task_retry_on_worker_lost": True, "task_acks_on_timeout": False, "task_acks_on_failure": False,
-            "result_backend": renv.broker_url, "task_ignore_result": False}
+            "result_backend": renv.broker_url, "task_ignore_result": False, "lease_max_attempts": 2}
     logs = tmp_path_factory.mktemp("celery-settings")
     with celery_processes(logs) as procs:
         procs.append(worker(APP, renv.env(**conf), logs, pool="prefork"))
@@ -64,13 +65,13 @@ def test_retry_on_worker_lost_with_a_lease_runs_a_killed_childs_job_once_more_no
 
 def test_retry_on_worker_lost_leaves_a_job_dead_lettered_at_lease_max_attempts_failed(leased):
     renv, app = leased
-    result = app.tasks["reaper_app.suicide"].delay()  # kills its child on every attempt; 3 attempts
+    result = app.tasks["reaper_app.suicide"].delay()  # kills its child on every attempt; 2 attempts
     wait_for(lambda: renv.status(result.id) == FAILED, timeout=40, message="job never dead-lettered")
     wait_for(lambda: result.state == "FAILURE", timeout=10,
              message="Celery's retry overwrote the dead letter's FAILURE")
     # A later job on the same single child runs after anything Celery could have re-sent.
     app.tasks["reaper_app.work"].delay(0.0).get(timeout=30)
-    assert renv.count(result.id, "started") == 3
+    assert renv.count(result.id, "started") == 2
     assert renv.store.events(result.id, "duplicate_delivery_skipped") == []
     assert result.state == "FAILURE"
 
@@ -100,3 +101,50 @@ def test_acks_on_failure_off_rejects_a_failed_job_and_the_lease_keeps_it_failed(
     assert renv.count(result.id, "started") == 1
     # Rejected, not acknowledged, and not requeued: nothing left for the broker to deliver.
     assert renv.broker.llen(renv.queue) == 0
+
+
+SOFT = 3.0  # worker_soft_shutdown_timeout, seconds
+REAPER_INTERVAL = 0.5  # the beat schedule of tests/apps/reaper_app.py
+
+
+@pytest.mark.skipif("worker_soft_shutdown_timeout" in missing_features(),
+                    reason=f"worker_soft_shutdown_timeout first exists in Celery 5.5; installed: {celery.__version__}")
+@pytest.mark.parametrize(("sig", "extra_env"), [(signal.SIGQUIT, {}),
+                                                (signal.SIGTERM, {"REMAP_SIGTERM": "SIGQUIT"})],
+                         ids=["SIGQUIT", "SIGTERM-remapped"])
+def test_soft_shutdown_finishes_short_bodies_and_gives_back_the_lease_of_a_long_one(
+        redis_url, postgres_url, tmp_path, sig, extra_env):
+    renv = ReaperEnv(redis_url, postgres_url)
+    conf = {"lease_duration": 30.0, "lease_heartbeat_interval": 1.0, "lease_dispatch_timeout": 600.0,
+            "task_acks_late": True, "worker_soft_shutdown_timeout": SOFT}
+    app = renv.app(**conf)
+    try:
+        with celery_processes(tmp_path) as procs:
+            first = worker(APP, {**renv.env(**conf), **extra_env}, tmp_path, pool="prefork", concurrency=2)
+            procs.append(first)
+            short = app.tasks["reaper_app.work"].delay(1.0 + SOFT / 2)  # ends within the soft timeout
+            long = app.tasks["reaper_app.work"].delay(60.0)
+            wait_started(renv, short.id)
+            wait_started(renv, long.id)
+            standby = worker(APP, renv.env(**conf), tmp_path, pool="solo")  # after both were taken
+            procs.append(standby)
+            wait_for(lambda: len(app.control.ping(timeout=0.5)) == 2, timeout=30, message="standby never up")
+            signalled = time.time()
+            first.popen.send_signal(sig)
+            assert first.popen.wait(SOFT + 20) is not None
+            exited = time.time()
+            wait_for(lambda: renv.status(long.id) == COMPLETED, timeout=30,
+                     message=f"given-back job never ran again: {renv.store.events(long.id)}")
+        assert renv.status(short.id) == COMPLETED
+        assert (renv.count(short.id, "started"), renv.count(short.id, "finished")) == (1, 1)
+        assert renv.store.events(short.id, "released_on_shutdown") == []
+        [released] = renv.store.events(long.id, "released_on_shutdown")
+        assert SOFT - 0.5 <= released["at"] - signalled <= exited - signalled  # at T, before the exit
+        assert (renv.count(long.id, "started"), renv.count(long.id, "finished")) == (2, 1)
+        assert renv.attempts(long.id) == [1, 1]  # the given-back attempt was not charged
+        claims = [e["at"] for e in renv.store.events(long.id, "claimed")]
+        # Back on the standby once the worker is gone (its lease of 30 s has not expired), with no
+        # reaper running: the broker's restore of the unacknowledged message finds it pending.
+        assert len(claims) == 2 and claims[1] - exited < REAPER_INTERVAL
+    finally:
+        renv.close()
