@@ -17,7 +17,7 @@ import pytest
 from celery_lease.celery_settings import missing_features
 from celery_lease.store import COMPLETED, FAILED
 from tests.helpers import wait_for
-from tests.reaper_env import APP, ReaperEnv
+from tests.reaper_env import APP, ReaperEnv, reaper_loop
 from tests.workers import celery_processes, worker
 
 pytestmark = pytest.mark.integration
@@ -107,8 +107,8 @@ SOFT = 3.0  # worker_soft_shutdown_timeout, seconds
 REAPER_INTERVAL = 0.5  # the beat schedule of tests/apps/reaper_app.py
 
 
-@pytest.mark.skipif("worker_soft_shutdown_timeout" in missing_features(),
-                    reason=f"worker_soft_shutdown_timeout first exists in Celery 5.5; installed: {celery.__version__}")
+@pytest.mark.skipif("worker_soft_shutdown_timeout" in missing_features(), reason=(
+    f"worker_soft_shutdown_timeout first exists in Celery 5.5; installed: {celery.__version__}"))
 @pytest.mark.parametrize(("sig", "extra_env"), [(signal.SIGQUIT, {}),
                                                 (signal.SIGTERM, {"REMAP_SIGTERM": "SIGQUIT"})],
                          ids=["SIGQUIT", "SIGTERM-remapped"])
@@ -146,5 +146,34 @@ def test_soft_shutdown_finishes_short_bodies_and_gives_back_the_lease_of_a_long_
         # Back on the standby once the worker is gone (its lease of 30 s has not expired), with no
         # reaper running: the broker's restore of the unacknowledged message finds it pending.
         assert len(claims) == 2 and claims[1] - exited < REAPER_INTERVAL
+    finally:
+        renv.close()
+
+
+@pytest.mark.skipif("worker_pool_start_method" in missing_features(), reason=(
+    f"worker_pool_start_method first exists in Celery 5.7; installed: {celery.__version__}"))
+def test_spawned_children_heartbeat_and_a_killed_one_is_recovered_once(redis_url, postgres_url, tmp_path):
+    renv = ReaperEnv(redis_url, postgres_url)
+    conf = {"worker_pool_start_method": "spawn", "task_acks_late": True}  # 2 s leases, 0.4 s heartbeats
+    app = renv.app(**conf)
+    try:
+        with celery_processes(tmp_path) as procs, reaper_loop(app, REAPER_INTERVAL):
+            procs.append(worker(APP, renv.env(**conf), tmp_path, pool="prefork"))
+            slow = app.tasks["reaper_app.work"].delay(5.0)  # 2.5 leases: only heartbeats keep it
+            wait_started(renv, slow.id)
+            [child] = renv.pids(slow.id)
+            with open(f"/proc/{child}/cmdline", "rb") as cmdline:
+                assert b"spawn_main" in cmdline.read()  # a fresh interpreter, not a fork
+            wait_for(lambda: renv.status(slow.id) == COMPLETED, timeout=30, message="slow job never completed")
+            row = renv.store.get(slow.id)
+            assert row.last_heartbeat_at - row.started_at > 4.0 and row.attempt_count == 1
+            assert renv.store.events(slow.id, "reaped_expired_lease") == []
+            killed = app.tasks["reaper_app.work"].delay(60.0)
+            wait_started(renv, killed.id)
+            [child] = renv.pids(killed.id)
+            os.kill(child, signal.SIGKILL)
+            wait_for(lambda: renv.status(killed.id) == COMPLETED, timeout=30, message="killed job not recovered")
+        assert (renv.count(killed.id, "started"), renv.count(killed.id, "finished")) == (2, 1)
+        assert renv.attempts(killed.id) == [1, 2]
     finally:
         renv.close()
