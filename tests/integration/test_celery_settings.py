@@ -164,7 +164,8 @@ def test_spawned_children_heartbeat_and_a_killed_one_is_recovered_once(redis_url
             [child] = renv.pids(slow.id)
             with open(f"/proc/{child}/cmdline", "rb") as cmdline:
                 assert b"spawn_main" in cmdline.read()  # a fresh interpreter, not a fork
-            wait_for(lambda: renv.status(slow.id) == COMPLETED, timeout=30, message="slow job never completed")
+            wait_for(lambda: renv.status(slow.id) == COMPLETED, timeout=30,
+                     message="slow job never completed")
             row = renv.store.get(slow.id)
             assert row.last_heartbeat_at - row.started_at > 4.0 and row.attempt_count == 1
             assert renv.store.events(slow.id, "reaped_expired_lease") == []
@@ -172,7 +173,8 @@ def test_spawned_children_heartbeat_and_a_killed_one_is_recovered_once(redis_url
             wait_started(renv, killed.id)
             [child] = renv.pids(killed.id)
             os.kill(child, signal.SIGKILL)
-            wait_for(lambda: renv.status(killed.id) == COMPLETED, timeout=30, message="killed job not recovered")
+            wait_for(lambda: renv.status(killed.id) == COMPLETED, timeout=30,
+                     message="killed job not recovered")
         assert (renv.count(killed.id, "started"), renv.count(killed.id, "finished")) == (2, 1)
         assert renv.attempts(killed.id) == [1, 2]
     finally:
