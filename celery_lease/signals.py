@@ -70,7 +70,7 @@ class LeaseRequest(Request):
         """
         if getattr(self, "_lease_settled", False):
             return False
-        return bool(super()._retry_worker_lost(exc, exc_info))  # type: ignore[misc]
+        return bool(super()._retry_worker_lost(exc, exc_info))
 
     def terminate(self, pool: Any, signal: Any = None) -> Any:
         """``revoke(terminate=True)``: cancel the job this delivery runs, then let Celery kill the run.
