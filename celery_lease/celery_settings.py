@@ -7,6 +7,7 @@ anyway is a warning: that Celery ignores it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,7 +17,11 @@ from celery.app.defaults import DEFAULTS
 from .check_context import OK, WARNING, Context, Finding
 from .signals import acks_on_timeout
 
-__all__ = ["FEATURES", "missing_features", "celery_rules"]
+__all__ = ["FEATURES", "missing_features", "celery_rules", "BEAT_PING_TIMEOUT"]
+
+log = logging.getLogger(__name__)
+
+BEAT_PING_TIMEOUT = 1.0  # seconds `lease check` waits for celery beat to answer ping
 
 #: (setting, what it is, the first Celery version that has it).
 FEATURES: tuple[tuple[str, str, str], ...] = (
@@ -41,6 +46,7 @@ def celery_rules(ctx: Context) -> Iterator[Finding]:
     yield from _floor(ctx)
     yield from _retry_on_worker_lost(ctx)
     yield from _acks_on_timeout(ctx)
+    yield from _beat_alive(ctx)
 
 
 def _floor(ctx: Context) -> Iterator[Finding]:
@@ -92,3 +98,34 @@ def _acks_on_timeout(ctx: Context) -> Iterator[Finding]:
                       "a hard time limit requeues these jobs (Celery requeues the message, the lease the "
                       "job): each timeout counts an attempt, and at lease_max_attempts the job is "
                       "dead-lettered instead of looping")
+
+
+def _beat_alive(ctx: Context) -> Iterator[Finding]:
+    """With ``beat_enable_remote_control``, whether a celery beat answers ping.
+
+    Celery's beat stops answering once its scheduler has not ticked for a while, so silence
+    means the process that schedules the reaper is gone or stuck; ``reaper_running`` says
+    when the reaper last ran.
+    """
+    if "beat_enable_remote_control" not in DEFAULTS or not ctx.conf.beat_enable_remote_control:
+        return
+    settings = ("beat_enable_remote_control",)
+    try:
+        replies = ctx.app.control.ping(timeout=BEAT_PING_TIMEOUT)
+    except Exception as exc:  # noqa: BLE001 - a check reports an unreachable broker, it does not fail
+        log.debug("ping for celery beat failed: %s", exc)
+        yield Finding(WARNING, "beat_alive", settings, {"error": str(exc)},
+                      f"celery beat could not be pinged: {exc}",
+                      "check the broker URL; `celery -A proj inspect ping` shows who answers")
+        return
+    beats = sorted(node for reply in replies for node in reply if node.startswith("celerybeat@"))
+    if beats:
+        yield Finding(OK, "beat_alive", settings, {"beat": beats},
+                      f"celery beat answers ping ({', '.join(beats)}): the process that schedules the "
+                      "reaper is alive")
+    else:
+        yield Finding(WARNING, "beat_alive", settings, {"beat": [], "timeout": BEAT_PING_TIMEOUT},
+                      f"no celery beat answered ping within {BEAT_PING_TIMEOUT:g}s: beat is not running, "
+                      "or its scheduler stopped ticking, so nothing schedules the reaper (reaper_running "
+                      "says when it last ran)",
+                      "start celery beat (with beat_enable_remote_control = True it answers ping)")

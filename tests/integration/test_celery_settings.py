@@ -15,10 +15,11 @@ import celery
 import pytest
 
 from celery_lease.celery_settings import missing_features
+from celery_lease.checks import run_checks
 from celery_lease.store import COMPLETED, FAILED
 from tests.helpers import wait_for
 from tests.reaper_env import APP, ReaperEnv, reaper_loop
-from tests.workers import celery_processes, worker
+from tests.workers import beat, celery_processes, worker
 
 pytestmark = pytest.mark.integration
 
@@ -177,5 +178,29 @@ def test_spawned_children_heartbeat_and_a_killed_one_is_recovered_once(redis_url
                      message="killed job not recovered")
         assert (renv.count(killed.id, "started"), renv.count(killed.id, "finished")) == (2, 1)
         assert renv.attempts(killed.id) == [1, 2]
+    finally:
+        renv.close()
+
+
+@pytest.mark.skipif("beat_enable_remote_control" in missing_features(), reason=(
+    f"beat_enable_remote_control first exists in Celery 5.7; installed: {celery.__version__}"))
+def test_lease_check_says_whether_celery_beat_answers_ping(redis_url, postgres_url, tmp_path):
+    renv = ReaperEnv(redis_url, postgres_url)
+    conf = {"beat_enable_remote_control": True}
+    app = renv.app(**conf)
+
+    def beat_finding():
+        [finding] = [f for f in run_checks(app, renv.store) if f.code == "beat_alive"]
+        return finding
+
+    try:
+        assert beat_finding().level == "warning"  # no beat yet
+        with celery_processes(tmp_path) as procs:
+            procs.append(beat(APP, renv.env(**conf), tmp_path))
+            alive = wait_for(lambda: (f := beat_finding()).level == "ok" and f, timeout=30,
+                             message="celery beat never answered ping")
+            assert [node.split("@")[0] for node in alive.values["beat"]] == ["celerybeat"]
+        silent = beat_finding()  # the beat was killed with the block
+        assert silent.level == "warning" and silent.values["beat"] == []
     finally:
         renv.close()
