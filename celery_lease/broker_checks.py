@@ -23,6 +23,7 @@ from typing import Any
 from .brokers import REFRESH_SHARE
 from .check_context import ERROR, OK, WARNING, Context, Finding, ok_unless
 from .config import worker_stale_after
+from .quorum_checks import quorum_rules
 
 __all__ = ["broker_rules", "rabbitmq_consumer_timeouts", "RABBITMQ_DEFAULT_CONSUMER_TIMEOUT"]
 
@@ -182,6 +183,7 @@ def _rabbitmq(ctx: Context) -> Iterator[Finding]:
             "set time_limit (or lease_max_runtime) below consumer_timeout"))
     yield from ok_unless(problems, "consumer_timeout", settings, {"consumer_timeouts": timeouts},
                           "every task ends before RabbitMQ's consumer_timeout")
+    yield from quorum_rules(ctx)
 
 
 def sqs_queue_attributes(app: Any, queues: Iterable[str]) -> dict[str, dict[str, Any]]:

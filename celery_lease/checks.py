@@ -18,6 +18,9 @@ seeds' operational checklist. Which code answers which checklist question:
     DLQ?                              dead_letter
     dashboards?                       dashboards
     crash tests?                      crash_tested
+
+Celery 5.5–5.7's settings and the Celery floor: celery_settings.py (celery_features,
+retry_on_worker_lost, acks_on_timeout, ...).
 """
 
 from __future__ import annotations
@@ -221,6 +224,12 @@ def check_broker(ctx: Context) -> Iterator[Finding]:
     yield from broker_rules(ctx)
 
 
+def check_celery(ctx: Context) -> Iterator[Finding]:
+    from .celery_settings import celery_rules
+
+    yield from celery_rules(ctx)
+
+
 def check_checklist(ctx: Context) -> Iterator[Finding]:
     from .checklist import checklist_rules
 
@@ -228,7 +237,7 @@ def check_checklist(ctx: Context) -> Iterator[Finding]:
 
 
 RULES: tuple[Rule, ...] = (check_policies, check_grace, check_time_limits, check_prefetch, check_acks,
-                           check_reaper, check_store, check_broker, check_checklist)
+                           check_reaper, check_store, check_broker, check_celery, check_checklist)
 
 
 def _config_code(problem: LeaseConfigError) -> str:

@@ -45,7 +45,11 @@ class LeaseRequest(Request):
         if isinstance(exc, StoreDown):
             store_unreachable(self.task.app, str(exc))
         if self.worker_pid and isinstance(exc, TimeLimitExceeded):
-            _settle_dead_child(self, type(exc).__name__, final=True)
+            # acks_on_timeout=False: Celery requeues the message, so the lease requeues the job
+            # (counting the attempt) without sending a second message; else a final failure.
+            again = bool(self.task.acks_late) and not acks_on_timeout(self.task)
+            self._lease_settled = _settle_dead_child(self, type(exc).__name__, final=not again,
+                                                     resend=not again) != "none"
             # Billiard calls on_timeout right after this, and it stores FAILURE, fires the
             # errbacks and sends task-failed: the failure path must not do it a second time.
             return super().on_failure(exc_info, send_failed_event=False, return_ok=True)
@@ -53,7 +57,20 @@ class LeaseRequest(Request):
             outcome = _settle_dead_child(self, type(exc).__name__, final=False)
             if outcome in RERUN:
                 return self._rerun_by_lease(exc, exc_info, outcome)
+            self._lease_settled = outcome != "none"
         return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+
+    def _retry_worker_lost(self, exc: Any, exc_info: Any) -> bool:
+        """Celery 5.7's ``task_retry_on_worker_lost``: not for a job whose lease already decided.
+
+        The lease requeues a lost child's job itself (above), and a job it dead-lettered or
+        failed at ``lease_max_attempts`` must stay failed: Celery's re-sent message would only
+        be skipped as a duplicate, after overwriting FAILURE with RETRY. False sends Celery down
+        its usual worker-lost path. A job the lease never claimed is Celery's to retry.
+        """
+        if getattr(self, "_lease_settled", False):
+            return False
+        return bool(super()._retry_worker_lost(exc, exc_info))
 
     def terminate(self, pool: Any, signal: Any = None) -> Any:
         """``revoke(terminate=True)``: cancel the job this delivery runs, then let Celery kill the run.
@@ -118,12 +135,21 @@ def _cancel(app: Any, job_id: str, reason: str, owner: str | None = None, task_n
         log.warning("job %s: could not cancel it (%s): %s", job_id, reason, error)
 
 
-def _settle_dead_child(request: LeaseRequest, reason: str, final: bool) -> str:
+def acks_on_timeout(task: Any) -> bool:
+    """Whether a hard time limit acknowledges the message (Celery 5.7's ``acks_on_timeout``, else
+    the ``acks_on_failure_or_timeout`` it splits, as Celery before 5.7 reads it)."""
+    value = getattr(task, "acks_on_timeout", None)
+    if value is None:
+        value = getattr(task, "acks_on_failure_or_timeout", None)
+    return True if value is None else bool(value)
+
+
+def _settle_dead_child(request: LeaseRequest, reason: str, final: bool, resend: bool = True) -> str:
     owner = worker_id(request.hostname, request.worker_pid)
     try:
         from .worker_lost import recover_worker_lost
 
-        return recover_worker_lost(request.task.app, request.id, owner, reason, final=final)
+        return recover_worker_lost(request.task.app, request.id, owner, reason, final=final, resend=resend)
     except LeaseError as error:
         log.warning("job %s: could not settle the lease of dead child %s: %s", request.id, owner, error)
         # The lease expires and the reaper settles it (a final failure is then a re-run).

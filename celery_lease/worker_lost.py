@@ -22,13 +22,15 @@ __all__ = ["recover_worker_lost"]
 log = logging.getLogger(__name__)
 
 
-def recover_worker_lost(app: Any, job_id: str, owner: str, reason: str, final: bool = False) -> str:
+def recover_worker_lost(app: Any, job_id: str, owner: str, reason: str, final: bool = False,
+                        resend: bool = True) -> str:
     """In the worker's main process, when a child died under ``job_id``: recover it now.
 
     Applies the reaper's decision (requeue with backoff or dead-letter at the limit)
     if the job is still running under ``owner``; the CAS uses the token read from
     the row. ``final`` (a hard time limit) fails the job instead, dead-lettering its
-    message when a dead-letter queue is set. Returns the outcome: requeue,
+    message when a dead-letter queue is set. ``resend=False``: the broker brings the message
+    back itself (Celery requeued it), so a requeue moves only the row. Returns the outcome: requeue,
     dead_letter, fail, lost_race, error or none.
     """
     store = for_app(app)
@@ -43,7 +45,7 @@ def recover_worker_lost(app: Any, job_id: str, owner: str, reason: str, final: b
     else:
         decision = decide(job, policy, f"worker process lost: {reason}")
     if decision.decision == Kind.REQUEUE:
-        return _requeue_lost(app, store, job, decision, owner, reason)
+        return _requeue_lost(app, store, job, decision, owner, reason, resend)
     try:
         decision = publish_decision(app, job, decision)
     except Exception as exc:  # noqa: BLE001 - broker down: the reaper recovers it after expiry
@@ -59,7 +61,7 @@ def recover_worker_lost(app: Any, job_id: str, owner: str, reason: str, final: b
 
 
 def _requeue_lost(app: Any, store: ReaperStore, job: Job, decision: Decision, owner: str,
-                  reason: str) -> str:
+                  reason: str, resend: bool = True) -> str:
     """Requeue a dead child's job: the row first, then its message, so no delivery finds it busy.
 
     The owner is known dead (its main process saw it go), so nothing holds the row across
@@ -72,7 +74,7 @@ def _requeue_lost(app: Any, store: ReaperStore, job: Job, decision: Decision, ow
                                        reason=f"{decision.reason}; message unreadable: {exc}")
     if not settle(store, job, decision, ReapResult(), expired=False):
         return "lost_race"
-    if decision.decision != Kind.REQUEUE:
+    if decision.decision != Kind.REQUEUE or not resend:
         return decision.decision
     try:
         messages.republish(app, job.id, job.payload, countdown=decision.delay)

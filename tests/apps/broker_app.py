@@ -8,7 +8,8 @@ BROKER_APP_CONSUMER_TIMEOUT (lease_rabbitmq_consumer_timeout, seconds), BROKER_A
 (lease_duration, seconds; the call bound is a third of it), BROKER_APP_KEYPREFIX:
 kombu's ``global_keyprefix`` and the counters' prefix, so that concurrent runs sharing the
 Redis database do not see each other's keys, and BROKER_APP_TRANSPORT (a JSON object merged
-into ``broker_transport_options``: an SQS endpoint's region, queue name prefix, polling).
+into ``broker_transport_options``: an SQS endpoint's region, queue name prefix, polling),
+BROKER_APP_QUEUE_ARGS (a JSON object: the default queue's arguments, a RabbitMQ quorum queue's).
 
 Counters, per job id (after the key prefix): ``delivered:<id>`` and ``redelivered:<id>`` in the
 main process for every message received (task_received); ``executed:<id>`` for every request
@@ -27,6 +28,7 @@ from typing import Any
 
 import redis
 from celery import Celery, signals
+from kombu import Queue
 
 from celery_lease import LeaseTask
 
@@ -43,6 +45,7 @@ DEFAULTS = {
     "BROKER_APP_LEASE": "1",
     "BROKER_APP_KEYPREFIX": "",
     "BROKER_APP_TRANSPORT": "{}",
+    "BROKER_APP_QUEUE_ARGS": "",
 }
 
 
@@ -84,6 +87,10 @@ def make_app(env: Mapping[str, str]) -> tuple[Celery, Counters]:
         broker_connection_retry_on_startup=True, task_default_queue=conf["BROKER_APP_QUEUE"],
         lease_rabbitmq_consumer_timeout=float(conf["BROKER_APP_CONSUMER_TIMEOUT"] or 0) or None,
     )
+    if conf["BROKER_APP_QUEUE_ARGS"]:
+        name = conf["BROKER_APP_QUEUE"]
+        app.conf.task_queues = [Queue(name, routing_key=name,
+                                      queue_arguments=json.loads(conf["BROKER_APP_QUEUE_ARGS"]))]
     time_limit = float(conf["BROKER_APP_TIME_LIMIT"] or 0) or None
     counters = Counters(conf["BROKER_APP_COUNTERS"], conf["BROKER_APP_KEYPREFIX"])
 

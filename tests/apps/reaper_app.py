@@ -93,6 +93,12 @@ def make_app(env: Mapping[str, str]) -> Celery:
         note(self, "started")
         threading.Event().wait(30)
 
+    @app.task(base=LeaseTask, bind=True, shared=False, name="reaper_app.boom")
+    def boom(self: Any) -> None:
+        """Raises on every attempt: a plain task failure."""
+        note(self, "started")
+        raise ValueError("boom")
+
     return app
 
 

@@ -26,6 +26,7 @@ from tests import workers
 from tests.apps.broker_app import make_app
 from tests.conftest import drop_app_store, migrated_store, unique_prefix
 from tests.helpers import wait_for
+from tests.reaper_env import reaper_loop
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -99,3 +100,28 @@ def test_check_flags_a_consumer_timeout_shorter_than_a_task_time_limit(env, tmp_
     assert done.returncode != 0, done.stdout + done.stderr
     findings = json.loads(done.stdout)
     assert {(f["level"], f["code"]) for f in findings} >= {("error", "consumer_timeout")}
+
+
+def test_a_worker_killed_on_a_quorum_queue_that_drops_the_redelivery_runs_the_job_once_more(env, tmp_path):
+    # x-delivery-limit 0: RabbitMQ drops the message instead of delivering it again after the kill,
+    # so only the lease brings the job back (the reaper, once the dead owner's lease expired).
+    quorum = {**env, "BROKER_APP_QUEUE_ARGS": json.dumps({"x-queue-type": "quorum", "x-delivery-limit": 0})}
+    app, counters = make_app(quorum)
+    work, store = app.tasks["broker_app.work"], for_app(app)
+    [finding] = [f for f in run_checks(app) if f.code == "quorum_delivery_limit"]
+    assert finding.level == "warning" and finding.values["x-delivery-limit"] == 0
+    with workers.celery_processes(tmp_path) as procs:
+        first = workers.worker(APP, quorum, tmp_path, name="q1")
+        procs.append(first)
+        wait_for(lambda: " ready." in first.output() or first.popen.poll() is not None, timeout=30,
+                 message="worker did not start")
+        job_id = work.apply_async((LONG,)).id
+        wait_for(lambda: counters.count(f"started:{job_id}") == 1, timeout=30, message="job never started")
+        first.kill()  # the whole worker, mid-body
+        procs.append(workers.worker(APP, quorum, tmp_path, name="q2"))
+        with reaper_loop(app):
+            wait_for(lambda: (job := store.get(job_id)) is not None and job.status == "completed", timeout=40,
+                     message=f"job not recovered: {store.events(job_id)}")
+    assert [counters.count(f"{k}:{job_id}") for k in ("redelivered", "started", "finished")] == [0, 2, 1]
+    assert len(store.events(job_id, "reaped_expired_lease")) == 1
+    assert store.get(job_id).attempt_count == 2
