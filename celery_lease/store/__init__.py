@@ -30,8 +30,8 @@ from .reports import ReportStatements
 from .rows import COMPLETED, FAILED, PENDING, RUNNING, Claim, ClaimTerms, Job, NewJob
 from .runs import RunStatements
 
-__all__ = ["Store", "WorkerStore", "ReaperStore", "ReportStore", "Claim", "ClaimTerms", "Glance", "Job", "NewJob",
-           "for_app", "call_timeout", "pool_size", "PENDING", "RUNNING", "COMPLETED", "FAILED"]
+__all__ = ["Store", "WorkerStore", "ReaperStore", "ReportStore", "Claim", "ClaimTerms", "Glance", "Job",
+           "NewJob", "for_app", "call_timeout", "pool_size", "PENDING", "RUNNING", "COMPLETED", "FAILED"]
 
 
 class Store(GlanceStatements, ReplaceStatements, ReaperStatements, EffectStatements, ReportStatements,

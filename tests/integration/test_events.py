@@ -18,7 +18,7 @@ import pytest
 from celery.events.state import State
 
 from celery_lease import events, messages, recovery
-from celery_lease.store import COMPLETED, FAILED, PENDING
+from celery_lease.store import COMPLETED, FAILED, PENDING, ClaimTerms
 from tests.helpers import wait_for
 from tests.reaper_env import APP, ReaperEnv, reaper_loop
 from tests.workers import celery_processes, worker
@@ -27,6 +27,8 @@ pytestmark = pytest.mark.integration
 
 EVENTS = {"worker_send_task_events": True}
 MARKER = "lease-test-marker"
+TERMS = ClaimTerms(duration=30.0, grace=0.5, max_attempts=3, max_expirations=3, takeover=True)
+OWNER = "gone@nowhere:1"
 
 
 class Monitor:
@@ -154,7 +156,7 @@ def test_an_operator_requeue_and_redrive_show_as_retries(renv, monitor):
     job = app.tasks["reaper_app.work"].delay(0.1)  # no worker: the job stays pending
     store = renv.store
     token = "t" * 32
-    claim = store.claim(job.id, "gone@nowhere:1", token, _terms(), "reaper_app.work", renv.queue, lambda: None)
+    claim = store.claim(job.id, OWNER, token, TERMS, "reaper_app.work", renv.queue, lambda: None)
     assert claim.claimed
     [outcome] = recovery.requeue(app, store, [store.get(job.id)], force=True, who="cli:ops@host")
     assert outcome.action == "requeued"
@@ -162,19 +164,13 @@ def test_an_operator_requeue_and_redrive_show_as_retries(renv, monitor):
     assert monitor.task(job.id).state == "RETRY"
     assert monitor.of(job.id, "task-retried")[0]["hostname"] == events.node("celery_lease.cli")
     # Dead-lettered by its own worker, then redriven from the page.
-    store.claim(job.id, "gone@nowhere:1", token, _terms(), "reaper_app.work", renv.queue, lambda: None)
+    store.claim(job.id, OWNER, token, TERMS, "reaper_app.work", renv.queue, lambda: None)
     assert store.fail(job.id, token, "boom")
     [outcome] = recovery.redrive(app, store, [store.get(job.id)], who="web:ops@10.0.0.1")
     assert outcome.action == "redriven"
     wait_for(lambda: len(monitor.of(job.id, "task-retried")) == 2, timeout=10, message="redrive sent none")
     assert monitor.of(job.id, "task-retried")[1]["hostname"] == events.node("celery_lease.web")
     assert "redriven" in monitor.task(job.id).exception
-
-
-def _terms():
-    from celery_lease.store import ClaimTerms
-
-    return ClaimTerms(duration=30.0, grace=0.5, max_attempts=3, max_expirations=3, takeover=True)
 
 
 def _shown(task: Any) -> tuple[Any, ...]:
