@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from . import deadline, interrupt, messages
+from . import deadline, events, interrupt, messages
 from .config import TaskPolicy
 from .errors import LeaseLost, StoreRejected, StoreUnavailable
 from .vocabulary import Event, RunEnd, Status
@@ -317,6 +317,9 @@ class Lease:
         """
         if not self.store.release(self.job_id, self.token, self.worker, reason):
             return False
+        if reason == Event.RELEASED_ON_SHUTDOWN:
+            events.send(self.app, self.runtime.hostname,
+                        [events.retried(self.job_id, events.RELEASED_ON_SHUTDOWN, self.attempt)])
         if (not self.acks_late if republish is None else republish) and self.app is not None:
             job = self.store.get(self.job_id)
             if job is None and self.recorded_again() and self.store.release(self.job_id, self.token,

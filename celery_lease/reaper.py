@@ -25,7 +25,7 @@ from typing import Any
 
 from celery import Task, shared_task
 
-from . import messages
+from . import events, messages
 from .backoff import backoff, dispatch_wait
 from .clock_guard import ClockGuard, Hold
 from .config import REAPER_RUNS_KEPT, TaskPolicy, app_config, task_policy, worker_stale_after
@@ -35,6 +35,7 @@ from .store import Job, ReaperStore, for_app
 
 # The kinds of a Decision (the dataclass below names one decision about one job).
 from .vocabulary import Decision as Kind
+from .vocabulary import TaskEvent
 
 __all__ = ["Reaper", "ReapResult", "Decision", "backoff", "decide", "policy_for", "publish_decision",
            "settle", "reap"]
@@ -197,6 +198,11 @@ class Reaper:
     def owner(self) -> str:
         return f"reaper@{socket.gethostname()}:{os.getpid()}"
 
+    @property
+    def node(self) -> str:
+        """The node name of this reaper's task events (``celery_lease.reaper@<host>``)."""
+        return events.node(events.REAPER)
+
     def run_once(self, now: float | None = None, dry_run: bool = False) -> ReapResult:
         """One round: recover expired leases, re-send lost dispatches, prune; returns the counts.
 
@@ -276,6 +282,7 @@ class Reaper:
         budget, after, dry = self.batch_size, None, token is None
         for _ in range(MAX_PAGES):
             finals: list[tuple[Job, str]] = []
+            moved: list[tuple[TaskEvent, dict[str, Any]]] = []
             with self.store.begin(long=True, read=dry) as c:  # a dry run only reads
                 page = self.store.scan_expired(c, limit=self.batch_size, after=after, now=now, lock=not dry)
                 for item in page:
@@ -317,12 +324,19 @@ class Reaper:
                                   "the next run", job.id, (job.lock_token or "")[:8], exc,
                                   extra={"action": "reap_publish_failed"})
                         break
-                    if settle(self.store, job, decision, result, now=now, c=c) and (
-                            decision.decision != Kind.REQUEUE):
+                    if not settle(self.store, job, decision, result, now=now, c=c):
+                        continue
+                    if decision.decision == Kind.REQUEUE:
+                        moved.append(events.retried(job.id, decision.reason, job.attempt_count))
+                    else:
                         finals.append((job, decision.reason))
-            # Celery hears of each dead letter once the page's transaction committed it.
+                        moved.append(events.failed(job.id, job.task_name, decision.reason,
+                                                   job.attempt_count))
+            # Celery hears of each dead letter, and monitors of each move, once the page's
+            # transaction committed it (a rolled-back page sends nothing).
             for job, reason in finals:
                 report_failure(self.app, job, reason)
+            events.send(self.app, self.node, moved)
             if len(page) < self.batch_size or budget == 0 or result.publish_errors:
                 return not result.publish_errors
             if not self._still_ours(token):

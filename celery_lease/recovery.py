@@ -19,7 +19,7 @@ import socket
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from . import messages
+from . import events, messages
 from .errors import JobNotFound, LeaseError
 from .store import COMPLETED, FAILED, PENDING, Job, ReportStore
 from .vocabulary import RecoveryAction
@@ -136,6 +136,12 @@ def requeue_plan(app: Any, store: ReportStore, job_id: str | None = None, expire
     return [job]
 
 
+def _announce(app: Any, job: Job, reason: str, who: str) -> None:
+    """``task-retried`` for a job an operator sent back to pending, from ``celery_lease.<via>@host``."""
+    via = who.split(":", 1)[0] or "cli"
+    events.send(app, events.node(f"celery_lease.{via}"), [events.retried(job.id, reason, job.attempt_count)])
+
+
 def _publish(app: Any, job: Job, done: RecoveryAction) -> Outcome:
     try:
         messages.republish(app, job.id, job.payload)
@@ -160,6 +166,7 @@ def requeue(app: Any, store: ReportStore, jobs: Iterable[Job], force: bool = Fal
             continue
         log.info("job %s [%s] requeued by %s%s", job.id, (job.lock_token or "")[:8], who,
                  " (forced)" if force else "", extra={"action": "manual_requeue"})
+        _announce(app, job, f"requeued by {who}", who)
         yield _publish(app, job, RecoveryAction.REQUEUED)
 
 
@@ -189,6 +196,7 @@ def redrive(app: Any, store: ReportStore, jobs: Iterable[Job], who: str | None =
                           "changed since it was read")
             continue
         log.info("job %s redriven from the dead letters by %s", job.id, who, extra={"action": "dlq_redriven"})
+        _announce(app, job, f"redriven from the dead letters by {who}", who)
         yield _publish(app, job, RecoveryAction.REDRIVEN)
 
 

@@ -170,6 +170,10 @@ class WorkerStep(bootsteps.StartStopStep):
         from .store import for_app
 
         app_config(worker.app)
+        if getattr(worker, "task_events", False):
+            # `-E` is the worker's own flag: the app's setting says it too, so that the lease's
+            # task events (events.py) go out wherever this worker's events do.
+            worker.app.conf.worker_send_task_events = True
         # An unreachable store or a schema of the wrong revision stops the worker first.
         store = for_app(worker.app, check=False)
         store.ensure_schema(create=True)

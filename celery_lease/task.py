@@ -77,6 +77,9 @@ class LeaseTask(Task):
     lease_lock_timeout: float | None = None
 
     Request = "celery_lease.signals:LeaseRequest"
+    #: Celery's strategy, behind one read that acknowledges a sure duplicate before its
+    #: ``task-received`` when the worker sends task events (strategy.py).
+    Strategy = "celery_lease.strategy:lease_strategy"
 
     #: Whether Celery's ``task_track_started`` applies to this task. A leased task stores
     #: STARTED itself once its claim succeeded, so a duplicate delivery of a finished job

@@ -12,7 +12,7 @@ import enum
 
 __all__ = [
     "Name", "Status", "ClaimOutcome", "EffectOutcome", "Decision", "RecoveryAction", "Event", "RunEnd",
-    "LossReason",
+    "LossReason", "TaskEvent",
     "STALE_WRITES", "RELEASES", "RECOVERIES", "MANUAL_RECOVERIES", "REPLACEMENTS",
 ]
 
@@ -156,6 +156,15 @@ class Event(Name):
     MANUAL_REQUEUE = "manual_requeue"
     DLQ_REDRIVEN = "dlq_redriven"
     DLQ_DISCARDED = "dlq_discarded"
+
+
+class TaskEvent(Name):
+    """A Celery task event the lease sends for a move no worker reports (events.py)."""
+
+    # Celery's own names: Flower and celery.events.state.State know these. A custom type would
+    # rank above STARTED there (states.precedence gives unknown states None's place).
+    FAILED = "task-failed"
+    RETRIED = "task-retried"
 
 
 #: Stale writes rejected by the token check, in the order metrics and the CLI list them.

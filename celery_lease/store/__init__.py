@@ -22,6 +22,7 @@ from ..vocabulary import EffectOutcome, Event
 from . import dialects, schema
 from .base import StoreBase
 from .effects import EffectStatements
+from .glance import Glance, GlanceStatements
 from .reaping import Expired, ReaperStatements
 from .recovery import RecoveryStatements
 from .replacing import ReplaceStatements
@@ -29,12 +30,12 @@ from .reports import ReportStatements
 from .rows import COMPLETED, FAILED, PENDING, RUNNING, Claim, ClaimTerms, Job, NewJob
 from .runs import RunStatements
 
-__all__ = ["Store", "WorkerStore", "ReaperStore", "ReportStore", "Claim", "ClaimTerms", "Job", "NewJob",
-           "for_app", "call_timeout", "pool_size", "PENDING", "RUNNING", "COMPLETED", "FAILED"]
+__all__ = ["Store", "WorkerStore", "ReaperStore", "ReportStore", "Claim", "ClaimTerms", "Glance", "Job",
+           "NewJob", "for_app", "call_timeout", "pool_size", "PENDING", "RUNNING", "COMPLETED", "FAILED"]
 
 
-class Store(ReplaceStatements, ReaperStatements, EffectStatements, ReportStatements, RecoveryStatements,
-            RunStatements, StoreBase):
+class Store(GlanceStatements, ReplaceStatements, ReaperStatements, EffectStatements, ReportStatements,
+            RecoveryStatements, RunStatements, StoreBase):
     """The lease store of one app.
 
     Each caller sees it through the surface of its role: WorkerStore, ReaperStore or ReportStore.
@@ -45,7 +46,7 @@ class Store(ReplaceStatements, ReaperStatements, EffectStatements, ReportStateme
 class WorkerStore(Protocol):
     """What a worker process asks of the store: publish, claim, heartbeat, the owner's fenced writes,
     effect keys and resource locks (task.py, heartbeat.py, effects.py, deliveries.py, signals.py,
-    brokers.py)."""
+    brokers.py, strategy.py)."""
 
     def record(self, job_id: str, task_name: str, queue: str | None, payload: str | None, max_attempts: int,
                idempotency_key: str | None = ..., delay: float = ...,
@@ -91,6 +92,7 @@ class WorkerStore(Protocol):
     def release_lock(self, resource: str, token: str) -> bool: ...
     def leases_alive(self, job_ids: Sequence[str]) -> dict[str, str | None]: ...
     def get(self, job_id: str) -> Job | None: ...
+    def glance(self, job_id: str) -> Glance | None: ...
     def event(self, job_id: str | None, event: Event, reason: str | None = ..., worker: str | None = ...,
               token: str | None = ..., detail: Any = ...) -> None: ...
     def now(self) -> float: ...

@@ -1004,3 +1004,40 @@ def test_a_reaper_whose_own_calls_failed_through_an_outage_takes_back_nothing_re
     finally:
         proxy.cut()
         far.engine.dispose()
+
+
+# -- task events (events.py) --------------------------------------------------------
+def test_a_dead_letter_whose_task_event_the_broker_refuses_is_still_reaped_and_logged(app, store, caplog):
+    app.conf.update(worker_send_task_events=True, broker_write_url="redis://127.0.0.1:1/12",
+                    broker_connection_max_retries=0, broker_connection_timeout=0.2)
+    running(store, "j1", task="t.park")  # dead-lettered without a message: only the event needs the broker
+    with caplog.at_level(logging.WARNING, logger="celery_lease.events"):
+        result = Reaper(app).run_once()
+    assert result.dead_lettered == 1 and store.get("j1").status == FAILED
+    assert any("task-failed j1" in r.getMessage() for r in caplog.records)
+
+
+def test_a_page_whose_transaction_rolls_back_sends_no_task_event(app, store, monkeypatch):
+    app.conf.worker_send_task_events = True
+    sent: list[tuple[str, str]] = []
+    real = reaper.events.send
+    monkeypatch.setattr(reaper.events, "send", lambda a, host, evs: sent.extend(
+        (kind.value, fields["uuid"]) for kind, fields in list(evs)) or real(a, host, []))
+    running(store, "j1", age=20.0)
+    running(store, "j2", age=10.0)
+    requeue, calls = store.requeue_abandoned, []
+
+    def store_lost_at_the_second(*args, **kwargs):
+        calls.append(args[0])
+        if len(calls) == 2:
+            raise StoreUnavailable("store lost mid-page")
+        return requeue(*args, **kwargs)
+
+    monkeypatch.setattr(store, "requeue_abandoned", store_lost_at_the_second)
+    with pytest.raises(StoreUnavailable):
+        Reaper(app).run_once()
+    assert store.get("j1").status == RUNNING  # j1's requeue rolled back with the page
+    assert sent == []
+    monkeypatch.setattr(store, "requeue_abandoned", requeue)
+    Reaper(app).run_once(now=store.now())  # a simulated clock: no hold after the outage
+    assert sorted(sent) == [("task-retried", "j1"), ("task-retried", "j2")]
