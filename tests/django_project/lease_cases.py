@@ -1,0 +1,46 @@
+"""Django test cases run by Django's own runner (``django-admin test``) in a child process.
+
+tests/unit/test_django_testing.py runs them with ``LeaseTestRunner`` on SQLite and
+PostgreSQL; each case prints nothing and asserts what a project's test would see.
+"""
+
+from celery import states
+from django.db import connections
+from django.test import TestCase, override_settings
+
+from celery_lease.store import for_app
+
+from . import app
+from .tasks import charge
+
+
+class EagerLeasesOnTheTestDatabase(TestCase):
+    def test_the_store_is_the_test_database(self):
+        name = str(connections["default"].settings_dict["NAME"])
+        assert name.startswith(("test_", "file:memorydb_")), name
+        url = for_app(app, check=False).url
+        assert name.split("?")[0] in url, (name, url)
+
+    def test_an_eager_run_takes_a_lease_in_the_store_and_its_key_is_first_once(self):
+        first = charge.delay("o-1").get()
+        again = charge.delay("o-1").get()
+        job = for_app(app).get(first["job_id"])
+        assert job is not None and job.status == "completed", job
+        assert (first["first"], again["first"]) == (True, False)
+
+    def test_an_eager_run_leaves_no_started_result(self):
+        result = charge.apply(("o-2",))
+        assert result.state == states.SUCCESS
+        assert app.backend.get_task_meta(result.id)["status"] != states.STARTED
+
+    def test_a_store_url_beside_the_database_is_a_config_error(self):
+        from celery_lease.errors import LeaseConfigError
+
+        with override_settings(CELERY_LEASE_STORE_URL="sqlite:///elsewhere.sqlite3"):
+            try:
+                charge.delay("o-3").get()
+            except LeaseConfigError as exc:
+                assert "CELERY_LEASE_STORE_URL" in str(exc)
+            else:
+                raise AssertionError("no LeaseConfigError")
+        assert charge.delay("o-3").get()["first"] is True
