@@ -52,3 +52,11 @@ class LeaseSettingsFollowOverrideSettings(OnTheTestDatabase, TestCase):
             else:
                 raise AssertionError("no LeaseConfigError")
         assert charge.delay("o-3").get()["first"] is True
+
+    def test_an_idempotency_key_runs_the_eager_job_once_as_a_worker_would(self):
+        first = charge.apply_async(("o-4",), idempotency_key="order-4")
+        again = charge.apply_async(("o-4",), idempotency_key="order-4")
+        assert first.get()["first"] is True
+        assert again.id == first.id  # the key's job, not run again
+        job = for_app(app).get(first.id)
+        assert job is not None and job.status == "completed" and job.idempotency_key == "order-4", job

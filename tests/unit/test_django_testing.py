@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("django")
 
 ROOT = Path(__file__).resolve().parents[2]
-CASES = 5
+CASES = 6
 
 
 def run_cases(tmp_path: Path, database: dict, *args: str) -> subprocess.CompletedProcess:
