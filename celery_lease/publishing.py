@@ -140,7 +140,7 @@ def record_eager(task: Any, task_id: str, idempotency_key: str, options: dict[st
     queue = options.get("queue")
     queue = getattr(queue, "name", queue)
     policy = task_policy(task, queue)
-    created, holder = for_app(task.app).record(task_id, task.name, queue, None, policy.max_attempts,
+    _, holder = for_app(task.app).record(task_id, task.name, queue, None, policy.max_attempts,
                                                idempotency_key, 0.0, recovery=policy.recovery())
     if holder != task_id:
         log.info("task %s not run again: idempotency key %r belongs to job %s", task.name, idempotency_key,

@@ -30,7 +30,8 @@ from .rows import COMPLETED, FAILED, PENDING, RUNNING, Claim, ClaimTerms, Job, N
 from .runs import RunStatements
 
 __all__ = ["Store", "WorkerStore", "ReaperStore", "ReportStore", "Claim", "ClaimTerms", "Job", "NewJob",
-           "for_app", "database_url", "forget", "call_timeout", "pool_size", "PENDING", "RUNNING", "COMPLETED", "FAILED"]
+           "for_app", "database_url", "forget", "call_timeout", "pool_size",
+           "PENDING", "RUNNING", "COMPLETED", "FAILED"]
 
 
 class Store(ReplaceStatements, ReaperStatements, EffectStatements, ReportStatements, RecoveryStatements,

@@ -114,7 +114,8 @@ class StoreBase:
     @classmethod
     def from_config(cls: type[_StoreT], cfg: config.AppConfig, *, call_timeout: float | None = None,
                     pool_size: int | None = None,
-                    stale_after: float | Callable[[], float] | None = None, url: str | None = None) -> _StoreT:
+                    stale_after: float | Callable[[], float] | None = None,
+                    url: str | None = None) -> _StoreT:
         """The store an app's settings describe; the call bound defaults to a share of the shortest lease.
 
         ``url``: the store's URL when it is not lease_store_url (lease_database's, store.for_app).

@@ -62,7 +62,8 @@ def test_a_sqlite_file_and_djangos_shared_in_memory_test_database_are_opened_by_
 
 
 def test_a_private_in_memory_sqlite_database_is_refused_with_the_fix():
-    with pytest.raises(LeaseConfigError, match="private in-memory SQLite database .* Give the database a file NAME"):
+    with pytest.raises(LeaseConfigError, match=r"private in-memory SQLite database .* Give the database a "
+                                               r"file NAME"):
         url_from_settings("default", {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"})
 
 

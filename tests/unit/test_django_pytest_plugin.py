@@ -1,4 +1,4 @@
-"""celery_lease.contrib.django.pytest_plugin: ``lease_store`` puts eager leases on pytest-django's test database.
+"""celery_lease.contrib.django.pytest_plugin: ``lease_store`` puts eager leases on the test database.
 
 The cases of tests/django_project/plugin_cases.py run in a child pytest (Django's settings are
 process-wide) with pytest-django, on SQLite and PostgreSQL, the store following

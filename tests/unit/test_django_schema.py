@@ -8,6 +8,7 @@ the store following it (``CELERY_LEASE_DATABASE``); the store's own version tabl
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import os
 import pkgutil
@@ -42,7 +43,7 @@ def test_the_app_has_one_migration_per_store_revision_in_order():
     assert [m.revision for m in modules] == list(store_migrations.revisions())
     store_files = sorted(p.stem for p in (Path(store_migrations.__file__).parent / "versions").glob("0*.py"))
     assert [m.__name__.rsplit(".", 1)[1] for m in modules] == store_files
-    for previous, module in zip(modules, modules[1:]):
+    for previous, module in itertools.pairwise(modules):
         assert module.Migration.dependencies == [("celery_lease", previous.__name__.rsplit(".", 1)[1])]
 
 

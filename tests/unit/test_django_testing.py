@@ -63,4 +63,5 @@ def test_the_runner_refuses_a_store_that_follows_no_database(tmp_path):
                "--settings", "tests.django_project.settings"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
     assert result.returncode != 0
-    assert "lease_database=None is invalid: is not set, so eager leases would go to lease_store_url" in result.stderr
+    assert ("lease_database=None is invalid: is not set, so eager leases would go to lease_store_url"
+            in result.stderr)

@@ -66,10 +66,11 @@ def _server_url(drivername: str, settings_dict: Mapping[str, Any]) -> str:
 
 
 def _sqlite_url(alias: str, name: str) -> str:
-    if name in ("", ":memory:") or (name.startswith("file:") and "mode=memory" in name and "cache=shared" not in name):
+    private = name.startswith("file:") and "mode=memory" in name and "cache=shared" not in name
+    if name in ("", ":memory:") or private:
         # Every connection to a private in-memory database opens a database of its own.
-        raise LeaseConfigError(SETTING, alias, f"is a private in-memory SQLite database ({name or 'no NAME'}) "
-                               "that no other connection can open",
+        raise LeaseConfigError(SETTING, alias, f"is a private in-memory SQLite database "
+                               f"({name or 'no NAME'}) that no other connection can open",
                                "Give the database a file NAME, or run under Django's test runner (its "
                                "in-memory test database is shared).")
     if name.startswith("file:"):
@@ -82,12 +83,15 @@ def _postgres_driver() -> str:
     for module, driver in (("psycopg", "postgresql+psycopg"), ("psycopg2", "postgresql+psycopg2")):
         if _importable(module):
             return driver
-    raise LeaseConfigError(SETTING, "postgresql", "needs a PostgreSQL driver", "pip install 'psycopg[binary]'")
+    raise LeaseConfigError(SETTING, "postgresql", "needs a PostgreSQL driver",
+                           "pip install 'psycopg[binary]'")
 
 
 def _mysql_driver() -> str:
+    import importlib
+
     try:
-        import MySQLdb
+        MySQLdb = importlib.import_module("MySQLdb")  # noqa: N806 - the driver's module name
     except ImportError:
         pass
     else:

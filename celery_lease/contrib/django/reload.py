@@ -26,7 +26,8 @@ def reload(app: Any) -> None:
 
 
 def on_setting_changed(setting: str = "", **_: Any) -> None:
-    """``setting_changed`` receiver: reload the current Celery app when a lease setting or DATABASES changed."""
+    """``setting_changed`` receiver: reload the current Celery app when a lease setting or DATABASES
+    changed."""
     from celery import current_app
 
     app = current_app._get_current_object()

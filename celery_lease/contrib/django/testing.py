@@ -1,4 +1,6 @@
-"""Eager leases on Django's test database: ``TEST_RUNNER = "celery_lease.contrib.django.testing.LeaseTestRunner"``.
+"""Eager leases on Django's test database with Django's runner.
+
+``TEST_RUNNER = "celery_lease.contrib.django.testing.LeaseTestRunner"``:
 
 With the store following a Django database (``CELERY_LEASE_DATABASE``), the runner has eager
 runs (``task_always_eager``, ``apply()``) take real leases in the store (``lease_eager_store``),
@@ -13,9 +15,9 @@ from typing import Any
 
 from django.test.runner import DiscoverRunner
 
+from ... import store as stores
 from ...config import app_config
 from ...errors import LeaseConfigError
-from ... import store as stores
 from .reload import reload
 
 __all__ = ["LeaseTestRunner", "eager_leases_on_test_database"]
@@ -32,7 +34,8 @@ def eager_leases_on_test_database(app: Any) -> None:
     reload(app)
     if app_config(app).database is None:
         raise LeaseConfigError("lease_database", None,
-                               "is not set, so eager leases would go to lease_store_url, not the test database",
+                               "is not set, so eager leases would go to lease_store_url, not the test "
+                               "database",
                                "Set CELERY_LEASE_DATABASE = 'default' (and remove CELERY_LEASE_STORE_URL).")
     app.conf.lease_eager_store = True
     reload(app)

@@ -9,5 +9,5 @@ revision = "0001"
 
 class Migration(migrations.Migration):
     atomic = False  # the store migrates on its own connections, never in Django's transaction
-    dependencies = []
+    dependencies: list[tuple[str, str]] = []
     operations = [RunStoreRevision(revision)]
