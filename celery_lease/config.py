@@ -156,6 +156,11 @@ SETTINGS: tuple[Setting, ...] = (
     _S("lease_store_url", "sqlite:///celery_lease.sqlite3",
        "SQLAlchemy URL of the lease store (SQLite file, PostgreSQL or MySQL/MariaDB).",
        _text, "a non-empty SQLAlchemy URL", False),
+    _S("lease_database", None,
+       "A Django database alias (celery_lease.contrib.django): the store's URL is taken from "
+       "connections[alias].settings_dict at first use, so under Django's test runner it is the test "
+       "database. The store keeps connections of its own. Set this or lease_store_url, not both.",
+       _optional_queue, "None or a non-empty database alias", False),
     _S("lease_table_prefix", "celery_lease_",
        "Prefix of the store's table names.",
        _identifier, "letters, digits and underscores, not starting with a digit, at most 30", False),
@@ -526,6 +531,11 @@ def _written(conf: Any, name: str, namespace: str | None) -> str:
     return spelled if namespace and spelled in conf.keys() else name
 
 
+def _sets(conf: Any, name: str, namespace: str | None) -> bool:
+    """Whether the configuration sets ``name`` itself (not left to its default)."""
+    return name in conf or bool(namespace and written_as(name, namespace) in conf)
+
+
 def _read(conf: Any, name: str, namespace: str | None) -> Any:
     if name in conf:
         return conf[name]
@@ -562,6 +572,13 @@ def load(conf: Mapping[str, Any], namespace: str | None = None) -> AppConfig:
             problems[setting.name] = problem
     if not problems:
         problems.update((p.setting, p) for p in _cross_problems(values))
+    if values.get("lease_database") is not None and _sets(conf, "lease_store_url", namespace):
+        problems["lease_database"] = LeaseConfigError(
+            "lease_database", values["lease_database"],
+            f"is set together with {written_as('lease_store_url', namespace)}: the store would follow "
+            "both a Django database and a URL",
+            f"Remove {written_as('lease_store_url', namespace)} (the store follows the database alias) "
+            f"or {written_as('lease_database', namespace)}.")
     raise_all(list(problems.values()))
     for queue, options in values["lease_queue_policies"].items():
         if not isinstance(options, Mapping):

@@ -154,9 +154,10 @@ def _store_started(task: Any, request: Any, lease: Lease) -> None:
     """Celery's task_track_started, once the claim proved this delivery runs the job.
 
     STARTED is a progress report: a backend that refuses it costs the report, not the run
-    (the body runs and its result is stored as usual).
+    (the body runs and its result is stored as usual). An eager run stores none: Celery stores
+    no result of an eager run (unless task_store_eager_result), so STARTED would stay for ever.
     """
-    if not task.lease_tracks_started or deliveries.ignores_result(task, request):
+    if request.is_eager or not task.lease_tracks_started or deliveries.ignores_result(task, request):
         return
     try:
         results.of(task.app, task.backend).store_result(

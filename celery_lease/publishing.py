@@ -22,7 +22,7 @@ from .errors import LeaseError, StoreRejected, StoreUnavailable
 from .lease import Lease
 from .store import NewJob, for_app
 
-__all__ = ["RecordingProducer", "publish", "seconds_until"]
+__all__ = ["RecordingProducer", "publish", "record_eager", "seconds_until"]
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +132,21 @@ def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id
         if created:
             for_app(task.app).forget_unpublished(task_id)
         raise
+
+
+def record_eager(task: Any, task_id: str, idempotency_key: str, options: dict[str, Any]) -> tuple[bool, str]:
+    """An eager run's record under ``idempotency_key`` (lease_eager_store): (True, its id) to run it,
+    (False, the key's job) when that job exists already, which the run must not repeat."""
+    queue = options.get("queue")
+    queue = getattr(queue, "name", queue)
+    policy = task_policy(task, queue)
+    _, holder = for_app(task.app).record(task_id, task.name, queue, None, policy.max_attempts,
+                                               idempotency_key, 0.0, recovery=policy.recovery())
+    if holder != task_id:
+        log.info("task %s not run again: idempotency key %r belongs to job %s", task.name, idempotency_key,
+                 holder, extra={"action": "idempotent_publish"})
+        return False, holder
+    return True, task_id
 
 
 def retry_first(lease: Lease, delay: float, payload: str) -> bool:

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from .outage import ConsumerPause
     from .store import Store
 
-__all__ = ["Runtime", "DeadlineTimer", "PendingCancels", "for_app", "current", "in_process",
+__all__ = ["Runtime", "DeadlineTimer", "PendingCancels", "for_app", "current", "retire", "in_process",
            "release_all_in_process"]
 
 log = logging.getLogger(__name__)
@@ -492,6 +492,18 @@ def for_app(app: Any, store: Store, hostname: str | None = None) -> Runtime:
                 runtime = Runtime(store, host, app_config(app).heartbeat_interval)
                 _runtimes[(id(app), os.getpid())] = (weakref.ref(app), runtime)
     return runtime
+
+
+def retire(app: Any) -> bool:
+    """Stop and drop this process's runtime for an app unless it holds a lease; True when none is left."""
+    with _runtimes_lock:
+        runtime = current(app)
+        if runtime is not None and runtime.leases():
+            return False
+        _runtimes.pop((id(app), os.getpid()), None)
+    if runtime is not None:
+        runtime.stop()
+    return True
 
 
 def in_process() -> list[Runtime]:

@@ -129,6 +129,12 @@ class LeaseTask(Task):
                     producer: Any = None, link: Any = None, link_error: Any = None, shadow: Any = None,
                     idempotency_key: str | None = None, **options: Any) -> Any:
         """Record the job (once per ``idempotency_key``), then publish it as Celery does."""
+        if self.app.conf.task_always_eager and idempotency_key is not None and leased(self) and (
+                app_config(self.app).eager_store):
+            holder = publishing.record_eager(self, task_id or uuid(), idempotency_key, options)
+            if holder[0] is False:
+                return self.AsyncResult(holder[1])  # the key's job ran already: not again, as in a worker
+            task_id = holder[1]
         if self.app.conf.task_always_eager or messages.recording_disabled() or not leased(self):
             return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow, **options)
         return publishing.publish(self, super().apply_async, args, kwargs, task_id or uuid(), producer,

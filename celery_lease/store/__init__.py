@@ -31,7 +31,8 @@ from .rows import COMPLETED, FAILED, PENDING, RUNNING, Claim, ClaimTerms, Job, N
 from .runs import RunStatements
 
 __all__ = ["Store", "WorkerStore", "ReaperStore", "ReportStore", "Claim", "ClaimTerms", "Glance", "Job",
-           "NewJob", "for_app", "call_timeout", "pool_size", "PENDING", "RUNNING", "COMPLETED", "FAILED"]
+           "NewJob", "for_app", "database_url", "forget", "call_timeout", "pool_size",
+           "PENDING", "RUNNING", "COMPLETED", "FAILED"]
 
 
 class Store(GlanceStatements, ReplaceStatements, ReaperStatements, EffectStatements, ReportStatements,
@@ -98,6 +99,7 @@ class WorkerStore(Protocol):
     def now(self) -> float: ...
     def ensure_schema(self, create: bool = ...) -> str: ...
     def drop_schema(self) -> list[str]: ...
+    def dispose(self) -> None: ...
 
 
 class ReaperStore(Protocol):
@@ -242,15 +244,41 @@ def for_app(app: Any, check: bool = True, *, operator: bool = False) -> Store:
     """
     from ..config import app_config
 
+    cfg = app_config(app)
+    url = database_url(cfg)
     store = getattr(app, "_celery_lease_store", None)
-    if store is None:
+    if store is None or (url is not None and store.url != url):
         with _lock:
             store = getattr(app, "_celery_lease_store", None)
-            if store is None:
+            if store is None or (url is not None and store.url != url):
+                if store is not None:
+                    forget(app)  # lease_database now names another database (a test database)
                 bound = config.LONG_CALL_TIMEOUT if operator else call_timeout(app)
-                store = Store.from_config(app_config(app), call_timeout=bound, pool_size=pool_size(app),
-                                          stale_after=lambda: config.worker_stale_after(app))
+                store = Store.from_config(cfg, call_timeout=bound, pool_size=pool_size(app),
+                                          stale_after=lambda: config.worker_stale_after(app), url=url)
                 app._celery_lease_store = store
     if check:
         store.ensure_schema()
     return store
+
+
+def database_url(cfg: config.AppConfig) -> str | None:
+    """The URL of the Django database lease_database names, as Django configures it now; None unset."""
+    if cfg.database is None:
+        return None
+    from ..contrib.django.database import store_url
+
+    return store_url(cfg.database)
+
+
+def forget(app: Any) -> None:
+    """Drop the app's store (its connections closed) and its idle runtime: the next use builds them afresh.
+
+    For settings that change under a running process (Django's ``override_settings``, a test
+    database): a runtime that still holds a lease keeps its store until that run ends.
+    """
+    from .. import runtime
+
+    store = app.__dict__.pop("_celery_lease_store", None)
+    if runtime.retire(app) and store is not None:
+        store.dispose()

@@ -114,11 +114,15 @@ class StoreBase:
     @classmethod
     def from_config(cls: type[_StoreT], cfg: config.AppConfig, *, call_timeout: float | None = None,
                     pool_size: int | None = None,
-                    stale_after: float | Callable[[], float] | None = None) -> _StoreT:
-        """The store an app's settings describe; the call bound defaults to a share of the shortest lease."""
+                    stale_after: float | Callable[[], float] | None = None,
+                    url: str | None = None) -> _StoreT:
+        """The store an app's settings describe; the call bound defaults to a share of the shortest lease.
+
+        ``url``: the store's URL when it is not lease_store_url (lease_database's, store.for_app).
+        """
         if call_timeout is None:
             call_timeout = config.CALL_TIMEOUT_SHARE * config.shortest_lease(cfg)
-        return cls(cfg.store_url, cfg.table_prefix, cfg.sqlite_busy_timeout, call_timeout=call_timeout,
+        return cls(url or cfg.store_url, cfg.table_prefix, cfg.sqlite_busy_timeout, call_timeout=call_timeout,
                    pool_size=pool_size, sqlite_synchronous=cfg.sqlite_synchronous,
                    engine_options=cfg.store_engine_options, hard_grace=cfg.reaper_hard_grace,
                    stale_after=stale_after if stale_after is not None else config.cfg_stale_after(cfg),
@@ -145,6 +149,13 @@ class StoreBase:
                     self._pid = os.getpid()
         assert self._engine is not None
         return self._engine
+
+    def dispose(self) -> None:
+        """Close this process's pooled connections (a store left for another; a test database dropped)."""
+        with self._lock:
+            if self._engine is not None and self._pid == os.getpid():
+                self._engine.dispose()
+            self._engine, self._pid = None, -1
 
     @contextlib.contextmanager
     def _driver_errors(self) -> Iterator[None]:

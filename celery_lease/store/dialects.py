@@ -67,7 +67,18 @@ class SQLite(_OnConflict):
         return query  # BEGIN IMMEDIATE already serialises writers
 
     def connect_args(self, bounds: Bounds) -> dict[str, Any]:
+        if self.url.query.get("mode") == "memory":
+            # Pooled connections move between threads, as SQLAlchemy lets a file's do.
+            return {"timeout": self.busy_wait(bounds), "check_same_thread": False}
         return {"timeout": self.busy_wait(bounds)}
+
+    def create_engine(self, bounds: Bounds, pool_size: int, options: Mapping[str, Any]) -> Engine:
+        if self.url.query.get("mode") == "memory" and "poolclass" not in options:
+            # SQLAlchemy gives an in-memory database one connection per thread; a shared-cache one
+            # (Django's in-memory test database) is pooled and bounded like a file.
+            options = {"poolclass": sa.pool.QueuePool, "pool_size": pool_size, "max_overflow": 0,
+                       "pool_timeout": bounds.pool, **options}
+        return super().create_engine(bounds, pool_size, options)
 
     def _listen(self, engine: Engine, bounds: Bounds) -> None:
         short = self.busy_wait(bounds)

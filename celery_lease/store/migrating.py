@@ -22,7 +22,7 @@ from ..errors import LeaseConfigError, SchemaMismatch, StoreRejected, StoreUnava
 from ..version import __version__
 from . import migrations
 
-__all__ = ["migrate", "sql", "ensure", "describe"]
+__all__ = ["migrate", "sql", "ensure", "describe", "drop", "clear"]
 
 log = logging.getLogger(__name__)
 MIGRATE_HINT = "run `celery -A proj lease migrate`"
@@ -194,3 +194,15 @@ def drop(store: object) -> list[str]:
         tables.drop_all(conn)
     store.revision = None  # type: ignore[attr-defined]
     return sorted(tables.tables)
+
+
+def clear(store: object) -> int:
+    """Delete every row of the store's tables, its version table kept: the schema as migrated, empty.
+
+    For tests that share one test database (a pytest fixture's teardown); returns the rows deleted.
+    """
+    deleted = 0
+    with store.begin(long=True) as conn:  # type: ignore[attr-defined]
+        for table in reversed(store.t.metadata.sorted_tables):  # type: ignore[attr-defined]
+            deleted += conn.execute(table.delete()).rowcount
+    return deleted

@@ -55,6 +55,7 @@ BAD_VALUES = {
     "lease_web_basic_auth": "admin",  # no password
     "lease_fault_injector": "tests.faults.injector",  # no attribute after a colon
     "lease_web_show_arguments": "yes",
+    "lease_database": "",
 }
 
 
@@ -463,3 +464,10 @@ def test_an_explicit_stale_after_past_the_recovery_bound_is_refused_with_the_num
         config.check_recovery_bound(app)
     config.check_recovery_bound(stale_app(lease_worker_stale_after=40.0))
     assert config.worker_stale_after(stale_app(lease_worker_stale_after=40.0)) == 40.0
+
+
+def test_a_store_on_both_a_database_alias_and_a_url_is_refused_naming_both():
+    with pytest.raises(LeaseConfigError, match=r"lease_database='default' is invalid: is set together with "
+                                               r"lease_store_url.*Remove lease_store_url"):
+        config.app_config(make_app(lease_database="default", lease_store_url="sqlite:///x.sqlite3"))
+    assert config.app_config(make_app(lease_database="default")).database == "default"

@@ -8,7 +8,8 @@ __all__ = ["LeaseAppConfig"]
 
 
 class LeaseAppConfig(AppConfig):
-    """celery_lease in ``INSTALLED_APPS``: its system checks and a password-masking error reporter filter."""
+    """celery_lease in ``INSTALLED_APPS``: its system checks, a password-masking error reporter filter,
+    and lease settings that follow ``override_settings``."""
 
     name = "celery_lease.contrib.django"
     label = "celery_lease"
@@ -17,8 +18,9 @@ class LeaseAppConfig(AppConfig):
     def ready(self) -> None:
         from django.core import checks
 
-        from . import reporting
+        from . import reload, reporting
         from .checks import check_lease_settings
 
         checks.register(check_lease_settings, "celery_lease")
         reporting.install()  # the DEBUG page and error mails mask the store's password
+        reload.install()  # override_settings of a CELERY_LEASE_* setting or DATABASES reaches the store

@@ -1,0 +1,44 @@
+"""A pytest-django fixture for eager leases on the test database.
+
+Enable it in a project's ``conftest.py`` (``pytest_plugins = ["celery_lease.contrib.django.pytest_plugin"]``)
+or with ``-p celery_lease.contrib.django.pytest_plugin``. The ``lease_store`` fixture needs the store
+to follow a Django database (``CELERY_LEASE_DATABASE``): it sets up pytest-django's test databases,
+has eager runs lease in the store there (``lease_eager_store``), and yields that store. The store
+commits on connections of its own, so a test's transaction rollback does not undo its rows: the
+fixture deletes them after each test instead, and closes the store's connections, so the next test
+starts from an empty store and the test database can be dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from ... import store as stores
+from ...store import migrating
+from .reload import reload
+from .testing import current_celery_app, eager_leases_on_test_database
+
+__all__ = ["lease_store"]
+
+
+@pytest.fixture
+def lease_store(django_db_setup: Any, django_db_blocker: Any) -> Iterator[Any]:
+    """The lease store on the test database, eager runs leasing in it; emptied after the test."""
+    app = current_celery_app()
+    before = app.conf.get("lease_eager_store", None)
+    eager_leases_on_test_database(app)
+    store = stores.for_app(app)
+    try:
+        yield store
+    finally:
+        try:
+            migrating.clear(stores.for_app(app, check=False))
+        finally:
+            if before is None:
+                del app.conf["lease_eager_store"]
+            else:
+                app.conf.lease_eager_store = before
+            reload(app)

@@ -1,0 +1,44 @@
+"""Lease settings that change under a running process: Django's ``setting_changed`` (``override_settings``).
+
+A process validates its lease settings once and keeps them (config.app_config), and builds its
+store once (store.for_app). When a ``CELERY_LEASE_*`` setting or ``DATABASES`` changes, the
+Celery app's validated settings, its tasks' resolved policies and its store are dropped, so the
+next use reads the settings as they are now (a store following ``CELERY_LEASE_DATABASE`` then
+opens the database the alias names now).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ... import store as stores
+
+__all__ = ["install", "reload", "on_setting_changed"]
+
+
+def reload(app: Any) -> None:
+    """Forget ``app``'s validated lease settings, its tasks' policies and its store."""
+    for name in ("_celery_lease_config", "_celery_lease_stale_after"):
+        app.__dict__.pop(name, None)
+    for task in list(app.tasks.values()):
+        task.__dict__.pop("_lease_policies", None)
+    stores.forget(app)
+
+
+def on_setting_changed(setting: str = "", **_: Any) -> None:
+    """``setting_changed`` receiver: reload the current Celery app when a lease setting or DATABASES
+    changed."""
+    from celery import current_app
+
+    app = current_app._get_current_object()
+    namespace = getattr(app, "namespace", None)
+    prefix = f"{namespace}_LEASE_" if namespace else "LEASE_"
+    if setting == "DATABASES" or setting.upper().startswith(prefix):
+        reload(app)
+
+
+def install() -> None:
+    """Connect the receiver (the app does in ready()); connecting twice connects once."""
+    from django.core.signals import setting_changed
+
+    setting_changed.connect(on_setting_changed, dispatch_uid=__name__)

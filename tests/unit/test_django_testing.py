@@ -1,0 +1,67 @@
+"""LeaseTestRunner: under Django's runner eager runs lease in the store on the test database.
+
+Django's runner runs the cases of tests/django_project/lease_cases.py in a child process (Django's
+settings are process-wide), with the store following ``CELERY_LEASE_DATABASE = "default"``: on
+SQLite (Django's shared in-memory test database) and on PostgreSQL (``test_<name>``, and with
+``--parallel 2`` each worker's clone). The cases prove the store is that process's test
+database, an eager run takes a real lease there and writes its effect key once, no STARTED
+result is left, and ``override_settings`` reaches the lease settings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+pytest.importorskip("django")
+
+ROOT = Path(__file__).resolve().parents[2]
+CASES = 6
+
+
+def run_cases(tmp_path: Path, database: dict, *args: str) -> subprocess.CompletedProcess:
+    project = {"DATABASES": {"default": database}, "CELERY_LEASE_DATABASE": "default",
+               "CELERY_TASK_ALWAYS_EAGER": True, "CELERY_RESULT_BACKEND": "cache+memory://",
+               "TEST_RUNNER": "celery_lease.contrib.django.testing.LeaseTestRunner"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DJANGO_PROJECT_LEASE": json.dumps(project)}
+    command = [sys.executable, "-m", "django", "test", "tests.django_project.lease_cases", "--noinput",
+               "--settings", "tests.django_project.settings", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+
+
+def test_eager_leases_go_to_the_sqlite_test_database(tmp_path):
+    result = run_cases(tmp_path, {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"})
+    assert result.returncode == 0, result.stderr
+    assert f"Ran {CASES} tests" in result.stderr and "\nOK" in result.stderr
+    assert not list(tmp_path.iterdir())  # nothing written beside: no development store file
+
+
+def test_eager_leases_go_to_each_parallel_clone_of_the_postgresql_test_database(tmp_path, postgres_url):
+    url = urlsplit(postgres_url)
+    database = {"ENGINE": "django.db.backends.postgresql", "NAME": url.path.lstrip("/"), "USER": url.username,
+                "PASSWORD": url.password or "", "HOST": url.hostname, "PORT": str(url.port or 5432),
+                "TEST": {"NAME": f"test_lease_{uuid.uuid4().hex[:8]}"}}  # none other runs on it
+    result = run_cases(tmp_path, database, "--parallel", "2", "-v", "2")
+    assert result.returncode == 0, result.stderr
+    assert f"Ran {CASES} tests" in result.stderr and "\nOK" in result.stderr
+    assert "Cloning test database" in result.stderr
+    assert f"Destroying test database for alias 'default' ('{database['TEST']['NAME']}_2')" in result.stderr
+
+
+def test_the_runner_refuses_a_store_that_follows_no_database(tmp_path):
+    project = {"CELERY_TASK_ALWAYS_EAGER": True,
+               "TEST_RUNNER": "celery_lease.contrib.django.testing.LeaseTestRunner"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DJANGO_PROJECT_LEASE": json.dumps(project)}
+    command = [sys.executable, "-m", "django", "test", "tests.django_project.lease_cases", "--noinput",
+               "--settings", "tests.django_project.settings"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert result.returncode != 0
+    assert ("lease_database=None is invalid: is not set, so eager leases would go to lease_store_url"
+            in result.stderr)
