@@ -86,8 +86,7 @@ def _claim(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Lease | 
         rt = runtime.for_app(task.app, store, request.hostname)
         terms = ClaimTerms(duration=policy.duration, grace=policy.grace_period,
                            max_attempts=policy.max_attempts, max_expirations=policy.max_expirations,
-                           takeover=policy.on_expired == Decision.REQUEUE, recovery=policy.recovery(),
-                           nesting=int(getattr(request, "replaced_task_nesting", 0) or 0))
+                           takeover=policy.on_expired == Decision.REQUEUE, recovery=policy.recovery())
         # The lease's local deadline counts from when the claim was sent, not answered.
         sent = deadline.monotonic()
         claim = store.claim(job_id, rt.worker, token, terms, task_name=task.name, queue=queue,

@@ -24,10 +24,6 @@ def _not_ours(job: Job) -> Claim:
     return Claim(ClaimOutcome.DONE if job.status in (COMPLETED, FAILED) else ClaimOutcome.BUSY, job)
 
 
-#: _insert_first_seen's answer for a copy of a replaced run's message (see there).
-_REPLACED = object()
-
-
 class JobStatements(PublishStatements):
     """Transitions of one job between pending, running, completed and failed."""
 
@@ -101,9 +97,7 @@ class JobStatements(PublishStatements):
                     continue
                 return _not_ours(current)
             created = self._insert_first_seen(job_id, worker, token, terms, task_name, queue, payload)
-            if created is _REPLACED:
-                return Claim(ClaimOutcome.REPLACED, None)
-            if isinstance(created, Job):
+            if created is not None:
                 return Claim(ClaimOutcome.CLAIMED, created)
         raise StoreUnavailable(f"job {job_id}: claim kept racing with concurrent inserts", job_id=job_id)
 
@@ -156,20 +150,13 @@ class JobStatements(PublishStatements):
             return self._job(c, job_id)
 
     def _insert_first_seen(self, job_id: str, worker: str, token: str, terms: ClaimTerms, task_name: str,
-                           queue: str | None, payload: Callable[[], str | None]) -> Job | object | None:
-        """A job published without celery_lease -> a running row of ours; None when another insert won.
-
-        ``_REPLACED`` when the row is missing because a replaced run removed it for a carrier not
-        recorded yet, and this delivery is a copy of the replaced run's message: run, it would
-        replace the job a second time.
-        """
+                           queue: str | None, payload: Callable[[], str | None]) -> Job | None:
+        """A job published without celery_lease -> a running row of ours; None when another insert won."""
         j = self.t.jobs
         lease = {k: v for k, v in self._lease_values(worker, token, terms.duration, terms.grace).items()
                  if k != "attempt_count"}
         try:
             with self.begin() as c:
-                if self._copy_of_replaced(c, job_id, terms.nesting):
-                    return _REPLACED
                 c.execute(sa.insert(j).values(
                     id=job_id, task_name=task_name, queue_name=queue, payload=payload(),
                     max_attempts=terms.max_attempts, expired_count=0, dispatch_count=0,
@@ -181,21 +168,6 @@ class JobStatements(PublishStatements):
                 return self._job(c, job_id)
         except StoreConflict:
             return None
-
-    def _copy_of_replaced(self, c: Connection, job_id: str, nesting: int) -> bool:
-        """Whether the job's last hand-on is a hand-over to a carrier published later, made by a run
-        nested at least as deep as this delivery (the carrier's message is nested one deeper)."""
-        e = self.t.events
-        last = c.execute(sa.select(e.c.event, e.c.detail).where(
-            e.c.job_id == job_id, e.c.event.in_((Event.HANDED_OVER, Event.PUBLISHED, Event.CLAIMED)),
-        ).order_by(e.c.id.desc()).limit(1)).first()
-        if last is None or last.event != Event.HANDED_OVER or not last.detail:
-            return False
-        try:
-            detail = json.loads(last.detail)
-        except ValueError:
-            return False
-        return isinstance(detail, dict) and "row" in detail and int(detail.get("nesting") or 0) >= nesting
 
     def _job(self, c: Connection, job_id: str) -> Job | None:
         row = c.execute(sa.select(*self._job_columns()).where(self.t.jobs.c.id == job_id)).first()

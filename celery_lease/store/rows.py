@@ -141,6 +141,3 @@ class ClaimTerms:
     max_expirations: int
     takeover: bool
     recovery: Mapping[str, Any] | None = None
-    # The delivery's replaced_task_nesting (Celery's Task.replace() raises it by one for the
-    # replacement): a copy of a replaced run's message has the replaced run's, not more.
-    nesting: int = 0

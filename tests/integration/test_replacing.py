@@ -10,7 +10,6 @@ from celery_lease import LeaseTask
 from celery_lease.store import for_app
 from celery_lease.vocabulary import Event
 from tests.conftest import drop_app_store, flushed_redis, migrated_store
-from tests.helpers import wait_for
 from tests.integration.test_leased_execution import make_app
 
 pytestmark = pytest.mark.integration
@@ -47,17 +46,6 @@ def counted(redis_url, postgres_url):
         def by_group(self, n):
             ran(self)
             return self.replace(group(add.s(i, i) for i in range(n)))
-
-        @app.task(base=LeaseTask, bind=True, shared=False, name="r.held")
-        def held(self, x):
-            ran(self)
-            wait_for(lambda: client.get("go"), timeout=30, message="the test never let the step go on")
-            return x
-
-        @app.task(base=LeaseTask, bind=True, shared=False, name="r.by_held_chain")
-        def by_held_chain(self, x):
-            ran(self)
-            return self.replace(chain(held.s(x), add.s(10)))
 
         migrated_store(app)
         yield app, client
@@ -120,25 +108,3 @@ def test_a_group_replacement_ends_the_lease_and_gives_the_group_result(counted):
     with store.begin() as c:
         names = {r[0] for r in c.execute(store.t.jobs.select().with_only_columns(store.t.jobs.c.task_name))}
     assert names == {"r.by_group", "r.add"}  # celery.accumulate carries the id, unleased
-
-
-def test_a_copy_of_the_replaced_message_delivered_mid_chain_does_not_replace_the_job_again(counted):
-    """While the chain's first step runs, the job has no row (its carrier is recorded when it is
-    sent): a broker's copy of the replaced task's message is skipped, not run as a new job."""
-    app, client = counted
-    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
-        result = app.tasks["r.by_held_chain"].delay(1)
-        wait_for(lambda: Event.HANDED_OVER in events(app, result.id), timeout=20,
-                 message="the job was never handed over to its chain")
-        app.send_task("r.by_held_chain", args=(1,), task_id=result.id)  # a copy, as a broker redelivers
-        wait_for(lambda: Event.DUPLICATE_DELIVERY_SKIPPED in events(app, result.id), timeout=20,
-                 message="the copy of the replaced message was not skipped")
-        client.set("go", 1)
-        assert result.get(timeout=20) == 11
-        wait_for(lambda: (for_app(app).get(result.id) or None) is not None
-                 and for_app(app).get(result.id).status == "completed", timeout=20,
-                 message="the carrier never completed the job")
-    counts = runs(client)
-    assert counts[f"runs:r.by_held_chain:{result.id}"] == 1
-    assert counts[f"runs:r.add:{result.id}"] == 1
-    assert sum(n for key, n in counts.items() if key.startswith("runs:r.held:")) == 1
