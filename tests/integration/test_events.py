@@ -87,6 +87,11 @@ def monitor(renv: ReaperEnv) -> Iterator[Monitor]:
         yield seen
 
 
+def events_worker(renv: ReaperEnv, conf: dict, tmp_path) -> Any:
+    """A prefork worker of the reaper app that sends task events (``-E``), with ``conf`` in its env."""
+    return worker(APP, renv.env(**conf), tmp_path, pool="prefork", extra=("-E",))
+
+
 def started(renv: ReaperEnv, monitor: Monitor, job_id: str) -> None:
     wait_for(lambda: renv.count(job_id, "started") >= 1 and monitor.task(job_id) is not None
              and monitor.task(job_id).state == "STARTED", timeout=30, message=f"job {job_id} never started")
@@ -96,7 +101,7 @@ def test_a_job_the_reaper_dead_letters_shows_failure_with_its_reason(renv, monit
     conf = {**EVENTS, "lease_max_attempts": 1}
     app = renv.app(**conf)
     with celery_processes(tmp_path) as procs:
-        proc = worker(APP, renv.env(**conf), tmp_path, pool="prefork", extra=("-E",))
+        proc = events_worker(renv, conf, tmp_path)
         procs.append(proc)
         job = app.tasks["reaper_app.work"].delay(60.0)
         started(renv, monitor, job.id)
@@ -115,7 +120,7 @@ def test_a_job_the_reaper_dead_letters_shows_failure_with_its_reason(renv, monit
 def test_a_job_the_reaper_requeues_shows_the_retry_then_its_success(renv, monitor, tmp_path):
     app = renv.app(**EVENTS)
     with celery_processes(tmp_path) as procs:
-        first = worker(APP, renv.env(**EVENTS), tmp_path, pool="prefork", extra=("-E",))
+        first = events_worker(renv, EVENTS, tmp_path)
         procs.append(first)
         job = app.tasks["reaper_app.work"].delay(60.0)
         started(renv, monitor, job.id)
@@ -123,7 +128,7 @@ def test_a_job_the_reaper_requeues_shows_the_retry_then_its_success(renv, monito
         with reaper_loop(app):
             wait_for(lambda: monitor.of(job.id, "task-retried"), timeout=20, message="no task-retried")
         assert monitor.task(job.id).state == "RETRY"
-        procs.append(worker(APP, renv.env(**EVENTS), tmp_path, pool="prefork", extra=("-E",)))
+        procs.append(events_worker(renv, EVENTS, tmp_path))
         wait_for(lambda: monitor.task(job.id).state == "SUCCESS", timeout=30, message="rerun never succeeded")
     [retried] = monitor.of(job.id, "task-retried")
     assert retried["hostname"] == events.node(events.REAPER)
@@ -136,7 +141,7 @@ def test_a_lease_given_back_on_shutdown_shows_as_released_by_its_worker(renv, mo
     conf = {"lease_duration": 30.0, "lease_heartbeat_interval": 1.0, "lease_dispatch_timeout": 600.0}
     app = renv.app(**conf)
     with celery_processes(tmp_path) as procs:
-        proc = worker(APP, renv.env(**conf), tmp_path, pool="prefork", extra=("-E",))
+        proc = events_worker(renv, conf, tmp_path)
         procs.append(proc)
         job = app.tasks["reaper_app.work"].delay(60.0)
         started(renv, monitor, job.id)
@@ -181,7 +186,7 @@ def _shown(task: Any) -> tuple[Any, ...]:
 def test_a_duplicate_of_a_finished_job_changes_nothing_monitors_show(renv, monitor, tmp_path):
     app = renv.app(**EVENTS)
     with celery_processes(tmp_path) as procs:
-        procs.append(worker(APP, renv.env(**EVENTS), tmp_path, pool="prefork", extra=("-E",)))
+        procs.append(events_worker(renv, EVENTS, tmp_path))
         job = app.tasks["reaper_app.work"].delay(0.1)
         wait_for(lambda: monitor.task(job.id) is not None and monitor.task(job.id).state == "SUCCESS",
                  timeout=30, message="job never succeeded")
@@ -200,10 +205,10 @@ def test_a_duplicate_of_a_job_leased_elsewhere_changes_nothing_monitors_show(ren
     conf = {**EVENTS, "task_acks_late": True, "lease_duration": 30.0, "lease_heartbeat_interval": 1.0}
     app = renv.app(**conf)
     with celery_processes(tmp_path) as procs:
-        procs.append(worker(APP, renv.env(**conf), tmp_path, pool="prefork", extra=("-E",)))
+        procs.append(events_worker(renv, conf, tmp_path))
         job = app.tasks["reaper_app.work"].delay(8.0)
         started(renv, monitor, job.id)
-        procs.append(worker(APP, renv.env(**conf), tmp_path, pool="prefork", extra=("-E",)))
+        procs.append(events_worker(renv, conf, tmp_path))
         before = _shown(monitor.task(job.id))
         messages.republish(app, job.id, renv.store.get(job.id).payload)
         skipped = wait_for(lambda: renv.store.events(job.id, "duplicate_delivery_skipped"), timeout=20,
