@@ -1,0 +1,84 @@
+"""Redrive and discard dead letters from the admin: the CLI's recovery verbs, confirmed first.
+
+The plan and the moves are celery_lease.recovery's (``redrive_plan``/``redrive``,
+``discard_plan``/``discard``), as ``celery lease dlq redrive|discard`` and the web page run them:
+a job that is not a dead letter (a running job with a live lease, a pending or completed one) is
+refused with the CLI's reason, each move is one compare-and-set, and each is audited
+(``dlq_redriven``, ``dlq_discarded``) with the operator ``admin:USER@ADDRESS``. A selection is
+one small batch at most. The first POST shows the plan; the confirmation moves the jobs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib import messages
+from django.contrib.admin import helpers
+from django.http import HttpRequest
+from django.template.response import TemplateResponse
+
+from .... import recovery
+from .... import store as stores
+from ....errors import LeaseError
+from ....vocabulary import RecoveryAction
+from .tables import celery_app
+
+__all__ = ["BATCH", "VERBS", "operator", "recover"]
+
+BATCH = 10  # jobs at most per action, as the CLI's default --batch and the web page
+VERBS = {
+    "redrive": ("redrive", "send back to their queue with fresh attempts", RecoveryAction.REDRIVEN),
+    "discard": ("discard", "delete from the store for good (their events stay)", RecoveryAction.DISCARDED),
+}
+CONFIRM_TEMPLATE = "admin/celery_lease_admin/confirm_recovery.html"
+
+
+def operator(request: HttpRequest) -> str:
+    """The audit log's actor for an admin request: ``admin:USER@ADDRESS``."""
+    user = getattr(request, "user", None)
+    name = user.get_username() if user is not None and user.is_authenticated else "anonymous"
+    return recovery.operator("admin", name, request.META.get("REMOTE_ADDR") or "unknown")
+
+
+def _selected(request: HttpRequest, queryset: Any) -> list[str]:
+    # The ids as posted: a job that left the list's filter since (no longer failed) is then refused
+    # with its reason instead of vanishing from the selection.
+    if request.POST.get("select_across") == "1":
+        return [str(pk) for pk in queryset.values_list("pk", flat=True)[: BATCH + 1]]
+    return [pk for pk in request.POST.getlist(helpers.ACTION_CHECKBOX_NAME) if pk]
+
+
+def recover(model_admin: Any, request: HttpRequest, queryset: Any, action: str) -> TemplateResponse | None:
+    """Plan ``action`` (redrive or discard) for the selected jobs; once confirmed, move them."""
+    ids = _selected(request, queryset)
+    if len(ids) > BATCH:
+        model_admin.message_user(request, f"more than {BATCH} jobs selected; select at most {BATCH} (recover "
+                                 "in small batches, watch the effects, then go on)", messages.ERROR)
+        return None
+    app = celery_app()
+    store = stores.for_app(app)
+    plan = recovery.redrive_plan if action == "redrive" else recovery.discard_plan
+    jobs, refused = [], []
+    for job_id in ids:
+        try:
+            jobs += plan(store, job_id)
+        except LeaseError as exc:
+            refused.append(" ".join(str(exc).split()))
+    if request.POST.get("confirm") != "yes":
+        context = {**model_admin.admin_site.each_context(request),
+                   "title": f"{VERBS[action][0].capitalize()} dead letters?",
+                   "opts": model_admin.model._meta, "action": action, "verb": VERBS[action],
+                   "jobs": jobs, "refused": refused, "batch": BATCH,
+                   "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME}
+        return TemplateResponse(request, CONFIRM_TEMPLATE, context)
+    who = operator(request)
+    outcomes = (recovery.redrive(app, store, jobs, who=who) if action == "redrive"
+                else recovery.discard(store, jobs, who=who))
+    done = VERBS[action][2]
+    for outcome in outcomes:
+        level = messages.SUCCESS if outcome.action == done else messages.WARNING
+        model_admin.message_user(request, f"{outcome.job_id} ({outcome.task}): {outcome.action}, "
+                                 f"{outcome.reason}", level)
+    for reason in refused:
+        model_admin.message_user(request, f"refused: {reason}", messages.ERROR)
+    return None

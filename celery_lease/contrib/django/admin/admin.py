@@ -1,0 +1,203 @@
+"""The lease store's admin pages: jobs with their events, dead letters, running leases, the audit log.
+
+Every page is read-only and reads the store's database (``CELERY_LEASE_DATABASE``). No change list
+counts its table: the paginator counts at most paging.COUNT_LIMIT rows, and there is no "N total"
+beside a search. Search takes an exact job id or idempotency key (the primary key and the key's
+unique index). The only moves are the dead-letter actions (actions.py), each behind a permission of
+its own: ``celery_lease_admin.redrive_deadletter`` and ``celery_lease_admin.discard_deadletter``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from django.contrib import admin
+from django.db.models import Q, QuerySet
+from django.http import HttpRequest
+from django.urls import reverse
+from django.utils.html import format_html
+
+from .... import store as stores
+from ....vocabulary import Event as EventName
+from .actions import recover
+from .models import DeadLetter, Event, Job, RunningLease
+from .paging import BoundedPaginator
+from .tables import celery_app, store_alias
+
+__all__ = ["JobAdmin", "DeadLetterAdmin", "RunningLeaseAdmin", "EventAdmin", "REDRIVE", "DISCARD"]
+
+QUEUE_AND_TASK = (("queue_name", admin.AllValuesFieldListFilter),
+                  ("task_name", admin.AllValuesFieldListFilter))
+REDRIVE = "celery_lease_admin.redrive_deadletter"
+DISCARD = "celery_lease_admin.discard_deadletter"
+
+
+class StoreAdmin(admin.ModelAdmin):
+    """Read-only, on the store's database, never counting a whole table."""
+
+    paginator = BoundedPaginator
+    show_full_result_count = False
+    list_per_page = 50
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        return super().get_queryset(request).using(store_alias())
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Sequence[str]:
+        return [field.name for field in self.model._meta.fields]
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+class ExactSearch:
+    """Search by exact job id or idempotency key: an index lookup, never a scan of the table."""
+
+    search_fields = ("id", "idempotency_key")
+    search_help_text = "An exact job id or idempotency key."
+
+    def get_search_results(self, request: HttpRequest, queryset: QuerySet[Any],
+                           search_term: str) -> tuple[QuerySet[Any], bool]:
+        term = search_term.strip()
+        if not term:
+            return queryset, False
+        return queryset.filter(Q(pk=term) | Q(idempotency_key=term)), False
+
+
+class DeadLetterActions:
+    """Redrive and discard, each shown to (and run for) users with its permission only."""
+
+    actions = ("redrive", "discard")
+
+    def has_redrive_permission(self, request: HttpRequest) -> bool:
+        return request.user.has_perm(REDRIVE)
+
+    def has_discard_permission(self, request: HttpRequest) -> bool:
+        return request.user.has_perm(DISCARD)
+
+    @admin.action(description="Redrive the selected dead letters", permissions=["redrive"])
+    def redrive(self, request: HttpRequest, queryset: QuerySet[Any]) -> Any:
+        return recover(self, request, queryset, "redrive")
+
+    @admin.action(description="Discard the selected dead letters", permissions=["discard"])
+    def discard(self, request: HttpRequest, queryset: QuerySet[Any]) -> Any:
+        return recover(self, request, queryset, "discard")
+
+
+class EventInline(admin.TabularInline):
+    """A job's audit trail on its page, oldest first."""
+
+    model = Event
+    fields = ("at", "event", "reason", "worker", "token", "detail")
+    readonly_fields = fields
+    ordering = ("id",)
+    extra = 0
+    can_delete = False
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        return super().get_queryset(request).using(store_alias())
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+JOB_FIELDSETS = (
+    (None, {"fields": ("id", "task_name", "queue_name", "status", "idempotency_key")}),
+    ("Attempts", {"fields": ("attempt_count", "max_attempts", "expired_count", "dispatch_count",
+                             "last_error")}),
+    ("Lease", {"fields": ("locked_by", "lock_token", "lease_expires_at", "last_heartbeat_at",
+                          "lease_duration", "grace_period", "checkpoint")}),
+    ("Times", {"fields": ("created_at", "available_at", "started_at", "completed_at", "failed_at",
+                          "updated_at")}),
+)
+
+
+@admin.register(Job)
+class JobAdmin(DeadLetterActions, ExactSearch, StoreAdmin):
+    list_display = ("id", "task_name", "queue_name", "status", "attempt_count", "locked_by",
+                    "lease_expires_at", "updated_at")
+    list_filter = ("status", *QUEUE_AND_TASK)
+    ordering = ("-updated_at",)
+    fieldsets = JOB_FIELDSETS
+    inlines = (EventInline,)
+
+
+@admin.register(DeadLetter)
+class DeadLetterAdmin(DeadLetterActions, ExactSearch, StoreAdmin):
+    list_display = ("id", "task_name", "queue_name", "attempt_count", "failed_at", "error")
+    list_filter = QUEUE_AND_TASK
+    ordering = ("-updated_at",)
+    fieldsets = JOB_FIELDSETS
+    inlines = (EventInline,)
+
+    @admin.display(description="last error")
+    def error(self, job: Job) -> str:
+        text = " ".join((job.last_error or "").split())
+        return text if len(text) <= 100 else text[:99] + "…"
+
+
+@admin.register(RunningLease)
+class RunningLeaseAdmin(ExactSearch, StoreAdmin):
+    list_filter = QUEUE_AND_TASK
+    ordering = ("lease_expires_at",)
+    fieldsets = JOB_FIELDSETS
+    inlines = (EventInline,)
+
+    def get_list_display(self, request: HttpRequest) -> Sequence[str | Callable[[Any], Any]]:
+        now = stores.for_app(celery_app()).now()  # the store's clock, as the reaper reads expiry
+
+        @admin.display(description="expires in")
+        def expires_in(job: Job) -> str:
+            if job.lease_expires_at is None:
+                return "no expiry"
+            left = job.lease_expires_at.timestamp() - now
+            return f"{left:.1f}s" if left >= 0 else f"expired {-left:.1f}s ago"
+
+        return ("id", "task_name", "queue_name", "locked_by", "attempt_count", "last_heartbeat_at",
+                "lease_expires_at", expires_in)
+
+
+class EventNameFilter(admin.SimpleListFilter):
+    """The event names of the vocabulary: no query for the choices."""
+
+    title = "event"
+    parameter_name = "event"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [(name.value, name.value) for name in EventName]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        return queryset.filter(event=self.value()) if self.value() else queryset
+
+
+@admin.register(Event)
+class EventAdmin(StoreAdmin):
+    list_display = ("at", "event", "job_link", "worker", "reason", "queue_name", "task_name")
+    list_filter = (EventNameFilter,)
+    search_fields = ("job_id",)
+    search_help_text = "An exact job id."
+    ordering = ("-id",)
+
+    def get_search_results(self, request: HttpRequest, queryset: QuerySet[Any],
+                           search_term: str) -> tuple[QuerySet[Any], bool]:
+        term = search_term.strip()
+        return (queryset.filter(job_id=term) if term else queryset), False
+
+    @admin.display(description="job", ordering="job_id")
+    def job_link(self, event: Event) -> str:
+        if not event.job_id:
+            return ""
+        url = reverse("admin:celery_lease_admin_job_change", args=[event.job_id])
+        return format_html('<a href="{}">{}</a>', url, event.job_id)

@@ -1,0 +1,54 @@
+"""Which database and tables the admin reads: the store's alias and its configured table prefix.
+
+A Django model's ``db_table`` is fixed when its class is made, before the settings of the Celery
+app are read; :func:`bind` sets each model's table from ``lease_table_prefix`` once Django is
+ready, and again when ``override_settings`` changes a lease setting. The settings are read afresh
+(validated, not from a cache), so a project with invalid lease settings keeps the default names
+until ``manage.py check`` has had its say.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ....config import BY_NAME, app_config, load
+from ....errors import LeaseConfigError
+
+__all__ = ["bind", "store_alias", "celery_app", "on_setting_changed", "TABLES"]
+
+# Each model's table, without the prefix.
+TABLES = {"Job": "jobs", "DeadLetter": "jobs", "RunningLease": "jobs", "Event": "events"}
+
+
+def celery_app() -> Any:
+    from celery import current_app
+
+    return current_app._get_current_object()
+
+
+def _prefix(app: Any) -> str:
+    try:
+        return str(load(app.conf, getattr(app, "namespace", None)).table_prefix)
+    except LeaseConfigError:
+        return str(BY_NAME["lease_table_prefix"].default)
+
+
+def bind(app: Any | None = None) -> str:
+    """Point the admin's models at the tables of the configured prefix; return that prefix."""
+    from django.apps import apps
+
+    prefix = _prefix(app or celery_app())
+    for model in apps.get_app_config("celery_lease_admin").get_models():
+        model._meta.db_table = prefix + TABLES[model.__name__]
+    return prefix
+
+
+def store_alias(app: Any | None = None) -> str | None:
+    """The Django database alias the store follows (``lease_database``), or None."""
+    return app_config(app or celery_app()).database
+
+
+def on_setting_changed(setting: str = "", **_: Any) -> None:
+    """``setting_changed`` receiver: a lease setting changed, the prefix may have too."""
+    if "LEASE_" in setting.upper():
+        bind()
