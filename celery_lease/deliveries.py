@@ -27,10 +27,11 @@ from . import backend as results
 from . import messages
 from .backoff import store_retry_delay
 from .errors import StoreRejected, StoreUnavailable
-from .store import Store
-from .vocabulary import ClaimOutcome, Event
+from .store import Job, Store
+from .vocabulary import ClaimOutcome, Event, Status
 
-__all__ = ["send_again", "fail_closed", "defer_early", "skip_duplicate", "ignores_result", "keepable_result",
+__all__ = ["send_again", "fail_closed", "defer_early", "skip_duplicate", "skip_replaced_copy",
+           "send_pending_step", "ignores_result", "keepable_result",
            "resumed", "resume_post_run", "store_retries", "forget_store_retries", "FailedClosed",
            "FailedClosedRequeued", "StoreDown", "STORE_RETRIES_HEADER"]
 
@@ -172,6 +173,36 @@ def skip_duplicate(task: Task, store: Store, worker: str, outcome: ClaimOutcome,
                   extra={"action": "job_recorded_again"})
         send_again(task, "its row vanished from the store")
     raise Ignore()
+
+
+def skip_replaced_copy(task: Task, store: Store, worker: str, step: Job | None) -> NoReturn:
+    """A copy of a replaced run's message, while its chain's first step carries the job: not run.
+
+    Run, it would replace the job a second time. The first step's message is sent again while
+    its row is pending (see send_pending_step).
+    """
+    send_pending_step(task.app, task.request.id, step)
+    skip_duplicate(task, store, worker, ClaimOutcome.REPLACED, None)
+
+
+def send_pending_step(app: Any, job_id: str, step: Job | None) -> bool:
+    """Send the stored message of a replaced job's first step again, while that step is pending.
+
+    After a hand-over whose answer was lost the run ends as an outage before its chain is sent:
+    the step's row is then all that carries the job. A pending job's extra message is harmless
+    (its claim runs it once and skips the other); a send that fails leaves it to the dispatch scan.
+    """
+    if step is None or step.status != Status.PENDING:
+        return False
+    try:
+        messages.republish(app, step.id, step.payload)
+    except Exception as exc:  # noqa: BLE001 - the step stays pending: the dispatch scan sends it
+        log.warning("job %s: its chain's first step %s not sent again (%s); the dispatch scan will",
+                    job_id, step.id, exc)
+        return False
+    log.info("job %s: its chain's pending first step %s sent again", job_id, step.id,
+             extra={"action": "replaced_step_sent_again"})
+    return True
 
 
 def _vanished(store: Store, job_id: str) -> bool:

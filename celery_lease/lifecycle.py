@@ -86,7 +86,8 @@ def _claim(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Lease | 
         rt = runtime.for_app(task.app, store, request.hostname)
         terms = ClaimTerms(duration=policy.duration, grace=policy.grace_period,
                            max_attempts=policy.max_attempts, max_expirations=policy.max_expirations,
-                           takeover=policy.on_expired == Decision.REQUEUE, recovery=policy.recovery())
+                           takeover=policy.on_expired == Decision.REQUEUE, recovery=policy.recovery(),
+                           nesting=int(getattr(request, "replaced_task_nesting", 0) or 0))
         # The lease's local deadline counts from when the claim was sent, not answered.
         sent = deadline.monotonic()
         claim = store.claim(job_id, rt.worker, token, terms, task_name=task.name, queue=queue,
@@ -107,6 +108,8 @@ def _claim(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Lease | 
         deliveries.fail_closed(task, policy.store_retry_delay, policy.store_retry_max, exc)
     if claim.outcome == ClaimOutcome.EARLY:
         deliveries.defer_early(task, store, rt.worker, claim.wait)
+    if claim.outcome == ClaimOutcome.REPLACED:
+        deliveries.skip_replaced_copy(task, store, rt.worker, claim.step)
     if not claim.claimed and claim.job is not None and rt.orphaned_claim(job_id, claim.job.lock_token):
         claim = _reclaim(store, rt, claim, token, terms)
     if not claim.claimed:
@@ -125,6 +128,8 @@ def _claim(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Lease | 
     def record_again() -> bool:
         again = store.claim(job_id, rt.worker, token, terms, task_name=task.name, queue=queue,
                             payload=payload)
+        if again.outcome == ClaimOutcome.REPLACED:  # the row went with a hand-over whose answer was lost
+            deliveries.send_pending_step(task.app, job_id, again.step)
         return again.claimed and again.job is not None and again.job.lock_token == token
 
     return Lease(rt, job_id, token, job.attempt_count, policy, job.idempotency_key or f"{task.name}:{job_id}",

@@ -36,8 +36,9 @@ if TYPE_CHECKING:
 __all__ = ["hand_over", "hands_over_to", "claim_on_publish", "record_step"]
 
 _handing: contextvars.ContextVar[Lease | None] = contextvars.ContextVar("celery_lease_handing", default=None)
-# A hand-over whose carrier is sent later: the lease and the carrier's name, until the first step is recorded.
-_later: contextvars.ContextVar[tuple[Lease, str] | None] = contextvars.ContextVar(
+# A hand-over whose carrier is sent later: the lease, the carrier's name and the replaced run's
+# replaced_task_nesting, until the first step is recorded.
+_later: contextvars.ContextVar[tuple[Lease, str, int] | None] = contextvars.ContextVar(
     "celery_lease_handing_later", default=None)
 
 
@@ -70,21 +71,22 @@ def hand_over(task: Any, lease: Lease, sig: Signature, send: Callable[[Signature
     target = task.app.tasks.get(found.task) if found is not None else None
     name = found.task if found is not None else type(sig).__name__
     store, job_id, token, worker = lease.store, lease.job_id, lease.token, lease.worker
+    nesting = int(getattr(task.request, "replaced_task_nesting", 0) or 0)
     if target is not None and leased(target) and not now:
         first = _first_sent(sig)
         if first is None or not leased(task.app.tasks.get(first.task)):
             with lease.turn:
-                if not store.hand_over(job_id, token, worker, None, name):
+                if not store.hand_over(job_id, token, worker, None, name, nesting):
                     raise Ignore()
                 lease.handed_over = True
             return send(sig)
-        later = _later.set((lease, name))
+        later = _later.set((lease, name, nesting))
         try:
             return send(sig)
         except Ignore:
             with lease.turn:  # the first step was not recorded here (its publish took another way)
                 if not lease.handed_over:
-                    lease.handed_over = store.hand_over(job_id, token, worker, None, name)
+                    lease.handed_over = store.hand_over(job_id, token, worker, None, name, nesting)
             raise
         finally:
             _later.reset(later)
@@ -116,12 +118,13 @@ def record_step(store: Store, job_id: str, task_name: str, queue: str | None, pa
     Raises Ignore when the replaced run's lease moved on: nothing is sent.
     """
     later = _later.get()
-    lease, carrier_name = later if later is not None else (None, "")
+    lease, carrier_name, nesting = later if later is not None else (None, "", 0)
     if lease is not None and idempotency_key is None and job_id != lease.job_id and not lease.handed_over:
         step = NewJob(job_id, task_name, queue, payload, max_attempts, delay, recovery)
 
         def write() -> bool | None:
-            return lease.store.hand_over_to_step(lease.job_id, lease.token, lease.worker, carrier_name, step)
+            return lease.store.hand_over_to_step(lease.job_id, lease.token, lease.worker, carrier_name, step,
+                                                 nesting)
 
         with lease.turn:
             done = write()
@@ -130,7 +133,8 @@ def record_step(store: Store, job_id: str, task_name: str, queue: str | None, pa
             if done is False:
                 raise Ignore()
             if done is None:  # the step's id is taken: hand over, then record it as any publish
-                if not lease.store.hand_over(lease.job_id, lease.token, lease.worker, None, carrier_name):
+                if not lease.store.hand_over(lease.job_id, lease.token, lease.worker, None, carrier_name,
+                                             nesting):
                     raise Ignore()
             lease.handed_over = True
         if done:

@@ -40,6 +40,8 @@ class ClaimOutcome(Name):
     BUSY = "busy"
     DONE = "done"
     EARLY = "early"
+    # A copy of a replaced run's message, after that run removed the row for a carrier not recorded yet.
+    REPLACED = "replaced"
 
 
 class EffectOutcome(Name):

@@ -24,6 +24,13 @@ def _not_ours(job: Job) -> Claim:
     return Claim(ClaimOutcome.DONE if job.status in (COMPLETED, FAILED) else ClaimOutcome.BUSY, job)
 
 
+class _Replaced:
+    """_insert_first_seen's answer for a copy of a replaced run's message: the step carrying the job."""
+
+    def __init__(self, step: str) -> None:
+        self.step = step
+
+
 class JobStatements(PublishStatements):
     """Transitions of one job between pending, running, completed and failed."""
 
@@ -97,7 +104,9 @@ class JobStatements(PublishStatements):
                     continue
                 return _not_ours(current)
             created = self._insert_first_seen(job_id, worker, token, terms, task_name, queue, payload)
-            if created is not None:
+            if isinstance(created, _Replaced):
+                return Claim(ClaimOutcome.REPLACED, None, step=self.get(created.step))
+            if isinstance(created, Job):
                 return Claim(ClaimOutcome.CLAIMED, created)
         raise StoreUnavailable(f"job {job_id}: claim kept racing with concurrent inserts", job_id=job_id)
 
@@ -150,13 +159,21 @@ class JobStatements(PublishStatements):
             return self._job(c, job_id)
 
     def _insert_first_seen(self, job_id: str, worker: str, token: str, terms: ClaimTerms, task_name: str,
-                           queue: str | None, payload: Callable[[], str | None]) -> Job | None:
-        """A job published without celery_lease -> a running row of ours; None when another insert won."""
+                           queue: str | None, payload: Callable[[], str | None]) -> Job | _Replaced | None:
+        """A job published without celery_lease -> a running row of ours; None when another insert won.
+
+        ``_Replaced`` when the row is missing because a replaced run handed the job to a chain
+        whose carrier is not recorded yet, and this delivery is a copy of the replaced run's
+        message: run, it would replace the job a second time.
+        """
         j = self.t.jobs
         lease = {k: v for k, v in self._lease_values(worker, token, terms.duration, terms.grace).items()
                  if k != "attempt_count"}
         try:
             with self.begin() as c:
+                step = self._replaced_by_step(c, job_id, terms.nesting)
+                if step is not None:
+                    return _Replaced(step)
                 c.execute(sa.insert(j).values(
                     id=job_id, task_name=task_name, queue_name=queue, payload=payload(),
                     max_attempts=terms.max_attempts, expired_count=0, dispatch_count=0,
@@ -168,6 +185,28 @@ class JobStatements(PublishStatements):
                 return self._job(c, job_id)
         except StoreConflict:
             return None
+
+    def _replaced_by_step(self, c: Connection, job_id: str, nesting: int) -> str | None:
+        """The first step's id when the job's last hand-on is a hand-over to a chain's first step,
+        made by a run nested at least as deep as this delivery (the carrier is nested one deeper).
+
+        Only a hand-over that recorded its first step counts: that row carries the job on. A
+        hand-over to an unleased first step left nothing in the store, and a copy of the replaced
+        message may then be the job's only way on (a hand-over whose answer was lost).
+        """
+        e = self.t.events
+        last = c.execute(sa.select(e.c.event, e.c.detail).where(
+            e.c.job_id == job_id, e.c.event.in_((Event.HANDED_OVER, Event.PUBLISHED, Event.CLAIMED)),
+        ).order_by(e.c.id.desc()).limit(1)).first()
+        if last is None or last.event != Event.HANDED_OVER or not last.detail:
+            return None
+        try:
+            detail = json.loads(last.detail)
+        except ValueError:
+            return None
+        if not isinstance(detail, dict) or not detail.get("first_step") or "nesting" not in detail:
+            return None
+        return str(detail["first_step"]) if int(detail["nesting"] or 0) >= nesting else None
 
     def _job(self, c: Connection, job_id: str) -> Job | None:
         row = c.execute(sa.select(*self._job_columns()).where(self.t.jobs.c.id == job_id)).first()

@@ -23,20 +23,23 @@ class ReplaceStatements(JobStatements):
     """The three ways a replaced job's lease ends: claimed by its carrier, recorded by it, or over."""
 
     def hand_over(self, job_id: str, token: str, worker: str | None, payload: str | None,
-                  carrier: str) -> bool:
+                  carrier: str, nesting: int = 0) -> bool:
         """running -> pending, available now, with the carrier's message; the attempt is given back.
 
         ``payload`` is the carrier's stored message (the reaper re-sends it, not the replaced
         task's). With ``payload`` None the carrier is published later (the last step of a
         chain): the row is removed and the carrier's publish records the job anew, so the
-        dispatch scan never re-sends a step before the steps in front of it ran.
+        dispatch scan never re-sends a step before the steps in front of it ran. ``nesting`` (the
+        replaced run's replaced_task_nesting) lets a later claim tell a copy of the replaced run's
+        message from the carrier's (see JobStatements.claim).
         """
         j = self.t.jobs
         fence = self._fenced(job_id, token)
         with self.begin() as c:
             if payload is None:
                 res = c.execute(sa.delete(j).where(fence))
-                detail = {"carrier": carrier, "row": "recorded again when the carrier is published"}
+                detail = {"carrier": carrier, "row": "recorded again when the carrier is published",
+                          "nesting": nesting}
             else:
                 res = c.execute(sa.update(j).where(fence).values(
                     status=PENDING, available_at=self.now_sql, payload=payload, lease_expires_at=None,
@@ -50,7 +53,7 @@ class ReplaceStatements(JobStatements):
             return True
 
     def hand_over_to_step(self, job_id: str, token: str, worker: str | None, carrier: str,
-                          step: NewJob) -> bool | None:
+                          step: NewJob, nesting: int = 0) -> bool | None:
         """The replaced row removed and the replacement's first step recorded, in one transaction.
 
         The carrier is published later (the last step of a chain): until then the first step's
@@ -72,7 +75,7 @@ class ReplaceStatements(JobStatements):
                 c.execute(sa.insert(e).values(job_id=row["id"], **event), params)
                 self._event(c, job_id, Event.HANDED_OVER, f"replaced by {carrier}", worker, token, {
                     "carrier": carrier, "row": "recorded again when the carrier is published",
-                    "first_step": step.id})
+                    "first_step": step.id, "nesting": nesting})
         except StoreConflict:
             return None
         return True

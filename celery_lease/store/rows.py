@@ -113,14 +113,17 @@ class Job:
 
 @dataclasses.dataclass(frozen=True)
 class Claim:
-    """What a claim found: ``claimed`` (the job is ours), ``busy``, ``done`` or ``early``.
+    """What a claim found: ``claimed`` (the job is ours), ``busy``, ``done``, ``early`` or ``replaced``.
 
-    ``early``: the job is pending but not available for ``wait`` more seconds.
+    ``early``: the job is pending but not available for ``wait`` more seconds. ``replaced``: the
+    delivery is a copy of a replaced run's message; ``step`` is the row of the chain's first step
+    that carries the job on now (None if it is gone).
     """
 
     outcome: ClaimOutcome
     job: Job | None
     wait: float = 0.0
+    step: Job | None = None
 
     @property
     def claimed(self) -> bool:
@@ -141,3 +144,6 @@ class ClaimTerms:
     max_expirations: int
     takeover: bool
     recovery: Mapping[str, Any] | None = None
+    # The delivery's replaced_task_nesting (Celery's Task.replace() raises it by one for the
+    # replacement): a copy of a replaced run's message has the replaced run's, not more.
+    nesting: int = 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import secrets
+
 import pytest
 from celery import chain, group
 from celery.contrib.testing.worker import start_worker
@@ -10,6 +12,7 @@ from celery_lease import LeaseTask
 from celery_lease.store import for_app
 from celery_lease.vocabulary import Event
 from tests.conftest import drop_app_store, flushed_redis, migrated_store
+from tests.helpers import wait_for
 from tests.integration.test_leased_execution import make_app
 
 pytestmark = pytest.mark.integration
@@ -46,6 +49,17 @@ def counted(redis_url, postgres_url):
         def by_group(self, n):
             ran(self)
             return self.replace(group(add.s(i, i) for i in range(n)))
+
+        @app.task(base=LeaseTask, bind=True, shared=False, name="r.held")
+        def held(self, x):
+            ran(self)
+            wait_for(lambda: client.get("go"), timeout=30, message="the test never let the step go on")
+            return x
+
+        @app.task(base=LeaseTask, bind=True, shared=False, name="r.by_held_chain")
+        def by_held_chain(self, x):
+            ran(self)
+            return self.replace(chain(held.s(x), add.s(10)))
 
         migrated_store(app)
         yield app, client
@@ -108,3 +122,50 @@ def test_a_group_replacement_ends_the_lease_and_gives_the_group_result(counted):
     with store.begin() as c:
         names = {r[0] for r in c.execute(store.t.jobs.select().with_only_columns(store.t.jobs.c.task_name))}
     assert names == {"r.by_group", "r.add"}  # celery.accumulate carries the id, unleased
+
+
+def test_a_copy_of_the_replaced_message_delivered_mid_chain_does_not_replace_the_job_again(counted):
+    """While the chain's first step runs, the job has no row (its carrier is recorded when it is
+    sent): a broker's copy of the replaced task's message is skipped, not run as a new job."""
+    app, client = counted
+    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+        result = app.tasks["r.by_held_chain"].delay(1)
+        wait_for(lambda: Event.HANDED_OVER in events(app, result.id), timeout=20,
+                 message="the job was never handed over to its chain")
+        app.send_task("r.by_held_chain", args=(1,), task_id=result.id)  # a copy, as a broker redelivers
+        wait_for(lambda: Event.DUPLICATE_DELIVERY_SKIPPED in events(app, result.id), timeout=20,
+                 message="the copy of the replaced message was not skipped")
+        client.set("go", 1)
+        assert result.get(timeout=20) == 11
+        wait_for(lambda: (for_app(app).get(result.id) or None) is not None
+                 and for_app(app).get(result.id).status == "completed", timeout=20,
+                 message="the carrier never completed the job")
+    counts = runs(client)
+    assert counts[f"runs:r.by_held_chain:{result.id}"] == 1
+    assert counts[f"runs:r.add:{result.id}"] == 1
+    assert sum(n for key, n in counts.items() if key.startswith("runs:r.held:")) == 1
+
+
+def test_a_copy_of_the_replaced_message_sends_the_chains_pending_first_step_again(counted):
+    """A hand-over to a chain whose answer was lost ends its run as an outage before the chain is
+    sent: the store holds the first step's pending row and nothing carries it. The copy of the
+    replaced message that the outage sends is skipped, and sends the first step instead."""
+    from celery_lease import messages
+    from celery_lease.store import ClaimTerms, NewJob
+
+    app, client = counted
+    store, queue = for_app(app), app.conf.task_default_queue
+    job_id, step_id = "replaced-" + secrets.token_hex(4), "step-" + secrets.token_hex(4)
+    store.record(job_id, "r.by_held_chain", queue, None, 3)
+    terms = ClaimTerms(duration=30.0, grace=1.0, max_attempts=3, max_expirations=3, takeover=True)
+    token = secrets.token_hex(16)
+    assert store.claim(job_id, "gone-worker", token, terms, task_name="r.by_held_chain", queue=queue,
+                       payload=lambda: None).claimed
+    step = NewJob(step_id, "r.add", queue, messages.encode("r.add", (1, 1), {}, {}), 3)
+    assert store.hand_over_to_step(job_id, token, "gone-worker", "r.add", step, 0) is True  # never sent
+    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+        app.send_task("r.by_held_chain", args=(1,), task_id=job_id)  # the run's own copy
+        wait_for(lambda: getattr(store.get(step_id), "status", None) == "completed", timeout=20,
+                 message="the chain's first step was never sent again")
+        assert Event.DUPLICATE_DELIVERY_SKIPPED in events(app, job_id)
+    assert runs(client) == {f"runs:r.add:{step_id}": 1}  # the replaced body did not run again

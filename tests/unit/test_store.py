@@ -39,7 +39,8 @@ def store(store):
     return store
 
 
-TERMS = {"duration": 30.0, "grace": 1.0, "max_attempts": 3, "max_expirations": 3, "takeover": True}
+TERMS = {"duration": 30.0, "grace": 1.0, "max_attempts": 3, "max_expirations": 3, "takeover": True,
+         "nesting": 0}
 
 
 def claim(store: Store, job_id: str, worker: str = "w1", tok: str | None = None, **overrides):
@@ -377,6 +378,34 @@ def test_a_hand_over_to_a_later_carrier_removes_the_row_and_replaced_completes_i
     assert store.get("j1") is None and events(store, "j1")[-1] == "handed_over"
     assert store.replaced("j2", claim(store, "j2").job.lock_token, "w1", "celery.accumulate") is True
     assert store.get("j2").status == COMPLETED and events(store, "j2")[-1] == "replaced"
+
+
+def test_a_copy_of_a_replaced_runs_message_is_not_a_first_sighting_of_the_job(store):
+    """Between a hand-over to a later carrier and the carrier's record no row exists: a copy of
+    the replaced run's message (its nesting) is skipped, the carrier's (one deeper) runs."""
+    from celery_lease.store import NewJob
+    from celery_lease.vocabulary import ClaimOutcome, Event
+
+    store.record("j1", "t.task", "q", "{}", 3)
+    assert store.hand_over_to_step("j1", claim(store, "j1").job.lock_token, "w1", "t.last",
+                                   NewJob("s1", "t.step", "q", "{}", 3), 0) is True
+    copy = claim(store, "j1", nesting=0)
+    assert (copy.outcome, copy.job) == (ClaimOutcome.REPLACED, None)
+    assert copy.step is not None and (copy.step.id, copy.step.status) == ("s1", PENDING)  # it carries the job
+    assert store.get("j1") is None
+    store.event("j1", Event.DUPLICATE_DELIVERY_SKIPPED, "job replaced")  # what the skip audits
+    assert claim(store, "j1", nesting=0).outcome == ClaimOutcome.REPLACED  # a second copy too
+    carrier = claim(store, "j1", nesting=1)  # the carrier's message, its record lost: it runs
+    assert carrier.claimed and store.get("j1").status == RUNNING
+
+
+def test_a_copy_after_a_hand_over_to_an_unleased_first_step_runs_as_a_first_sighting(store):
+    """No row carries such a job on (its first step is not leased): a copy of the replaced message
+    may be its only way on (a hand-over whose answer was lost), so it is not skipped."""
+    store.record("j1", "t.task", "q", "{}", 3)
+    assert store.hand_over("j1", claim(store, "j1").job.lock_token, "w1", None, "t.last", 0) is True
+    copy = claim(store, "j1", nesting=0)
+    assert copy.claimed and store.get("j1").status == RUNNING
 
 
 def test_a_hand_over_to_a_first_step_removes_the_row_and_records_the_step_in_one_write(store):
