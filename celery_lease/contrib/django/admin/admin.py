@@ -22,13 +22,29 @@ from .... import store as stores
 from ....vocabulary import Event as EventName
 from .actions import recover
 from .models import DeadLetter, Event, Job, RunningLease
-from .paging import BoundedPaginator
+from .paging import COUNT_LIMIT, BoundedPaginator
 from .tables import celery_app, store_alias
 
 __all__ = ["JobAdmin", "DeadLetterAdmin", "RunningLeaseAdmin", "EventAdmin", "REDRIVE", "DISCARD"]
 
-QUEUE_AND_TASK = (("queue_name", admin.AllValuesFieldListFilter),
-                  ("task_name", admin.AllValuesFieldListFilter))
+SAMPLE = COUNT_LIMIT  # rows whose queues and tasks a filter lists
+
+
+class SampledValuesFilter(admin.AllValuesFieldListFilter):
+    """Django's filter by a column's values, the values found among ``SAMPLE`` rows of the list, not a
+    DISTINCT over the whole table (which reads every row); any value still filters (``?task_name=...``)."""
+
+    def __init__(self, field: Any, request: HttpRequest, params: Any, model: Any, model_admin: Any,
+                 field_path: str) -> None:
+        super().__init__(field, request, params, model, model_admin, field_path)
+        sample = model_admin.get_queryset(request).order_by().values_list(field_path, flat=True)[:SAMPLE]
+        values = set(sample)
+        chosen = self.lookup_val  # a list of values on Django 5, a value before
+        values.update(chosen if isinstance(chosen, list) else [chosen] if chosen else [])
+        self.lookup_choices = sorted(values, key=lambda v: (v is not None, v or ""))  # None: "(None)" choice
+
+
+QUEUE_AND_TASK = (("queue_name", SampledValuesFilter), ("task_name", SampledValuesFilter))
 REDRIVE = "celery_lease_admin.redrive_deadletter"
 DISCARD = "celery_lease_admin.discard_deadletter"
 
@@ -129,7 +145,9 @@ class JobAdmin(DeadLetterActions, ExactSearch, StoreAdmin):
     list_display = ("id", "task_name", "queue_name", "status", "attempt_count", "locked_by",
                     "lease_expires_at", "updated_at")
     list_filter = ("status", *QUEUE_AND_TASK)
-    ordering = ("-updated_at",)
+    # Running, pending, failed, completed, each newest first: the (status, updated_at) index read
+    # backwards, where "newest first" over all statuses would sort the whole table.
+    ordering = ("-status", "-updated_at")
     fieldsets = JOB_FIELDSETS
     inlines = (EventInline,)
 
