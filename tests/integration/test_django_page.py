@@ -1,13 +1,17 @@
-"""docs/django.md, run: the project its code blocks make survives a worker SIGKILLed mid-job.
+"""docs/django.md, run: the project its code blocks make survives a worker SIGKILLed mid-job,
+and its admin shows the recovered job and redrives a dead letter.
 
 The files come from the page's own fenced blocks (```python title=PATH), extracted at test
 time, so the page cannot drift from what works. Django's ``startproject``/``startapp`` make the
 rest, as for a reader. A settings module of the test's own imports the page's settings and
-only shortens the timings and picks queues of its own (Redis db 7, never flushed).
+only shortens the timings and picks queues of its own (Redis db 7, never flushed). The admin
+is driven with Django's test client inside ``manage.py shell``: sign-in, the pages and the
+redrive action go through the page's settings and URLs, as a browser's requests would.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sqlite3
@@ -47,6 +51,32 @@ CELERY_LEASE_BACKOFF_MAX = 0.2
 SHOP_RENDER_SECONDS = 0.3
 """
 
+ADMIN = "alice"
+# Run by ``manage.py shell -c``: signs in through the admin's login form, opens the pages and
+# redrives the dead letter (plan, then confirmation), and writes what each request returned.
+ADMIN_VISIT = """
+import json, os
+from django.test import Client
+from django.test.utils import setup_test_environment
+
+setup_test_environment()  # lets the test client's host in, as Django's test runner does
+client = Client()  # REMOTE_ADDR 127.0.0.1
+recovered, dead = os.environ["RECOVERED_JOB"], os.environ["DEAD_LETTER"]
+jobs, dead_letters = "/admin/celery_lease_admin/job/", "/admin/celery_lease_admin/deadletter/"
+redrive = {"action": "redrive", "_selected_action": [dead], "index": 0}
+pages = {}
+pages["index"] = client.post("/admin/login/", {"username": os.environ["DJANGO_SUPERUSER_USERNAME"],
+                                               "password": os.environ["DJANGO_SUPERUSER_PASSWORD"],
+                                               "next": "/admin/"}, follow=True)
+pages["jobs"] = client.get(jobs)
+pages["recovered job"] = client.get(f"{jobs}{recovered}/change/")
+pages["dead letters"] = client.get(dead_letters)
+pages["plan"] = client.post(dead_letters, redrive)
+pages["redriven"] = client.post(dead_letters, {**redrive, "post": "yes", "confirm": "yes"}, follow=True)
+with open(os.environ["ADMIN_PAGES"], "w") as out:
+    json.dump({name: [page.status_code, page.content.decode()] for name, page in pages.items()}, out)
+"""
+
 
 def page_files() -> dict[str, str]:
     """The page's files: each ```python title=PATH block, by path."""
@@ -54,7 +84,7 @@ def page_files() -> dict[str, str]:
 
 
 def test_the_page_names_the_files_of_its_project():
-    assert set(page_files()) == {"proj/settings.py", "proj/celery.py", "proj/__init__.py",
+    assert set(page_files()) == {"proj/settings.py", "proj/urls.py", "proj/celery.py", "proj/__init__.py",
                                  "shop/models.py", "shop/reports.py", "shop/tasks.py"}
 
 
@@ -63,6 +93,7 @@ def test_the_pages_reaper_schedule_and_acks_are_what_lease_check_asks_for(tmp_pa
     exec(page_files()["proj/settings.py"], namespace)  # noqa: S102 - the page's settings module
     conf = {key[len("CELERY_"):].lower(): value for key, value in namespace.items()
             if key.startswith("CELERY_")}
+    assert conf.pop("lease_database") == "default"  # the store on Django's database; here a URL instead
     conf.update(lease_store_url=f"sqlite:///{tmp_path / 'lease.sqlite3'}", broker_url="memory://")
     app = Celery("page", set_as_current=False)
     app.conf.update(conf)
@@ -102,7 +133,12 @@ def query(db: Path, sql: str, *args: object) -> list[tuple]:
         return c.execute(sql, args).fetchall()
 
 
-def test_the_pages_project_recovers_a_job_whose_worker_was_killed_and_saves_its_report_once(
+def status(db: Path, job_id: str) -> str | None:
+    found = query(db, "SELECT status FROM celery_lease_jobs WHERE id = ?", job_id)
+    return found[0][0] if found else None
+
+
+def test_the_pages_project_recovers_a_killed_workers_job_and_its_admin_shows_it_and_redrives_a_dead_letter(
         tmp_path, redis_url):
     queue = f"djpage-{unique_prefix()}"
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}",
@@ -112,8 +148,7 @@ def test_the_pages_project_recovers_a_job_whose_worker_was_killed_and_saves_its_
     project = build_project(tmp_path, env)
     (project / "proj" / "test_settings.py").write_text(TEST_SETTINGS.format(queue=queue))
     _run(project, env, "manage.py", "makemigrations", "shop")
-    _run(project, env, "manage.py", "migrate")
-    _run(project, env, "-m", "celery", "-A", "proj", "lease", "migrate")
+    _run(project, env, "manage.py", "migrate")  # the store's tables too, as the page says
     db = project / "db.sqlite3"
     queues = f"{queue},{queue}.reaper"
     with celery_processes(tmp_path) as procs:
@@ -128,11 +163,34 @@ def test_the_pages_project_recovers_a_job_whose_worker_was_killed_and_saves_its_
         first.kill()
         assert query(db, "SELECT count(*) FROM shop_report") == [(0,)]
         procs.append(worker("proj", env, tmp_path, pool="prefork", queues=queues))
-        wait_for(lambda: query(db, "SELECT status FROM celery_lease_jobs WHERE id = ?", job_id)
-                 == [("completed",)], timeout=30,
-                 message="the killed worker's job was not recovered and completed")
+        # A report without an id fails for good (shop_report.report_id is NOT NULL): a dead letter.
+        dead = _run(project, env, "manage.py", "shell", "-c",
+                    "from shop.tasks import build_report; print(build_report.delay(None).id)").split()[-1]
+        wait_for(lambda: (status(db, job_id), status(db, dead)) == ("completed", "failed"), timeout=30,
+                 message="the killed worker's job was not recovered and completed, "
+                         "or the job without a report id did not fail")
     assert query(db, "SELECT report_id, attempt FROM shop_report") == [("r-1", 2)]
     [(resumed_at,)] = query(db, "SELECT resumed_at_part FROM shop_report")
     assert resumed_at >= 1  # the second run started from the first one's checkpoint
     assert query(db, "SELECT count(*) FROM celery_lease_events WHERE job_id = ? "
                      "AND event = 'reaped_expired_lease'", job_id) == [(1,)]
+
+    # The admin, with the workers stopped: the redriven job stays pending for the assertions.
+    admin_env = {**env, "DJANGO_SUPERUSER_USERNAME": ADMIN, "DJANGO_SUPERUSER_PASSWORD": "page-test-pw",
+                 "DJANGO_SUPERUSER_EMAIL": f"{ADMIN}@example.com", "RECOVERED_JOB": job_id,
+                 "DEAD_LETTER": dead, "ADMIN_PAGES": str(tmp_path / "admin_pages.json")}
+    _run(project, admin_env, "manage.py", "createsuperuser", "--noinput")
+    _run(project, admin_env, "manage.py", "shell", "-c", ADMIN_VISIT)
+    pages = json.loads((tmp_path / "admin_pages.json").read_text())
+    assert {name: code for name, (code, _) in pages.items()} == dict.fromkeys(pages, 200)
+    page = {name: html for name, (_, html) in pages.items()}
+    assert "Celery leases" in page["index"] and "Dead letters" in page["index"], page["index"]
+    assert job_id in page["jobs"] and dead in page["jobs"]
+    assert "reaped_expired_lease" in page["recovered job"] and "completed" in page["recovered job"]
+    assert dead in page["dead letters"] and "NOT NULL" in page["dead letters"]
+    assert "Redrive dead letters?" in page["plan"] and dead in page["plan"]
+    # The dead letter is pending again with fresh attempts, audited with the signed-in user.
+    assert query(db, "SELECT status, attempt_count FROM celery_lease_jobs WHERE id = ?",
+                 dead) == [("pending", 0)]
+    assert query(db, "SELECT worker FROM celery_lease_events WHERE job_id = ? AND event = 'dlq_redriven'",
+                 dead) == [(f"admin:{ADMIN}@127.0.0.1",)]
