@@ -85,7 +85,9 @@ class Lane:
         r.set(f"faults:scenario:{job}", json.dumps(scenario), ex=3600)
         options: dict[str, Any] = {"queue": self.queue}
         if kind == "revoke":
-            options["countdown"] = 2
+            # The revoke broadcast below must reach the worker before the countdown ends: on a
+            # loaded machine 2 s was once not enough, and the clean run completed unrevoked.
+            options["countdown"] = 4
         if kind == "duplicate":
             options["link"] = self.mod.linked.s(job)
         task = {"started": self.mod.tracked, "revoke": self.mod.revocable}.get(kind, self.mod.run)
