@@ -25,7 +25,7 @@ import sqlalchemy as sa
 from celery import Celery
 from prometheus_client import CollectorRegistry, generate_latest
 
-from celery_lease.metrics import LeaseCollector
+from celery_lease.ops.metrics import LeaseCollector
 from celery_lease.store import Store
 
 POSTGRES = os.environ.get("CELERY_LEASE_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/test")

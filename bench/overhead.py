@@ -29,9 +29,9 @@ from bench import _pg, _results
 from bench._floor import Floor
 from celery_lease import deadline
 from celery_lease.config import load
-from celery_lease.lease import Lease
-from celery_lease.runtime import Runtime
 from celery_lease.store import ClaimTerms, Store
+from celery_lease.worker.lease import Lease
+from celery_lease.worker.runtime import Runtime
 
 ROOT = Path(__file__).resolve().parent.parent
 BROKER = os.environ.get("BENCH_BROKER", "redis://127.0.0.1:6379/15")

@@ -28,8 +28,8 @@ import redis
 import sqlalchemy as sa
 from celery import Celery
 
-from celery_lease import messages
-from celery_lease.reaper import Reaper
+from celery_lease.messaging import messages
+from celery_lease.reaper.run import Reaper
 from celery_lease.store import Store
 
 QUEUE = "bench_reaper"

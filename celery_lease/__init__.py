@@ -1,6 +1,7 @@
 """celery_lease: leased execution for Celery tasks, so zombie jobs and duplicates end."""
 
-from . import reaper as _reaper  # registers celery_lease.reap  # noqa: F401
+import celery_lease.reaper.run as _reaper  # registers celery_lease.reap  # noqa: F401
+
 from .errors import (
     JobDeadLettered,
     JobNotFound,
@@ -16,7 +17,7 @@ from .errors import (
     StoreRejected,
     StoreUnavailable,
 )
-from .task import Lease, LeaseTask
+from .integration.task import Lease, LeaseTask
 
 __all__ = [
     "LeaseTask",

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .task import LeaseTask
+from .integration.task import LeaseTask
 
 __all__ = ["LeaseDjangoTask", "lease_task_class", "connection_for"]  # noqa: F822 - LeaseDjangoTask is built on first use
 

@@ -21,7 +21,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from .local import LocalState, state
+from .worker.local import LocalState, state
 
 __all__ = ["local_leases", "LocalState"]
 

@@ -237,7 +237,7 @@ def _stop_runtimes_after_each_test() -> Iterator[None]:
     slowed later modules threefold.
     """
     yield
-    from celery_lease import runtime
+    from celery_lease.worker import runtime
 
     with runtime._runtimes_lock:
         stopped = [rt for _, rt in runtime._runtimes.values()]

@@ -15,7 +15,7 @@ from typing import Any
 import redis
 import sqlalchemy as sa
 
-from celery_lease.reaper import Reaper
+from celery_lease.reaper.run import Reaper
 from celery_lease.store import Store
 from tests.apps.reaper_app import make_app, runs_table
 from tests.conftest import unique_prefix

@@ -5,7 +5,10 @@ The verbs live in ``reads`` (status, jobs, inspect, events, tune), ``ops`` (migr
 reap, check, exporter) and ``manual`` (requeue, dlq, effects: they ask before changing jobs).
 """
 
-from . import manual, ops, reads
+import celery_lease.cli.manual as manual
+import celery_lease.cli.ops as ops
+import celery_lease.cli.reads as reads
+
 from .base import CommandError, lease
 
 __all__ = ["lease", "CommandError", "manual", "ops", "reads"]

@@ -15,7 +15,8 @@ from typing import Any
 
 import click
 
-from .. import recovery
+import celery_lease.ops.recovery as recovery
+
 from ..store import RUNNING, Job
 from ..vocabulary import RecoveryAction
 from .base import CommandError, app_of, json_option, lease, store_of

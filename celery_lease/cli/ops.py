@@ -26,7 +26,7 @@ def migrate(ctx: click.Context, as_sql: bool, to: str, as_json: bool) -> None:
     An empty store is created; a store made by the first release is recognised and
     stamped, not recreated. Workers only ever create an empty store themselves.
     """
-    from ..store import migrating
+    import celery_lease.store.migrating as migrating
 
     store = store_of(ctx)
     if as_sql:
@@ -77,7 +77,7 @@ def aged_reason(d: dict[str, Any]) -> str:
 @click.pass_context
 def reap(ctx: click.Context, dry_run: bool, as_json: bool) -> None:
     """Run the reaper once now (with --dry-run: only say what it would do)."""
-    from ..reaper import Reaper
+    from ..reaper.run import Reaper
 
     store = store_of(ctx)
     result = Reaper(app_of(ctx), reaper_store_of(ctx)).run_once(dry_run=dry_run)
@@ -117,7 +117,7 @@ def _finding_lines(f: dict[str, Any]) -> str:
 @click.pass_context
 def check(ctx: click.Context, as_json: bool) -> None:
     """Walk the operational checklist over the live config and store; non-zero exit on errors."""
-    from ..checks import run_checks
+    from ..ops.checks import run_checks
 
     findings = [f.as_dict() for f in run_checks(app_of(ctx))]
     errors = sum(1 for f in findings if f["level"] == "error")
@@ -137,7 +137,7 @@ def check(ctx: click.Context, as_json: bool) -> None:
 @click.pass_context
 def exporter(ctx: click.Context, port: int, addr: str) -> None:
     """Serve Prometheus metrics of the lease store on http://ADDR:PORT/metrics (read-only)."""
-    from ..metrics import make_exporter
+    from ..ops.metrics import make_exporter
 
     try:
         server = make_exporter(app_of(ctx), port, addr)

@@ -8,11 +8,13 @@ from typing import Any
 
 import click
 
-from .. import messages, recovery
+import celery_lease.messaging.messages as messages
+import celery_lease.ops.recovery as recovery
+
 from ..config import worker_stale_after
 from ..errors import StoreCorrupt
+from ..ops.tuning import percentile
 from ..store import RUNNING, Job
-from ..tuning import percentile
 from ..vocabulary import MANUAL_RECOVERIES, STALE_WRITES, Event, Status
 from .base import app_of, json_option, lease, store_of
 from .output import Duration, age, echo, emit_json, table, when
@@ -72,7 +74,7 @@ JOB_COLUMNS = [("id", "job"), ("task", "task"), ("queue", "queue"), ("status", "
 def reaper_status(app: Any, store: Any) -> dict[str, Any]:
     """The reaper's last recorded run against its schedule (beat_schedule, django-celery-beat)."""
     from ..config import REAPER_OVERDUE_INTERVALS
-    from ..reaper_checks import reaper_entries
+    from ..ops.reaper_checks import reaper_entries
 
     entries, _ = reaper_entries(app)
     intervals = [e.interval for e in entries if e.interval]
@@ -249,7 +251,7 @@ def _change(current: Any, recommended: Any) -> str:
 @click.pass_context
 def tune(ctx: click.Context, task: str | None, sample: int, as_json: bool) -> None:
     """Runtime p50/p95/p99 per task and the lease settings they call for."""
-    from ..tuning import tune as measure
+    from ..ops.tuning import tune as measure
 
     results = measure(app_of(ctx), store_of(ctx), task, sample)
     if as_json:

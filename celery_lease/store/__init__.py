@@ -17,9 +17,10 @@ from typing import Any, Protocol
 from sqlalchemy.engine import Connection
 
 import celery_lease.config as config
+import celery_lease.store.dialects as dialects
+import celery_lease.store.schema as schema
 
 from ..vocabulary import EffectOutcome, Event
-from . import dialects, schema
 from .base import StoreBase
 from .effects import EffectStatements
 from .glance import Glance, GlanceStatements
@@ -277,7 +278,7 @@ def forget(app: Any) -> None:
     For settings that change under a running process (Django's ``override_settings``, a test
     database): a runtime that still holds a lease keeps its store until that run ends.
     """
-    from .. import runtime
+    import celery_lease.worker.runtime as runtime
 
     store = app.__dict__.pop("_celery_lease_store", None)
     if runtime.retire(app) and store is not None:

@@ -15,12 +15,13 @@ from kombu.utils.imports import symbol_by_name
 from sqlalchemy.engine import Connection, Engine
 
 import celery_lease.config as config
+import celery_lease.store.dialects as dialects
+import celery_lease.store.schema as schema
 
 from ..errors import StoreUnavailable
-from ..interrupt import uninterrupted
 from ..masking import mask_secrets
 from ..vocabulary import Event
-from . import dialects, schema
+from ..worker.interrupt import uninterrupted
 from .rows import RUNNING, Job, fenced_status, status_sql
 
 if TYPE_CHECKING:
@@ -226,21 +227,21 @@ class StoreBase:
 
     def migrate(self, to: str = "head") -> list[str]:
         """Bring the schema to revision ``to`` (create, recognise, upgrade or downgrade); what was done."""
-        from . import migrating
+        import celery_lease.store.migrating as migrating
 
         with self._schema_lock:
             return migrating.migrate(self, to)
 
     def drop_schema(self) -> list[str]:
         """Drop every table of this store (its prefix), the version table too; the tables dropped."""
-        from . import migrating
+        import celery_lease.store.migrating as migrating
 
         with self._schema_lock:
             return migrating.drop(self)
 
     def schema_state(self) -> tuple[str | None, bool]:
         """(revision, has tables) as the store reports them now; changes nothing."""
-        from . import migrating
+        import celery_lease.store.migrating as migrating
 
         return migrating.describe(self)
 
@@ -250,7 +251,7 @@ class StoreBase:
         Raises SchemaMismatch naming both revisions when this code cannot run against it.
         """
         if self.revision is None:
-            from . import migrating
+            import celery_lease.store.migrating as migrating
 
             # Threads of one process check one at a time: MySQL's DDL is not transactional,
             # so concurrent creations of an empty store collide on half-made tables.
@@ -278,7 +279,7 @@ class StoreBase:
         connection inside a transaction would wait on SQLite's file lock)."""
         if self.revision is not None:
             return self.revision
-        from . import migrations
+        import celery_lease.store.migrations as migrations
 
         revision = migrations.current(c, self.prefix) or ""
         oldest, _ = migrations.supported()

@@ -18,8 +18,9 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.sql.elements import ColumnElement
 
+import celery_lease.store.failures as failures
+
 from ..errors import LeaseConfigError, LeaseError
-from . import failures
 
 __all__ = ["Bounds", "Dialect", "READ_ONLY", "LOCK_WAIT", "ms", "ping_if_idle", "server_version"]
 

@@ -21,9 +21,10 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.sql.elements import ColumnElement
 
+import celery_lease.store.bounded as bounded
+
 from ..errors import LeaseConfigError
 from ..masking import mask_secrets
-from . import bounded
 from .dialect import LOCK_WAIT, READ_ONLY, Bounds, Dialect, ms, server_version
 
 __all__ = ["Bounds", "Dialect", "SQLite", "PostgreSQL", "MySQL", "for_url", "SUPPORTED", "READ_ONLY",

@@ -18,9 +18,10 @@ import logging
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+import celery_lease.store.migrations as migrations
+
 from ..errors import LeaseConfigError, SchemaMismatch, StoreRejected, StoreUnavailable
 from ..version import __version__
-from . import migrations
 
 __all__ = ["migrate", "sql", "ensure", "describe", "drop", "clear"]
 
@@ -29,7 +30,7 @@ MIGRATE_HINT = "run `celery -A proj lease migrate`"
 
 
 def _first_release_tables(prefix: str) -> sa.MetaData:
-    from .migrations import first_release
+    import celery_lease.store.migrations.first_release as first_release
 
     return first_release.tables(prefix)
 

@@ -15,7 +15,8 @@ from typing import Any
 
 from flask import Flask, abort, g, render_template, request
 
-from .. import recovery
+import celery_lease.ops.recovery as recovery
+
 from ..cli.manual import job_plan
 from ..errors import LeaseError
 from ..store import Job

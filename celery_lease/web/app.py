@@ -21,7 +21,7 @@ from werkzeug.exceptions import HTTPException
 from ..config import app_config
 from ..errors import JobNotFound, LeaseError, StoreUnavailable
 from ..masking import mask_secrets
-from ..recovery import AmbiguousJobId, RecoveryRefused
+from ..ops.recovery import AmbiguousJobId, RecoveryRefused
 from ..store import Store
 from .security import COOKIE, CSRF_FIELD, Guard
 
@@ -63,7 +63,9 @@ def _status(exc: LeaseError) -> int:
 
 def create_app(celery_app: Any, store: Store, *, allow_actions: bool = False) -> Flask:
     """The web application over ``store`` (the app's lease store); read-only unless ``allow_actions``."""
-    from . import actions, reads
+    import celery_lease.web.actions as actions
+    import celery_lease.web.reads as reads
+
     from .filters import register as register_filters
 
     cfg = app_config(celery_app)

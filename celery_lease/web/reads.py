@@ -11,14 +11,16 @@ from typing import Any
 
 from flask import Flask, abort, redirect, render_template, request, url_for
 
-from .. import messages, recovery
+import celery_lease.messaging.messages as messages
+import celery_lease.ops.recovery as recovery
+
 from ..cli.ops import aged_reason, with_ages
 from ..cli.output import parse_duration
 from ..cli.reads import LAST_HOUR, STATUSES, job_dict, job_row, reaper_status
 from ..errors import StoreCorrupt
+from ..ops.tuning import percentile
 from ..store import RUNNING
 from ..store.recovery import REVOKED_PREFIX
-from ..tuning import percentile
 from ..vocabulary import STALE_WRITES, Event
 from .app import Console, console
 
@@ -161,7 +163,7 @@ def register(web: Flask) -> None:
 
     @web.get("/reaper", endpoint="reaper")
     def reaper() -> str:
-        from ..reaper import Reaper
+        from ..reaper.run import Reaper
 
         c = console()
         result = Reaper(c.app, c.store).run_once(dry_run=True)

@@ -12,10 +12,10 @@ import threading
 
 from celery_lease import deadline
 from celery_lease.config import load
-from celery_lease.effects import lock
-from celery_lease.lease import Lease
-from celery_lease.runtime import Runtime
 from celery_lease.store import ClaimTerms, Store
+from celery_lease.worker.effects import lock
+from celery_lease.worker.lease import Lease
+from celery_lease.worker.runtime import Runtime
 
 
 def main(url: str, prefix: str, job_id: str, resource: str, ttl: float) -> None:

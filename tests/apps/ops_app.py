@@ -17,7 +17,8 @@ from typing import Any
 import sqlalchemy as sa
 from celery import Celery
 
-from celery_lease import LeaseTask, messages
+from celery_lease import LeaseTask
+from celery_lease.messaging import messages
 from celery_lease.store import ClaimTerms
 
 BROKER = "redis://127.0.0.1:6379/10"

@@ -24,7 +24,8 @@ from typing import Any
 import sqlalchemy as sa
 from celery import Celery
 
-from celery_lease import LeaseTask, reaper
+from celery_lease import LeaseTask
+from celery_lease.reaper import run as reaper
 
 DEFAULTS = {
     "REAPER_BROKER": "redis://127.0.0.1:6379/7",

@@ -18,7 +18,7 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from celery_lease.reaper import Reaper
+from celery_lease.reaper.run import Reaper
 from celery_lease.store import Store
 from tests.apps.payment_app import ledger_table, make_app
 from tests.conftest import unique_prefix

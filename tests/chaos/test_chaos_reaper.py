@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from celery_lease.reaper import Reaper
+from celery_lease.reaper.run import Reaper
 from celery_lease.store import COMPLETED, FAILED
 from celery_lease.vocabulary import RECOVERIES
 from tests.helpers import wait_for

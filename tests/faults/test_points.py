@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 
-from celery_lease import backend
+from celery_lease.messaging import backend
 from celery_lease.store import Store, WorkerStore
 from tests.faults import matrix
 from tests.faults.injector import MODES

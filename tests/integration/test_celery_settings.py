@@ -14,8 +14,8 @@ import time
 import celery
 import pytest
 
-from celery_lease.celery_settings import missing_features
-from celery_lease.checks import run_checks
+from celery_lease.ops.celery_settings import missing_features
+from celery_lease.ops.checks import run_checks
 from celery_lease.store import COMPLETED, FAILED
 from tests.helpers import wait_for
 from tests.reaper_env import APP, ReaperEnv, reaper_loop

@@ -11,7 +11,8 @@ import redis
 from celery import chain, chord, group
 from celery.contrib.testing.worker import start_worker
 
-from celery_lease import LeaseTask, messages
+from celery_lease import LeaseTask
+from celery_lease.messaging import messages
 from celery_lease.store import for_app
 from celery_lease.vocabulary import Event
 from tests.conftest import drop_app_store, flushed_redis, migrated_store

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 from celery.events.state import State
 
-from celery_lease import events, messages, recovery
+from celery_lease.messaging import events, messages
+from celery_lease.ops import recovery
 from celery_lease.store import COMPLETED, FAILED, PENDING, ClaimTerms
 from tests.helpers import wait_for
 from tests.reaper_env import APP, ReaperEnv, reaper_loop

@@ -16,8 +16,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from celery_lease.metrics import metric_names
-from celery_lease.reaper import Reaper
+from celery_lease.ops.metrics import metric_names
+from celery_lease.reaper.run import Reaper
 from celery_lease.store import Store
 from tests.apps import ops_app
 from tests.conftest import SCENE_STORES, require_service, service_url, unique_prefix

@@ -18,11 +18,11 @@ from celery.contrib.testing.worker import start_worker
 
 from celery_lease import LeaseTask, LockUnavailable, deadline
 from celery_lease.config import load
-from celery_lease.effects import lock
 from celery_lease.errors import StoreUnavailable
-from celery_lease.lease import Lease
-from celery_lease.runtime import Runtime, current
 from celery_lease.store import ClaimTerms, for_app
+from celery_lease.worker.effects import lock
+from celery_lease.worker.lease import Lease
+from celery_lease.worker.runtime import Runtime, current
 from tests.conftest import drop_app_store, flushed_redis, migrated_store, unique_prefix
 from tests.helpers import wait_for
 

@@ -13,8 +13,9 @@ import sqlalchemy as sa
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
-from celery_lease import LeaseTask, messages
+from celery_lease import LeaseTask
 from celery_lease.config import app_config
+from celery_lease.messaging import messages
 from celery_lease.store import ClaimTerms, Store, for_app
 from tests.conftest import drop_app_store, flushed_redis, migrated_store, unique_prefix
 from tests.helpers import wait_for
@@ -264,7 +265,7 @@ def test_the_body_does_not_run_while_the_store_is_unreachable(broker, postgres_u
     url = urlunsplit(pg._replace(netloc=f"{pg.username}@127.0.0.1:{proxy.port}"))
     app = make_app(broker[0], url, lease_store_retry_delay=0.3)
     add, *_ = register(app, broker[1])
-    caplog.set_level(logging.WARNING, logger="celery_lease.deliveries")
+    caplog.set_level(logging.WARNING, logger="celery_lease.worker.deliveries")
     try:
         with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
             result = add.apply_async((20, 22), countdown=1.0)
@@ -321,7 +322,7 @@ def test_a_result_the_store_cannot_keep_is_not_kept_and_the_job_still_completes(
     """A MySQL/MariaDB schema of revision 0006 (TEXT, 64 KB) refuses a 70 KB return value: the
     completion is written without it (the kept result only serves a crash's post-run work), never
     deferred and retried at every beat, and Celery stores the result as plain Celery does."""
-    from celery_lease import runtime
+    from celery_lease.worker import runtime
 
     app = make_app(broker[0], mysql_url, result_extended=True)
     store = for_app(app, check=False)

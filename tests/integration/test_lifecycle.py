@@ -14,8 +14,9 @@ from celery.backends.redis import RedisBackend
 from celery.contrib.testing.worker import start_worker
 from celery.exceptions import Ignore, Reject
 
-from celery_lease import LeaseTask, runtime
+from celery_lease import LeaseTask
 from celery_lease.store import Store
+from celery_lease.worker import runtime
 from tests.conftest import flushed_redis, unique_prefix
 from tests.helpers import wait_for
 from tests.tcp_proxy import TcpProxy

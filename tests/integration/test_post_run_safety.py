@@ -14,8 +14,8 @@ from urllib.parse import urlsplit
 import pytest
 import redis
 
-from celery_lease import messages
-from celery_lease.reaper import Reaper
+from celery_lease.messaging import messages
+from celery_lease.reaper.run import Reaper
 from celery_lease.store import Store
 from tests.apps.post_run_safety_app import make_app
 from tests.conftest import unique_prefix

@@ -21,7 +21,7 @@ import kombu
 import pytest
 import redis
 
-from celery_lease.checks import run_checks
+from celery_lease.ops.checks import run_checks
 from celery_lease.store import for_app
 from tests import workers
 from tests.apps.broker_app import make_app

@@ -150,7 +150,7 @@ def test_a_copy_of_the_replaced_message_sends_the_chains_pending_first_step_agai
     """A hand-over to a chain whose answer was lost ends its run as an outage before the chain is
     sent: the store holds the first step's pending row and nothing carries it. The copy of the
     replaced message that the outage sends is skipped, and sends the first step instead."""
-    from celery_lease import messages
+    from celery_lease.messaging import messages
     from celery_lease.store import ClaimTerms, NewJob
 
     app, client = counted

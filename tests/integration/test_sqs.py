@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from celery_lease.reaper import Reaper
+from celery_lease.reaper.run import Reaper
 from celery_lease.store import Store
 from tests import workers
 from tests.apps.broker_app import make_app

@@ -13,8 +13,10 @@ import pytest
 import sqlalchemy as sa
 from celery import Celery, chord, group
 
-from celery_lease import LeaseTask, batching, messages
+from celery_lease import LeaseTask
 from celery_lease.errors import StoreUnavailable
+from celery_lease.messaging import messages
+from celery_lease.publish import batching
 from celery_lease.store import COMPLETED, PENDING, for_app, publishes
 from tests.conftest import drop_app_store, migrated_store, prefixed_redis, unique_prefix
 from tests.helpers import wait_for

@@ -21,7 +21,8 @@ from celery.utils.nodenames import gethostname
 from celery.worker import state
 
 from celery_lease import LeaseTask
-from celery_lease.brokers import (
+from celery_lease.store import ClaimTerms, Store, for_app
+from celery_lease.worker.brokers import (
     Held,
     RedisExtender,
     SQSExtender,
@@ -30,7 +31,6 @@ from celery_lease.brokers import (
     extender_for,
     held_messages,
 )
-from celery_lease.store import ClaimTerms, Store, for_app
 from tests.conftest import SQS_TRANSPORT_OPTIONS, prefixed_redis, unique_prefix
 from tests.helpers import wait_for
 
@@ -148,10 +148,10 @@ def sqs_held(n, url="https://sqs/q1", routing_key="jobs.fast"):
 
 def test_sqs_extender_changes_visibility_in_batches_of_ten_per_queue(caplog, monkeypatch):
     # Another test's worker may have reconfigured logging: make sure this logger reaches caplog.
-    logger = logging.getLogger("celery_lease.brokers")
+    logger = logging.getLogger("celery_lease.worker.brokers")
     monkeypatch.setattr(logger, "disabled", False)
     monkeypatch.setattr(logger, "propagate", True)
-    caplog.set_level(logging.WARNING, logger="celery_lease.brokers")
+    caplog.set_level(logging.WARNING, logger="celery_lease.worker.brokers")
     channel = FakeSQSChannel(fail_ids={"rh3"})
     held = [sqs_held(n) for n in range(12)] + [sqs_held(99, url="https://sqs/q2", routing_key=None),
                                                Held("plain", "tag", {"routing_key": "jobs.fast"})]
@@ -165,10 +165,10 @@ def test_sqs_extender_changes_visibility_in_batches_of_ten_per_queue(caplog, mon
 
 
 def test_sqs_extender_changes_held_messages_on_moto_and_reports_a_gone_one_once(sqs_url, caplog, monkeypatch):
-    logger = logging.getLogger("celery_lease.brokers")
+    logger = logging.getLogger("celery_lease.worker.brokers")
     monkeypatch.setattr(logger, "disabled", False)
     monkeypatch.setattr(logger, "propagate", True)
-    caplog.set_level(logging.WARNING, logger="celery_lease.brokers")
+    caplog.set_level(logging.WARNING, logger="celery_lease.worker.brokers")
     options = {**SQS_TRANSPORT_OPTIONS, "queue_name_prefix": unique_prefix().replace("_", "-"),
                "visibility_timeout": 30, "wait_time_seconds": 0}
     with kombu.Connection(sqs_url, transport_options=options) as conn:

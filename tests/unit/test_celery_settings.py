@@ -7,9 +7,10 @@ import pytest
 from celery import Celery
 from celery.app.defaults import DEFAULTS
 
-from celery_lease import LeaseTask, celery_settings
-from celery_lease.celery_settings import FEATURES, missing_features
-from celery_lease.checks import run_checks
+from celery_lease import LeaseTask
+from celery_lease.ops import celery_settings
+from celery_lease.ops.celery_settings import FEATURES, missing_features
+from celery_lease.ops.checks import run_checks
 from celery_lease.store import Store
 from tests.conftest import unique_prefix
 

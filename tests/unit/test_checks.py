@@ -14,9 +14,9 @@ import sqlalchemy as sa
 from celery import Celery
 
 from celery_lease import LeaseTask
-from celery_lease.check_context import Context, Finding, percentile
-from celery_lease.checks import run_checks
 from celery_lease.config import app_config
+from celery_lease.ops.check_context import Context, Finding, percentile
+from celery_lease.ops.checks import run_checks
 from celery_lease.store import ClaimTerms, Store
 from tests.conftest import unique_prefix
 
@@ -413,7 +413,7 @@ def test_sqs_warns_when_long_jobs_outlive_its_visibility_and_the_extension_is_of
 
 def sqs_finding(ctx: Context, code: str | None = None, level: str | None = None) -> Finding:
     """The one SQS finding of ``code`` (or of ``level``) that the broker rules give."""
-    from celery_lease.broker_checks import broker_rules
+    from celery_lease.ops.broker_checks import broker_rules
 
     found = [f for f in broker_rules(ctx) if code in (None, f.code) and level in (None, f.level)]
     assert len(found) == 1, f"expected one {code or level} finding, got {found}"
@@ -522,7 +522,7 @@ def test_consumer_timeouts_come_from_the_management_api_per_queue():
     import http.server
     import threading
 
-    from celery_lease.broker_checks import rabbitmq_consumer_timeouts
+    from celery_lease.ops.broker_checks import rabbitmq_consumer_timeouts
 
     replies = {"/api/queues/%2F/q1": {"arguments": {"x-consumer-timeout": 60000}},
                "/api/queues/%2F/q2": {"effective_policy_definition": {"consumer-timeout": 120000}},

@@ -118,7 +118,7 @@ def test_dlq_discard_refuses_a_job_that_is_not_a_dead_letter(fresh):
 def test_a_dead_letter_redriven_meanwhile_is_skipped_by_discard(fresh):
     job = fresh.store.get("failed-1")
     fresh.store.redrive(job, "someone")
-    from celery_lease import recovery
+    from celery_lease.ops import recovery
 
     outcome = next(recovery.discard(fresh.store, [job], who="test"))
     assert outcome.action == "skipped" and fresh.store.get("failed-1").status == "pending"

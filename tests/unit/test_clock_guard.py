@@ -1,4 +1,4 @@
-"""celery_lease.clock_guard: when a reaper run holds back, judged from what the store recorded."""
+"""celery_lease.reaper.clock_guard: when a reaper run holds back, judged from what the store recorded."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from celery_lease.clock_guard import ClockGuard, Hold, host_clock
+from celery_lease.reaper.clock_guard import ClockGuard, Hold, host_clock
 
 STALE = 10.0  # seconds of registry silence after which an owner looks gone
 ELSEWHERE = "another-host/another-boot"  # a previous run whose monotonic clock is not ours

@@ -18,9 +18,10 @@ import redis
 from celery import Celery
 from celery.exceptions import Ignore, Reject
 
-from celery_lease import LeaseTask, deliveries
-from celery_lease.deliveries import STORE_RETRIES_HEADER
+from celery_lease import LeaseTask
 from celery_lease.errors import StoreUnavailable
+from celery_lease.worker import deliveries
+from celery_lease.worker.deliveries import STORE_RETRIES_HEADER
 
 REDIS_DB = 12  # never flushed: each test's queue is its own
 
@@ -46,7 +47,7 @@ class Job:
 
 
 def test_a_duplicate_is_still_skipped_when_its_audit_event_cannot_be_written(caplog):
-    caplog.set_level(logging.WARNING, logger="celery_lease.deliveries")
+    caplog.set_level(logging.WARNING, logger="celery_lease.worker.deliveries")
     # Ignore, not StoreUnavailable: a raised error would make Celery write FAILURE over the real run.
     with pytest.raises(Ignore):
         deliveries.skip_duplicate(Task(), DownStore(), "me:1", "busy", Job())

@@ -12,10 +12,10 @@ import sqlalchemy as sa
 from celery_lease import deadline
 from celery_lease.config import load
 from celery_lease.errors import LeaseLost, StoreUnavailable
-from celery_lease.lease import DeferredWrite, Lease
-from celery_lease.runtime import Runtime
 from celery_lease.store import ClaimTerms
 from celery_lease.vocabulary import RunEnd
+from celery_lease.worker.lease import DeferredWrite, Lease
+from celery_lease.worker.runtime import Runtime
 from tests.helpers import wait_for
 
 
@@ -234,7 +234,7 @@ def test_a_deferred_completion_the_store_rejects_is_logged_and_audited_as_reject
     defer(store, lease)
     lease.expire_if_due(lease.deadline)
     steal(store, "rejected")
-    with caplog.at_level("INFO", logger="celery_lease.runtime"):
+    with caplog.at_level("INFO", logger="celery_lease.worker.runtime"):
         hb.beat()
     assert store.get("rejected").status == "running"
     assert "stale_completion_rejected" in [e["event"] for e in store.events("rejected")]

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from celery_lease.errors import LeaseLost
-from celery_lease.interrupt import GreenletInterrupter, ThreadInterrupter
+from celery_lease.worker.interrupt import GreenletInterrupter, ThreadInterrupter
 
 
 def test_a_thread_is_interrupted_at_its_next_bytecode():

@@ -9,9 +9,9 @@ from celery import Celery
 
 from celery_lease import LeaseTask
 from celery_lease.errors import LockUnavailable
-from celery_lease.local import LocalLease
 from celery_lease.store import for_app
 from celery_lease.testing import local_leases
+from celery_lease.worker.local import LocalLease
 from tests.conftest import drop_app_store, migrated_store, unique_prefix
 
 

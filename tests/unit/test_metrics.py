@@ -1,4 +1,4 @@
-"""celery_lease.metrics over a populated store (SQLite, PostgreSQL), and the alert rules that use it."""
+"""celery_lease.ops.metrics over a populated store (SQLite, PostgreSQL), and the alert rules that use it."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from celery_lease.config import RUNBOOK_BASE_URL
 from celery_lease.contrib.prometheus import rules as render_rules
-from celery_lease.metrics import LeaseCollector, metric_names
+from celery_lease.ops.metrics import LeaseCollector, metric_names
 from celery_lease.store import Store
 from tests.apps import ops_app
 from tests.conftest import SCENE_STORES, require_service, service_url, unique_prefix
@@ -212,7 +212,7 @@ def test_label_pairs_are_capped_per_metric_and_the_rest_counted_as_other(scene):
 
 
 def test_a_real_reaper_run_is_counted_by_queue_and_task_and_its_time_exported(scene):
-    from celery_lease.reaper import Reaper
+    from celery_lease.reaper.run import Reaper
 
     app, store, _ = scene
     collector = LeaseCollector(app, store, event_lag=0.0)
@@ -281,7 +281,7 @@ def test_an_unreachable_store_reports_store_up_zero_and_describe_stays_off_the_s
 
 def test_importing_metrics_needs_no_prometheus_client_until_used():
     code = ("import sys; sys.modules['prometheus_client'] = None\n"
-            "import celery_lease.cli, celery_lease.metrics as m\n"
+            "import celery_lease.cli, celery_lease.ops.metrics as m\n"
             "try:\n    m.prometheus()\nexcept ImportError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert "pip install celery-lease[metrics]" in out.stdout

@@ -10,8 +10,8 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 from celery import Celery
 
-from celery_lease.outage import ConsumerPause, store_unreachable
 from celery_lease.store import Store
+from celery_lease.worker.outage import ConsumerPause, store_unreachable
 from tests.helpers import wait_for
 from tests.tcp_proxy import TcpProxy
 

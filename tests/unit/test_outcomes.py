@@ -9,9 +9,10 @@ import pytest
 import sqlalchemy as sa
 from celery import Celery, signals
 
-from celery_lease import LeaseTask, messages
+from celery_lease import LeaseTask
 from celery_lease.errors import JobDeadLettered
-from celery_lease.reaper import Reaper
+from celery_lease.messaging import messages
+from celery_lease.reaper.run import Reaper
 from celery_lease.store import ClaimTerms
 from tests.conftest import drop_app_store, flushed_redis, migrated_store, unique_prefix
 

@@ -17,8 +17,9 @@ import pytest
 from celery import Celery, signals
 from kombu import serialization
 
-from celery_lease import LeaseTask, messages
+from celery_lease import LeaseTask
 from celery_lease.errors import StoreCorrupt
+from celery_lease.messaging import messages
 from celery_lease.store import for_app
 from tests.conftest import drop_app_store, migrated_store, prefixed_redis, unique_prefix
 

@@ -9,8 +9,8 @@ import pytest
 from celery import Celery
 
 from celery_lease import LeaseTask
-from celery_lease.checks import run_checks
-from celery_lease.quorum_checks import server_major
+from celery_lease.ops.checks import run_checks
+from celery_lease.ops.quorum_checks import server_major
 from celery_lease.store import Store
 from tests.conftest import unique_prefix
 

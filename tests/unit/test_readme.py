@@ -112,7 +112,7 @@ def test_every_reaper_schedule_in_the_readme_passes_lease_checks_reaper_rules(tm
 
     from celery import Celery
 
-    from celery_lease.checks import run_checks
+    from celery_lease.ops.checks import run_checks
     from celery_lease.store import Store
 
     blocks = re.findall(r"^```python\n(.*?)^```$", (ROOT / "README.md").read_text(), re.MULTILINE | re.DOTALL)

@@ -21,12 +21,14 @@ import redis
 import sqlalchemy as sa
 from celery import Celery, Task
 
-from celery_lease import LeaseTask, messages, reaper
+from celery_lease import LeaseTask
 from celery_lease.config import app_config
 from celery_lease.errors import StoreUnavailable
-from celery_lease.reaper import Reaper, backoff
+from celery_lease.messaging import messages
+from celery_lease.reaper import run as reaper
+from celery_lease.reaper.run import Reaper, backoff
+from celery_lease.reaper.worker_lost import recover_worker_lost
 from celery_lease.store import COMPLETED, FAILED, PENDING, RUNNING, ClaimTerms, Store
-from celery_lease.worker_lost import recover_worker_lost
 from tests.conftest import unique_prefix
 from tests.helpers import transaction_held
 
@@ -1011,7 +1013,7 @@ def test_a_dead_letter_whose_task_event_the_broker_refuses_is_still_reaped_and_l
     app.conf.update(worker_send_task_events=True, broker_write_url="redis://127.0.0.1:1/12",
                     broker_connection_max_retries=0, broker_connection_timeout=0.2)
     running(store, "j1", task="t.park")  # dead-lettered without a message: only the event needs the broker
-    with caplog.at_level(logging.WARNING, logger="celery_lease.events"):
+    with caplog.at_level(logging.WARNING, logger="celery_lease.messaging.events"):
         result = Reaper(app).run_once()
     assert result.dead_lettered == 1 and store.get("j1").status == FAILED
     assert any("task-failed j1" in r.getMessage() for r in caplog.records)

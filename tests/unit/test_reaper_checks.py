@@ -1,4 +1,4 @@
-"""celery_lease.reaper_checks: the reaper's schedule read where it is held.
+"""celery_lease.ops.reaper_checks: the reaper's schedule read where it is held.
 
 django-celery-beat's DatabaseScheduler keeps the schedule in PeriodicTask rows. Django's
 settings are process-wide, so the Django case runs in a child process of its own: SQLite
@@ -39,7 +39,7 @@ PeriodicTask.objects.create(name="lease-reaper", task="celery_lease.reap", inter
                             queue=sys.argv[3] or None, expire_seconds=int(sys.argv[4]) or None)
 from celery import Celery
 
-from celery_lease.checks import run_checks
+from celery_lease.ops.checks import run_checks
 from celery_lease.store import Store
 
 app = Celery("dj", broker="memory://", set_as_current=False)
@@ -109,7 +109,7 @@ for _ in range(2):
     said.append(out.getvalue().strip())
 from celery import Celery
 
-from celery_lease.checks import run_checks
+from celery_lease.ops.checks import run_checks
 from celery_lease.store import Store
 
 app = Celery("dj", broker="memory://", set_as_current=False)
@@ -139,7 +139,7 @@ def test_the_schedule_command_sets_the_admin_reaper_right_and_a_second_run_chang
 def test_with_djangos_database_scheduler_and_no_reaper_the_hint_is_the_schedule_command(tmp_path):
     from celery import Celery
 
-    from celery_lease.checks import run_checks
+    from celery_lease.ops.checks import run_checks
     from celery_lease.store import Store
 
     app = Celery("dbsched", broker="memory://", set_as_current=False)

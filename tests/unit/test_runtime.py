@@ -11,14 +11,15 @@ import pytest
 import sqlalchemy as sa
 from celery import Celery
 
-from celery_lease import LeaseTask, deadline, interrupt, runtime
+from celery_lease import LeaseTask, deadline
 from celery_lease.config import load
-from celery_lease.effects import ResourceLock, lock
 from celery_lease.errors import LeaseLost, StoreUnavailable
-from celery_lease.lease import DeferredWrite, Lease
-from celery_lease.runtime import Runtime
 from celery_lease.store import ClaimTerms
 from celery_lease.vocabulary import RunEnd
+from celery_lease.worker import interrupt, runtime
+from celery_lease.worker.effects import ResourceLock, lock
+from celery_lease.worker.lease import DeferredWrite, Lease
+from celery_lease.worker.runtime import Runtime
 from tests.helpers import wait_for
 
 
@@ -466,7 +467,7 @@ def test_a_deferred_completion_the_store_refuses_for_good_is_not_retried_every_r
         kept = '"' + "r" * 70_000 + '"'
         rt.defer(lease, DeferredWrite(RunEnd.RETURNED,
                                       lambda: store.complete(lease.job_id, lease.token, lease.worker, kept)))
-        with caplog.at_level("ERROR", logger="celery_lease.runtime"):
+        with caplog.at_level("ERROR", logger="celery_lease.worker.runtime"):
             rt.flush_deferred()
         assert not rt.is_deferred(lease) and lease not in rt.leases()
         assert any("rejected by the store" in r.getMessage() and "too-big" in r.getMessage()

@@ -13,7 +13,7 @@ from celery import Celery
 
 from celery_lease import LeaseTask
 from celery_lease.errors import LeaseConfigError
-from celery_lease.signals import check_pool, pool_name, validate_tasks
+from celery_lease.integration.signals import check_pool, pool_name, validate_tasks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -112,7 +112,7 @@ def test_a_revoke_whose_cancel_meets_an_outage_does_not_raise_and_keeps_the_canc
 
     from celery.signals import task_revoked
 
-    from celery_lease import runtime
+    from celery_lease.worker import runtime
 
     with socket.socket() as s:  # a port nothing listens on: the store refuses every connection
         s.bind(("127.0.0.1", 0))

@@ -209,7 +209,7 @@ TEN_MB = 10 * 1024 * 1024
 
 def test_ten_megabyte_arguments_results_and_checkpoints_round_trip(store):
     """Plain Celery sends a message of any size its broker takes: the store keeps it whole."""
-    from celery_lease import messages
+    from celery_lease.messaging import messages
 
     big = "".join(secrets.choice("abcdefghij") for _ in range(1024)) * (TEN_MB // 1024)
     payload = messages.encode("t.task", (big,), {"note": "ü€"}, {}, "json")

@@ -10,8 +10,8 @@ import secrets
 
 import pytest
 
+from celery_lease.integration.strategy import sure_duplicate
 from celery_lease.store import ClaimTerms, Glance
-from celery_lease.strategy import sure_duplicate
 from celery_lease.vocabulary import Status
 
 NODE = "w1@host"

@@ -1,11 +1,11 @@
-"""celery_lease.tuning: percentiles and the lease settings they call for (pure functions)."""
+"""celery_lease.ops.tuning: percentiles and the lease settings they call for (pure functions)."""
 
 from __future__ import annotations
 
 import pytest
 
 from celery_lease.config import load
-from celery_lease.tuning import LONG_JOB, percentile, recommend, tune_task
+from celery_lease.ops.tuning import LONG_JOB, percentile, recommend, tune_task
 
 
 def policy(**options):

@@ -10,9 +10,10 @@ import re
 
 import pytest
 
-from celery_lease import check_context, metrics, vocabulary
+from celery_lease import vocabulary
 from celery_lease.cli import reads
 from celery_lease.config import SETTINGS
+from celery_lease.ops import check_context, metrics
 from celery_lease.store import schema
 from celery_lease.vocabulary import (
     STALE_WRITES,
@@ -106,8 +107,8 @@ def test_lists_of_metrics_cli_and_checks_are_event_members():
 def test_metrics_cli_and_checks_name_no_event_by_a_literal_of_their_own():
     # "completed" and "failed" are statuses as well, and name columns and report keys there.
     values = {e.value for e in Event} - {s.value for s in Status}
-    modules = [PACKAGE / "metrics.py", PACKAGE / "checks.py", PACKAGE / "check_context.py",
-               PACKAGE / "checklist.py", *PACKAGE.glob("cli/*.py")]
+    modules = [PACKAGE / "ops/metrics.py", PACKAGE / "ops/checks.py", PACKAGE / "ops/check_context.py",
+               PACKAGE / "ops/checklist.py", *PACKAGE.glob("cli/*.py")]
     literals = [f"{p.name}:{n.lineno} {n.value}" for p in modules for n in ast.walk(ast.parse(p.read_text()))
                 if isinstance(n, ast.Constant) and n.value in values]
     assert literals == []
@@ -150,7 +151,7 @@ def test_event_names_in_the_readme_are_event_members():
     actions = {m for path, _ in _sources() for m in re.findall(r'"action": "([a-z_]+)"', path.read_text())}
     from celery.app.defaults import DEFAULTS
 
-    from celery_lease.celery_settings import FEATURES
+    from celery_lease.ops.celery_settings import FEATURES
 
     # Celery's own settings, those of later Celery versions than the installed one included.
     celery_settings = set(DEFAULTS) | {setting for setting, _, _ in FEATURES}

@@ -86,7 +86,7 @@ def test_on_the_previous_revision_the_registry_is_written_without_a_pool(store_f
 def test_pool_names_are_celerys_own():
     from celery.concurrency import get_implementation
 
-    from celery_lease.signals import pool_name
+    from celery_lease.integration.signals import pool_name
 
     class Worker:
         def __init__(self, pool_cls):

@@ -18,7 +18,9 @@ class LeaseAppConfig(AppConfig):
     def ready(self) -> None:
         from django.core import checks
 
-        from . import reload, reporting
+        import celery_lease.contrib.django.reload as reload
+        import celery_lease.contrib.django.reporting as reporting
+
         from .checks import check_lease_settings
 
         checks.register(check_lease_settings, "celery_lease")

@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 
-from ... import store as stores
-from ...store import migrating
+import celery_lease.store as stores
+import celery_lease.store.migrating as migrating
+
 from .reload import reload
 from .testing import current_celery_app, eager_leases_on_test_database
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ... import store as stores
+import celery_lease.store as stores
 
 __all__ = ["install", "reload", "on_setting_changed"]
 

@@ -14,8 +14,8 @@ from typing import Any
 
 from django.db import migrations
 
-from ...store import migrating
-from ...store import migrations as revisions
+import celery_lease.store.migrating as migrating
+import celery_lease.store.migrations as revisions
 
 __all__ = ["RunStoreRevision"]
 

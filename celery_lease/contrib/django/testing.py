@@ -15,7 +15,8 @@ from typing import Any
 
 from django.test.runner import DiscoverRunner
 
-from ... import store as stores
+import celery_lease.store as stores
+
 from ...config import app_config
 from ...errors import LeaseConfigError
 from .reload import reload

@@ -1,6 +1,6 @@
 """Redrive and discard dead letters from the admin: the CLI's recovery verbs, confirmed first.
 
-The plan and the moves are celery_lease.recovery's (``redrive_plan``/``redrive``,
+The plan and the moves are celery_lease.ops.recovery's (``redrive_plan``/``redrive``,
 ``discard_plan``/``discard``), as ``celery lease dlq redrive|discard`` and the web page run them:
 a job that is not a dead letter (a running job with a live lease, a pending or completed one) is
 refused with the CLI's reason, each move is one compare-and-set, and each is audited
@@ -17,8 +17,9 @@ from django.contrib.admin import helpers
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
 
-from .... import recovery
-from .... import store as stores
+import celery_lease.ops.recovery as recovery
+import celery_lease.store as stores
+
 from ....errors import LeaseError
 from ....vocabulary import RecoveryAction
 from .tables import celery_app

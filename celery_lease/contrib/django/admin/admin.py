@@ -18,7 +18,8 @@ from django.http import HttpRequest
 from django.urls import reverse
 from django.utils.html import format_html
 
-from .... import store as stores
+import celery_lease.store as stores
+
 from ....vocabulary import Event as EventName
 from .actions import recover
 from .models import DeadLetter, Event, Job, RunningLease

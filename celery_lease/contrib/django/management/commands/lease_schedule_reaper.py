@@ -12,7 +12,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from .....reaper_checks import REAP_TASK, REAPER_ENTRY, REAPER_EXPIRES, REAPER_INTERVAL, REAPER_QUEUE
+from .....ops.reaper_checks import REAP_TASK, REAPER_ENTRY, REAPER_EXPIRES, REAPER_INTERVAL, REAPER_QUEUE
 
 __all__ = ["Command"]
 

@@ -1,0 +1,315 @@
+"""Thin hooks into the worker: start-up checks, lost children, store outages, revokes and shutdown.
+
+Each hook delegates to one function; a failure in one is logged and contained,
+except at start-up, where a bad setting must stop the worker.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import bootsteps, signals
+from celery.concurrency.base import BasePool
+from celery.exceptions import TimeLimitExceeded, WorkerLostError
+from celery.worker.request import Request
+from celery.worker.state import task_ready
+
+import celery_lease.messaging.backend as results
+import celery_lease.worker.runtime as runtime
+
+from ..config import app_config, check_recovery_bound, task_policy
+from ..errors import LeaseConfigError, LeaseError
+from ..vocabulary import Event
+from ..worker.deliveries import StoreDown
+from ..worker.heartbeat import worker_id
+from ..worker.outage import PauseStep, store_unreachable
+
+__all__ = ["LeaseRequest", "WorkerStep", "install"]
+
+log = logging.getLogger(__name__)
+
+
+class LeaseRequest(Request):
+    """A request whose main-process failure handler settles the lease of a dead pool child, and
+    stops the worker's consumer when the delivery found the store unreachable (outage.py).
+
+    A hard time limit is a final failure, as in plain Celery: the lease fails the job and
+    Celery stores FAILURE and fires the errbacks (once: plain Celery's prefork pool fires
+    them twice). A child lost by accident (SIGKILL, OOM) is re-run by the lease, so Celery
+    must not report that attempt as a failure.
+    """
+
+    def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> Any:
+        exc = getattr(exc_info, "exception", None)
+        exc = getattr(exc, "exc", exc)  # ExceptionWithTraceback
+        if isinstance(exc, StoreDown):
+            store_unreachable(self.task.app, str(exc))
+        if self.worker_pid and isinstance(exc, TimeLimitExceeded):
+            # acks_on_timeout=False: Celery requeues the message, so the lease requeues the job
+            # (counting the attempt) without sending a second message; else a final failure.
+            again = bool(self.task.acks_late) and not acks_on_timeout(self.task)
+            self._lease_settled = _settle_dead_child(self, type(exc).__name__, final=not again,
+                                                     resend=not again) != "none"
+            # Billiard calls on_timeout right after this, and it stores FAILURE, fires the
+            # errbacks and sends task-failed: the failure path must not do it a second time.
+            return super().on_failure(exc_info, send_failed_event=False, return_ok=True)
+        if self.worker_pid and exc is not None and self._child_lost(exc):
+            outcome = _settle_dead_child(self, type(exc).__name__, final=False)
+            if outcome in RERUN:
+                return self._rerun_by_lease(exc, exc_info, outcome)
+            self._lease_settled = outcome != "none"
+        return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+
+    def _retry_worker_lost(self, exc: Any, exc_info: Any) -> bool:
+        """Celery 5.7's ``task_retry_on_worker_lost``: not for a job whose lease already decided.
+
+        The lease requeues a lost child's job itself (above), and a job it dead-lettered or
+        failed at ``lease_max_attempts`` must stay failed: Celery's re-sent message would only
+        be skipped as a duplicate, after overwriting FAILURE with RETRY. False sends Celery down
+        its usual worker-lost path. A job the lease never claimed is Celery's to retry.
+        """
+        if getattr(self, "_lease_settled", False):
+            return False
+        return bool(super()._retry_worker_lost(exc, exc_info))
+
+    def terminate(self, pool: Any, signal: Any = None) -> Any:
+        """``revoke(terminate=True)``: cancel the job this delivery runs, then let Celery kill the run.
+
+        Fenced by the owner that is terminated (``hostname:pid`` of the process running the
+        body, as the worker-lost path is): the main process of a prefork worker never sees
+        the child's token. The job is cancelled before the signal is sent, so the run's own
+        give-back on its way out finds nothing to give back, and the job is never requeued.
+        """
+        # Threads and solo cannot terminate a run (Celery raises NotImplementedError): it goes on.
+        if self.time_start and self.worker_pid and _can_terminate(pool):
+            _cancel_terminated(self)
+        return super().terminate(pool, signal)
+
+    def _child_lost(self, exc: Any) -> bool:
+        # Billiard reports a child's exit as SystemExit before Celery turns it into WorkerLostError.
+        if self._already_cancelled or self._already_revoked:
+            return False  # terminated on purpose: the revoke cancelled the job
+        return isinstance(exc, (SystemExit, KeyboardInterrupt, WorkerLostError))
+
+    def _rerun_by_lease(self, exc: BaseException, exc_info: Any, outcome: str) -> None:
+        """The lease re-sends the job (or already moved on): no FAILURE, no errback; RETRY as Celery's own.
+
+        The state is RETRY, as Celery's ``task_retry_on_worker_lost`` leaves it (a later
+        SUCCESS is kept by the backend); the message is acknowledged: the lease holds the job.
+        """
+        task_ready(self)
+        if self.store_errors:
+            results.of(self.task.app, self.task.backend).mark_as_retry(
+                self.id, exc, getattr(exc_info, "traceback", None), request=self._context)
+        if self.task.acks_late:
+            self.acknowledge()
+        self.send_event("task-retried", exception=repr(exc))
+        log.info("job %s: pool child lost, %s by the lease; not reported to Celery as a failure",
+                 self.id, outcome, extra={"action": "worker_lost_rerun"})
+
+
+# What recover_worker_lost answers when the job runs again (or someone else holds it).
+RERUN = ("requeue", "lost_race", "error", "store_unavailable")
+
+
+def _can_terminate(pool: Any) -> bool:
+    # Prefork binds billiard's terminate_job on the instance; threads and solo keep BasePool's.
+    return getattr(pool.terminate_job, "__func__", None) is not BasePool.terminate_job
+
+
+def _cancel_terminated(request: LeaseRequest) -> None:
+    owner = worker_id(request.hostname, request.worker_pid)
+    _cancel(request.task.app, request.id, "terminated", owner)
+
+
+def _cancel(app: Any, job_id: str, reason: str, owner: str | None = None, task_name: str | None = None,
+            queue: str | None = None) -> None:
+    """Cancel a job from a hook: a store outage keeps the cancel for later (runtime.PendingCancels),
+    and no error reaches Celery, which acknowledges the revoked delivery whatever happens here."""
+    try:
+        from ..store import for_app
+
+        store = for_app(app, check=False)
+        runtime.for_app(app, store).cancels.cancel(job_id, reason, owner, task_name, queue)
+    except Exception as error:  # noqa: BLE001 - a hook never raises into Celery's revoke
+        log.warning("job %s: could not cancel it (%s): %s", job_id, reason, error)
+
+
+def acks_on_timeout(task: Any) -> bool:
+    """Whether a hard time limit acknowledges the message (Celery 5.7's ``acks_on_timeout``, else
+    the ``acks_on_failure_or_timeout`` it splits, as Celery before 5.7 reads it)."""
+    value = getattr(task, "acks_on_timeout", None)
+    if value is None:
+        value = getattr(task, "acks_on_failure_or_timeout", None)
+    return True if value is None else bool(value)
+
+
+def _settle_dead_child(request: LeaseRequest, reason: str, final: bool, resend: bool = True) -> str:
+    owner = worker_id(request.hostname, request.worker_pid)
+    try:
+        from ..reaper.worker_lost import recover_worker_lost
+
+        return recover_worker_lost(request.task.app, request.id, owner, reason, final=final, resend=resend)
+    except LeaseError as error:
+        log.warning("job %s: could not settle the lease of dead child %s: %s", request.id, owner, error)
+        # The lease expires and the reaper settles it (a final failure is then a re-run).
+        return "store_unavailable"
+
+
+class WorkerStep(bootsteps.StartStopStep):
+    """At worker start: validate the lease settings, every LeaseTask's options on every queue it
+    may run on, and check the store's schema (fail fast).
+
+    An empty store is created at the newest revision; an older schema is refused, never
+    upgraded behind the operator's back.
+    """
+
+    label = "celery_lease"
+
+    def __init__(self, worker: Any, **kwargs: Any) -> None:
+        from ..store import for_app
+
+        app_config(worker.app)
+        if getattr(worker, "task_events", False):
+            # `-E` is the worker's own flag: the app's setting says it too, so that the lease's
+            # task events (events.py) go out wherever this worker's events do.
+            worker.app.conf.worker_send_task_events = True
+        # An unreachable store or a schema of the wrong revision stops the worker first.
+        store = for_app(worker.app, check=False)
+        store.ensure_schema(create=True)
+        check_recovery_bound(worker.app)
+        pool = pool_name(worker)
+        check_pool(worker.app, pool)
+        validate_tasks(worker.app, consumed_queues(worker.app))
+        store.worker_pool = (pool, int(getattr(worker, "concurrency", 0) or 0))
+        global _starting
+        _starting = (worker.app, worker.hostname)  # what a forked pool child registers under
+        self.pool = pool
+        super().__init__(worker, **kwargs)
+
+    def start(self, worker: Any) -> None:
+        """Register the process that runs bodies now, not after its first LeaseTask.
+
+        The threads, solo and green pools run bodies in this process; a prefork worker's
+        children register themselves as they start (``worker_process_init``).
+        """
+        if self.pool != "prefork":
+            register_process(worker.app, worker.hostname)
+
+
+# The app and node name of the worker starting in this process; its forked children inherit them.
+_starting: tuple[Any, str] | None = None
+
+
+def register_process(app: Any, hostname: str) -> None:
+    """Start this process's runtime: its heartbeat registers the process and keeps it alive."""
+    from ..store import for_app
+
+    try:
+        runtime.for_app(app, for_app(app), hostname).start()
+    except LeaseError as error:
+        # The heartbeat registers the process later; leases do not depend on this row.
+        log.warning("worker %s could not register in the lease store yet: %s", hostname, error)
+
+
+@signals.worker_process_init.connect
+def _on_process_init(**_: Any) -> None:
+    if _starting is not None:
+        register_process(*_starting)
+
+
+def consumed_queues(app: Any) -> list[str]:
+    """The queues this worker consumes (``-Q``, else the app's queues), set up before the steps."""
+    queues = app.amqp.queues
+    names = getattr(queues, "consume_from", None) or queues
+    return sorted(names)
+
+
+def routed_queue(app: Any, task: Any) -> str | None:
+    """The queue the app's routes (or the task's ``queue`` option) send a task to by default."""
+    queue = getattr(task, "queue", None)
+    route = app.amqp.router.route({"queue": queue} if queue else {}, task.name)
+    queue = route.get("queue")
+    return getattr(queue, "name", queue)
+
+
+def validate_tasks(app: Any, queues: list[str]) -> None:
+    """Resolve the lease policy of every registered LeaseTask on its routed queue and on each
+    queue this worker consumes: a bad option stops the worker here, naming the task and setting,
+    instead of failing the first publish of that task in a web request."""
+    from .task import LeaseTask
+
+    for name, task in sorted(app.tasks.items()):
+        if not isinstance(task, LeaseTask):
+            continue
+        for queue in dict.fromkeys([routed_queue(app, task), *queues]):
+            try:
+                task_policy(task, queue)
+            except LeaseConfigError as exc:
+                where = f", on queue {queue!r}" if queue else ""
+                raise LeaseConfigError(exc.setting, exc.value, f"{exc.rule}{where}",
+                                       f"Fix task {name}'s lease options or lease_queue_policies; the worker "
+                                       "would otherwise fail this task at its first publish") from None
+
+
+def pool_name(worker: Any) -> str:
+    """The worker's pool as Celery names it (prefork, threads, solo, gevent, eventlet)."""
+    from celery.concurrency import ALIASES
+
+    pool = getattr(worker, "pool_cls", None) or worker.app.conf.worker_pool or "prefork"
+    if not isinstance(pool, str):
+        path = f"{pool.__module__}:{pool.__name__}"
+        return next((name for name, target in ALIASES.items() if target == path), path)
+    return next((name for name, target in ALIASES.items() if target == pool), pool).lower()
+
+
+def check_pool(app: Any, pool: str) -> None:
+    """Refuse ``lease_on_lost='raise'`` where nothing can interrupt a body (eventlet's greenlets)."""
+    if pool != "eventlet":
+        return
+    for task in list(app.tasks.values()):
+        if hasattr(task, "lease_policy") and task.lease_policy().on_lost == "raise":
+            raise LeaseConfigError(
+                "lease_on_lost", "raise", f"cannot interrupt a body in the eventlet pool (task {task.name})",
+                "Set lease_on_lost='flag' (the body checks self.lease.lost / self.lease.check()) or run "
+                "the worker with the prefork, threads or gevent pool.")
+
+
+def install(app: Any) -> None:
+    """Add celery_lease's worker steps to an app (idempotent)."""
+    if getattr(app, "_celery_lease_installed", False):
+        return
+    app._celery_lease_installed = True
+    app.steps["worker"].add(WorkerStep)
+    app.steps["consumer"].add(PauseStep)
+    try:
+        from ..worker.brokers import VisibilityStep
+    except ImportError:
+        return
+    app.steps["consumer"].add(VisibilityStep)
+
+
+@signals.worker_process_shutdown.connect
+def _on_process_shutdown(**_: Any) -> None:
+    runtime.release_all_in_process(Event.RELEASED_ON_SHUTDOWN)
+
+
+@signals.worker_shutdown.connect
+def _on_worker_shutdown(**_: Any) -> None:
+    runtime.release_all_in_process(Event.RELEASED_ON_SHUTDOWN)
+
+
+@signals.task_revoked.connect
+def _on_revoked(request: Any = None, terminated: bool = False, expired: bool = False,
+                sender: Any = None, **_: Any) -> None:
+    """A delivery Celery discarded as revoked or expired cancels the job only while it is pending.
+
+    The delivery may be a late duplicate of a run that is live elsewhere: a running job is
+    cancelled only by ``revoke(terminate=True)`` (LeaseRequest.terminate).
+    """
+    task = sender
+    if request is None or task is None or terminated or not hasattr(task, "lease_policy"):
+        return
+    queue = (getattr(request, "delivery_info", None) or {}).get("routing_key")
+    _cancel(task.app, request.id, "expired" if expired else "revoked", task_name=task.name, queue=queue)

@@ -1,0 +1,110 @@
+"""LeaseTask's consumer strategy: a sure duplicate is acknowledged before Celery announces it.
+
+Celery's default strategy (celery/worker/strategy.py) sends ``task-received`` for a delivery,
+and the worker ``task-started``, before the task class sees the message: a duplicate that the
+claim then skips has already told Flower that this worker received and started a job that
+another one ran, its times after the real run's. When the worker sends task events, this
+strategy reads the job's row once by its primary key (``Store.glance``) first and acknowledges
+a sure duplicate there, with no event: a dead letter, a job leased live by another node, a
+completed job whose result was never kept or that the result backend holds. Anything less
+sure goes on to Celery's path, where the claim decides as before. With task events off the
+strategy is Celery's own handler, untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from celery import states
+from celery.backends.base import DisabledBackend
+from celery.backends.rpc import RPCBackend
+from celery.worker.strategy import default
+
+import celery_lease.messaging.backend as results
+
+from ..errors import StoreRejected, StoreUnavailable
+from ..store import Glance, for_app
+from ..vocabulary import Event, Status
+from ..worker.heartbeat import worker_id
+from .task import leased
+
+__all__ = ["lease_strategy", "sure_duplicate", "owner_node"]
+
+log = logging.getLogger(__name__)
+
+
+def owner_node(locked_by: str | None) -> str | None:
+    """The Celery node name of a lease owner (``node:pid``)."""
+    return locked_by.rsplit(":", 1)[0] if locked_by else None
+
+
+def sure_duplicate(glance: Glance | None, node: str, result_held: Callable[[], bool]) -> bool:
+    """Whether a delivery of this job can only be skipped, whatever the claim would find.
+
+    ``result_held`` is asked only for a completed job that kept its result: whether the result
+    backend has it (else a crash interrupted Celery's post-run work and the delivery resumes it).
+    A lease of this node's own is never sure: it may be a claim whose answer was lost.
+    """
+    if glance is None:
+        return False
+    if glance.status == Status.FAILED:
+        return True
+    if glance.status == Status.RUNNING:
+        return glance.lease_live and owner_node(glance.locked_by) not in (None, node)
+    if glance.status == Status.COMPLETED:
+        return not glance.result_kept or result_held()
+    return False
+
+
+def _result_held(task: Any, job_id: str) -> bool:
+    """Whether no delivery could resume the job's post-run work: the backend holds its result,
+    or is not one a worker reads back (deliveries._why_not_resumable)."""
+    backend = task.backend
+    if isinstance(backend, (DisabledBackend, RPCBackend)) or not getattr(backend, "persistent", True):
+        return True
+    try:
+        return results.of(task.app, backend).get_state(job_id) in states.READY_STATES
+    except Exception as exc:  # noqa: BLE001 - unreadable: the task's path asks again
+        log.debug("job %s: result backend unreadable before task-received (%s)", job_id, exc)
+        return False
+
+
+def lease_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Callable[..., Any]:
+    """Celery's default strategy, behind one read of the job's row when task events are on."""
+    handler = default(task, app, consumer, **kwargs)
+    eventer = consumer.event_dispatcher
+    if not (eventer and eventer.enabled and task.send_events and leased(task)):
+        return handler
+    node, errors = consumer.hostname, consumer.connection_errors
+
+    def lease_message_handler(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any,
+                              **more: Any) -> Any:
+        job_id = (message.headers or {}).get("id")
+        if job_id:
+            try:
+                store = for_app(app)
+                glance = store.glance(job_id)
+            except (StoreUnavailable, StoreRejected) as exc:
+                log.debug("job %s: not read before task-received (%s)", job_id, exc)
+            else:
+                if sure_duplicate(glance, node, lambda: _result_held(task, job_id)):
+                    _skip(store, message, job_id, glance, node, errors)
+                    return None
+        return handler(message, body, ack, reject, callbacks, **more)
+
+    return lease_message_handler
+
+
+def _skip(store: Any, message: Any, job_id: str, glance: Any, node: str, errors: Any) -> None:
+    """Acknowledge a sure duplicate unannounced, audited as the claim's skip is."""
+    log.info("job %s delivered again but is %s (owner %s): acknowledged before task-received", job_id,
+             glance.status, glance.locked_by, extra={"action": "duplicate_delivery_skipped"})
+    redelivered = bool((getattr(message, "delivery_info", None) or {}).get("redelivered"))
+    try:
+        store.event(job_id, Event.DUPLICATE_DELIVERY_SKIPPED, f"job {glance.status}", worker_id(node),
+                    detail={"owner": glance.locked_by, "redelivered": redelivered, "before": "task-received"})
+    except (StoreUnavailable, StoreRejected) as exc:
+        log.warning("job %s: audit event %s not written (%s)", job_id, Event.DUPLICATE_DELIVERY_SKIPPED, exc)
+    message.ack_log_error(log, errors)

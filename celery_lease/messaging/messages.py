@@ -1,0 +1,249 @@
+"""A job's message as stored in ``jobs.payload``, and its re-publication.
+
+A published job's payload is the message Celery sent (version 2): the body as kombu
+encoded and compressed it, its headers, properties and route, captured in the producer
+(publishing.py), so the reaper sends the very same message again. A job first seen at its
+claim (published without the record, e.g. by ``send_task`` from another app) and rows of
+the first release hold version 1: the job's signature encoded with the task's serializer.
+Both are read.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import contextvars
+import datetime
+import json
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from kombu import compression, serialization
+from kombu.utils import json as kombu_json
+
+from ..errors import StoreCorrupt
+
+__all__ = ["encode", "capture", "decode", "encode_result", "decode_result", "republish",
+           "publishing_unrecorded", "recording_disabled", "PAYLOAD_VERSION", "MESSAGE_VERSION"]
+
+PAYLOAD_VERSION = 1
+MESSAGE_VERSION = 2
+
+# Arguments of kombu's publish that say how to send, not what the message is.
+_SENDING_ARGS = frozenset({
+    "exchange", "routing_key", "retry", "retry_policy", "declare", "headers", "timeout",
+    "confirm_timeout", "serializer", "compression", "content_type", "content_encoding",
+})
+
+# Options that describe how a call was made in this process, not the message.
+_LOCAL_OPTIONS = frozenset({
+    "producer", "connection", "publisher", "add_to_parent", "countdown", "eta", "task_id",
+    "retry", "retry_policy", "declare", "idempotency_key", "ignore_result_default",
+})
+
+_unrecorded: contextvars.ContextVar[bool] = contextvars.ContextVar("celery_lease_unrecorded", default=False)
+
+
+@contextlib.contextmanager
+def publishing_unrecorded() -> Iterator[None]:
+    """Publish without recording a job: the row exists already, or the store is down."""
+    token = _unrecorded.set(True)
+    try:
+        yield
+    finally:
+        _unrecorded.reset(token)
+
+
+def recording_disabled() -> bool:
+    return _unrecorded.get()
+
+
+def _plain(value: Any) -> Any:
+    # kombu Queue/Exchange objects travel as their names.
+    name = getattr(value, "name", None)
+    if name is not None and type(value).__module__.startswith("kombu"):
+        return name
+    return value
+
+
+def encode(task_name: str, args: Any, kwargs: Any, options: Mapping[str, Any],
+           serializer: str = "json") -> str:
+    """Encode a job's signature for the payload column."""
+    sig = {
+        "task": task_name,
+        "args": list(args or ()),
+        "kwargs": dict(kwargs or {}),
+        "options": {k: _plain(v) for k, v in options.items() if k not in _LOCAL_OPTIONS and v is not None},
+        "subtask_type": None,
+        "immutable": False,
+    }
+    return _envelope(sig, serializer)
+
+
+def _envelope(value: Any, serializer: str) -> str:
+    """``value`` serialized by kombu as a JSON text column (binary serializers in base64)."""
+    content_type, encoding, data = serialization.dumps(value, serializer=serializer)
+    binary = isinstance(data, bytes)
+    return json.dumps({
+        "v": PAYLOAD_VERSION,
+        "content_type": content_type,
+        "content_encoding": encoding,
+        "b64": binary,
+        "data": base64.b64encode(data).decode() if binary else data,
+    })
+
+
+def capture(data: bytes | str, content_type: str, content_encoding: str,
+            publish_kwargs: dict[str, Any]) -> str:
+    """The message as kombu sends it (encoded body, headers, properties, route), for the payload."""
+    exchange = publish_kwargs.get("exchange")
+    return kombu_json.dumps({
+        "v": MESSAGE_VERSION,
+        "content_type": content_type,
+        "content_encoding": content_encoding,
+        "b64": isinstance(data, bytes),
+        "body": base64.b64encode(data).decode() if isinstance(data, bytes) else data,
+        "headers": publish_kwargs.get("headers") or {},
+        "properties": {k: _plain(v) for k, v in publish_kwargs.items()
+                       if k not in _SENDING_ARGS and v is not None},
+        "exchange": _plain(exchange) if exchange is not None else "",
+        "routing_key": publish_kwargs.get("routing_key"),
+        "declare": [q.name for q in publish_kwargs.get("declare") or () if getattr(q, "name", None)],
+    })
+
+
+def _message(payload: str) -> dict[str, Any] | None:
+    """A version 2 payload's envelope, or None for a version 1 payload."""
+    envelope = kombu_json.loads(payload)
+    return envelope if isinstance(envelope, dict) and envelope.get("v") == MESSAGE_VERSION else None
+
+
+def _message_body(envelope: dict[str, Any], accept: Any) -> Any:
+    data = envelope["body"]
+    if envelope.get("b64"):
+        data = base64.b64decode(data)
+    algorithm = (envelope.get("headers") or {}).get("compression")
+    if algorithm:
+        data = compression.decompress(data.encode() if isinstance(data, str) else data, algorithm)
+    if accept is not None:
+        accept = serialization.prepare_accept_content(accept)
+    return serialization.loads(data, envelope["content_type"], envelope["content_encoding"], accept=accept)
+
+
+def _message_signature(envelope: dict[str, Any], accept: Any) -> dict[str, Any]:
+    """The signature dict of a sent message (Celery's task protocol 2)."""
+    headers, properties = envelope.get("headers") or {}, envelope.get("properties") or {}
+    args, kwargs, embed = _message_body(envelope, accept)
+    embed = embed or {}
+    options = {
+        "link": embed.get("callbacks"), "link_error": embed.get("errbacks"), "chain": embed.get("chain"),
+        "chord": embed.get("chord"), "root_id": headers.get("root_id"), "parent_id": headers.get("parent_id"),
+        "group_id": headers.get("group"), "group_index": headers.get("group_index"),
+        "ignore_result": headers.get("ignore_result"), "reply_to": properties.get("reply_to"),
+        "eta": headers.get("eta"), "expires": headers.get("expires"), "retries": headers.get("retries"),
+    }
+    return {"task": headers["task"], "args": list(args or ()), "kwargs": dict(kwargs or {}),
+            "options": {k: v for k, v in options.items() if v is not None},
+            "subtask_type": None, "immutable": False}
+
+
+def decode(payload: str | None, accept: Any = None, job_id: str | None = None) -> dict[str, Any]:
+    """The signature dict stored in a payload; StoreCorrupt when it cannot be read."""
+    if not payload:
+        raise StoreCorrupt(f"job {job_id} has no stored message to re-publish", job_id=job_id)
+    try:
+        envelope = _message(payload)
+        sig = _message_signature(envelope, accept) if envelope is not None else _open(payload, accept)
+        if not isinstance(sig, dict) or "task" not in sig:
+            raise ValueError("not a task signature")
+        return sig
+    except Exception as exc:  # noqa: BLE001 - any decoding problem means a corrupt row
+        raise StoreCorrupt(
+            f"job {job_id}: stored message cannot be decoded ({exc}); inspect it with "
+            f"`celery lease inspect {job_id}`", job_id=job_id,
+        ) from exc
+
+
+def _open(text: str, accept: Any) -> Any:
+    envelope = json.loads(text)
+    data = envelope["data"]
+    if envelope.get("b64"):
+        data = base64.b64decode(data)
+    if accept is not None:
+        # Celery settings name serializers ('json'); kombu compares MIME types.
+        accept = serialization.prepare_accept_content(accept)
+    return serialization.loads(data, envelope["content_type"], envelope["content_encoding"], accept=accept)
+
+
+def encode_result(value: Any, serializer: str) -> str:
+    """A task's return value for ``jobs.result``, in the app's result serializer."""
+    return _envelope(value, serializer)
+
+
+def decode_result(text: str, accept: Any, job_id: str) -> Any:
+    """The return value a completed job kept; StoreCorrupt when it cannot be read."""
+    try:
+        return _open(text, accept)
+    except Exception as exc:  # noqa: BLE001 - any decoding problem means a corrupt row
+        raise StoreCorrupt(f"job {job_id}: kept result cannot be decoded ({exc})", job_id=job_id) from exc
+
+
+def republish(app: Any, job_id: str, payload: str | None, countdown: float = 0.0,
+              queue: str | None = None) -> Any:
+    """Send the stored message again under the same task id; returns its AsyncResult."""
+    envelope = None
+    if payload:
+        with contextlib.suppress(ValueError):
+            envelope = _message(payload)
+    if envelope is not None:
+        return _send_again(app, job_id, envelope, countdown, queue)
+    sig = app.signature(decode(payload, app.conf.accept_content, job_id))
+    options: dict[str, Any] = {"task_id": job_id}
+    if countdown > 0:
+        options["countdown"] = countdown
+    if queue is not None:
+        # The default exchange delivers by queue name: no binding needed, so a broker that
+        # restarted empty (Redis without persistence) still gets the message.
+        options.update(queue=queue, routing_key=queue, exchange="")
+    with publishing_unrecorded():
+        return sig.apply_async(**options)
+
+
+def _send_again(app: Any, job_id: str, envelope: dict[str, Any], countdown: float, queue: str | None) -> Any:
+    """Publish a recorded message's bytes again, as they were sent (a new ETA for a countdown)."""
+    headers = dict(envelope.get("headers") or {})
+    if headers.get("id") != job_id or "task" not in headers:
+        raise StoreCorrupt(f"job {job_id}: stored message belongs to task id {headers.get('id')!r}",
+                           job_id=job_id)
+    if countdown > 0:
+        headers["eta"] = (datetime.datetime.now(datetime.timezone.utc)
+                          + datetime.timedelta(seconds=countdown)).isoformat()
+    exchange, routing_key = envelope.get("exchange") or "", envelope.get("routing_key")
+    names = list(envelope.get("declare") or ())
+    if queue is not None:
+        # The default exchange delivers by queue name: no binding needed, so a broker that
+        # restarted empty (Redis without persistence) still gets the message.
+        exchange, routing_key, names = "", queue, [queue]
+    body = envelope["body"]
+    if envelope.get("b64"):
+        body = base64.b64decode(body)
+    conf = app.conf
+    with app.producer_or_acquire() as producer:
+        producer.publish(
+            body, exchange=exchange, routing_key=routing_key, headers=headers,
+            content_type=envelope["content_type"], content_encoding=envelope["content_encoding"],
+            compression="", declare=_queues(app, names),
+            retry=conf.task_publish_retry, retry_policy=conf.task_publish_retry_policy,
+            **(envelope.get("properties") or {}),
+        )
+    return app.AsyncResult(job_id)
+
+
+def _queues(app: Any, names: list[str]) -> list[Any]:
+    """The app's queue objects to declare with a re-publish (names it does not know are skipped)."""
+    queues = app.amqp.queues
+    found = []
+    for name in names:
+        with contextlib.suppress(KeyError):
+            found.append(queues[name])
+    return found

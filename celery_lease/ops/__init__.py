@@ -1,0 +1,1 @@
+"""Checks, tuning, metrics, recovery verbs (imports every layer below it; cli/ and web/ import it)."""

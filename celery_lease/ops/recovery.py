@@ -1,0 +1,242 @@
+"""Manual recovery: requeue abandoned leases, redrive or discard dead letters, forget effect keys.
+
+These are the operator's versions of the reaper's moves, with the same rules: a
+lease is only taken when it expired past its grace and its owner is gone (unless
+forced), every move is one compare-and-set, and each one is audited (``manual_requeue``,
+``dlq_redriven``, ``dlq_discarded``, ``effect_forgotten``). The row changes first and the
+stored message is re-published after: a message that arrived while the old lease still
+stood would be skipped as a duplicate and acknowledged, leaving a pending job
+with no message. If the publish fails after the change, the job is pending and
+the reaper re-dispatches it after ``lease_dispatch_timeout``; the outcome says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import getpass
+import logging
+import socket
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import celery_lease.messaging.events as events
+import celery_lease.messaging.messages as messages
+
+from ..errors import JobNotFound, LeaseError
+from ..store import COMPLETED, FAILED, PENDING, Job, ReportStore
+from ..vocabulary import RecoveryAction
+
+__all__ = ["RecoveryRefused", "AmbiguousJobId", "Outcome", "operator", "resolve_job_id", "requeue_plan",
+           "requeue", "redrive_plan", "redrive", "discard_plan", "discard", "forget_plan", "forget"]
+
+log = logging.getLogger(__name__)
+
+
+class RecoveryRefused(LeaseError):
+    """A manual recovery was refused because it could run a job twice or has nothing to do."""
+
+    def __init__(self, job_id: str, message: str) -> None:
+        super().__init__(message, job_id=job_id)
+
+
+class AmbiguousJobId(LeaseError):
+    """A job id prefix matches more than one job."""
+
+    def __init__(self, prefix: str, matches: list[str]) -> None:
+        shown = ", ".join(matches[:PREFIX_MATCHES_SHOWN])
+        if len(matches) > PREFIX_MATCHES_SHOWN:
+            shown += ", ..."
+        super().__init__(f"job id prefix {prefix!r} matches several jobs ({shown}); give more of the id",
+                         job_id=prefix, matches=matches)
+
+
+PREFIX_MATCHES_SHOWN = 10
+
+
+def resolve_job_id(store: ReportStore, text: str) -> str:
+    """The id of the job ``text`` names: the id itself or a prefix unique among the store's ids.
+
+    JobNotFound when nothing matches; AmbiguousJobId (listing the matches) when several do.
+    """
+    if store.get(text) is not None:
+        return text
+    matches = store.job_ids_starting(text, PREFIX_MATCHES_SHOWN + 1) if text else []
+    if not matches:
+        raise JobNotFound(text)
+    if len(matches) > 1:
+        raise AmbiguousJobId(text, matches)
+    return matches[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What happened to one job: its action (requeued, redriven, discarded, skipped...) and why."""
+
+    job_id: str
+    task: str
+    queue: str | None
+    action: RecoveryAction
+    reason: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def operator(via: str = "cli", user: str | None = None, host: str | None = None) -> str:
+    """Who ran a manual recovery, for the audit log: ``via:user@host`` (the command line's user and
+    host by default; the web page passes its signed-in user and the client's address)."""
+    if user is None:
+        try:
+            user = getpass.getuser()
+        except (KeyError, OSError):
+            user = "unknown"
+    return f"{via}:{user}@{host or socket.gethostname()}"
+
+
+def _lease_state(store: ReportStore, job: Job) -> str:
+    """Why a lease still counts as live, in ages: the lease's expiry and the owner's last heartbeat."""
+    now, seen = store.workers_last_seen([job.locked_by] if job.locked_by else [])
+    if job.lease_expires_at is None:
+        lease = "its lease has no expiry"
+    elif job.lease_expires_at > now:
+        lease = f"its lease is valid for another {job.lease_expires_at - now:.1f}s"
+    else:
+        lease = f"its lease expired {now - job.lease_expires_at:.1f}s ago"
+    last = seen.get(job.locked_by or "")
+    owner = (f"owner {job.locked_by} never registered" if last is None
+             else f"owner {job.locked_by} was last seen {now - last:.1f}s ago")
+    return (f"{lease} and {owner} (a worker counts as gone after {store.stale_after:g}s without a "
+            f"heartbeat; the reaper takes a lease {store.hard_grace:g}s past expiry regardless)")
+
+
+def requeue_plan(app: Any, store: ReportStore, job_id: str | None = None, expired: bool = False,
+                 batch: int = 10, force: bool = False) -> list[Job]:
+    """The jobs a ``requeue`` would move: one named job (refused when that is unsafe) or up to
+    ``batch`` abandoned leases, oldest first."""
+    if job_id is None:
+        if not expired:
+            raise RecoveryRefused("", "name a job with --job ID or take expired leases with --expired")
+        return store.requeue_candidates(force, batch)
+    job_id = resolve_job_id(store, job_id)
+    job = store.require(job_id)
+    if job.status == COMPLETED:
+        raise RecoveryRefused(job_id, f"job {job_id} is completed; there is nothing to requeue")
+    if job.status == FAILED:
+        raise RecoveryRefused(job_id, f"job {job_id} is a dead letter (failed); "
+                                      f"use `celery lease dlq redrive --job {job_id}`")
+    if force:
+        return [job]
+    if job.status == PENDING:
+        raise RecoveryRefused(job_id, (
+            f"job {job_id} is pending and waits for a worker; the reaper re-publishes it after "
+            f"lease_dispatch_timeout. Use --force to re-publish its message now"))
+    if not store.is_claimable_expired(job_id):
+        raise RecoveryRefused(job_id, (
+            f"job {job_id} holds a live lease: {_lease_state(store, job)}. Requeueing it may run it "
+            "twice while its worker still works on it. Wait for the reaper, check the owner "
+            f"(`celery lease inspect {job_id}`), or use --force if you know the owner is gone"))
+    return [job]
+
+
+def _announce(app: Any, job: Job, reason: str, who: str) -> None:
+    """``task-retried`` for a job an operator sent back to pending, from ``celery_lease.<via>@host``."""
+    via = who.split(":", 1)[0] or "cli"
+    events.send(app, events.node(f"celery_lease.{via}"), [events.retried(job.id, reason, job.attempt_count)])
+
+
+def _publish(app: Any, job: Job, done: RecoveryAction) -> Outcome:
+    try:
+        messages.republish(app, job.id, job.payload)
+    except Exception as exc:  # noqa: BLE001 - the row already moved: report any publish failure, go on
+
+        log.error("job %s is pending but its message could not be sent: %s", job.id, exc,
+                  extra={"action": "manual_publish_failed"})
+        return Outcome(job.id, job.task_name, job.queue_name, RecoveryAction.PUBLISH_FAILED,
+                       f"pending, but its message could not be sent ({exc}); the reaper re-publishes it "
+                       f"after lease_dispatch_timeout, or run `celery lease requeue --job {job.id} --force`")
+    return Outcome(job.id, job.task_name, job.queue_name, done, "message re-published")
+
+
+def requeue(app: Any, store: ReportStore, jobs: Iterable[Job], force: bool = False,
+            who: str | None = None) -> Iterator[Outcome]:
+    """Requeue each job (CAS on its token), then re-publish its stored message."""
+    who = who or operator()
+    for job in jobs:
+        if not store.manual_requeue(job, who, force):
+            yield Outcome(job.id, job.task_name, job.queue_name, RecoveryAction.SKIPPED,
+                          "changed since it was read (renewed, finished or taken by someone else)")
+            continue
+        log.info("job %s [%s] requeued by %s%s", job.id, (job.lock_token or "")[:8], who,
+                 " (forced)" if force else "", extra={"action": "manual_requeue"})
+        _announce(app, job, f"requeued by {who}", who)
+        yield _publish(app, job, RecoveryAction.REQUEUED)
+
+
+def redrive_plan(store: ReportStore, job_id: str | None = None, task: str | None = None,
+                 batch: int = 10) -> list[Job]:
+    """The dead letters a redrive would send back: one named job, or up to ``batch`` failed
+    jobs (oldest first) that were not revoked on purpose."""
+    if job_id is None:
+        return store.dead_letters(task, batch, include_revoked=False)
+    return [_dead_letter(store, job_id, "redriven")]
+
+
+def _dead_letter(store: ReportStore, job_id: str, verb: str) -> Job:
+    job = store.require(resolve_job_id(store, job_id))
+    if job.status != FAILED:
+        raise RecoveryRefused(job.id, f"job {job.id} is {job.status}, not a dead letter; only failed "
+                                      f"jobs can be {verb} (see `celery lease dlq list`)")
+    return job
+
+
+def redrive(app: Any, store: ReportStore, jobs: Iterable[Job], who: str | None = None) -> Iterator[Outcome]:
+    """Set each dead letter back to pending with fresh attempts, then re-publish its message."""
+    who = who or operator()
+    for job in jobs:
+        if not store.redrive(job, who):
+            yield Outcome(job.id, job.task_name, job.queue_name, RecoveryAction.SKIPPED,
+                          "changed since it was read")
+            continue
+        log.info("job %s redriven from the dead letters by %s", job.id, who, extra={"action": "dlq_redriven"})
+        _announce(app, job, f"redriven from the dead letters by {who}", who)
+        yield _publish(app, job, RecoveryAction.REDRIVEN)
+
+
+
+def discard_plan(store: ReportStore, job_id: str | None = None, task: str | None = None,
+                 batch: int = 10) -> list[Job]:
+    """The dead letters a discard would delete: one named job, or up to ``batch`` (oldest first)."""
+    if job_id is None:
+        return store.dead_letters(task, batch)
+    return [_dead_letter(store, job_id, "discarded")]
+
+
+def discard(store: ReportStore, jobs: Iterable[Job], who: str | None = None) -> Iterator[Outcome]:
+    """Delete each dead letter (CAS on status and failed_at), audited dlq_discarded; no message is sent."""
+    who = who or operator()
+    for job in jobs:
+        if not store.discard_dead_letter(job, who):
+            yield Outcome(job.id, job.task_name, job.queue_name, RecoveryAction.SKIPPED,
+                          "changed since it was read")
+            continue
+        log.info("dead letter %s discarded by %s", job.id, who, extra={"action": "dlq_discarded"})
+        yield Outcome(job.id, job.task_name, job.queue_name, RecoveryAction.DISCARDED,
+                      "deleted from the store")
+
+
+def forget_plan(store: ReportStore, key: str) -> dict[str, Any]:
+    """The effect key an ``effects forget`` would delete: its job and when it was recorded."""
+    found = store.effect_record(key)
+    if found is None:
+        raise RecoveryRefused("", f"no effect key {key!r} in the lease store; a job's keys show with "
+                                  "`celery lease inspect JOB`")
+    return found
+
+
+def forget(store: ReportStore, key: str, who: str | None = None) -> bool:
+    """Delete an effect key, so that the next run of its effect happens again (audited effect_forgotten)."""
+    who = who or operator()
+    done = store.forget_effect(key, reason=f"forgotten by {who}")
+    if done:
+        log.info("effect key %r forgotten by %s", key, who, extra={"action": "effect_forgotten"})
+    return done

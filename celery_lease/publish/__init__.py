@@ -1,0 +1,2 @@
+"""The publish record, group batching, the replace hand-over (imports core, store/, messaging/,
+worker/)."""

@@ -1,0 +1,242 @@
+"""A LeaseTask's publish: the record of its job, written with the message as Celery sends it.
+
+Celery builds the task message and hands it to ``producer.publish``; this wrapper encodes it
+there once, exactly as kombu would (serializer, compression, pydantic models, protocol
+options), gives the encoded message to the store write of the publish, and then sends those
+same bytes. So the stored message is the sent message, and a message Celery can send can
+always be recorded. The store write raises to stop the send (a duplicate idempotency key).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from celery._state import get_current_worker_task
+
+import celery_lease.deadline as deadline
+import celery_lease.messaging.messages as messages
+import celery_lease.publish.batching as batching
+import celery_lease.publish.replacing as replacing
+import celery_lease.worker.deliveries as deliveries
+import celery_lease.worker.runtime as runtime
+
+from ..config import task_policy
+from ..errors import LeaseError, StoreRejected, StoreUnavailable
+from ..store import NewJob, for_app
+from ..worker.lease import Lease
+
+__all__ = ["RecordingProducer", "publish", "record_eager", "seconds_until"]
+
+log = logging.getLogger(__name__)
+
+
+def seconds_until(when: Any) -> float:
+    """Seconds from now to an ``eta`` (datetime or ISO 8601 string) or a ``countdown``."""
+    if when is None:
+        return 0.0
+    if isinstance(when, str):
+        # Celery accepts an ISO 8601 string as eta.
+        when = datetime.datetime.fromisoformat(when)
+    if isinstance(when, datetime.datetime):
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=datetime.timezone.utc)
+        return max(0.0, (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds())
+    return max(0.0, float(when))
+
+
+class _KeyTaken(LeaseError):  # noqa: N818 - a signal inside publish(), never seen by users
+    """Raised by the publish record to stop the send: the idempotency key belongs to ``holder``."""
+
+    holder: str
+
+    def __init__(self, holder: str) -> None:
+        super().__init__(f"idempotency key belongs to job {holder}", holder=holder)
+
+
+def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id: str, producer: Any,
+            link: Any, link_error: Any, shadow: Any, idempotency_key: str | None,
+            options: dict[str, Any]) -> Any:
+    """Publish through Celery's ``apply_async`` (``send``), recording the job with the message it sends.
+
+    The record is the hand-over of a replaced job, the row going back to pending for the
+    running job's own retry, or a new job (once per idempotency key).
+    """
+    delay = seconds_until(options.get("eta")) or seconds_until(options.get("countdown"))
+    record: Callable[[str], bool | None]
+    keep: Callable[[str, Callable[[Any], Any]], None] | None = None
+    created = False
+    batch = batching.current()
+    if replacing.hands_over_to(task_id):
+        def record(payload: str) -> None:
+            replacing.claim_on_publish(task, task_id, payload)
+    elif (lease := runtime.own_lease(task)) is not None and lease.job_id == task_id and not (
+            lease.lost or lease.handed_over):
+        # The running job sends itself again (Task.retry()): the row becomes pending first,
+        # so the new message finds it claimable however soon it is consumed.
+        def record(payload: str) -> bool:
+            return retry_first(lease, delay, payload)
+    else:
+        route = task.app.amqp.router.route(dict(options), task.name, args, kwargs)
+        queue = getattr(route.get("queue"), "name", None)
+        policy = task_policy(task, queue)
+        store = for_app(task.app)
+
+        def record(payload: str) -> None:
+            nonlocal created
+            try:
+                created, holder = replacing.record_step(store, task_id, task.name, queue, payload,
+                                                        policy.max_attempts, idempotency_key, delay,
+                                                        policy.recovery(), _reopens(task_id))
+            except (StoreUnavailable, StoreRejected) as exc:
+                if idempotency_key is not None or not _after_a_body():
+                    raise
+                # Celery's post-run work (a chain's next step, a link) met an outage or a refused
+                # record: raising would drop the rest of the canvas, whose next step may carry a
+                # replaced job. Plain Celery would send it, and its first claim records the job.
+                refused = isinstance(exc, StoreRejected)
+                (log.error if refused else log.warning)(
+                    "task %s [%s] sent unrecorded, the store %s (%s); its claim records it", task.name,
+                    task_id, "refused its record" if refused else "is unreachable", exc,
+                    extra={"action": "published_unrecorded"})
+                return
+            if holder != task_id:
+                raise _KeyTaken(holder)
+
+        if batch is not None and idempotency_key is None and task.app.conf.task_protocol != 1:
+            # Inside a group's publish: recorded and sent with the next batch of its jobs (batching.py).
+            reopen = _reopens(task_id)
+
+            def keep(payload: str, send_message: Callable[[Any], Any]) -> None:
+                batch.keep(task.app, store, NewJob(task_id, task.name, queue, payload, policy.max_attempts,
+                                                   delay, policy.recovery()), reopen, send_message)
+    if batch is not None and keep is None:
+        batch.flush()  # the group's order: the jobs kept so far go out before this one
+    connection = options.pop("connection", None)
+    if connection and producer is None:
+        producer = task.app.amqp.Producer(connection, auto_declare=False)
+    try:
+        if task.app.conf.task_protocol == 1:
+            # Celery's deprecated protocol 1 carries the task id in the body, not the headers:
+            # the job's signature is recorded before the send instead of the message.
+            serializer = options.get("serializer") or task.serializer
+            signature = messages.encode(task.name, args, kwargs, {
+                **options, "link": link, "link_error": link_error, "shadow": shadow}, serializer)
+            if record(signature) is False:
+                return task.AsyncResult(task_id)  # held back: sent once the store answers
+            return send(args, kwargs, task_id, producer, link, link_error, shadow, **options)
+        with task.app.producer_or_acquire(producer) as sender:
+            return send(args, kwargs, task_id, RecordingProducer(sender, task_id, record, keep), link,
+                        link_error, shadow, **options)
+    except _KeyTaken as taken:
+        log.info("task %s not published again: idempotency key %r belongs to job %s",
+                 task.name, idempotency_key, taken.holder, extra={"action": "idempotent_publish"})
+        return task.AsyncResult(taken.holder)
+    except BaseException:
+        if created:
+            for_app(task.app).forget_unpublished(task_id)
+        raise
+
+
+def record_eager(task: Any, task_id: str, idempotency_key: str, options: dict[str, Any]) -> tuple[bool, str]:
+    """An eager run's record under ``idempotency_key`` (lease_eager_store): (True, its id) to run it,
+    (False, the key's job) when that job exists already, which the run must not repeat."""
+    queue = options.get("queue")
+    queue = getattr(queue, "name", queue)
+    policy = task_policy(task, queue)
+    _, holder = for_app(task.app).record(task_id, task.name, queue, None, policy.max_attempts,
+                                               idempotency_key, 0.0, recovery=policy.recovery())
+    if holder != task_id:
+        log.info("task %s not run again: idempotency key %r belongs to job %s", task.name, idempotency_key,
+                 holder, extra={"action": "idempotent_publish"})
+        return False, holder
+    return True, task_id
+
+
+def retry_first(lease: Lease, delay: float, payload: str) -> bool:
+    """running -> pending under the token before the retry's message is sent; LeaseLost if it moved on.
+
+    An unreachable store holds the message back (False): the settle step writes the row and
+    then sends the message, once the store answers; the lease stays renewed meanwhile.
+    """
+    with lease.turn:
+        try:
+            written = lease.store.retry_later(lease.job_id, lease.token, delay, payload, None, lease.worker)
+        except StoreRejected:
+            raise
+        except StoreUnavailable as exc:
+            log.warning("job %s [%s]: retry held back until the store answers (%s)", lease.job_id,
+                        lease.token[:8], exc, extra={"action": "retry_deferred"})
+            lease.deferred_retry = (deadline.monotonic() + delay, payload)
+            return False
+        if not written and lease.vanished_and_recorded_again():
+            written = lease.store.retry_later(lease.job_id, lease.token, delay, payload, None, lease.worker)
+        if not written:
+            lease.mark_lost("retry rejected: token no longer matches")
+            lease.check()
+        lease.retried = True
+    return True
+
+
+def _after_a_body() -> bool:
+    """Whether this publish comes from a worker's task outside any leased body: Celery's post-run
+    work (a chain's next step, a link callback) or a plain task."""
+    current = get_current_worker_task()
+    return current is not None and runtime.own_lease(current) is None
+
+
+def _reopens(task_id: str) -> bool:
+    """Whether publishing ``task_id`` runs a finished job of that id again, as Celery would.
+
+    Not from the job's own run (a retry after its lease was lost), and not while a delivery
+    finishes a crash's post-run work (it re-sends the chain's next step under its frozen id).
+    """
+    current = get_current_worker_task()
+    if current is None:
+        return True
+    current_id = current.request.id
+    return current_id != task_id and not deliveries.resumed(current_id)
+
+
+class RecordingProducer:
+    """Wraps a kombu producer for one ``apply_async``; everything but the task's publish passes through."""
+
+    def __init__(self, producer: Any, task_id: str, record: Callable[[str], bool | None],
+                 keep: Callable[[str, Callable[[Any], Any]], None] | None = None) -> None:
+        self._producer = producer
+        self._task_id = task_id
+        self._record = record
+        self._keep = keep  # a group's batch: it records the job and sends the message later
+        self._recorded = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._producer, name)
+
+    def publish(self, body: Any, **kwargs: Any) -> Any:
+        headers = kwargs.get("headers")
+        # The same producer also sends the task-sent event, and Celery retries a refused
+        # callback publish through it: only the task's own message is recorded, once.
+        if self._recorded or not headers or headers.get("id") != self._task_id:
+            return self._producer.publish(body, **kwargs)
+        producer = self._producer
+        compression = kwargs.pop("compression", None)
+        compression = producer.compression if compression is None else compression
+        data, content_type, content_encoding = producer._prepare(
+            body, kwargs.pop("serializer", None), kwargs.pop("content_type", None),
+            kwargs.pop("content_encoding", None), compression, headers)
+        payload = messages.capture(data, content_type, content_encoding, kwargs)
+        self._recorded = True
+
+        def send_message(sender: Any) -> Any:
+            # Already encoded and compressed: kombu sends the bytes as they are.
+            return sender.publish(data, content_type=content_type, content_encoding=content_encoding,
+                                  compression="", **kwargs)
+
+        if self._keep is not None:
+            self._keep(payload, send_message)
+            return None
+        if self._record(payload) is False:
+            return None  # held back: the record's owner sends it later
+        return send_message(producer)

@@ -1,0 +1,179 @@
+"""``Task.replace()`` under a lease: the replaced job's id passes to the task that carries it.
+
+Celery freezes the replacement with the replaced task's id, sends it and raises
+``Ignore``. The job is not over then: its carrier (the signature frozen with the id)
+runs it. Three cases, each fenced on the replaced run's token:
+
+- the carrier is a leased task sent now: the row goes back to ``pending`` with the
+  carrier's message just before that message is published, so its delivery claims it;
+- the carrier is a leased task sent later (the last step of a chain): the row is
+  removed in the transaction that records the replacement's first step (a leased task),
+  before that step's message is sent, and the carrier's own publish records the job anew.
+  So at every instant one of them is in the store: a worker killed in between loses
+  nothing (the replaced row's lease expires and is reaped, or the step's pending row is
+  re-sent by the dispatch scan). A first step that is not a leased task records nothing
+  to join: the row is then removed just before the replacement is sent, as before;
+- the carrier is not leased (``celery.accumulate`` for a group, a plain task): the
+  lease's part of the job ends, ``completed``, once the replacement was sent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from celery.canvas import Signature, _chain, _chord, group
+from celery.exceptions import Ignore
+
+from ..store import NewJob
+
+if TYPE_CHECKING:
+    from ..store import Store
+    from ..worker.lease import Lease
+
+__all__ = ["hand_over", "hands_over_to", "claim_on_publish", "record_step"]
+
+_handing: contextvars.ContextVar[Lease | None] = contextvars.ContextVar("celery_lease_handing", default=None)
+# A hand-over whose carrier is sent later: the lease, the carrier's name and the replaced run's
+# replaced_task_nesting, until the first step is recorded.
+_later: contextvars.ContextVar[tuple[Lease, str, int] | None] = contextvars.ContextVar(
+    "celery_lease_handing_later", default=None)
+
+
+def carrier(sig: Signature, job_id: str, first: bool = True) -> tuple[Signature | None, bool]:
+    """The signature frozen with ``job_id`` in a replacement, and whether it is published now."""
+    if isinstance(sig, _chain):
+        for index, step in enumerate(sig.tasks):
+            found, now = carrier(step, job_id, first and index == 0)
+            if found is not None:
+                return found, now
+        return None, False
+    if isinstance(sig, _chord):
+        header = sig.tasks if isinstance(sig.tasks, Signature) else group(sig.tasks)
+        found, now = carrier(header, job_id, first)
+        return (found, now) if found is not None else (carrier(sig.body, job_id, False)[0], False)
+    if isinstance(sig, group):
+        for member in sig.tasks:
+            found, now = carrier(member, job_id, first)
+            if found is not None:
+                return found, now
+        return None, False
+    return (sig, first) if sig.id == job_id else (None, False)
+
+
+def hand_over(task: Any, lease: Lease, sig: Signature, send: Callable[[Signature], Any]) -> Any:
+    """Hand the job over to its replacement, then ``send`` it (Celery's on_replace: raises Ignore)."""
+    from ..integration.task import leased
+
+    found, now = carrier(sig, lease.job_id)
+    target = task.app.tasks.get(found.task) if found is not None else None
+    name = found.task if found is not None else type(sig).__name__
+    store, job_id, token, worker = lease.store, lease.job_id, lease.token, lease.worker
+    nesting = int(getattr(task.request, "replaced_task_nesting", 0) or 0)
+    if target is not None and leased(target) and not now:
+        first = _first_sent(sig)
+        if first is None or not leased(task.app.tasks.get(first.task)):
+            with lease.turn:
+                if not store.hand_over(job_id, token, worker, None, name, nesting):
+                    raise Ignore()
+                lease.handed_over = True
+            return send(sig)
+        later = _later.set((lease, name, nesting))
+        try:
+            return send(sig)
+        except Ignore:
+            with lease.turn:  # the first step was not recorded here (its publish took another way)
+                if not lease.handed_over:
+                    lease.handed_over = store.hand_over(job_id, token, worker, None, name, nesting)
+            raise
+        finally:
+            _later.reset(later)
+    if target is not None and leased(target):
+        with _handing_over(lease):
+            return send(sig)
+    try:
+        return send(sig)
+    except Ignore:
+        with lease.turn:
+            lease.handed_over = store.replaced(job_id, token, worker, name)
+        raise
+
+
+def _first_sent(sig: Signature) -> Signature | None:
+    """The single task a replacement sends first (a chain's first step); None when it starts with a group."""
+    while isinstance(sig, _chain) and sig.tasks:
+        sig = sig.tasks[0]
+    return None if isinstance(sig, (group, _chord, _chain)) else sig
+
+
+def record_step(store: Store, job_id: str, task_name: str, queue: str | None, payload: str | None,
+                max_attempts: int, idempotency_key: str | None, delay: float,
+                recovery: Mapping[str, Any] | None, reopen: bool) -> tuple[bool, str]:
+    """A leased publish's record (``store.record``); the replacement's first step also hands the job over.
+
+    While a running job hands over to a carrier sent later, the first step it publishes is
+    recorded in the transaction that removes the replaced row (store.hand_over_to_step).
+    Raises Ignore when the replaced run's lease moved on: nothing is sent.
+    """
+    later = _later.get()
+    lease, carrier_name, nesting = later if later is not None else (None, "", 0)
+    if lease is not None and idempotency_key is None and job_id != lease.job_id and not lease.handed_over:
+        step = NewJob(job_id, task_name, queue, payload, max_attempts, delay, recovery)
+
+        def write() -> bool | None:
+            return lease.store.hand_over_to_step(lease.job_id, lease.token, lease.worker, carrier_name, step,
+                                                 nesting)
+
+        with lease.turn:
+            done = write()
+            if done is False and lease.vanished_and_recorded_again():
+                done = write()  # the replaced row vanished (a restore): recorded again, then handed over
+            if done is False:
+                raise Ignore()
+            if done is None:  # the step's id is taken: hand over, then record it as any publish
+                if not lease.store.hand_over(lease.job_id, lease.token, lease.worker, None, carrier_name,
+                                             nesting):
+                    raise Ignore()
+            lease.handed_over = True
+        if done:
+            # Not "created": a failed send must not forget the step's row, which now carries the
+            # job (the dispatch scan sends it).
+            return False, job_id
+    return store.record(job_id, task_name, queue, payload, max_attempts, idempotency_key, delay,
+                        recovery=recovery, reopen=reopen)
+
+
+@contextlib.contextmanager
+def _handing_over(lease: Lease) -> Iterator[None]:
+    token = _handing.set(lease)
+    try:
+        yield
+    finally:
+        _handing.reset(token)
+
+
+def hands_over_to(task_id: str) -> bool:
+    """Whether a publish of ``task_id`` now is the carrier of a running job's replacement."""
+    lease = _handing.get()
+    return lease is not None and lease.job_id == task_id and not lease.handed_over
+
+
+def claim_on_publish(task: Any, task_id: str, payload: str) -> bool:
+    """In the carrier's apply_async: the row goes back to pending with its message; True when it did.
+
+    Called just before the carrier's message is published, so its delivery finds the job
+    claimable however soon it is consumed. Raises Ignore when the replaced run's lease moved on.
+    """
+    lease = _handing.get()
+    if lease is None or lease.job_id != task_id or lease.handed_over:
+        return False
+    def write() -> bool:
+        return lease.store.hand_over(lease.job_id, lease.token, lease.worker, payload, task.name)
+
+    with lease.turn:
+        if not write() and not (lease.vanished_and_recorded_again() and write()):
+            raise Ignore()
+        lease.handed_over = True
+    return True

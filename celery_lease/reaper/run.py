@@ -1,0 +1,434 @@
+"""The reaper: takes back leases nobody renews, re-sends lost messages, prunes old rows.
+
+Conservative by construction: it only takes leases past their grace, at most a batch
+per run, leaves an owner that looks alive alone until the hard grace, and changes a
+job only by a compare-and-set on the token that writes one audit event. One reaper
+works at a time (a lock row of its own). The message is published *before* the CAS,
+so a reaper that dies in between leaves an expired lease (reaped again next run,
+and the early message finds it claimable), never a pending job without a message.
+After the store was away or its clock stepped it takes nothing back until each owner had
+a lease's time to renew (clock_guard.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import random
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from celery import Task, shared_task
+
+import celery_lease.messaging.events as events
+import celery_lease.messaging.messages as messages
+
+from ..backoff import backoff, dispatch_wait
+from ..config import REAPER_RUNS_KEPT, TaskPolicy, app_config, task_policy, worker_stale_after
+from ..errors import StoreCorrupt, StoreRejected, StoreUnavailable
+from ..store import Job, ReaperStore, for_app
+
+# The kinds of a Decision (the dataclass below names one decision about one job).
+from ..vocabulary import Decision as Kind
+from ..vocabulary import TaskEvent
+from .clock_guard import ClockGuard, Hold
+from .outcomes import report_failure
+
+__all__ = ["Reaper", "ReapResult", "Decision", "backoff", "decide", "policy_for", "publish_decision",
+           "settle", "reap"]
+
+log = logging.getLogger("celery_lease.reaper")
+
+#: Test seam: called with the job id after its message is published and before the CAS.
+after_publish: Callable[[str], None] | None = None
+
+MAX_PAGES = 10  # keyset pages one run may walk past leases left to live owners
+PRUNE_CHUNK = 1000  # rows deleted per statement
+PRUNE_CHUNKS = 10  # statements per table per run
+WORKER_PRUNE_FACTOR = 10  # registry rows go after 10 x lease_worker_stale_after unseen
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What the reaper does (or, in a dry run, would do) with one job."""
+
+    job_id: str
+    task: str
+    decision: Kind
+    reason: str
+    owner: str | None = None
+    delay: float = 0.0
+    queue: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class ReapResult:
+    """The counts of one run; ``skipped`` when another reaper held the lock."""
+
+    seen: int = 0
+    reaped: int = 0
+    dead_lettered: int = 0
+    failed: int = 0
+    redispatched: int = 0
+    skipped_owner_alive: int = 0
+    held_back: int = 0  # expired leases left alone while the store's hold lasts (clock_guard.py)
+    lost_races: int = 0
+    publish_errors: int = 0
+    pruned_jobs: int = 0
+    pruned_events: int = 0
+    pruned_workers: int = 0
+    pruned_keys: int = 0
+    skipped: bool = False
+    dry_run: bool = False
+    planned: list[Decision] = dataclasses.field(default_factory=list)
+
+    @property
+    def changed(self) -> bool:
+        return any((self.reaped, self.dead_lettered, self.failed, self.redispatched, self.publish_errors,
+                    self.pruned_jobs, self.pruned_events, self.pruned_workers, self.pruned_keys))
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def summary(self) -> str:
+        return (f"seen={self.seen} reaped={self.reaped} dead_lettered={self.dead_lettered} "
+                f"failed={self.failed} redispatched={self.redispatched} "
+                f"skipped_owner_alive={self.skipped_owner_alive} held_back={self.held_back} "
+                f"lost_races={self.lost_races} "
+                f"publish_errors={self.publish_errors} pruned={self.pruned_jobs}/{self.pruned_events}/"
+                f"{self.pruned_workers}/{self.pruned_keys}")
+
+
+def policy_for(app: Any, job: Job) -> TaskPolicy:
+    """The job's recovery policy: what its row carries, else its task's, else the app's for its queue.
+
+    The row wins: it is the policy of the code that recorded or last claimed the job, and a
+    reaper may run on a worker that does not import the task at all.
+    """
+    task = app.tasks.get(job.task_name)
+    base = task_policy(task, job.queue_name) if task is not None else app_config(app).policy(
+        queue=job.queue_name)
+    carried = job.recovery()
+    return dataclasses.replace(base, **carried) if carried else base
+
+
+def decide(job: Job, policy: TaskPolicy, why: str, rng: Any = random) -> Decision:
+    """Requeue with backoff while attempts and expirations last, else dead-letter (or fail)."""
+    if policy.on_expired == Kind.FAIL:
+        kind, reason = Kind.FAIL, f"{why}; lease_on_expired='fail'"
+    elif policy.on_expired == Kind.DEAD_LETTER:
+        kind, reason = Kind.DEAD_LETTER, f"{why}; lease_on_expired='dead_letter'"
+    elif job.attempt_count >= job.max_attempts:
+        # The row's max_attempts is the one the claim's takeover checks: both must agree.
+        kind, reason = Kind.DEAD_LETTER, "lease expired and max attempts reached"
+    elif job.expired_count >= policy.max_expirations:
+        kind, reason = Kind.DEAD_LETTER, "lease expired and max lease expirations reached"
+    else:
+        delay = backoff(job.attempt_count, policy.backoff_base, policy.backoff_max, policy.backoff_jitter,
+                        rng)
+        return Decision(job.id, job.task_name, Kind.REQUEUE, why, job.locked_by, delay, job.queue_name)
+    queue = policy.dead_letter_queue if kind == Kind.DEAD_LETTER else None
+    return Decision(job.id, job.task_name, kind, reason, job.locked_by, 0.0, queue)
+
+
+def publish_decision(app: Any, job: Job, decision: Decision) -> Decision:
+    """Send the job's message for a decision (before its CAS); an unreadable message turns it to ``fail``."""
+    if decision.decision == Kind.FAIL or (decision.decision == Kind.DEAD_LETTER and not decision.queue):
+        return decision
+    try:
+        messages.republish(app, job.id, job.payload, countdown=decision.delay,
+                           queue=decision.queue if decision.decision == Kind.DEAD_LETTER else None)
+    except StoreCorrupt as exc:
+        return dataclasses.replace(decision, decision=Kind.FAIL, queue=None,
+                                   reason=f"{decision.reason}; message unreadable: {exc}")
+    if after_publish is not None:
+        after_publish(job.id)
+    return decision
+
+
+def settle(store: ReaperStore, job: Job, decision: Decision, result: ReapResult, *, expired: bool = True,
+           now: float | None = None, c: Any = None) -> bool:
+    """The CAS on the token read with the row; a lost race writes nothing and is only counted."""
+    kind, token = decision.decision, job.lock_token or ""
+    detail: dict[str, Any] = {"attempt": job.attempt_count, "expired_count": job.expired_count + 1}
+    if kind == Kind.REQUEUE:
+        won = store.requeue_abandoned(job.id, token, job.locked_by, delay=decision.delay,
+                                      reason=decision.reason, expired=expired, now=now, detail=detail, c=c)
+    else:
+        if decision.queue:
+            detail["published_to"] = decision.queue
+        won = store.dead_letter_abandoned(job.id, token, job.locked_by, error=decision.reason,
+                                          expired=expired, now=now, detail=detail, c=c)
+    if not won:
+        result.lost_races += 1
+        log.debug("job %s [%s]: %s lost the race, the row moved on", job.id, token[:8], kind)
+    elif kind == Kind.REQUEUE:
+        result.reaped += 1
+        log.debug("job %s [%s] requeued in %.2fs: %s", job.id, token[:8], decision.delay, decision.reason,
+                  extra={"action": "reaped_expired_lease"})
+    else:
+        if kind == Kind.FAIL:
+            result.failed += 1
+        else:
+            result.dead_lettered += 1
+        log.warning("job %s [%s] of %s dead-lettered: %s", job.id, token[:8], job.task_name, decision.reason,
+                    extra={"action": "dead_lettered"})
+    return won
+
+
+class Reaper:
+    """One reaper of an app: ``run_once()`` is a round, ``run_forever()`` the thin loop."""
+
+    def __init__(self, app: Any, store: ReaperStore | None = None, *, batch_size: int | None = None,
+                 rng: Any = None) -> None:
+        self.app = app
+        self.store: ReaperStore = store or for_app(app)
+        self.cfg = app_config(app)
+        self.batch_size = batch_size or self.cfg.reaper_batch_size
+        self.rng = rng or random.Random()
+        self.guard = ClockGuard.for_app(app, self.cfg.clock_tolerance)
+
+    @property
+    def owner(self) -> str:
+        return f"reaper@{socket.gethostname()}:{os.getpid()}"
+
+    @property
+    def node(self) -> str:
+        """The node name of this reaper's task events (``celery_lease.reaper@<host>``)."""
+        return events.node(events.REAPER)
+
+    def run_once(self, now: float | None = None, dry_run: bool = False) -> ReapResult:
+        """One round: recover expired leases, re-send lost dispatches, prune; returns the counts.
+
+        ``now`` (epoch seconds) replaces the store's clock; by default the store's clock is
+        read once per run and bound as a parameter, so the scans are index range scans
+        (PostgreSQL's clock_timestamp() and MySQL's SYSDATE() are volatile: compared row by
+        row they would read the whole status range).
+        """
+        result = ReapResult(dry_run=dry_run)
+        try:
+            return self._run(result, now, dry_run)
+        except StoreUnavailable:
+            self.guard.failed()
+            raise
+
+    def _run(self, result: ReapResult, now: float | None, dry_run: bool) -> ReapResult:
+        # A ``now`` given by the caller is a simulated time: it says nothing of the store's clock.
+        mono: tuple[float, float] | None = None
+        if now is None:
+            before = time.monotonic()
+            now = self.store.now()
+            after = time.monotonic()
+            mono = ((before + after) / 2, (after - before) / 2)
+        if dry_run:
+            hold = self._judge(now, mono, record=False)
+            self._recover_expired(result, now, None, hold)
+            self._redispatch(result, now, None)
+            return result
+        token, ttl = secrets.token_hex(16), self.cfg.reaper_lock_ttl
+        if not self.store.acquire_reaper_lock(token, self.owner, ttl):
+            result.skipped = True
+            log.debug("reaper run skipped: another reaper holds the lock")
+            return result
+        started = time.monotonic()
+        try:
+            hold = self._judge(now, mono, record=True)
+            if self._recover_expired(result, now, token, hold) and self._redispatch(result, now, token):
+                self._prune(result, now)
+        finally:
+            try:
+                self.store.release_reaper_lock(token)
+            except (StoreUnavailable, StoreRejected) as exc:
+                log.warning("reaper lock not released (it expires in %gs): %s", ttl, exc)
+        self._record(result, time.monotonic() - started)
+        if result.changed:
+            log.info("reaper: %s", result.summary(), extra={"action": "reap"})
+        return result
+
+    def _judge(self, now: float, mono: tuple[float, float] | None, record: bool) -> Hold:
+        """This run's hold (clock_guard.py), under the reaper lock when it records; none for a
+        simulated ``now`` (``mono`` None)."""
+        if mono is None:
+            return Hold()
+        return self.guard.judge(self.store, now, self.owner, worker_stale_after(self.app), record=record,
+                                mono=mono)
+
+    def _record(self, result: ReapResult, duration: float) -> None:
+        """Note the run in the store (its liveness for `lease check`, status and the exporter).
+
+        A run that did its work but could not note it is still a run: the failure is logged,
+        and the next run records itself.
+        """
+        counts = {k: v for k, v in result.as_dict().items() if type(v) is int}
+        try:
+            self.store.record_reaper_run(duration, counts, self.owner, REAPER_RUNS_KEPT)
+        except (StoreUnavailable, StoreRejected) as exc:
+            log.warning("reaper run not recorded: %s", exc, extra={"action": "reap_record_failed"})
+
+    def _still_ours(self, token: str | None) -> bool:
+        if token is None or self.store.renew_reaper_lock(token, self.cfg.reaper_lock_ttl):
+            return True
+        log.warning("reaper lock lost mid-run (another reaper took it after %gs); stopping",
+                    self.cfg.reaper_lock_ttl)
+        return False
+
+    def _recover_expired(self, result: ReapResult, now: float, token: str | None, hold: Hold) -> bool:
+        budget, after, dry = self.batch_size, None, token is None
+        for _ in range(MAX_PAGES):
+            finals: list[tuple[Job, str]] = []
+            moved: list[tuple[TaskEvent, dict[str, Any]]] = []
+            with self.store.begin(long=True, read=dry) as c:  # a dry run only reads
+                page = self.store.scan_expired(c, limit=self.batch_size, after=after, now=now, lock=not dry)
+                for item in page:
+                    if budget == 0:
+                        break
+                    job = item.job
+                    after = item.keyset
+                    result.seen += 1
+                    if not item.reapable:
+                        result.skipped_owner_alive += 1
+                        why = f"lease expired but owner {job.locked_by} is alive; waiting for the hard grace"
+                        if dry:
+                            result.planned.append(Decision(job.id, job.task_name, Kind.SKIP_OWNER_ALIVE, why,
+                                                           job.locked_by))
+                        else:
+                            self.store.note_skipped_owner_alive(c, job, why)
+                        continue
+                    policy = policy_for(self.app, job)
+                    if hold.holds(now, job.lease_duration or policy.duration, policy.heartbeat_interval):
+                        result.held_back += 1
+                        if dry:
+                            why = (f"lease expired, but the store was away or its clock stepped: owner "
+                                   f"{job.locked_by} gets a lease's time to renew")
+                            result.planned.append(Decision(job.id, job.task_name, Kind.HOLD_BACK, why,
+                                                           job.locked_by))
+                        continue
+                    budget -= 1
+                    why = ("lease expired past the hard grace, owner still registered" if item.owner_alive
+                           else f"lease expired, owner {job.locked_by} gone")
+                    decision = decide(job, policy, why, self.rng)
+                    if dry:
+                        result.planned.append(decision)
+                        continue
+                    try:
+                        decision = publish_decision(self.app, job, decision)
+                    except Exception as exc:  # noqa: BLE001 - broker down: stop publishing this run
+                        result.publish_errors += 1
+                        log.error("job %s [%s]: could not publish its message (%s); left expired for "
+                                  "the next run", job.id, (job.lock_token or "")[:8], exc,
+                                  extra={"action": "reap_publish_failed"})
+                        break
+                    if not settle(self.store, job, decision, result, now=now, c=c):
+                        continue
+                    if decision.decision == Kind.REQUEUE:
+                        moved.append(events.retried(job.id, decision.reason, job.attempt_count))
+                    else:
+                        finals.append((job, decision.reason))
+                        moved.append(events.failed(job.id, job.task_name, decision.reason,
+                                                   job.attempt_count))
+            # Celery hears of each dead letter, and monitors of each move, once the page's
+            # transaction committed it (a rolled-back page sends nothing).
+            for job, reason in finals:
+                report_failure(self.app, job, reason)
+            events.send(self.app, self.node, moved)
+            if len(page) < self.batch_size or budget == 0 or result.publish_errors:
+                return not result.publish_errors
+            if not self._still_ours(token):
+                return False
+        return True
+
+    def _dispatch_floor(self) -> float:
+        """The shortest lease_dispatch_timeout any job may have: the scan's bound."""
+        floors = [self.cfg.dispatch_timeout]
+        floors += [p["lease_dispatch_timeout"] for p in self.cfg.queue_policies.values()
+                   if "lease_dispatch_timeout" in p]
+        floors += [t.lease_dispatch_timeout for t in list(self.app.tasks.values())
+                   if getattr(t, "lease_dispatch_timeout", None)]
+        return min(floors)
+
+    def _redispatch(self, result: ReapResult, now: float | None, token: str | None) -> bool:
+        budget, after, dry = self.batch_size, None, token is None
+        floor, cap = self._dispatch_floor(), self.cfg.dispatch_backoff_max
+        for _ in range(MAX_PAGES):
+            with self.store.begin(long=True, read=dry) as c:  # a dry run only reads
+                page = self.store.scan_lost_dispatches(c, older_than=floor, limit=self.batch_size,
+                                                       after=after, now=now, lock=not dry, backoff_max=cap)
+                for job, waited in page:
+                    if budget == 0:
+                        break
+                    after = (job.available_at, job.id)
+                    timeout = policy_for(self.app, job).dispatch_timeout
+                    wait = dispatch_wait(timeout, job.dispatch_count, cap)
+                    if waited <= wait:
+                        continue
+                    budget -= 1
+                    why = f"pending {waited:.1f}s past available_at (lease_dispatch_timeout {timeout:g}s"
+                    if job.dispatch_count:
+                        why += f", doubled per re-send: {job.dispatch_count} so far, so {wait:g}s"
+                    why += ")"
+                    if dry:
+                        result.planned.append(Decision(job.id, job.task_name, Kind.REDISPATCH, why))
+                        continue
+                    try:
+                        messages.republish(self.app, job.id, job.payload)
+                    except StoreCorrupt as exc:
+                        log.error("job %s: lost dispatch cannot be re-sent: %s", job.id, exc)
+                        result.publish_errors += 1
+                        continue
+                    except Exception as exc:  # noqa: BLE001 - broker down: stop publishing this run
+                        result.publish_errors += 1
+                        log.error("job %s: could not re-send its lost message (%s)", job.id, exc,
+                                  extra={"action": "redispatch_failed"})
+                        return False
+                    if after_publish is not None:
+                        after_publish(job.id)
+                    if self.store.redispatched(job, why, c=c):
+                        result.redispatched += 1
+                    else:
+                        result.lost_races += 1
+            if len(page) < self.batch_size or budget == 0:
+                return True
+            if not self._still_ours(token):
+                return False
+        return True
+
+    def _prune(self, result: ReapResult, now: float | None) -> None:
+        retention, store = self.cfg.retention, self.store
+        stale = WORKER_PRUNE_FACTOR * worker_stale_after(self.app)
+        for field, prune, age in (("pruned_jobs", store.prune_completed, retention),
+                                  ("pruned_events", store.prune_events, retention),
+                                  ("pruned_workers", store.prune_workers, stale),
+                                  ("pruned_keys", store.prune_idempotency_keys,
+                                   self.cfg.idempotency_retention)):
+            for _ in range(PRUNE_CHUNKS):
+                deleted = prune(age, PRUNE_CHUNK, now)
+                setattr(result, field, getattr(result, field) + deleted)
+                if deleted < PRUNE_CHUNK:
+                    break
+
+    def run_forever(self, interval: float, stop: threading.Event | None = None) -> None:
+        """Run rounds every ``interval`` seconds (at once again after a full batch) until ``stop``."""
+        stop = stop or threading.Event()
+        while not stop.is_set():
+            try:
+                result = self.run_once()
+            except (StoreUnavailable, StoreRejected) as exc:
+                log.warning("reaper round failed: %s", exc)
+                result = ReapResult()
+            full = result.reaped + result.dead_lettered + result.failed >= self.batch_size
+            stop.wait(0 if full else interval)
+
+
+@shared_task(name="celery_lease.reap", base=Task, bind=True, ignore_result=True)
+def reap(self: Task, dry_run: bool = False) -> dict[str, Any]:
+    """One reaper round (schedule it with celery beat); returns the counts. Its result is ignored:
+    each run records itself in the store (``lease status``), not a result row every few seconds."""
+    return Reaper(self.app).run_once(dry_run=dry_run).as_dict()

@@ -1,0 +1,92 @@
+"""A pool child died under a job: the worker's main process settles its lease at once.
+
+Celery's main process sees the child go (WorkerLostError, a hard time limit) long before the
+lease would expire; it applies the reaper's decision for the job then, under the same
+compare-and-set on the token, instead of leaving it to the reaper's next run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import celery_lease.messaging.messages as messages
+import celery_lease.reaper.run as reaper
+
+from ..errors import StoreCorrupt
+from ..store import RUNNING, Job, ReaperStore, for_app
+from ..vocabulary import Decision as Kind
+from .run import Decision, ReapResult, decide, policy_for, publish_decision, settle
+
+__all__ = ["recover_worker_lost"]
+
+log = logging.getLogger(__name__)
+
+
+def recover_worker_lost(app: Any, job_id: str, owner: str, reason: str, final: bool = False,
+                        resend: bool = True) -> str:
+    """In the worker's main process, when a child died under ``job_id``: recover it now.
+
+    Applies the reaper's decision (requeue with backoff or dead-letter at the limit)
+    if the job is still running under ``owner``; the CAS uses the token read from
+    the row. ``final`` (a hard time limit) fails the job instead, dead-lettering its
+    message when a dead-letter queue is set. ``resend=False``: the broker brings the message
+    back itself (Celery requeued it), so a requeue moves only the row. Returns the outcome: requeue,
+    dead_letter, fail, lost_race, error or none.
+    """
+    store = for_app(app)
+    job = store.get(job_id)
+    if job is None or job.status != RUNNING or job.locked_by != owner or not job.lock_token:
+        return "none"
+    policy = policy_for(app, job)
+    if final:
+        why = f"worker process lost: {reason}; a final failure"
+        kind = Kind.DEAD_LETTER if policy.dead_letter_queue else Kind.FAIL
+        decision = Decision(job.id, job.task_name, kind, why, job.locked_by, 0.0, policy.dead_letter_queue)
+    else:
+        decision = decide(job, policy, f"worker process lost: {reason}")
+    if decision.decision == Kind.REQUEUE:
+        return _requeue_lost(app, store, job, decision, owner, reason, resend)
+    try:
+        decision = publish_decision(app, job, decision)
+    except Exception as exc:  # noqa: BLE001 - broker down: the reaper recovers it after expiry
+        log.error("job %s [%s]: child %s lost but its message could not be re-sent (%s); the reaper will "
+                  "recover it after the lease expires", job_id, job.lock_token[:8], owner, exc,
+                  extra={"action": "worker_lost_publish_failed"})
+        return "error"
+    if not settle(store, job, decision, ReapResult(), expired=False):
+        return "lost_race"
+    log.info("job %s [%s]: worker process %s lost (%s): %s", job_id, job.lock_token[:8], owner, reason,
+             decision.decision, extra={"action": "worker_lost_recovered"})
+    return decision.decision
+
+
+def _requeue_lost(app: Any, store: ReaperStore, job: Job, decision: Decision, owner: str,
+                  reason: str, resend: bool = True) -> str:
+    """Requeue a dead child's job: the row first, then its message, so no delivery finds it busy.
+
+    The owner is known dead (its main process saw it go), so nothing holds the row across
+    the publish; a publish that fails leaves a pending job for the dispatch scan.
+    """
+    try:
+        messages.decode(job.payload, app.conf.accept_content, job.id)
+    except StoreCorrupt as exc:
+        decision = dataclasses.replace(decision, decision=Kind.FAIL, queue=None,
+                                       reason=f"{decision.reason}; message unreadable: {exc}")
+    if not settle(store, job, decision, ReapResult(), expired=False):
+        return "lost_race"
+    if decision.decision != Kind.REQUEUE or not resend:
+        return decision.decision
+    try:
+        messages.republish(app, job.id, job.payload, countdown=decision.delay)
+    except Exception as exc:  # noqa: BLE001 - broker down: the dispatch scan re-sends it
+        log.error("job %s: child %s lost, job requeued but its message could not be sent (%s); the reaper "
+                  "re-dispatches it after lease_dispatch_timeout", job.id, owner, exc,
+                  extra={"action": "worker_lost_publish_failed"})
+        return "error"
+    if reaper.after_publish is not None:  # the reaper's test seam, read when called
+        reaper.after_publish(job.id)
+    log.info("job %s [%s]: worker process %s lost (%s): %s", job.id, (job.lock_token or "")[:8], owner,
+             reason, decision.decision, extra={"action": "worker_lost_recovered"})
+    return decision.decision

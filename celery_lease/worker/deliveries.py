@@ -1,0 +1,315 @@
+"""Deliveries whose body must not run now: the store is down, the job is not available
+yet, or the job is leased or finished. Each is acknowledged, logged and audited, and
+the first two are sent again for later; none writes a task state or result, except to
+finish what a crash interrupted (``resume_post_run``).
+
+A delivery sent again because the store is down counts its re-sends in a message header
+(the store cannot keep the count while it is down), so each re-send waits twice as long
+as the one before, up to ``lease_store_retry_max``. It leaves with ``FailedClosed``, which
+tells the worker's main process to stop consuming until the store answers (outage.py).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import datetime
+import logging
+import random
+from typing import Any, NoReturn
+
+from celery import Task, states
+from celery.app.task import Context
+from celery.backends.base import DisabledBackend
+from celery.backends.rpc import RPCBackend
+from celery.exceptions import Ignore, Reject
+
+import celery_lease.messaging.backend as results
+import celery_lease.messaging.messages as messages
+
+from ..backoff import store_retry_delay
+from ..errors import StoreRejected, StoreUnavailable
+from ..store import Job, Store
+from ..vocabulary import ClaimOutcome, Event, Status
+
+__all__ = ["send_again", "fail_closed", "defer_early", "skip_duplicate", "skip_replaced_copy",
+           "send_pending_step", "ignores_result", "keepable_result",
+           "resumed", "resume_post_run", "store_retries", "forget_store_retries", "FailedClosed",
+           "FailedClosedRequeued", "StoreDown", "STORE_RETRIES_HEADER"]
+
+log = logging.getLogger(__name__)
+
+#: The message header that counts a delivery's re-sends while the store was unreachable.
+STORE_RETRIES_HEADER = "celery_lease_store_retries"
+
+
+class StoreDown:
+    """Marks the way out of a delivery that found the store unreachable (see FailedClosed)."""
+
+
+class FailedClosed(StoreDown, Ignore):
+    """The store was unreachable: the message was sent again for later and this delivery is acked."""
+
+
+class FailedClosedRequeued(StoreDown, Reject):
+    """The store was unreachable and the broker refused the re-send: the delivery goes back to its queue."""
+
+
+def store_retries(request: Any) -> int:
+    """How many times this delivery's message was sent again because the store was unreachable."""
+    value = getattr(request, STORE_RETRIES_HEADER, None)
+    if value is None:
+        value = (getattr(request, "headers", None) or {}).get(STORE_RETRIES_HEADER)
+    try:
+        return max(0, int(value or 0))
+    except (TypeError, ValueError):
+        return 0
+
+
+def forget_store_retries(request: Any) -> None:
+    """The store answered this delivery: a message the run sends again (a retry) counts from zero."""
+    headers = getattr(request, "headers", None)
+    if isinstance(headers, dict):
+        headers.pop(STORE_RETRIES_HEADER, None)
+
+
+def _send_again(task: Task, countdown: float, why: str, headers: dict[str, Any] | None = None,
+                requeued: type[Reject] = Reject) -> None:
+    """Re-send this delivery's message ``countdown`` seconds from now (with ``headers`` instead of
+    the delivery's own custom headers, when given); ``requeued`` when the broker refuses it."""
+    request = task.request
+    options: dict[str, Any] = {"countdown": countdown}
+    if headers is not None:
+        options["headers"] = headers
+    sig = task.signature_from_request(request, **options)
+    try:
+        with messages.publishing_unrecorded():
+            sig.apply_async()
+    except Exception as publish_error:  # noqa: BLE001 - the broker is failing too
+        log.error("job %s: cannot re-send (%s); rejecting with requeue", request.id, publish_error)
+        raise requeued(why, requeue=True) from publish_error
+
+
+def send_again(task: Task, why: str) -> None:
+    """Send this delivery's message again now (Reject with requeue when the broker refuses it)."""
+    _send_again(task, 0.0, why)
+
+
+def fail_closed(task: Task, base: float, cap: float, exc: StoreUnavailable, rng: Any = random) -> NoReturn:
+    """The store is down: send the message again later, each time later, and do not run the body."""
+    request = task.request
+    retries = store_retries(request)
+    delay = store_retry_delay(retries, base, cap, rng)
+    log.warning("job %s not started, lease store unreachable (%s); delivering again in %.1fs (re-send %d)",
+                request.id, exc, delay, retries + 1, extra={"action": "fail_closed"})
+    headers = {**(getattr(request, "headers", None) or {}), STORE_RETRIES_HEADER: retries + 1}
+    _send_again(task, delay, str(exc), headers, FailedClosedRequeued)
+    raise FailedClosed(str(exc))
+
+
+def defer_early(task: Task, store: Store, worker: str, wait: float) -> NoReturn:
+    """The job is not available yet (a copy of its message came early): send it for then."""
+    job_id = task.request.id
+    log.info("job %s delivered %.1fs before it is available: sent again for then", job_id, wait,
+             extra={"action": "early_delivery_deferred"})
+    _audit(store, job_id, Event.EARLY_DELIVERY_DEFERRED, f"available in {wait:.1f}s", worker,
+           {"wait": round(wait, 3)})
+    _send_again(task, wait, "delivered before the job is available")
+    raise Ignore()
+
+
+def _defer_if_owner_may_be_finishing(task: Task, store: Store, worker: str, job: Any) -> None:
+    """Send this delivery again for later when the job completed less than a lease ago.
+
+    The owner completes the job in the store before Celery stores its result and sends the
+    chain's next step: a duplicate delivered in between would find no result and take the
+    owner's post-run work for one a crash interrupted. A live owner finishes that work well
+    within its lease duration; after it, a result still missing means a crash.
+    """
+    completed_at = getattr(job, "completed_at", None)
+    settle = float(getattr(job, "lease_duration", None) or 0.0)
+    if completed_at is None or settle <= 0:
+        return
+    try:
+        now = store.now()
+    except (StoreUnavailable, StoreRejected):
+        now = completed_at  # the store's clock is out of reach: look again after a whole lease
+    wait = completed_at + settle - now
+    if wait <= 0:
+        return
+    log.info("job %s completed %.1fs ago and its result is not stored yet: delivery sent again in %.1fs",
+             job.id, settle - wait, wait, extra={"action": "early_delivery_deferred"})
+    _audit(store, job.id, Event.EARLY_DELIVERY_DEFERRED, f"completed {settle - wait:.1f}s ago, result not "
+           f"stored yet", worker, {"wait": round(wait, 3), "after": "completion"})
+    _send_again(task, wait, "completed moments ago; its owner may still store the result")
+    raise Ignore()
+
+
+def _audit(store: Store, job_id: str, event: Event, reason: str, worker: str, detail: Any) -> None:
+    """Audit a delivery whose body does not run; a store outage costs the event, not the delivery.
+
+    Raising here would fail the task and let Celery write a FAILURE state for a job
+    that another delivery runs or ran.
+    """
+    try:
+        store.event(job_id, event, reason, worker, detail=detail)
+    except (StoreUnavailable, StoreRejected) as exc:
+        log.warning("job %s: audit event %s not written (%s)", job_id, event, exc)
+
+
+def skip_duplicate(task: Task, store: Store, worker: str, outcome: ClaimOutcome, job: Any) -> NoReturn:
+    """The job is leased by another delivery or finished: acknowledge this one unrun."""
+    job_id = task.request.id
+    log.info("job %s delivered again but is %s (owner %s): body not run", job_id,
+             job.status if job else outcome, job.locked_by if job else None,
+             extra={"action": "duplicate_delivery_skipped"})
+    _audit(store, job_id, Event.DUPLICATE_DELIVERY_SKIPPED, f"job {job.status if job else outcome}", worker,
+           {"owner": job.locked_by if job else None,
+            "redelivered": bool((task.request.delivery_info or {}).get("redelivered"))})
+    if outcome == ClaimOutcome.DONE and _vanished(store, job_id):
+        # A restore or a failover forgot the finished job between the claim's read and now: this
+        # message is all that is left of it, so it is not acknowledged away. Its next delivery
+        # is a first one (its claim records the job) and runs it once more.
+        log.error("job %s: its row vanished from the store while a duplicate delivery was skipped; "
+                  "delivery sent again, it runs as a first one", job_id,
+                  extra={"action": "job_recorded_again"})
+        send_again(task, "its row vanished from the store")
+    raise Ignore()
+
+
+def skip_replaced_copy(task: Task, store: Store, worker: str, step: Job | None) -> NoReturn:
+    """A copy of a replaced run's message, while its chain's first step carries the job: not run.
+
+    Run, it would replace the job a second time. The first step's message is sent again while
+    its row is pending (see send_pending_step).
+    """
+    send_pending_step(task.app, task.request.id, step)
+    skip_duplicate(task, store, worker, ClaimOutcome.REPLACED, None)
+
+
+def send_pending_step(app: Any, job_id: str, step: Job | None) -> bool:
+    """Send the stored message of a replaced job's first step again, while that step is pending.
+
+    After a hand-over whose answer was lost the run ends as an outage before its chain is sent:
+    the step's row is then all that carries the job. A pending job's extra message is harmless
+    (its claim runs it once and skips the other); a send that fails leaves it to the dispatch scan.
+    """
+    if step is None or step.status != Status.PENDING:
+        return False
+    try:
+        messages.republish(app, step.id, step.payload)
+    except Exception as exc:  # noqa: BLE001 - the step stays pending: the dispatch scan sends it
+        log.warning("job %s: its chain's first step %s not sent again (%s); the dispatch scan will",
+                    job_id, step.id, exc)
+        return False
+    log.info("job %s: its chain's pending first step %s sent again", job_id, step.id,
+             extra={"action": "replaced_step_sent_again"})
+    return True
+
+
+def _vanished(store: Store, job_id: str) -> bool:
+    """Whether the store has no row for ``job_id`` now (an unreachable store: it had one a moment ago)."""
+    try:
+        return store.get(job_id) is None
+    except (StoreUnavailable, StoreRejected):
+        return False
+
+
+def ignores_result(task: Task, request: Any) -> bool:
+    """Whether Celery stores no result for this run: the request's own ``ignore_result`` when
+    it set one, else the task's (Celery 5.7's rule, which 5.3 does not export)."""
+    explicit = request.__dict__.get("ignore_result") if isinstance(request, Context) else getattr(
+        request, "ignore_result", None)
+    return bool(explicit if explicit is not None else task.ignore_result)
+
+
+def _has_results(task: Task) -> bool:
+    return not (ignores_result(task, task.request) or isinstance(task.backend, DisabledBackend))
+
+
+def keepable_result(task: Task, value: Any) -> str | None:
+    """The return value encoded for the completion to keep; None when Celery stores no result
+    for this run (no backend, ``ignore_result``), so the rare path has nothing to finish."""
+    if not _has_results(task):
+        return None
+    try:
+        return messages.encode_result(value, task.app.conf.result_serializer)
+    except Exception as exc:  # noqa: BLE001 - Celery's own store_result reports it as the task's failure
+        log.warning("job %s: result not kept (%s); a crash before Celery stores it leaves it unstored",
+                    task.request.id, exc)
+        return None
+
+
+# The job whose post-run work this context is finishing: its publishes re-send what a crash
+# may have sent already (the chain's next step under its frozen id), so they reopen nothing.
+_resumed: contextvars.ContextVar[str | None] = contextvars.ContextVar("celery_lease_resumed", default=None)
+
+
+def resumed(job_id: str) -> bool:
+    """Whether this context is finishing ``job_id``'s post-run work (resume_post_run)."""
+    return _resumed.get() == job_id
+
+
+def _why_not_resumable(task: Task, store: Store, job: Any) -> str | None:
+    """Why a missing result would not prove that a crash interrupted the post-run work; None if it would.
+
+    Resuming is safe only where a worker reads back what the owner stored: a persistent
+    backend (``backend.persistent``) that is not a message to the caller (``rpc://`` sends the
+    result to the caller's reply queue, whatever ``result_persistent`` says, so a worker never
+    sees it), and a result younger than ``result_expires`` on the store's clock (an older one
+    may have expired, and would look missing). Elsewhere the delivery is an ordinary duplicate.
+    """
+    backend = task.backend
+    if isinstance(backend, RPCBackend):
+        return "the rpc:// backend sends results to the caller, a worker cannot read them"
+    if not getattr(backend, "persistent", True):
+        return "the result backend is not persistent"
+    expires = task.app.conf.result_expires
+    if isinstance(expires, datetime.timedelta):
+        expires = expires.total_seconds()
+    completed_at = getattr(job, "completed_at", None)
+    if expires and completed_at is not None:
+        age = store.now() - completed_at  # unreachable: the delivery is sent again (fail closed)
+        if age >= float(expires):
+            return f"completed {age:.0f}s ago, past result_expires ({float(expires):.0f}s)"
+    return None
+
+
+def resume_post_run(task: Task, store: Store, worker: str, job: Any) -> tuple[bool, Any]:
+    """(True, result) when this delivery must finish a completed job's post-run work.
+
+    StoreUnavailable when the store or the result backend cannot answer: the caller sends the
+    delivery again later rather than skip work a crash may have left undone.
+
+    Celery sends the chain's next step and the link callbacks, then stores the result: a
+    completed job whose result the backend lacks was interrupted by a crash. Returning the
+    result the completion kept lets Celery's tracer do that work now; the body does not run.
+    """
+    request = task.request
+    if not _has_results(task):
+        return False, None
+    unsafe = _why_not_resumable(task, store, job)
+    if unsafe is not None:
+        log.info("job %s completed; its result cannot be checked (%s): duplicate delivery skipped", job.id,
+                 unsafe, extra={"action": "duplicate_delivery_skipped"})
+        return False, None
+    try:
+        state = results.of(task.app, task.backend).get_state(job.id)
+    except Exception as exc:  # noqa: BLE001 - any backend failure: ask again later
+        # Skipped now, a crash's unfinished post-run work would never be done: send it again.
+        raise StoreUnavailable(f"job {job.id}: result backend unreadable ({exc}); the duplicate is checked "
+                               "again later", job_id=job.id) from exc
+    if state in states.READY_STATES:
+        return False, None
+    kept = store.kept_result(job.id)
+    if kept is None:
+        return False, None
+    _defer_if_owner_may_be_finishing(task, store, worker, job)
+    accept = task.app.conf.result_accept_content or task.app.conf.accept_content
+    value = messages.decode_result(kept, accept, job.id)
+    _resumed.set(job.id)
+    log.warning("job %s completed but its result was never stored (state %s): storing the kept result "
+                "and continuing its canvas; the body does not run again", job.id, state,
+                extra={"action": "post_run_resumed"})
+    _audit(store, job.id, Event.POST_RUN_RESUMED, f"result backend state was {state}", worker,
+           {"redelivered": bool((request.delivery_info or {}).get("redelivered"))})
+    return True, value

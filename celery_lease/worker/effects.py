@@ -1,0 +1,349 @@
+"""Fenced effects, resource locks and a monotonic update: effects once per key.
+
+``effect(lease, key)`` claims a side effect's key while the job's lease holds, so
+``first`` is True for exactly one completed block per key, whichever attempt or
+worker gets there first. The key is written *before* the block runs (two racers
+cannot both see ``first``) and taken back if the block raises (a failed effect is
+not lost). Given the caller's ``connection``, the key lives in the caller's
+transaction and commits or rolls back with the business write.
+
+``lock(lease, resource)`` leases a business resource under its own token; this
+process's runtime renews every held lock in one statement after each heartbeat and
+releases the locks of a lost lease (and stops renewing those of an overrun one). Like
+the lease, a lock has a local deadline (deadline.py): past it the holder stops trusting
+the lock, and the body its lease, without waiting for the store to say so.
+``advance`` moves a column forward only (a replay changes nothing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+import celery_lease.deadline as deadline
+import celery_lease.store.schema as schema
+
+from ..errors import LeaseConfigError, LeaseError, LeaseLost, LockUnavailable, StoreRejected, StoreUnavailable
+from ..store.effects import advance_statement
+from ..vocabulary import EffectOutcome, Event
+
+if TYPE_CHECKING:
+    from .lease import Lease
+
+__all__ = ["effect", "lock", "advance", "ResourceLock", "Locks"]
+
+log = logging.getLogger(__name__)
+
+MAX_POLL = 0.5  # seconds between two tries of a held lock, at most
+RESERVED = "celery_lease."  # lock names of the library itself (store.reaping.REAPER_LOCK)
+
+
+def _check_key(kind: str, key: str) -> None:
+    # MySQL's INSERT IGNORE would truncate a longer key silently, merging distinct keys.
+    if not isinstance(key, str) or not key or len(key) > schema.ID:
+        raise ValueError(f"{kind} must be a non-empty string of at most {schema.ID} characters, got {key!r}")
+
+
+@contextlib.contextmanager
+def effect(lease: Lease, key: str, connection: Connection | None = None) -> Iterator[bool]:
+    """``with effect(lease, key) as first:`` do the side effect only when ``first``.
+
+    Raises LeaseLost, recording nothing, when the lease moved on. When the block
+    raises, the key is released (fenced by the token; with ``connection``, deleted in
+    that transaction) so a later attempt performs the effect.
+    """
+    _check_key("effect key", key)
+    lease.check()
+    store = lease.store
+    if connection is None:
+        # An unreachable store is waited for until the local deadline, then LeaseLost.
+        outcome = lease.patiently(lambda: store.record_effect(key, lease.job_id, lease.token, lease.worker))
+        if outcome == EffectOutcome.LOST and lease.vanished_and_recorded_again():
+            outcome = store.record_effect(key, lease.job_id, lease.token, lease.worker)
+    else:
+        outcome = store.record_effect_in(connection, key, lease.job_id, lease.token, lease.worker)
+    if outcome == EffectOutcome.LOST:
+        log.warning("job %s [%s]: effect %r rejected, the lease moved on", lease.job_id, lease.token[:8], key,
+                    extra={"action": "stale_effect_rejected"})
+        lease.mark_lost(f"effect {key!r} rejected: token no longer matches")
+        lease.check()
+    first = outcome == EffectOutcome.FIRST
+    try:
+        yield first
+    except BaseException as exc:
+        if first:
+            _take_back(lease, key, connection, exc)
+        raise
+
+
+def _take_back(lease: Lease, key: str, connection: Connection | None, exc: BaseException) -> None:
+    """The block failed: free its key so the effect is not lost; never mask the block's error."""
+    reason = f"{type(exc).__name__}: {exc}"[:200]
+    if connection is not None:
+        try:
+            lease.store.unrecord_effect_in(connection, key, lease.job_id)
+        except (StoreUnavailable, StoreRejected) as error:
+            # An aborted transaction (PostgreSQL) can only roll back, and the rollback drops the key.
+            log.info("job %s [%s]: effect %r left to the transaction's rollback (%s)", lease.job_id,
+                     lease.token[:8], key, error, extra={"action": "effect_released"})
+        return
+    try:
+        released = lease.store.release_effect(key, lease.job_id, lease.token, lease.worker, reason)
+    except (StoreUnavailable, StoreRejected) as error:
+        log.error("job %s [%s]: effect %r failed (%s) and its key could not be released (%s); "
+                  "the effect may not have happened", lease.job_id, lease.token[:8], key, reason, error,
+                  extra={"action": "effect_unconfirmed"})
+        return
+    if not released:
+        log.warning("job %s [%s]: effect %r failed after the lease was lost; key kept, the effect may "
+                    "not have happened", lease.job_id, lease.token[:8], key,
+                    extra={"action": "effect_unconfirmed"})
+
+
+def advance(connection: Connection, column: sa.Column, where: sa.ColumnElement[bool], value: Any,
+            order: Sequence[Any] | None = None) -> bool:
+    """Set ``column`` to ``value`` where it is NULL or behind; True when a row moved forward.
+
+    Without ``order`` "behind" is ``column < value`` (counters, versions, times);
+    with ``order`` (states in their sequence) it is any earlier state. Replays and
+    late, out-of-order messages change nothing.
+    """
+    return connection.execute(advance_statement(column, where, value, order)).rowcount > 0
+
+
+# -- resource locks ---------------------------------------------------------------
+@dataclasses.dataclass(eq=False)
+class ResourceLock:
+    """A held lease on a business resource: its own token, renewed by the heartbeat.
+
+    Trusted until its local deadline (deadline.py, with the TTL for the duration): the send
+    time of the last acquisition or renewal the store confirmed, plus the TTL, minus the
+    safety margin. The store lets another owner take the lock only after its expiry, so past
+    that deadline the holder stops trusting it whether or not the store answers.
+    """
+
+    resource: str
+    token: str
+    ttl: float
+    lease: Lease
+    deadline: float = float("-inf")  # local monotonic seconds, set by the acquisition
+    confirmed_at: float = float("-inf")  # send time of the last confirmed acquisition or renewal
+    lost: bool = False
+    done: bool = False  # the block ended (or the lock was lost): release, never renew
+    released: bool = False
+    _mutex: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    def confirm(self, sent_at: float) -> None:
+        """The store took or renewed the lock with a statement sent at ``sent_at``; a lost lock stays lost."""
+        if not self.lost:
+            self.confirmed_at = max(self.confirmed_at, sent_at)
+            self.deadline = max(self.deadline, deadline.local_deadline(sent_at, self.ttl))
+
+    def check(self) -> None:
+        """Raise LeaseLost if the lock (or the job's lease) can no longer be trusted.
+
+        Past the local deadline the lock is lost without asking the store, which may not answer.
+        """
+        if not self.lost and not self.done and deadline.monotonic() >= self.deadline:
+            self.lease.runtime.locks.expire(self)
+        if self.lost:
+            # The heartbeat flags the lock lost before it marks the lease lost and interrupts.
+            self.lease.raising_in_body()
+            raise LeaseLost(self.lease.job_id, f"resource lock {self.resource!r} lost")
+        self.lease.check()
+
+
+class Locks:
+    """The resource locks of one worker process; its runtime renews them after each heartbeat."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.held: dict[str, ResourceLock] = {}
+        self._mutex = threading.Lock()
+
+    def holds(self, job_id: str, resource: str) -> bool:
+        with self._mutex:
+            return any(lk.resource == resource and lk.lease.job_id == job_id and not lk.done
+                       for lk in self.held.values())
+
+    def add(self, lk: ResourceLock) -> None:
+        with self._mutex:
+            self.held[lk.token] = lk
+        # The timer may sleep past this lock's deadline: tell it (it wakes only when it must).
+        lk.lease.runtime.timer.watch(lk.deadline)
+
+    def release(self, lk: ResourceLock) -> None:
+        """Release fenced by the lock's token, once; retried next round if the store is unreachable."""
+        lk.done = True
+        with lk._mutex:
+            if lk.released:
+                return
+            try:
+                deleted = self.store.release_lock(lk.resource, lk.token)
+            except (StoreUnavailable, StoreRejected) as exc:
+                log.warning("lock %r [%s] not released yet (%s); it expires in at most %gs", lk.resource,
+                            lk.token[:8], exc, lk.ttl, extra={"action": "lock_release_deferred"})
+                return
+            lk.released = True
+        with self._mutex:
+            self.held.pop(lk.token, None)
+        if not deleted and not lk.lost:
+            lk.lost = True
+            self._lost(lk, "expired and moved on before release")
+
+    def _lost(self, lk: ResourceLock, why: str) -> None:
+        lease = lk.lease
+        log.warning("job %s [%s]: resource lock %r [%s] lost: %s", lease.job_id, lease.token[:8],
+                    lk.resource, lk.token[:8], why, extra={"action": "lock_lost"})
+        self.store.event(lease.job_id, Event.LOCK_LOST, f"{lk.resource}: {why}", lease.worker, lk.token)
+
+    def expire(self, lk: ResourceLock, now: float | None = None) -> None:
+        """The lock passed its local deadline: lost, and its job's lease with it; no store call.
+
+        The body is stopped as at a lost lease (interrupted, or flagged), the lock is released
+        rather than renewed, and the job's lease is given back once the store answers, so the
+        job runs again instead of waiting for its lease to expire (unless it overran).
+        """
+        # Not lk._mutex: a release may hold it through a store call that does not return.
+        with self._mutex:
+            if lk.lost or lk.done:
+                return
+            lk.lost = lk.done = True
+        lease = lk.lease
+        now = deadline.monotonic() if now is None else now
+        overran = lease.past_max_runtime(now)
+        if overran:
+            why = (f"resource lock {lk.resource!r} past its local deadline: past lease_max_runtime "
+                   f"({lease.policy.max_runtime:g}s), no longer renewed")
+        else:
+            why = (f"resource lock {lk.resource!r} past its local deadline: no renewal confirmed for "
+                   f"{now - lk.confirmed_at:.1f}s of its {lk.ttl:g}s TTL")
+        log.warning("job %s [%s]: resource lock %r [%s] lost: %s", lease.job_id, lease.token[:8],
+                    lk.resource, lk.token[:8], why, extra={"action": "lock_lost"})
+        lease.mark_lost(why)
+        # As at the lease's own deadline: an overrun job (its locks no longer renewed) is left to
+        # expire, so the reaper counts the expiration against it.
+        lease.runtime.lost_locally(lease, give_back=not overran)
+
+    def expire_due(self, now: float, lease: Lease | None = None) -> float | None:
+        """Expire the locks (of ``lease``, or all) past their local deadline; the next deadline, if any."""
+        if not self.held:
+            return None
+        with self._mutex:
+            held = [lk for lk in self.held.values() if lease is None or lk.lease is lease]
+        upcoming = []
+        for lk in held:
+            if lk.lost or lk.done:
+                continue
+            if now >= lk.deadline:
+                self.expire(lk, now)
+            else:
+                upcoming.append(lk.deadline)
+        return min(upcoming, default=None)
+
+    def renew(self, now: float) -> None:
+        """Release the locks of ended blocks and lost leases; renew the others in one statement.
+
+        The locks of a lease past its ``lease_max_runtime`` are not renewed: they expire
+        with it, so a hung body cannot keep a resource. A renewal moves a lock's local
+        deadline from the statement's send time.
+        """
+        with self._mutex:
+            held = list(self.held.values())
+        if not held:
+            return
+        for lk in held:
+            if lk.done or lk.lease.lost:
+                self.release(lk)
+        live = [lk for lk in held if not lk.done and not lk.lost and lk.lease.renewable(now)]
+        sent = deadline.monotonic()
+        renewed = self.store.renew_locks({lk.token: lk.ttl for lk in live}) if live else set()
+        for lk in live:
+            # A block that ended during the renewal released its own row.
+            if lk.token in renewed:
+                lk.confirm(sent)
+                continue
+            if lk.done:
+                continue
+            lk.lost = lk.done = True
+            with self._mutex:
+                self.held.pop(lk.token, None)
+            self._lost(lk, "taken by another owner after it expired")
+            lk.lease.mark_lost(f"resource lock {lk.resource!r} lost")
+
+
+@contextlib.contextmanager
+def lock(lease: Lease, resource: str, ttl: float | None = None,
+         timeout: float | None = None) -> Iterator[ResourceLock]:
+    """``with lock(lease, "account:42"):`` hold a resource, waiting up to ``timeout`` seconds.
+
+    Raises LockUnavailable when the resource stays held, LeaseLost when the job's
+    lease is gone. Released on exit; the heartbeat renews it meanwhile and releases
+    it if the lease is lost; a dead process's lock expires after ``ttl`` (default: the
+    lease's duration). Past the lock's local deadline ``check()`` refuses and the body
+    is stopped as at a lost lease, whether or not the store answers.
+    """
+    _check_key("lock resource", resource)
+    if resource.startswith(RESERVED):
+        raise ValueError(f"lock resource {resource!r}: names starting with {RESERVED!r} are reserved "
+                         "(the reaper's own lock lives there)")
+    if ttl is None:
+        ttl = lease.policy.lock_ttl
+    ttl = lease.duration if ttl is None else float(ttl)
+    timeout = lease.policy.lock_timeout if timeout is None else float(timeout)
+    interval = lease.policy.heartbeat_interval
+    if ttl < 2 * interval:
+        raise LeaseConfigError("lease_lock_ttl", ttl, f"must be at least two heartbeat intervals "
+                               f"({2 * interval:g}s): renewed every interval, a shorter lock would pass "
+                               "its deadline before its next renewal lands")
+    locks = lease.runtime.locks
+    if locks.holds(lease.job_id, resource):
+        raise LeaseError(f"job {lease.job_id} already holds the lock on {resource!r}; "
+                         "locks are not re-entrant")
+    held = ResourceLock(resource, secrets.token_hex(16), ttl, lease)
+    _acquire(lease, held, timeout)
+    locks.add(held)
+    try:
+        yield held
+    finally:
+        locks.release(held)
+
+
+def _acquire(lease: Lease, held: ResourceLock, timeout: float) -> None:
+    give_up = time.monotonic() + timeout
+    delay = 0.02
+    sent: list[float] = []
+
+    def attempt() -> EffectOutcome:
+        # The send time of the statement that answers: the one whose expiry the row carries.
+        sent.append(deadline.monotonic())
+        return lease.store.acquire_lock(held.resource, held.token, held.ttl, lease.worker,
+                                        lease.job_id, lease.token)
+
+    while True:
+        lease.check()
+        outcome = lease.patiently(attempt)
+        if outcome == EffectOutcome.FIRST:
+            held.confirm(sent[-1])
+            log.debug("job %s [%s]: lock %r [%s] taken", lease.job_id, lease.token[:8], held.resource,
+                      held.token[:8], extra={"action": "lock_acquired"})
+            return
+        if outcome == EffectOutcome.LOST and lease.vanished_and_recorded_again():
+            continue  # the job's row is back under this lease: ask again
+        if outcome == EffectOutcome.LOST:
+            lease.mark_lost(f"lock {held.resource!r} refused: token no longer matches")
+            lease.check()
+        remaining = give_up - time.monotonic()
+        if remaining <= 0:
+            raise LockUnavailable(held.resource, timeout)
+        time.sleep(min(delay, remaining))
+        delay = min(delay * 2, MAX_POLL)

@@ -1,0 +1,157 @@
+"""The renewal round of a worker process's runtime.
+
+Every interval the heartbeat renews all leases its runtime holds in one statement,
+refreshes the process's row in the worker registry, and marks lost the leases that
+the statement did not renew. A renewal confirms a lease from the time its statement
+was *sent* (deadline.py); a lease that passed its local deadline while the statement
+was on its way is not revived. A job past ``lease_max_runtime`` is no longer renewed,
+nor are its resource locks, so a hung body cannot hold them forever. Deciding when a
+lease is lost without an answer from the store is the runtime's deadline timer's job.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections import Counter
+from typing import TYPE_CHECKING
+
+import celery_lease.deadline as deadline
+
+from ..errors import LeaseError, StoreRejected, StoreUnavailable
+from ..vocabulary import LossReason
+
+if TYPE_CHECKING:
+    from .lease import Lease
+    from .runtime import Runtime
+
+__all__ = ["Heartbeat", "worker_id"]
+
+log = logging.getLogger(__name__)
+
+
+def worker_id(hostname: str | None = None, pid: int | None = None) -> str:
+    """The id of one worker process: its Celery node name and pid."""
+    return f"{hostname or socket.gethostname()}:{pid or os.getpid()}"
+
+
+class Heartbeat:
+    """Renews a runtime's leases; ``beat()`` is one round, ``start()`` the loop."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.store = runtime.store
+        self.worker = runtime.worker
+        self.beats = 0
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._planned_interval = runtime.default_interval
+        self._thread: threading.Thread | None = None
+        self._starting = threading.Lock()
+
+    def joined(self, lease: Lease) -> None:
+        """A lease joined: wake the thread if it needs beats sooner than planned."""
+        if lease.policy.heartbeat_interval < self._planned_interval:
+            self._wake.set()
+
+    # -- one round ---------------------------------------------------------
+    def beat(self) -> dict[str, int]:
+        """Renew every held lease once; returns counts (held, renewed, lost, past_max_runtime)."""
+        rt = self.runtime
+        now = deadline.monotonic()
+        held = rt.leases()
+        renewable = [lease for lease in held if lease.renewable(now)]
+        counts = {"held": len(held), "renewed": 0, "lost": 0,
+                  "past_max_runtime": sum(1 for lease in held if lease.past_max_runtime(now))}
+        sent = deadline.monotonic()
+        try:
+            renewed = self.store.beat(self.worker, rt.hostname, os.getpid(),
+                                      {lease.token: lease.job_id for lease in renewable})
+        except StoreUnavailable as exc:
+            log.warning("heartbeat of %s could not reach the lease store: %s", self.worker, exc,
+                        extra={"action": "heartbeat_store_unavailable"})
+            return counts
+        except StoreRejected as exc:
+            # Unrenewed, each lease lapses at its local deadline, as in an outage.
+            log.error("heartbeat of %s refused by the lease store: %s", self.worker, exc,
+                      extra={"action": "heartbeat_store_rejected"})
+            return counts
+        self.beats += 1
+        for lease in renewable:
+            if self._renewed(lease, renewed, renewable):
+                if lease.confirm(sent):
+                    counts["renewed"] += 1
+                # else: lost locally while the statement was out; the runtime gives it back.
+            elif (lease.finishing or lease.handed_over) and not rt.is_deferred(lease):
+                # The body is over (or Task.replace() handed the job over) and that write
+                # already cleared the token: not a loss, a lease that ended between snapshot
+                # and renewal.
+                continue
+            elif rt.is_deferred(lease) and self.store.get(lease.job_id) is not None:
+                # A finished body's deferred write, whose first try may have committed with its
+                # answer lost: flush_deferred (below) makes it and acts on what the store holds.
+                continue
+            else:
+                with lease.turn:
+                    if lease.handed_over or lease.retried:
+                        continue  # the body handed the job on while this round was out
+                    again = deadline.monotonic()
+                    reason, owner = self.store.describe_loss(lease.job_id, lease.token, self.worker)
+                    if reason == LossReason.VANISHED and lease.recorded_again():
+                        lease.confirm(again)
+                        continue
+                    lease.mark_lost(reason, owner)
+                rt.forget(lease)
+                counts["lost"] += 1
+        rt.give_back_lost()
+        rt.flush_deferred()
+        rt.flush_checkpoints()
+        try:
+            rt.locks.renew(now)
+        except LeaseError as exc:
+            log.warning("resource lock renewal of %s failed: %s", self.worker, exc)
+        return counts
+
+    def _renewed(self, lease: Lease, renewed: set[str], renewable: list[Lease]) -> bool:
+        if lease.job_id not in renewed:
+            return False
+        if Counter(other.job_id for other in renewable)[lease.job_id] == 1:
+            return True
+        # The same job claimed twice in this process (a stale claim and a new one): the
+        # statement returns job ids, so ask the row which token it carries.
+        job = self.store.get(lease.job_id)
+        return job is not None and job.lock_token == lease.token
+
+    # -- the loop -------------------------------------------------------------
+    def start(self) -> None:
+        """Start the loop unless it runs; safe from many threads at once (one thread starts)."""
+        with self._starting:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="celery-lease-heartbeat", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        last_beat = float("-inf")
+        while not self._stop.is_set():
+            self._planned_interval = self.runtime.interval
+            self._wake.wait(max(0.0, last_beat + self._planned_interval - deadline.monotonic()))
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            if deadline.monotonic() < last_beat + self.runtime.interval:
+                continue  # woken for a shorter interval: plan again
+            try:
+                self.beat()
+            except Exception:  # noqa: BLE001 - the thread must outlive any one bad round
+                log.exception("heartbeat round of %s failed", self.worker)
+            last_beat = deadline.monotonic()

@@ -1,0 +1,419 @@
+"""Lease, the running job's handle: its token, its local deadline and its fenced helpers.
+
+A lease is trusted until its local deadline (deadline.py): the send time of the last
+renewal the store confirmed, plus the lease's duration, minus a safety margin. Past it
+the lease is lost whether or not the store ever answers; ``check()``, ``effect()``,
+``lock()`` and ``checkpoint()`` refuse, and the runtime's timer interrupts the body
+(``lease_on_lost='raise'``) or only flags it. A lost lease is never revived.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import celery_lease.deadline as deadline
+import celery_lease.messaging.events as events
+import celery_lease.messaging.messages as messages
+import celery_lease.worker.interrupt as interrupt
+
+from ..config import TaskPolicy
+from ..errors import LeaseLost, StoreRejected, StoreUnavailable
+from ..vocabulary import Event, RunEnd, Status
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
+
+__all__ = ["Lease", "DeferredWrite"]
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+MAX_STORE_WAIT = 1.0  # seconds between two tries of a body's store call while the store is down
+
+
+@dataclasses.dataclass
+class DeferredWrite:
+    """The settle write of a finished body that the store could not take yet.
+
+    The runtime keeps the lease renewed and calls ``write`` after each heartbeat round until the
+    store answers; ``then`` (a dead-letter publish, a message sent again) follows a write the
+    store took, never one it rejected.
+    """
+
+    end: RunEnd
+    write: Callable[[], bool]
+    then: Callable[[], None] | None = None
+
+
+class Lease:
+    """The running job's lease: its token, attempt, checkpoint, deadline and fenced helpers."""
+
+    def __init__(self, runtime: Runtime, job_id: str, token: str, attempt: int, policy: TaskPolicy,
+                 idempotency_key: str, checkpoint_state: Any, *, sent_at: float, app: Any = None,
+                 acks_late: bool = True, record_again: Callable[[], bool] | None = None) -> None:
+        self.runtime = runtime
+        # Records the job anew under this lease's token when its row vanished (lifecycle.py).
+        self._record_again = record_again
+        self.store = runtime.store
+        self.worker = runtime.worker
+        self.app = app
+        self.acks_late = acks_late
+        self.job_id = job_id
+        self.token = token
+        self.attempt = attempt
+        self.policy = policy
+        self.duration = policy.duration
+        self.idempotency_key = idempotency_key
+        self.checkpoint_state = checkpoint_state
+        self.lost = False
+        self.lost_reason: str | None = None
+        self.lost_owner: str | None = None
+        self.started_at = deadline.monotonic()
+        # The send time of the last statement the store confirmed (claim or renewal).
+        self.confirmed_at = sent_at
+        self.deadline = deadline.local_deadline(sent_at, self.duration)
+        self.finishing = False
+        # Set when the body handed the job on: Task.replace() or Task.retry() changed the row.
+        self.handed_over = False
+        self.retried = False
+        # The settle write the store could not take yet (Runtime.flush_deferred writes it).
+        self.deferred: DeferredWrite | None = None
+        # A checkpoint the store could not take yet: the heartbeat writes it once it answers.
+        self.pending_checkpoint: tuple[Any] | None = None
+        # A retry whose row the store could not set pending yet: (due on the monotonic clock,
+        # its message); the message is held back and sent once the row is written.
+        self.deferred_retry: tuple[float, str] | None = None
+        self._in_body = False
+        # The body got its LeaseLost (raised it itself, or the interruption went out): no other.
+        self._raised = False
+        self._shield = 0  # depth of the body's store calls under way (shielded())
+        self._deferred = False  # an interruption came during one: raised when it ends
+        self._interrupter = runtime.interrupter()
+        self._guard = threading.Lock()
+        # Held by a body's hand-over (replace, retry) from its write until its flag is set, and by
+        # the heartbeat while it decides a lease it did not renew is lost or vanished: otherwise a
+        # heartbeat landing between the two would record the handed-over row again, or call the
+        # lease lost and interrupt the body before it sent the message the row now waits for.
+        self.turn = threading.RLock()
+
+    def __repr__(self) -> str:
+        return f"<Lease job={self.job_id} token={self.token[:8]} attempt={self.attempt}>"
+
+    # -- the deadline ----------------------------------------------------------------
+    def check(self) -> None:
+        """Raise LeaseLost if the lease moved on or its local deadline passed."""
+        if not self.lost:
+            self.expire_if_due(deadline.monotonic())
+        if self.lost:
+            self.raising_in_body()
+            raise self._lost_error()
+
+    def _lost_error(self) -> LeaseLost:
+        return LeaseLost(self.job_id, self.lost_reason or "lost", self.lost_owner)
+
+    def raising_in_body(self) -> None:
+        """Called just before code in the body's own thread raises LeaseLost: no interruption lands after it.
+
+        The timer or the heartbeat may have flagged the loss and not yet interrupted (it logs
+        first): that interruption would land a second LeaseLost in the body's own except and
+        finally blocks. Called from another thread, it changes nothing.
+        """
+        with self._guard:
+            if self._in_body and self._interrupter.is_current():
+                self._raised = True
+                self._interrupter.cancel()
+
+    def expire_if_due(self, now: float) -> bool:
+        """Mark the lease lost if ``now`` is past its local deadline; True when it is lost."""
+        if not self.lost and now >= self.deadline:
+            overran = self.past_max_runtime(now)
+            if overran:
+                reason = f"past lease_max_runtime ({self.policy.max_runtime:g}s), no longer renewed"
+            else:
+                reason = (f"local deadline passed: no renewal confirmed for {now - self.confirmed_at:.1f}s "
+                          f"of a {self.duration:g}s lease")
+            self.mark_lost(reason)
+            # A lease cut off from the store is given back once it answers; an overrun one is
+            # left to expire, so the reaper counts the expiration against the job.
+            self.runtime.lost_locally(self, give_back=not overran)
+        if not self.lost:
+            # A resource lock held past its own local deadline: the body can no longer trust it.
+            self.runtime.locks.expire_due(now, self)
+        return self.lost
+
+    def confirm(self, sent_at: float, duration: float | None = None) -> bool:
+        """The store renewed the lease with a statement sent at ``sent_at``; False if already lost.
+
+        ``duration`` (an ``extend``) sets the lease's duration from then on: the local deadline
+        becomes ``sent_at + duration - margin``, earlier than before when the lease was shortened,
+        as the store's expiry is.
+        """
+        with self._guard:
+            if self.lost:
+                return False  # never revived: the runtime gives it back instead
+            if duration is not None:
+                self.duration = duration
+                self.confirmed_at = max(self.confirmed_at, sent_at)
+                self.deadline = deadline.local_deadline(sent_at, duration)
+                return True
+            self.confirmed_at = max(self.confirmed_at, sent_at)
+            self.deadline = max(self.deadline, deadline.local_deadline(sent_at, self.duration))
+            return True
+
+    def extending(self, sent_at: float, duration: float) -> None:
+        """An ``extend`` to ``duration`` is being sent at ``sent_at``: until it is answered, trust the
+        shorter of both leases, so an answer that never comes cannot leave the deadline past the store's
+        expiry (which may already be the new one)."""
+        with self._guard:
+            if duration < self.duration:
+                self.duration = duration
+                self.deadline = min(self.deadline, deadline.local_deadline(sent_at, duration))
+
+    def past_max_runtime(self, now: float) -> bool:
+        limit = self.policy.max_runtime
+        return limit is not None and now - self.started_at > limit
+
+    def renewable(self, now: float) -> bool:
+        """Still to be renewed: not lost and within lease_max_runtime."""
+        return not self.lost and not self.past_max_runtime(now)
+
+    # -- the user's helpers ---------------------------------------------------------------
+    def extend(self, seconds: float) -> None:
+        """Renew now for ``seconds`` from this renewal, before a long blocking call.
+
+        Both clocks move: the store's expiry to ``seconds`` after the statement runs, the local
+        deadline to ``seconds`` (minus the safety margin) after it was sent, and the heartbeat
+        renews for ``seconds`` from then on. Below the lease's duration that shortens the lease,
+        on both clocks. LeaseLost if the lease moved on.
+        """
+        seconds = float(seconds)
+        if not math.isfinite(seconds) or seconds <= 0:
+            raise ValueError(f"extend() takes a number of seconds > 0, got {seconds!r}")
+        self.check()
+        if not self.runtime.extend(self, seconds):
+            self.check()
+
+    def checkpoint(self, state: Any) -> None:
+        """Save JSON progress under the token; a later attempt reads ``checkpoint_state``.
+
+        An unreachable store does not stop the body: the state is kept and the heartbeat writes
+        it once the store answers (a newer checkpoint replaces one still waiting).
+        """
+        self.check()
+        try:
+            written = self.store.checkpoint(self.job_id, self.token, state, self.worker)
+        except StoreRejected:
+            raise
+        except StoreUnavailable as exc:
+            log.warning("job %s [%s]: checkpoint kept until the store answers (%s)", self.job_id,
+                        self.token[:8], exc, extra={"action": "checkpoint_deferred"})
+            self.pending_checkpoint = (state,)
+            self.checkpoint_state = state
+            return
+        self.pending_checkpoint = None
+        if not written and self.vanished_and_recorded_again():
+            written = self.store.checkpoint(self.job_id, self.token, state, self.worker)
+        if not written:
+            self.mark_lost("checkpoint rejected: token no longer matches")
+            self.check()
+        self.checkpoint_state = state
+
+    def recorded_again(self) -> bool:
+        """The job's row vanished (a restored backup, a failover that lost its last seconds): record it
+        again from the message this worker holds, under this lease's token; True when it is ours again."""
+        if self._record_again is None or self.lost:
+            return False
+        try:
+            again = self._record_again()
+        except (StoreUnavailable, StoreRejected) as exc:
+            log.warning("job %s [%s]: its row vanished and could not be recorded again (%s)", self.job_id,
+                        self.token[:8], exc)
+            return False
+        if again:
+            log.error("job %s [%s]: its row vanished from the store; recorded again from the message it runs",
+                      self.job_id, self.token[:8], extra={"action": "job_recorded_again"})
+        return again
+
+    def send_if_pending(self) -> bool:
+        """After a deferred write the store refused as stale: when the job is pending (a write of ours
+        whose answer was lost after it committed, or anyone's requeue), send its stored message again.
+
+        A pending job's extra message is harmless (its claim runs it once, a copy is skipped); a
+        missing one would leave it to the dispatch scan.
+        """
+        job = self.store.get(self.job_id)
+        if job is None or job.status != Status.PENDING or self.app is None:
+            return False
+        messages.republish(self.app, self.job_id, job.payload)
+        log.info("job %s [%s]: pending after a write whose answer was lost; its message sent again",
+                 self.job_id, self.token[:8], extra={"action": "pending_job_sent_again"})
+        return True
+
+    def vanished_and_recorded_again(self) -> bool:
+        """After a fenced write changed nothing: whether the row had vanished and is ours again now."""
+        if self._record_again is None:
+            return False
+        job = self.store.get(self.job_id)
+        if job is not None:
+            # The heartbeat, finding the row gone too, may have recorded it again in between.
+            return job.lock_token == self.token and job.status == Status.RUNNING and not self.lost
+        return self.recorded_again()
+
+    def write_pending_checkpoint(self) -> None:
+        """The heartbeat's part: write the checkpoint an outage held back (StoreUnavailable if still down)."""
+        pending = self.pending_checkpoint
+        if pending is None or self.lost or self.finishing:
+            return
+        if self.store.checkpoint(self.job_id, self.token, pending[0], self.worker):
+            if self.pending_checkpoint is pending:
+                self.pending_checkpoint = None
+        else:
+            self.mark_lost("checkpoint rejected: token no longer matches")
+
+    def patiently(self, call: Callable[[], _T]) -> _T:
+        """Make a store call of the body, waiting through an outage until the local deadline.
+
+        Past the deadline ``check()`` raises LeaseLost: the run ends as a lost lease, given
+        back once the store answers. A store that rejects the call is not waited for.
+        """
+        delay = 0.05
+        while True:
+            self.check()
+            try:
+                return call()
+            except StoreRejected:
+                raise
+            except StoreUnavailable as exc:
+                log.warning("job %s [%s]: store unreachable (%s); waiting for it until the lease's local "
+                            "deadline", self.job_id, self.token[:8], exc, extra={"action": "store_waited"})
+            remaining = self.deadline - deadline.monotonic()
+            time.sleep(max(0.0, min(delay, remaining)))
+            delay = min(delay * 2, MAX_STORE_WAIT)
+
+    def effect(self, key: str, connection: Any = None, using: str | None = None) -> Any:
+        """``with lease.effect(key) as first:`` records a side effect once per key; ``using`` (a
+        Django database alias) or a Django ``connection`` puts the key in that transaction."""
+        from .effects import effect
+
+        if using is not None:
+            from ..django import connection_for
+
+            connection = connection_for(using)
+        return effect(self, key, connection)
+
+    def lock(self, resource: str, ttl: float | None = None, timeout: float | None = None) -> Any:
+        """``with lease.lock(resource):`` a lease on a business resource."""
+        from .effects import lock
+
+        return lock(self, resource, ttl, timeout)
+
+    def give_back(self, reason: Event = Event.RELEASED_ON_SHUTDOWN, republish: bool | None = None) -> bool:
+        """Release the lease so the job runs again soon, re-sending its message when it was acked.
+
+        ``republish`` defaults to "the broker forgot the message" (acks_late off).
+        """
+        if not self.store.release(self.job_id, self.token, self.worker, reason):
+            return False
+        if reason == Event.RELEASED_ON_SHUTDOWN:
+            events.send(self.app, self.runtime.hostname,
+                        [events.retried(self.job_id, events.RELEASED_ON_SHUTDOWN, self.attempt)])
+        if (not self.acks_late if republish is None else republish) and self.app is not None:
+            job = self.store.get(self.job_id)
+            if job is None and self.recorded_again() and self.store.release(self.job_id, self.token,
+                                                                             self.worker, reason):
+                job = self.store.get(self.job_id)  # vanished once released: recorded again, released again
+            try:
+                messages.republish(self.app, self.job_id, job.payload if job else None)
+            except Exception as exc:  # noqa: BLE001 - the dispatch scan re-sends it later
+                log.warning("job %s released but not re-sent (%s); the reaper will re-dispatch it",
+                            self.job_id, exc, extra={"action": "release_republish_failed"})
+        return True
+
+    # -- loss and interruption ------------------------------------------------------------
+    def mark_lost(self, reason: str, owner: str | None = None) -> None:
+        """Flag the lease lost; with ``lease_on_lost='raise'`` interrupt the body too."""
+        with self._guard:
+            if self.lost:
+                return
+            self.lost, self.lost_reason, self.lost_owner = True, reason, owner
+            log.warning("lease on job %s [%s] lost: %s%s", self.job_id, self.token[:8], reason,
+                        f" (now held by {owner})" if owner else "", extra={"action": "lease_lost"})
+            if self.policy.on_lost == "raise" and self._in_body:
+                self._interrupter.interrupt(LeaseLost(self.job_id, reason, owner), self._still_running)
+
+    def _still_running(self) -> bool:
+        """Whether the interrupter may raise in the body now (called with the guard held, or
+        from the gevent hub while the body is switched out); inside a store call it defers."""
+        running = self._in_body and not self.finishing and not self._raised
+        if running and self._shield:
+            self._deferred = True
+            return False
+        # The interruption goes out: it is the body's one LeaseLost, and the store calls of the
+        # body's handlers (an effect's key given back, a lock released) run as they would.
+        self._raised = self._raised or running
+        return running
+
+    def _interruption_due(self) -> bool:
+        return (self.lost and self.policy.on_lost == "raise" and self._in_body and not self.finishing
+                and not self._raised)
+
+    @contextlib.contextmanager
+    def shielded(self) -> Iterator[None]:
+        """A store call of the body: an interruption waits until it ends, then raises LeaseLost.
+
+        A loss flagged before the call raises at once instead, the interruption already on its
+        way cancelled: with the guard held no other one can be sent, so none lands inside.
+        Code that copied the body's context into another thread (``asyncio.to_thread``) is
+        not the body: nothing is deferred or raised there.
+        """
+        if not self._interrupter.is_current():
+            yield
+            return
+        with self._guard:
+            lost_already = self._interruption_due()
+            if lost_already:
+                self._raised = True
+                self._interrupter.cancel()
+            else:
+                self._shield += 1
+        if lost_already:
+            raise self._lost_error()
+        try:
+            yield
+        finally:
+            with self._guard:
+                self._shield -= 1
+                due = not self._shield and self._deferred and self._interruption_due()
+                if not self._shield:
+                    self._deferred = False
+                if due:
+                    self._raised = True
+            if due:
+                raise self._lost_error()
+
+    @contextlib.contextmanager
+    def body(self) -> Iterator[None]:
+        """Mark the task body as running so a lost lease may interrupt it."""
+        # Set first and reset in the finally: an interruption may land as soon as _in_body is.
+        body = interrupt.BODY.set(self)
+        try:
+            with self._guard:
+                self._interrupter.bind()
+                self._in_body = True
+            yield
+        finally:
+            interrupt.BODY.reset(body)
+            with self._guard:
+                self._in_body = False
+                self.finishing = True
+                if self.lost and self.policy.on_lost == "raise":
+                    # An interruption queued just as the body returned must not land
+                    # in the bookkeeping that follows.
+                    self._interrupter.cancel()

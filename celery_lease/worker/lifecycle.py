@@ -1,0 +1,431 @@
+"""One leased run: claim, attach, body, settle.
+
+- **claim**: the delivery takes the job's lease, or learns why its body must not run (the store
+  is down, the job is not available yet, another delivery holds it, it is finished);
+- **attach**: the lease joins this process's runtime (renewed, watched by the deadline timer) and
+  Celery's STARTED state is stored, inside the ``try`` whose ``finally`` detaches it;
+- **body**: the task runs under the lease, and whatever way it ends is named (``RunEnd``);
+- **settle**: one step writes that end to the store, knowing the two ways a write fails. A store
+  that is unreachable gets the write later: the lease stays renewed, the heartbeat makes the write
+  once the store answers and acts on its real answer (a stale token is a rejected write, audited).
+  A store that rejects the write for good is an error for the caller, never a deferral loop.
+
+Celery sees what plain Celery shows for the same end: the value, the body's own exception, or
+Celery's Retry, Ignore and Reject; never StoreUnavailable for an outage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+from celery import Task, states
+from celery._state import _task_stack
+from celery.exceptions import Ignore, Reject, Retry, WorkerShutdown, WorkerTerminate
+
+import celery_lease.deadline as deadline
+import celery_lease.messaging.backend as results
+import celery_lease.messaging.messages as messages
+import celery_lease.publish.publishing as publishing
+import celery_lease.worker.deliveries as deliveries
+import celery_lease.worker.runtime as runtime
+
+from ..config import TaskPolicy, task_policy
+from ..errors import LeaseLost, StoreRejected, StoreUnavailable
+from ..store import Claim, ClaimTerms, Store, for_app
+from ..vocabulary import ClaimOutcome, Decision, Event, LossReason, RunEnd, Status
+from .lease import DeferredWrite, Lease
+
+__all__ = ["run", "queue_of"]
+
+log = logging.getLogger(__name__)
+
+
+def queue_of(task: Task, request: Any) -> str | None:
+    info = request.delivery_info or {}
+    return info.get("routing_key") or getattr(task, "queue", None) or task.app.conf.task_default_queue
+
+
+class _Resumed:
+    """The claim found a completed job whose post-run work a crash interrupted: finish it."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def run(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run one delivery of a leased task: claim, attach, body, settle."""
+    claimed = _claim(task, args, kwargs)
+    if isinstance(claimed, _Resumed):
+        return claimed.value  # Celery's tracer stores it and sends the chain's next step
+    lease = claimed
+    request = task.request
+    try:
+        lease.runtime.attach(request, lease)
+        _store_started(task, request, lease)
+        end, value, exc = _body(task, lease, args, kwargs)
+        return _settle(task, lease, end, value, exc)
+    finally:
+        lease.runtime.detach(request, lease)
+
+
+# -- claim ----------------------------------------------------------------------------
+def _claim(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Lease | _Resumed:
+    request = task.request
+    job_id = request.id
+    queue = queue_of(task, request)
+    policy = task_policy(task, queue)
+    token = secrets.token_hex(16)
+
+    def payload() -> str | None:
+        return messages.encode(task.name, args, kwargs, dict(task.signature_from_request(request).options),
+                               task.serializer)
+
+    rt: runtime.Runtime | None = None
+    try:
+        store = for_app(task.app)
+        rt = runtime.for_app(task.app, store, request.hostname)
+        terms = ClaimTerms(duration=policy.duration, grace=policy.grace_period,
+                           max_attempts=policy.max_attempts, max_expirations=policy.max_expirations,
+                           takeover=policy.on_expired == Decision.REQUEUE, recovery=policy.recovery(),
+                           nesting=int(getattr(request, "replaced_task_nesting", 0) or 0))
+        # The lease's local deadline counts from when the claim was sent, not answered.
+        sent = deadline.monotonic()
+        claim = store.claim(job_id, rt.worker, token, terms, task_name=task.name, queue=queue,
+                            payload=payload)
+    except StoreRejected as exc:
+        # A claim the store refuses is not run, and not lost either: the message comes back later
+        # (with the fail-closed backoff), each time logged with the store's reason.
+        log.error("job %s: the store refused its claim (%s)", job_id, exc, extra={"action": "claim_rejected"})
+        if request.is_eager:
+            raise
+        deliveries.fail_closed(task, policy.store_retry_delay, policy.store_retry_max,
+                               StoreUnavailable(str(exc), job_id=job_id))
+    except StoreUnavailable as exc:
+        if request.is_eager:
+            raise  # no message to deliver again: the caller sees the outage
+        if rt is not None:
+            rt.claim_unanswered(job_id, token)  # the server may still commit it
+        deliveries.fail_closed(task, policy.store_retry_delay, policy.store_retry_max, exc)
+    if claim.outcome == ClaimOutcome.EARLY:
+        deliveries.defer_early(task, store, rt.worker, claim.wait)
+    if claim.outcome == ClaimOutcome.REPLACED:
+        deliveries.skip_replaced_copy(task, store, rt.worker, claim.step)
+    if not claim.claimed and claim.job is not None and rt.orphaned_claim(job_id, claim.job.lock_token):
+        claim = _reclaim(store, rt, claim, token, terms)
+    if not claim.claimed:
+        if claim.job is not None and claim.job.status == Status.COMPLETED:
+            try:
+                resumed, value = deliveries.resume_post_run(task, store, rt.worker, claim.job)
+            except StoreUnavailable as exc:
+                deliveries.fail_closed(task, policy.store_retry_delay, policy.store_retry_max, exc)
+            if resumed:
+                return _Resumed(value)
+        deliveries.skip_duplicate(task, store, rt.worker, claim.outcome, claim.job)
+    job = claim.job
+    assert job is not None
+    deliveries.forget_store_retries(request)
+
+    def record_again() -> bool:
+        again = store.claim(job_id, rt.worker, token, terms, task_name=task.name, queue=queue,
+                            payload=payload)
+        if again.outcome == ClaimOutcome.REPLACED:  # the row went with a hand-over whose answer was lost
+            deliveries.send_pending_step(task.app, job_id, again.step)
+        return again.claimed and again.job is not None and again.job.lock_token == token
+
+    return Lease(rt, job_id, token, job.attempt_count, policy, job.idempotency_key or f"{task.name}:{job_id}",
+                 job.checkpoint_state(), sent_at=sent, app=task.app, acks_late=bool(task.acks_late),
+                 record_again=record_again)
+
+
+def _reclaim(store: Store, rt: runtime.Runtime, claim: Claim, token: str, terms: ClaimTerms) -> Claim:
+    """The job runs under a claim of this very process whose answer was lost: take it with ``token``."""
+    assert claim.job is not None and claim.job.lock_token is not None
+    lost = claim.job.lock_token
+    try:
+        job = store.reclaim(claim.job.id, lost, rt.worker, token, terms)
+    except (StoreUnavailable, StoreRejected) as exc:
+        log.warning("job %s: could not take back the claim whose answer was lost (%s)", claim.job.id, exc)
+        return claim
+    if job is None:
+        return claim
+    rt.forget_unanswered(lost)
+    log.info("job %s [%s]: took back this process's claim [%s] whose answer was lost", job.id, token[:8],
+             lost[:8], extra={"action": "lost_claim_taken_back"})
+    return Claim(ClaimOutcome.CLAIMED, job)
+
+
+# -- attach -----------------------------------------------------------------------------
+def _store_started(task: Any, request: Any, lease: Lease) -> None:
+    """Celery's task_track_started, once the claim proved this delivery runs the job.
+
+    STARTED is a progress report: a backend that refuses it costs the report, not the run
+    (the body runs and its result is stored as usual). An eager run stores none: Celery stores
+    no result of an eager run (unless task_store_eager_result), so STARTED would stay for ever.
+    """
+    if request.is_eager or not task.lease_tracks_started or deliveries.ignores_result(task, request):
+        return
+    try:
+        results.of(task.app, task.backend).store_result(
+            lease.job_id, {"pid": os.getpid(), "hostname": request.hostname}, states.STARTED, request=request)
+    except Exception as exc:  # noqa: BLE001 - any backend failure: the run goes on unreported
+        log.warning("job %s [%s]: STARTED not stored (%s); the body runs", lease.job_id, lease.token[:8], exc,
+                    extra={"action": "started_not_stored"})
+
+
+# -- body ------------------------------------------------------------------------------
+def _call(task: Any, lease: Lease, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Celery's ``Task.__call__``, with the body's own request context resolved to its lease."""
+    _task_stack.push(task)
+    # A copy of the worker's request, as Celery >= 5.5 makes itself: before 5.5 push_request
+    # starts from a blank one, and the body would see no id, hostname or delivery_info.
+    task.push_request(**{**task.request.__dict__, "args": args, "kwargs": kwargs})
+    request = task.request
+    lease.runtime.bind(request, lease)
+    try:
+        return task.run(*args, **kwargs)
+    finally:
+        lease.runtime.unbind(request, lease)
+        task.pop_request()
+        _task_stack.pop()
+
+
+def _worker_terminating() -> bool:
+    """True once a cold shutdown began in this worker (Celery's own flag)."""
+    from celery.worker import state
+
+    return bool(state.should_terminate)
+
+
+def _worker_leaving(exc: BaseException) -> bool:
+    """True when a BaseException means the worker is shutting down, not that the body failed."""
+    from celery.worker import state
+
+    if isinstance(exc, (WorkerShutdown, WorkerTerminate)) or state.should_stop or state.should_terminate:
+        return True
+    # A prefork child's terminate handler raises SystemExit inside whatever runs (billiard
+    # tells it from the body's own with a flag of its own, where it has one).
+    from billiard import common
+
+    fired = getattr(common, "terminate_handler_fired", None)
+    return bool(fired is not None and fired())
+
+
+def _body(task: Any, lease: Lease, args: tuple[Any, ...],
+          kwargs: dict[str, Any]) -> tuple[RunEnd, Any, BaseException | None]:
+    """Run the body under the lease and name how it ended."""
+    try:
+        with lease.body():
+            result = _call(task, lease, args, kwargs)
+    except LeaseLost as exc:
+        return RunEnd.LOST, None, exc
+    except Retry as exc:
+        return RunEnd.RETRIED, None, exc
+    except Ignore as exc:
+        return (RunEnd.REPLACED if lease.handed_over else RunEnd.IGNORED), None, exc
+    except Reject as exc:
+        if lease.lost:
+            return RunEnd.LOST, None, exc  # Celery's retry() turns the lost lease's LeaseLost into Reject
+        return (RunEnd.REJECTED_REQUEUE if exc.requeue else RunEnd.REJECTED), None, exc
+    except StoreRejected as exc:
+        return RunEnd.FAILED, None, exc  # a write the store refuses for good: the body's error
+    except StoreUnavailable as exc:
+        # A library call in the body that cannot wait for the store (a publish, a hand-over).
+        return RunEnd.OUTAGE, None, exc
+    except Exception as exc:  # noqa: BLE001 - named here, raised again by the settle step
+        if _worker_terminating():
+            return RunEnd.SHUTDOWN, None, exc
+        # An error raised after the lease was lost (by the interruption, or by a body that turned
+        # the LeaseLost into an error of its own) is the loss, not a failure of the job.
+        return (RunEnd.LOST if lease.lost else RunEnd.FAILED), None, exc
+    except BaseException as exc:  # noqa: BLE001 - named here, raised again by the settle step
+        if _worker_leaving(exc):
+            return RunEnd.SHUTDOWN, None, exc
+        # The body's own SystemExit or KeyboardInterrupt, or gevent's hard time limit
+        # (gevent.Timeout): a failed attempt, final as in plain Celery.
+        return RunEnd.FAILED, None, exc
+    return RunEnd.RETURNED, result, None
+
+
+# -- settle ----------------------------------------------------------------------------
+def _write(lease: Lease, end: RunEnd, write: Callable[[], bool], then: Callable[[], None] | None = None,
+           later: Callable[[], bool] | None = None) -> bool | None:
+    """Make one settle write: True (written, ``then`` followed), False (stale token), None (deferred).
+
+    An unreachable store gets ``later`` (default: the same write) once it answers. StoreRejected
+    leaves to the caller: a refusal is not retried.
+    """
+    try:
+        written = write()
+        if not written and lease.vanished_and_recorded_again():
+            written = write()
+    except StoreRejected:
+        raise
+    except StoreUnavailable as exc:
+        log.error("job %s [%s]: %s not written, the store is unreachable (%s); kept until it answers",
+                  lease.job_id, lease.token[:8], end, exc, extra={"action": "settle_deferred"})
+        lease.runtime.defer(lease, DeferredWrite(end, later or write, then))
+        return None
+    if not written:
+        # Stale: the lease moved on, or this very write committed once with its answer lost (a
+        # retry, a release, a hand-over): a job left pending gets its message again.
+        try:
+            lease.send_if_pending()
+        except Exception as error:  # noqa: BLE001 - the reaper's dispatch scan sends it later
+            log.warning("job %s: not sent again (%s); the dispatch scan will", lease.job_id, error)
+    elif then is not None:
+        try:
+            then()
+        except Exception as error:  # noqa: BLE001 - the write landed; what follows it is logged
+            log.error("job %s [%s]: what follows the %s failed (%s)", lease.job_id, lease.token[:8], end,
+                      error, extra={"action": "settle_followup_failed"})
+    return written
+
+
+def _settle(task: Any, lease: Lease, end: RunEnd, value: Any, exc: BaseException | None) -> Any:
+    """Write how the body ended, then end the delivery as plain Celery would for that end."""
+    store, job_id, token, worker = lease.store, lease.job_id, lease.token, lease.worker
+    if end == RunEnd.RETURNED:
+        return _complete(task, lease, value)
+    assert exc is not None
+    if end == RunEnd.LOST:
+        _lost(task, lease, exc)
+    if end == RunEnd.RETRIED:
+        _retry(task, lease, exc)
+    if end == RunEnd.IGNORED:
+        # The task chose to drop its result: the job is still over.
+        _ending(lease, end, lambda: store.complete(job_id, token, worker))
+    elif end == RunEnd.REJECTED_REQUEUE:
+        # Requeued while the release waits for the store, the message would meet the lease this
+        # worker still holds and be skipped: it is acknowledged, and sent again with the release.
+        if _write(lease, end, lambda: store.release(job_id, token, worker, reason=Event.REJECTED_REQUEUE),
+                  later=lambda: lease.give_back(Event.REJECTED_REQUEUE, republish=True)) is None:
+            raise Ignore() from exc
+    elif end == RunEnd.REJECTED:
+        _write(lease, end, lambda: store.fail(job_id, token, f"rejected: {exc.reason}", worker))  # type: ignore[attr-defined]
+    elif end == RunEnd.FAILED:
+        _fail(task, lease, exc)
+    elif end == RunEnd.OUTAGE:
+        log.warning("job %s [%s] stopped: the store is unreachable (%s); it runs again once the store "
+                    "answers", job_id, token[:8], exc, extra={"action": "run_ended_by_outage"})
+        _write(lease, end, lambda: lease.give_back(Event.RELEASED_AFTER_OUTAGE, republish=True))
+        raise Ignore() from exc
+    elif end == RunEnd.SHUTDOWN:
+        # The worker is shutting down mid-body: give the job back (an unreachable store leaves
+        # the lease to expire, and the reaper requeues it).
+        with contextlib.suppress(StoreUnavailable, StoreRejected):
+            lease.give_back(Event.RELEASED_ON_SHUTDOWN)
+        if isinstance(exc, Exception):
+            # A cold shutdown of a solo pool raises Celery's own error inside the body: the job
+            # did not fail, the worker left. Requeue its message.
+            raise Reject(f"worker shutting down: {type(exc).__name__}", requeue=True) from exc
+    raise exc
+
+
+def _ending(lease: Lease, end: RunEnd, write: Callable[[], bool]) -> bool | None:
+    """A settle write that ends a job whose body finished; one the store refuses fails the job instead.
+
+    Left running, the refused job's lease would expire and the reaper would run a finished body
+    again. If the failure is refused too, StoreRejected goes to the caller as before.
+    """
+    try:
+        return _write(lease, end, write)
+    except StoreRejected as exc:
+        log.error("job %s [%s]: the store refused its %s (%s); the job is recorded as failed so that its "
+                  "finished body does not run again", lease.job_id, lease.token[:8], end, exc,
+                  extra={"action": "settle_refused"})
+        reason = f"the store refused the write of its end ({end}): {exc}"
+        return _write(lease, end, lambda: lease.store.fail(lease.job_id, lease.token, reason, lease.worker))
+
+
+def _complete(task: Any, lease: Lease, value: Any) -> Any:
+    store, job_id, token, worker = lease.store, lease.job_id, lease.token, lease.worker
+    if lease.lost:
+        # Lost while finishing: the completion below is fenced and will be rejected if it moved on.
+        log.warning("job %s [%s] finished after losing its lease", job_id, token[:8])
+    kept = deliveries.keepable_result(task, value)
+    try:
+        if kept is None:
+            written = _ending(lease, RunEnd.RETURNED, lambda: store.complete(job_id, token, worker))
+        else:
+            written = _write(lease, RunEnd.RETURNED, lambda: store.complete(job_id, token, worker, kept))
+    except StoreRejected as exc:
+        # The kept result is only there to finish a crash's post-run work: a result the store
+        # cannot hold (too large for its column) is not kept, and the job still completes.
+        log.error("job %s [%s]: result not kept, the store refused it (%s)", job_id, token[:8], exc,
+                  extra={"action": "result_not_kept"})
+        written = _ending(lease, RunEnd.RETURNED, lambda: store.complete(job_id, token, worker))
+    if written is False:
+        log.warning("job %s [%s]: completion rejected, the lease moved on", job_id, token[:8],
+                    extra={"action": "stale_completion_rejected"})
+        raise Ignore()
+    return value
+
+
+def _lost(task: Any, lease: Lease, exc: BaseException) -> NoReturn:
+    log.warning("job %s [%s] stopped: %s", lease.job_id, lease.token[:8], exc, extra={"action": "lease_lost"})
+    if lease.lost_reason == LossReason.VANISHED and not task.request.is_eager:
+        # The job's row is gone (a restored backup, a failover that lost its last seconds): the
+        # message is the job's only record now. Send it again; its claim records the job anew.
+        log.error("job %s [%s]: its row vanished from the store; message sent again", lease.job_id,
+                  lease.token[:8], extra={"action": "vanished_job_sent_again"})
+        deliveries.send_again(task, "the job's row vanished from the store")
+    elif not lease.lost:
+        # The body raised LeaseLost on a lease this worker still holds (a check of its own, a
+        # library call below it): nobody else runs the job, so give it back now, uncharged,
+        # instead of leaving it to expire and wait for the reaper.
+        _write(lease, RunEnd.LOST, lambda: lease.give_back(Event.RELEASED_AFTER_LOCAL_LOSS, republish=True))
+    raise Ignore() from exc
+
+
+def _retry(task: Any, lease: Lease, exc: BaseException) -> None:
+    """Celery's Retry: the row goes back to pending (once) before or with the retry's message."""
+    assert isinstance(exc, Retry)
+    store, job_id, token, worker = lease.store, lease.job_id, lease.token, lease.worker
+    if lease.deferred_retry is not None:
+        due, message = lease.deferred_retry
+
+        def write() -> bool:
+            return store.retry_later(job_id, token, max(0.0, due - deadline.monotonic()), message,
+                                     str(exc.exc or exc), worker)
+
+        _write(lease, RunEnd.RETRIED, write, then=lambda: messages.republish(lease.app, job_id, message))
+        raise exc
+    if lease.retried:
+        raise exc  # the row became pending before the retry's message was sent
+    payload = None
+    if exc.sig is not None:
+        payload = messages.encode(exc.sig.task, exc.sig.args, exc.sig.kwargs, dict(exc.sig.options),
+                                  task.serializer)
+    delay = publishing.seconds_until(exc.when)
+    if _write(lease, RunEnd.RETRIED,
+              lambda: store.retry_later(job_id, token, delay, payload, str(exc.exc or exc), worker)) is False:
+        raise Ignore() from exc
+    raise exc
+
+
+def _dead_letter(task: Any, store: Store, job_id: str, policy: TaskPolicy) -> None:
+    """Park a failed job's message on the dead-letter queue, when one is configured."""
+    if not policy.dead_letter_queue:
+        return
+    job = store.get(job_id)
+    messages.republish(task.app, job_id, job.payload if job else None, queue=policy.dead_letter_queue)
+    store.event(job_id, Event.DEAD_LETTER_PUBLISHED, policy.dead_letter_queue)
+
+
+def _fail(task: Any, lease: Lease, exc: BaseException) -> None:
+    """A final failure of the attempt: the job is failed (and dead-lettered); Ignore if it moved on.
+
+    A store that does not take the write (down, or a lock it waited on too long) gets it later:
+    the lease is kept and renewed, and Celery still sees the body's own exception.
+    """
+    error = f"{type(exc).__name__}: {exc}"
+    store, job_id = lease.store, lease.job_id
+    written = _write(lease, RunEnd.FAILED, lambda: store.fail(job_id, lease.token, error, lease.worker),
+                     then=lambda: _dead_letter(task, store, job_id, lease.policy))
+    if written is False:
+        raise Ignore() from exc

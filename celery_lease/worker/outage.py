@@ -1,0 +1,132 @@
+"""A worker whose deliveries find the store unreachable stops consuming until it answers.
+
+A delivery that cannot claim its job sends its message again for later and is acknowledged
+(deliveries.fail_closed). A worker that went on consuming would take every message of its
+queues only to send each one back, the whole backlog churning through the broker for as
+long as the outage lasts. So the worker's main process, told by the delivery's outcome
+(``FailedClosed``, seen by LeaseRequest in every pool, a prefork child's included), cancels
+its task consumer, asks the store from a thread of its own every ``lease_store_retry_delay``,
+and consumes again once the store answers. The consumer is only ever touched from its own
+event loop (``Consumer.call_soon``); messages the worker already holds still run, or fail
+closed with their backoff.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from celery import bootsteps
+
+import celery_lease.worker.runtime as runtime
+
+from ..config import app_config
+from ..errors import StoreUnavailable
+
+__all__ = ["ConsumerPause", "PauseStep", "store_unreachable"]
+
+log = logging.getLogger(__name__)
+
+
+class ConsumerPause:
+    """Cancels a worker's task consumer while the store is unreachable; one per worker main process."""
+
+    def __init__(self, store: Any, interval: float) -> None:
+        self.store = store
+        self.interval = interval
+        self.paused = False  # what the consumer should be; its loop applies it
+        self._consumer: Any = None
+        self._mutex = threading.Lock()
+        self._stop = threading.Event()
+        self._probe: threading.Thread | None = None
+
+    def bind(self, consumer: Any) -> None:
+        """The consumer (re)started and consumes: cancel it again if the store is still down."""
+        with self._mutex:
+            self._consumer = consumer
+            paused = self.paused
+        if paused:
+            consumer.call_soon(self._apply)
+
+    def store_unreachable(self, why: str) -> None:
+        """A delivery met an unreachable store (from any thread of the main process): stop consuming."""
+        with self._mutex:
+            consumer = self._consumer
+            if self.paused or consumer is None or self._stop.is_set():
+                return
+            self.paused = True
+            self._probe = threading.Thread(target=self._wait_for_store, name="celery-lease-store-probe",
+                                           daemon=True)
+            self._probe.start()
+        log.warning("this worker stops consuming until the lease store answers (asked every %gs): %s",
+                    self.interval, why, extra={"action": "consuming_paused"})
+        consumer.call_soon(self._apply)
+
+    def _apply(self) -> None:
+        """In the consumer's loop: cancel or resume the task consumer, as ``paused`` says now."""
+        task_consumer = getattr(self._consumer, "task_consumer", None)
+        if task_consumer is None:
+            return  # reconnecting: bind() applies it to the next one
+        if self.paused:
+            task_consumer.cancel()
+        else:
+            task_consumer.consume()
+
+    def _wait_for_store(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.store.now()
+            except StoreUnavailable:
+                continue
+            except Exception:  # noqa: BLE001 - the probe must outlive any one bad answer
+                log.exception("probe of the lease store failed")
+                continue
+            with self._mutex:
+                self.paused = False
+                self._probe = None
+                consumer = self._consumer
+            log.info("lease store answers again: this worker consumes again",
+                     extra={"action": "consuming_resumed"})
+            consumer.call_soon(self._apply)
+            return
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """The worker is stopping: stop asking the store."""
+        self._stop.set()
+        probe = self._probe
+        if probe is not None:
+            probe.join(timeout)
+
+
+class PauseStep(bootsteps.StartStopStep):
+    """Consumer step of the main process: gives its runtime a ConsumerPause bound to the consumer."""
+
+    label = "celery_lease pause"
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def __init__(self, c: Any, **kwargs: Any) -> None:
+        self.pause: ConsumerPause | None = None
+        super().__init__(c, **kwargs)
+
+    def start(self, c: Any) -> None:
+        if self.pause is None:
+            from ..store import for_app
+
+            store = for_app(c.app, check=False)
+            rt = runtime.for_app(c.app, store, c.hostname)
+            rt.pause = self.pause = ConsumerPause(store, app_config(c.app).store_retry_delay)
+        self.pause.bind(c)
+
+    def shutdown(self, c: Any) -> None:
+        if self.pause is not None:
+            self.pause.stop()
+
+
+def store_unreachable(app: Any, why: str) -> None:
+    """Tell this worker process's consumer that a delivery met an unreachable store (a no-op in a
+    process without one: a prefork child, a process that is no worker)."""
+    rt = runtime.current(app)
+    pause = rt.pause if rt is not None else None
+    if pause is not None:
+        pause.store_unreachable(why)

@@ -1,0 +1,528 @@
+"""One runtime per worker process: its leases, its heartbeat, its deadline timer, its locks.
+
+The runtime holds the leases of the bodies running in this process, by request (what
+``self.lease`` resolves through) and by (job id, token): two claims of one job in one
+process, a stale one and a new one, never see each other's lease. Its heartbeat renews
+them (heartbeat.py); its deadline timer, a thread of its own, marks a lease lost at its
+local deadline however long a store call takes, and interrupts the body. A lease lost
+locally is given back, fenced on its token, once the store answers. Signals and the
+shutdown path reach the runtime through the functions at the bottom of this module.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import socket
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import celery_lease.deadline as deadline
+import celery_lease.worker.interrupt as interrupt
+
+from ..errors import StoreRejected, StoreUnavailable
+from ..vocabulary import Event
+from .heartbeat import Heartbeat, worker_id
+
+if TYPE_CHECKING:
+    from ..store import Store
+    from .effects import Locks
+    from .lease import DeferredWrite, Lease
+    from .outage import ConsumerPause
+
+__all__ = ["Runtime", "DeadlineTimer", "PendingCancels", "for_app", "current", "retire", "in_process",
+           "release_all_in_process"]
+
+log = logging.getLogger(__name__)
+
+MAX_TIMER_SLEEP = 5.0  # seconds the timer sleeps with no deadline in sight
+UNANSWERED_KEPT = 1000  # unanswered claim tokens a process remembers
+CANCELS_KEPT = 10_000  # cancels the store did not take that a process remembers (the newest)
+
+
+class DeadlineTimer:
+    """Marks leases and resource locks lost at their local deadlines; ``run_once(now)`` is one pass,
+    ``start()`` the loop."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._starting = threading.Lock()
+        # When the loop next looks (monotonic); None while a pass is reading the leases.
+        self._planned: float | None = None
+
+    def run_once(self, now: float | None = None) -> float | None:
+        """Expire every lease and lock past its deadline; returns the next deadline (None: none left).
+
+        A lock past its deadline marks its job's lease lost (and interrupts the body) as the
+        lease's own deadline does.
+        """
+        now = deadline.monotonic() if now is None else now
+        upcoming = [lease.deadline for lease in self.runtime.leases() if not lease.expire_if_due(now)]
+        lock_due = self.runtime.locks.expire_due(now)
+        if lock_due is not None:
+            upcoming.append(lock_due)
+        return min(upcoming, default=None)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def watch(self, due: float) -> None:
+        """A lease due at ``due`` joined: wake the loop only if it would look later than that.
+
+        Waking it for every claim costs the claiming thread a GIL hand-off per task.
+        """
+        planned = self._planned
+        if planned is None or due < planned:
+            self._wake.set()
+
+    def start(self) -> None:
+        """Start the loop unless it runs; safe from many threads at once (one thread starts)."""
+        with self._starting:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="celery-lease-deadline", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            # Cleared before the pass reads the leases: a lease added meanwhile sees None and wakes us.
+            self._planned = None
+            try:
+                upcoming = self.run_once()
+            except Exception:  # noqa: BLE001 - the timer must outlive any one bad pass
+                log.exception("deadline timer of %s failed", self.runtime.worker)
+                upcoming = None
+            now = deadline.monotonic()
+            # Sleep to the next deadline exactly; a new lease or a stop wakes it earlier.
+            pause = MAX_TIMER_SLEEP if upcoming is None else min(max(0.0, upcoming - now), MAX_TIMER_SLEEP)
+            self._planned = now + pause
+            self._wake.wait(pause)
+            self._wake.clear()
+
+
+class PendingCancels:
+    """Cancels (a revoke, ``revoke(terminate=True)``) the store did not take because it was unreachable.
+
+    Celery acknowledges a revoked delivery whatever the store said: a cancel lost to an outage
+    would leave the job pending, and the dispatch scan would run it once the worker forgot the
+    revoke. So a cancel that finds the store down is kept here (the newest CANCELS_KEPT) and
+    written by the next cancel that reaches the store, or by a thread of its own that tries
+    every ``interval`` seconds while any is kept; it stops when none is left.
+    """
+
+    def __init__(self, store: Store, interval: float) -> None:
+        self.store = store
+        self.interval = interval
+        self._mutex = threading.Lock()
+        # job id -> store.cancel's keywords for it
+        self._kept: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
+        self._thread: threading.Thread | None = None
+
+    def __len__(self) -> int:
+        with self._mutex:
+            return len(self._kept)
+
+    def cancel(self, job_id: str, reason: str, owner: str | None = None, task_name: str | None = None,
+               queue: str | None = None) -> bool:
+        """Cancel ``job_id`` now, or keep the cancel for when the store answers; True when written now.
+
+        The kept cancels go first; while some are still kept (the store just failed them) this
+        one joins them without a call of its own, so an outage costs a revoke one call bound.
+        ``task_name`` and ``queue`` (a discarded delivery's) record a vanished row again (store.cancel).
+        """
+        order: dict[str, Any] = {"reason": reason, "owner": owner, "task_name": task_name, "queue": queue}
+        self.flush()
+        if len(self):
+            self._keep(job_id, order)
+            return False
+        try:
+            self.store.cancel(job_id, **order)
+        except StoreRejected as exc:
+            log.error("job %s: the store rejected its cancel (%s); not retried", job_id, exc)
+            return False
+        except StoreUnavailable as exc:
+            self._keep(job_id, order)
+            log.warning("job %s: lease store unreachable (%s); its cancel (%s) is kept and written when the "
+                        "store answers", job_id, exc, reason, extra={"action": "cancel_deferred"})
+            return False
+        return True
+
+    def _keep(self, job_id: str, order: dict[str, Any]) -> None:
+        with self._mutex:
+            self._kept[job_id] = order
+            self._kept.move_to_end(job_id)
+            while len(self._kept) > CANCELS_KEPT:
+                dropped, _ = self._kept.popitem(last=False)
+                log.error("job %s: too many cancels kept while the store is down; dropped", dropped)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="celery-lease-cancels", daemon=True)
+                self._thread.start()
+
+    def flush(self) -> int:
+        """Write the kept cancels, oldest first; stops at the first that finds the store down."""
+        with self._mutex:
+            kept = list(self._kept.items())
+        written = 0
+        for job_id, order in kept:
+            try:
+                self.store.cancel(job_id, **order)
+            except StoreRejected as exc:
+                log.error("job %s: the store rejected its kept cancel (%s); dropped", job_id, exc)
+            except StoreUnavailable:
+                return written
+            else:
+                written += 1
+                log.info("job %s: kept cancel (%s) written after the store came back", job_id,
+                         order["reason"], extra={"action": "cancel_written"})
+            with self._mutex:
+                if self._kept.get(job_id) == order:
+                    del self._kept[job_id]
+        return written
+
+    def _run(self) -> None:
+        stop = threading.Event()
+        while True:
+            stop.wait(self.interval)
+            try:
+                self.flush()
+            except Exception:  # noqa: BLE001 - the retry thread must outlive any one bad pass
+                log.exception("kept cancels: flush failed")
+            with self._mutex:
+                if not self._kept:
+                    self._thread = None
+                    return
+
+
+class Runtime:
+    """This process's leases and the threads that keep them honest."""
+
+    def __init__(self, store: Store, hostname: str, default_interval: float, *,
+                 worker: str | None = None, interrupter: type[interrupt.Interrupter] | None = None) -> None:
+        from .effects import Locks
+
+        self.store = store
+        self.hostname = hostname
+        self.worker = worker or worker_id(hostname)
+        self.default_interval = default_interval
+        self.interrupter = interrupter or interrupt.for_process()
+        self.pid = os.getpid()
+        self._mutex = threading.Lock()
+        self._by_request: dict[int, Lease] = {}
+        self._held: dict[tuple[str, str], Lease] = {}
+        self._deferred: dict[tuple[str, str], Lease] = {}
+        self._to_give_back: dict[tuple[str, str], Lease] = {}
+        self.locks: Locks = Locks(store)
+        self.heartbeat = Heartbeat(self)
+        self.timer = DeadlineTimer(self)
+        self._starting = threading.Lock()  # concurrent first tasks (a threads pool) start once
+        # A worker's main process stops its consumer here while the store is down (outage.py).
+        self.pause: ConsumerPause | None = None
+        # Tokens of claims this process sent and gave up on (no answer within the bound): the
+        # server may still have committed one, leaving a job "running" under us that no body runs.
+        self._unanswered: collections.OrderedDict[str, str] = collections.OrderedDict()
+
+    # -- claims whose answer was lost ----------------------------------------------------
+    def claim_unanswered(self, job_id: str, token: str) -> None:
+        """A claim of ``job_id`` with ``token`` got no answer: remember it (the newest 1,000)."""
+        with self._mutex:
+            self._unanswered[token] = job_id
+            while len(self._unanswered) > UNANSWERED_KEPT:
+                self._unanswered.popitem(last=False)
+
+    def orphaned_claim(self, job_id: str, token: str | None) -> bool:
+        """Whether ``token`` on ``job_id`` is a claim of ours whose answer was lost (no body runs it)."""
+        with self._mutex:
+            return token is not None and self._unanswered.get(token) == job_id
+
+    def forget_unanswered(self, token: str) -> None:
+        with self._mutex:
+            self._unanswered.pop(token, None)
+
+    # -- membership ---------------------------------------------------------------------
+    def attach(self, request: Any, lease: Lease) -> None:
+        """A body is about to run under ``lease`` for ``request``: renew it and watch its deadline."""
+        with self._mutex:
+            self._by_request[id(request)] = lease
+            self._held[(lease.job_id, lease.token)] = lease
+        self.start()
+        self.heartbeat.joined(lease)
+        self.timer.watch(lease.deadline)
+
+    def detach(self, request: Any, lease: Lease) -> None:
+        """The body is over; a deferred completion or a pending give-back keeps the lease listed."""
+        key = (lease.job_id, lease.token)
+        self.unbind(request, lease)
+        with self._mutex:
+            if key not in self._deferred:
+                self._held.pop(key, None)
+
+    def bind(self, request: Any, lease: Lease) -> None:
+        """Resolve one more request context to ``lease`` (the body's own copy of the request)."""
+        with self._mutex:
+            self._by_request[id(request)] = lease
+
+    def unbind(self, request: Any, lease: Lease) -> None:
+        with self._mutex:
+            if self._by_request.get(id(request)) is lease:
+                del self._by_request[id(request)]
+
+    def lease_for(self, request: Any) -> Lease | None:
+        """The lease of the body running for this request (a request context object)."""
+        return self._by_request.get(id(request))
+
+    def leases(self) -> list[Lease]:
+        """Every lease this process holds or still has to complete."""
+        with self._mutex:
+            return list(self._held.values())
+
+    def is_deferred(self, lease: Lease) -> bool:
+        return (lease.job_id, lease.token) in self._deferred
+
+    def forget(self, lease: Lease) -> None:
+        """The store says the lease is gone: stop renewing, completing and giving it back."""
+        key = (lease.job_id, lease.token)
+        with self._mutex:
+            self._held.pop(key, None)
+            self._deferred.pop(key, None)
+            self._to_give_back.pop(key, None)
+
+    def lost_locally(self, lease: Lease, give_back: bool) -> None:
+        """The lease passed its local deadline: stop renewing it (and give it back when told)."""
+        key = (lease.job_id, lease.token)
+        with self._mutex:
+            if key not in self._deferred:
+                self._held.pop(key, None)
+            if give_back and key not in self._deferred:
+                self._to_give_back[key] = lease
+
+    def defer(self, lease: Lease, write: DeferredWrite) -> None:
+        """Keep a finished body's lease renewed and make its settle write once the store answers."""
+        key = (lease.job_id, lease.token)
+        with self._mutex:
+            lease.deferred = write
+            self._deferred[key] = lease
+            self._held[key] = lease
+
+    def extend(self, lease: Lease, seconds: float) -> bool:
+        """Renew one lease now with a new duration; False when it is no longer ours.
+
+        The store's expiry becomes ``seconds`` after the statement runs and the local deadline
+        ``seconds`` (minus the margin) after it was sent, earlier or later than before. While
+        the statement is out the lease trusts the shorter of the two durations. An unreachable
+        store is waited for, as the body's other store calls are, until the local deadline.
+        """
+        sent: list[float] = []
+
+        def attempt() -> set[str]:
+            sent.append(deadline.monotonic())
+            lease.extending(sent[-1], seconds)
+            return self.store.renew({lease.token: lease.job_id}, self.worker, {lease.token: seconds})
+
+        renewed = lease.patiently(attempt)
+        if lease.job_id in renewed and lease.confirm(sent[-1], seconds):
+            return True
+        if lease.job_id not in renewed:
+            reason, owner = self.store.describe_loss(lease.job_id, lease.token, self.worker)
+            lease.mark_lost(reason, owner)
+            self.forget(lease)
+        return False
+
+    @property
+    def interval(self) -> float:
+        intervals = [lease.policy.heartbeat_interval for lease in self.leases()]
+        return min([self.default_interval, *intervals])
+
+    # -- after each heartbeat round (the store answered) ----------------------------------
+    def give_back_lost(self) -> int:
+        """Release, fenced on their tokens, the leases lost locally; returns how many were released."""
+        with self._mutex:
+            pending = list(self._to_give_back.values())
+        released = 0
+        for lease in pending:
+            try:
+                # Re-send the message: the body stopped (LeaseLost) and its delivery is acked.
+                done = lease.give_back(Event.RELEASED_AFTER_LOCAL_LOSS, republish=True)
+            except StoreUnavailable:
+                return released
+            except StoreRejected as exc:
+                # Refused for good: asking again every round cannot help; the reaper recovers it.
+                log.error("job %s [%s] could not be given back, the store refused it (%s); left to "
+                          "the reaper", lease.job_id, lease.token[:8], exc,
+                          extra={"action": "give_back_rejected"})
+                with self._mutex:
+                    self._to_give_back.pop((lease.job_id, lease.token), None)
+                continue
+            released += done
+            with self._mutex:
+                self._to_give_back.pop((lease.job_id, lease.token), None)
+            log.info("job %s [%s] %s after its local deadline passed", lease.job_id, lease.token[:8],
+                     "given back" if done else "had already moved on",
+                     extra={"action": Event.RELEASED_AFTER_LOCAL_LOSS})
+        return released
+
+    def flush_deferred(self) -> None:
+        """Make the settle writes the store could not take, and act on its real answer to each."""
+        with self._mutex:
+            deferred = list(self._deferred.values())
+        for lease in deferred:
+            write = lease.deferred
+            if write is None:
+                continue
+            try:
+                written = write.write()
+            except StoreRejected as exc:
+                # Not an outage: retrying would loop for ever. The lease expires and the reaper
+                # decides, as for a worker that died here.
+                log.error("job %s [%s]: deferred %s rejected by the store for good (%s)", lease.job_id,
+                          lease.token[:8], write.end, exc, extra={"action": "deferred_write_rejected"})
+                self.forget(lease)
+                continue
+            except StoreUnavailable:
+                return
+            self.forget(lease)
+            if not written:
+                # The store audited the stale write; nothing follows it. The first try may have
+                # committed with its answer lost: a job left pending gets its message again.
+                log.warning("job %s [%s]: deferred %s rejected, the lease moved on", lease.job_id,
+                            lease.token[:8], write.end, extra={"action": "stale_deferred_write_rejected"})
+                try:
+                    lease.send_if_pending()
+                except Exception as exc:  # noqa: BLE001 - the dispatch scan sends it later
+                    log.warning("job %s: not sent again (%s); the reaper's dispatch scan will",
+                                lease.job_id, exc)
+                continue
+            log.info("job %s [%s]: %s written after the store came back", lease.job_id, lease.token[:8],
+                     write.end, extra={"action": "deferred_write_landed"})
+            if write.then is not None:
+                try:
+                    write.then()
+                except Exception as exc:  # noqa: BLE001 - logged; the write itself landed
+                    log.error("job %s [%s]: what follows the deferred %s failed (%s)", lease.job_id,
+                              lease.token[:8], write.end, exc, extra={"action": "deferred_followup_failed"})
+
+    def flush_checkpoints(self) -> None:
+        """Write the checkpoints of running bodies that an outage held back."""
+        for lease in self.leases():
+            if lease.pending_checkpoint is None:
+                continue
+            try:
+                lease.write_pending_checkpoint()
+            except StoreRejected as exc:
+                log.error("job %s [%s]: held-back checkpoint rejected by the store (%s); dropped",
+                          lease.job_id, lease.token[:8], exc, extra={"action": "checkpoint_rejected"})
+                lease.pending_checkpoint = None
+            except StoreUnavailable:
+                return
+
+    def release_all(self, reason: Event = Event.RELEASED_ON_SHUTDOWN) -> int:
+        """Give back every lease still held (shutdown); returns how many were released."""
+        with self._mutex:
+            held = [lease for key, lease in self._held.items() if key not in self._deferred]
+        released = 0
+        for lease in held:
+            try:
+                if lease.give_back(reason):
+                    released += 1
+                    lease.mark_lost(reason)
+            except (StoreUnavailable, StoreRejected) as exc:
+                log.warning("could not release job %s [%s] on shutdown: %s", lease.job_id,
+                            lease.token[:8], exc)
+        self.flush_deferred()
+        return released
+
+    # -- cancels the store did not take ---------------------------------------------------
+    @property
+    def cancels(self) -> PendingCancels:
+        """This process's kept cancels (PendingCancels), made on first use."""
+        with self._mutex:
+            kept: PendingCancels | None = self.__dict__.get("_cancels")
+            if kept is None:
+                kept = self.__dict__["_cancels"] = PendingCancels(self.store, self.default_interval)
+            return kept
+
+    # -- threads --------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the heartbeat and the deadline timer once, however many first tasks call it at once."""
+        with self._starting:
+            self.heartbeat.start()
+            self.timer.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self.timer.stop(timeout)
+        self.heartbeat.stop(timeout)
+
+
+# By (id(app), pid), with a weak reference that tells a live app from a new one at a reused id.
+_runtimes: dict[tuple[int, int], tuple[weakref.ref[Any], Runtime]] = {}
+_runtimes_lock = threading.Lock()
+
+
+def own_lease(task: Any) -> Lease | None:
+    """The lease of the body running for the task's own request (never a caller's)."""
+    rt = current(task.app)
+    return rt.lease_for(task.request) if rt is not None else None
+
+
+def current(app: Any) -> Runtime | None:
+    """This process's runtime for an app, if a leased body ever ran here."""
+    entry = _runtimes.get((id(app), os.getpid()))
+    return entry[1] if entry is not None and entry[0]() is app else None
+
+
+def for_app(app: Any, store: Store, hostname: str | None = None) -> Runtime:
+    """This process's runtime for an app (a forked child gets its own)."""
+    runtime = current(app)
+    if runtime is None:
+        with _runtimes_lock:
+            runtime = current(app)
+            if runtime is None:
+                from ..config import app_config
+
+                host = hostname or socket.gethostname()
+                runtime = Runtime(store, host, app_config(app).heartbeat_interval)
+                _runtimes[(id(app), os.getpid())] = (weakref.ref(app), runtime)
+    return runtime
+
+
+def retire(app: Any) -> bool:
+    """Stop and drop this process's runtime for an app unless it holds a lease; True when none is left."""
+    with _runtimes_lock:
+        runtime = current(app)
+        if runtime is not None and runtime.leases():
+            return False
+        _runtimes.pop((id(app), os.getpid()), None)
+    if runtime is not None:
+        runtime.stop()
+    return True
+
+
+def in_process() -> list[Runtime]:
+    """Every runtime of this process (one per app)."""
+    pid = os.getpid()
+    return [rt for (_, owner), (_, rt) in list(_runtimes.items()) if owner == pid]
+
+
+def release_all_in_process(reason: Event = Event.RELEASED_ON_SHUTDOWN) -> int:
+    """Shutdown: give back every lease of this process and stop its threads."""
+    released = 0
+    for runtime in in_process():
+        try:
+            count = runtime.release_all(reason)
+            released += count
+            if count:
+                log.info("released %d lease(s) held by %s on shutdown", count, runtime.worker)
+        finally:
+            runtime.stop()
+    return released
