@@ -1,6 +1,6 @@
 # The project's commands. `make test` is THE test command (README).
 #   make test PYTEST_ARGS='-k reaper -x'     run the suite (bootstraps .venv first)
-#   make lint                                ruff over the code and the tests, mypy over the package
+#   make lint                                ruff over the code and the tests, mypy over the package, the layer contracts
 #   make mindeps                             unit and broker tests on the lowest versions setup.cfg admits
 #   make demo MODE=plain                     the demo with plain Celery tasks, for comparison
 #   make bench                               run every benchmark in bench/
@@ -37,6 +37,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-cache
 
 $(MINDEPS_STAMP): setup.cfg pyproject.toml tools/mindeps-requirements.txt
 	test -x $(MINDEPS)/bin/python || $(PYTHON) -m venv $(MINDEPS)
