@@ -267,7 +267,7 @@ def database_url(cfg: config.AppConfig) -> str | None:
     """The URL of the Django database lease_database names, as Django configures it now; None unset."""
     if cfg.database is None:
         return None
-    from ..contrib.django.database import store_url
+    from .django_database import store_url
 
     return store_url(cfg.database)
 
@@ -278,8 +278,9 @@ def forget(app: Any) -> None:
     For settings that change under a running process (Django's ``override_settings``, a test
     database): a runtime that still holds a lease keeps its store until that run ends.
     """
-    import celery_lease.worker.runtime as runtime
-
     store = app.__dict__.pop("_celery_lease_store", None)
-    if runtime.retire(app) and store is not None:
+    # Set by worker.runtime.for_app: the store never imports the worker. With no runtime ever
+    # built for the app there is none to retire, and nothing holds the store.
+    retire = app.__dict__.get("_celery_lease_retire")
+    if (retire is None or retire(app)) and store is not None:
         store.dispose()

@@ -6,12 +6,12 @@ import contextlib
 import json
 import logging
 import os
+import pkgutil
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
-from kombu.utils.imports import symbol_by_name
 from sqlalchemy.engine import Connection, Engine
 
 import celery_lease.config as config
@@ -20,12 +20,10 @@ import celery_lease.store.schema as schema
 
 from ..errors import StoreUnavailable
 from ..masking import mask_secrets
+from ..shield import uninterrupted
 from ..vocabulary import Event
-from ..worker.interrupt import uninterrupted
+from .built import _Audited
 from .rows import RUNNING, Job, fenced_status, status_sql
-
-if TYPE_CHECKING:
-    from .audited import _Audited
 
 __all__ = ["StoreBase", "RUNS_REVISION", "RESULT_REVISION", "where_given"]
 
@@ -144,7 +142,7 @@ class StoreBase:
                     self._engine = self.dialect.create_engine(self.bounds, self.pool_size,
                                                               self.engine_options)
                     if self.fault_injector is not None:
-                        symbol_by_name(self.fault_injector).engine_built(self._engine, self)
+                        pkgutil.resolve_name(self.fault_injector).engine_built(self._engine, self)
                     # A fork copies a lock as it was: one a parent thread held stays held.
                     self._writer = threading.RLock() if self.dialect.single_writer else None
                     self._pid = os.getpid()
@@ -163,7 +161,7 @@ class StoreBase:
         """Turn driver and pool errors into the LeaseError they mean (store/failures.py).
 
         Every store call passes here first: a body's lost lease interrupts it only once the
-        call has given back its connection and the writer lock (interrupt.uninterrupted).
+        call has given back its connection and the writer lock (shield.uninterrupted).
         """
         with uninterrupted():
             try:

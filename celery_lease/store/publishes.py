@@ -11,8 +11,9 @@ import sqlalchemy as sa
 from ..config import RECOVERY
 from ..errors import StoreConflict
 from ..vocabulary import Event
-from .audited import AuditedWrites, _Audited, _Positional
+from .audited import AuditedWrites
 from .base import RESULT_REVISION, RUNS_REVISION
+from .built import _Audited, _Positional
 from .rows import COMPLETED, FAILED, PENDING, NewJob, fenced_status
 from .workers import WorkerStatements
 

@@ -16,32 +16,17 @@ in ``uninterrupted()`` from a body defers the interruption to the call's end
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import sys
 import threading
-from collections.abc import Callable, Iterator
-from contextvars import ContextVar
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import LeaseLost
+from ..shield import BODY, uninterrupted
 
 __all__ = ["Interrupter", "ThreadInterrupter", "GreenletInterrupter", "raise_in_thread", "for_process",
            "uninterrupted", "BODY"]
-
-#: The lease whose body runs in this thread or greenlet (Lease.body() sets it): each has its own.
-BODY: ContextVar[Any] = ContextVar("celery_lease_body", default=None)
-
-
-@contextlib.contextmanager
-def uninterrupted() -> Iterator[None]:
-    """Library code a lost lease's interruption waits for: it lands, if due, when the code ends."""
-    lease = BODY.get()
-    if lease is None:
-        yield
-        return
-    with lease.shielded():
-        yield
 
 
 def raise_in_thread(thread_id: int, exc_type: type[BaseException] | None) -> bool:

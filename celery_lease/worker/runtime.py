@@ -493,6 +493,7 @@ def for_app(app: Any, store: Store, hostname: str | None = None) -> Runtime:
                 host = hostname or socket.gethostname()
                 runtime = Runtime(store, host, app_config(app).heartbeat_interval)
                 _runtimes[(id(app), os.getpid())] = (weakref.ref(app), runtime)
+                app.__dict__.setdefault("_celery_lease_retire", retire)  # store.forget() calls it
     return runtime
 
 

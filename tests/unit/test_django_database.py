@@ -1,4 +1,4 @@
-"""celery_lease.contrib.django.database: the store URL of a Django ``DATABASES`` entry.
+"""celery_lease.store.django_database: the store URL of a Django ``DATABASES`` entry.
 
 Pure unit tests of the URL each backend's settings give (the drivers of this venv: psycopg 3 and
 PyMySQL), and ``manage.py check`` refusing the store on both a database alias and a URL. The
@@ -20,7 +20,7 @@ from celery_lease.errors import LeaseConfigError
 
 pytest.importorskip("django")
 
-from celery_lease.contrib.django.database import url_from_settings  # noqa: E402
+from celery_lease.store.django_database import url_from_settings  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 

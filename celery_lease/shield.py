@@ -1,0 +1,28 @@
+"""The body's shield: library code that a lost lease's interruption waits for.
+
+A core module so that the store (which wraps every call in ``uninterrupted()``) needs nothing
+of the worker; worker/interrupt.py, which raises the interruption, re-exports both names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+from typing import Any
+
+__all__ = ["BODY", "uninterrupted"]
+
+#: The lease whose body runs in this thread or greenlet (Lease.body() sets it): each has its own.
+BODY: ContextVar[Any] = ContextVar("celery_lease_body", default=None)
+
+
+@contextlib.contextmanager
+def uninterrupted() -> Iterator[None]:
+    """Library code a lost lease's interruption waits for: it lands, if due, when the code ends."""
+    lease = BODY.get()
+    if lease is None:
+        yield
+        return
+    with lease.shielded():
+        yield
