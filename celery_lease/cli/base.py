@@ -11,7 +11,6 @@ stdout; library logs go to stderr.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +18,7 @@ import click
 
 from ..errors import LeaseConfigError, LeaseError, StoreUnavailable
 from ..masking import mask_secrets
-from .output import with_app
+from .output import app_argument, with_app
 
 if TYPE_CHECKING:
     from ..store import ReaperStore, ReportStore
@@ -45,29 +44,6 @@ def _exit_code(exc: LeaseError) -> int:
     if isinstance(exc, LeaseConfigError):
         return EX_CONFIG
     return EX_FAILURE
-
-
-def app_argument(ctx: click.Context | None = None) -> str | None:
-    """The ``-A`` value the command was given (also from CELERY_APP), or None."""
-    ctx = ctx or click.get_current_context(silent=True)
-    if ctx is None:
-        return None
-    value = ctx.find_root().params.get("app")
-    if value is None or isinstance(value, str):
-        return value
-    # Older Celery (5.3) converts -A to the app object: find the text on the command line.
-    return _argv_app(sys.argv[1:]) or os.environ.get("CELERY_APP") or getattr(value, "main", None) or "proj"
-
-
-def _argv_app(argv: list[str]) -> str | None:
-    for i, arg in enumerate(argv):
-        if arg in ("-A", "--app") and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith("--app="):
-            return arg[len("--app="):]
-        if arg.startswith("-A") and len(arg) > 2:
-            return arg[2:]
-    return None
 
 
 class LeaseGroup(click.Group):

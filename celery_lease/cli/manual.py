@@ -17,10 +17,10 @@ import click
 
 import celery_lease.ops.recovery as recovery
 
-from ..store import RUNNING, Job
+from ..ops.views import job_dict, job_plan
 from ..vocabulary import RecoveryAction
 from .base import CommandError, app_of, json_option, lease, store_of
-from .output import age, echo, emit_json, is_tty, progress, table, when
+from .output import echo, emit_json, is_tty, progress, table, when
 
 __all__ = ["requeue", "dlq", "effects", "can_prompt", "job_plan"]
 
@@ -69,26 +69,6 @@ def go_ahead(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]],
                            f"{question[1:]}? Run again with --yes to do it, or --dry-run to only look")
     click.confirm(f"{question}?", abort=True, err=True)
     return True
-
-
-def job_plan(store: Any, jobs: Sequence[Job]) -> list[dict[str, Any]]:
-    """Plan rows of jobs, in ages: since the lease expired or the job failed, since its owner was seen."""
-    now, seen = store.workers_last_seen(sorted({j.locked_by for j in jobs if j.locked_by}))
-    rows = []
-    for j in jobs:
-        why = []
-        if j.status == RUNNING and j.lease_expires_at is not None:
-            left = j.lease_expires_at - now
-            why.append(f"lease expired {age(-left)} ago" if left < 0 else f"lease valid for {age(left)}")
-        if j.locked_by and j.status == RUNNING:
-            last = seen.get(j.locked_by)
-            why.append(f"owner {j.locked_by} " + ("never registered" if last is None
-                                                   else f"last seen {age(now - last)} ago"))
-        if j.failed_at is not None:
-            why.append(f"failed {age(now - j.failed_at)} ago: {j.last_error or ''}")
-        rows.append({"job_id": j.id, "task": j.task_name, "queue": j.queue_name, "status": j.status,
-                     "attempts": f"{j.attempt_count}/{j.max_attempts}", "why": "; ".join(why)})
-    return rows
 
 
 def _report(outcomes: list[recovery.Outcome], done: RecoveryAction, batch: int, as_json: bool) -> None:
@@ -147,8 +127,6 @@ def dlq() -> None:
 @click.pass_context
 def dlq_list(ctx: click.Context, task: str | None, limit: int, as_json: bool) -> None:
     """Failed jobs, oldest failure first."""
-    from .reads import job_dict
-
     store = store_of(ctx)
     found = store.dead_letters(task, limit)
     if as_json:

@@ -6,9 +6,9 @@ from typing import Any
 
 import click
 
-from ..vocabulary import Decision
+from ..ops.views import aged_reason, with_ages
 from .base import CommandError, app_of, json_option, lease, reaper_store_of, store_of
-from .output import age, echo, emit_json, table
+from .output import echo, emit_json, table
 
 __all__ = ["migrate", "reap", "check", "exporter", "web", "with_ages", "aged_reason"]
 
@@ -41,34 +41,6 @@ def migrate(ctx: click.Context, as_sql: bool, to: str, as_json: bool) -> None:
         echo("\n".join(f"  {what}" for what in done))
     else:
         echo(f"lease store {store.safe_url}: already at revision {revision}, nothing to do")
-
-
-def with_ages(store: Any, planned: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Planned decisions with seconds since each lease expired and since its owner was last seen."""
-    if not planned:
-        return planned
-    now, seen = store.workers_last_seen(sorted({d["owner"] for d in planned if d.get("owner")}))
-    out = []
-    for d in planned:
-        job = store.get(d["job_id"])
-        expires = job.lease_expires_at if job is not None else None
-        last = seen.get(d.get("owner") or "")
-        out.append({**d, "lease_expired_ago": None if expires is None else now - expires,
-                    "owner_last_seen_ago": None if last is None else now - last})
-    return out
-
-
-def aged_reason(d: dict[str, Any]) -> str:
-    """The reaper's reason in ages: how long ago the lease expired and its owner was last seen."""
-    ages = []
-    if d.get("lease_expired_ago") is not None:
-        ages.append(f"lease expired {age(d['lease_expired_ago'])} ago")
-    if d.get("owner"):
-        last = d.get("owner_last_seen_ago")
-        ages.append(f"owner last seen {age(last)} ago" if last is not None else "owner never registered")
-    if d["decision"] == Decision.SKIP_OWNER_ALIVE:
-        return ", ".join(ages) + ": waiting for the hard grace"
-    return f"{d['reason']} ({', '.join(ages)})" if ages else d["reason"]
 
 
 @lease.command()

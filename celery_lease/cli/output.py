@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
+import os
 import re
 import sys
 from collections.abc import Iterable, Iterator, Sequence
@@ -13,12 +13,11 @@ from typing import Any
 import click
 
 from ..masking import mask_secrets
+from ..ops.formats import age, one_line, parse_duration, when
 
-__all__ = ["table", "emit_json", "echo", "with_app", "one_line", "when", "age", "parse_duration", "progress",
-           "is_tty", "Duration"]
+__all__ = ["table", "emit_json", "echo", "with_app", "app_argument", "one_line", "when", "age",
+           "parse_duration", "progress", "is_tty", "Duration"]
 
-_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
 # A command in a hint: `celery lease jobs`, `celery -A proj lease migrate`.
 _HINT = re.compile(r"\bcelery (?:-A \S+ )?lease\b")
 
@@ -30,19 +29,32 @@ def with_app(text: str, app: str | None) -> str:
     return _HINT.sub(f"celery -A {app} lease", text)
 
 
+def app_argument(ctx: click.Context | None = None) -> str | None:
+    """The ``-A`` value the command was given (also from CELERY_APP), or None."""
+    ctx = ctx or click.get_current_context(silent=True)
+    if ctx is None:
+        return None
+    value = ctx.find_root().params.get("app")
+    if value is None or isinstance(value, str):
+        return value
+    # Older Celery (5.3) converts -A to the app object: find the text on the command line.
+    return _argv_app(sys.argv[1:]) or os.environ.get("CELERY_APP") or getattr(value, "main", None) or "proj"
+
+
+def _argv_app(argv: list[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg in ("-A", "--app") and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--app="):
+            return arg[len("--app="):]
+        if arg.startswith("-A") and len(arg) > 2:
+            return arg[2:]
+    return None
+
+
 def echo(text: str = "", nl: bool = True) -> None:
     """Print a command's output: hints name the app given with -A, passwords never show."""
-    from .base import app_argument
-
     click.echo(with_app(mask_secrets(text), app_argument()), nl=nl)
-
-
-def one_line(value: Any) -> str:
-    """A table cell on one line: a multi-line text (a traceback, an error) folded with " | "."""
-    text = "" if value is None else str(value)
-    if "\n" not in text and "\r" not in text:
-        return text
-    return " | ".join(part.strip() for part in text.splitlines() if part.strip())
 
 
 def is_tty() -> bool:
@@ -66,36 +78,6 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]], em
 def emit_json(data: Any) -> None:
     """``data`` as indented JSON on stdout."""
     echo(json.dumps(data, indent=2, sort_keys=True, default=str))
-
-
-def when(epoch: float | None) -> str | None:
-    """A store time (epoch seconds) as UTC ISO 8601 to the millisecond."""
-    if epoch is None:
-        return None
-    moment = datetime.datetime.fromtimestamp(epoch, tz=datetime.timezone.utc)
-    return moment.strftime("%Y-%m-%d %H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
-
-
-def age(seconds: float | None) -> str | None:
-    """A duration for people: 0.4s, 12.3s, 5m03s, 2h04m, 3d02h; negative means in the future."""
-    if seconds is None:
-        return None
-    sign, s = ("-" if seconds < 0 else ""), abs(seconds)
-    if s < 60:
-        return f"{sign}{s:.1f}s"
-    if s < 3600:
-        return f"{sign}{int(s // 60)}m{int(s % 60):02d}s"
-    if s < 86400:
-        return f"{sign}{int(s // 3600)}h{int(s % 3600 // 60):02d}m"
-    return f"{sign}{int(s // 86400)}d{int(s % 86400 // 3600):02d}h"
-
-
-def parse_duration(text: str) -> float:
-    """'90', '90s', '10m', '2h', '1d' -> seconds."""
-    match = _DURATION.match(text)
-    if not match:
-        raise ValueError(f"{text!r} is not a duration; write e.g. 30s, 10m, 2h or 1d")
-    return float(match.group(1)) * _UNITS[match.group(2) or "s"]
 
 
 class Duration(click.ParamType):

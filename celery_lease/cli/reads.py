@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from typing import Any
 
 import click
@@ -14,85 +12,16 @@ import celery_lease.ops.recovery as recovery
 from ..config import worker_stale_after
 from ..errors import StoreCorrupt
 from ..ops.tuning import percentile
-from ..store import RUNNING, Job
-from ..vocabulary import MANUAL_RECOVERIES, STALE_WRITES, Event, Status
+from ..ops.views import LAST_HOUR, STATUSES, event_dict, job_dict, job_row, reaper_status
+from ..vocabulary import STALE_WRITES, Status
 from .base import app_of, json_option, lease, store_of
 from .output import Duration, age, echo, emit_json, table, when
 
 __all__ = ["reaper_status", "status", "jobs", "inspect", "events", "tune"]
 
-STATUSES = tuple(s.value for s in Status)
-LAST_HOUR = (Event.REAPED_EXPIRED_LEASE, Event.DUPLICATE_DELIVERY_SKIPPED, Event.DEAD_LETTERED,
-             Event.REDISPATCHED, Event.RELEASED_ON_SHUTDOWN, *MANUAL_RECOVERIES)
-
-
-def _parsed(text: str | None) -> Any:
-    """A stored JSON text as the object it holds (for --json output); text that is not JSON as it is."""
-    if text is None:
-        return None
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
-def job_dict(job: Job, payload: bool = False) -> dict[str, Any]:
-    """A job for --json: its checkpoint as the object it stores, not a JSON string."""
-    data = dataclasses.asdict(job)
-    data.update(checkpoint=_parsed(job.checkpoint))
-    if not payload:
-        data.pop("payload")
-    return data
-
-
-def event_dict(e: dict[str, Any]) -> dict[str, Any]:
-    """An audit event for --json: its detail as an object."""
-    return {**e, "detail": _parsed(e.get("detail"))}
-
-
-def _lease_text(job: Job, now: float) -> str:
-    if job.status != RUNNING or job.lease_expires_at is None:
-        return ""
-    left = job.lease_expires_at - now
-    return f"expires in {age(left)}" if left >= 0 else f"EXPIRED {age(-left)} ago"
-
-
-def job_row(job: Job, now: float) -> dict[str, Any]:
-    beat = job.last_heartbeat_at if job.status == RUNNING else None
-    return {"id": job.id, "task": job.task_name, "queue": job.queue_name, "status": job.status,
-            "attempts": f"{job.attempt_count}/{job.max_attempts}", "lease": _lease_text(job, now),
-            "owner": job.locked_by if job.status == RUNNING else None,
-            "heartbeat": f"{age(now - beat)} ago" if beat is not None else None,
-            "updated": f"{age(now - job.updated_at)} ago"}
-
-
 JOB_COLUMNS = [("id", "job"), ("task", "task"), ("queue", "queue"), ("status", "status"),
                ("attempts", "attempts"), ("lease", "lease"), ("owner", "owner"),
                ("heartbeat", "heartbeat"), ("updated", "updated")]
-
-
-def reaper_status(app: Any, store: Any) -> dict[str, Any]:
-    """The reaper's last recorded run against its schedule (beat_schedule, django-celery-beat)."""
-    from ..config import REAPER_OVERDUE_INTERVALS
-    from ..ops.reaper_checks import reaper_entries
-
-    entries, _ = reaper_entries(app)
-    intervals = [e.interval for e in entries if e.interval]
-    interval = min(intervals) if intervals else None
-    last = store.last_reaper_run()
-    if last is None:
-        return {"interval": interval, "last_run": None,
-                "summary": "runs not recorded at this schema revision (needs `lease migrate`)"}
-    now, run = last
-    if run is None:
-        return {"interval": interval, "last_run": None, "summary": "no run recorded" + (
-            f" (scheduled every {interval:g}s)" if interval else " (not scheduled)")}
-    since = now - float(run["finished_at"])
-    late = interval is not None and since > REAPER_OVERDUE_INTERVALS * interval
-    summary = (f"last run {age(since)} ago on {run['worker']}, took {run['duration']:.2f}s"
-               + (f" (every {interval:g}s)" if interval else " (not scheduled)")
-               + (" - NOT RUNNING" if late else ""))
-    return {"interval": interval, "last_run": {**run, "age": since}, "overdue": late, "summary": summary}
 
 
 @lease.command()

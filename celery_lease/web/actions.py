@@ -17,11 +17,11 @@ from flask import Flask, abort, g, render_template, request
 
 import celery_lease.ops.recovery as recovery
 
-from ..cli.manual import job_plan
 from ..errors import LeaseError
+from ..ops.views import job_plan
 from ..store import Job
 from ..vocabulary import RecoveryAction
-from .app import Console, console
+from .console import Console, console
 
 __all__ = ["register", "BATCH", "ACTIONS"]
 

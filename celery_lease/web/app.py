@@ -9,7 +9,6 @@ goes through :func:`celery_lease.masking.mask_secrets` before Jinja escapes it i
 
 from __future__ import annotations
 
-import dataclasses
 import hmac
 from typing import Any
 
@@ -23,6 +22,7 @@ from ..errors import JobNotFound, LeaseError, StoreUnavailable
 from ..masking import mask_secrets
 from ..ops.recovery import AmbiguousJobId, RecoveryRefused
 from ..store import Store
+from .console import Console, console
 from .security import COOKIE, CSRF_FIELD, Guard
 
 __all__ = ["Console", "create_app", "make_server", "console", "shown"]
@@ -30,25 +30,6 @@ __all__ = ["Console", "create_app", "make_server", "console", "shown"]
 THREADS = 4  # requests served at once: a few operators and their pages' refreshes
 TITLES = {400: "Not understood", 403: "Refused", 404: "Not found", 409: "Refused",
           503: "Lease store unavailable"}
-
-
-@dataclasses.dataclass(frozen=True)
-class Console:
-    """What every page works with: the Celery app, its store and what this server may do."""
-
-    app: Any
-    store: Store  # the store in both roles: its reports, and the reaper's view for the dry run
-    guard: Guard
-    allow_actions: bool
-    show_arguments: bool
-
-
-def console() -> Console:
-    """The current request's Console."""
-    from flask import current_app
-
-    found: Console = current_app.extensions["celery_lease"]
-    return found
 
 
 def _status(exc: LeaseError) -> int:

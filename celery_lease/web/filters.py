@@ -7,7 +7,7 @@ from typing import Any
 
 from flask import Flask
 
-from ..cli.output import age, one_line, when
+from ..ops.formats import age, one_line, when
 
 __all__ = ["register", "pretty_json"]
 

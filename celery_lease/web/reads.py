@@ -14,15 +14,14 @@ from flask import Flask, abort, redirect, render_template, request, url_for
 import celery_lease.messaging.messages as messages
 import celery_lease.ops.recovery as recovery
 
-from ..cli.ops import aged_reason, with_ages
-from ..cli.output import parse_duration
-from ..cli.reads import LAST_HOUR, STATUSES, job_dict, job_row, reaper_status
 from ..errors import StoreCorrupt
+from ..ops.formats import parse_duration
 from ..ops.tuning import percentile
+from ..ops.views import LAST_HOUR, STATUSES, aged_reason, job_dict, job_row, reaper_status, with_ages
 from ..store import RUNNING
 from ..store.recovery import REVOKED_PREFIX
 from ..vocabulary import STALE_WRITES, Event
-from .app import Console, console
+from .console import Console, console
 
 __all__ = ["register", "overview_data", "job_data", "timeline", "COMPLETED_WINDOW"]
 

@@ -1,0 +1,134 @@
+"""Jobs, events, plans and the reaper's state as rows an operator reads, for the CLI and the web page.
+
+Both show the same rows from the same store reads; they live here so the page never imports the CLI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from ..store import RUNNING, Job
+from ..vocabulary import MANUAL_RECOVERIES, Decision, Event, Status
+from .formats import age
+
+__all__ = ["STATUSES", "LAST_HOUR", "job_dict", "event_dict", "job_row", "reaper_status", "job_plan",
+           "with_ages", "aged_reason"]
+
+STATUSES = tuple(s.value for s in Status)
+LAST_HOUR = (Event.REAPED_EXPIRED_LEASE, Event.DUPLICATE_DELIVERY_SKIPPED, Event.DEAD_LETTERED,
+             Event.REDISPATCHED, Event.RELEASED_ON_SHUTDOWN, *MANUAL_RECOVERIES)
+
+
+def _parsed(text: str | None) -> Any:
+    """A stored JSON text as the object it holds (for --json output); text that is not JSON as it is."""
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def job_dict(job: Job, payload: bool = False) -> dict[str, Any]:
+    """A job for --json: its checkpoint as the object it stores, not a JSON string."""
+    data = dataclasses.asdict(job)
+    data.update(checkpoint=_parsed(job.checkpoint))
+    if not payload:
+        data.pop("payload")
+    return data
+
+
+def event_dict(e: dict[str, Any]) -> dict[str, Any]:
+    """An audit event for --json: its detail as an object."""
+    return {**e, "detail": _parsed(e.get("detail"))}
+
+
+def _lease_text(job: Job, now: float) -> str:
+    if job.status != RUNNING or job.lease_expires_at is None:
+        return ""
+    left = job.lease_expires_at - now
+    return f"expires in {age(left)}" if left >= 0 else f"EXPIRED {age(-left)} ago"
+
+
+def job_row(job: Job, now: float) -> dict[str, Any]:
+    beat = job.last_heartbeat_at if job.status == RUNNING else None
+    return {"id": job.id, "task": job.task_name, "queue": job.queue_name, "status": job.status,
+            "attempts": f"{job.attempt_count}/{job.max_attempts}", "lease": _lease_text(job, now),
+            "owner": job.locked_by if job.status == RUNNING else None,
+            "heartbeat": f"{age(now - beat)} ago" if beat is not None else None,
+            "updated": f"{age(now - job.updated_at)} ago"}
+
+
+def reaper_status(app: Any, store: Any) -> dict[str, Any]:
+    """The reaper's last recorded run against its schedule (beat_schedule, django-celery-beat)."""
+    from ..config import REAPER_OVERDUE_INTERVALS
+    from .reaper_checks import reaper_entries
+
+    entries, _ = reaper_entries(app)
+    intervals = [e.interval for e in entries if e.interval]
+    interval = min(intervals) if intervals else None
+    last = store.last_reaper_run()
+    if last is None:
+        return {"interval": interval, "last_run": None,
+                "summary": "runs not recorded at this schema revision (needs `lease migrate`)"}
+    now, run = last
+    if run is None:
+        return {"interval": interval, "last_run": None, "summary": "no run recorded" + (
+            f" (scheduled every {interval:g}s)" if interval else " (not scheduled)")}
+    since = now - float(run["finished_at"])
+    late = interval is not None and since > REAPER_OVERDUE_INTERVALS * interval
+    summary = (f"last run {age(since)} ago on {run['worker']}, took {run['duration']:.2f}s"
+               + (f" (every {interval:g}s)" if interval else " (not scheduled)")
+               + (" - NOT RUNNING" if late else ""))
+    return {"interval": interval, "last_run": {**run, "age": since}, "overdue": late, "summary": summary}
+
+
+def job_plan(store: Any, jobs: Sequence[Job]) -> list[dict[str, Any]]:
+    """Plan rows of jobs, in ages: since the lease expired or the job failed, since its owner was seen."""
+    now, seen = store.workers_last_seen(sorted({j.locked_by for j in jobs if j.locked_by}))
+    rows = []
+    for j in jobs:
+        why = []
+        if j.status == RUNNING and j.lease_expires_at is not None:
+            left = j.lease_expires_at - now
+            why.append(f"lease expired {age(-left)} ago" if left < 0 else f"lease valid for {age(left)}")
+        if j.locked_by and j.status == RUNNING:
+            last = seen.get(j.locked_by)
+            why.append(f"owner {j.locked_by} " + ("never registered" if last is None
+                                                   else f"last seen {age(now - last)} ago"))
+        if j.failed_at is not None:
+            why.append(f"failed {age(now - j.failed_at)} ago: {j.last_error or ''}")
+        rows.append({"job_id": j.id, "task": j.task_name, "queue": j.queue_name, "status": j.status,
+                     "attempts": f"{j.attempt_count}/{j.max_attempts}", "why": "; ".join(why)})
+    return rows
+
+
+def with_ages(store: Any, planned: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Planned decisions with seconds since each lease expired and since its owner was last seen."""
+    if not planned:
+        return planned
+    now, seen = store.workers_last_seen(sorted({d["owner"] for d in planned if d.get("owner")}))
+    out = []
+    for d in planned:
+        job = store.get(d["job_id"])
+        expires = job.lease_expires_at if job is not None else None
+        last = seen.get(d.get("owner") or "")
+        out.append({**d, "lease_expired_ago": None if expires is None else now - expires,
+                    "owner_last_seen_ago": None if last is None else now - last})
+    return out
+
+
+def aged_reason(d: dict[str, Any]) -> str:
+    """The reaper's reason in ages: how long ago the lease expired and its owner was last seen."""
+    ages = []
+    if d.get("lease_expired_ago") is not None:
+        ages.append(f"lease expired {age(d['lease_expired_ago'])} ago")
+    if d.get("owner"):
+        last = d.get("owner_last_seen_ago")
+        ages.append(f"owner last seen {age(last)} ago" if last is not None else "owner never registered")
+    if d["decision"] == Decision.SKIP_OWNER_ALIVE:
+        return ", ".join(ages) + ": waiting for the hard grace"
+    return f"{d['reason']} ({', '.join(ages)})" if ages else d["reason"]
