@@ -12,12 +12,12 @@ import logging
 from typing import Any
 
 import celery_lease.messaging.messages as messages
-import celery_lease.reaper.run as reaper
+import celery_lease.reaper.decisions as decisions
 
 from ..errors import StoreCorrupt
 from ..store import RUNNING, Job, ReaperStore, for_app
 from ..vocabulary import Decision as Kind
-from .run import Decision, ReapResult, decide, policy_for, publish_decision, settle
+from .decisions import Decision, ReapResult, decide, policy_for, publish_decision, settle
 
 __all__ = ["recover_worker_lost"]
 
@@ -85,8 +85,8 @@ def _requeue_lost(app: Any, store: ReaperStore, job: Job, decision: Decision, ow
                   "re-dispatches it after lease_dispatch_timeout", job.id, owner, exc,
                   extra={"action": "worker_lost_publish_failed"})
         return "error"
-    if reaper.after_publish is not None:  # the reaper's test seam, read when called
-        reaper.after_publish(job.id)
+    if decisions.after_publish is not None:  # the reaper's test seam, read when called
+        decisions.after_publish(job.id)
     log.info("job %s [%s]: worker process %s lost (%s): %s", job.id, (job.lock_token or "")[:8], owner,
              reason, decision.decision, extra={"action": "worker_lost_recovered"})
     return decision.decision

@@ -25,6 +25,7 @@ import sqlalchemy as sa
 from celery import Celery
 
 from celery_lease import LeaseTask
+from celery_lease.reaper import decisions
 from celery_lease.reaper import run as reaper
 
 DEFAULTS = {
@@ -114,5 +115,5 @@ def _pause_forever(job_id: str) -> None:
 
 if __name__ == "__main__":
     if os.environ.get("REAPER_PAUSE_FILE"):
-        reaper.after_publish = _pause_forever
+        decisions.after_publish = _pause_forever
     reaper.Reaper(app).run_forever(float(os.environ.get("REAPER_INTERVAL", "0.5")))

@@ -25,6 +25,7 @@ from celery_lease import LeaseTask
 from celery_lease.config import app_config
 from celery_lease.errors import StoreUnavailable
 from celery_lease.messaging import messages
+from celery_lease.reaper import decisions
 from celery_lease.reaper import run as reaper
 from celery_lease.reaper.run import Reaper, backoff
 from celery_lease.reaper.worker_lost import recover_worker_lost
@@ -660,7 +661,7 @@ def test_the_pause_seam_runs_between_publish_and_cas(app, store, broker, monkeyp
         seen.append((job_id, store.get(job_id).status if store.dialect.name != "sqlite" else "-",
                      broker.client.llen(broker.queue)))
 
-    monkeypatch.setattr(reaper, "after_publish", pause)
+    monkeypatch.setattr(decisions, "after_publish", pause)
     assert Reaper(app).run_once().reaped == 1
     assert seen[0][0] == "j1" and seen[0][2] == 1  # the message is out before the CAS
     if store.dialect.name != "sqlite":  # a second connection still sees the row running
