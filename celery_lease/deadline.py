@@ -19,10 +19,13 @@ job take a lock at its expiry itself (no grace), which the inequality covers wit
 
 from __future__ import annotations
 
+import datetime
 import time
 from collections.abc import Callable
+from typing import Any
 
-__all__ = ["DRIFT", "NOTICE", "monotonic", "safety_margin", "local_deadline", "store_takeover_local_time"]
+__all__ = ["DRIFT", "NOTICE", "monotonic", "safety_margin", "local_deadline", "store_takeover_local_time",
+           "seconds_until"]
 
 # The clock seam tests may replace; local intervals only, so monotonic.
 monotonic: Callable[[], float] = time.monotonic
@@ -53,3 +56,17 @@ def store_takeover_local_time(sent_at: float, ran_after: float, duration: float,
     the tests and the README's numbers, not at run time.
     """
     return sent_at + rate * (ran_after + duration + grace)
+
+
+def seconds_until(when: Any) -> float:
+    """Seconds from now to an ``eta`` (datetime or ISO 8601 string) or a ``countdown``."""
+    if when is None:
+        return 0.0
+    if isinstance(when, str):
+        # Celery accepts an ISO 8601 string as eta.
+        when = datetime.datetime.fromisoformat(when)
+    if isinstance(when, datetime.datetime):
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=datetime.timezone.utc)
+        return max(0.0, (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds())
+    return max(0.0, float(when))

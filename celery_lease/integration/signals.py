@@ -20,6 +20,7 @@ import celery_lease.worker.runtime as runtime
 
 from ..config import app_config, check_recovery_bound, task_policy
 from ..errors import LeaseConfigError, LeaseError
+from ..kinds import is_lease_task
 from ..vocabulary import Event
 from ..worker.deliveries import StoreDown
 from ..worker.heartbeat import worker_id
@@ -238,10 +239,8 @@ def validate_tasks(app: Any, queues: list[str]) -> None:
     """Resolve the lease policy of every registered LeaseTask on its routed queue and on each
     queue this worker consumes: a bad option stops the worker here, naming the task and setting,
     instead of failing the first publish of that task in a web request."""
-    from .task import LeaseTask
-
     for name, task in sorted(app.tasks.items()):
-        if not isinstance(task, LeaseTask):
+        if not is_lease_task(task):
             continue
         for queue in dict.fromkeys([routed_queue(app, task), *queues]):
             try:

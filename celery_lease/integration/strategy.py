@@ -25,10 +25,10 @@ from celery.worker.strategy import default
 import celery_lease.messaging.backend as results
 
 from ..errors import StoreRejected, StoreUnavailable
+from ..kinds import leased
 from ..store import Glance, for_app
 from ..vocabulary import Event, Status
 from ..worker.heartbeat import worker_id
-from .task import leased
 
 __all__ = ["lease_strategy", "sure_duplicate", "owner_node"]
 

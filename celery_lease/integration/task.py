@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from celery import Task
 from celery._state import _task_stack
@@ -26,31 +26,15 @@ import celery_lease.worker.local as local
 import celery_lease.worker.runtime as runtime
 
 from ..config import TaskPolicy, app_config, task_policy
+from ..kinds import LEASED_BUILTINS, leased
 from ..worker.lease import Lease
 
 # A group publishes its LeaseTask jobs a batch at a time: one INSERT per table per batch.
 batching.install()
 
-__all__ = ["LeaseTask", "Lease"]
+__all__ = ["LeaseTask", "Lease", "leased", "LEASED_BUILTINS"]
 
 log = logging.getLogger(__name__)
-
-
-#: Celery's built-ins that run a LeaseTask's items in one body: leased as one job whose lease
-#: the items share. Every other ``celery.*`` task is never leased.
-LEASED_BUILTINS = frozenset({"celery.map", "celery.starmap", "celery.chunks"})
-
-
-def leased(task: Any) -> bool:
-    """Whether runs of ``task`` take a lease: LeaseTasks, except Celery's own plumbing.
-
-    ``celery.chord_unlock`` retries every second, ``celery.accumulate`` ends a replacement,
-    ``celery.backend_cleanup`` is periodic housekeeping: leasing them (an app whose
-    ``task_cls`` is LeaseTask makes them LeaseTasks) would only add rows and races.
-    """
-    name = getattr(task, "name", None) or ""
-    kind = task if isinstance(task, type) else type(task)
-    return issubclass(kind, LeaseTask) and (not name.startswith("celery.") or name in LEASED_BUILTINS)
 
 
 def _on_commit(call: Callable[[], Any]) -> None:
@@ -65,6 +49,8 @@ def _on_commit(call: Callable[[], Any]) -> None:
 class LeaseTask(Task):
     """A Celery task that runs only while its worker holds a lease on the job."""
 
+    #: What kinds.is_lease_task reads: the layers below integration/ tell a LeaseTask by it.
+    _celery_lease_task: ClassVar[bool] = True
     lease_store_retry_delay: float | None = None
     lease_store_retry_max: float | None = None
     lease_duration: float | None = None

@@ -9,7 +9,6 @@ always be recorded. The store write raises to stop the send (a duplicate idempot
 
 from __future__ import annotations
 
-import datetime
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +23,7 @@ import celery_lease.worker.deliveries as deliveries
 import celery_lease.worker.runtime as runtime
 
 from ..config import task_policy
+from ..deadline import seconds_until
 from ..errors import LeaseError, StoreRejected, StoreUnavailable
 from ..store import NewJob, for_app
 from ..worker.lease import Lease
@@ -31,20 +31,6 @@ from ..worker.lease import Lease
 __all__ = ["RecordingProducer", "publish", "record_eager", "seconds_until"]
 
 log = logging.getLogger(__name__)
-
-
-def seconds_until(when: Any) -> float:
-    """Seconds from now to an ``eta`` (datetime or ISO 8601 string) or a ``countdown``."""
-    if when is None:
-        return 0.0
-    if isinstance(when, str):
-        # Celery accepts an ISO 8601 string as eta.
-        when = datetime.datetime.fromisoformat(when)
-    if isinstance(when, datetime.datetime):
-        if when.tzinfo is None:
-            when = when.replace(tzinfo=datetime.timezone.utc)
-        return max(0.0, (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds())
-    return max(0.0, float(when))
 
 
 class _KeyTaken(LeaseError):  # noqa: N818 - a signal inside publish(), never seen by users

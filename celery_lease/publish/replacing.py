@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from celery.canvas import Signature, _chain, _chord, group
 from celery.exceptions import Ignore
 
+from ..kinds import leased
 from ..store import NewJob
 
 if TYPE_CHECKING:
@@ -65,8 +66,6 @@ def carrier(sig: Signature, job_id: str, first: bool = True) -> tuple[Signature 
 
 def hand_over(task: Any, lease: Lease, sig: Signature, send: Callable[[Signature], Any]) -> Any:
     """Hand the job over to its replacement, then ``send`` it (Celery's on_replace: raises Ignore)."""
-    from ..integration.task import leased
-
     found, now = carrier(sig, lease.job_id)
     target = task.app.tasks.get(found.task) if found is not None else None
     name = found.task if found is not None else type(sig).__name__

@@ -25,6 +25,7 @@ from celery.utils.nodenames import gethostname
 
 from ..config import app_config, task_policy
 from ..errors import StoreRejected, StoreUnavailable
+from ..kinds import is_lease_task
 from .heartbeat import worker_id
 
 __all__ = ["VisibilityStep", "VisibilityKeeper", "Held", "RedisExtender", "SQSExtender", "extender_for",
@@ -151,8 +152,6 @@ def held_messages() -> list[Held]:
     """
     from celery.worker import state
 
-    from ..integration.task import LeaseTask
-
     active = _snapshot(state.active_requests)
     running = {id(r) for r in active}
     held: dict[str, Held] = {}
@@ -167,7 +166,7 @@ def held_messages() -> list[Held]:
         info = message.delivery_info or {}
         if id(request) not in running:
             held[tag] = Held(request.id, tag, info)
-        elif isinstance(request.task, LeaseTask) and request.worker_pid:
+        elif is_lease_task(request.task) and request.worker_pid:
             policy = task_policy(request.task, info.get("routing_key") or None)
             # The body sees the node name under `celery worker`, but the bare host name
             # where Celery's tracer was not set up for the worker (in-process test workers).
