@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from .integration.task import LeaseTask
+from .worker.effects import connection_for
 
 __all__ = ["LeaseDjangoTask", "lease_task_class", "connection_for"]  # noqa: F822 - LeaseDjangoTask is built on first use
 
@@ -30,15 +31,6 @@ def lease_task_class(base: type[Any], name: str | None = None) -> type[LeaseTask
     if issubclass(base, LeaseTask):
         return base
     return type(name or f"Lease{base.__name__}", (LeaseTask, base), {"__module__": base.__module__})
-
-
-def connection_for(using: str) -> Any:
-    """This thread's Django connection for database alias ``using`` (``connections[using]``)."""
-    try:
-        from django.db import connections
-    except ImportError as exc:
-        raise ImportError("effect(using=...) names a Django database: pip install django") from exc
-    return connections[using]
 
 
 def __getattr__(name: str) -> Any:

@@ -5,7 +5,8 @@
 worker gets there first. The key is written *before* the block runs (two racers
 cannot both see ``first``) and taken back if the block raises (a failed effect is
 not lost). Given the caller's ``connection``, the key lives in the caller's
-transaction and commits or rolls back with the business write.
+transaction and commits or rolls back with the business write (``connection_for(alias)``:
+a Django database alias's connection, what ``using=`` takes).
 
 ``lock(lease, resource)`` leases a business resource under its own token; this
 process's runtime renews every held lock in one statement after each heartbeat and
@@ -24,7 +25,7 @@ import secrets
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -35,11 +36,9 @@ import celery_lease.store.schema as schema
 from ..errors import LeaseConfigError, LeaseError, LeaseLost, LockUnavailable, StoreRejected, StoreUnavailable
 from ..store.effects import advance_statement
 from ..vocabulary import EffectOutcome, Event
+from .handles import LeaseHandle
 
-if TYPE_CHECKING:
-    from .lease import Lease
-
-__all__ = ["effect", "lock", "advance", "ResourceLock", "Locks"]
+__all__ = ["effect", "lock", "advance", "ResourceLock", "Locks", "connection_for"]
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +52,17 @@ def _check_key(kind: str, key: str) -> None:
         raise ValueError(f"{kind} must be a non-empty string of at most {schema.ID} characters, got {key!r}")
 
 
+def connection_for(using: str) -> Any:
+    """This thread's Django connection for database alias ``using`` (``connections[using]``)."""
+    try:
+        from django.db import connections
+    except ImportError as exc:
+        raise ImportError("effect(using=...) names a Django database: pip install django") from exc
+    return connections[using]
+
+
 @contextlib.contextmanager
-def effect(lease: Lease, key: str, connection: Connection | None = None) -> Iterator[bool]:
+def effect(lease: LeaseHandle, key: str, connection: Connection | None = None) -> Iterator[bool]:
     """``with effect(lease, key) as first:`` do the side effect only when ``first``.
 
     Raises LeaseLost, recording nothing, when the lease moved on. When the block
@@ -85,7 +93,7 @@ def effect(lease: Lease, key: str, connection: Connection | None = None) -> Iter
         raise
 
 
-def _take_back(lease: Lease, key: str, connection: Connection | None, exc: BaseException) -> None:
+def _take_back(lease: LeaseHandle, key: str, connection: Connection | None, exc: BaseException) -> None:
     """The block failed: free its key so the effect is not lost; never mask the block's error."""
     reason = f"{type(exc).__name__}: {exc}"[:200]
     if connection is not None:
@@ -134,7 +142,7 @@ class ResourceLock:
     resource: str
     token: str
     ttl: float
-    lease: Lease
+    lease: LeaseHandle
     deadline: float = float("-inf")  # local monotonic seconds, set by the acquisition
     confirmed_at: float = float("-inf")  # send time of the last confirmed acquisition or renewal
     lost: bool = False
@@ -234,7 +242,7 @@ class Locks:
         # expire, so the reaper counts the expiration against it.
         lease.runtime.lost_locally(lease, give_back=not overran)
 
-    def expire_due(self, now: float, lease: Lease | None = None) -> float | None:
+    def expire_due(self, now: float, lease: LeaseHandle | None = None) -> float | None:
         """Expire the locks (of ``lease``, or all) past their local deadline; the next deadline, if any."""
         if not self.held:
             return None
@@ -282,7 +290,7 @@ class Locks:
 
 
 @contextlib.contextmanager
-def lock(lease: Lease, resource: str, ttl: float | None = None,
+def lock(lease: LeaseHandle, resource: str, ttl: float | None = None,
          timeout: float | None = None) -> Iterator[ResourceLock]:
     """``with lock(lease, "account:42"):`` hold a resource, waiting up to ``timeout`` seconds.
 
@@ -318,7 +326,7 @@ def lock(lease: Lease, resource: str, ttl: float | None = None,
         locks.release(held)
 
 
-def _acquire(lease: Lease, held: ResourceLock, timeout: float) -> None:
+def _acquire(lease: LeaseHandle, held: ResourceLock, timeout: float) -> None:
     give_up = time.monotonic() + timeout
     delay = 0.02
     sent: list[float] = []

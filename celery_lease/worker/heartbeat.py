@@ -22,10 +22,10 @@ import celery_lease.deadline as deadline
 
 from ..errors import LeaseError, StoreRejected, StoreUnavailable
 from ..vocabulary import LossReason
+from .handles import RuntimeHandle
 
 if TYPE_CHECKING:
     from .lease import Lease
-    from .runtime import Runtime
 
 __all__ = ["Heartbeat", "worker_id"]
 
@@ -40,7 +40,7 @@ def worker_id(hostname: str | None = None, pid: int | None = None) -> str:
 class Heartbeat:
     """Renews a runtime's leases; ``beat()`` is one round, ``start()`` the loop."""
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: RuntimeHandle) -> None:
         self.runtime = runtime
         self.store = runtime.store
         self.worker = runtime.worker
@@ -61,7 +61,7 @@ class Heartbeat:
         """Renew every held lease once; returns counts (held, renewed, lost, past_max_runtime)."""
         rt = self.runtime
         now = deadline.monotonic()
-        held = rt.leases()
+        held: list[Lease] = rt.leases()
         renewable = [lease for lease in held if lease.renewable(now)]
         counts = {"held": len(held), "renewed": 0, "lost": 0,
                   "past_max_runtime": sum(1 for lease in held if lease.past_max_runtime(now))}

@@ -10,25 +10,24 @@ the lease is lost whether or not the store ever answers; ``check()``, ``effect()
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import celery_lease.deadline as deadline
 import celery_lease.messaging.events as events
 import celery_lease.messaging.messages as messages
+import celery_lease.worker.checkpoints as checkpoints
+import celery_lease.worker.effects as effects
 import celery_lease.worker.interrupt as interrupt
 
 from ..config import TaskPolicy
 from ..errors import LeaseLost, StoreRejected, StoreUnavailable
-from ..vocabulary import Event, RunEnd, Status
-
-if TYPE_CHECKING:
-    from .runtime import Runtime
+from ..vocabulary import Event
+from .handles import DeferredWrite, RuntimeHandle
 
 __all__ = ["Lease", "DeferredWrite"]
 
@@ -38,24 +37,10 @@ _T = TypeVar("_T")
 MAX_STORE_WAIT = 1.0  # seconds between two tries of a body's store call while the store is down
 
 
-@dataclasses.dataclass
-class DeferredWrite:
-    """The settle write of a finished body that the store could not take yet.
-
-    The runtime keeps the lease renewed and calls ``write`` after each heartbeat round until the
-    store answers; ``then`` (a dead-letter publish, a message sent again) follows a write the
-    store took, never one it rejected.
-    """
-
-    end: RunEnd
-    write: Callable[[], bool]
-    then: Callable[[], None] | None = None
-
-
 class Lease:
     """The running job's lease: its token, attempt, checkpoint, deadline and fenced helpers."""
 
-    def __init__(self, runtime: Runtime, job_id: str, token: str, attempt: int, policy: TaskPolicy,
+    def __init__(self, runtime: RuntimeHandle, job_id: str, token: str, attempt: int, policy: TaskPolicy,
                  idempotency_key: str, checkpoint_state: Any, *, sent_at: float, app: Any = None,
                  acks_late: bool = True, record_again: Callable[[], bool] | None = None) -> None:
         self.runtime = runtime
@@ -206,76 +191,23 @@ class Lease:
         An unreachable store does not stop the body: the state is kept and the heartbeat writes
         it once the store answers (a newer checkpoint replaces one still waiting).
         """
-        self.check()
-        try:
-            written = self.store.checkpoint(self.job_id, self.token, state, self.worker)
-        except StoreRejected:
-            raise
-        except StoreUnavailable as exc:
-            log.warning("job %s [%s]: checkpoint kept until the store answers (%s)", self.job_id,
-                        self.token[:8], exc, extra={"action": "checkpoint_deferred"})
-            self.pending_checkpoint = (state,)
-            self.checkpoint_state = state
-            return
-        self.pending_checkpoint = None
-        if not written and self.vanished_and_recorded_again():
-            written = self.store.checkpoint(self.job_id, self.token, state, self.worker)
-        if not written:
-            self.mark_lost("checkpoint rejected: token no longer matches")
-            self.check()
-        self.checkpoint_state = state
+        checkpoints.checkpoint(self, state)
 
     def recorded_again(self) -> bool:
-        """The job's row vanished (a restored backup, a failover that lost its last seconds): record it
-        again from the message this worker holds, under this lease's token; True when it is ours again."""
-        if self._record_again is None or self.lost:
-            return False
-        try:
-            again = self._record_again()
-        except (StoreUnavailable, StoreRejected) as exc:
-            log.warning("job %s [%s]: its row vanished and could not be recorded again (%s)", self.job_id,
-                        self.token[:8], exc)
-            return False
-        if again:
-            log.error("job %s [%s]: its row vanished from the store; recorded again from the message it runs",
-                      self.job_id, self.token[:8], extra={"action": "job_recorded_again"})
-        return again
+        """The job's row vanished: record it again under this lease's token; True when it is ours again."""
+        return checkpoints.recorded_again(self, self._record_again)
 
     def send_if_pending(self) -> bool:
-        """After a deferred write the store refused as stale: when the job is pending (a write of ours
-        whose answer was lost after it committed, or anyone's requeue), send its stored message again.
-
-        A pending job's extra message is harmless (its claim runs it once, a copy is skipped); a
-        missing one would leave it to the dispatch scan.
-        """
-        job = self.store.get(self.job_id)
-        if job is None or job.status != Status.PENDING or self.app is None:
-            return False
-        messages.republish(self.app, self.job_id, job.payload)
-        log.info("job %s [%s]: pending after a write whose answer was lost; its message sent again",
-                 self.job_id, self.token[:8], extra={"action": "pending_job_sent_again"})
-        return True
+        """After a deferred write the store refused as stale: send a pending job's message again."""
+        return checkpoints.send_if_pending(self)
 
     def vanished_and_recorded_again(self) -> bool:
         """After a fenced write changed nothing: whether the row had vanished and is ours again now."""
-        if self._record_again is None:
-            return False
-        job = self.store.get(self.job_id)
-        if job is not None:
-            # The heartbeat, finding the row gone too, may have recorded it again in between.
-            return job.lock_token == self.token and job.status == Status.RUNNING and not self.lost
-        return self.recorded_again()
+        return checkpoints.vanished_and_recorded_again(self, self._record_again)
 
     def write_pending_checkpoint(self) -> None:
         """The heartbeat's part: write the checkpoint an outage held back (StoreUnavailable if still down)."""
-        pending = self.pending_checkpoint
-        if pending is None or self.lost or self.finishing:
-            return
-        if self.store.checkpoint(self.job_id, self.token, pending[0], self.worker):
-            if self.pending_checkpoint is pending:
-                self.pending_checkpoint = None
-        else:
-            self.mark_lost("checkpoint rejected: token no longer matches")
+        checkpoints.write_pending_checkpoint(self)
 
     def patiently(self, call: Callable[[], _T]) -> _T:
         """Make a store call of the body, waiting through an outage until the local deadline.
@@ -300,19 +232,13 @@ class Lease:
     def effect(self, key: str, connection: Any = None, using: str | None = None) -> Any:
         """``with lease.effect(key) as first:`` records a side effect once per key; ``using`` (a
         Django database alias) or a Django ``connection`` puts the key in that transaction."""
-        from .effects import effect
-
         if using is not None:
-            from ..django import connection_for
-
-            connection = connection_for(using)
-        return effect(self, key, connection)
+            connection = effects.connection_for(using)
+        return effects.effect(self, key, connection)
 
     def lock(self, resource: str, ttl: float | None = None, timeout: float | None = None) -> Any:
         """``with lease.lock(resource):`` a lease on a business resource."""
-        from .effects import lock
-
-        return lock(self, resource, ttl, timeout)
+        return effects.lock(self, resource, ttl, timeout)
 
     def give_back(self, reason: Event = Event.RELEASED_ON_SHUTDOWN, republish: bool | None = None) -> bool:
         """Release the lease so the job runs again soon, re-sending its message when it was acked.

@@ -157,9 +157,9 @@ class LocalLease:
 
     @contextlib.contextmanager
     def _effect_in(self, key: str, connection: Any, using: str | None) -> Iterator[bool]:
-        from ..django import connection_for
         from ..errors import StoreUnavailable
         from ..store import for_app
+        from .effects import connection_for
 
         connection = connection_for(using) if using is not None else connection
         store = for_app(self.app, check=False)

@@ -13,8 +13,6 @@ closed with their backoff.
 
 from __future__ import annotations
 
-import logging
-import threading
 from typing import Any
 
 from celery import bootsteps
@@ -22,81 +20,9 @@ from celery import bootsteps
 import celery_lease.worker.runtime as runtime
 
 from ..config import app_config
-from ..errors import StoreUnavailable
+from .pause import ConsumerPause
 
 __all__ = ["ConsumerPause", "PauseStep", "store_unreachable"]
-
-log = logging.getLogger(__name__)
-
-
-class ConsumerPause:
-    """Cancels a worker's task consumer while the store is unreachable; one per worker main process."""
-
-    def __init__(self, store: Any, interval: float) -> None:
-        self.store = store
-        self.interval = interval
-        self.paused = False  # what the consumer should be; its loop applies it
-        self._consumer: Any = None
-        self._mutex = threading.Lock()
-        self._stop = threading.Event()
-        self._probe: threading.Thread | None = None
-
-    def bind(self, consumer: Any) -> None:
-        """The consumer (re)started and consumes: cancel it again if the store is still down."""
-        with self._mutex:
-            self._consumer = consumer
-            paused = self.paused
-        if paused:
-            consumer.call_soon(self._apply)
-
-    def store_unreachable(self, why: str) -> None:
-        """A delivery met an unreachable store (from any thread of the main process): stop consuming."""
-        with self._mutex:
-            consumer = self._consumer
-            if self.paused or consumer is None or self._stop.is_set():
-                return
-            self.paused = True
-            self._probe = threading.Thread(target=self._wait_for_store, name="celery-lease-store-probe",
-                                           daemon=True)
-            self._probe.start()
-        log.warning("this worker stops consuming until the lease store answers (asked every %gs): %s",
-                    self.interval, why, extra={"action": "consuming_paused"})
-        consumer.call_soon(self._apply)
-
-    def _apply(self) -> None:
-        """In the consumer's loop: cancel or resume the task consumer, as ``paused`` says now."""
-        task_consumer = getattr(self._consumer, "task_consumer", None)
-        if task_consumer is None:
-            return  # reconnecting: bind() applies it to the next one
-        if self.paused:
-            task_consumer.cancel()
-        else:
-            task_consumer.consume()
-
-    def _wait_for_store(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self.store.now()
-            except StoreUnavailable:
-                continue
-            except Exception:  # noqa: BLE001 - the probe must outlive any one bad answer
-                log.exception("probe of the lease store failed")
-                continue
-            with self._mutex:
-                self.paused = False
-                self._probe = None
-                consumer = self._consumer
-            log.info("lease store answers again: this worker consumes again",
-                     extra={"action": "consuming_resumed"})
-            consumer.call_soon(self._apply)
-            return
-
-    def stop(self, timeout: float = 5.0) -> None:
-        """The worker is stopping: stop asking the store."""
-        self._stop.set()
-        probe = self._probe
-        if probe is not None:
-            probe.join(timeout)
 
 
 class PauseStep(bootsteps.StartStopStep):

@@ -1,0 +1,120 @@
+"""A lease's checkpoints and the record of a job whose row vanished (Lease's methods call these).
+
+A checkpoint the store cannot take yet is kept on the lease and written by the heartbeat once
+the store answers. A fenced write that changes nothing may mean the job's row vanished (a
+restored backup, a failover that lost its last seconds): the row is recorded again from the
+message the worker holds, under the lease's token, and the write is made again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import celery_lease.messaging.messages as messages
+
+from ..errors import StoreRejected, StoreUnavailable
+from ..vocabulary import Status
+from .handles import LeaseHandle
+
+__all__ = ["checkpoint", "recorded_again", "send_if_pending", "vanished_and_recorded_again",
+           "write_pending_checkpoint"]
+
+log = logging.getLogger(__name__)
+
+
+class Checkpointed(LeaseHandle, Protocol):
+    """A lease (lease.Lease) as its checkpoints and its record-again path see it."""
+
+    app: Any
+    checkpoint_state: Any
+    pending_checkpoint: tuple[Any] | None
+
+    @property
+    def finishing(self) -> bool: ...
+
+    def recorded_again(self) -> bool: ...
+
+
+def checkpoint(lease: Checkpointed, state: Any) -> None:
+    """Save JSON progress under the token; a later attempt reads ``checkpoint_state``.
+
+    An unreachable store does not stop the body: the state is kept and the heartbeat writes
+    it once the store answers (a newer checkpoint replaces one still waiting).
+    """
+    lease.check()
+    try:
+        written = lease.store.checkpoint(lease.job_id, lease.token, state, lease.worker)
+    except StoreRejected:
+        raise
+    except StoreUnavailable as exc:
+        log.warning("job %s [%s]: checkpoint kept until the store answers (%s)", lease.job_id,
+                    lease.token[:8], exc, extra={"action": "checkpoint_deferred"})
+        lease.pending_checkpoint = (state,)
+        lease.checkpoint_state = state
+        return
+    lease.pending_checkpoint = None
+    if not written and lease.vanished_and_recorded_again():
+        written = lease.store.checkpoint(lease.job_id, lease.token, state, lease.worker)
+    if not written:
+        lease.mark_lost("checkpoint rejected: token no longer matches")
+        lease.check()
+    lease.checkpoint_state = state
+
+
+def recorded_again(lease: Checkpointed, record_again: Callable[[], bool] | None) -> bool:
+    """The job's row vanished (a restored backup, a failover that lost its last seconds): record it
+    again from the message this worker holds, under this lease's token; True when it is ours again."""
+    if record_again is None or lease.lost:
+        return False
+    try:
+        again = record_again()
+    except (StoreUnavailable, StoreRejected) as exc:
+        log.warning("job %s [%s]: its row vanished and could not be recorded again (%s)", lease.job_id,
+                    lease.token[:8], exc)
+        return False
+    if again:
+        log.error("job %s [%s]: its row vanished from the store; recorded again from the message it runs",
+                  lease.job_id, lease.token[:8], extra={"action": "job_recorded_again"})
+    return again
+
+
+def send_if_pending(lease: Checkpointed) -> bool:
+    """After a deferred write the store refused as stale: when the job is pending (a write of ours
+    whose answer was lost after it committed, or anyone's requeue), send its stored message again.
+
+    A pending job's extra message is harmless (its claim runs it once, a copy is skipped); a
+    missing one would leave it to the dispatch scan.
+    """
+    job = lease.store.get(lease.job_id)
+    if job is None or job.status != Status.PENDING or lease.app is None:
+        return False
+    messages.republish(lease.app, lease.job_id, job.payload)
+    log.info("job %s [%s]: pending after a write whose answer was lost; its message sent again",
+             lease.job_id, lease.token[:8], extra={"action": "pending_job_sent_again"})
+    return True
+
+
+def vanished_and_recorded_again(lease: Checkpointed, record_again: Callable[[], bool] | None) -> bool:
+    """After a fenced write changed nothing: whether the row had vanished and is ours again now."""
+    if record_again is None:
+        return False
+    job = lease.store.get(lease.job_id)
+    if job is not None:
+        # The heartbeat, finding the row gone too, may have recorded it again in between.
+        return job.lock_token == lease.token and job.status == Status.RUNNING and not lease.lost
+    return lease.recorded_again()
+
+
+def write_pending_checkpoint(lease: Checkpointed) -> None:
+    """The heartbeat's part: write the checkpoint an outage held back (StoreUnavailable if still down)."""
+    pending = lease.pending_checkpoint
+    if pending is None or lease.lost or lease.finishing:
+        return
+    if lease.store.checkpoint(lease.job_id, lease.token, pending[0], lease.worker):
+        if lease.pending_checkpoint is pending:
+            lease.pending_checkpoint = None
+    else:
+        lease.mark_lost("checkpoint rejected: token no longer matches")
+
