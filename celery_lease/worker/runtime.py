@@ -3,7 +3,7 @@
 The runtime holds the leases of the bodies running in this process, by request (what
 ``self.lease`` resolves through) and by (job id, token): two claims of one job in one
 process, a stale one and a new one, never see each other's lease. Its heartbeat renews
-them (heartbeat.py); its deadline timer, a thread of its own, marks a lease lost at its
+them (heartbeat.py); its deadline timer (timers.py), a thread of its own, marks a lease lost at its
 local deadline however long a store call takes, and interrupts the body. A lease lost
 locally is given back, fenced on its token, once the store answers. Signals and the
 shutdown path reach the runtime through the functions at the bottom of this module.
@@ -24,185 +24,22 @@ import celery_lease.worker.interrupt as interrupt
 
 from ..errors import StoreRejected, StoreUnavailable
 from ..vocabulary import Event
+from .effects import Locks
+from .handles import DeferredWrite
 from .heartbeat import Heartbeat, worker_id
+from .timers import CANCELS_KEPT, MAX_TIMER_SLEEP, DeadlineTimer, PendingCancels
 
 if TYPE_CHECKING:
     from ..store import Store
-    from .effects import Locks
-    from .lease import DeferredWrite, Lease
-    from .outage import ConsumerPause
+    from .lease import Lease
+    from .pause import ConsumerPause
 
-__all__ = ["Runtime", "DeadlineTimer", "PendingCancels", "for_app", "current", "retire", "in_process",
-           "release_all_in_process"]
+__all__ = ["Runtime", "DeadlineTimer", "PendingCancels", "MAX_TIMER_SLEEP", "CANCELS_KEPT", "UNANSWERED_KEPT",
+           "for_app", "current", "retire", "in_process", "release_all_in_process"]
 
 log = logging.getLogger(__name__)
 
-MAX_TIMER_SLEEP = 5.0  # seconds the timer sleeps with no deadline in sight
 UNANSWERED_KEPT = 1000  # unanswered claim tokens a process remembers
-CANCELS_KEPT = 10_000  # cancels the store did not take that a process remembers (the newest)
-
-
-class DeadlineTimer:
-    """Marks leases and resource locks lost at their local deadlines; ``run_once(now)`` is one pass,
-    ``start()`` the loop."""
-
-    def __init__(self, runtime: Runtime) -> None:
-        self.runtime = runtime
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._starting = threading.Lock()
-        # When the loop next looks (monotonic); None while a pass is reading the leases.
-        self._planned: float | None = None
-
-    def run_once(self, now: float | None = None) -> float | None:
-        """Expire every lease and lock past its deadline; returns the next deadline (None: none left).
-
-        A lock past its deadline marks its job's lease lost (and interrupts the body) as the
-        lease's own deadline does.
-        """
-        now = deadline.monotonic() if now is None else now
-        upcoming = [lease.deadline for lease in self.runtime.leases() if not lease.expire_if_due(now)]
-        lock_due = self.runtime.locks.expire_due(now)
-        if lock_due is not None:
-            upcoming.append(lock_due)
-        return min(upcoming, default=None)
-
-    def wake(self) -> None:
-        self._wake.set()
-
-    def watch(self, due: float) -> None:
-        """A lease due at ``due`` joined: wake the loop only if it would look later than that.
-
-        Waking it for every claim costs the claiming thread a GIL hand-off per task.
-        """
-        planned = self._planned
-        if planned is None or due < planned:
-            self._wake.set()
-
-    def start(self) -> None:
-        """Start the loop unless it runs; safe from many threads at once (one thread starts)."""
-        with self._starting:
-            if self._thread is not None and self._thread.is_alive():
-                return
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._run, name="celery-lease-deadline", daemon=True)
-            self._thread.start()
-
-    def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            # Cleared before the pass reads the leases: a lease added meanwhile sees None and wakes us.
-            self._planned = None
-            try:
-                upcoming = self.run_once()
-            except Exception:  # noqa: BLE001 - the timer must outlive any one bad pass
-                log.exception("deadline timer of %s failed", self.runtime.worker)
-                upcoming = None
-            now = deadline.monotonic()
-            # Sleep to the next deadline exactly; a new lease or a stop wakes it earlier.
-            pause = MAX_TIMER_SLEEP if upcoming is None else min(max(0.0, upcoming - now), MAX_TIMER_SLEEP)
-            self._planned = now + pause
-            self._wake.wait(pause)
-            self._wake.clear()
-
-
-class PendingCancels:
-    """Cancels (a revoke, ``revoke(terminate=True)``) the store did not take because it was unreachable.
-
-    Celery acknowledges a revoked delivery whatever the store said: a cancel lost to an outage
-    would leave the job pending, and the dispatch scan would run it once the worker forgot the
-    revoke. So a cancel that finds the store down is kept here (the newest CANCELS_KEPT) and
-    written by the next cancel that reaches the store, or by a thread of its own that tries
-    every ``interval`` seconds while any is kept; it stops when none is left.
-    """
-
-    def __init__(self, store: Store, interval: float) -> None:
-        self.store = store
-        self.interval = interval
-        self._mutex = threading.Lock()
-        # job id -> store.cancel's keywords for it
-        self._kept: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
-        self._thread: threading.Thread | None = None
-
-    def __len__(self) -> int:
-        with self._mutex:
-            return len(self._kept)
-
-    def cancel(self, job_id: str, reason: str, owner: str | None = None, task_name: str | None = None,
-               queue: str | None = None) -> bool:
-        """Cancel ``job_id`` now, or keep the cancel for when the store answers; True when written now.
-
-        The kept cancels go first; while some are still kept (the store just failed them) this
-        one joins them without a call of its own, so an outage costs a revoke one call bound.
-        ``task_name`` and ``queue`` (a discarded delivery's) record a vanished row again (store.cancel).
-        """
-        order: dict[str, Any] = {"reason": reason, "owner": owner, "task_name": task_name, "queue": queue}
-        self.flush()
-        if len(self):
-            self._keep(job_id, order)
-            return False
-        try:
-            self.store.cancel(job_id, **order)
-        except StoreRejected as exc:
-            log.error("job %s: the store rejected its cancel (%s); not retried", job_id, exc)
-            return False
-        except StoreUnavailable as exc:
-            self._keep(job_id, order)
-            log.warning("job %s: lease store unreachable (%s); its cancel (%s) is kept and written when the "
-                        "store answers", job_id, exc, reason, extra={"action": "cancel_deferred"})
-            return False
-        return True
-
-    def _keep(self, job_id: str, order: dict[str, Any]) -> None:
-        with self._mutex:
-            self._kept[job_id] = order
-            self._kept.move_to_end(job_id)
-            while len(self._kept) > CANCELS_KEPT:
-                dropped, _ = self._kept.popitem(last=False)
-                log.error("job %s: too many cancels kept while the store is down; dropped", dropped)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="celery-lease-cancels", daemon=True)
-                self._thread.start()
-
-    def flush(self) -> int:
-        """Write the kept cancels, oldest first; stops at the first that finds the store down."""
-        with self._mutex:
-            kept = list(self._kept.items())
-        written = 0
-        for job_id, order in kept:
-            try:
-                self.store.cancel(job_id, **order)
-            except StoreRejected as exc:
-                log.error("job %s: the store rejected its kept cancel (%s); dropped", job_id, exc)
-            except StoreUnavailable:
-                return written
-            else:
-                written += 1
-                log.info("job %s: kept cancel (%s) written after the store came back", job_id,
-                         order["reason"], extra={"action": "cancel_written"})
-            with self._mutex:
-                if self._kept.get(job_id) == order:
-                    del self._kept[job_id]
-        return written
-
-    def _run(self) -> None:
-        stop = threading.Event()
-        while True:
-            stop.wait(self.interval)
-            try:
-                self.flush()
-            except Exception:  # noqa: BLE001 - the retry thread must outlive any one bad pass
-                log.exception("kept cancels: flush failed")
-            with self._mutex:
-                if not self._kept:
-                    self._thread = None
-                    return
 
 
 class Runtime:
@@ -210,8 +47,6 @@ class Runtime:
 
     def __init__(self, store: Store, hostname: str, default_interval: float, *,
                  worker: str | None = None, interrupter: type[interrupt.Interrupter] | None = None) -> None:
-        from .effects import Locks
-
         self.store = store
         self.hostname = hostname
         self.worker = worker or worker_id(hostname)
