@@ -109,9 +109,10 @@ def scratch_copy(tmp_path: Path) -> Path:
 
 def lint_imports(where: Path) -> subprocess.CompletedProcess[str]:
     if not Path(LINT_IMPORTS).exists():
-        pytest.skip("import-linter is not installed (the test extra installs it on Python >= 3.11)")
-    return subprocess.run([LINT_IMPORTS, "--no-cache"], cwd=where, capture_output=True, text=True, timeout=120,
-                          env={"PATH": str(Path(sys.executable).parent), "PYTHONPATH": str(where)})
+        pytest.skip("import-linter is not installed (the test extra installs it)")
+    env = {"PATH": str(Path(sys.executable).parent), "PYTHONPATH": str(where)}
+    return subprocess.run([LINT_IMPORTS, "--no-cache"], cwd=where, env=env, capture_output=True, text=True,
+                          timeout=120)
 
 
 def test_the_package_has_no_import_cycle() -> None:
@@ -131,7 +132,8 @@ def test_a_cycle_inside_one_layer_is_found(tmp_path: Path) -> None:
     with dialects.open("a", encoding="utf-8") as f:
         f.write('\n_HOOK = "celery_lease.store.schema:make_tables"\n')
     found = cycles_in(package)
-    assert any("celery_lease.store.schema" in line and "celery_lease.store.dialects" in line for line in found)
+    assert any("celery_lease.store.schema" in line and "celery_lease.store.dialects" in line
+               for line in found)
 
 
 def test_the_layer_contracts_hold_and_list_every_layer() -> None:
