@@ -106,6 +106,9 @@ class Event(Name):
     REPUBLISHED = "republished"
     CLAIMED = "claimed"
     LEASE_TAKEN_OVER = "lease_taken_over"
+    # A worker's own claim whose answer it never got, taken back under a new token: the same
+    # owner, so neither a takeover nor a recovery.
+    CLAIM_TAKEN_BACK = "claim_taken_back"
     COMPLETED = "completed"
     FAILED = "failed"
     RETRY_SCHEDULED = "retry_scheduled"

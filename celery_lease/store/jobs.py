@@ -154,7 +154,7 @@ class JobStatements(PublishStatements):
             ).values(**lease))
             if res.rowcount != 1:
                 return None
-            self._event(c, job_id, Event.LEASE_TAKEN_OVER, reason="own claim whose answer was lost",
+            self._event(c, job_id, Event.CLAIM_TAKEN_BACK, reason="own claim whose answer was lost",
                         worker=worker, token=token, detail={"previous_token": lost_token[:8]})
             return self._job(c, job_id)
 

@@ -30,7 +30,8 @@ RUNNING_SHOWN = 50  # running jobs listed on the overview, soonest lease expiry 
 WORKERS_SHOWN = 50
 JOBS_LIMIT, JOBS_MAX = 50, 500
 DEAD_LETTERS_SHOWN = 100
-OWNERS = (Event.CLAIMED, Event.LEASE_TAKEN_OVER)  # the events whose worker became the job's owner
+#: The events whose worker became (or stayed) the job's owner.
+OWNERS = (Event.CLAIMED, Event.LEASE_TAKEN_OVER, Event.CLAIM_TAKEN_BACK)
 
 
 def overview_data(c: Console) -> dict[str, Any]:

@@ -263,7 +263,7 @@ def test_a_claim_whose_answer_was_lost_is_taken_back_by_its_own_worker_only(stor
     job = store.reclaim("j1", lost, "w1", fresh, terms)
     assert (job.status, job.lock_token, job.locked_by, job.attempt_count) == (RUNNING, fresh, "w1", 1)
     assert store.reclaim("j1", lost, "w1", token(), terms) is None  # once
-    assert events(store, "j1") == ["published", "claimed", "lease_taken_over"]
+    assert events(store, "j1") == ["published", "claimed", "claim_taken_back"]  # the same owner: no takeover
     assert store.complete("j1", lost) is False and store.complete("j1", fresh) is True
 
 
