@@ -1,0 +1,82 @@
+"""How far one delivery travels through the library: the modules it enters and how often control
+leaves the lifecycle module (celery_lease/worker/lifecycle.py), measured under ``sys.setprofile``.
+
+The path measured is a prefork child's: the claim succeeds and the body returns. The bounds are the
+figures of today's code, so a change that spreads a delivery over more modules fails here and
+says where the path went; the layering's target (8 modules, 6 departures) is lower, and each
+change that reaches closer lowers the bounds.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.app.trace import build_tracer
+
+from celery_lease import LeaseTask
+from celery_lease.store import Store
+from celery_lease.vocabulary import Status
+from tests.conftest import unique_prefix
+
+LIFECYCLE = "celery_lease.worker.lifecycle"
+# Today's figures (see the module docstring).
+MAX_MODULES = 22
+MAX_DEPARTURES = 16
+
+
+@pytest.fixture
+def leased_add(tmp_path) -> Any:
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    app = Celery(f"path_{unique_prefix()}", broker="memory://", backend="cache+memory://",
+                 set_as_current=False)
+    app.conf.update(lease_store_url=url, lease_duration=30.0)
+
+    @app.task(base=LeaseTask, bind=True, name="path.add", acks_late=True)
+    def add(self: Any, a: int, b: int) -> int:
+        return a + b
+
+    app.finalize()
+    Store(url).migrate()
+    return add
+
+
+def _deliver(task: Any, profile: Any = None) -> tuple[str, Any]:
+    """Publish one job, then run its delivery as a prefork child's tracer does."""
+    job_id = task.apply_async((1, 2)).id
+    tracer = build_tracer(task.name, task, app=task.app, eager=False, propagate=True)
+    request = {"id": job_id, "task": task.name, "hostname": "path@test", "headers": {}, "is_eager": False,
+               "delivery_info": {"routing_key": "celery", "exchange": "", "redelivered": False}}
+    sys.setprofile(profile)
+    try:
+        value = tracer(job_id, (1, 2), {}, request)[0]
+    finally:
+        sys.setprofile(None)
+    return job_id, value
+
+
+def test_one_delivery_enters_no_more_library_modules_and_leaves_the_lifecycle_no_more_often(leased_add):
+    _deliver(leased_add)  # the first delivery sets up the process's runtime; it is not measured
+    entered: Counter[str] = Counter()
+    departures: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        module = frame.f_globals.get("__name__", "")
+        if event != "call" or not module.startswith("celery_lease"):
+            return
+        entered[module] += 1
+        caller = frame.f_back.f_globals.get("__name__", "") if frame.f_back else ""
+        if caller == LIFECYCLE and module != LIFECYCLE:
+            departures.append(f"{module}.{frame.f_code.co_name}")
+
+    job_id, value = _deliver(leased_add, profile)
+
+    assert value == 3
+    job = Store(leased_add.app.conf.lease_store_url).get(job_id)
+    assert job is not None and job.status == Status.COMPLETED
+    assert LIFECYCLE in entered, "the delivery did not run through the lifecycle module"
+    assert len(entered) <= MAX_MODULES, f"{len(entered)} modules entered: {sorted(entered)}"
+    assert len(departures) <= MAX_DEPARTURES, f"{len(departures)} departures from the lifecycle: {departures}"
