@@ -12,7 +12,7 @@ import enum
 
 __all__ = [
     "Name", "Status", "ClaimOutcome", "EffectOutcome", "Decision", "RecoveryAction", "Event", "RunEnd",
-    "LossReason", "TaskEvent",
+    "LossReason", "TaskEvent", "WorkerLostOutcome",
     "STALE_WRITES", "RELEASES", "RECOVERIES", "MANUAL_RECOVERIES", "REPLACEMENTS",
 ]
 
@@ -85,6 +85,22 @@ class Decision(Name):
     # Left alone after the store was unreachable or its clock stepped: its owner gets a lease's
     # time to renew against the store as it is now.
     HOLD_BACK = "hold_back"
+
+
+class WorkerLostOutcome(Name):
+    """What settling a dead pool child's lease came to: a decision applied, or why none was."""
+
+    REQUEUE = "requeue"
+    DEAD_LETTER = "dead_letter"
+    FAIL = "fail"
+    # Another writer moved the row first: the CAS wrote nothing.
+    LOST_RACE = "lost_race"
+    # The message could not be re-sent: the reaper (or its dispatch scan) recovers the job.
+    ERROR = "error"
+    # The store could not be asked: the lease expires and the reaper settles it.
+    STORE_UNAVAILABLE = "store_unavailable"
+    # Not this owner's running job (finished, taken over, never claimed): nothing to settle.
+    NONE = "none"
 
 
 class RecoveryAction(Name):

@@ -30,6 +30,7 @@ from celery_lease.reaper import run as reaper
 from celery_lease.reaper.run import Reaper, backoff
 from celery_lease.reaper.worker_lost import recover_worker_lost
 from celery_lease.store import COMPLETED, FAILED, PENDING, RUNNING, ClaimTerms, Store
+from celery_lease.vocabulary import WorkerLostOutcome
 from tests.conftest import unique_prefix
 from tests.helpers import transaction_held
 
@@ -651,6 +652,14 @@ def test_recover_worker_lost_dead_letters_at_max_attempts(app, store):
     assert recover_worker_lost(app, "j1", "node@h:42", "TimeLimitExceeded") == "dead_letter"
     job = store.get("j1")
     assert job.status == FAILED and job.last_error == "lease expired and max attempts reached"
+
+
+def test_recover_worker_lost_answers_with_worker_lost_outcome_members(app, store, broker):
+    running(store, "j1", owner="node@h:42", age=-25.0)
+    running(store, "j2", owner="node@h:42", age=-25.0, attempts=3, max_attempts=3)
+    assert recover_worker_lost(app, "j1", "node@h:99", "WorkerLostError") is WorkerLostOutcome.NONE
+    assert recover_worker_lost(app, "j1", "node@h:42", "WorkerLostError") is WorkerLostOutcome.REQUEUE
+    assert recover_worker_lost(app, "j2", "node@h:42", "WorkerLostError") is WorkerLostOutcome.DEAD_LETTER
 
 
 def test_the_pause_seam_runs_between_publish_and_cas(app, store, broker, monkeypatch):

@@ -13,7 +13,8 @@ from celery import Celery
 
 from celery_lease import LeaseTask
 from celery_lease.errors import LeaseConfigError
-from celery_lease.integration.signals import check_pool, pool_name, validate_tasks
+from celery_lease.integration.signals import RERUN, check_pool, pool_name, validate_tasks
+from celery_lease.vocabulary import WorkerLostOutcome
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -93,6 +94,12 @@ STARTS = [("flag", "eventlet"), ("raise", "gevent"), ("raise", "prefork"), ("rai
 @pytest.mark.parametrize(("on_lost", "pool"), STARTS)
 def test_every_other_pool_and_policy_starts(on_lost, pool):
     check_pool(app_losing(on_lost), pool)
+
+
+def test_a_lost_child_is_rerun_by_the_lease_unless_its_job_was_settled_for_good_or_not_ours():
+    assert all(isinstance(outcome, WorkerLostOutcome) for outcome in RERUN)
+    assert set(WorkerLostOutcome) - set(RERUN) == {
+        WorkerLostOutcome.DEAD_LETTER, WorkerLostOutcome.FAIL, WorkerLostOutcome.NONE}
 
 
 def test_the_pool_is_named_from_the_worker_setting_or_its_class():
