@@ -12,7 +12,7 @@ import enum
 
 __all__ = [
     "Name", "Status", "ClaimOutcome", "EffectOutcome", "Decision", "RecoveryAction", "Event", "RunEnd",
-    "LossReason", "TaskEvent", "WorkerLostOutcome",
+    "LossReason", "TaskEvent", "WorkerLostOutcome", "OnLost",
     "STALE_WRITES", "RELEASES", "RECOVERIES", "MANUAL_RECOVERIES", "REPLACEMENTS",
 ]
 
@@ -65,6 +65,13 @@ class RunEnd(Name):
     LOST = "lost"
     OUTAGE = "outage"
     SHUTDOWN = "shutdown"
+
+
+class OnLost(Name):
+    """What a body sees when its lease is lost (``lease_on_lost``): LeaseLost raised in it, or a flag only."""
+
+    RAISE = "raise"
+    FLAG = "flag"
 
 
 class LossReason(Name):

@@ -21,7 +21,7 @@ import celery_lease.worker.runtime as runtime
 from ..config import app_config, check_recovery_bound, task_policy
 from ..errors import LeaseConfigError, LeaseError
 from ..kinds import is_lease_task
-from ..vocabulary import Event, WorkerLostOutcome
+from ..vocabulary import Event, OnLost, WorkerLostOutcome
 from ..worker.deliveries import StoreDown
 from ..worker.heartbeat import worker_id
 from ..worker.outage import PauseStep, store_unreachable
@@ -270,9 +270,10 @@ def check_pool(app: Any, pool: str) -> None:
     if pool != "eventlet":
         return
     for task in list(app.tasks.values()):
-        if hasattr(task, "lease_policy") and task.lease_policy().on_lost == "raise":
+        if hasattr(task, "lease_policy") and task.lease_policy().on_lost == OnLost.RAISE:
             raise LeaseConfigError(
-                "lease_on_lost", "raise", f"cannot interrupt a body in the eventlet pool (task {task.name})",
+                "lease_on_lost", OnLost.RAISE.value,
+                f"cannot interrupt a body in the eventlet pool (task {task.name})",
                 "Set lease_on_lost='flag' (the body checks self.lease.lost / self.lease.check()) or run "
                 "the worker with the prefork, threads or gevent pool.")
 
