@@ -31,15 +31,12 @@ from ..backoff import backoff, dispatch_wait
 from ..config import REAPER_RUNS_KEPT, app_config, worker_stale_after
 from ..errors import StoreCorrupt, StoreRejected, StoreUnavailable
 from ..store import Job, ReaperStore, for_app
-
-# The kinds of a Decision (decisions.Decision names one decision about one job).
-from ..vocabulary import Decision as Kind
-from ..vocabulary import TaskEvent
+from ..vocabulary import Decision, TaskEvent
 from .clock_guard import ClockGuard, Hold
-from .decisions import Decision, ReapResult, decide, policy_for, publish_decision, settle
+from .decisions import ReapDecision, ReapResult, decide, policy_for, publish_decision, settle
 from .outcomes import report_failure
 
-__all__ = ["Reaper", "ReapResult", "Decision", "backoff", "decide", "policy_for", "publish_decision",
+__all__ = ["Reaper", "ReapResult", "ReapDecision", "backoff", "decide", "policy_for", "publish_decision",
            "settle", "reap"]
 
 log = logging.getLogger("celery_lease.reaper")
@@ -163,8 +160,8 @@ class Reaper:
                         result.skipped_owner_alive += 1
                         why = f"lease expired but owner {job.locked_by} is alive; waiting for the hard grace"
                         if dry:
-                            result.planned.append(Decision(job.id, job.task_name, Kind.SKIP_OWNER_ALIVE, why,
-                                                           job.locked_by))
+                            result.planned.append(ReapDecision(job.id, job.task_name,
+                                                               Decision.SKIP_OWNER_ALIVE, why, job.locked_by))
                         else:
                             self.store.note_skipped_owner_alive(c, job, why)
                         continue
@@ -174,8 +171,8 @@ class Reaper:
                         if dry:
                             why = (f"lease expired, but the store was away or its clock stepped: owner "
                                    f"{job.locked_by} gets a lease's time to renew")
-                            result.planned.append(Decision(job.id, job.task_name, Kind.HOLD_BACK, why,
-                                                           job.locked_by))
+                            result.planned.append(ReapDecision(job.id, job.task_name, Decision.HOLD_BACK,
+                                                               why, job.locked_by))
                         continue
                     budget -= 1
                     why = ("lease expired past the hard grace, owner still registered" if item.owner_alive
@@ -194,7 +191,7 @@ class Reaper:
                         break
                     if not settle(self.store, job, decision, result, now=now, c=c):
                         continue
-                    if decision.decision == Kind.REQUEUE:
+                    if decision.decision == Decision.REQUEUE:
                         moved.append(events.retried(job.id, decision.reason, job.attempt_count))
                     else:
                         finals.append((job, decision.reason))
@@ -241,7 +238,7 @@ class Reaper:
                         why += f", doubled per re-send: {job.dispatch_count} so far, so {wait:g}s"
                     why += ")"
                     if dry:
-                        result.planned.append(Decision(job.id, job.task_name, Kind.REDISPATCH, why))
+                        result.planned.append(ReapDecision(job.id, job.task_name, Decision.REDISPATCH, why))
                         continue
                     try:
                         messages.republish(self.app, job.id, job.payload)

@@ -16,9 +16,8 @@ import celery_lease.reaper.decisions as decisions
 
 from ..errors import StoreCorrupt
 from ..store import RUNNING, Job, ReaperStore, for_app
-from ..vocabulary import Decision as Kind
-from ..vocabulary import WorkerLostOutcome
-from .decisions import Decision, ReapResult, decide, policy_for, publish_decision, settle
+from ..vocabulary import Decision, WorkerLostOutcome
+from .decisions import ReapDecision, ReapResult, decide, policy_for, publish_decision, settle
 
 __all__ = ["recover_worker_lost"]
 
@@ -43,11 +42,12 @@ def recover_worker_lost(app: Any, job_id: str, owner: str, reason: str, final: b
     policy = policy_for(app, job)
     if final:
         why = f"worker process lost: {reason}; a final failure"
-        kind = Kind.DEAD_LETTER if policy.dead_letter_queue else Kind.FAIL
-        decision = Decision(job.id, job.task_name, kind, why, job.locked_by, 0.0, policy.dead_letter_queue)
+        kind = Decision.DEAD_LETTER if policy.dead_letter_queue else Decision.FAIL
+        decision = ReapDecision(job.id, job.task_name, kind, why, job.locked_by, 0.0,
+                                policy.dead_letter_queue)
     else:
         decision = decide(job, policy, f"worker process lost: {reason}")
-    if decision.decision == Kind.REQUEUE:
+    if decision.decision == Decision.REQUEUE:
         return _requeue_lost(app, store, job, decision, owner, reason, resend)
     try:
         decision = publish_decision(app, job, decision)
@@ -63,7 +63,7 @@ def recover_worker_lost(app: Any, job_id: str, owner: str, reason: str, final: b
     return WorkerLostOutcome(decision.decision)
 
 
-def _requeue_lost(app: Any, store: ReaperStore, job: Job, decision: Decision, owner: str,
+def _requeue_lost(app: Any, store: ReaperStore, job: Job, decision: ReapDecision, owner: str,
                   reason: str, resend: bool = True) -> WorkerLostOutcome:
     """Requeue a dead child's job: the row first, then its message, so no delivery finds it busy.
 
@@ -73,11 +73,11 @@ def _requeue_lost(app: Any, store: ReaperStore, job: Job, decision: Decision, ow
     try:
         messages.decode(job.payload, app.conf.accept_content, job.id)
     except StoreCorrupt as exc:
-        decision = dataclasses.replace(decision, decision=Kind.FAIL, queue=None,
+        decision = dataclasses.replace(decision, decision=Decision.FAIL, queue=None,
                                        reason=f"{decision.reason}; message unreadable: {exc}")
     if not settle(store, job, decision, ReapResult(), expired=False):
         return WorkerLostOutcome.LOST_RACE
-    if decision.decision != Kind.REQUEUE or not resend:
+    if decision.decision != Decision.REQUEUE or not resend:
         return WorkerLostOutcome(decision.decision)
     try:
         messages.republish(app, job.id, job.payload, countdown=decision.delay)

@@ -27,10 +27,11 @@ from celery_lease.errors import StoreUnavailable
 from celery_lease.messaging import messages
 from celery_lease.reaper import decisions
 from celery_lease.reaper import run as reaper
+from celery_lease.reaper.decisions import ReapDecision
 from celery_lease.reaper.run import Reaper, backoff
 from celery_lease.reaper.worker_lost import recover_worker_lost
 from celery_lease.store import COMPLETED, FAILED, PENDING, RUNNING, ClaimTerms, Store
-from celery_lease.vocabulary import WorkerLostOutcome
+from celery_lease.vocabulary import Decision, WorkerLostOutcome
 from tests.conftest import unique_prefix
 from tests.helpers import transaction_held
 
@@ -553,6 +554,17 @@ def test_dry_run_plans_every_decision_and_changes_nothing(app, store, broker):
     assert {e["id"] for e in store.events(limit=1000)} == before
     assert store.get("requeue").status == RUNNING and broker.client.exists(broker.queue, broker.dlq) == 0
     assert json.dumps(result.as_dict())  # what `celery lease reap --dry-run` and the task return
+
+
+def test_a_dry_run_plans_reap_decisions_whose_kinds_are_vocabulary_decisions(app, store, broker):
+    store.touch_worker(ALIVE, "host", 2)
+    running(store, "requeue")
+    running(store, "alive", owner=ALIVE)
+    result = Reaper(app).run_once(dry_run=True)
+    assert [type(d) for d in result.planned] == [ReapDecision, ReapDecision]
+    assert {d.job_id: d.decision for d in result.planned} == {
+        "requeue": Decision.REQUEUE, "alive": Decision.SKIP_OWNER_ALIVE}
+    assert all(type(d.decision) is Decision for d in result.planned)
 
 
 def test_a_dry_run_on_sqlite_answers_while_another_process_holds_the_write_lock(app, store, broker):
