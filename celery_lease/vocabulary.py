@@ -12,7 +12,7 @@ import enum
 
 __all__ = [
     "Name", "Status", "ClaimOutcome", "EffectOutcome", "Decision", "RecoveryAction", "Event", "RunEnd",
-    "LossReason", "TaskEvent", "WorkerLostOutcome", "OnLost",
+    "LossReason", "TaskEvent", "WorkerLostOutcome", "OnLost", "StoreFailure",
     "STALE_WRITES", "RELEASES", "RECOVERIES", "MANUAL_RECOVERIES", "REPLACEMENTS",
 ]
 
@@ -184,6 +184,23 @@ class Event(Name):
     MANUAL_REQUEUE = "manual_requeue"
     DLQ_REDRIVEN = "dlq_redriven"
     DLQ_DISCARDED = "dlq_discarded"
+
+
+class StoreFailure(Name):
+    """What a store error was (``StoreUnavailable.kind``, ``StoreRejected.kind``): store/failures.py."""
+
+    # Asks for a migration.
+    MISSING = "missing"
+    # Refusals: the store answered, and the same write would be refused again.
+    CONFLICT = "conflict"
+    CONSTRAINT = "constraint"
+    PERMISSION = "permission"
+    SYNTAX = "syntax"
+    DATA = "data"
+    # Outages: the caller fails closed and retries.
+    TIMEOUT = "timeout"
+    POOL = "pool"
+    UNREACHABLE = "unreachable"
 
 
 class TaskEvent(Name):

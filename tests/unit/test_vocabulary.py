@@ -21,8 +21,10 @@ from celery_lease.vocabulary import (
     Decision,
     EffectOutcome,
     Event,
+    OnLost,
     RecoveryAction,
     Status,
+    StoreFailure,
     WorkerLostOutcome,
     stale_write,
 )
@@ -127,7 +129,7 @@ def test_the_stale_write_label_is_the_write_the_event_names():
 
 
 @pytest.mark.parametrize("enum", [Status, ClaimOutcome, EffectOutcome, Decision, RecoveryAction, Event,
-                                  WorkerLostOutcome])
+                                  WorkerLostOutcome, OnLost, StoreFailure])
 def test_a_member_is_its_stored_string_in_comparisons_formatting_and_json(enum):
     for member in enum:
         assert member == member.value and hash(member) == hash(member.value)
