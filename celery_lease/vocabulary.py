@@ -12,7 +12,7 @@ import enum
 
 __all__ = [
     "Name", "Status", "ClaimOutcome", "EffectOutcome", "Decision", "RecoveryAction", "Event", "RunEnd",
-    "LossReason", "TaskEvent", "WorkerLostOutcome", "OnLost", "StoreFailure",
+    "LossReason", "TaskEvent", "WorkerLostOutcome", "OnLost", "StoreFailure", "RunMode",
     "STALE_WRITES", "RELEASES", "RECOVERIES", "MANUAL_RECOVERIES", "REPLACEMENTS",
 ]
 
@@ -108,6 +108,13 @@ class WorkerLostOutcome(Name):
     STORE_UNAVAILABLE = "store_unavailable"
     # Not this owner's running job (finished, taken over, never claimed): nothing to settle.
     NONE = "none"
+
+
+class RunMode(Name):
+    """How a reaper round runs: a dry run only reads and plans; applying takes the lock and writes."""
+
+    DRY_RUN = "dry_run"
+    APPLY = "apply"
 
 
 class RecoveryAction(Name):

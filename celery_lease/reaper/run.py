@@ -31,7 +31,7 @@ from ..backoff import backoff, dispatch_wait
 from ..config import REAPER_RUNS_KEPT, app_config, worker_stale_after
 from ..errors import StoreCorrupt, StoreRejected, StoreUnavailable
 from ..store import Job, ReaperStore, for_app
-from ..vocabulary import Decision, TaskEvent
+from ..vocabulary import Decision, RunMode, TaskEvent
 from .clock_guard import ClockGuard, Hold
 from .decisions import ReapDecision, ReapResult, decide, policy_for, publish_decision, settle
 from .outcomes import report_failure
@@ -93,8 +93,8 @@ class Reaper:
             mono = ((before + after) / 2, (after - before) / 2)
         if dry_run:
             hold = self._judge(now, mono, record=False)
-            self._recover_expired(result, now, None, hold)
-            self._redispatch(result, now, None)
+            self._recover_expired(result, now, hold, RunMode.DRY_RUN)
+            self._redispatch(result, now, RunMode.DRY_RUN)
             return result
         token, ttl = secrets.token_hex(16), self.cfg.reaper_lock_ttl
         if not self.store.acquire_reaper_lock(token, self.owner, ttl):
@@ -104,7 +104,8 @@ class Reaper:
         started = time.monotonic()
         try:
             hold = self._judge(now, mono, record=True)
-            if self._recover_expired(result, now, token, hold) and self._redispatch(result, now, token):
+            if (self._recover_expired(result, now, hold, RunMode.APPLY, token)
+                    and self._redispatch(result, now, RunMode.APPLY, token)):
                 self._prune(result, now)
         finally:
             try:
@@ -136,15 +137,17 @@ class Reaper:
         except (StoreUnavailable, StoreRejected) as exc:
             log.warning("reaper run not recorded: %s", exc, extra={"action": "reap_record_failed"})
 
-    def _still_ours(self, token: str | None) -> bool:
-        if token is None or self.store.renew_reaper_lock(token, self.cfg.reaper_lock_ttl):
+    def _still_ours(self, mode: RunMode, token: str) -> bool:
+        """Whether this round may go on: a dry run holds no lock; an applying one renews its lock."""
+        if mode is RunMode.DRY_RUN or self.store.renew_reaper_lock(token, self.cfg.reaper_lock_ttl):
             return True
         log.warning("reaper lock lost mid-run (another reaper took it after %gs); stopping",
                     self.cfg.reaper_lock_ttl)
         return False
 
-    def _recover_expired(self, result: ReapResult, now: float, token: str | None, hold: Hold) -> bool:
-        budget, after, dry = self.batch_size, None, token is None
+    def _recover_expired(self, result: ReapResult, now: float, hold: Hold, mode: RunMode,
+                         token: str = "") -> bool:
+        budget, after, dry = self.batch_size, None, mode is RunMode.DRY_RUN
         for _ in range(MAX_PAGES):
             finals: list[tuple[Job, str]] = []
             moved: list[tuple[TaskEvent, dict[str, Any]]] = []
@@ -204,7 +207,7 @@ class Reaper:
             events.send(self.app, self.node, moved)
             if len(page) < self.batch_size or budget == 0 or result.publish_errors:
                 return not result.publish_errors
-            if not self._still_ours(token):
+            if not self._still_ours(mode, token):
                 return False
         return True
 
@@ -217,8 +220,8 @@ class Reaper:
                    if getattr(t, "lease_dispatch_timeout", None)]
         return min(floors)
 
-    def _redispatch(self, result: ReapResult, now: float | None, token: str | None) -> bool:
-        budget, after, dry = self.batch_size, None, token is None
+    def _redispatch(self, result: ReapResult, now: float | None, mode: RunMode, token: str = "") -> bool:
+        budget, after, dry = self.batch_size, None, mode is RunMode.DRY_RUN
         floor, cap = self._dispatch_floor(), self.cfg.dispatch_backoff_max
         for _ in range(MAX_PAGES):
             with self.store.begin(long=True, read=dry) as c:  # a dry run only reads
@@ -259,7 +262,7 @@ class Reaper:
                         result.lost_races += 1
             if len(page) < self.batch_size or budget == 0:
                 return True
-            if not self._still_ours(token):
+            if not self._still_ours(mode, token):
                 return False
         return True
 
