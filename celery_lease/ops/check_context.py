@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import celery_lease.worker.brokers as brokers
@@ -14,11 +13,12 @@ import celery_lease.worker.brokers as brokers
 from ..config import AppConfig, TaskPolicy, task_policy
 from ..errors import LeaseConfigError, SchemaMismatch, StoreRejected, StoreUnavailable
 from ..vocabulary import RECOVERIES
+from .tuning import percentile
 
 if TYPE_CHECKING:
     from ..store import ReportStore
 
-__all__ = ["Finding", "Context", "Rule", "percentile", "ok_unless", "ERROR", "WARNING", "OK",
+__all__ = ["Finding", "Context", "Rule", "ok_unless", "ERROR", "WARNING", "OK",
            "RECOVERY_EVENTS"]
 
 ERROR, WARNING, OK = "error", "warning", "ok"
@@ -50,14 +50,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple, set, frozenset)):
         return [_plain(v) for v in value]
     return repr(value)
-
-
-def percentile(values: Sequence[float], share: float) -> float | None:
-    """Nearest-rank percentile (``share`` in 0..1) of a sample; None when it is empty."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(share * len(ordered)) - 1)]
 
 
 class Context:
@@ -146,7 +138,7 @@ class Context:
             return {}  # the store went away after answering: check_store already said what it could
 
     def p99(self, task: Any) -> float | None:
-        return percentile(self.durations.get(task.name, []), 0.99)
+        return percentile(self.durations.get(task.name, []), 99)
 
     def expected_runtime(self, task: Any) -> tuple[float | None, dict[str, Any]]:
         """The longest a task is expected to run: its limits and its measured p99."""
