@@ -12,7 +12,7 @@ import enum
 
 __all__ = [
     "Name", "Status", "ClaimOutcome", "EffectOutcome", "Decision", "RecoveryAction", "Event", "RunEnd",
-    "LossReason", "TaskEvent", "WorkerLostOutcome", "OnLost", "StoreFailure", "RunMode",
+    "LossReason", "TaskEvent", "WorkerLostOutcome", "OnLost", "StoreFailure", "RunMode", "Severity",
     "STALE_WRITES", "RELEASES", "RECOVERIES", "MANUAL_RECOVERIES", "REPLACEMENTS",
 ]
 
@@ -208,6 +208,14 @@ class StoreFailure(Name):
     TIMEOUT = "timeout"
     POOL = "pool"
     UNREACHABLE = "unreachable"
+
+
+class Severity(Name):
+    """How bad a ``lease check`` finding is: an error fails the check, a warning is printed, ok passed."""
+
+    ERROR = "error"
+    WARNING = "warning"
+    OK = "ok"
 
 
 class TaskEvent(Name):

@@ -12,7 +12,7 @@ import celery_lease.worker.brokers as brokers
 
 from ..config import AppConfig, TaskPolicy, task_policy
 from ..errors import LeaseConfigError, SchemaMismatch, StoreRejected, StoreUnavailable
-from ..vocabulary import RECOVERIES
+from ..vocabulary import RECOVERIES, Severity
 from .tuning import percentile
 
 if TYPE_CHECKING:
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 __all__ = ["Finding", "Context", "Rule", "ok_unless", "ERROR", "WARNING", "OK",
            "RECOVERY_EVENTS"]
 
-ERROR, WARNING, OK = "error", "warning", "ok"
+ERROR, WARNING, OK = Severity.ERROR, Severity.WARNING, Severity.OK
 RECOVERY_EVENTS = RECOVERIES
 
 
@@ -29,7 +29,7 @@ RECOVERY_EVENTS = RECOVERIES
 class Finding:
     """One answer of the linter: level, code, settings and values, why, fix."""
 
-    level: str
+    level: Severity
     code: str
     settings: tuple[str, ...]
     values: Mapping[str, Any]
@@ -38,12 +38,14 @@ class Finding:
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (values that JSON cannot carry become their repr)."""
-        return {"level": self.level, "code": self.code, "settings": list(self.settings),
+        return {"level": str(self.level), "code": self.code, "settings": list(self.settings),
                 "values": {k: _plain(v) for k, v in self.values.items()}, "why": self.why, "fix": self.fix}
 
 
 def _plain(value: Any) -> Any:
-    if value is None or isinstance(value, (bool, int, float, str)):
+    if isinstance(value, str):
+        return str(value)  # a vocabulary member as its name, as text and JSON show it
+    if value is None or isinstance(value, (bool, int, float)):
         return value
     if isinstance(value, Mapping):
         return {str(k): _plain(v) for k, v in value.items()}

@@ -19,6 +19,7 @@ from celery_lease.ops.check_context import Context, Finding
 from celery_lease.ops.checks import run_checks
 from celery_lease.ops.tuning import tune
 from celery_lease.store import ClaimTerms, Store
+from celery_lease.vocabulary import OnLost, Severity
 from tests.conftest import unique_prefix
 
 REDIS = "redis://127.0.0.1:6379/9"  # never connected to: the checks read the URL and options
@@ -490,6 +491,16 @@ def test_sqs_check_names_a_job_that_outlives_the_12_hour_visibility_ceiling(sqli
     ok = make_app("sqs://AKID:secret@127.0.0.1:9", broker_transport_options={"is_secure": False})
     finding = sqs_finding(Context(ok, app_config(ok), baseline_store(sqlite_store)), "sqs_visibility_ceiling")
     assert finding.level == "ok"
+
+
+def test_every_finding_has_a_severity_that_its_dict_shows_as_the_plain_word(sqlite_store):
+    findings = run_checks(make_app(), baseline_store(sqlite_store))
+    assert findings and all(type(f.level) is Severity for f in findings)
+    assert {type(f.as_dict()["level"]) for f in findings} == {str}
+    values = {"lease_on_lost": OnLost.RAISE, "seen": [OnLost.FLAG]}
+    shown = Finding(Severity.WARNING, "x", (), values, "why").as_dict()
+    assert shown["level"] == "warning" and shown["values"] == {"lease_on_lost": "raise", "seen": ["flag"]}
+    assert repr(shown["values"]) == "{'lease_on_lost': 'raise', 'seen': ['flag']}"  # as `lease check` prints
 
 
 def test_lease_check_reports_the_same_p99_as_lease_tune_for_a_tasks_runs(sqlite_store):
