@@ -13,6 +13,7 @@ import enum
 __all__ = [
     "Name", "Status", "ClaimOutcome", "EffectOutcome", "Decision", "RecoveryAction", "Event", "RunEnd",
     "LossReason", "TaskEvent", "WorkerLostOutcome", "OnLost", "StoreFailure", "RunMode", "Severity",
+    "DeadLetterAction",
     "STALE_WRITES", "RELEASES", "RECOVERIES", "MANUAL_RECOVERIES", "REPLACEMENTS",
 ]
 
@@ -115,6 +116,13 @@ class RunMode(Name):
 
     DRY_RUN = "dry_run"
     APPLY = "apply"
+
+
+class DeadLetterAction(Name):
+    """What an operator asks of selected dead letters on the page and in the Django admin."""
+
+    REDRIVE = "redrive"
+    DISCARD = "discard"
 
 
 class RecoveryAction(Name):
