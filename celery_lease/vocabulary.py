@@ -13,7 +13,7 @@ import enum
 __all__ = [
     "Name", "Status", "ClaimOutcome", "EffectOutcome", "Decision", "RecoveryAction", "Event", "RunEnd",
     "LossReason", "TaskEvent", "WorkerLostOutcome", "OnLost", "StoreFailure", "RunMode", "Severity",
-    "DeadLetterAction",
+    "DeadLetterAction", "CancelReason",
     "STALE_WRITES", "RELEASES", "RECOVERIES", "MANUAL_RECOVERIES", "REPLACEMENTS",
 ]
 
@@ -66,6 +66,15 @@ class RunEnd(Name):
     LOST = "lost"
     OUTAGE = "outage"
     SHUTDOWN = "shutdown"
+
+
+class CancelReason(Name):
+    """Why a hook cancelled a job (``revoked (<reason>)`` in its last error): Celery revoked its
+    delivery, the delivery expired, or ``revoke(terminate=True)`` ended its run."""
+
+    REVOKED = "revoked"
+    EXPIRED = "expired"
+    TERMINATED = "terminated"
 
 
 class OnLost(Name):

@@ -21,7 +21,7 @@ import celery_lease.worker.runtime as runtime
 from ..config import app_config, check_recovery_bound, task_policy
 from ..errors import LeaseConfigError, LeaseError
 from ..kinds import is_lease_task
-from ..vocabulary import Event, OnLost, WorkerLostOutcome
+from ..vocabulary import CancelReason, Event, OnLost, WorkerLostOutcome
 from ..worker.deliveries import StoreDown
 from ..worker.heartbeat import worker_id
 from ..worker.outage import PauseStep, store_unreachable
@@ -122,11 +122,11 @@ def _can_terminate(pool: Any) -> bool:
 
 def _cancel_terminated(request: LeaseRequest) -> None:
     owner = worker_id(request.hostname, request.worker_pid)
-    _cancel(request.task.app, request.id, "terminated", owner)
+    _cancel(request.task.app, request.id, CancelReason.TERMINATED, owner)
 
 
-def _cancel(app: Any, job_id: str, reason: str, owner: str | None = None, task_name: str | None = None,
-            queue: str | None = None) -> None:
+def _cancel(app: Any, job_id: str, reason: CancelReason, owner: str | None = None,
+            task_name: str | None = None, queue: str | None = None) -> None:
     """Cancel a job from a hook: a store outage keeps the cancel for later (runtime.PendingCancels),
     and no error reaches Celery, which acknowledges the revoked delivery whatever happens here."""
     try:
@@ -314,4 +314,5 @@ def _on_revoked(request: Any = None, terminated: bool = False, expired: bool = F
     if request is None or task is None or terminated or not hasattr(task, "lease_policy"):
         return
     queue = (getattr(request, "delivery_info", None) or {}).get("routing_key")
-    _cancel(task.app, request.id, "expired" if expired else "revoked", task_name=task.name, queue=queue)
+    reason = CancelReason.EXPIRED if expired else CancelReason.REVOKED
+    _cancel(task.app, request.id, reason, task_name=task.name, queue=queue)

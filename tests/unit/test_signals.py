@@ -14,7 +14,7 @@ from celery import Celery
 from celery_lease import LeaseTask
 from celery_lease.errors import LeaseConfigError
 from celery_lease.integration.signals import RERUN, check_pool, pool_name, validate_tasks
-from celery_lease.vocabulary import WorkerLostOutcome
+from celery_lease.vocabulary import CancelReason, WorkerLostOutcome
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -140,6 +140,29 @@ def test_a_revoke_whose_cancel_meets_an_outage_does_not_raise_and_keeps_the_canc
         assert rt is not None and len(rt.cancels) == 1
     finally:
         app.close()
+
+
+@pytest.mark.parametrize(("expired", "reason"), [(False, CancelReason.REVOKED), (True, CancelReason.EXPIRED)])
+def test_a_discarded_delivery_cancels_its_job_with_the_reason_celery_gave(monkeypatch, expired, reason):
+    from types import SimpleNamespace
+
+    from celery.signals import task_revoked
+
+    from celery_lease.integration import signals
+
+    cancels = []
+    monkeypatch.setattr(signals, "_cancel", lambda app, job_id, why, **where: cancels.append((job_id, why)))
+    app = Celery("discards", set_as_current=False)
+
+    @app.task(base=LeaseTask, shared=False, name="discards.task")
+    def task():
+        return None
+
+    request = SimpleNamespace(id="job-d", delivery_info={"routing_key": "celery"})
+    task_revoked.send(sender=task, request=request, terminated=False, signum=None, expired=expired)
+    app.close()
+
+    assert cancels == [("job-d", reason)] and type(cancels[0][1]) is CancelReason
 
 
 @pytest.mark.parametrize(("pool", "concurrency", "processes"), [("threads", 2, 1), ("prefork", 2, 2)])

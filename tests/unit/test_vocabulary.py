@@ -17,6 +17,7 @@ from celery_lease.ops import check_context, metrics
 from celery_lease.store import schema
 from celery_lease.vocabulary import (
     STALE_WRITES,
+    CancelReason,
     ClaimOutcome,
     DeadLetterAction,
     Decision,
@@ -133,7 +134,7 @@ def test_the_stale_write_label_is_the_write_the_event_names():
 
 @pytest.mark.parametrize("enum", [Status, ClaimOutcome, EffectOutcome, Decision, RecoveryAction, Event,
                                   WorkerLostOutcome, OnLost, StoreFailure, RunMode, Severity,
-                                  DeadLetterAction])
+                                  DeadLetterAction, CancelReason])
 def test_a_member_is_its_stored_string_in_comparisons_formatting_and_json(enum):
     for member in enum:
         assert member == member.value and hash(member) == hash(member.value)
