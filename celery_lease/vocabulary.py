@@ -1,4 +1,5 @@
-"""The names celery_lease stores and reports: statuses, outcomes, decisions and audit events.
+"""The names celery_lease stores and reports: statuses, outcomes, decisions, policy values,
+failure kinds, modes and audit events.
 
 Every name is a ``str`` enum member: it equals, hashes, formats and binds as the
 string already stored in the database (``Status.RUNNING == "running"``), so
@@ -107,6 +108,7 @@ class Decision(Name):
 class WorkerLostOutcome(Name):
     """What settling a dead pool child's lease came to: a decision applied, or why none was."""
 
+    # The Decision applied (recover_worker_lost).
     REQUEUE = "requeue"
     DEAD_LETTER = "dead_letter"
     FAIL = "fail"
