@@ -33,6 +33,7 @@ from .settings import (
     SETTINGS,
     Setting,
 )
+from .vocabulary import Decision, OnLost
 
 __all__ = ["SETTINGS", "Setting", "AppConfig", "TaskPolicy", "app_config", "task_policy", "shortest_lease",
            "derive_stale_after", "worker_stale_after", "check_recovery_bound",
@@ -163,10 +164,10 @@ class TaskPolicy:
     heartbeat_interval: float
     grace_period: float
     max_runtime: float | None
-    on_lost: str
+    on_lost: OnLost
     max_attempts: int
     max_expirations: int
-    on_expired: str
+    on_expired: Decision
     backoff_base: float
     backoff_max: float
     backoff_jitter: bool

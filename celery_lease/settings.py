@@ -10,6 +10,8 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from .vocabulary import Decision, OnLost
+
 __all__ = ["Setting", "SETTINGS", "BY_NAME", "SECRETS", "PER_TASK", "IDENTIFIER",
            "CALL_TIMEOUT_SHARE", "DEFAULT_POOL_SIZE", "LONG_CALL_TIMEOUT", "REAPER_RUNS_KEPT",
            "REAPER_OVERDUE_INTERVALS", "METRICS_MAX_SERIES", "SCRAPE_FRESH", "RUNBOOK_BASE_URL"]
@@ -74,10 +76,12 @@ def _integer(minimum: int) -> Callable[[Any], Any]:
 
 
 def _choice(*choices: str) -> Callable[[Any], Any]:
+    # The choice itself is the value: a vocabulary member where the choices are members.
     def check(value: Any) -> str:
-        if value not in choices:
-            raise ValueError
-        return value
+        for choice in choices:
+            if value == choice:
+                return choice
+        raise ValueError
 
     return check
 
@@ -195,7 +199,7 @@ SETTINGS: tuple[Setting, ...] = (
        _number(0, strict=True, allow_none=True), "None or a number of seconds > 0", True),
     _S("lease_on_lost", "raise",
        "What a task body sees when its lease is lost: 'raise' LeaseLost in it, or 'flag' only.",
-       _choice("raise", "flag"), "one of 'raise', 'flag'", True),
+       _choice(*OnLost), "one of 'raise', 'flag'", True),
     # attempts and recovery
     _S("lease_max_attempts", 5,
        "Executions a job may start before an expired lease dead-letters it.",
@@ -206,7 +210,8 @@ SETTINGS: tuple[Setting, ...] = (
     _S("lease_on_expired", "requeue",
        "What the reaper does with an expired lease: 'requeue' while attempts last, "
        "'dead_letter' at once, or 'fail' at once without publishing.",
-       _choice("requeue", "dead_letter", "fail"), "one of 'requeue', 'dead_letter', 'fail'", True),
+       _choice(Decision.REQUEUE, Decision.DEAD_LETTER, Decision.FAIL),
+       "one of 'requeue', 'dead_letter', 'fail'", True),
     _S("lease_backoff_base", 1.0,
        "Seconds of the first requeue delay; doubles per attempt.",
        _number(0), "a number of seconds >= 0", True),

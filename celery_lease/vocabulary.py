@@ -1,4 +1,5 @@
-"""The names celery_lease stores and reports: statuses, outcomes, decisions and audit events.
+"""The names celery_lease stores and reports: statuses, outcomes, decisions, policy values,
+failure kinds, modes and audit events.
 
 Every name is a ``str`` enum member: it equals, hashes, formats and binds as the
 string already stored in the database (``Status.RUNNING == "running"``), so
@@ -12,7 +13,8 @@ import enum
 
 __all__ = [
     "Name", "Status", "ClaimOutcome", "EffectOutcome", "Decision", "RecoveryAction", "Event", "RunEnd",
-    "LossReason", "TaskEvent",
+    "LossReason", "TaskEvent", "WorkerLostOutcome", "OnLost", "StoreFailure", "RunMode", "Severity",
+    "DeadLetterAction", "CancelReason",
     "STALE_WRITES", "RELEASES", "RECOVERIES", "MANUAL_RECOVERIES", "REPLACEMENTS",
 ]
 
@@ -67,6 +69,22 @@ class RunEnd(Name):
     SHUTDOWN = "shutdown"
 
 
+class CancelReason(Name):
+    """Why a hook cancelled a job (``revoked (<reason>)`` in its last error): Celery revoked its
+    delivery, the delivery expired, or ``revoke(terminate=True)`` ended its run."""
+
+    REVOKED = "revoked"
+    EXPIRED = "expired"
+    TERMINATED = "terminated"
+
+
+class OnLost(Name):
+    """What a body sees when its lease is lost (``lease_on_lost``): LeaseLost raised in it, or a flag only."""
+
+    RAISE = "raise"
+    FLAG = "flag"
+
+
 class LossReason(Name):
     """Why the store did not renew a lease (``describe_loss``): the row is gone or moved on."""
 
@@ -85,6 +103,37 @@ class Decision(Name):
     # Left alone after the store was unreachable or its clock stepped: its owner gets a lease's
     # time to renew against the store as it is now.
     HOLD_BACK = "hold_back"
+
+
+class WorkerLostOutcome(Name):
+    """What settling a dead pool child's lease came to: a decision applied, or why none was."""
+
+    # The Decision applied (recover_worker_lost).
+    REQUEUE = "requeue"
+    DEAD_LETTER = "dead_letter"
+    FAIL = "fail"
+    # Another writer moved the row first: the CAS wrote nothing.
+    LOST_RACE = "lost_race"
+    # The message could not be re-sent: the reaper (or its dispatch scan) recovers the job.
+    ERROR = "error"
+    # The store could not be asked: the lease expires and the reaper settles it.
+    STORE_UNAVAILABLE = "store_unavailable"
+    # Not this owner's running job (finished, taken over, never claimed): nothing to settle.
+    NONE = "none"
+
+
+class RunMode(Name):
+    """How a reaper round runs: a dry run only reads and plans; applying takes the lock and writes."""
+
+    DRY_RUN = "dry_run"
+    APPLY = "apply"
+
+
+class DeadLetterAction(Name):
+    """What an operator asks of selected dead letters on the page and in the Django admin."""
+
+    REDRIVE = "redrive"
+    DISCARD = "discard"
 
 
 class RecoveryAction(Name):
@@ -161,6 +210,31 @@ class Event(Name):
     MANUAL_REQUEUE = "manual_requeue"
     DLQ_REDRIVEN = "dlq_redriven"
     DLQ_DISCARDED = "dlq_discarded"
+
+
+class StoreFailure(Name):
+    """What a store error was (``StoreUnavailable.kind``, ``StoreRejected.kind``): store/failures.py."""
+
+    # Asks for a migration.
+    MISSING = "missing"
+    # Refusals: the store answered, and the same write would be refused again.
+    CONFLICT = "conflict"
+    CONSTRAINT = "constraint"
+    PERMISSION = "permission"
+    SYNTAX = "syntax"
+    DATA = "data"
+    # Outages: the caller fails closed and retries.
+    TIMEOUT = "timeout"
+    POOL = "pool"
+    UNREACHABLE = "unreachable"
+
+
+class Severity(Name):
+    """How bad a ``lease check`` finding is: an error fails the check, a warning is printed, ok passed."""
+
+    ERROR = "error"
+    WARNING = "warning"
+    OK = "ok"
 
 
 class TaskEvent(Name):

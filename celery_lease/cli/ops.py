@@ -7,6 +7,7 @@ from typing import Any
 import click
 
 from ..ops.views import aged_reason, with_ages
+from ..vocabulary import Severity
 from .base import CommandError, app_of, json_option, lease, reaper_store_of, store_of
 from .output import echo, emit_json, table
 
@@ -73,7 +74,7 @@ def reap(ctx: click.Context, dry_run: bool, as_json: bool) -> None:
 def _finding_lines(f: dict[str, Any]) -> str:
     """One line for a passed check; the settings, values, why and fix under a failed one."""
     head = f"{f['level'].upper():<8}{f['code']}"
-    if f["level"] == "ok":
+    if f["level"] == Severity.OK:
         return f"{head}: {f['why']}"
     values = ", ".join(f"{k}={v!r}" for k, v in (f.get("values") or {}).items())
     lines = [head, f"        settings: {', '.join(f.get('settings') or ()) or '-'}"]
@@ -92,12 +93,12 @@ def check(ctx: click.Context, as_json: bool) -> None:
     from ..ops.checks import run_checks
 
     findings = [f.as_dict() for f in run_checks(app_of(ctx))]
-    errors = sum(1 for f in findings if f["level"] == "error")
+    errors = sum(1 for f in findings if f["level"] == Severity.ERROR)
     if as_json:
         emit_json(findings)
     else:
         echo("\n".join(_finding_lines(f) for f in findings) or "no checks ran")
-        warnings = sum(1 for f in findings if f["level"] == "warning")
+        warnings = sum(1 for f in findings if f["level"] == Severity.WARNING)
         echo(f"\n{errors} error(s), {warnings} warning(s), {len(findings) - errors - warnings} ok")
     if errors:
         raise CommandError(f"{errors} check(s) failed; apply the fixes above")

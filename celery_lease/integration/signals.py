@@ -21,7 +21,7 @@ import celery_lease.worker.runtime as runtime
 from ..config import app_config, check_recovery_bound, task_policy
 from ..errors import LeaseConfigError, LeaseError
 from ..kinds import is_lease_task
-from ..vocabulary import Event
+from ..vocabulary import CancelReason, Event, OnLost, WorkerLostOutcome
 from ..worker.deliveries import StoreDown
 from ..worker.heartbeat import worker_id
 from ..worker.outage import PauseStep, store_unreachable
@@ -51,7 +51,7 @@ class LeaseRequest(Request):
             # (counting the attempt) without sending a second message; else a final failure.
             again = bool(self.task.acks_late) and not acks_on_timeout(self.task)
             self._lease_settled = _settle_dead_child(self, type(exc).__name__, final=not again,
-                                                     resend=not again) != "none"
+                                                     resend=not again) != WorkerLostOutcome.NONE
             # Billiard calls on_timeout right after this, and it stores FAILURE, fires the
             # errbacks and sends task-failed: the failure path must not do it a second time.
             return super().on_failure(exc_info, send_failed_event=False, return_ok=True)
@@ -59,7 +59,7 @@ class LeaseRequest(Request):
             outcome = _settle_dead_child(self, type(exc).__name__, final=False)
             if outcome in RERUN:
                 return self._rerun_by_lease(exc, exc_info, outcome)
-            self._lease_settled = outcome != "none"
+            self._lease_settled = outcome != WorkerLostOutcome.NONE
         return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
     def _retry_worker_lost(self, exc: Any, exc_info: Any) -> bool:
@@ -93,7 +93,7 @@ class LeaseRequest(Request):
             return False  # terminated on purpose: the revoke cancelled the job
         return isinstance(exc, (SystemExit, KeyboardInterrupt, WorkerLostError))
 
-    def _rerun_by_lease(self, exc: BaseException, exc_info: Any, outcome: str) -> None:
+    def _rerun_by_lease(self, exc: BaseException, exc_info: Any, outcome: WorkerLostOutcome) -> None:
         """The lease re-sends the job (or already moved on): no FAILURE, no errback; RETRY as Celery's own.
 
         The state is RETRY, as Celery's ``task_retry_on_worker_lost`` leaves it (a later
@@ -111,7 +111,8 @@ class LeaseRequest(Request):
 
 
 # What recover_worker_lost answers when the job runs again (or someone else holds it).
-RERUN = ("requeue", "lost_race", "error", "store_unavailable")
+RERUN = (WorkerLostOutcome.REQUEUE, WorkerLostOutcome.LOST_RACE, WorkerLostOutcome.ERROR,
+         WorkerLostOutcome.STORE_UNAVAILABLE)
 
 
 def _can_terminate(pool: Any) -> bool:
@@ -121,11 +122,11 @@ def _can_terminate(pool: Any) -> bool:
 
 def _cancel_terminated(request: LeaseRequest) -> None:
     owner = worker_id(request.hostname, request.worker_pid)
-    _cancel(request.task.app, request.id, "terminated", owner)
+    _cancel(request.task.app, request.id, CancelReason.TERMINATED, owner)
 
 
-def _cancel(app: Any, job_id: str, reason: str, owner: str | None = None, task_name: str | None = None,
-            queue: str | None = None) -> None:
+def _cancel(app: Any, job_id: str, reason: CancelReason, owner: str | None = None,
+            task_name: str | None = None, queue: str | None = None) -> None:
     """Cancel a job from a hook: a store outage keeps the cancel for later (runtime.PendingCancels),
     and no error reaches Celery, which acknowledges the revoked delivery whatever happens here."""
     try:
@@ -146,7 +147,8 @@ def acks_on_timeout(task: Any) -> bool:
     return True if value is None else bool(value)
 
 
-def _settle_dead_child(request: LeaseRequest, reason: str, final: bool, resend: bool = True) -> str:
+def _settle_dead_child(request: LeaseRequest, reason: str, final: bool,
+                       resend: bool = True) -> WorkerLostOutcome:
     owner = worker_id(request.hostname, request.worker_pid)
     try:
         from ..reaper.worker_lost import recover_worker_lost
@@ -155,7 +157,7 @@ def _settle_dead_child(request: LeaseRequest, reason: str, final: bool, resend: 
     except LeaseError as error:
         log.warning("job %s: could not settle the lease of dead child %s: %s", request.id, owner, error)
         # The lease expires and the reaper settles it (a final failure is then a re-run).
-        return "store_unavailable"
+        return WorkerLostOutcome.STORE_UNAVAILABLE
 
 
 class WorkerStep(bootsteps.StartStopStep):
@@ -268,9 +270,10 @@ def check_pool(app: Any, pool: str) -> None:
     if pool != "eventlet":
         return
     for task in list(app.tasks.values()):
-        if hasattr(task, "lease_policy") and task.lease_policy().on_lost == "raise":
+        if hasattr(task, "lease_policy") and task.lease_policy().on_lost == OnLost.RAISE:
             raise LeaseConfigError(
-                "lease_on_lost", "raise", f"cannot interrupt a body in the eventlet pool (task {task.name})",
+                "lease_on_lost", OnLost.RAISE.value,
+                f"cannot interrupt a body in the eventlet pool (task {task.name})",
                 "Set lease_on_lost='flag' (the body checks self.lease.lost / self.lease.check()) or run "
                 "the worker with the prefork, threads or gevent pool.")
 
@@ -311,4 +314,5 @@ def _on_revoked(request: Any = None, terminated: bool = False, expired: bool = F
     if request is None or task is None or terminated or not hasattr(task, "lease_policy"):
         return
     queue = (getattr(request, "delivery_info", None) or {}).get("routing_key")
-    _cancel(task.app, request.id, "expired" if expired else "revoked", task_name=task.name, queue=queue)
+    reason = CancelReason.EXPIRED if expired else CancelReason.REVOKED
+    _cancel(task.app, request.id, reason, task_name=task.name, queue=queue)

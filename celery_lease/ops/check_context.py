@@ -5,23 +5,23 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import celery_lease.worker.brokers as brokers
 
 from ..config import AppConfig, TaskPolicy, task_policy
 from ..errors import LeaseConfigError, SchemaMismatch, StoreRejected, StoreUnavailable
-from ..vocabulary import RECOVERIES
+from ..vocabulary import RECOVERIES, Severity
+from .tuning import percentile
 
 if TYPE_CHECKING:
     from ..store import ReportStore
 
-__all__ = ["Finding", "Context", "Rule", "percentile", "ok_unless", "ERROR", "WARNING", "OK",
+__all__ = ["Finding", "Context", "Rule", "ok_unless", "ERROR", "WARNING", "OK",
            "RECOVERY_EVENTS"]
 
-ERROR, WARNING, OK = "error", "warning", "ok"
+ERROR, WARNING, OK = Severity.ERROR, Severity.WARNING, Severity.OK
 RECOVERY_EVENTS = RECOVERIES
 
 
@@ -29,7 +29,7 @@ RECOVERY_EVENTS = RECOVERIES
 class Finding:
     """One answer of the linter: level, code, settings and values, why, fix."""
 
-    level: str
+    level: Severity
     code: str
     settings: tuple[str, ...]
     values: Mapping[str, Any]
@@ -38,26 +38,20 @@ class Finding:
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (values that JSON cannot carry become their repr)."""
-        return {"level": self.level, "code": self.code, "settings": list(self.settings),
+        return {"level": str(self.level), "code": self.code, "settings": list(self.settings),
                 "values": {k: _plain(v) for k, v in self.values.items()}, "why": self.why, "fix": self.fix}
 
 
 def _plain(value: Any) -> Any:
-    if value is None or isinstance(value, (bool, int, float, str)):
+    if isinstance(value, str):
+        return str(value)  # a vocabulary member as its name, as text and JSON show it
+    if value is None or isinstance(value, (bool, int, float)):
         return value
     if isinstance(value, Mapping):
         return {str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple, set, frozenset)):
         return [_plain(v) for v in value]
     return repr(value)
-
-
-def percentile(values: Sequence[float], share: float) -> float | None:
-    """Nearest-rank percentile (``share`` in 0..1) of a sample; None when it is empty."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(share * len(ordered)) - 1)]
 
 
 class Context:
@@ -146,7 +140,7 @@ class Context:
             return {}  # the store went away after answering: check_store already said what it could
 
     def p99(self, task: Any) -> float | None:
-        return percentile(self.durations.get(task.name, []), 0.99)
+        return percentile(self.durations.get(task.name, []), 99)
 
     def expected_runtime(self, task: Any) -> tuple[float | None, dict[str, Any]]:
         """The longest a task is expected to run: its limits and its measured p99."""

@@ -15,7 +15,8 @@ from typing import Any
 from ..config import SCRAPE_FRESH
 from ..errors import StoreRejected, StoreUnavailable
 from ..store.runs import EXPORTER_SCRAPE
-from .check_context import ERROR, OK, RECOVERY_EVENTS, WARNING, Context, Finding, ok_unless, percentile
+from .check_context import ERROR, OK, RECOVERY_EVENTS, WARNING, Context, Finding, ok_unless
+from .tuning import percentile
 
 __all__ = ["checklist_rules"]
 
@@ -39,8 +40,8 @@ def _durations(ctx: Context) -> Iterator[Finding]:
         if len(sample) < MIN_SAMPLE:
             unmeasured.append(task.name)
         else:
-            measured[task.name] = {"runs": len(sample), "p50": percentile(sample, 0.5),
-                                   "p95": percentile(sample, 0.95), "p99": percentile(sample, 0.99)}
+            measured[task.name] = {"runs": len(sample), "p50": percentile(sample, 50),
+                                   "p95": percentile(sample, 95), "p99": percentile(sample, 99)}
     if unmeasured:
         yield Finding(WARNING, "durations_measured", (), {"unmeasured": unmeasured, "measured": measured},
                       "no finished run in the store: their p99 is unknown, so no timeout can be checked "

@@ -17,11 +17,10 @@ from ..backoff import backoff
 from ..config import TaskPolicy, app_config, task_policy
 from ..errors import StoreCorrupt
 from ..store import Job, ReaperStore
+from ..vocabulary import Decision
 
-# The kinds of a Decision (the dataclass below names one decision about one job).
-from ..vocabulary import Decision as Kind
-
-__all__ = ["Decision", "ReapResult", "after_publish", "decide", "policy_for", "publish_decision", "settle"]
+__all__ = ["ReapDecision", "ReapResult", "after_publish", "decide", "policy_for", "publish_decision",
+           "settle"]
 
 log = logging.getLogger("celery_lease.reaper")
 
@@ -31,12 +30,12 @@ after_publish: Callable[[str], None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
-class Decision:
-    """What the reaper does (or, in a dry run, would do) with one job."""
+class ReapDecision:
+    """What the reaper does (or, in a dry run, would do) with one job: its Decision and why."""
 
     job_id: str
     task: str
-    decision: Kind
+    decision: Decision
     reason: str
     owner: str | None = None
     delay: float = 0.0
@@ -65,7 +64,7 @@ class ReapResult:
     pruned_keys: int = 0
     skipped: bool = False
     dry_run: bool = False
-    planned: list[Decision] = dataclasses.field(default_factory=list)
+    planned: list[ReapDecision] = dataclasses.field(default_factory=list)
 
     @property
     def changed(self) -> bool:
@@ -97,46 +96,48 @@ def policy_for(app: Any, job: Job) -> TaskPolicy:
     return dataclasses.replace(base, **carried) if carried else base
 
 
-def decide(job: Job, policy: TaskPolicy, why: str, rng: Any = random) -> Decision:
+def decide(job: Job, policy: TaskPolicy, why: str, rng: Any = random) -> ReapDecision:
     """Requeue with backoff while attempts and expirations last, else dead-letter (or fail)."""
-    if policy.on_expired == Kind.FAIL:
-        kind, reason = Kind.FAIL, f"{why}; lease_on_expired='fail'"
-    elif policy.on_expired == Kind.DEAD_LETTER:
-        kind, reason = Kind.DEAD_LETTER, f"{why}; lease_on_expired='dead_letter'"
+    if policy.on_expired == Decision.FAIL:
+        kind, reason = Decision.FAIL, f"{why}; lease_on_expired='fail'"
+    elif policy.on_expired == Decision.DEAD_LETTER:
+        kind, reason = Decision.DEAD_LETTER, f"{why}; lease_on_expired='dead_letter'"
     elif job.attempt_count >= job.max_attempts:
         # The row's max_attempts is the one the claim's takeover checks: both must agree.
-        kind, reason = Kind.DEAD_LETTER, "lease expired and max attempts reached"
+        kind, reason = Decision.DEAD_LETTER, "lease expired and max attempts reached"
     elif job.expired_count >= policy.max_expirations:
-        kind, reason = Kind.DEAD_LETTER, "lease expired and max lease expirations reached"
+        kind, reason = Decision.DEAD_LETTER, "lease expired and max lease expirations reached"
     else:
         delay = backoff(job.attempt_count, policy.backoff_base, policy.backoff_max, policy.backoff_jitter,
                         rng)
-        return Decision(job.id, job.task_name, Kind.REQUEUE, why, job.locked_by, delay, job.queue_name)
-    queue = policy.dead_letter_queue if kind == Kind.DEAD_LETTER else None
-    return Decision(job.id, job.task_name, kind, reason, job.locked_by, 0.0, queue)
+        return ReapDecision(job.id, job.task_name, Decision.REQUEUE, why, job.locked_by, delay,
+                            job.queue_name)
+    queue = policy.dead_letter_queue if kind == Decision.DEAD_LETTER else None
+    return ReapDecision(job.id, job.task_name, kind, reason, job.locked_by, 0.0, queue)
 
 
-def publish_decision(app: Any, job: Job, decision: Decision) -> Decision:
+def publish_decision(app: Any, job: Job, decision: ReapDecision) -> ReapDecision:
     """Send the job's message for a decision (before its CAS); an unreadable message turns it to ``fail``."""
-    if decision.decision == Kind.FAIL or (decision.decision == Kind.DEAD_LETTER and not decision.queue):
+    kind = decision.decision
+    if kind == Decision.FAIL or (kind == Decision.DEAD_LETTER and not decision.queue):
         return decision
     try:
         messages.republish(app, job.id, job.payload, countdown=decision.delay,
-                           queue=decision.queue if decision.decision == Kind.DEAD_LETTER else None)
+                           queue=decision.queue if decision.decision == Decision.DEAD_LETTER else None)
     except StoreCorrupt as exc:
-        return dataclasses.replace(decision, decision=Kind.FAIL, queue=None,
+        return dataclasses.replace(decision, decision=Decision.FAIL, queue=None,
                                    reason=f"{decision.reason}; message unreadable: {exc}")
     if after_publish is not None:
         after_publish(job.id)
     return decision
 
 
-def settle(store: ReaperStore, job: Job, decision: Decision, result: ReapResult, *, expired: bool = True,
+def settle(store: ReaperStore, job: Job, decision: ReapDecision, result: ReapResult, *, expired: bool = True,
            now: float | None = None, c: Any = None) -> bool:
     """The CAS on the token read with the row; a lost race writes nothing and is only counted."""
     kind, token = decision.decision, job.lock_token or ""
     detail: dict[str, Any] = {"attempt": job.attempt_count, "expired_count": job.expired_count + 1}
-    if kind == Kind.REQUEUE:
+    if kind == Decision.REQUEUE:
         won = store.requeue_abandoned(job.id, token, job.locked_by, delay=decision.delay,
                                       reason=decision.reason, expired=expired, now=now, detail=detail, c=c)
     else:
@@ -147,12 +148,12 @@ def settle(store: ReaperStore, job: Job, decision: Decision, result: ReapResult,
     if not won:
         result.lost_races += 1
         log.debug("job %s [%s]: %s lost the race, the row moved on", job.id, token[:8], kind)
-    elif kind == Kind.REQUEUE:
+    elif kind == Decision.REQUEUE:
         result.reaped += 1
         log.debug("job %s [%s] requeued in %.2fs: %s", job.id, token[:8], decision.delay, decision.reason,
                   extra={"action": "reaped_expired_lease"})
     else:
-        if kind == Kind.FAIL:
+        if kind == Decision.FAIL:
             result.failed += 1
         else:
             result.dead_lettered += 1

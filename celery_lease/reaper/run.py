@@ -31,15 +31,12 @@ from ..backoff import backoff, dispatch_wait
 from ..config import REAPER_RUNS_KEPT, app_config, worker_stale_after
 from ..errors import StoreCorrupt, StoreRejected, StoreUnavailable
 from ..store import Job, ReaperStore, for_app
-
-# The kinds of a Decision (decisions.Decision names one decision about one job).
-from ..vocabulary import Decision as Kind
-from ..vocabulary import TaskEvent
+from ..vocabulary import Decision, RunMode, TaskEvent
 from .clock_guard import ClockGuard, Hold
-from .decisions import Decision, ReapResult, decide, policy_for, publish_decision, settle
+from .decisions import ReapDecision, ReapResult, decide, policy_for, publish_decision, settle
 from .outcomes import report_failure
 
-__all__ = ["Reaper", "ReapResult", "Decision", "backoff", "decide", "policy_for", "publish_decision",
+__all__ = ["Reaper", "ReapResult", "ReapDecision", "backoff", "decide", "policy_for", "publish_decision",
            "settle", "reap"]
 
 log = logging.getLogger("celery_lease.reaper")
@@ -96,8 +93,8 @@ class Reaper:
             mono = ((before + after) / 2, (after - before) / 2)
         if dry_run:
             hold = self._judge(now, mono, record=False)
-            self._recover_expired(result, now, None, hold)
-            self._redispatch(result, now, None)
+            self._recover_expired(result, now, hold, RunMode.DRY_RUN)
+            self._redispatch(result, now, RunMode.DRY_RUN)
             return result
         token, ttl = secrets.token_hex(16), self.cfg.reaper_lock_ttl
         if not self.store.acquire_reaper_lock(token, self.owner, ttl):
@@ -107,7 +104,8 @@ class Reaper:
         started = time.monotonic()
         try:
             hold = self._judge(now, mono, record=True)
-            if self._recover_expired(result, now, token, hold) and self._redispatch(result, now, token):
+            if (self._recover_expired(result, now, hold, RunMode.APPLY, token)
+                    and self._redispatch(result, now, RunMode.APPLY, token)):
                 self._prune(result, now)
         finally:
             try:
@@ -139,15 +137,17 @@ class Reaper:
         except (StoreUnavailable, StoreRejected) as exc:
             log.warning("reaper run not recorded: %s", exc, extra={"action": "reap_record_failed"})
 
-    def _still_ours(self, token: str | None) -> bool:
-        if token is None or self.store.renew_reaper_lock(token, self.cfg.reaper_lock_ttl):
+    def _still_ours(self, mode: RunMode, token: str) -> bool:
+        """Whether this round may go on: a dry run holds no lock; an applying one renews its lock."""
+        if mode is RunMode.DRY_RUN or self.store.renew_reaper_lock(token, self.cfg.reaper_lock_ttl):
             return True
         log.warning("reaper lock lost mid-run (another reaper took it after %gs); stopping",
                     self.cfg.reaper_lock_ttl)
         return False
 
-    def _recover_expired(self, result: ReapResult, now: float, token: str | None, hold: Hold) -> bool:
-        budget, after, dry = self.batch_size, None, token is None
+    def _recover_expired(self, result: ReapResult, now: float, hold: Hold, mode: RunMode,
+                         token: str = "") -> bool:
+        budget, after, dry = self.batch_size, None, mode is RunMode.DRY_RUN
         for _ in range(MAX_PAGES):
             finals: list[tuple[Job, str]] = []
             moved: list[tuple[TaskEvent, dict[str, Any]]] = []
@@ -163,8 +163,8 @@ class Reaper:
                         result.skipped_owner_alive += 1
                         why = f"lease expired but owner {job.locked_by} is alive; waiting for the hard grace"
                         if dry:
-                            result.planned.append(Decision(job.id, job.task_name, Kind.SKIP_OWNER_ALIVE, why,
-                                                           job.locked_by))
+                            result.planned.append(ReapDecision(job.id, job.task_name,
+                                                               Decision.SKIP_OWNER_ALIVE, why, job.locked_by))
                         else:
                             self.store.note_skipped_owner_alive(c, job, why)
                         continue
@@ -174,8 +174,8 @@ class Reaper:
                         if dry:
                             why = (f"lease expired, but the store was away or its clock stepped: owner "
                                    f"{job.locked_by} gets a lease's time to renew")
-                            result.planned.append(Decision(job.id, job.task_name, Kind.HOLD_BACK, why,
-                                                           job.locked_by))
+                            result.planned.append(ReapDecision(job.id, job.task_name, Decision.HOLD_BACK,
+                                                               why, job.locked_by))
                         continue
                     budget -= 1
                     why = ("lease expired past the hard grace, owner still registered" if item.owner_alive
@@ -194,7 +194,7 @@ class Reaper:
                         break
                     if not settle(self.store, job, decision, result, now=now, c=c):
                         continue
-                    if decision.decision == Kind.REQUEUE:
+                    if decision.decision == Decision.REQUEUE:
                         moved.append(events.retried(job.id, decision.reason, job.attempt_count))
                     else:
                         finals.append((job, decision.reason))
@@ -207,7 +207,7 @@ class Reaper:
             events.send(self.app, self.node, moved)
             if len(page) < self.batch_size or budget == 0 or result.publish_errors:
                 return not result.publish_errors
-            if not self._still_ours(token):
+            if not self._still_ours(mode, token):
                 return False
         return True
 
@@ -220,8 +220,8 @@ class Reaper:
                    if getattr(t, "lease_dispatch_timeout", None)]
         return min(floors)
 
-    def _redispatch(self, result: ReapResult, now: float | None, token: str | None) -> bool:
-        budget, after, dry = self.batch_size, None, token is None
+    def _redispatch(self, result: ReapResult, now: float | None, mode: RunMode, token: str = "") -> bool:
+        budget, after, dry = self.batch_size, None, mode is RunMode.DRY_RUN
         floor, cap = self._dispatch_floor(), self.cfg.dispatch_backoff_max
         for _ in range(MAX_PAGES):
             with self.store.begin(long=True, read=dry) as c:  # a dry run only reads
@@ -241,7 +241,7 @@ class Reaper:
                         why += f", doubled per re-send: {job.dispatch_count} so far, so {wait:g}s"
                     why += ")"
                     if dry:
-                        result.planned.append(Decision(job.id, job.task_name, Kind.REDISPATCH, why))
+                        result.planned.append(ReapDecision(job.id, job.task_name, Decision.REDISPATCH, why))
                         continue
                     try:
                         messages.republish(self.app, job.id, job.payload)
@@ -262,7 +262,7 @@ class Reaper:
                         result.lost_races += 1
             if len(page) < self.batch_size or budget == 0:
                 return True
-            if not self._still_ours(token):
+            if not self._still_ours(mode, token):
                 return False
         return True
 

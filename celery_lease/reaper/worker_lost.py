@@ -16,8 +16,8 @@ import celery_lease.reaper.decisions as decisions
 
 from ..errors import StoreCorrupt
 from ..store import RUNNING, Job, ReaperStore, for_app
-from ..vocabulary import Decision as Kind
-from .decisions import Decision, ReapResult, decide, policy_for, publish_decision, settle
+from ..vocabulary import Decision, WorkerLostOutcome
+from .decisions import ReapDecision, ReapResult, decide, policy_for, publish_decision, settle
 
 __all__ = ["recover_worker_lost"]
 
@@ -25,28 +25,29 @@ log = logging.getLogger(__name__)
 
 
 def recover_worker_lost(app: Any, job_id: str, owner: str, reason: str, final: bool = False,
-                        resend: bool = True) -> str:
+                        resend: bool = True) -> WorkerLostOutcome:
     """In the worker's main process, when a child died under ``job_id``: recover it now.
 
     Applies the reaper's decision (requeue with backoff or dead-letter at the limit)
     if the job is still running under ``owner``; the CAS uses the token read from
     the row. ``final`` (a hard time limit) fails the job instead, dead-lettering its
     message when a dead-letter queue is set. ``resend=False``: the broker brings the message
-    back itself (Celery requeued it), so a requeue moves only the row. Returns the outcome: requeue,
-    dead_letter, fail, lost_race, error or none.
+    back itself (Celery requeued it), so a requeue moves only the row. Returns the outcome: the
+    decision applied (requeue, dead_letter, fail), or lost_race, error or none.
     """
     store = for_app(app)
     job = store.get(job_id)
     if job is None or job.status != RUNNING or job.locked_by != owner or not job.lock_token:
-        return "none"
+        return WorkerLostOutcome.NONE
     policy = policy_for(app, job)
     if final:
         why = f"worker process lost: {reason}; a final failure"
-        kind = Kind.DEAD_LETTER if policy.dead_letter_queue else Kind.FAIL
-        decision = Decision(job.id, job.task_name, kind, why, job.locked_by, 0.0, policy.dead_letter_queue)
+        kind = Decision.DEAD_LETTER if policy.dead_letter_queue else Decision.FAIL
+        decision = ReapDecision(job.id, job.task_name, kind, why, job.locked_by, 0.0,
+                                policy.dead_letter_queue)
     else:
         decision = decide(job, policy, f"worker process lost: {reason}")
-    if decision.decision == Kind.REQUEUE:
+    if decision.decision == Decision.REQUEUE:
         return _requeue_lost(app, store, job, decision, owner, reason, resend)
     try:
         decision = publish_decision(app, job, decision)
@@ -54,16 +55,16 @@ def recover_worker_lost(app: Any, job_id: str, owner: str, reason: str, final: b
         log.error("job %s [%s]: child %s lost but its message could not be re-sent (%s); the reaper will "
                   "recover it after the lease expires", job_id, job.lock_token[:8], owner, exc,
                   extra={"action": "worker_lost_publish_failed"})
-        return "error"
+        return WorkerLostOutcome.ERROR
     if not settle(store, job, decision, ReapResult(), expired=False):
-        return "lost_race"
+        return WorkerLostOutcome.LOST_RACE
     log.info("job %s [%s]: worker process %s lost (%s): %s", job_id, job.lock_token[:8], owner, reason,
              decision.decision, extra={"action": "worker_lost_recovered"})
-    return decision.decision
+    return WorkerLostOutcome(decision.decision)
 
 
-def _requeue_lost(app: Any, store: ReaperStore, job: Job, decision: Decision, owner: str,
-                  reason: str, resend: bool = True) -> str:
+def _requeue_lost(app: Any, store: ReaperStore, job: Job, decision: ReapDecision, owner: str,
+                  reason: str, resend: bool = True) -> WorkerLostOutcome:
     """Requeue a dead child's job: the row first, then its message, so no delivery finds it busy.
 
     The owner is known dead (its main process saw it go), so nothing holds the row across
@@ -72,21 +73,21 @@ def _requeue_lost(app: Any, store: ReaperStore, job: Job, decision: Decision, ow
     try:
         messages.decode(job.payload, app.conf.accept_content, job.id)
     except StoreCorrupt as exc:
-        decision = dataclasses.replace(decision, decision=Kind.FAIL, queue=None,
+        decision = dataclasses.replace(decision, decision=Decision.FAIL, queue=None,
                                        reason=f"{decision.reason}; message unreadable: {exc}")
     if not settle(store, job, decision, ReapResult(), expired=False):
-        return "lost_race"
-    if decision.decision != Kind.REQUEUE or not resend:
-        return decision.decision
+        return WorkerLostOutcome.LOST_RACE
+    if decision.decision != Decision.REQUEUE or not resend:
+        return WorkerLostOutcome(decision.decision)
     try:
         messages.republish(app, job.id, job.payload, countdown=decision.delay)
     except Exception as exc:  # noqa: BLE001 - broker down: the dispatch scan re-sends it
         log.error("job %s: child %s lost, job requeued but its message could not be sent (%s); the reaper "
                   "re-dispatches it after lease_dispatch_timeout", job.id, owner, exc,
                   extra={"action": "worker_lost_publish_failed"})
-        return "error"
+        return WorkerLostOutcome.ERROR
     if decisions.after_publish is not None:  # the reaper's test seam, read when called
         decisions.after_publish(job.id)
     log.info("job %s [%s]: worker process %s lost (%s): %s", job.id, (job.lock_token or "")[:8], owner,
              reason, decision.decision, extra={"action": "worker_lost_recovered"})
-    return decision.decision
+    return WorkerLostOutcome(decision.decision)

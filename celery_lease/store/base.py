@@ -21,7 +21,7 @@ import celery_lease.store.schema as schema
 from ..errors import StoreUnavailable
 from ..masking import mask_secrets
 from ..shield import uninterrupted
-from ..vocabulary import Event
+from ..vocabulary import Event, StoreFailure
 from .built import _Audited
 from .rows import RUNNING, Job, fenced_status, status_sql
 
@@ -207,7 +207,7 @@ class StoreBase:
             raise StoreUnavailable(f"lease store {self.safe_url} unreachable: another thread of this "
                                    f"process held the database's one writer for {wait:g}s; check for "
                                    "a long transaction (a reaper batch, an operator's command)",
-                                   kind="timeout")
+                                   kind=StoreFailure.TIMEOUT)
         try:
             yield
         finally:

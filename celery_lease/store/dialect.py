@@ -21,6 +21,7 @@ from sqlalchemy.sql.elements import ColumnElement
 import celery_lease.store.failures as failures
 
 from ..errors import LeaseConfigError, LeaseError
+from ..vocabulary import StoreFailure
 
 __all__ = ["Bounds", "Dialect", "READ_ONLY", "LOCK_WAIT", "ms", "ping_if_idle", "server_version"]
 
@@ -199,9 +200,8 @@ class Dialect:
         """Whether the server rolled the transaction back to break a deadlock: run it again."""
         return False
 
-    def failure_kind(self, exc: Exception) -> str | None:
-        """``missing``, ``conflict``, ``constraint``, ``permission``, ``syntax``, ``data``,
-        ``timeout`` or ``unreachable`` for a driver error this family knows; None otherwise."""
+    def failure_kind(self, exc: Exception) -> StoreFailure | None:
+        """The StoreFailure of a driver error this family knows (any but ``pool``); None otherwise."""
         return None
 
 

@@ -25,6 +25,7 @@ import celery_lease.store.bounded as bounded
 
 from ..errors import LeaseConfigError
 from ..masking import mask_secrets
+from ..vocabulary import StoreFailure
 from .dialect import LOCK_WAIT, READ_ONLY, Bounds, Dialect, ms, server_version
 
 __all__ = ["Bounds", "Dialect", "SQLite", "PostgreSQL", "MySQL", "for_url", "SUPPORTED", "READ_ONLY",
@@ -132,20 +133,20 @@ class SQLite(_OnConflict):
         cur.execute(f"PRAGMA synchronous={self.synchronous}")
         cur.close()
 
-    def failure_kind(self, exc: Exception) -> str | None:
+    def failure_kind(self, exc: Exception) -> StoreFailure | None:
         text = str(getattr(exc, "orig", exc)).lower()
         if "no such table" in text or "no such column" in text or "has no column named" in text:
-            return "missing"
+            return StoreFailure.MISSING
         if "unique constraint failed" in text:
-            return "conflict"
+            return StoreFailure.CONFLICT
         if "constraint failed" in text:
-            return "constraint"
+            return StoreFailure.CONSTRAINT
         if "readonly" in text or "read-only" in text:
-            return "permission"
+            return StoreFailure.PERMISSION
         if "syntax error" in text:
-            return "syntax"
+            return StoreFailure.SYNTAX
         if "database is locked" in text or "database is busy" in text:
-            return "timeout"
+            return StoreFailure.TIMEOUT
         return None
 
 
@@ -219,27 +220,27 @@ class PostgreSQL(_OnConflict):
         state = getattr(getattr(exc, "orig", None), "sqlstate", None)
         return state in ("40P01", "40001")  # deadlock_detected, serialization_failure
 
-    def failure_kind(self, exc: Exception) -> str | None:
+    def failure_kind(self, exc: Exception) -> StoreFailure | None:
         state = getattr(getattr(exc, "orig", None), "sqlstate", None) or getattr(
             getattr(exc, "orig", None), "pgcode", None)
         if not state:
             return None
         if state in ("42P01", "42703"):  # undefined_table, undefined_column
-            return "missing"
+            return StoreFailure.MISSING
         if state == "23505":
-            return "conflict"
+            return StoreFailure.CONFLICT
         if state.startswith("23"):
-            return "constraint"
+            return StoreFailure.CONSTRAINT
         if state == "42501":
-            return "permission"
+            return StoreFailure.PERMISSION
         if state.startswith("42"):
-            return "syntax"
+            return StoreFailure.SYNTAX
         if state.startswith("22"):
-            return "data"
+            return StoreFailure.DATA
         if state in ("57014", "55P03"):  # query_canceled (statement_timeout), lock_not_available
-            return "timeout"
+            return StoreFailure.TIMEOUT
         if state.startswith(("08", "57P")):
-            return "unreachable"
+            return StoreFailure.UNREACHABLE
         return None
 
 
@@ -324,18 +325,19 @@ class MySQL(Dialect):
             if saved != (None, None):
                 driver._read_timeout, driver._write_timeout = saved
 
-    def failure_kind(self, exc: Exception) -> str | None:
+    def failure_kind(self, exc: Exception) -> StoreFailure | None:
         args = getattr(getattr(exc, "orig", None), "args", ())
         code = args[0] if args and isinstance(args[0], int) else None
-        for kind, codes in (("missing", self._MISSING), ("permission", self._PERMISSION),
-                            ("constraint", self._CONSTRAINT), ("data", self._DATA),
-                            ("timeout", self._TIMEOUT), ("unreachable", self._UNREACHABLE)):
+        by_code = ((StoreFailure.MISSING, self._MISSING), (StoreFailure.PERMISSION, self._PERMISSION),
+                   (StoreFailure.CONSTRAINT, self._CONSTRAINT), (StoreFailure.DATA, self._DATA),
+                   (StoreFailure.TIMEOUT, self._TIMEOUT), (StoreFailure.UNREACHABLE, self._UNREACHABLE))
+        for kind, codes in by_code:
             if code in codes:
                 return kind
         if code == 1062:
-            return "conflict"
+            return StoreFailure.CONFLICT
         if code == 1064:
-            return "syntax"
+            return StoreFailure.SYNTAX
         return None
 
 

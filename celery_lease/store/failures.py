@@ -12,31 +12,34 @@ from __future__ import annotations
 import sqlalchemy as sa
 
 from ..errors import LeaseError, StoreConflict, StoreNotMigrated, StoreRejected, StoreUnavailable
+from ..vocabulary import StoreFailure
 
 __all__ = ["classify", "KINDS"]
 
-KINDS = ("missing", "conflict", "constraint", "permission", "syntax", "data", "timeout", "unreachable")
+# The kinds a dialect reads from a driver error (a pool timeout is SQLAlchemy's, never a driver's).
+KINDS = tuple(kind for kind in StoreFailure if kind != StoreFailure.POOL)
 _HINTS = {
-    "constraint": "a row broke a constraint of the lease tables",
-    "permission": "grant the store's database user SELECT, INSERT, UPDATE and DELETE on the lease tables",
-    "syntax": "the server does not understand a statement of celery_lease; check its version",
-    "data": "a value does not fit its column",
+    StoreFailure.CONSTRAINT: "a row broke a constraint of the lease tables",
+    StoreFailure.PERMISSION: "grant the store's database user SELECT, INSERT, UPDATE and DELETE on the lease "
+                             "tables",
+    StoreFailure.SYNTAX: "the server does not understand a statement of celery_lease; check its version",
+    StoreFailure.DATA: "a value does not fit its column",
 }
 
 
-def _generic(exc: Exception) -> str:
+def _generic(exc: Exception) -> StoreFailure:
     if isinstance(exc, sa.exc.TimeoutError):
-        return "pool"
+        return StoreFailure.POOL
     if isinstance(exc, sa.exc.IntegrityError):
-        return "constraint"
+        return StoreFailure.CONSTRAINT
     if isinstance(exc, sa.exc.DataError):
-        return "data"
+        return StoreFailure.DATA
     if isinstance(exc, (sa.exc.ProgrammingError, sa.exc.NotSupportedError)):
-        return "syntax"
-    return "unreachable"
+        return StoreFailure.SYNTAX
+    return StoreFailure.UNREACHABLE
 
 
-def classify(exc: Exception, where: str, bounds: object, kind: str | None) -> LeaseError:
+def classify(exc: Exception, where: str, bounds: object, kind: StoreFailure | None) -> LeaseError:
     """The LeaseError for ``exc``, raised by a call on the store ``where`` (a URL without password).
 
     ``kind`` is the dialect's reading of the driver error, or None to go by SQLAlchemy's class.
@@ -44,21 +47,21 @@ def classify(exc: Exception, where: str, bounds: object, kind: str | None) -> Le
     kind = kind or _generic(exc)
     detail = getattr(exc, "orig", None) or exc
     call = getattr(bounds, "call", None)
-    if kind == "missing":
+    if kind == StoreFailure.MISSING:
         return StoreNotMigrated(f"lease store {where} lacks a table or column ({detail}); "
                                 "run `celery -A proj lease migrate`", kind=kind)
-    if kind == "conflict":
+    if kind == StoreFailure.CONFLICT:
         return StoreConflict(f"lease store {where}: a row with that key exists ({detail})", kind=kind)
     if kind in _HINTS:
         return StoreRejected(f"lease store {where} refused a statement ({kind}: {detail}); {_HINTS[kind]}",
                              kind=kind)
-    if kind == "pool":
+    if kind == StoreFailure.POOL:
         return StoreUnavailable(f"lease store {where} unreachable: no pooled connection came free within "
                                 f"{getattr(bounds, 'pool', 0):g}s ({detail}); every connection is busy or "
                                 "hung; raise the pool size (lease_store_engine_options) or find what "
                                 "holds them", kind=kind)
-    if kind == "timeout":
+    if kind == StoreFailure.TIMEOUT:
         return StoreUnavailable(f"lease store {where} unreachable: no answer within the call bound of "
                                 f"{call:g}s ({detail}); check the database's load and locks", kind=kind)
     return StoreUnavailable(f"lease store {where} unreachable: {detail}; check lease_store_url and that "
-                            "the database is running", kind="unreachable")
+                            "the database is running", kind=StoreFailure.UNREACHABLE)

@@ -14,9 +14,11 @@ import dataclasses
 import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
 
+from ..vocabulary import Status
+
 __all__ = ["Tables", "tables", "created_on", "STATUSES", "ID", "PARTIAL_INDEXES"]
 
-STATUSES = ("pending", "running", "completed", "failed")
+STATUSES = tuple(s.value for s in Status)
 ID = 255  # Celery task ids are UUIDs, but custom ids may be longer.
 # The databases whose jobs indexes are partial (one status each); the others' lead with status.
 PARTIAL_INDEXES = ("postgresql", "sqlite")

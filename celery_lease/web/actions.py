@@ -20,23 +20,26 @@ import celery_lease.ops.recovery as recovery
 from ..errors import LeaseError
 from ..ops.views import job_plan
 from ..store import Job
-from ..vocabulary import RecoveryAction
+from ..vocabulary import DeadLetterAction, RecoveryAction
 from .console import Console, console
 
 __all__ = ["register", "BATCH", "ACTIONS"]
 
 BATCH = 10  # jobs at most per action, as the CLI's default --batch: recover in small batches
 ACTIONS = {
-    "redrive": ("redrive", "send back to their queue with fresh attempts", RecoveryAction.REDRIVEN),
-    "discard": ("delete for good", "delete from the store (their events stay)", RecoveryAction.DISCARDED),
+    DeadLetterAction.REDRIVE: ("redrive", "send back to their queue with fresh attempts",
+                               RecoveryAction.REDRIVEN),
+    DeadLetterAction.DISCARD: ("delete for good", "delete from the store (their events stay)",
+                               RecoveryAction.DISCARDED),
 }
 
 
-def _plans(action: str) -> Callable[..., list[Job]]:
-    return recovery.redrive_plan if action == "redrive" else recovery.discard_plan
+def _plans(action: DeadLetterAction) -> Callable[..., list[Job]]:
+    return recovery.redrive_plan if action == DeadLetterAction.REDRIVE else recovery.discard_plan
 
 
-def _planned(c: Console, action: str, ids: list[str], task: str | None) -> tuple[list[Job], list[str]]:
+def _planned(c: Console, action: DeadLetterAction, ids: list[str],
+             task: str | None) -> tuple[list[Job], list[str]]:
     """The jobs an action would move (each named job, or the oldest batch of ``task``) and, for
     named jobs that cannot be moved, why not."""
     plan = _plans(action)
@@ -51,13 +54,13 @@ def _planned(c: Console, action: str, ids: list[str], task: str | None) -> tuple
     return jobs, refused
 
 
-def _outcomes(c: Console, action: str, jobs: list[Job], who: str) -> Iterator[recovery.Outcome]:
-    if action == "redrive":
+def _outcomes(c: Console, action: DeadLetterAction, jobs: list[Job], who: str) -> Iterator[recovery.Outcome]:
+    if action == DeadLetterAction.REDRIVE:
         return recovery.redrive(c.app, c.store, jobs, who=who)
     return recovery.discard(c.store, jobs, who=who)
 
 
-def _request() -> tuple[Console, str, list[str]]:
+def _request() -> tuple[Console, DeadLetterAction, list[str]]:
     c = console()
     if not c.allow_actions:
         abort(403, "this page is read-only: start it with `celery lease web --allow-actions` to redrive or "
@@ -69,7 +72,7 @@ def _request() -> tuple[Console, str, list[str]]:
     if len(ids) > BATCH:
         abort(400, f"{len(ids)} jobs selected; select at most {BATCH} (recover in small batches, watch the "
                    "effects, then go on)")
-    return c, action, ids
+    return c, DeadLetterAction(action), ids
 
 
 def register(web: Flask) -> None:

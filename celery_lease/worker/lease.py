@@ -26,7 +26,7 @@ import celery_lease.worker.interrupt as interrupt
 
 from ..config import TaskPolicy
 from ..errors import LeaseLost, StoreRejected, StoreUnavailable
-from ..vocabulary import Event
+from ..vocabulary import Event, OnLost
 from .handles import DeferredWrite, RuntimeHandle
 
 __all__ = ["Lease", "DeferredWrite"]
@@ -271,7 +271,7 @@ class Lease:
             self.lost, self.lost_reason, self.lost_owner = True, reason, owner
             log.warning("lease on job %s [%s] lost: %s%s", self.job_id, self.token[:8], reason,
                         f" (now held by {owner})" if owner else "", extra={"action": "lease_lost"})
-            if self.policy.on_lost == "raise" and self._in_body:
+            if self.policy.on_lost == OnLost.RAISE and self._in_body:
                 self._interrupter.interrupt(LeaseLost(self.job_id, reason, owner), self._still_running)
 
     def _still_running(self) -> bool:
@@ -287,7 +287,7 @@ class Lease:
         return running
 
     def _interruption_due(self) -> bool:
-        return (self.lost and self.policy.on_lost == "raise" and self._in_body and not self.finishing
+        return (self.lost and self.policy.on_lost == OnLost.RAISE and self._in_body and not self.finishing
                 and not self._raised)
 
     @contextlib.contextmanager
@@ -339,7 +339,7 @@ class Lease:
             with self._guard:
                 self._in_body = False
                 self.finishing = True
-                if self.lost and self.policy.on_lost == "raise":
+                if self.lost and self.policy.on_lost == OnLost.RAISE:
                     # An interruption queued just as the body returned must not land
                     # in the bookkeeping that follows.
                     self._interrupter.cancel()

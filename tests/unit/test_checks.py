@@ -15,9 +15,11 @@ from celery import Celery
 
 from celery_lease import LeaseTask
 from celery_lease.config import app_config
-from celery_lease.ops.check_context import Context, Finding, percentile
+from celery_lease.ops.check_context import Context, Finding
 from celery_lease.ops.checks import run_checks
+from celery_lease.ops.tuning import tune
 from celery_lease.store import ClaimTerms, Store
+from celery_lease.vocabulary import OnLost, Severity
 from tests.conftest import unique_prefix
 
 REDIS = "redis://127.0.0.1:6379/9"  # never connected to: the checks read the URL and options
@@ -491,10 +493,28 @@ def test_sqs_check_names_a_job_that_outlives_the_12_hour_visibility_ceiling(sqli
     assert finding.level == "ok"
 
 
-def test_percentile_is_nearest_rank():
-    sample = [float(n) for n in range(1, 101)]
-    assert (percentile(sample, 0.5), percentile(sample, 0.99), percentile([3.0], 0.99)) == (50.0, 99.0, 3.0)
-    assert percentile([], 0.99) is None
+def test_every_finding_has_a_severity_that_its_dict_shows_as_the_plain_word(sqlite_store):
+    findings = run_checks(make_app(), baseline_store(sqlite_store))
+    assert findings and all(type(f.level) is Severity for f in findings)
+    assert {type(f.as_dict()["level"]) for f in findings} == {str}
+    values = {"lease_on_lost": OnLost.RAISE, "seen": [OnLost.FLAG]}
+    shown = Finding(Severity.WARNING, "x", (), values, "why").as_dict()
+    assert shown["level"] == "warning" and shown["values"] == {"lease_on_lost": "raise", "seen": ["flag"]}
+    assert repr(shown["values"]) == "{'lease_on_lost': 'raise', 'seen': ['flag']}"  # as `lease check` prints
+
+
+def test_lease_check_reports_the_same_p99_as_lease_tune_for_a_tasks_runs(sqlite_store):
+    # Ten runs of 1-10 s and one of 100 s: nearest rank would say 100 s, interpolation 91 s.
+    for seconds in [*range(1, 11), 100]:
+        run_job(sqlite_store, seconds=float(seconds))
+    app = make_app()
+
+    findings = run_checks(app, sqlite_store)
+    [measured] = [f.values["measured"] for f in findings if f.code == "durations_measured"]
+    [tuned] = tune(app, sqlite_store, "c.work")
+
+    assert measured["c.work"]["p99"] == tuned.runtime_p99 == pytest.approx(91.0, abs=0.01)
+    assert measured["c.work"]["p50"] == tuned.runtime_p50 and measured["c.work"]["p95"] == tuned.runtime_p95
 
 
 def test_store_facts_on_every_store(store):

@@ -10,6 +10,7 @@ from celery import Celery
 from celery_lease import config
 from celery_lease.errors import LeaseConfigError, LeaseConfigErrors
 from celery_lease.masking import MASK
+from celery_lease.vocabulary import Decision, OnLost
 
 # One value per setting that its rule rejects. test_every_setting_has_a_bad_value
 # keeps this table complete when a setting is added.
@@ -129,6 +130,15 @@ def test_web_basic_auth_takes_user_colon_password():
 def test_good_value_is_accepted(name, value):
     cfg = config.app_config(make_app(**{name: value, "lease_heartbeat_interval": 0.1}))
     assert cfg.values[name] == value
+
+
+def test_policy_values_resolve_to_vocabulary_members_from_their_strings():
+    cfg = config.app_config(make_app(lease_on_lost="flag", lease_on_expired="dead_letter"))
+    policy = cfg.policy({"lease_on_lost": "raise"}, where="task t.work")
+    assert cfg.on_lost is OnLost.FLAG and cfg.on_expired is Decision.DEAD_LETTER
+    assert policy.on_lost is OnLost.RAISE and policy.on_expired is Decision.DEAD_LETTER
+    with pytest.raises(LeaseConfigError, match="lease_on_lost='ignore' is invalid: must be one of 'raise', "):
+        config.app_config(make_app(lease_on_lost="ignore"))
 
 
 def test_integer_durations_become_floats():

@@ -18,6 +18,7 @@ from celery_lease.errors import (
     StoreUnavailable,
 )
 from celery_lease.store import ClaimTerms, Store, dialect, dialects
+from celery_lease.vocabulary import StoreFailure
 from tests.conftest import unique_prefix
 from tests.helpers import wait_for
 from tests.tcp_proxy import TcpProxy
@@ -253,6 +254,20 @@ def test_a_permission_error_says_what_to_grant(url, orig):
     error = dialect.classify(sa.exc.ProgrammingError("UPDATE", {}, orig), "db", dialects.Bounds(10.0))
     assert isinstance(error, StoreRejected) and error.kind == "permission"
     assert "GRANT" in str(error).upper() and "migrate" not in str(error)
+
+
+@pytest.mark.parametrize(("url", "orig", "kind"), [
+    ("postgresql+psycopg://h/db", _Orig("duplicate key", sqlstate="23505"), StoreFailure.CONFLICT),
+    ("postgresql+psycopg://h/db", _Orig("server closed the connection", sqlstate="08006"),
+     StoreFailure.UNREACHABLE),
+    ("mysql+pymysql://h/db", _Orig(1064, "You have an error in your SQL syntax"), StoreFailure.SYNTAX),
+    ("sqlite:///x.db", _Orig("no such table: jobs"), StoreFailure.MISSING),
+    ("sqlite:///x.db", _Orig("disk I/O error"), StoreFailure.UNREACHABLE),  # unknown: SQLAlchemy's class
+])
+def test_every_store_error_names_its_kind_with_a_store_failure_member(url, orig, kind):
+    dialect = dialects.for_url(url)
+    error = dialect.classify(sa.exc.OperationalError("SELECT", {}, orig), "db", dialects.Bounds(10.0))
+    assert error.kind is kind
 
 
 # -- bounded calls ---------------------------------------------------------------------------

@@ -27,9 +27,12 @@ from celery_lease.errors import StoreUnavailable
 from celery_lease.messaging import messages
 from celery_lease.reaper import decisions
 from celery_lease.reaper import run as reaper
+from celery_lease.reaper.clock_guard import Hold
+from celery_lease.reaper.decisions import ReapDecision, ReapResult
 from celery_lease.reaper.run import Reaper, backoff
 from celery_lease.reaper.worker_lost import recover_worker_lost
 from celery_lease.store import COMPLETED, FAILED, PENDING, RUNNING, ClaimTerms, Store
+from celery_lease.vocabulary import Decision, RunMode, WorkerLostOutcome
 from tests.conftest import unique_prefix
 from tests.helpers import transaction_held
 
@@ -554,6 +557,33 @@ def test_dry_run_plans_every_decision_and_changes_nothing(app, store, broker):
     assert json.dumps(result.as_dict())  # what `celery lease reap --dry-run` and the task return
 
 
+def test_a_dry_run_plans_reap_decisions_whose_kinds_are_vocabulary_decisions(app, store, broker):
+    store.touch_worker(ALIVE, "host", 2)
+    running(store, "requeue")
+    running(store, "alive", owner=ALIVE)
+    result = Reaper(app).run_once(dry_run=True)
+    assert [type(d) for d in result.planned] == [ReapDecision, ReapDecision]
+    assert {d.job_id: d.decision for d in result.planned} == {
+        "requeue": Decision.REQUEUE, "alive": Decision.SKIP_OWNER_ALIVE}
+    assert all(type(d.decision) is Decision for d in result.planned)
+
+
+def test_a_dry_run_mode_plans_page_after_page_without_taking_or_renewing_the_reaper_lock(app, store, broker,
+                                                                                      monkeypatch):
+    store.touch_worker(ALIVE, "host", 2)
+    running(store, "alive", owner=ALIVE, age=10.0)  # skipped: the first page of one job
+    running(store, "requeue", age=5.0)
+    for write in ("acquire_reaper_lock", "renew_reaper_lock"):
+        monkeypatch.setattr(store, write, lambda *args, **kwargs: pytest.fail("a dry run took the lock"))
+    result = ReapResult(dry_run=True)
+
+    Reaper(app, batch_size=1)._recover_expired(result, store.now(), Hold(), RunMode.DRY_RUN)
+
+    assert [(d.job_id, d.decision) for d in result.planned] == [
+        ("alive", Decision.SKIP_OWNER_ALIVE), ("requeue", Decision.REQUEUE)]
+    assert store.get("requeue").status == RUNNING and not broker.client.exists(broker.queue)
+
+
 def test_a_dry_run_on_sqlite_answers_while_another_process_holds_the_write_lock(app, store, broker):
     """The operator's dry run (CLI, web page) only reads: on SQLite it does not wait for a writer,
     even one frozen in the middle of a write."""
@@ -651,6 +681,14 @@ def test_recover_worker_lost_dead_letters_at_max_attempts(app, store):
     assert recover_worker_lost(app, "j1", "node@h:42", "TimeLimitExceeded") == "dead_letter"
     job = store.get("j1")
     assert job.status == FAILED and job.last_error == "lease expired and max attempts reached"
+
+
+def test_recover_worker_lost_answers_with_worker_lost_outcome_members(app, store, broker):
+    running(store, "j1", owner="node@h:42", age=-25.0)
+    running(store, "j2", owner="node@h:42", age=-25.0, attempts=3, max_attempts=3)
+    assert recover_worker_lost(app, "j1", "node@h:99", "WorkerLostError") is WorkerLostOutcome.NONE
+    assert recover_worker_lost(app, "j1", "node@h:42", "WorkerLostError") is WorkerLostOutcome.REQUEUE
+    assert recover_worker_lost(app, "j2", "node@h:42", "WorkerLostError") is WorkerLostOutcome.DEAD_LETTER
 
 
 def test_the_pause_seam_runs_between_publish_and_cas(app, store, broker, monkeypatch):

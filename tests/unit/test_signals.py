@@ -13,7 +13,8 @@ from celery import Celery
 
 from celery_lease import LeaseTask
 from celery_lease.errors import LeaseConfigError
-from celery_lease.integration.signals import check_pool, pool_name, validate_tasks
+from celery_lease.integration.signals import RERUN, check_pool, pool_name, validate_tasks
+from celery_lease.vocabulary import CancelReason, WorkerLostOutcome
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -95,6 +96,12 @@ def test_every_other_pool_and_policy_starts(on_lost, pool):
     check_pool(app_losing(on_lost), pool)
 
 
+def test_a_lost_child_is_rerun_by_the_lease_unless_its_job_was_settled_for_good_or_not_ours():
+    assert all(isinstance(outcome, WorkerLostOutcome) for outcome in RERUN)
+    assert set(WorkerLostOutcome) - set(RERUN) == {
+        WorkerLostOutcome.DEAD_LETTER, WorkerLostOutcome.FAIL, WorkerLostOutcome.NONE}
+
+
 def test_the_pool_is_named_from_the_worker_setting_or_its_class():
     class Worker:
         def __init__(self, pool_cls):
@@ -133,6 +140,29 @@ def test_a_revoke_whose_cancel_meets_an_outage_does_not_raise_and_keeps_the_canc
         assert rt is not None and len(rt.cancels) == 1
     finally:
         app.close()
+
+
+@pytest.mark.parametrize(("expired", "reason"), [(False, CancelReason.REVOKED), (True, CancelReason.EXPIRED)])
+def test_a_discarded_delivery_cancels_its_job_with_the_reason_celery_gave(monkeypatch, expired, reason):
+    from types import SimpleNamespace
+
+    from celery.signals import task_revoked
+
+    from celery_lease.integration import signals
+
+    cancels = []
+    monkeypatch.setattr(signals, "_cancel", lambda app, job_id, why, **where: cancels.append((job_id, why)))
+    app = Celery("discards", set_as_current=False)
+
+    @app.task(base=LeaseTask, shared=False, name="discards.task")
+    def task():
+        return None
+
+    request = SimpleNamespace(id="job-d", delivery_info={"routing_key": "celery"})
+    task_revoked.send(sender=task, request=request, terminated=False, signum=None, expired=expired)
+    app.close()
+
+    assert cancels == [("job-d", reason)] and type(cancels[0][1]) is CancelReason
 
 
 @pytest.mark.parametrize(("pool", "concurrency", "processes"), [("threads", 2, 1), ("prefork", 2, 2)])

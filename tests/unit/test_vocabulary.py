@@ -17,12 +17,19 @@ from celery_lease.ops import check_context, metrics
 from celery_lease.store import schema
 from celery_lease.vocabulary import (
     STALE_WRITES,
+    CancelReason,
     ClaimOutcome,
+    DeadLetterAction,
     Decision,
     EffectOutcome,
     Event,
+    OnLost,
     RecoveryAction,
+    RunMode,
+    Severity,
     Status,
+    StoreFailure,
+    WorkerLostOutcome,
     stale_write,
 )
 
@@ -125,7 +132,9 @@ def test_the_stale_write_label_is_the_write_the_event_names():
         stale_write(Event.LOCK_LOST)
 
 
-@pytest.mark.parametrize("enum", [Status, ClaimOutcome, EffectOutcome, Decision, RecoveryAction, Event])
+@pytest.mark.parametrize("enum", [Status, ClaimOutcome, EffectOutcome, Decision, RecoveryAction, Event,
+                                  WorkerLostOutcome, OnLost, StoreFailure, RunMode, Severity,
+                                  DeadLetterAction, CancelReason])
 def test_a_member_is_its_stored_string_in_comparisons_formatting_and_json(enum):
     for member in enum:
         assert member == member.value and hash(member) == hash(member.value)

@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("flask", reason="celery lease web needs Flask: pip install 'celery-lease[web]'")
 
 from celery_lease.store import for_app  # noqa: E402
-from celery_lease.vocabulary import Event  # noqa: E402
+from celery_lease.vocabulary import DeadLetterAction, Event  # noqa: E402
 from celery_lease.web.app import create_app  # noqa: E402
 from tests.apps import ops_app  # noqa: E402
 from tests.conftest import SCENE_STORES, require_service, service_url, unique_prefix  # noqa: E402
@@ -294,6 +294,15 @@ def test_a_confirmed_discard_deletes_the_dead_letter_and_keeps_its_audit(rw):
 
     assert done.status_code == 200 and rw.store.get("failed-1") is None
     assert rw.events("failed-1")[-1] == "dlq_discarded"
+
+
+def test_an_unknown_action_is_refused_naming_the_dead_letter_actions(rw):
+    page = rw.post("/dead-letters/plan", action="requeue", job="failed-0")
+
+    assert page.status_code == 400, page.get_data(as_text=True)
+    text = page.get_data(as_text=True)
+    assert "unknown action" in text and f"one of {', '.join(DeadLetterAction)}" in text
+    assert rw.store.get("failed-0").status == "failed"
 
 
 def test_a_selection_larger_than_a_batch_or_an_unconfirmed_apply_is_refused(rw):

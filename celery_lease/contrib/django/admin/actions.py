@@ -21,15 +21,17 @@ import celery_lease.ops.recovery as recovery
 import celery_lease.store as stores
 
 from ....errors import LeaseError
-from ....vocabulary import RecoveryAction
+from ....vocabulary import DeadLetterAction, RecoveryAction
 from .tables import celery_app
 
 __all__ = ["BATCH", "VERBS", "operator", "recover"]
 
 BATCH = 10  # jobs at most per action, as the CLI's default --batch and the web page
 VERBS = {
-    "redrive": ("redrive", "send back to their queue with fresh attempts", RecoveryAction.REDRIVEN),
-    "discard": ("discard", "delete from the store for good (their events stay)", RecoveryAction.DISCARDED),
+    DeadLetterAction.REDRIVE: ("redrive", "send back to their queue with fresh attempts",
+                               RecoveryAction.REDRIVEN),
+    DeadLetterAction.DISCARD: ("discard", "delete from the store for good (their events stay)",
+                               RecoveryAction.DISCARDED),
 }
 CONFIRM_TEMPLATE = "admin/celery_lease_admin/confirm_recovery.html"
 
@@ -49,7 +51,8 @@ def _selected(request: HttpRequest, queryset: Any) -> list[str]:
     return [pk for pk in request.POST.getlist(helpers.ACTION_CHECKBOX_NAME) if pk]
 
 
-def recover(model_admin: Any, request: HttpRequest, queryset: Any, action: str) -> TemplateResponse | None:
+def recover(model_admin: Any, request: HttpRequest, queryset: Any,
+            action: DeadLetterAction) -> TemplateResponse | None:
     """Plan ``action`` (redrive or discard) for the selected jobs; once confirmed, move them."""
     ids = _selected(request, queryset)
     if len(ids) > BATCH:
@@ -58,7 +61,7 @@ def recover(model_admin: Any, request: HttpRequest, queryset: Any, action: str) 
         return None
     app = celery_app()
     store = stores.for_app(app)
-    plan = recovery.redrive_plan if action == "redrive" else recovery.discard_plan
+    plan = recovery.redrive_plan if action == DeadLetterAction.REDRIVE else recovery.discard_plan
     jobs, refused = [], []
     for job_id in ids:
         try:
@@ -73,7 +76,7 @@ def recover(model_admin: Any, request: HttpRequest, queryset: Any, action: str) 
                    "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME}
         return TemplateResponse(request, CONFIRM_TEMPLATE, context)
     who = operator(request)
-    outcomes = (recovery.redrive(app, store, jobs, who=who) if action == "redrive"
+    outcomes = (recovery.redrive(app, store, jobs, who=who) if action == DeadLetterAction.REDRIVE
                 else recovery.discard(store, jobs, who=who))
     done = VERBS[action][2]
     for outcome in outcomes:

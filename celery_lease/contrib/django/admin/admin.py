@@ -20,6 +20,7 @@ from django.utils.html import format_html
 
 import celery_lease.store as stores
 
+from ....vocabulary import DeadLetterAction
 from ....vocabulary import Event as EventName
 from .actions import recover
 from .models import DeadLetter, Event, Job, RunningLease
@@ -100,11 +101,11 @@ class DeadLetterActions:
 
     @admin.action(description="Redrive the selected dead letters", permissions=["redrive"])
     def redrive(self, request: HttpRequest, queryset: QuerySet[Any]) -> Any:
-        return recover(self, request, queryset, "redrive")
+        return recover(self, request, queryset, DeadLetterAction.REDRIVE)
 
     @admin.action(description="Discard the selected dead letters", permissions=["discard"])
     def discard(self, request: HttpRequest, queryset: QuerySet[Any]) -> Any:
-        return recover(self, request, queryset, "discard")
+        return recover(self, request, queryset, DeadLetterAction.DISCARD)
 
 
 class EventInline(admin.TabularInline):
