@@ -299,6 +299,6 @@ def _sends_leased(sig: Any, app: Any) -> bool:
         return False
     try:
         task = sig.type
-    except Exception:  # noqa: BLE001 - Celery meets it again when it applies the signature
-        return False  # an unregistered name goes out by send_task, never through a LeaseTask
+    except Exception:  # noqa: BLE001 - any other error, Celery meets again when it applies it
+        return False  # a name not registered goes out by send_task, not through a LeaseTask
     return leased(task)
