@@ -29,9 +29,6 @@ from ..config import TaskPolicy, app_config, task_policy
 from ..kinds import LEASED_BUILTINS, leased
 from ..worker.lease import Lease
 
-# A group publishes its LeaseTask jobs a batch at a time: one INSERT per table per batch.
-batching.install()
-
 __all__ = ["LeaseTask", "Lease", "leased", "LEASED_BUILTINS"]
 
 log = logging.getLogger(__name__)
@@ -95,6 +92,8 @@ class LeaseTask(Task):
         from .signals import install
 
         install(app)
+        # A group publishes its LeaseTask jobs a batch at a time: one INSERT per table per batch.
+        batching.install()
 
     @property
     def lease(self) -> Lease | local.LocalLease | None:

@@ -1,17 +1,24 @@
 """A group's LeaseTask jobs are recorded a batch at a time, before any of its messages is sent.
 
 Real Redis broker (db 6, a key prefix per test) and each store kind; the statements are counted
-with a SQLAlchemy event hook on the app's store engine, the messages read from the broker.
+with a SQLAlchemy event hook on the app's store engine, the messages read from the broker. Where
+the wrapper is installed (when a LeaseTask is bound, never at import) runs in fresh interpreters.
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
 import sqlite3
+import subprocess
+import sys
+from pathlib import Path
 
+import celery
 import kombu
 import pytest
 import sqlalchemy as sa
-from celery import Celery, chord, group
+from celery import Celery, chain, chord, group, signals
 
 from celery_lease import LeaseTask
 from celery_lease.errors import StoreUnavailable
@@ -22,6 +29,7 @@ from tests.conftest import drop_app_store, migrated_store, prefixed_redis, uniqu
 from tests.helpers import wait_for
 
 REDIS_DB = 6
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -67,6 +75,19 @@ def inserts(app):
     sa.event.listen(store.engine, "before_cursor_execute", count)
     yield seen
     sa.event.remove(store.engine, "before_cursor_execute", count)
+
+
+@pytest.fixture
+def batched_publishes(app):
+    """The name of each task the app publishes, and whether a group's batch was open for it."""
+    seen: list[tuple[str, bool]] = []
+
+    def note(sender=None, **_):
+        seen.append((sender, batching.current() is not None))
+
+    signals.before_task_publish.connect(note, weak=False)
+    yield seen
+    signals.before_task_publish.disconnect(note)
 
 
 def store_kind(app: Celery) -> str:
@@ -174,3 +195,138 @@ def test_a_group_whose_store_cannot_record_it_raises_and_sends_none_of_its_messa
         holder.close()
     assert queued_ids(app, 0) == []
     assert for_app(app).list_jobs() == []
+
+
+def run_python(script: str) -> None:
+    """Run ``script`` in a fresh interpreter (nothing imported or installed yet); it must exit 0."""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT,
+                         timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_importing_celery_lease_leaves_celerys_group_loop_as_it_is():
+    run_python("""
+import importlib, pkgutil
+from celery.canvas import group
+own = group._apply_tasks
+import celery_lease, celery_lease.integration.task
+for module in pkgutil.walk_packages(celery_lease.__path__, "celery_lease."):
+    try:
+        importlib.import_module(module.name)
+    except Exception:
+        pass  # a module that needs Django's settings or alembic's running migration
+assert group._apply_tasks is own, group._apply_tasks
+assert group._apply_tasks.__code__.co_filename.endswith("celery/canvas.py")
+""")
+
+
+def test_the_group_batching_is_installed_once_an_app_with_a_lease_task_is_finalised():
+    run_python("""
+from celery import Celery
+from celery.canvas import group
+from celery_lease import LeaseTask
+own = group._apply_tasks
+
+def noop():
+    pass
+
+plain = Celery("plain", set_as_current=False)
+plain.task(shared=False, name="p")(noop)
+plain.finalize()
+assert group._apply_tasks is own, "an app without a LeaseTask installs nothing"
+
+app = Celery("leased", set_as_current=False)
+app.task(base=LeaseTask, shared=False, name="w")(noop)
+assert group._apply_tasks is own, "a task of an app not finalised is not bound yet"
+app.finalize()
+assert group._apply_tasks is not own and group._apply_tasks.__wrapped__ is own
+""")
+
+
+@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
+def test_a_group_of_plain_tasks_is_published_with_no_batch_open(app, batched_publishes):
+    work, total = app.tasks["batch.work"], app.tasks["batch.total"]  # a LeaseTask bound: installed
+    assert getattr(group._apply_tasks, "_celery_lease_batched", False)
+    plain = group([total.s([i]) for i in range(3)]).apply_async()
+    assert queued_ids(app, 3) == [r.id for r in plain.results]
+    assert batched_publishes == [("batch.total", False)] * 3
+    # The same hook sees the batch of a group of LeaseTasks.
+    group([work.s(i) for i in range(2)]).apply_async()
+    assert batched_publishes[3:] == [("batch.work", True)] * 2
+
+
+@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
+def test_a_group_of_chains_that_start_with_a_lease_task_publishes_them_in_one_batch(app, batched_publishes):
+    work, total = app.tasks["batch.work"], app.tasks["batch.total"]
+    result = group([chain(work.s(i), total.s()) for i in range(3)]).apply_async()
+    ids = [r.parent.id for r in result.results]
+    assert queued_ids(app, 3) == ids
+    assert batched_publishes == [("batch.work", True)] * 3
+    assert [for_app(app).get(job_id).status for job_id in ids] == [PENDING] * 3
+
+
+def _celery_5_3(self, tasks, producer=None, app=None, p=None, add_to_parent=None, chord=None,
+                args=None, kwargs=None, **options):
+    yield from ()
+
+
+def _celery_5_7(self, tasks, producer=None, app=None, p=None, add_to_parent=None, chord=None,
+                args=None, kwargs=None, group_index=None, **options):
+    yield from ()
+
+
+@pytest.mark.parametrize("known", [_celery_5_3, _celery_5_7], ids=["5.3-5.5", "5.6-5.7"])
+def test_the_group_loops_of_celery_5_3_to_5_7_are_wrapped(known, monkeypatch):
+    monkeypatch.setattr(group, "_apply_tasks", known)
+    assert batching.install() is True
+    assert group._apply_tasks.__wrapped__ is known
+    assert batching.install() is True and group._apply_tasks.__wrapped__ is known  # once
+
+
+def _not_a_generator(self, tasks, producer=None, app=None, **options):
+    return []
+
+
+def _other_parameters(self, signatures, app=None, producer=None, **options):
+    yield from ()
+
+
+@pytest.mark.parametrize(("shape", "missing"), [
+    (None, "celery.canvas.group has no _apply_tasks"),
+    (_not_a_generator, "group._apply_tasks is not a generator function"),
+    (_other_parameters, "does not begin with the parameters (self, tasks, producer, app)"),
+], ids=["absent", "not-a-generator", "other-parameters"])
+def test_a_group_loop_of_an_unknown_shape_is_left_alone_with_one_warning(shape, missing, monkeypatch, caplog):
+    if shape is None:
+        monkeypatch.delattr(group, "_apply_tasks")
+    else:
+        monkeypatch.setattr(group, "_apply_tasks", shape)
+    monkeypatch.setattr(batching, "_refused", False)
+    with caplog.at_level(logging.WARNING, logger=batching.__name__):
+        assert batching.install() is False
+        assert batching.install() is False
+    assert getattr(group, "_apply_tasks", None) is shape
+    [record] = [r for r in caplog.records if r.name == batching.__name__]
+    assert record.levelno == logging.WARNING
+    assert f"Celery {celery.__version__}: " in record.getMessage() and missing in record.getMessage()
+
+
+@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
+def test_with_an_unknown_group_loop_a_group_publishes_each_job_alone(app, batched_publishes, monkeypatch):
+    own = inspect.unwrap(group._apply_tasks)  # Celery's loop, under the wrapper if installed
+
+    def _apply_tasks(self, *args, **kwargs):  # returns a list: a shape the wrapper does not know
+        return list(own(self, *args, **kwargs))
+
+    monkeypatch.setattr(group, "_apply_tasks", _apply_tasks)
+    monkeypatch.setattr(batching, "_refused", False)
+    work = app.tasks["batch.work"]  # binding a LeaseTask asks for the batching
+    assert batching.install() is False and group._apply_tasks is _apply_tasks
+    result = group([work.s(i) for i in range(4)]).apply_async()
+    ids = [r.id for r in result.results]
+    assert batched_publishes == [("batch.work", False)] * 4
+    assert queued_ids(app, 4) == ids
+    store = for_app(app)
+    for job_id in ids:
+        assert store.get(job_id).status == PENDING
+        assert [e["event"] for e in store.events(job_id)] == ["published"]
