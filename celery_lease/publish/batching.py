@@ -5,7 +5,7 @@ Celery's ``group`` (and so a chord's header) sends each signature through its ta
 whole group. install() wraps it to open a batch for its loop. Inside, the publish of a new
 LeaseTask job without an idempotency key keeps its encoded message instead of recording and
 sending it. The kept jobs are recorded with one INSERT per table per RECORD_BATCH jobs
-(store.record_batch), then their messages are sent in the group's order: when the loop ends,
+(store.publishes.record_batch), then their messages are sent in the group's order: when the loop ends,
 or once the oldest kept job has waited BATCH_WAIT (a timer thread), since Celery sends the
 signatures of a generator as it yields them and the generator may wait for the tasks sent
 before (celery#3021). A publish with a key, a retry or a replacement sends the jobs kept so
@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import StoreConflict
-from ..store import NewJob, WorkerStore
+from ..store import NewJob, Store
 
 __all__ = ["Batch", "current", "install"]
 
@@ -45,7 +45,7 @@ class _Kept:
     the send of its message (given a producer of its app)."""
 
     app: Any
-    store: WorkerStore
+    store: Store
     job: NewJob
     reopen: bool
     send: Callable[[Any], Any]
@@ -61,7 +61,7 @@ class Batch:
         self._timer: threading.Timer | None = None
         self._error: BaseException | None = None
 
-    def keep(self, app: Any, store: WorkerStore, job: NewJob, reopen: bool,
+    def keep(self, app: Any, store: Store, job: NewJob, reopen: bool,
              send: Callable[[Any], Any]) -> None:
         with self._lock:
             self._raise_failure()
@@ -132,7 +132,7 @@ def _record_and_send(kept: list[_Kept]) -> None:
     except BaseException:
         for item in unsent:
             if id(item) in created:
-                item.store.forget_unpublished(item.job.id)
+                item.store.publishes.forget_unpublished(item.job.id)
         raise
 
 
@@ -142,15 +142,15 @@ def _record(items: list[_Kept]) -> list[_Kept]:
     would, still gets its message)."""
     store = items[0].store
     try:
-        store.record_batch([item.job for item in items])
+        store.publishes.record_batch([item.job for item in items])
         return items
     except StoreConflict:
         pass
     created = []
     for item in items:
         job = item.job
-        new, _ = store.record(job.id, job.task_name, job.queue, job.payload, job.max_attempts, None,
-                              job.delay, recovery=job.recovery, reopen=item.reopen)
+        new, _ = store.publishes.record(job.id, job.task_name, job.queue, job.payload, job.max_attempts, None,
+                                        job.delay, recovery=job.recovery, reopen=item.reopen)
         if new:
             created.append(item)
     return created
