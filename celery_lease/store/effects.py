@@ -43,7 +43,7 @@ def advance_statement(column: sa.Column, where: sa.ColumnElement[bool], value: A
 
 
 class EffectStatements:
-    """Fenced effect keys, resource locks, and the keys an operator may release."""
+    """Fenced effect keys and resource locks, as a running job takes and gives them back."""
 
     def __init__(self, db: StoreEngine) -> None:
         self.db = db

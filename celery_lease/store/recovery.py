@@ -1,4 +1,5 @@
-"""The operator's moves on single jobs: requeue an abandoned lease, list, redrive or discard dead letters.
+"""The operator's moves on single jobs: requeue an abandoned lease, list, redrive or discard dead letters,
+forget an effect key.
 
 Each move is one conditional UPDATE (or DELETE) per job, like the reaper's, audited in the
 same transaction; the rules of when a move is allowed live in celery_lease/recovery.py.

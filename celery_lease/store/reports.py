@@ -1,4 +1,4 @@
-"""Statements for operators' reads: status, listings, metrics, tuning samples.
+"""Statements for operators' reads: status, listings, metrics, tuning samples, the audit log.
 
 Reads that a Prometheus scrape runs are aggregates over indexed ranges only: the
 running and pending rows (bounded by the work in flight, not by history), and the
@@ -30,10 +30,10 @@ def _bucket(value: Any, bounds: Sequence[float]) -> Any:
 
 
 class ReportStatements:
-    """Statements for operators' reads: status, listings, metrics, tuning samples.
+    """Statements for operators' reads: status, listings, metrics, tuning samples, the audit log.
 
     They run with the store's long bound: an operator's read may scan history, and no lease
-    waits on it.
+    waits on it. The reads of one job's events, one effect key or one lock keep the call bound.
     """
 
     def __init__(self, db: StoreEngine) -> None:
