@@ -145,7 +145,7 @@ class EffectStatements:
 
     def _stale_effect(self, c: Any, key: str, job_id: str, token: str, worker: str | None) -> None:
         self.db._stale(c, job_id, Event.STALE_EFFECT_REJECTED, worker, token,
-                    {"key": key, "in_transaction": True})
+                       {"key": key, "in_transaction": True})
 
     def release_effect(self, key: str, job_id: str, token: str, worker: str | None = None,
                        reason: str | None = None) -> bool:
@@ -164,8 +164,8 @@ class EffectStatements:
                 self.db._event(c, job_id, Event.EFFECT_RELEASED, reason, worker, token, {"key": key})
                 return True
             self.db._event(c, job_id, Event.EFFECT_UNCONFIRMED,
-                        "block failed after the lease was lost; key kept", worker, token,
-                        {"key": key, "error": reason})
+                           "block failed after the lease was lost; key kept", worker, token,
+                           {"key": key, "error": reason})
             return False
 
     def unrecord_effect_in(self, conn: Connection | Any, key: str, job_id: str) -> bool:

@@ -138,9 +138,9 @@ class JobStatements:
         if res.rowcount != 1:
             return None
         self.db._event(c, current.id, Event.LEASE_TAKEN_OVER, reason="lease expired past grace",
-                    worker=worker, token=token,
-                    detail={"previous_owner": current.locked_by,
-                            "previous_token": (current.lock_token or "")[:8]})
+                       worker=worker, token=token,
+                       detail={"previous_owner": current.locked_by,
+                               "previous_token": (current.lock_token or "")[:8]})
         return self._job(c, current.id)
 
     def reclaim(self, job_id: str, lost_token: str, worker: str, token: str, terms: ClaimTerms) -> Job | None:
@@ -161,7 +161,7 @@ class JobStatements:
             if res.rowcount != 1:
                 return None
             self.db._event(c, job_id, Event.CLAIM_TAKEN_BACK, reason="own claim whose answer was lost",
-                        worker=worker, token=token, detail={"previous_token": lost_token[:8]})
+                           worker=worker, token=token, detail={"previous_token": lost_token[:8]})
             return self._job(c, job_id)
 
     def _insert_first_seen(self, job_id: str, worker: str, token: str, terms: ClaimTerms, task_name: str,
@@ -187,7 +187,7 @@ class JobStatements:
                     **(terms.recovery or {}), **lease,
                 ).values(attempt_count=1))
                 self.db._event(c, job_id, Event.CLAIMED, reason="first seen by a worker",
-                            worker=worker, token=token)
+                               worker=worker, token=token)
                 return self._job(c, job_id)
         except StoreConflict:
             return None
@@ -223,7 +223,7 @@ class JobStatements:
                      values: Mapping[str, Any], reason: str | None = None, detail: Any = None) -> bool:
         """One fenced write audited as ``event``; a stale token changes nothing, audited as ``stale``."""
         stmt = (sa.update(self.db.t.jobs).where(self.db._fenced(job_id, token),
-                                             *self.db.dialect.autocommit_settings(self.db.bounds))
+                                                *self.db.dialect.autocommit_settings(self.db.bounds))
                 .values(updated_at=self.db.now_sql, **values))
         if self.audited._audited_write(stmt, job_id, event, reason, worker, token, detail):
             return True
@@ -389,5 +389,5 @@ class JobStatements:
             else:
                 reason, owner = f"now {job.status}", job.locked_by
             self.db._event(c, job_id, Event.LEASE_LOST, reason, worker, token,
-                        {"owner": owner} if owner else None)
+                           {"owner": owner} if owner else None)
         return reason, owner

@@ -137,7 +137,7 @@ class PublishStatements:
             if res.rowcount != 1 or before is None:
                 return False
             self.db._event(c, job_id, Event.REPUBLISHED, (before.last_error or "")[:200] or None,
-                        detail={"previous_status": before.status})
+                           detail={"previous_status": before.status})
         return True
 
     def _record_statements(self, keyed: bool, event_name: Event = Event.PUBLISHED) -> _Audited:

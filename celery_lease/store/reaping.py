@@ -189,7 +189,7 @@ class ReaperStatements:
             if res.rowcount != 1:
                 return False
             self.db._event(tx, job.id, Event.REDISPATCHED, reason,
-                        detail={"dispatch_count": job.dispatch_count + 1, **(detail or {})})
+                           detail={"dispatch_count": job.dispatch_count + 1, **(detail or {})})
             return True
 
     # -- the reaper's own lock ----------------------------------------------------
@@ -260,8 +260,8 @@ class ReaperStatements:
         j, w = self.db.t.jobs, self.db.t.workers
         with self.db.begin() as c:
             c.execute(self.db.dialect.upsert(self.db.t.meta, {"key": REAPER_CLOCK, "value": json.dumps(state),
-                                                         "updated_at": self.db.now_sql},
-                                          update=("value", "updated_at")))
+                                                              "updated_at": self.db.now_sql},
+                                             update=("value", "updated_at")))
             if step_back:
                 horizon = self.db.now_sql + j.c.lease_duration
                 c.execute(sa.update(j).where(j.c.status == status_sql(RUNNING),

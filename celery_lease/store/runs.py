@@ -72,8 +72,8 @@ class RunStatements:
             return False
         with self.db.begin() as c:
             c.execute(self.db.dialect.upsert(self.db.t.meta, {"key": key, "value": value,
-                                                         "updated_at": self.db.now_sql},
-                                          update=("value", "updated_at")))
+                                                              "updated_at": self.db.now_sql},
+                                             update=("value", "updated_at")))
         return True
 
     def meta_age(self, key: str) -> tuple[float | None, str | None] | None:
