@@ -80,14 +80,14 @@ def claim_and_complete(store: Store, jobs: int) -> float:
     """Seconds per job for the claim and the completion of ``jobs`` freshly published jobs."""
     ids = [f"new-{uuid.uuid4().hex}" for _ in range(jobs)]
     for job_id in ids:
-        store.record(job_id, "bench.task", "celery", '{"v": 1}', 5)
+        store.publishes.record(job_id, "bench.task", "celery", '{"v": 1}', 5)
     started = time.perf_counter()
     for job_id in ids:
         token = secrets.token_hex(16)
-        claim = store.claim(job_id, "bench:1", token, TERMS, task_name="bench.task", queue="celery",
-                            payload=lambda: None)
+        claim = store.jobs.claim(job_id, "bench:1", token, TERMS, task_name="bench.task", queue="celery",
+                                 payload=lambda: None)
         assert claim.claimed, claim
-        assert store.complete(job_id, token, "bench:1")
+        assert store.jobs.complete(job_id, token, "bench:1")
     return (time.perf_counter() - started) / jobs
 
 
@@ -95,14 +95,14 @@ def cost_per_job(store: Store, url: str, jobs: int) -> dict[str, float]:
     """Statements, commits, rows written and WAL bytes of one claim + complete."""
     ids = [f"cost-{uuid.uuid4().hex}" for _ in range(jobs)]
     for job_id in ids:
-        store.record(job_id, "bench.task", "celery", '{"v": 1}', 5)
+        store.publishes.record(job_id, "bench.task", "celery", '{"v": 1}', 5)
     statements = []
 
     def count(*_: object) -> None:
         statements.append(1)
 
     # The hot transitions run compiled statements on the driver, past SQLAlchemy's events.
-    compiled = store._execute_compiled
+    compiled = store.audited._execute_compiled
 
     def counted(*args: object) -> object:
         statements.append(1)
@@ -111,16 +111,16 @@ def cost_per_job(store: Store, url: str, jobs: int) -> dict[str, float]:
     store.engine.dispose()
     before = _pg.counters(url)
     sa.event.listen(store.engine, "before_cursor_execute", count)
-    store._execute_compiled = counted  # type: ignore[method-assign]
+    store.audited._execute_compiled = counted  # type: ignore[method-assign]
     try:
         for job_id in ids:
             token = secrets.token_hex(16)
-            store.claim(job_id, "bench:1", token, TERMS, task_name="bench.task", queue="celery",
-                        payload=lambda: None)
-            store.complete(job_id, token, "bench:1")
+            store.jobs.claim(job_id, "bench:1", token, TERMS, task_name="bench.task", queue="celery",
+                             payload=lambda: None)
+            store.jobs.complete(job_id, token, "bench:1")
     finally:
         sa.event.remove(store.engine, "before_cursor_execute", count)
-        del store._execute_compiled
+        del store.audited._execute_compiled
     store.engine.dispose()
     time.sleep(0.5)  # the exiting server process flushes its counters as it goes
     cost = _pg.per_job(before, _pg.counters(url), jobs)

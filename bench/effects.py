@@ -33,13 +33,13 @@ POSTGRES = os.environ.get("CELERY_LEASE_TEST_POSTGRES", "postgresql+psycopg://po
 
 def held_lease(store: Store) -> Lease:
     rt = Runtime(store, "bench", default_interval=10.0, worker="bench:1")
-    store.record("bench-job", "bench.effects", "q", "{}", 5)
+    store.publishes.record("bench-job", "bench.effects", "q", "{}", 5)
     token = secrets.token_hex(16)
     sent = deadline.monotonic()
-    got = store.claim("bench-job", rt.worker, token,
-                      ClaimTerms(duration=3600.0, grace=0.0,
-                                 max_attempts=5, max_expirations=5, takeover=False),
-                      task_name="bench.effects", queue="q", payload=lambda: None)
+    got = store.jobs.claim("bench-job", rt.worker, token,
+                           ClaimTerms(duration=3600.0, grace=0.0,
+                                      max_attempts=5, max_expirations=5, takeover=False),
+                           task_name="bench.effects", queue="q", payload=lambda: None)
     assert got.claimed
     policy = load({}).policy({"lease_duration": 3600.0, "lease_heartbeat_interval": 10.0})
     return Lease(rt, "bench-job", token, 1, policy, "bench.effects:bench-job", None, sent_at=sent)

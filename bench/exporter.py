@@ -128,7 +128,7 @@ def measure(url: str, rows: int, history: bool, scrapes: int) -> dict[str, float
         timed(select_one, 20)
         return {"rows": count, "load": load, "select1": timed(select_one, 200), "first": first,
                 "scrape": timed(lambda: generate_latest(registry), scrapes),
-                "group_by": timed(store.job_counts, 3)}
+                "group_by": timed(store.reports.job_counts, 3)}
     finally:
         store.drop_schema()
         store.engine.dispose()

@@ -1,4 +1,4 @@
-"""The cost of the strategy's read (Store.glance) next to Celery's own work for one delivery.
+"""The cost of the strategy's read (store.deliveries.glance) next to Celery's own work for one delivery.
 
 With task events on, LeaseTask's consumer reads the delivery's job once by its primary key
 before Celery's task-received. This times that read (median of N on a table of M jobs) on
@@ -54,7 +54,7 @@ def plain_delivery(n: int) -> float:
 
 
 def glance(url: str, jobs: int, n: int) -> float:
-    """Median µs of Store.glance on a store holding ``jobs`` rows."""
+    """Median µs of store.deliveries.glance on a store holding ``jobs`` rows."""
     store = Store(url, prefix=f"bg{uuid.uuid4().hex[:6]}_")
     store.migrate()
     try:
@@ -64,9 +64,9 @@ def glance(url: str, jobs: int, n: int) -> float:
                 {"id": i, "task_name": "bench.leased", "queue_name": "celery", "status": "completed",
                  "attempt_count": 1, "max_attempts": 3, "available_at": 0.0, "created_at": 0.0,
                  "updated_at": 0.0} for i in ids])
-        store.glance(ids[0])  # the schema check and the first connection
+        store.deliveries.glance(ids[0])  # the schema check and the first connection
         probe = iter(ids * (n // jobs + 1))
-        return _median_us(lambda: store.glance(next(probe)), n)
+        return _median_us(lambda: store.deliveries.glance(next(probe)), n)
     finally:
         store.drop_schema()
         store.engine.dispose()

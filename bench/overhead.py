@@ -103,12 +103,13 @@ def heartbeat_statements(store: Store, leases: int, rounds: int = 5) -> tuple[fl
     policy = load({}).policy()
     for i in range(leases):
         job_id = f"hb-{leases}-{i}"
-        store.record(job_id, "bench.leased", "celery", None, 5)
+        store.publishes.record(job_id, "bench.leased", "celery", None, 5)
         tok = secrets.token_hex(16)
         sent = deadline.monotonic()
-        store.claim(job_id, rt.worker, tok,
-                    ClaimTerms(duration=30.0, grace=1.0, max_attempts=5, max_expirations=3, takeover=False),
-                    task_name="bench.leased", queue="celery", payload=lambda: None)
+        store.jobs.claim(job_id, rt.worker, tok,
+                         ClaimTerms(duration=30.0, grace=1.0, max_attempts=5, max_expirations=3,
+                                    takeover=False),
+                         task_name="bench.leased", queue="celery", payload=lambda: None)
         rt.attach(object(), Lease(rt, job_id, tok, 1, policy, job_id, None, sent_at=sent))
     hb.beat()  # the first round registers the process
     statements: list[str] = []

@@ -106,9 +106,9 @@ def claim_complete(store: Store, ids: list[str]) -> float:
         worker = f"bench-{uuid.uuid4().hex[:6]}"
         for job_id in chunk:
             token = secrets.token_hex(16)
-            claim = store.claim(job_id, worker, token, TERMS, task_name="bench.task", queue="q1",
-                                payload=lambda: None)
-            if not claim.claimed or not store.complete(job_id, token, worker):
+            claim = store.jobs.claim(job_id, worker, token, TERMS, task_name="bench.task", queue="q1",
+                                     payload=lambda: None)
+            if not claim.claimed or not store.jobs.complete(job_id, token, worker):
                 raise SystemExit(f"job {job_id} was not claimed and completed")
 
     threads = [threading.Thread(target=work, args=(chunk,)) for chunk in chunks]
@@ -210,10 +210,10 @@ def main() -> None:
               "connections)")
         print(f"overview page (GET /), median of {n:<4}           {timed(page, n) * 1e3:8.1f} ms")
         print(f"overview refresh (GET /overview/live), median   {timed(live, n) * 1e3:8.1f} ms")
-        counts = timed(lambda: store.overview_counts(3600), 10)
+        counts = timed(lambda: store.reports.overview_counts(3600), 10)
         print(f"  its counts alone (overview_counts), median    {counts * 1e3:8.1f} ms")
         print(f"  for comparison, lease status's whole-table GROUP BY (job_counts) "
-              f"{timed(store.job_counts, 3) * 1e3:.1f} ms")
+              f"{timed(store.reports.job_counts, 3) * 1e3:.1f} ms")
         busy = timed(page, n) / REFRESH
         print(f"an open overview asks for {100 * busy:.1f}% of one core's time (a request every "
               f"{REFRESH:g} s): the most it can take from writers")

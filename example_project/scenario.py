@@ -228,7 +228,8 @@ class Scenario:
         self.act(f"SIGSTOP {run['node']} at {run['label']} {run['phase']}: frozen, its heartbeat stops too",
                  stop.at)
         if self.store is not None:
-            self.wait_until(lambda: self.store.events(job_id=stop.job_id, event="reaped_expired_lease"),
+            self.wait_until(lambda: self.store.reports.events(job_id=stop.job_id,
+                                                              event="reaped_expired_lease"),
                             recovery_bound() + STEP_TIMEOUT, f"the reaper to take back {stop.label}")
         else:
             time.sleep(recovery_bound())  # plain Celery has nothing to wait for: stay frozen as long
@@ -291,7 +292,7 @@ class Scenario:
         while not self._sampling.wait(0.5):
             statuses: dict[str, int] = {}
             if self.store is not None:  # the run's own store: every row is one of its jobs
-                for _queue, status, count in self.store.job_counts():
+                for _queue, status, count in self.store.reports.job_counts():
                     statuses[status] = statuses.get(status, 0) + count
             running = [(r["node"], r["label"]) for r in self.running()]
             self.record.samples.append(Sample(time.time(), statuses, running))
@@ -306,7 +307,7 @@ class Scenario:
         rec.captures = gateway.captures()
         rec.issued = shop.issued()
         if self.store is not None:
-            rec.events = self.store.events(limit=1_000_000)
+            rec.events = self.store.reports.events(limit=1_000_000)
             for job in rec.jobs:
                 row = self.store.get(job.job_id)
                 rec.statuses[job.job_id] = row.status if row else "missing"

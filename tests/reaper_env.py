@@ -74,7 +74,7 @@ class ReaperEnv:
         return job.status if job else None
 
     def first_event_at(self, job_id: str, name: str) -> float | None:
-        found = self.store.events(job_id, name)
+        found = self.store.reports.events(job_id, name)
         return found[0]["at"] if found else None
 
     def close(self) -> None:

@@ -36,9 +36,10 @@ def scene(store_url: str) -> tuple[object, object]:
     store = for_app(app, check=False, operator=True)
     store.migrate()
     ops_app.populate(store)
-    store.checkpoint("live-0", store.get("live-0").lock_token, {"step": 2, "rows_done": 1200})
-    store.record_effect("report-mailed:live-0", "live-0", store.get("live-0").lock_token)
-    store.record_reaper_run(0.012, {"seen": 3, "reaped": 2, "skipped_owner_alive": 1}, "reaper@ops:7", 10)
+    store.jobs.checkpoint("live-0", store.get("live-0").lock_token, {"step": 2, "rows_done": 1200})
+    store.effects.record_effect("report-mailed:live-0", "live-0", store.get("live-0").lock_token)
+    store.runs.record_reaper_run(0.012, {"seen": 3, "reaped": 2, "skipped_owner_alive": 1}, "reaper@ops:7",
+                                 10)
     return app, store
 
 

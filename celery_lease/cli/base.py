@@ -21,7 +21,7 @@ from ..masking import mask_secrets
 from .output import app_argument, with_app
 
 if TYPE_CHECKING:
-    from ..store import ReaperStore, ReportStore
+    from ..store import Store
 
 __all__ = ["lease", "CommandError", "app_of", "store_of", "reaper_store_of", "json_option", "app_argument",
            "NO_APP"]
@@ -121,14 +121,14 @@ def app_of(ctx: click.Context) -> Any:
     return app
 
 
-def reaper_store_of(ctx: click.Context) -> ReaperStore:
+def reaper_store_of(ctx: click.Context) -> Store:
     """The app's lease store seen as the reaper sees it (for `lease reap`), with the long bound."""
     from ..store import for_app
 
     return for_app(app_of(ctx), check=False, operator=True)
 
 
-def store_of(ctx: click.Context) -> ReportStore:
+def store_of(ctx: click.Context) -> Store:
     """The app's lease store, not migrated implicitly (only `lease migrate` creates tables).
 
     An operator's command may scan history or create indexes: its calls get the long bound.

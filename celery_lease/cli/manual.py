@@ -128,7 +128,7 @@ def dlq() -> None:
 def dlq_list(ctx: click.Context, task: str | None, limit: int, as_json: bool) -> None:
     """Failed jobs, oldest failure first."""
     store = store_of(ctx)
-    found = store.dead_letters(task, limit)
+    found = store.recovery.dead_letters(task, limit)
     if as_json:
         emit_json([job_dict(j) for j in found])
         return

@@ -31,12 +31,12 @@ def status(ctx: click.Context, as_json: bool) -> None:
     """One screen: jobs by queue and status, expired leases, heartbeat lag, workers, last hour."""
     store = store_of(ctx)
     stale_after = worker_stale_after(app_of(ctx))
-    counts = store.job_counts()
-    now, running = store.running_rows()
+    counts = store.reports.job_counts()
+    now, running = store.reports.running_rows()
     lags = [r["heartbeat_lag"] for r in running if r["heartbeat_lag"] is not None]
     oldest = min((r for r in running if r["started_at"] is not None), key=lambda r: r["started_at"],
                  default=None)
-    hour = store.event_counts(LAST_HOUR + STALE_WRITES, since=now - 3600)
+    hour = store.reports.event_counts(LAST_HOUR + STALE_WRITES, since=now - 3600)
     by_queue: dict[str, dict[str, int]] = {}
     for queue, state, n in counts:
         by_queue.setdefault(queue or "", dict.fromkeys(STATUSES, 0))[state] = n
@@ -48,7 +48,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
             "oldest": None if oldest is None else {**oldest, "age": now - oldest["started_at"]},
             "heartbeat_lag_max": max(lags, default=None), "heartbeat_lag_p95": percentile(lags, 95),
         },
-        "workers": store.worker_counts(),
+        "workers": store.reports.worker_counts(),
         "last_hour": {str(k): v for k, v in hour.items() if k not in STALE_WRITES}
         | {"stale_writes_rejected": sum(v for k, v in hour.items() if k in STALE_WRITES)},
     }
@@ -95,7 +95,7 @@ def jobs(ctx: click.Context, state: str | None, queue: str | None, task: str | N
          owner: str | None, since: float | None, limit: int, as_json: bool) -> None:
     """Jobs as a table, most recently changed first (--expired: oldest lease first)."""
     store = store_of(ctx)
-    found = store.list_jobs(state, queue, task, expired, limit, owner=owner, since=since)
+    found = store.reports.list_jobs(state, queue, task, expired, limit, owner=owner, since=since)
     if as_json:
         emit_json([job_dict(j) for j in found])
         return
@@ -118,9 +118,9 @@ EVENT_COLUMNS = [("at", "at"), ("event", "event"), ("job_id", "job"), ("reason",
 def inspect(ctx: click.Context, job_id: str, as_json: bool) -> None:
     """One job (its id or a unique prefix): its row, its stored message and its event history."""
     store = store_of(ctx)
-    job = store.require(recovery.resolve_job_id(store, job_id))
+    job = store.reports.require(recovery.resolve_job_id(store, job_id))
     job_id = job.id
-    history = store.list_events(job_id=job_id, limit=1000)
+    history = store.reports.list_events(job_id=job_id, limit=1000)
     try:
         sig = messages.decode(job.payload, app_of(ctx).conf.accept_content, job.id)
         message: dict[str, Any] = {k: sig.get(k) for k in ("task", "args", "kwargs", "options")}
@@ -128,7 +128,7 @@ def inspect(ctx: click.Context, job_id: str, as_json: bool) -> None:
         message = {"error": str(exc)}
     if as_json:
         emit_json({"job": job_dict(job, payload=True), "message": message,
-                   "effects": store.effect_keys(job_id), "events": [event_dict(e) for e in history]})
+                   "effects": store.reports.effect_keys(job_id), "events": [event_dict(e) for e in history]})
         return
     now = store.now()
     fields = job_dict(job)
@@ -138,7 +138,7 @@ def inspect(ctx: click.Context, job_id: str, as_json: bool) -> None:
             fields[key] = f"{when(fields[key])} ({age(now - fields[key])} ago)"
     width = max(map(len, fields))
     lines = [f"{key.ljust(width)}  {'' if value is None else value}" for key, value in fields.items()]
-    keys = store.effect_keys(job_id)
+    keys = store.reports.effect_keys(job_id)
     lines += ["", "message", *(f"  {k}: {v}" for k, v in message.items()), "",
               "effect keys", *(f"  {k}" for k in keys or ["(none)"]), "", "events",
               table([event_row(e) for e in history], EVENT_COLUMNS, empty="(no events)")]
@@ -156,9 +156,9 @@ def events(ctx: click.Context, job_id: str | None, since: float | None, event: s
            as_json: bool) -> None:
     """The audit log, oldest first among the newest --limit events."""
     store = store_of(ctx)
-    if job_id is not None and store.get(job_id) is None and store.job_ids_starting(job_id, 1):
+    if job_id is not None and store.get(job_id) is None and store.reports.job_ids_starting(job_id, 1):
         job_id = recovery.resolve_job_id(store, job_id)  # a prefix; a discarded job's id stays exact
-    found = store.list_events(job_id=job_id, since=since, event=event, limit=limit)
+    found = store.reports.list_events(job_id=job_id, since=since, event=event, limit=limit)
     if as_json:
         emit_json([event_dict(e) for e in found])
         return

@@ -185,7 +185,7 @@ class WorkerStep(bootsteps.StartStopStep):
         pool = pool_name(worker)
         check_pool(worker.app, pool)
         validate_tasks(worker.app, consumed_queues(worker.app))
-        store.worker_pool = (pool, int(getattr(worker, "concurrency", 0) or 0))
+        store.workers.worker_pool = (pool, int(getattr(worker, "concurrency", 0) or 0))
         global _starting
         _starting = (worker.app, worker.hostname)  # what a forked pool child registers under
         self.pool = pool

@@ -4,7 +4,7 @@ Celery's default strategy (celery/worker/strategy.py) sends ``task-received`` fo
 and the worker ``task-started``, before the task class sees the message: a duplicate that the
 claim then skips has already told Flower that this worker received and started a job that
 another one ran, its times after the real run's. When the worker sends task events, this
-strategy reads the job's row once by its primary key (``Store.glance``) first and acknowledges
+strategy reads the job's row once by its primary key (``store.deliveries.glance``) first and acknowledges
 a sure duplicate there, with no event: a dead letter, a job leased live by another node, a
 completed job whose result was never kept or that the result backend holds. Anything less
 sure goes on to Celery's path, where the claim decides as before. With task events off the
@@ -85,7 +85,7 @@ def lease_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Callabl
         if job_id:
             try:
                 store = for_app(app)
-                glance = store.glance(job_id)
+                glance = store.deliveries.glance(job_id)
             except (StoreUnavailable, StoreRejected) as exc:
                 log.debug("job %s: not read before task-received (%s)", job_id, exc)
             else:

@@ -16,7 +16,7 @@ from ..vocabulary import RECOVERIES, Severity
 from .tuning import percentile
 
 if TYPE_CHECKING:
-    from ..store import ReportStore
+    from ..store import Store
 
 __all__ = ["Finding", "Context", "Rule", "ok_unless", "ERROR", "WARNING", "OK",
            "RECOVERY_EVENTS"]
@@ -57,7 +57,7 @@ def _plain(value: Any) -> Any:
 class Context:
     """What the rules read, each piece computed once: config, tasks, store facts, broker."""
 
-    def __init__(self, app: Any, cfg: AppConfig, store: ReportStore, pool: str | None = None) -> None:
+    def __init__(self, app: Any, cfg: AppConfig, store: Store, pool: str | None = None) -> None:
         from ..integration.task import LeaseTask
 
         self.app, self.conf, self.cfg, self.store = app, app.conf, cfg, store
@@ -92,7 +92,7 @@ class Context:
         if self.store is None or self.store_error:
             return None
         try:
-            pools = self.store.worker_pools()
+            pools = self.store.reports.worker_pools()
         except (StoreUnavailable, StoreRejected):
             return None
         return max(pools, key=lambda name: pools[name]) if pools else None
@@ -125,7 +125,7 @@ class Context:
             except SchemaMismatch as exc:
                 self.schema_problem = str(exc)
                 return "not migrated"
-            self.facts = self.store.check_facts()
+            self.facts = self.store.reports.check_facts()
         except (StoreUnavailable, StoreRejected) as exc:
             return str(exc)
         return None
@@ -135,7 +135,7 @@ class Context:
         if self.store_error:
             return {}
         try:
-            return {t.name: [r[0] for r in self.store.runtime_sample(t.name)] for t in self.tasks}
+            return {t.name: [r[0] for r in self.store.reports.runtime_sample(t.name)] for t in self.tasks}
         except (StoreUnavailable, StoreRejected):
             return {}  # the store went away after answering: check_store already said what it could
 

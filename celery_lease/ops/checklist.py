@@ -195,7 +195,7 @@ def _dashboards(ctx: Context) -> Iterator[Finding]:
             "scrape it, and load celery_lease/contrib/prometheus/alerts.yml and the Grafana dashboard "
             "celery_lease/contrib/grafana/celery_lease.json")
     try:
-        seen = ctx.store.meta_age(EXPORTER_SCRAPE)
+        seen = ctx.store.runs.meta_age(EXPORTER_SCRAPE)
     except (StoreUnavailable, StoreRejected):
         return
     if seen is None:
@@ -223,7 +223,7 @@ def _crash_tested(ctx: Context) -> Iterator[Finding]:
     if ctx.store_error:
         return
     try:
-        counts = ctx.store.event_counts(RECOVERY_EVENTS)
+        counts = ctx.store.reports.event_counts(RECOVERY_EVENTS)
     except (StoreUnavailable, StoreRejected):
         return
     if any(counts.values()):

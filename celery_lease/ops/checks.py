@@ -33,7 +33,7 @@ from ..errors import LeaseConfigError
 from .check_context import ERROR, OK, WARNING, Context, Finding, Rule, ok_unless
 
 if TYPE_CHECKING:
-    from ..store import ReportStore
+    from ..store import Store
 
 __all__ = ["run_checks", "RULES"]
 
@@ -244,7 +244,7 @@ def _config_code(problem: LeaseConfigError) -> str:
     return "heartbeat_vs_lease" if problem.setting == "lease_heartbeat_interval" else "config_invalid"
 
 
-def run_checks(app: Any, store: ReportStore | None = None, pool: str | None = None) -> list[Finding]:
+def run_checks(app: Any, store: Store | None = None, pool: str | None = None) -> list[Finding]:
     """Every finding for an app: its config, its tasks, its broker and its store.
 
     ``pool``: the worker pool the tasks run in (default: the app's ``worker_pool``).

@@ -36,7 +36,7 @@ from ..store.runs import EXPORTER_SCRAPE
 from ..vocabulary import STALE_WRITES, Event, stale_write
 
 if TYPE_CHECKING:
-    from ..store import ReportStore
+    from ..store import Store
 
 __all__ = ["LeaseCollector", "make_exporter", "metric_names", "COUNTERS", "LAG_BUCKETS",
            "RUNTIME_BUCKETS", "ATTEMPT_BUCKETS"]
@@ -158,11 +158,11 @@ class LeaseCollector:
     It reads the store, and writes one row per scrape: its last scrape, for `lease check`.
     """
 
-    def __init__(self, app: Any, store: ReportStore | None = None, event_lag: float = EVENT_LAG,
+    def __init__(self, app: Any, store: Store | None = None, event_lag: float = EVENT_LAG,
                  max_series: int = METRICS_MAX_SERIES, record_scrapes: bool = True) -> None:
         from ..store import for_app
 
-        self.store: ReportStore = store if store is not None else for_app(app, check=False)
+        self.store: Store = store if store is not None else for_app(app, check=False)
         self.event_lag, self.record_scrapes = event_lag, record_scrapes
         self.whoami = f"{socket.gethostname()}:{os.getpid()}"
         self._lock = threading.Lock()
@@ -217,7 +217,7 @@ class LeaseCollector:
         try:
             self._fill(fams)
             if self.record_scrapes:
-                self.store.set_meta(EXPORTER_SCRAPE, self.whoami)
+                self.store.runs.set_meta(EXPORTER_SCRAPE, self.whoami)
             fams["up"].add_metric([], 1.0)
         except (StoreUnavailable, StoreRejected) as exc:
             log.warning("metrics scrape could not read the lease store: %s", exc,
@@ -230,10 +230,10 @@ class LeaseCollector:
     # -- the queries -------------------------------------------------------------
     def _fill(self, fams: dict[str, Any]) -> None:
         store = self.store
-        now, running = store.running_metrics(LAG_BUCKETS)
-        now, pending = store.pending_metrics()
-        workers = store.worker_counts()
-        last_run = store.last_reaper_run()
+        now, running = store.reports.running_metrics(LAG_BUCKETS)
+        now, pending = store.reports.pending_metrics()
+        workers = store.reports.worker_counts()
+        last_run = store.runs.last_reaper_run()
         with self._lock:
             for r in running:
                 labels = [r["queue"] or "", r["task"]]
@@ -256,7 +256,7 @@ class LeaseCollector:
             due = r["oldest_due_at"]
             fams["pending"].add_metric([r["queue"] or ""], r["pending"])
             fams["oldest_pending"].add_metric([r["queue"] or ""], max(0.0, now - due) if due else 0.0)
-        workers = store.worker_counts()
+        workers = store.reports.worker_counts()
         fams["alive"].add_metric([], workers["alive"])
         fams["stale"].add_metric([], workers["stale"])
         if last_run is not None:  # None: a schema without recorded runs (needs `lease migrate`)
@@ -279,11 +279,11 @@ class LeaseCollector:
             return
         if until <= self._through:
             return
-        finished = self.store.finished_between(self._through, until, RUNTIME_BUCKETS, ATTEMPT_BUCKETS)
+        finished = self.store.reports.finished_between(self._through, until, RUNTIME_BUCKETS, ATTEMPT_BUCKETS)
         for (finished_queue, finished_task), data in finished.items():
             for key, values in data.items():
                 self._observe(key, finished_queue, finished_task, values)
-        counts = self.store.labelled_event_counts(EVENT_NAMES, self._through, until)
+        counts = self.store.reports.labelled_event_counts(EVENT_NAMES, self._through, until)
         for (event, queue, task), n in counts.items():
             name, extra = _BY_EVENT[Event(event)]
             labels = (*self._cap(name, queue, task), *(() if extra is None else (extra,)))

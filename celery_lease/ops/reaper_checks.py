@@ -164,7 +164,7 @@ def _running(ctx: Context, entries: list[ReaperEntry]) -> Iterator[Finding]:
     if ctx.store_error:
         return
     try:
-        last = ctx.store.last_reaper_run()
+        last = ctx.store.runs.last_reaper_run()
     except StoreUnavailable:
         return
     if last is None:

@@ -23,7 +23,7 @@ import celery_lease.messaging.events as events
 import celery_lease.messaging.messages as messages
 
 from ..errors import JobNotFound, LeaseError
-from ..store import COMPLETED, FAILED, PENDING, Job, ReportStore
+from ..store import COMPLETED, FAILED, PENDING, Job, Store
 from ..vocabulary import RecoveryAction
 
 __all__ = ["RecoveryRefused", "AmbiguousJobId", "Outcome", "operator", "resolve_job_id", "requeue_plan",
@@ -53,14 +53,14 @@ class AmbiguousJobId(LeaseError):
 PREFIX_MATCHES_SHOWN = 10
 
 
-def resolve_job_id(store: ReportStore, text: str) -> str:
+def resolve_job_id(store: Store, text: str) -> str:
     """The id of the job ``text`` names: the id itself or a prefix unique among the store's ids.
 
     JobNotFound when nothing matches; AmbiguousJobId (listing the matches) when several do.
     """
     if store.get(text) is not None:
         return text
-    matches = store.job_ids_starting(text, PREFIX_MATCHES_SHOWN + 1) if text else []
+    matches = store.reports.job_ids_starting(text, PREFIX_MATCHES_SHOWN + 1) if text else []
     if not matches:
         raise JobNotFound(text)
     if len(matches) > 1:
@@ -93,9 +93,9 @@ def operator(via: str = "cli", user: str | None = None, host: str | None = None)
     return f"{via}:{user}@{host or socket.gethostname()}"
 
 
-def _lease_state(store: ReportStore, job: Job) -> str:
+def _lease_state(store: Store, job: Job) -> str:
     """Why a lease still counts as live, in ages: the lease's expiry and the owner's last heartbeat."""
-    now, seen = store.workers_last_seen([job.locked_by] if job.locked_by else [])
+    now, seen = store.reports.workers_last_seen([job.locked_by] if job.locked_by else [])
     if job.lease_expires_at is None:
         lease = "its lease has no expiry"
     elif job.lease_expires_at > now:
@@ -109,16 +109,16 @@ def _lease_state(store: ReportStore, job: Job) -> str:
             f"heartbeat; the reaper takes a lease {store.hard_grace:g}s past expiry regardless)")
 
 
-def requeue_plan(app: Any, store: ReportStore, job_id: str | None = None, expired: bool = False,
+def requeue_plan(app: Any, store: Store, job_id: str | None = None, expired: bool = False,
                  batch: int = 10, force: bool = False) -> list[Job]:
     """The jobs a ``requeue`` would move: one named job (refused when that is unsafe) or up to
     ``batch`` abandoned leases, oldest first."""
     if job_id is None:
         if not expired:
             raise RecoveryRefused("", "name a job with --job ID or take expired leases with --expired")
-        return store.requeue_candidates(force, batch)
+        return store.recovery.requeue_candidates(force, batch)
     job_id = resolve_job_id(store, job_id)
-    job = store.require(job_id)
+    job = store.reports.require(job_id)
     if job.status == COMPLETED:
         raise RecoveryRefused(job_id, f"job {job_id} is completed; there is nothing to requeue")
     if job.status == FAILED:
@@ -130,7 +130,7 @@ def requeue_plan(app: Any, store: ReportStore, job_id: str | None = None, expire
         raise RecoveryRefused(job_id, (
             f"job {job_id} is pending and waits for a worker; the reaper re-publishes it after "
             f"lease_dispatch_timeout. Use --force to re-publish its message now"))
-    if not store.is_claimable_expired(job_id):
+    if not store.recovery.is_claimable_expired(job_id):
         raise RecoveryRefused(job_id, (
             f"job {job_id} holds a live lease: {_lease_state(store, job)}. Requeueing it may run it "
             "twice while its worker still works on it. Wait for the reaper, check the owner "
@@ -157,12 +157,12 @@ def _publish(app: Any, job: Job, done: RecoveryAction) -> Outcome:
     return Outcome(job.id, job.task_name, job.queue_name, done, "message re-published")
 
 
-def requeue(app: Any, store: ReportStore, jobs: Iterable[Job], force: bool = False,
+def requeue(app: Any, store: Store, jobs: Iterable[Job], force: bool = False,
             who: str | None = None) -> Iterator[Outcome]:
     """Requeue each job (CAS on its token), then re-publish its stored message."""
     who = who or operator()
     for job in jobs:
-        if not store.manual_requeue(job, who, force):
+        if not store.recovery.manual_requeue(job, who, force):
             yield Outcome(job.id, job.task_name, job.queue_name, RecoveryAction.SKIPPED,
                           "changed since it was read (renewed, finished or taken by someone else)")
             continue
@@ -172,28 +172,28 @@ def requeue(app: Any, store: ReportStore, jobs: Iterable[Job], force: bool = Fal
         yield _publish(app, job, RecoveryAction.REQUEUED)
 
 
-def redrive_plan(store: ReportStore, job_id: str | None = None, task: str | None = None,
+def redrive_plan(store: Store, job_id: str | None = None, task: str | None = None,
                  batch: int = 10) -> list[Job]:
     """The dead letters a redrive would send back: one named job, or up to ``batch`` failed
     jobs (oldest first) that were not revoked on purpose."""
     if job_id is None:
-        return store.dead_letters(task, batch, include_revoked=False)
+        return store.recovery.dead_letters(task, batch, include_revoked=False)
     return [_dead_letter(store, job_id, "redriven")]
 
 
-def _dead_letter(store: ReportStore, job_id: str, verb: str) -> Job:
-    job = store.require(resolve_job_id(store, job_id))
+def _dead_letter(store: Store, job_id: str, verb: str) -> Job:
+    job = store.reports.require(resolve_job_id(store, job_id))
     if job.status != FAILED:
         raise RecoveryRefused(job.id, f"job {job.id} is {job.status}, not a dead letter; only failed "
                                       f"jobs can be {verb} (see `celery lease dlq list`)")
     return job
 
 
-def redrive(app: Any, store: ReportStore, jobs: Iterable[Job], who: str | None = None) -> Iterator[Outcome]:
+def redrive(app: Any, store: Store, jobs: Iterable[Job], who: str | None = None) -> Iterator[Outcome]:
     """Set each dead letter back to pending with fresh attempts, then re-publish its message."""
     who = who or operator()
     for job in jobs:
-        if not store.redrive(job, who):
+        if not store.recovery.redrive(job, who):
             yield Outcome(job.id, job.task_name, job.queue_name, RecoveryAction.SKIPPED,
                           "changed since it was read")
             continue
@@ -203,19 +203,19 @@ def redrive(app: Any, store: ReportStore, jobs: Iterable[Job], who: str | None =
 
 
 
-def discard_plan(store: ReportStore, job_id: str | None = None, task: str | None = None,
+def discard_plan(store: Store, job_id: str | None = None, task: str | None = None,
                  batch: int = 10) -> list[Job]:
     """The dead letters a discard would delete: one named job, or up to ``batch`` (oldest first)."""
     if job_id is None:
-        return store.dead_letters(task, batch)
+        return store.recovery.dead_letters(task, batch)
     return [_dead_letter(store, job_id, "discarded")]
 
 
-def discard(store: ReportStore, jobs: Iterable[Job], who: str | None = None) -> Iterator[Outcome]:
+def discard(store: Store, jobs: Iterable[Job], who: str | None = None) -> Iterator[Outcome]:
     """Delete each dead letter (CAS on status and failed_at), audited dlq_discarded; no message is sent."""
     who = who or operator()
     for job in jobs:
-        if not store.discard_dead_letter(job, who):
+        if not store.recovery.discard_dead_letter(job, who):
             yield Outcome(job.id, job.task_name, job.queue_name, RecoveryAction.SKIPPED,
                           "changed since it was read")
             continue
@@ -224,19 +224,19 @@ def discard(store: ReportStore, jobs: Iterable[Job], who: str | None = None) -> 
                       "deleted from the store")
 
 
-def forget_plan(store: ReportStore, key: str) -> dict[str, Any]:
+def forget_plan(store: Store, key: str) -> dict[str, Any]:
     """The effect key an ``effects forget`` would delete: its job and when it was recorded."""
-    found = store.effect_record(key)
+    found = store.reports.effect_record(key)
     if found is None:
         raise RecoveryRefused("", f"no effect key {key!r} in the lease store; a job's keys show with "
                                   "`celery lease inspect JOB`")
     return found
 
 
-def forget(store: ReportStore, key: str, who: str | None = None) -> bool:
+def forget(store: Store, key: str, who: str | None = None) -> bool:
     """Delete an effect key, so that the next run of its effect happens again (audited effect_forgotten)."""
     who = who or operator()
-    done = store.forget_effect(key, reason=f"forgotten by {who}")
+    done = store.recovery.forget_effect(key, reason=f"forgotten by {who}")
     if done:
         log.info("effect key %r forgotten by %s", key, who, extra={"action": "effect_forgotten"})
     return done

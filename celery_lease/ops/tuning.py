@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ..config import TaskPolicy, app_config, task_policy
 
 if TYPE_CHECKING:
-    from ..store import ReportStore
+    from ..store import Store
 
 __all__ = ["percentile", "TaskTuning", "tune_task", "tune", "SAMPLE_LIMIT", "LONG_JOB"]
 
@@ -134,18 +134,18 @@ def tune_task(task: str, policy: TaskPolicy, runtimes: Sequence[float], gaps: Se
                       gap, current, recommended, warnings)
 
 
-def tune(app: Any, store: ReportStore, task: str | None = None,
+def tune(app: Any, store: Store, task: str | None = None,
          limit: int = SAMPLE_LIMIT) -> list[TaskTuning]:
     """Tune every LeaseTask of the app that has completed jobs (or one task)."""
     from ..integration.task import LeaseTask
 
-    names = [task] if task else sorted(set(store.finished_tasks(limit)) | {
+    names = [task] if task else sorted(set(store.reports.finished_tasks(limit)) | {
         name for name, t in app.tasks.items() if isinstance(t, LeaseTask)})
-    _, running = store.running_rows()
-    alive = store.alive_workers()
+    _, running = store.reports.running_rows()
+    alive = store.reports.alive_workers()
     results = []
     for name in names:
-        sample = store.runtime_sample(name, limit)
+        sample = store.reports.runtime_sample(name, limit)
         queues = Counter(q for _, _, q in sample if q)
         queue = queues.most_common(1)[0][0] if queues else None
         registered = app.tasks.get(name)

@@ -70,7 +70,7 @@ def reaper_status(app: Any, store: Any) -> dict[str, Any]:
     entries, _ = reaper_entries(app)
     intervals = [e.interval for e in entries if e.interval]
     interval = min(intervals) if intervals else None
-    last = store.last_reaper_run()
+    last = store.runs.last_reaper_run()
     if last is None:
         return {"interval": interval, "last_run": None,
                 "summary": "runs not recorded at this schema revision (needs `lease migrate`)"}
@@ -88,7 +88,7 @@ def reaper_status(app: Any, store: Any) -> dict[str, Any]:
 
 def job_plan(store: Any, jobs: Sequence[Job]) -> list[dict[str, Any]]:
     """Plan rows of jobs, in ages: since the lease expired or the job failed, since its owner was seen."""
-    now, seen = store.workers_last_seen(sorted({j.locked_by for j in jobs if j.locked_by}))
+    now, seen = store.reports.workers_last_seen(sorted({j.locked_by for j in jobs if j.locked_by}))
     rows = []
     for j in jobs:
         why = []
@@ -110,7 +110,7 @@ def with_ages(store: Any, planned: list[dict[str, Any]]) -> list[dict[str, Any]]
     """Planned decisions with seconds since each lease expired and since its owner was last seen."""
     if not planned:
         return planned
-    now, seen = store.workers_last_seen(sorted({d["owner"] for d in planned if d.get("owner")}))
+    now, seen = store.reports.workers_last_seen(sorted({d["owner"] for d in planned if d.get("owner")}))
     out = []
     for d in planned:
         job = store.get(d["job_id"])

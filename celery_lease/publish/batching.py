@@ -8,7 +8,7 @@ send a leased job (a LeaseTask, or a chain, chord or group holding one); a group
 goes through Celery's own loop with no batch. Inside a batch, the publish of a new
 LeaseTask job without an idempotency key keeps its encoded message instead of recording and
 sending it. The kept jobs are recorded with one INSERT per table per RECORD_BATCH jobs
-(store.record_batch), then their messages are sent in the group's order: when the loop ends,
+(store.publishes.record_batch), then their messages are sent in the group's order: when the loop ends,
 or once the oldest kept job has waited BATCH_WAIT (a timer thread), since Celery sends the
 signatures of a generator as it yields them and the generator may wait for the tasks sent
 before (celery#3021). A publish with a key, a retry or a replacement sends the jobs kept so
@@ -43,7 +43,7 @@ from celery.canvas import Signature, group, maybe_signature
 
 from ..errors import StoreConflict
 from ..kinds import leased
-from ..store import NewJob, WorkerStore
+from ..store import NewJob, Store
 
 __all__ = ["Batch", "current", "install"]
 
@@ -66,7 +66,7 @@ class _Kept:
     the send of its message (given a producer of its app)."""
 
     app: Any
-    store: WorkerStore
+    store: Store
     job: NewJob
     reopen: bool
     send: Callable[[Any], Any]
@@ -82,7 +82,7 @@ class Batch:
         self._timer: threading.Timer | None = None
         self._error: BaseException | None = None
 
-    def keep(self, app: Any, store: WorkerStore, job: NewJob, reopen: bool,
+    def keep(self, app: Any, store: Store, job: NewJob, reopen: bool,
              send: Callable[[Any], Any]) -> None:
         with self._lock:
             self._raise_failure()
@@ -153,7 +153,7 @@ def _record_and_send(kept: list[_Kept]) -> None:
     except BaseException:
         for item in unsent:
             if id(item) in created:
-                item.store.forget_unpublished(item.job.id)
+                item.store.publishes.forget_unpublished(item.job.id)
         raise
 
 
@@ -163,15 +163,15 @@ def _record(items: list[_Kept]) -> list[_Kept]:
     would, still gets its message)."""
     store = items[0].store
     try:
-        store.record_batch([item.job for item in items])
+        store.publishes.record_batch([item.job for item in items])
         return items
     except StoreConflict:
         pass
     created = []
     for item in items:
         job = item.job
-        new, _ = store.record(job.id, job.task_name, job.queue, job.payload, job.max_attempts, None,
-                              job.delay, recovery=job.recovery, reopen=item.reopen)
+        new, _ = store.publishes.record(job.id, job.task_name, job.queue, job.payload, job.max_attempts, None,
+                                        job.delay, recovery=job.recovery, reopen=item.reopen)
         if new:
             created.append(item)
     return created

@@ -122,7 +122,7 @@ def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id
         return task.AsyncResult(taken.holder)
     except BaseException:
         if created:
-            for_app(task.app).forget_unpublished(task_id)
+            for_app(task.app).publishes.forget_unpublished(task_id)
         raise
 
 
@@ -132,7 +132,7 @@ def record_eager(task: Any, task_id: str, idempotency_key: str, options: dict[st
     queue = options.get("queue")
     queue = getattr(queue, "name", queue)
     policy = task_policy(task, queue)
-    _, holder = for_app(task.app).record(task_id, task.name, queue, None, policy.max_attempts,
+    _, holder = for_app(task.app).publishes.record(task_id, task.name, queue, None, policy.max_attempts,
                                                idempotency_key, 0.0, recovery=policy.recovery())
     if holder != task_id:
         log.info("task %s not run again: idempotency key %r belongs to job %s", task.name, idempotency_key,
@@ -149,7 +149,8 @@ def retry_first(lease: Lease, delay: float, payload: str) -> bool:
     """
     with lease.turn:
         try:
-            written = lease.store.retry_later(lease.job_id, lease.token, delay, payload, None, lease.worker)
+            written = lease.store.jobs.retry_later(lease.job_id, lease.token, delay, payload, None,
+                                                   lease.worker)
         except StoreRejected:
             raise
         except StoreUnavailable as exc:
@@ -158,7 +159,8 @@ def retry_first(lease: Lease, delay: float, payload: str) -> bool:
             lease.deferred_retry = (deadline.monotonic() + delay, payload)
             return False
         if not written and lease.vanished_and_recorded_again():
-            written = lease.store.retry_later(lease.job_id, lease.token, delay, payload, None, lease.worker)
+            written = lease.store.jobs.retry_later(lease.job_id, lease.token, delay, payload, None,
+                                                   lease.worker)
         if not written:
             lease.mark_lost("retry rejected: token no longer matches")
             lease.check()

@@ -75,7 +75,7 @@ def hand_over(task: Any, lease: Lease, sig: Signature, send: Callable[[Signature
         first = _first_sent(sig)
         if first is None or not leased(task.app.tasks.get(first.task)):
             with lease.turn:
-                if not store.hand_over(job_id, token, worker, None, name, nesting):
+                if not store.replacing.hand_over(job_id, token, worker, None, name, nesting):
                     raise Ignore()
                 lease.handed_over = True
             return send(sig)
@@ -85,7 +85,7 @@ def hand_over(task: Any, lease: Lease, sig: Signature, send: Callable[[Signature
         except Ignore:
             with lease.turn:  # the first step was not recorded here (its publish took another way)
                 if not lease.handed_over:
-                    lease.handed_over = store.hand_over(job_id, token, worker, None, name, nesting)
+                    lease.handed_over = store.replacing.hand_over(job_id, token, worker, None, name, nesting)
             raise
         finally:
             _later.reset(later)
@@ -96,7 +96,7 @@ def hand_over(task: Any, lease: Lease, sig: Signature, send: Callable[[Signature
         return send(sig)
     except Ignore:
         with lease.turn:
-            lease.handed_over = store.replaced(job_id, token, worker, name)
+            lease.handed_over = store.replacing.replaced(job_id, token, worker, name)
         raise
 
 
@@ -110,10 +110,11 @@ def _first_sent(sig: Signature) -> Signature | None:
 def record_step(store: Store, job_id: str, task_name: str, queue: str | None, payload: str | None,
                 max_attempts: int, idempotency_key: str | None, delay: float,
                 recovery: Mapping[str, Any] | None, reopen: bool) -> tuple[bool, str]:
-    """A leased publish's record (``store.record``); the replacement's first step also hands the job over.
+    """A leased publish's record (``store.publishes.record``); the replacement's first step also hands
+    the job over.
 
     While a running job hands over to a carrier sent later, the first step it publishes is
-    recorded in the transaction that removes the replaced row (store.hand_over_to_step).
+    recorded in the transaction that removes the replaced row (store.replacing.hand_over_to_step).
     Raises Ignore when the replaced run's lease moved on: nothing is sent.
     """
     later = _later.get()
@@ -122,8 +123,8 @@ def record_step(store: Store, job_id: str, task_name: str, queue: str | None, pa
         step = NewJob(job_id, task_name, queue, payload, max_attempts, delay, recovery)
 
         def write() -> bool | None:
-            return lease.store.hand_over_to_step(lease.job_id, lease.token, lease.worker, carrier_name, step,
-                                                 nesting)
+            return lease.store.replacing.hand_over_to_step(lease.job_id, lease.token, lease.worker,
+                                                           carrier_name, step, nesting)
 
         with lease.turn:
             done = write()
@@ -132,16 +133,16 @@ def record_step(store: Store, job_id: str, task_name: str, queue: str | None, pa
             if done is False:
                 raise Ignore()
             if done is None:  # the step's id is taken: hand over, then record it as any publish
-                if not lease.store.hand_over(lease.job_id, lease.token, lease.worker, None, carrier_name,
-                                             nesting):
+                if not lease.store.replacing.hand_over(lease.job_id, lease.token, lease.worker, None,
+                                                       carrier_name, nesting):
                     raise Ignore()
             lease.handed_over = True
         if done:
             # Not "created": a failed send must not forget the step's row, which now carries the
             # job (the dispatch scan sends it).
             return False, job_id
-    return store.record(job_id, task_name, queue, payload, max_attempts, idempotency_key, delay,
-                        recovery=recovery, reopen=reopen)
+    return store.publishes.record(job_id, task_name, queue, payload, max_attempts, idempotency_key, delay,
+                                  recovery=recovery, reopen=reopen)
 
 
 @contextlib.contextmanager
@@ -169,7 +170,7 @@ def claim_on_publish(task: Any, task_id: str, payload: str) -> bool:
     if lease is None or lease.job_id != task_id or lease.handed_over:
         return False
     def write() -> bool:
-        return lease.store.hand_over(lease.job_id, lease.token, lease.worker, payload, task.name)
+        return lease.store.replacing.hand_over(lease.job_id, lease.token, lease.worker, payload, task.name)
 
     with lease.turn:
         if not write() and not (lease.vanished_and_recorded_again() and write()):

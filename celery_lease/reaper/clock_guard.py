@@ -31,7 +31,7 @@ import socket
 import time
 from typing import Any
 
-from ..store import ReaperStore
+from ..store import Store
 
 __all__ = ["ClockGuard", "Hold", "host_clock"]
 
@@ -85,14 +85,14 @@ class ClockGuard:
         if self._failed_at is None:
             self._failed_at = time.monotonic()
 
-    def judge(self, store: ReaperStore, now: float, owner: str, stale_after: float,
+    def judge(self, store: Store, now: float, owner: str, stale_after: float,
               record: bool = True, mono: tuple[float, float] | None = None) -> Hold:
         """This run's hold, from the previous run's record; ``record`` writes this run's (and the
         hold's one event) in the store, a dry run only reads. ``stale_after``: the registry
         silence after which an owner looks gone (config.worker_stale_after). ``mono``: this
         host's monotonic clock when ``now`` was read, and how far off it may be (half the read's
         round trip); by default read now, taken as exact."""
-        state = store.reaper_clock() or {}
+        state = store.reaping.reaper_clock() or {}
         at, err = mono if mono is not None else (time.monotonic(), 0.0)
         reason, step = self._reason(state, now, at, err, stale_after)
         since = now if reason else state.get("calm_since")
@@ -103,7 +103,7 @@ class ClockGuard:
         if record:
             new = {"at": now, "mono": at, "mono_err": err, "host": host_clock(), "interval": interval,
                    "calm_since": since}
-            store.record_reaper_clock(new, held_back=reason, owner=owner, step_back=hold.step_back)
+            store.reaping.record_reaper_clock(new, held_back=reason, owner=owner, step_back=hold.step_back)
             self._failed_at = None
         if reason and record:
             log.warning("reaper holds back: %s; no lease is taken back before its owner had its lease "

@@ -16,7 +16,7 @@ import celery_lease.messaging.messages as messages
 from ..backoff import backoff
 from ..config import TaskPolicy, app_config, task_policy
 from ..errors import StoreCorrupt
-from ..store import Job, ReaperStore
+from ..store import Job, Store
 from ..vocabulary import Decision
 
 __all__ = ["ReapDecision", "ReapResult", "after_publish", "decide", "policy_for", "publish_decision",
@@ -132,19 +132,20 @@ def publish_decision(app: Any, job: Job, decision: ReapDecision) -> ReapDecision
     return decision
 
 
-def settle(store: ReaperStore, job: Job, decision: ReapDecision, result: ReapResult, *, expired: bool = True,
+def settle(store: Store, job: Job, decision: ReapDecision, result: ReapResult, *, expired: bool = True,
            now: float | None = None, c: Any = None) -> bool:
     """The CAS on the token read with the row; a lost race writes nothing and is only counted."""
     kind, token = decision.decision, job.lock_token or ""
     detail: dict[str, Any] = {"attempt": job.attempt_count, "expired_count": job.expired_count + 1}
     if kind == Decision.REQUEUE:
-        won = store.requeue_abandoned(job.id, token, job.locked_by, delay=decision.delay,
-                                      reason=decision.reason, expired=expired, now=now, detail=detail, c=c)
+        won = store.reaping.requeue_abandoned(job.id, token, job.locked_by, delay=decision.delay,
+                                              reason=decision.reason, expired=expired, now=now, detail=detail,
+                                              c=c)
     else:
         if decision.queue:
             detail["published_to"] = decision.queue
-        won = store.dead_letter_abandoned(job.id, token, job.locked_by, error=decision.reason,
-                                          expired=expired, now=now, detail=detail, c=c)
+        won = store.reaping.dead_letter_abandoned(job.id, token, job.locked_by, error=decision.reason,
+                                                  expired=expired, now=now, detail=detail, c=c)
     if not won:
         result.lost_races += 1
         log.debug("job %s [%s]: %s lost the race, the row moved on", job.id, token[:8], kind)

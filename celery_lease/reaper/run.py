@@ -30,7 +30,7 @@ import celery_lease.reaper.decisions as decisions
 from ..backoff import backoff, dispatch_wait
 from ..config import REAPER_RUNS_KEPT, app_config, worker_stale_after
 from ..errors import StoreCorrupt, StoreRejected, StoreUnavailable
-from ..store import Job, ReaperStore, for_app
+from ..store import Job, Store, for_app
 from ..vocabulary import Decision, RunMode, TaskEvent
 from .clock_guard import ClockGuard, Hold
 from .decisions import ReapDecision, ReapResult, decide, policy_for, publish_decision, settle
@@ -50,10 +50,10 @@ WORKER_PRUNE_FACTOR = 10  # registry rows go after 10 x lease_worker_stale_after
 class Reaper:
     """One reaper of an app: ``run_once()`` is a round, ``run_forever()`` the thin loop."""
 
-    def __init__(self, app: Any, store: ReaperStore | None = None, *, batch_size: int | None = None,
+    def __init__(self, app: Any, store: Store | None = None, *, batch_size: int | None = None,
                  rng: Any = None) -> None:
         self.app = app
-        self.store: ReaperStore = store or for_app(app)
+        self.store: Store = store or for_app(app)
         self.cfg = app_config(app)
         self.batch_size = batch_size or self.cfg.reaper_batch_size
         self.rng = rng or random.Random()
@@ -97,7 +97,7 @@ class Reaper:
             self._redispatch(result, now, RunMode.DRY_RUN)
             return result
         token, ttl = secrets.token_hex(16), self.cfg.reaper_lock_ttl
-        if not self.store.acquire_reaper_lock(token, self.owner, ttl):
+        if not self.store.reaping.acquire_reaper_lock(token, self.owner, ttl):
             result.skipped = True
             log.debug("reaper run skipped: another reaper holds the lock")
             return result
@@ -109,7 +109,7 @@ class Reaper:
                 self._prune(result, now)
         finally:
             try:
-                self.store.release_reaper_lock(token)
+                self.store.reaping.release_reaper_lock(token)
             except (StoreUnavailable, StoreRejected) as exc:
                 log.warning("reaper lock not released (it expires in %gs): %s", ttl, exc)
         self._record(result, time.monotonic() - started)
@@ -133,13 +133,13 @@ class Reaper:
         """
         counts = {k: v for k, v in result.as_dict().items() if type(v) is int}
         try:
-            self.store.record_reaper_run(duration, counts, self.owner, REAPER_RUNS_KEPT)
+            self.store.runs.record_reaper_run(duration, counts, self.owner, REAPER_RUNS_KEPT)
         except (StoreUnavailable, StoreRejected) as exc:
             log.warning("reaper run not recorded: %s", exc, extra={"action": "reap_record_failed"})
 
     def _still_ours(self, mode: RunMode, token: str) -> bool:
         """Whether this round may go on: a dry run holds no lock; an applying one renews its lock."""
-        if mode is RunMode.DRY_RUN or self.store.renew_reaper_lock(token, self.cfg.reaper_lock_ttl):
+        if mode is RunMode.DRY_RUN or self.store.reaping.renew_reaper_lock(token, self.cfg.reaper_lock_ttl):
             return True
         log.warning("reaper lock lost mid-run (another reaper took it after %gs); stopping",
                     self.cfg.reaper_lock_ttl)
@@ -152,7 +152,8 @@ class Reaper:
             finals: list[tuple[Job, str]] = []
             moved: list[tuple[TaskEvent, dict[str, Any]]] = []
             with self.store.begin(long=True, read=dry) as c:  # a dry run only reads
-                page = self.store.scan_expired(c, limit=self.batch_size, after=after, now=now, lock=not dry)
+                page = self.store.reaping.scan_expired(c, limit=self.batch_size, after=after, now=now,
+                                                       lock=not dry)
                 for item in page:
                     if budget == 0:
                         break
@@ -166,7 +167,7 @@ class Reaper:
                             result.planned.append(ReapDecision(job.id, job.task_name,
                                                                Decision.SKIP_OWNER_ALIVE, why, job.locked_by))
                         else:
-                            self.store.note_skipped_owner_alive(c, job, why)
+                            self.store.reaping.note_skipped_owner_alive(c, job, why)
                         continue
                     policy = policy_for(self.app, job)
                     if hold.holds(now, job.lease_duration or policy.duration, policy.heartbeat_interval):
@@ -225,8 +226,9 @@ class Reaper:
         floor, cap = self._dispatch_floor(), self.cfg.dispatch_backoff_max
         for _ in range(MAX_PAGES):
             with self.store.begin(long=True, read=dry) as c:  # a dry run only reads
-                page = self.store.scan_lost_dispatches(c, older_than=floor, limit=self.batch_size,
-                                                       after=after, now=now, lock=not dry, backoff_max=cap)
+                page = self.store.reaping.scan_lost_dispatches(c, older_than=floor, limit=self.batch_size,
+                                                               after=after, now=now, lock=not dry,
+                                                               backoff_max=cap)
                 for job, waited in page:
                     if budget == 0:
                         break
@@ -256,7 +258,7 @@ class Reaper:
                         return False
                     if decisions.after_publish is not None:
                         decisions.after_publish(job.id)
-                    if self.store.redispatched(job, why, c=c):
+                    if self.store.reaping.redispatched(job, why, c=c):
                         result.redispatched += 1
                     else:
                         result.lost_races += 1
@@ -269,10 +271,10 @@ class Reaper:
     def _prune(self, result: ReapResult, now: float | None) -> None:
         retention, store = self.cfg.retention, self.store
         stale = WORKER_PRUNE_FACTOR * worker_stale_after(self.app)
-        for field, prune, age in (("pruned_jobs", store.prune_completed, retention),
-                                  ("pruned_events", store.prune_events, retention),
-                                  ("pruned_workers", store.prune_workers, stale),
-                                  ("pruned_keys", store.prune_idempotency_keys,
+        for field, prune, age in (("pruned_jobs", store.reaping.prune_completed, retention),
+                                  ("pruned_events", store.reaping.prune_events, retention),
+                                  ("pruned_workers", store.reaping.prune_workers, stale),
+                                  ("pruned_keys", store.reaping.prune_idempotency_keys,
                                    self.cfg.idempotency_retention)):
             for _ in range(PRUNE_CHUNKS):
                 deleted = prune(age, PRUNE_CHUNK, now)

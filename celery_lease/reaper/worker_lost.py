@@ -15,7 +15,7 @@ import celery_lease.messaging.messages as messages
 import celery_lease.reaper.decisions as decisions
 
 from ..errors import StoreCorrupt
-from ..store import RUNNING, Job, ReaperStore, for_app
+from ..store import RUNNING, Job, Store, for_app
 from ..vocabulary import Decision, WorkerLostOutcome
 from .decisions import ReapDecision, ReapResult, decide, policy_for, publish_decision, settle
 
@@ -63,7 +63,7 @@ def recover_worker_lost(app: Any, job_id: str, owner: str, reason: str, final: b
     return WorkerLostOutcome(decision.decision)
 
 
-def _requeue_lost(app: Any, store: ReaperStore, job: Job, decision: ReapDecision, owner: str,
+def _requeue_lost(app: Any, store: Store, job: Job, decision: ReapDecision, owner: str,
                   reason: str, resend: bool = True) -> WorkerLostOutcome:
     """Requeue a dead child's job: the row first, then its message, so no delivery finds it busy.
 

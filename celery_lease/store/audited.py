@@ -14,15 +14,18 @@ from typing import Any
 import sqlalchemy as sa
 
 from ..vocabulary import Event
-from .base import StoreBase
+from .base import StoreEngine
 from .built import _Audited, _Positional
 from .rows import Job
 
 __all__ = ["AuditedWrites"]
 
 
-class AuditedWrites(StoreBase):
+class AuditedWrites:
     """The audited one-row writes the job transitions are made of."""
+
+    def __init__(self, db: StoreEngine) -> None:
+        self.db = db
 
     def _audited(self, stmt: sa.Update | Callable[[], sa.Update], job_id: str, event: Event,
                  reason: str | None, worker: str | None, token: str | None, detail: Any,
@@ -36,11 +39,11 @@ class AuditedWrites(StoreBase):
         reused: on the hot path, building them costs more CPU than running them; on
         PostgreSQL they are also compiled once and run on the driver connection.
         """
-        built = self._built.get(key) if key else None
+        built = self.db._built.get(key) if key else None
         if built is None:
             built = self._build_audited(stmt() if callable(stmt) else stmt, event, full_row, bool(key))
             if key:
-                self._built[key] = built
+                self.db._built[key] = built
         bind = {**(params or {}), "ev_job": job_id, "ev_reason": reason, "ev_worker": worker,
                 "ev_token": token[:8] if token else None,
                 "ev_detail": None if detail is None else json.dumps(detail, default=str)}
@@ -49,7 +52,7 @@ class AuditedWrites(StoreBase):
         if built.positional is not None:
             return self._execute_positional(built, bind)
         if built.statement is not None:
-            with self._driver_errors(), self.engine.connect() as conn:
+            with self.db._driver_errors(), self.db.engine.connect() as conn:
                 conn = conn.execution_options(isolation_level="AUTOCOMMIT")
                 return conn.execute(built.statement, bind).first()
         return self._audited_in_transaction(built, bind, job_id, full_row)
@@ -71,12 +74,12 @@ class AuditedWrites(StoreBase):
 
     def _audited_in_transaction(self, built: _Audited, bind: dict[str, Any], job_id: str,
                                 full_row: bool) -> Any:
-        with self.begin() as c:
-            if self.dialect.update_returning:
+        with self.db.begin() as c:
+            if self.db.dialect.update_returning:
                 row = c.execute(built.update, bind).first()
             elif c.execute(built.update, bind).rowcount == 1:
                 row = c.execute(sa.select(*self._row_columns(full_row))
-                                .where(self.t.jobs.c.id == job_id)).first()
+                                .where(self.db.t.jobs.c.id == job_id)).first()
             else:
                 row = None
             if row is not None:
@@ -85,35 +88,35 @@ class AuditedWrites(StoreBase):
 
     def _row_columns(self, full_row: bool) -> list[sa.Column]:
         # A claim needs the lease and progress columns; the stored message stays in the store.
-        jobs = self.t.jobs
-        return [c for c in self._job_columns() if c is not jobs.c.payload] if full_row else [jobs.c.id]
+        jobs = self.db.t.jobs
+        return [c for c in self.db._job_columns() if c is not jobs.c.payload] if full_row else [jobs.c.id]
 
     def _build_audited(self, stmt: sa.Update, event: Event, full_row: bool, reused: bool) -> _Audited:
         columns = self._row_columns(full_row)
         values = dict(
             event=sa.literal(str(event), sa.String()), reason=sa.bindparam("ev_reason", type_=sa.Text()),
             worker=sa.bindparam("ev_worker", type_=sa.String()),
-            token=sa.bindparam("ev_token", type_=sa.String()), at=self.now_sql,
+            token=sa.bindparam("ev_token", type_=sa.String()), at=self.db.now_sql,
             detail=sa.bindparam("ev_detail", type_=sa.Text()),
         )
         job = sa.bindparam("ev_job", type_=sa.String())
-        values.update(self._job_labels(job))
-        if not self.dialect.one_statement_writes:
-            update = stmt.returning(*columns) if self.dialect.update_returning else stmt
-            event_insert = sa.insert(self.t.events).values(job_id=job, **values)
-            if not (reused and self.dialect.compiled_fast_path and self.dialect.update_returning):
+        values.update(self.db._job_labels(job))
+        if not self.db.dialect.one_statement_writes:
+            update = stmt.returning(*columns) if self.db.dialect.update_returning else stmt
+            event_insert = sa.insert(self.db.t.events).values(job_id=job, **values)
+            if not (reused and self.db.dialect.compiled_fast_path and self.db.dialect.update_returning):
                 return _Audited(update=update, audit=event_insert)
-            dialect = self.engine.dialect
+            dialect = self.db.engine.dialect
             return _Audited(columns=[c.name for c in columns], positional=(
                 _Positional.compile(update, dialect, columns), _Positional.compile(event_insert, dialect)))
         changed = stmt.returning(*columns).cte("changed")
-        audit = sa.insert(self.t.events).from_select(
+        audit = sa.insert(self.db.t.events).from_select(
             ["job_id", *values], sa.select(changed.c.id, *values.values())
         ).cte("audit")
         statement = sa.select(changed).add_cte(audit)
-        if not (reused and self.dialect.compiled_fast_path):
+        if not (reused and self.db.dialect.compiled_fast_path):
             return _Audited(statement=statement)
-        compiled = statement.compile(dialect=self.engine.dialect)
+        compiled = statement.compile(dialect=self.db.engine.dialect)
         static = compiled.construct_params(_check=False)  # the literals SQLAlchemy made parameters
         return _Audited(compiled=(compiled.string, static), columns=[c.name for c in columns])
 
@@ -126,10 +129,10 @@ class AuditedWrites(StoreBase):
         """
         assert built.compiled is not None
         sql, static = built.compiled
-        dbapi = self.engine.dialect.loaded_dbapi
-        with self._driver_errors():
+        dbapi = self.db.engine.dialect.loaded_dbapi
+        with self.db._driver_errors():
             try:
-                raw = self.engine.raw_connection()
+                raw = self.db.engine.raw_connection()
                 try:
                     driver: Any = raw.driver_connection  # psycopg's: autocommit, closed
                     driver.autocommit = True
@@ -145,7 +148,7 @@ class AuditedWrites(StoreBase):
                     raw.close()
             except dbapi.Error as exc:
                 raise sa.exc.DBAPIError.instance(sql, None, exc, dbapi.Error, hide_parameters=True,
-                                                 dialect=self.engine.dialect) from exc
+                                                 dialect=self.db.engine.dialect) from exc
         return None if values is None else dict(zip(built.columns, values, strict=True))
 
     def _execute_positional(self, built: _Audited, bind: dict[str, Any]) -> dict[str, Any] | None:
@@ -160,15 +163,15 @@ class AuditedWrites(StoreBase):
         """
         assert built.positional is not None
         first, *rest = built.positional
-        dbapi = self.engine.dialect.loaded_dbapi
+        dbapi = self.db.engine.dialect.loaded_dbapi
         sql = first.sql
-        with self._driver_errors(), self._writer_turn(self.bounds, False):
+        with self.db._driver_errors(), self.db._writer_turn(self.db.bounds, False):
             try:
-                raw = self.engine.raw_connection()
+                raw = self.db.engine.raw_connection()
                 try:
                     cursor = raw.cursor()
                     try:
-                        self.dialect.begin_write(raw, self.bounds)
+                        self.db.dialect.begin_write(raw, self.db.bounds)
                         try:
                             cursor.execute(sql, first.parameters(bind))
                             values = cursor.fetchone() if first.results else ()
@@ -191,5 +194,5 @@ class AuditedWrites(StoreBase):
                     raw.close()
             except dbapi.Error as exc:
                 raise sa.exc.DBAPIError.instance(sql, None, exc, dbapi.Error, hide_parameters=True,
-                                                 dialect=self.engine.dialect) from exc
+                                                 dialect=self.db.engine.dialect) from exc
         return None if values is None else dict(zip(built.columns, first.row(values), strict=True))

@@ -25,7 +25,7 @@ from ..vocabulary import Event, StoreFailure
 from .built import _Audited
 from .rows import RUNNING, Job, fenced_status, status_sql
 
-__all__ = ["StoreBase", "RUNS_REVISION", "RESULT_REVISION", "where_given"]
+__all__ = ["StoreEngine", "RUNS_REVISION", "RESULT_REVISION", "where_given"]
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ RESULT_REVISION = "0005"
 
 STALE_REASON = "lock token no longer matches"  # the reason of every write a fence refused
 
-_StoreT = TypeVar("_StoreT", bound="StoreBase")
+_StoreT = TypeVar("_StoreT", bound="StoreEngine")
 
 
 def where_given(query: sa.Select, *filters: tuple[Any, Any]) -> sa.Select:
@@ -52,8 +52,8 @@ def _default(setting: str, value: Any) -> Any:
     return config.BY_NAME[setting].default if value is None else value
 
 
-class StoreBase:
-    """Engine, tables, transactions and the audit log; statements live in the mixins."""
+class StoreEngine:
+    """Engine, tables, transactions and the audit log; the statement groups built on it hold the rest."""
 
     def __init__(self, url: str, prefix: str = "celery_lease_", busy_timeout: float | None = None, *,
                  call_timeout: float | None = None, pool_size: int | None = None,

@@ -25,7 +25,7 @@ from ..vocabulary import StoreFailure
 
 __all__ = ["Bounds", "Dialect", "READ_ONLY", "LOCK_WAIT", "ms", "ping_if_idle", "server_version"]
 
-# Execution options StoreBase.begin sets on its connection: the transaction only reads; the
+# Execution options StoreEngine.begin sets on its connection: the transaction only reads; the
 # seconds a long one (a reaper batch, an operator's command) may wait for a lock.
 READ_ONLY = "lease_read_only"
 LOCK_WAIT = "lease_lock_wait"

@@ -18,7 +18,7 @@ from sqlalchemy.engine import Connection
 
 from ..errors import StoreUnavailable
 from ..vocabulary import EffectOutcome, Event
-from .base import StoreBase
+from .base import StoreEngine
 from .caller import for_caller, is_django
 
 __all__ = ["EffectStatements", "advance_statement"]
@@ -42,32 +42,35 @@ def advance_statement(column: sa.Column, where: sa.ColumnElement[bool], value: A
     return sa.update(column.table).where(where, sa.or_(column.is_(None), behind)).values({column.name: value})
 
 
-class EffectStatements(StoreBase):
-    """Fenced effect keys, resource locks, and the keys an operator may release."""
+class EffectStatements:
+    """Fenced effect keys and resource locks, as a running job takes and gives them back."""
+
+    def __init__(self, db: StoreEngine) -> None:
+        self.db = db
 
     # -- fencing ----------------------------------------------------------------
     def _lease_held(self, c: Connection, job_id: str, token: str) -> bool:
         """Whether the job's row still carries this token (read on ``c``)."""
-        j = self.t.jobs
-        return c.execute(sa.select(j.c.id).where(self._fenced(job_id, token))).first() is not None
+        j = self.db.t.jobs
+        return c.execute(sa.select(j.c.id).where(self.db._fenced(job_id, token))).first() is not None
 
     # -- effects ------------------------------------------------------------------
     def _effect_insert(self, key: str, job_id: str, token: str, fenced: bool = True) -> Any:
-        e, j = self.t.effects, self.t.jobs
+        e, j = self.db.t.effects, self.db.t.jobs
         if not fenced:
-            return self.dialect.insert_ignore(e).values(key=key, job_id=job_id, at=self.now_sql)
-        source = (sa.select(sa.literal(key, sa.String()), j.c.id, self.now_sql)
-                  .where(self._fenced(job_id, token)))
-        return self.dialect.insert_ignore(e).from_select(["key", "job_id", "at"], source)
+            return self.db.dialect.insert_ignore(e).values(key=key, job_id=job_id, at=self.db.now_sql)
+        source = (sa.select(sa.literal(key, sa.String()), j.c.id, self.db.now_sql)
+                  .where(self.db._fenced(job_id, token)))
+        return self.db.dialect.insert_ignore(e).from_select(["key", "job_id", "at"], source)
 
     def record_effect(self, key: str, job_id: str, token: str, worker: str | None = None) -> EffectOutcome:
         """Insert ``key`` for the job while ``token`` holds it: FIRST, DUPLICATE or LOST (audited)."""
-        with self.begin() as c:
+        with self.db.begin() as c:
             if c.execute(self._effect_insert(key, job_id, token)).rowcount == 1:
                 return FIRST
             if self._lease_held(c, job_id, token):
                 return DUPLICATE
-            self._stale(c, job_id, Event.STALE_EFFECT_REJECTED, worker, token, {"key": key})
+            self.db._stale(c, job_id, Event.STALE_EFFECT_REJECTED, worker, token, {"key": key})
             return LOST
 
     @contextlib.contextmanager
@@ -76,9 +79,9 @@ class EffectStatements(StoreBase):
         try:
             yield
         except (sa.exc.DBAPIError, sa.exc.TimeoutError) as exc:
-            error = self.dialect.classify(exc, "behind the caller's connection", self.bounds)
+            error = self.db.dialect.classify(exc, "behind the caller's connection", self.db.bounds)
             raise type(error)(f"{what}: {error}; pass a connection to the lease store's database "
-                              f"({self.safe_url}), migrated", **error.context) from exc
+                              f"({self.db.safe_url}), migrated", **error.context) from exc
 
     def record_effect_in(self, conn: Connection | Any, key: str, job_id: str, token: str,
                          worker: str | None = None) -> EffectOutcome:
@@ -92,8 +95,8 @@ class EffectStatements(StoreBase):
         """
         conn = self._caller(conn)
         what = f"effect {key!r}"
-        if self.dialect.fence_locks_rows:
-            with self.begin() as c:
+        if self.db.dialect.fence_locks_rows:
+            with self.db.begin() as c:
                 if not self._lease_held(c, job_id, token):
                     self._stale_effect(c, key, job_id, token, worker)
                     return LOST
@@ -103,11 +106,11 @@ class EffectStatements(StoreBase):
         with self._caller_errors(conn, what):
             if conn.execute(self._effect_insert(key, job_id, token)).rowcount == 1:
                 return FIRST
-            if self.dialect.single_writer:
+            if self.db.dialect.single_writer:
                 # The caller's connection may hold the database's only write lock: a second
                 # connection would wait for it, so read and audit on the caller's.
                 return self._duplicate_or_lost(conn, key, job_id, token, worker)
-        with self.begin() as c:
+        with self.db.begin() as c:
             return self._duplicate_or_lost(c, key, job_id, token, worker)
 
     def _caller(self, conn: Any) -> Any:
@@ -115,14 +118,14 @@ class EffectStatements(StoreBase):
         (caller.py); ValueError for a connection to another kind of database."""
         django = is_django(conn)
         name = conn.vendor if django else conn.dialect.name
-        if not self.dialect.speaks(name):
+        if not self.db.dialect.speaks(name):
             raise ValueError(f"effect(connection=...) needs a connection to the lease store's database "
-                             f"({self.safe_url}); got a {name} connection")
+                             f"({self.db.safe_url}); got a {name} connection")
         if not django:
             return conn
-        if self.revision is None:
-            self.ensure_schema()  # read on the store's own connection: Django's cannot run alembic
-        return for_caller(conn, self.engine.dialect)
+        if self.db.revision is None:
+            self.db.ensure_schema()  # read on the store's own connection: Django's cannot run alembic
+        return for_caller(conn, self.db.engine.dialect)
 
     def record_unfenced_effect_in(self, conn: Any, key: str, job_id: str) -> EffectOutcome:
         """Insert ``key`` in the caller's transaction for a run that holds no lease (an eager run):
@@ -141,8 +144,8 @@ class EffectStatements(StoreBase):
         return LOST
 
     def _stale_effect(self, c: Any, key: str, job_id: str, token: str, worker: str | None) -> None:
-        self._stale(c, job_id, Event.STALE_EFFECT_REJECTED, worker, token,
-                    {"key": key, "in_transaction": True})
+        self.db._stale(c, job_id, Event.STALE_EFFECT_REJECTED, worker, token,
+                       {"key": key, "in_transaction": True})
 
     def release_effect(self, key: str, job_id: str, token: str, worker: str | None = None,
                        reason: str | None = None) -> bool:
@@ -151,51 +154,26 @@ class EffectStatements(StoreBase):
         When the lease is gone the key stays (a stale owner changes nothing) and an
         ``effect_unconfirmed`` event names it: the effect may not have happened.
         """
-        e = self.t.effects
-        with self.begin() as c:
+        e = self.db.t.effects
+        with self.db.begin() as c:
             res = c.execute(sa.delete(e).where(
                 e.c.key == key, e.c.job_id == job_id,
-                sa.exists().where(self._fenced(job_id, token)),
+                sa.exists().where(self.db._fenced(job_id, token)),
             ))
             if res.rowcount == 1:
-                self._event(c, job_id, Event.EFFECT_RELEASED, reason, worker, token, {"key": key})
+                self.db._event(c, job_id, Event.EFFECT_RELEASED, reason, worker, token, {"key": key})
                 return True
-            self._event(c, job_id, Event.EFFECT_UNCONFIRMED,
-                        "block failed after the lease was lost; key kept", worker, token,
-                        {"key": key, "error": reason})
+            self.db._event(c, job_id, Event.EFFECT_UNCONFIRMED,
+                           "block failed after the lease was lost; key kept", worker, token,
+                           {"key": key, "error": reason})
             return False
 
     def unrecord_effect_in(self, conn: Connection | Any, key: str, job_id: str) -> bool:
         """Take back a key this transaction wrote on ``conn`` (its block failed; nobody saw it yet)."""
-        e = self.t.effects
+        e = self.db.t.effects
         conn = self._caller(conn)
         with self._caller_errors(conn, f"effect {key!r}"):
             return conn.execute(sa.delete(e).where(e.c.key == key, e.c.job_id == job_id)).rowcount == 1
-
-    def forget_effect(self, key: str, reason: str = "released by an operator") -> bool:
-        """Delete an effect key unconditionally (an operator's decision), audited."""
-        e = self.t.effects
-        with self.begin() as c:
-            job_id = c.execute(sa.select(e.c.job_id).where(e.c.key == key)).scalar()
-            if job_id is None:
-                return False
-            res = c.execute(sa.delete(e).where(e.c.key == key, e.c.job_id == job_id))
-            if res.rowcount == 1:
-                self._event(c, job_id, Event.EFFECT_FORGOTTEN, reason, detail={"key": key})
-            return res.rowcount == 1
-
-    def effect_record(self, key: str) -> dict[str, Any] | None:
-        """An effect key's row (``key``, ``job_id``, ``at``), or None when no such key is recorded."""
-        e = self.t.effects
-        with self.begin(read=True) as c:
-            row = c.execute(sa.select(e.c.key, e.c.job_id, e.c.at).where(e.c.key == key)).first()
-        return None if row is None else dict(row._mapping)
-
-    def effect_keys(self, job_id: str) -> list[str]:
-        """The effect keys a job recorded, oldest first."""
-        e = self.t.effects
-        with self.begin(read=True) as c:
-            return list(c.execute(sa.select(e.c.key).where(e.c.job_id == job_id).order_by(e.c.at)).scalars())
 
     # -- resource locks ---------------------------------------------------------------
     def acquire_lock(self, resource: str, token: str, ttl: float, owner: str | None = None,
@@ -211,36 +189,36 @@ class EffectStatements(StoreBase):
             except StoreUnavailable as exc:
                 # Racing takers of one key can deadlock on MySQL; the loser's transaction was
                 # rolled back whole, so running it again is safe.
-                if attempt == 2 or not self.dialect.retryable(exc.__cause__):
+                if attempt == 2 or not self.db.dialect.retryable(exc.__cause__):
                     raise
         raise AssertionError("unreachable")
 
     def _acquire_lock_once(self, resource: str, token: str, ttl: float, owner: str | None,
                            job_id: str | None, job_token: str | None) -> EffectOutcome:
-        lk, j = self.t.locks, self.t.jobs
-        fence = self._fenced(job_id, job_token) if job_token is not None and job_id is not None else None
-        with self.begin() as c:
+        lk, j = self.db.t.locks, self.db.t.jobs
+        fence = self.db._fenced(job_id, job_token) if job_token is not None and job_id is not None else None
+        with self.db.begin() as c:
             values: list[sa.ColumnElement[Any]] = [
                 sa.literal(resource, sa.String()), sa.literal(token, sa.String()),
-                sa.literal(job_id, sa.String()), sa.literal(owner, sa.String()), self.now_sql + ttl]
+                sa.literal(job_id, sa.String()), sa.literal(owner, sa.String()), self.db.now_sql + ttl]
             # SQLite wants a WHERE before ON CONFLICT in INSERT ... SELECT.
             source = sa.select(*values).where(sa.true())
             if fence is not None:
                 source = source.select_from(j).where(fence)
             cols = ["resource", "token", "job_id", "owner", "expires_at"]
-            if c.execute(self.dialect.insert_ignore(lk).from_select(cols, source)).rowcount == 1:
+            if c.execute(self.db.dialect.insert_ignore(lk).from_select(cols, source)).rowcount == 1:
                 return FIRST
-            take = sa.update(lk).where(lk.c.resource == resource, lk.c.expires_at < self.now_sql)
+            take = sa.update(lk).where(lk.c.resource == resource, lk.c.expires_at < self.db.now_sql)
             if fence is not None:
                 take = take.where(sa.exists().where(fence))
             res = c.execute(take.values(token=token, job_id=job_id, owner=owner,
-                                        expires_at=self.now_sql + ttl))
+                                        expires_at=self.db.now_sql + ttl))
             if res.rowcount == 1:
-                self._event(c, job_id, Event.LOCK_TAKEN_AFTER_EXPIRY, resource, owner, token)
+                self.db._event(c, job_id, Event.LOCK_TAKEN_AFTER_EXPIRY, resource, owner, token)
                 return FIRST
             if fence is not None and job_id is not None and job_token is not None \
                     and not self._lease_held(c, job_id, job_token):
-                self._stale(c, job_id, Event.STALE_LOCK_REJECTED, owner, job_token, {"resource": resource})
+                self.db._stale(c, job_id, Event.STALE_LOCK_REJECTED, owner, job_token, {"resource": resource})
                 return LOST
             return DUPLICATE
 
@@ -248,23 +226,16 @@ class EffectStatements(StoreBase):
         """Extend every lock whose token is given (token -> ttl) in one statement; returns renewed tokens."""
         if not ttls:
             return set()
-        lk = self.t.locks
+        lk = self.db.t.locks
         tokens = list(ttls)
         ttl = sa.case(*((lk.c.token == tok, sa.literal(sec)) for tok, sec in ttls.items()), else_=0.0)
-        stmt = sa.update(lk).where(lk.c.token.in_(tokens)).values(expires_at=self.now_sql + ttl)
-        with self.begin() as c:
-            if self.dialect.update_returning:
+        stmt = sa.update(lk).where(lk.c.token.in_(tokens)).values(expires_at=self.db.now_sql + ttl)
+        with self.db.begin() as c:
+            if self.db.dialect.update_returning:
                 return {r[0] for r in c.execute(stmt.returning(lk.c.token))}
             c.execute(stmt)
             return set(c.execute(sa.select(lk.c.token).where(lk.c.token.in_(tokens))).scalars())
 
     def release_lock(self, resource: str, token: str) -> bool:
         """Delete the lock row if ``token`` still holds it; False when it expired and moved on."""
-        return self._delete_lock(resource, token)
-
-    def lock_holder(self, resource: str) -> dict[str, Any] | None:
-        """The lock row of a resource (token, job_id, owner, expires_at), or None."""
-        lk = self.t.locks
-        with self.begin(read=True) as c:
-            row = c.execute(sa.select(lk).where(lk.c.resource == resource)).first()
-        return None if row is None else dict(row._mapping)
+        return self.db._delete_lock(resource, token)

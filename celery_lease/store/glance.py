@@ -1,20 +1,23 @@
-"""The one read a worker's consumer makes of a delivery before Celery announces it.
+"""The worker's reads of its deliveries' jobs: the consumer's glance and the broker's lease check.
 
 ``glance`` finds the job by its primary key and answers only what tells a sure duplicate
 from a delivery the task must see: the status, the owner, whether its lease is live on the
 store's clock and whether a completed job kept its result. strategy.py decides with it.
+``leases_alive`` tells which deliveries a broker holds hidden are still leased (brokers.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import sqlalchemy as sa
 
 from ..vocabulary import Status
-from .base import RESULT_REVISION, StoreBase
+from .base import RESULT_REVISION, StoreEngine
+from .rows import RUNNING, fenced_status
 
-__all__ = ["Glance", "GlanceStatements"]
+__all__ = ["Glance", "DeliveryStatements"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,22 +30,37 @@ class Glance:
     result_kept: bool
 
 
-class GlanceStatements(StoreBase):
-    """The consumer's read of a delivery's job (one primary-key lookup, no lock, no write)."""
+class DeliveryStatements:
+    """The worker's reads of deliveries' jobs (primary-key lookups, no lock, no write)."""
+
+    def __init__(self, db: StoreEngine) -> None:
+        self.db = db
 
     def _glance_statement(self, kept: bool) -> sa.Select:
-        j = self.t.jobs
+        j = self.db.t.jobs
         result = j.c.result.is_not(None) if kept else sa.false()
         return (sa.select(j.c.status, j.c.locked_by,
-                          sa.func.coalesce(j.c.lease_expires_at > self.now_sql, sa.false()).label("live"),
+                          sa.func.coalesce(j.c.lease_expires_at > self.db.now_sql, sa.false()).label("live"),
                           result.label("kept"))
                 .where(j.c.id == sa.bindparam("job_id")))
 
     def glance(self, job_id: str) -> Glance | None:
         """The job's status, owner, live lease and kept result; None when the store has no row."""
-        kept = self.at_least(RESULT_REVISION)
-        with self.begin(read=True) as c:
+        kept = self.db.at_least(RESULT_REVISION)
+        with self.db.begin(read=True) as c:
             row = c.execute(self._glance_statement(kept), {"job_id": job_id}).first()
         if row is None:
             return None
         return Glance(Status(row.status), row.locked_by, bool(row.live), bool(row.kept))
+
+    def leases_alive(self, job_ids: Sequence[str]) -> dict[str, str | None]:
+        """Owner of each given job that is running with an unexpired lease (store's clock)."""
+        if not job_ids:
+            return {}
+        j = self.db.t.jobs
+        with self.db.begin(long=True, read=True) as c:
+            rows = c.execute(sa.select(j.c.id, j.c.locked_by).where(
+                j.c.id.in_(list(job_ids)), fenced_status(j.c.status, RUNNING),
+                j.c.lease_expires_at > self.db.now_sql,
+            )).all()
+        return {r[0]: r[1] for r in rows}

@@ -12,9 +12,10 @@ from sqlalchemy.engine import Connection
 from ..config import RECOVERY
 from ..errors import StoreConflict, StoreUnavailable
 from ..vocabulary import ClaimOutcome, Event, LossReason
-from .base import RESULT_REVISION, where_given
-from .publishes import PublishStatements
+from .audited import AuditedWrites
+from .base import RESULT_REVISION, StoreEngine
 from .rows import COMPLETED, FAILED, PENDING, RUNNING, Claim, ClaimTerms, Job, fenced_status
+from .workers import WorkerStatements
 
 __all__ = ["JobStatements"]
 
@@ -31,27 +32,32 @@ class _Replaced:
         self.step = step
 
 
-class JobStatements(PublishStatements):
+class JobStatements:
     """Transitions of one job between pending, running, completed and failed."""
+
+    def __init__(self, db: StoreEngine, audited: AuditedWrites, workers: WorkerStatements) -> None:
+        self.db = db
+        self.audited = audited
+        self.workers = workers
 
     # -- claim ------------------------------------------------------------
     def _lease_values(self, worker: Any, token: Any, duration: Any, grace: Any) -> dict[str, Any]:
         """The columns of a new lease, from values or bind parameters."""
         return dict(
             status=RUNNING, locked_by=worker, lock_token=token, lease_duration=duration,
-            grace_period=grace, started_at=self.now_sql, last_heartbeat_at=self.now_sql,
-            lease_expires_at=self.now_sql + duration, updated_at=self.now_sql,
-            attempt_count=self.t.jobs.c.attempt_count + 1,
+            grace_period=grace, started_at=self.db.now_sql, last_heartbeat_at=self.db.now_sql,
+            lease_expires_at=self.db.now_sql + duration, updated_at=self.db.now_sql,
+            attempt_count=self.db.t.jobs.c.attempt_count + 1,
         )
 
     def _claim_pending_statement(self, async_commit: bool) -> sa.Update:
         """pending -> running, as a statement of bind parameters (built once per store)."""
-        j = self.t.jobs
+        j = self.db.t.jobs
         duration: sa.BindParameter[float] = sa.bindparam("duration", type_=sa.Double())
         early: sa.BindParameter[float] = sa.bindparam("early", type_=sa.Double())
         conditions = [j.c.id == sa.bindparam("job_id"), fenced_status(j.c.status, PENDING),
-                      j.c.available_at <= self.now_sql + early,
-                      *self.dialect.autocommit_settings(self.bounds, async_commit)]
+                      j.c.available_at <= self.db.now_sql + early,
+                      *self.db.dialect.autocommit_settings(self.db.bounds, async_commit)]
         grace: sa.BindParameter[float] = sa.bindparam("grace", type_=sa.Double())
         # The running code's recovery policy replaces the recorded one; NULL keeps it.
         recovery = {name: sa.func.coalesce(sa.bindparam(f"r_{name}", type_=j.c[name].type), j.c[name])
@@ -62,14 +68,14 @@ class JobStatements(PublishStatements):
     def _complete_running(self, keep: bool = False) -> sa.Update:
         """running -> completed under the token (``keep``: with the result), as a statement of bind
         parameters."""
-        j = self.t.jobs
+        j = self.db.t.jobs
         kept = {"result": sa.bindparam("result", type_=sa.Text())} if keep else {}
         return sa.update(j).where(
             j.c.id == sa.bindparam("job_id"), j.c.lock_token == sa.bindparam("token"),
             fenced_status(j.c.status, RUNNING),
-            *self.dialect.autocommit_settings(self.bounds),
-        ).values(status=COMPLETED, completed_at=self.now_sql, lease_expires_at=None, lock_token=None,
-                 updated_at=self.now_sql, **kept)
+            *self.db.dialect.autocommit_settings(self.db.bounds),
+        ).values(status=COMPLETED, completed_at=self.db.now_sql, lease_expires_at=None, lock_token=None,
+                 updated_at=self.db.now_sql, **kept)
 
     def claim(self, job_id: str, worker: str, token: str, terms: ClaimTerms, task_name: str,
               queue: str | None, payload: Callable[[], str | None]) -> Claim:
@@ -83,15 +89,15 @@ class JobStatements(PublishStatements):
             claimed = self._claim_pending(job_id, worker, token, terms)
             if claimed is not None:
                 return Claim(ClaimOutcome.CLAIMED, claimed)
-            with self.begin() as c:
+            with self.db.begin() as c:
                 current = self._job(c, job_id)
                 if current is not None and current.status == RUNNING and terms.takeover:
                     taken = self._take_over(c, current, worker, token, terms)
                     if taken is not None:
                         return Claim(ClaimOutcome.CLAIMED, taken)
                 if current is not None and current.status == PENDING:
-                    wait = current.available_at - float(c.execute(sa.select(self.now_sql)).scalar_one())
-                    if wait > self.clock_tolerance:
+                    wait = current.available_at - float(c.execute(sa.select(self.db.now_sql)).scalar_one())
+                    if wait > self.db.clock_tolerance:
                         return Claim(ClaimOutcome.EARLY, current, wait)
                     continue  # requeued between our two statements: claim it on the next pass
                 if current is not None and not (current.status == RUNNING and terms.takeover):
@@ -99,42 +105,42 @@ class JobStatements(PublishStatements):
             if current is not None:
                 # The takeover lost. On PostgreSQL it may have waited on a reaper that was
                 # requeueing this very job: read again, and claim it if it is pending now.
-                current = self.get(job_id) or current
+                current = self.db.get(job_id) or current
                 if current.status == PENDING:
                     continue
                 return _not_ours(current)
             created = self._insert_first_seen(job_id, worker, token, terms, task_name, queue, payload)
             if isinstance(created, _Replaced):
-                return Claim(ClaimOutcome.REPLACED, None, step=self.get(created.step))
+                return Claim(ClaimOutcome.REPLACED, None, step=self.db.get(created.step))
             if isinstance(created, Job):
                 return Claim(ClaimOutcome.CLAIMED, created)
         raise StoreUnavailable(f"job {job_id}: claim kept racing with concurrent inserts", job_id=job_id)
 
     def _claim_pending(self, job_id: str, worker: str, token: str, terms: ClaimTerms) -> Job | None:
         """pending and available -> running as ours, audited ``claimed``: the new row, or None."""
-        async_commit = self.claim_async_commit
-        return self._audited_row(
+        async_commit = self.db.claim_async_commit
+        return self.audited._audited_row(
             lambda: self._claim_pending_statement(async_commit), job_id, Event.CLAIMED, worker=worker,
             token=token, key="claim_async" if async_commit else "claim",
             params={"job_id": job_id, "worker": worker, "token": token, "duration": terms.duration,
-                    "grace": terms.grace, "early": self.clock_tolerance,
+                    "grace": terms.grace, "early": self.db.clock_tolerance,
                     **{f"r_{name}": (terms.recovery or {}).get(name) for name in RECOVERY}})
 
     def _take_over(self, c: Connection, current: Job, worker: str, token: str,
                    terms: ClaimTerms) -> Job | None:
         """An abandoned running lease -> ours (CAS on the token seen), audited ``lease_taken_over``."""
-        j = self.t.jobs
+        j = self.db.t.jobs
         res = c.execute(sa.update(j).where(
-            j.c.id == current.id, j.c.lock_token == current.lock_token, self._claimable_expired(),
+            j.c.id == current.id, j.c.lock_token == current.lock_token, self.db._claimable_expired(),
             j.c.attempt_count < j.c.max_attempts, j.c.expired_count < terms.max_expirations,
         ).values(expired_count=j.c.expired_count + 1,
                  **self._lease_values(worker, token, terms.duration, terms.grace)))
         if res.rowcount != 1:
             return None
-        self._event(c, current.id, Event.LEASE_TAKEN_OVER, reason="lease expired past grace",
-                    worker=worker, token=token,
-                    detail={"previous_owner": current.locked_by,
-                            "previous_token": (current.lock_token or "")[:8]})
+        self.db._event(c, current.id, Event.LEASE_TAKEN_OVER, reason="lease expired past grace",
+                       worker=worker, token=token,
+                       detail={"previous_owner": current.locked_by,
+                               "previous_token": (current.lock_token or "")[:8]})
         return self._job(c, current.id)
 
     def reclaim(self, job_id: str, lost_token: str, worker: str, token: str, terms: ClaimTerms) -> Job | None:
@@ -144,18 +150,18 @@ class JobStatements(PublishStatements):
         row or the table longer than the call bound), so no body runs under ``lost_token``. The
         attempt that claim counted is the one this takes on: the count does not grow again.
         """
-        j = self.t.jobs
+        j = self.db.t.jobs
         lease = {k: v for k, v in self._lease_values(worker, token, terms.duration, terms.grace).items()
                  if k != "attempt_count"}
-        with self.begin() as c:
+        with self.db.begin() as c:
             res = c.execute(sa.update(j).where(
                 j.c.id == job_id, j.c.lock_token == lost_token, j.c.locked_by == worker,
                 fenced_status(j.c.status, RUNNING),
             ).values(**lease))
             if res.rowcount != 1:
                 return None
-            self._event(c, job_id, Event.CLAIM_TAKEN_BACK, reason="own claim whose answer was lost",
-                        worker=worker, token=token, detail={"previous_token": lost_token[:8]})
+            self.db._event(c, job_id, Event.CLAIM_TAKEN_BACK, reason="own claim whose answer was lost",
+                           worker=worker, token=token, detail={"previous_token": lost_token[:8]})
             return self._job(c, job_id)
 
     def _insert_first_seen(self, job_id: str, worker: str, token: str, terms: ClaimTerms, task_name: str,
@@ -166,22 +172,22 @@ class JobStatements(PublishStatements):
         whose carrier is not recorded yet, and this delivery is a copy of the replaced run's
         message: run, it would replace the job a second time.
         """
-        j = self.t.jobs
+        j = self.db.t.jobs
         lease = {k: v for k, v in self._lease_values(worker, token, terms.duration, terms.grace).items()
                  if k != "attempt_count"}
         try:
-            with self.begin() as c:
+            with self.db.begin() as c:
                 step = self._replaced_by_step(c, job_id, terms.nesting)
                 if step is not None:
                     return _Replaced(step)
                 c.execute(sa.insert(j).values(
                     id=job_id, task_name=task_name, queue_name=queue, payload=payload(),
                     max_attempts=terms.max_attempts, expired_count=0, dispatch_count=0,
-                    available_at=self.now_sql, created_at=self.now_sql, attempt_count=0,
+                    available_at=self.db.now_sql, created_at=self.db.now_sql, attempt_count=0,
                     **(terms.recovery or {}), **lease,
                 ).values(attempt_count=1))
-                self._event(c, job_id, Event.CLAIMED, reason="first seen by a worker",
-                            worker=worker, token=token)
+                self.db._event(c, job_id, Event.CLAIMED, reason="first seen by a worker",
+                               worker=worker, token=token)
                 return self._job(c, job_id)
         except StoreConflict:
             return None
@@ -194,7 +200,7 @@ class JobStatements(PublishStatements):
         hand-over to an unleased first step left nothing in the store, and a copy of the replaced
         message may then be the job's only way on (a hand-over whose answer was lost).
         """
-        e = self.t.events
+        e = self.db.t.events
         last = c.execute(sa.select(e.c.event, e.c.detail).where(
             e.c.job_id == job_id, e.c.event.in_((Event.HANDED_OVER, Event.PUBLISHED, Event.CLAIMED)),
         ).order_by(e.c.id.desc()).limit(1)).first()
@@ -209,54 +215,55 @@ class JobStatements(PublishStatements):
         return str(detail["first_step"]) if int(detail["nesting"] or 0) >= nesting else None
 
     def _job(self, c: Connection, job_id: str) -> Job | None:
-        row = c.execute(sa.select(*self._job_columns()).where(self.t.jobs.c.id == job_id)).first()
+        row = c.execute(sa.select(*self.db._job_columns()).where(self.db.t.jobs.c.id == job_id)).first()
         return None if row is None else Job.from_row(row)
 
     # -- owner transitions (fenced) -------------------------------------------
     def _owner_write(self, job_id: str, token: str, worker: str | None, event: Event, stale: Event,
                      values: Mapping[str, Any], reason: str | None = None, detail: Any = None) -> bool:
         """One fenced write audited as ``event``; a stale token changes nothing, audited as ``stale``."""
-        stmt = (sa.update(self.t.jobs).where(self._fenced(job_id, token),
-                                             *self.dialect.autocommit_settings(self.bounds))
-                .values(updated_at=self.now_sql, **values))
-        if self._audited_write(stmt, job_id, event, reason, worker, token, detail):
+        stmt = (sa.update(self.db.t.jobs).where(self.db._fenced(job_id, token),
+                                                *self.db.dialect.autocommit_settings(self.db.bounds))
+                .values(updated_at=self.db.now_sql, **values))
+        if self.audited._audited_write(stmt, job_id, event, reason, worker, token, detail):
             return True
-        self._stale(None, job_id, stale, worker, token, detail)
+        self.db._stale(None, job_id, stale, worker, token, detail)
         return False
 
     def complete(self, job_id: str, token: str, worker: str | None = None, result: str | None = None) -> bool:
         """running -> completed, keeping ``result`` (encoded) in the same statement; False
         (audited) when the token no longer matches."""
         params: dict[str, Any] = {"job_id": job_id, "token": token}
-        keep = result is not None and self.at_least(RESULT_REVISION)
+        keep = result is not None and self.db.at_least(RESULT_REVISION)
         if keep:
             params["result"] = result
-        if self._audited_write(lambda: self._complete_running(keep), job_id, Event.COMPLETED, worker=worker,
-                               token=token, key="complete_kept" if keep else "complete", params=params):
+        if self.audited._audited_write(lambda: self._complete_running(keep), job_id, Event.COMPLETED,
+                                       worker=worker, token=token, params=params,
+                                       key="complete_kept" if keep else "complete"):
             return True
-        self._stale(None, job_id, Event.STALE_COMPLETION_REJECTED, worker, token)
+        self.db._stale(None, job_id, Event.STALE_COMPLETION_REJECTED, worker, token)
         return False
 
     def kept_result(self, job_id: str) -> str | None:
         """The encoded result a completed job kept (None: not completed, or nothing kept)."""
-        if not self.at_least(RESULT_REVISION):
+        if not self.db.at_least(RESULT_REVISION):
             return None
-        j = self.t.jobs
-        with self.begin(read=True) as c:
+        j = self.db.t.jobs
+        with self.db.begin(read=True) as c:
             return c.execute(sa.select(j.c.result)
                              .where(j.c.id == job_id, fenced_status(j.c.status, COMPLETED))).scalar()
 
     def fail(self, job_id: str, token: str, error: str, worker: str | None = None) -> bool:
         """running -> failed (dead letter) after a final task failure."""
         return self._owner_write(job_id, token, worker, Event.FAILED, Event.STALE_FAILURE_REJECTED, dict(
-            status=FAILED, failed_at=self.now_sql, lease_expires_at=None, lock_token=None,
+            status=FAILED, failed_at=self.db.now_sql, lease_expires_at=None, lock_token=None,
             last_error=error[:4000],
         ), reason=error[:200])
 
     def retry_later(self, job_id: str, token: str, delay: float, payload: str | None,
                     error: str | None, worker: str | None = None) -> bool:
         """running -> pending at now + delay: a Celery retry; its message is already sent."""
-        values: dict[str, Any] = dict(status=PENDING, available_at=self.now_sql + delay,
+        values: dict[str, Any] = dict(status=PENDING, available_at=self.db.now_sql + delay,
                                       lease_expires_at=None, lock_token=None, locked_by=None)
         if payload is not None:
             values["payload"] = payload
@@ -269,9 +276,9 @@ class JobStatements(PublishStatements):
     def release(self, job_id: str, token: str, worker: str | None = None,
                 reason: Event = Event.RELEASED_ON_SHUTDOWN) -> bool:
         """running -> pending, available now, giving the attempt back."""
-        j = self.t.jobs
+        j = self.db.t.jobs
         return self._owner_write(job_id, token, worker, reason, Event.STALE_RELEASE_REJECTED, dict(
-            status=PENDING, available_at=self.now_sql, lease_expires_at=None, lock_token=None,
+            status=PENDING, available_at=self.db.now_sql, lease_expires_at=None, lock_token=None,
             locked_by=None, attempt_count=sa.case((j.c.attempt_count > 0, j.c.attempt_count - 1), else_=0),
         ))
 
@@ -285,15 +292,15 @@ class JobStatements(PublishStatements):
         ``task_name`` (a discarded delivery, whose message names the job) a job the store has
         no row for (a restore forgot it) is recorded again, failed: it stays revoked.
         """
-        j = self.t.jobs
+        j = self.db.t.jobs
         unfinished = fenced_status(j.c.status, PENDING)
         if owner is not None:
             running = fenced_status(j.c.status, RUNNING)
             unfinished = sa.or_(unfinished, sa.and_(running, j.c.locked_by == owner))
         error = f"revoked ({reason})"
-        with self.begin() as c:
+        with self.db.begin() as c:
             res = c.execute(sa.update(j).where(j.c.id == job_id, unfinished).values(
-                status=FAILED, failed_at=self.now_sql, updated_at=self.now_sql, lease_expires_at=None,
+                status=FAILED, failed_at=self.db.now_sql, updated_at=self.db.now_sql, lease_expires_at=None,
                 lock_token=None, last_error=error,
             ))
             done = res.rowcount == 1
@@ -301,12 +308,12 @@ class JobStatements(PublishStatements):
                     sa.select(j.c.id).where(j.c.id == job_id)).first() is None:
                 c.execute(sa.insert(j).values(
                     id=job_id, task_name=task_name, queue_name=queue, status=FAILED, attempt_count=0,
-                    expired_count=0, dispatch_count=0, max_attempts=0, available_at=self.now_sql,
-                    failed_at=self.now_sql, created_at=self.now_sql, updated_at=self.now_sql,
+                    expired_count=0, dispatch_count=0, max_attempts=0, available_at=self.db.now_sql,
+                    failed_at=self.db.now_sql, created_at=self.db.now_sql, updated_at=self.db.now_sql,
                     last_error=error))
                 reason, done = f"{reason}; its row had vanished and was recorded again", True
             if done:
-                self._event(c, job_id, Event.REVOKED, reason, owner)
+                self.db._event(c, job_id, Event.REVOKED, reason, owner)
             return done
 
     def checkpoint(self, job_id: str, token: str, state: Any, worker: str | None = None) -> bool:
@@ -317,28 +324,28 @@ class JobStatements(PublishStatements):
     def _still_held(self, leases: Mapping[str, str]) -> sa.ColumnElement[bool]:
         # By id (the primary key) and token: there is no index on the token, and a
         # heartbeat must not scan the table.
-        j = self.t.jobs
+        j = self.db.t.jobs
         return sa.and_(j.c.id.in_(set(leases.values())), j.c.lock_token.in_(list(leases)),
                        fenced_status(j.c.status, RUNNING))
 
     def _renewal(self, leases: Mapping[str, str], extend: Mapping[str, float] | None,
                  *where: sa.ColumnElement[bool]) -> sa.Update:
-        j = self.t.jobs
+        j = self.db.t.jobs
         duration: sa.ColumnElement[Any] = j.c.lease_duration
         if extend:
             duration = sa.case(*((j.c.lock_token == tok, sa.literal(sec)) for tok, sec in extend.items()),
                                else_=j.c.lease_duration)
         stmt = (sa.update(j).where(self._still_held(leases), *where)
-                .values(lease_expires_at=self.now_sql + duration, last_heartbeat_at=self.now_sql))
+                .values(lease_expires_at=self.db.now_sql + duration, last_heartbeat_at=self.db.now_sql))
         return stmt.values(lease_duration=duration) if extend else stmt
 
     def _renew_in(self, c: Connection, leases: Mapping[str, str],
                   extend: Mapping[str, float] | None) -> set[str]:
         stmt = self._renewal(leases, extend)
-        if self.dialect.update_returning:
-            return set(c.execute(stmt.returning(self.t.jobs.c.id)).scalars())
+        if self.db.dialect.update_returning:
+            return set(c.execute(stmt.returning(self.db.t.jobs.c.id)).scalars())
         c.execute(stmt)
-        return set(c.execute(sa.select(self.t.jobs.c.id).where(self._still_held(leases))).scalars())
+        return set(c.execute(sa.select(self.db.t.jobs.c.id).where(self._still_held(leases))).scalars())
 
     def renew(self, leases: Mapping[str, str], worker: str,
               extend: Mapping[str, float] | None = None) -> set[str]:
@@ -349,7 +356,7 @@ class JobStatements(PublishStatements):
         """
         if not leases:
             return set()
-        with self.begin() as c:
+        with self.db.begin() as c:
             return self._renew_in(c, leases, extend)
 
     def beat(self, worker: str, hostname: str, pid: int, leases: Mapping[str, str],
@@ -359,21 +366,21 @@ class JobStatements(PublishStatements):
         Where the dialect allows (PostgreSQL) both writes are one statement (the registry
         upsert rides in a CTE); elsewhere they share one transaction. Returns the renewed job ids.
         """
-        seen = self._seen(worker, hostname, pid)
-        if self.dialect.one_statement_writes and leases:
-            settings = self.dialect.autocommit_settings(self.bounds)
-            renewed = self._renewal(leases, extend, *settings).returning(self.t.jobs.c.id).cte("renewed")
+        seen = self.workers._seen(worker, hostname, pid)
+        if self.db.dialect.one_statement_writes and leases:
+            settings = self.db.dialect.autocommit_settings(self.db.bounds)
+            renewed = self._renewal(leases, extend, *settings).returning(self.db.t.jobs.c.id).cte("renewed")
             stmt = sa.select(renewed.c.id).add_cte(seen.cte("seen"))
-            with self._driver_errors(), self.engine.connect() as conn:
+            with self.db._driver_errors(), self.db.engine.connect() as conn:
                 return set(conn.execution_options(isolation_level="AUTOCOMMIT").execute(stmt).scalars())
-        with self.begin() as c:
+        with self.db.begin() as c:
             c.execute(seen)
             return self._renew_in(c, leases, extend) if leases else set()
 
     def describe_loss(self, job_id: str, token: str, worker: str | None = None) -> tuple[str, str | None]:
         """Why a lease was not renewed (vanished, taken over, requeued, finished); audited."""
         reason: str
-        with self.begin() as c:
+        with self.db.begin() as c:
             job = self._job(c, job_id)
             if job is None:
                 reason, owner = LossReason.VANISHED, None
@@ -381,15 +388,6 @@ class JobStatements(PublishStatements):
                 reason, owner = LossReason.TAKEN_OVER, job.locked_by
             else:
                 reason, owner = f"now {job.status}", job.locked_by
-            self._event(c, job_id, Event.LEASE_LOST, reason, worker, token,
-                        {"owner": owner} if owner else None)
+            self.db._event(c, job_id, Event.LEASE_LOST, reason, worker, token,
+                           {"owner": owner} if owner else None)
         return reason, owner
-
-    # -- the audit log ---------------------------------------------------------
-    def events(self, job_id: str | None = None, event: str | None = None,
-               limit: int = 1000) -> list[dict[str, Any]]:
-        """Audit events, oldest first, of one job or one name when given."""
-        e = self.t.events
-        q = where_given(sa.select(e).order_by(e.c.id).limit(limit), (e.c.job_id, job_id), (e.c.event, event))
-        with self.begin(read=True) as c:
-            return [dict(r._mapping) for r in c.execute(q)]

@@ -12,10 +12,9 @@ from ..config import RECOVERY
 from ..errors import StoreConflict
 from ..vocabulary import Event
 from .audited import AuditedWrites
-from .base import RESULT_REVISION, RUNS_REVISION
+from .base import RESULT_REVISION, RUNS_REVISION, StoreEngine
 from .built import _Audited, _Positional
 from .rows import COMPLETED, FAILED, PENDING, NewJob, fenced_status
-from .workers import WorkerStatements
 
 __all__ = ["RECORD_BATCH", "PublishStatements"]
 
@@ -23,8 +22,12 @@ __all__ = ["RECORD_BATCH", "PublishStatements"]
 RECORD_BATCH = 500
 
 
-class PublishStatements(AuditedWrites, WorkerStatements):
+class PublishStatements:
     """How a published job enters the store: pending, with its ``published`` event."""
+
+    def __init__(self, db: StoreEngine, audited: AuditedWrites) -> None:
+        self.db = db
+        self.audited = audited
 
     def record(self, job_id: str, task_name: str, queue: str | None, payload: str | None,
                max_attempts: int, idempotency_key: str | None = None,
@@ -37,18 +40,18 @@ class PublishStatements(AuditedWrites, WorkerStatements):
         (until lease_idempotency_retention). With ``reopen``, a finished job of this id and no
         key runs again (see reopen()).
         """
-        j, k = self.t.jobs, self.t.idempotency_keys
+        j, k = self.db.t.jobs, self.db.t.idempotency_keys
         params = _record_params(NewJob(job_id, task_name, queue, payload, max_attempts, delay, recovery),
                                 idempotency_key)
         keyed = idempotency_key is not None
         try:
             built = self._record_statements(keyed)
             if built.compiled is not None:
-                self._execute_compiled(built, params)
+                self.audited._execute_compiled(built, params)
             elif built.positional is not None:
-                self._execute_positional(built, params)
+                self.audited._execute_positional(built, params)
             else:
-                with self.begin() as c:
+                with self.db.begin() as c:
                     c.execute(built.update, params)
                     if keyed:
                         c.execute(built.statement, params)
@@ -59,7 +62,7 @@ class PublishStatements(AuditedWrites, WorkerStatements):
         if reopen and not keyed:
             self.reopen(job_id, task_name, payload, delay)
             return False, job_id
-        with self.begin() as c:
+        with self.db.begin() as c:
             if idempotency_key is not None:
                 # The key table names the holder; a job recorded before it existed holds it itself.
                 other = c.execute(sa.select(k.c.job_id).where(k.c.key == idempotency_key)).scalar()
@@ -84,27 +87,27 @@ class PublishStatements(AuditedWrites, WorkerStatements):
         insert_job, insert_event = self._batch_statements()
         for start in range(0, len(jobs), RECORD_BATCH):
             rows = [_record_params(job) for job in jobs[start:start + RECORD_BATCH]]
-            with self.begin() as c:
-                if self.publish_async_commit:
-                    c.execute(sa.select(*self.dialect.autocommit_settings(self.bounds, True)))
+            with self.db.begin() as c:
+                if self.db.publish_async_commit:
+                    c.execute(sa.select(*self.db.dialect.autocommit_settings(self.db.bounds, True)))
                 c.execute(insert_job, rows)
                 c.execute(insert_event, rows)
 
     def _batch_statements(self) -> tuple[sa.Insert, sa.Insert]:
         """record_batch()'s two INSERTs of bind parameters, built once per store."""
-        built = self._built.get("record_batch")
+        built = self.db._built.get("record_batch")
         if built is not None:
             return built.update, built.audit
-        j, e = self.t.jobs, self.t.events
+        j, e = self.db.t.jobs, self.db.t.events
         row, event = self._record_values(Event.PUBLISHED)
         insert_job = sa.insert(j).values(**row)
         insert_event = sa.insert(e).values(job_id=row["id"], **event)
-        if self.engine.dialect.insert_executemany_returning:
+        if self.db.engine.dialect.insert_executemany_returning:
             # With RETURNING, SQLAlchemy sends an executemany INSERT as one statement of many
             # VALUES rows ("insertmanyvalues"); without it psycopg would pipeline one per row.
             insert_job, insert_event = insert_job.returning(j.c.id), insert_event.returning(e.c.id)
         built = _Audited(update=insert_job, audit=insert_event)
-        self._built["record_batch"] = built
+        self.db._built["record_batch"] = built
         return built.update, built.audit
 
     def reopen(self, job_id: str, task_name: str, payload: str | None, delay: float = 0.0) -> bool:
@@ -115,16 +118,16 @@ class PublishStatements(AuditedWrites, WorkerStatements):
         not a duplicate delivery. A job with an idempotency key is never reopened this way.
         Audited ``republished`` with the finish it replaces.
         """
-        j = self.t.jobs
+        j = self.db.t.jobs
         values: dict[str, Any] = dict(
-            status=PENDING, task_name=task_name, available_at=self.now_sql + delay, updated_at=self.now_sql,
-            completed_at=None, failed_at=None, attempt_count=0, expired_count=0, dispatch_count=0,
-            lock_token=None, locked_by=None, lease_expires_at=None, last_error=None)
+            status=PENDING, task_name=task_name, available_at=self.db.now_sql + delay,
+            updated_at=self.db.now_sql, completed_at=None, failed_at=None, attempt_count=0, expired_count=0,
+            dispatch_count=0, lock_token=None, locked_by=None, lease_expires_at=None, last_error=None)
         if payload is not None:
             values["payload"] = payload
-        if self.at_least(RESULT_REVISION):
+        if self.db.at_least(RESULT_REVISION):
             values["result"] = None
-        with self.begin() as c:
+        with self.db.begin() as c:
             before = c.execute(sa.select(j.c.status, j.c.last_error).where(j.c.id == job_id)).first()
             res = c.execute(sa.update(j).where(
                 j.c.id == job_id,
@@ -133,8 +136,8 @@ class PublishStatements(AuditedWrites, WorkerStatements):
             ).values(**values))
             if res.rowcount != 1 or before is None:
                 return False
-            self._event(c, job_id, Event.REPUBLISHED, (before.last_error or "")[:200] or None,
-                        detail={"previous_status": before.status})
+            self.db._event(c, job_id, Event.REPUBLISHED, (before.last_error or "")[:200] or None,
+                           detail={"previous_status": before.status})
         return True
 
     def _record_statements(self, keyed: bool, event_name: Event = Event.PUBLISHED) -> _Audited:
@@ -148,27 +151,27 @@ class PublishStatements(AuditedWrites, WorkerStatements):
         transaction. The event's queue and task are the row's own values (a subquery in the
         same statement would not see the row yet).
         """
-        async_commit = self.publish_async_commit
+        async_commit = self.db.publish_async_commit
         cache_key = ("record_keyed" if keyed else "record") + ("_async" if async_commit else "")
-        built = self._built.get(cache_key)
+        built = self.db._built.get(cache_key)
         if built is not None:
             return built
-        j, k, e = self.t.jobs, self.t.idempotency_keys, self.t.events
+        j, k, e = self.db.t.jobs, self.db.t.idempotency_keys, self.db.t.events
         row, event = self._record_values(event_name)
         job_id = row["id"]
-        key: dict[str, Any] = {"key": row["idempotency_key"], "created_at": self.now_sql}
-        if not (self.dialect.one_statement_writes and self.dialect.compiled_fast_path):
+        key: dict[str, Any] = {"key": row["idempotency_key"], "created_at": self.db.now_sql}
+        if not (self.db.dialect.one_statement_writes and self.db.dialect.compiled_fast_path):
             built = _Audited(update=sa.insert(j).values(**row),
                              statement=sa.insert(k).values(job_id=job_id, **key),
                              audit=sa.insert(e).values(job_id=job_id, **event))
-            if self.dialect.compiled_fast_path:  # SQLite: the INSERTs on the driver, in one transaction
+            if self.db.dialect.compiled_fast_path:  # SQLite: the INSERTs on the driver, in one transaction
                 writes = [built.update, *([built.statement] if keyed else []), built.audit]
-                built = _Audited(positional=tuple(_Positional.compile(w, self.engine.dialect)
+                built = _Audited(positional=tuple(_Positional.compile(w, self.db.engine.dialect)
                                                   for w in writes))
         else:
             inserted = sa.insert(j).from_select(
                 list(row), sa.select(*row.values()).where(
-                    *self.dialect.autocommit_settings(self.bounds, async_commit))
+                    *self.db.dialect.autocommit_settings(self.db.bounds, async_commit))
             ).returning(j.c.id).cte("inserted")
             statement = sa.select(inserted.c.id)
             if keyed:
@@ -176,15 +179,15 @@ class PublishStatements(AuditedWrites, WorkerStatements):
                     ["job_id", *key], sa.select(inserted.c.id, *key.values())).cte("keyed"))
             statement = statement.add_cte(sa.insert(e).from_select(
                 ["job_id", *event], sa.select(inserted.c.id, *event.values())).cte("audit"))
-            compiled = statement.compile(dialect=self.engine.dialect)
+            compiled = statement.compile(dialect=self.db.engine.dialect)
             built = _Audited(compiled=(compiled.string, compiled.construct_params(_check=False)),
                              columns=["id"])
-        self._built[cache_key] = built
+        self.db._built[cache_key] = built
         return built
 
     def _record_values(self, event_name: Event) -> tuple[dict[str, Any], dict[str, Any]]:
         """A published job's columns and its event's, as the bind parameters of _record_params()."""
-        j = self.t.jobs
+        j = self.db.t.jobs
         row: dict[str, Any] = {
             "id": sa.bindparam("p_job", type_=sa.String()),
             "task_name": sa.bindparam("p_task", type_=sa.String()),
@@ -194,20 +197,20 @@ class PublishStatements(AuditedWrites, WorkerStatements):
             "expired_count": sa.literal(0), "dispatch_count": sa.literal(0),
             "max_attempts": sa.bindparam("p_max_attempts", type_=sa.Integer()),
             "idempotency_key": sa.bindparam("p_key", type_=sa.String()),
-            "available_at": self.now_sql + sa.bindparam("p_delay", type_=sa.Double()),
-            "created_at": self.now_sql, "updated_at": self.now_sql,
+            "available_at": self.db.now_sql + sa.bindparam("p_delay", type_=sa.Double()),
+            "created_at": self.db.now_sql, "updated_at": self.db.now_sql,
             **{name: sa.bindparam(f"r_{name}", type_=j.c[name].type) for name in RECOVERY},
         }
-        event: dict[str, Any] = {"event": sa.literal(str(event_name), sa.String()), "at": self.now_sql,
+        event: dict[str, Any] = {"event": sa.literal(str(event_name), sa.String()), "at": self.db.now_sql,
                                  "detail": sa.bindparam("p_detail", type_=sa.Text())}
-        if self.at_least(RUNS_REVISION):
+        if self.db.at_least(RUNS_REVISION):
             event.update(queue_name=row["queue_name"], task_name=row["task_name"])
         return row, event
 
     def forget_unpublished(self, job_id: str) -> bool:
         """Delete a pending job whose message never reached the broker."""
-        j = self.t.jobs
-        with self.begin() as c:
+        j = self.db.t.jobs
+        with self.db.begin() as c:
             res = c.execute(sa.delete(j).where(j.c.id == job_id, fenced_status(j.c.status, PENDING),
                                                j.c.attempt_count == 0, j.c.dispatch_count == 0))
             return res.rowcount == 1

@@ -22,7 +22,7 @@ from sqlalchemy.engine import Connection
 
 from ..errors import StoreConflict
 from ..vocabulary import Event
-from .base import RUNS_REVISION, StoreBase
+from .base import RUNS_REVISION, StoreEngine
 from .rows import COMPLETED, FAILED, PENDING, RUNNING, Job, fenced_status, status_sql
 
 __all__ = ["ReaperStatements", "Expired", "REAPER_LOCK", "REAPER_CLOCK"]
@@ -46,14 +46,17 @@ class Expired:
         return self.job.lease_expires_at, self.job.id
 
 
-class ReaperStatements(StoreBase):
+class ReaperStatements:
     """Statements of the reaper: scans of abandoned leases and lost dispatches, recovery CAS, pruning."""
 
+    def __init__(self, db: StoreEngine) -> None:
+        self.db = db
+
     def _clock(self, now: float | None) -> sa.ColumnElement[float]:
-        return self.now_sql if now is None else sa.literal(float(now), sa.Double())
+        return self.db.now_sql if now is None else sa.literal(float(now), sa.Double())
 
     def _locking(self, query: sa.Select, lock: bool) -> sa.Select:
-        return self.dialect.lock_rows(query, self.t.jobs) if lock else query
+        return self.db.dialect.lock_rows(query, self.db.t.jobs) if lock else query
 
     @contextlib.contextmanager
     def _tx(self, c: Connection | None) -> Iterator[Connection]:
@@ -61,17 +64,17 @@ class ReaperStatements(StoreBase):
         if c is not None:
             yield c
         else:
-            with self.begin(long=True) as own:
+            with self.db.begin(long=True) as own:
                 yield own
 
     # -- expired leases -------------------------------------------------------
     def _past_grace(self, clock: sa.ColumnElement[float]) -> sa.ColumnElement[bool]:
-        j = self.t.jobs
+        j = self.db.t.jobs
         return j.c.lease_expires_at + sa.func.coalesce(j.c.grace_period, 0.0) < clock
 
     def _after(self, query: sa.Select, column: sa.Column, after: tuple[float, str] | None) -> sa.Select:
         """The keyset page of ``query`` past ``after`` = (``column``, id), ordered by both."""
-        j = self.t.jobs
+        j = self.db.t.jobs
         query = query.order_by(column, j.c.id)
         if after is None:
             return query
@@ -81,11 +84,11 @@ class ReaperStatements(StoreBase):
     def scan_expired(self, c: Connection, *, limit: int, after: tuple[float, str] | None = None,
                      now: float | None = None, lock: bool = True) -> list[Expired]:
         """Running jobs past lease + grace, oldest first, after the keyset ``(lease_expires_at, id)``."""
-        j = self.t.jobs
+        j = self.db.t.jobs
         clock = self._clock(now)
         query = (
-            sa.select(j, self._owner_alive(clock).label("owner_alive"),
-                      self._claimable_expired(now=clock).label("reapable"))
+            sa.select(j, self.db._owner_alive(clock).label("owner_alive"),
+                      self.db._claimable_expired(now=clock).label("reapable"))
             .where(j.c.status == status_sql(RUNNING), j.c.lease_expires_at < clock, self._past_grace(clock))
             .limit(limit)
         )
@@ -95,29 +98,29 @@ class ReaperStatements(StoreBase):
     def _abandoned(self, job_id: str, token: str, owner: str | None, expired: bool,
                    clock: sa.ColumnElement[float]) -> sa.ColumnElement[bool]:
         """The CAS: same token, still running, and still past grace (reaper) or still ``owner``'s."""
-        fence = self._past_grace(clock) if expired else (self.t.jobs.c.locked_by == owner)
-        return sa.and_(self._fenced(job_id, token), fence)
+        fence = self._past_grace(clock) if expired else (self.db.t.jobs.c.locked_by == owner)
+        return sa.and_(self.db._fenced(job_id, token), fence)
 
     def _take_back(self, job_id: str, token: str, owner: str | None, expired: bool, now: float | None,
                    c: Connection | None, values: dict[str, Any], event: Event, reason: str,
                    detail: Any) -> bool:
         """One fenced recovery write and its event; the losing side writes nothing."""
-        j = self.t.jobs
+        j = self.db.t.jobs
         with self._tx(c) as tx:
             fence = self._abandoned(job_id, token, owner, expired, self._clock(now))
             res = tx.execute(sa.update(j).where(fence).values(
                 lock_token=None, lease_expires_at=None, expired_count=j.c.expired_count + 1,
-                updated_at=self.now_sql, **values))
+                updated_at=self.db.now_sql, **values))
             if res.rowcount != 1:
                 return False
-            self._event(tx, job_id, event, reason, owner, token, detail)
+            self.db._event(tx, job_id, event, reason, owner, token, detail)
             return True
 
     def requeue_abandoned(self, job_id: str, token: str, owner: str | None, *, delay: float, reason: str,
                           expired: bool = True, now: float | None = None, detail: Any = None,
                           c: Connection | None = None) -> bool:
         """running -> pending at now + delay, token cleared, one more expiration counted."""
-        values = dict(status=PENDING, locked_by=None, available_at=self.now_sql + delay,
+        values = dict(status=PENDING, locked_by=None, available_at=self.db.now_sql + delay,
                       last_error=reason[:4000])
         return self._take_back(job_id, token, owner, expired, now, c, values, Event.REAPED_EXPIRED_LEASE,
                                reason, {"delay": round(delay, 3), **(detail or {})})
@@ -126,27 +129,27 @@ class ReaperStatements(StoreBase):
                               expired: bool = True, now: float | None = None, detail: Any = None,
                               c: Connection | None = None) -> bool:
         """running -> failed (the dead letter), token cleared, one more expiration counted."""
-        values = dict(status=FAILED, failed_at=self.now_sql, last_error=error[:4000])
+        values = dict(status=FAILED, failed_at=self.db.now_sql, last_error=error[:4000])
         return self._take_back(job_id, token, owner, expired, now, c, values, Event.DEAD_LETTERED,
                                error[:200], detail)
 
     def note_skipped_owner_alive(self, c: Connection, job: Job, reason: str) -> bool:
         """Audit a lease left to its live owner, once per lease (not once per run)."""
-        e = self.t.events
+        e = self.db.t.events
         prefix = (job.lock_token or "")[:8] or None
         seen = c.execute(sa.select(e.c.id).where(e.c.job_id == job.id,
                                                  e.c.event == Event.REAP_SKIPPED_OWNER_ALIVE,
                                                  e.c.token == prefix).limit(1)).first()
         if seen is not None:
             return False
-        self._event(c, job.id, Event.REAP_SKIPPED_OWNER_ALIVE, reason, job.locked_by, job.lock_token)
+        self.db._event(c, job.id, Event.REAP_SKIPPED_OWNER_ALIVE, reason, job.locked_by, job.lock_token)
         return True
 
     # -- lost dispatches --------------------------------------------------------
     def _dispatch_wait(self, floor: float, cap: float) -> sa.ColumnElement[float]:
         """backoff.dispatch_wait of each row: its own timeout (``floor`` where it carries none),
         doubled per re-send so far, at most ``cap`` but never less than the timeout."""
-        j = self.t.jobs
+        j = self.db.t.jobs
         timeout = sa.func.coalesce(j.c.dispatch_timeout, sa.literal(floor, sa.Double()))
         # Past this many re-sends every timeout (>= floor) doubled is past the cap.
         doublings = math.ceil(math.log2(max(cap / floor, 1.0))) + 1
@@ -164,7 +167,7 @@ class ReaperStatements(StoreBase):
         standing in for a timeout the row does not carry), so that jobs waiting out their backoff
         never fill the pages in front of the ones that are due.
         """
-        j = self.t.jobs
+        j = self.db.t.jobs
         clock = self._clock(now)
         due = [j.c.available_at < clock - older_than]  # the index's range
         if backoff_max is not None:
@@ -176,17 +179,17 @@ class ReaperStatements(StoreBase):
 
     def redispatched(self, job: Job, reason: str, *, detail: Any = None, c: Connection | None = None) -> bool:
         """Count a re-published message: CAS on what the scan saw, so one reaper wins per dispatch."""
-        j = self.t.jobs
+        j = self.db.t.jobs
         with self._tx(c) as tx:
             res = tx.execute(sa.update(j).where(
                 j.c.id == job.id, fenced_status(j.c.status, PENDING),
                 j.c.dispatch_count == job.dispatch_count, j.c.updated_at == job.updated_at,
-            ).values(dispatch_count=j.c.dispatch_count + 1, available_at=self.now_sql,
-                     updated_at=self.now_sql))
+            ).values(dispatch_count=j.c.dispatch_count + 1, available_at=self.db.now_sql,
+                     updated_at=self.db.now_sql))
             if res.rowcount != 1:
                 return False
-            self._event(tx, job.id, Event.REDISPATCHED, reason,
-                        detail={"dispatch_count": job.dispatch_count + 1, **(detail or {})})
+            self.db._event(tx, job.id, Event.REDISPATCHED, reason,
+                           detail={"dispatch_count": job.dispatch_count + 1, **(detail or {})})
             return True
 
     # -- the reaper's own lock ----------------------------------------------------
@@ -194,46 +197,46 @@ class ReaperStatements(StoreBase):
     # transaction deadlocks on MySQL when two reapers start together (gap locks).
     def acquire_reaper_lock(self, token: str, owner: str, ttl: float) -> bool:
         """Take the reaper lock when it is free or expired; False while another reaper holds it."""
-        k = self.t.locks
-        with self.begin() as c:
-            res = c.execute(sa.update(k).where(k.c.resource == REAPER_LOCK, k.c.expires_at < self.now_sql)
-                            .values(token=token, owner=owner, job_id=None, expires_at=self.now_sql + ttl))
+        k = self.db.t.locks
+        with self.db.begin() as c:
+            res = c.execute(sa.update(k).where(k.c.resource == REAPER_LOCK, k.c.expires_at < self.db.now_sql)
+                            .values(token=token, owner=owner, job_id=None, expires_at=self.db.now_sql + ttl))
             if res.rowcount == 1:
                 return True
         try:
-            with self.begin() as c:
+            with self.db.begin() as c:
                 c.execute(sa.insert(k).values(resource=REAPER_LOCK, token=token, owner=owner, job_id=None,
-                                              expires_at=self.now_sql + ttl))
+                                              expires_at=self.db.now_sql + ttl))
         except StoreConflict:
             return False
         return True
 
     def renew_reaper_lock(self, token: str, ttl: float) -> bool:
-        k = self.t.locks
-        with self.begin() as c:
+        k = self.db.t.locks
+        with self.db.begin() as c:
             res = c.execute(sa.update(k).where(k.c.resource == REAPER_LOCK, k.c.token == token)
-                            .values(expires_at=self.now_sql + ttl))
+                            .values(expires_at=self.db.now_sql + ttl))
             return res.rowcount == 1
 
     def release_reaper_lock(self, token: str) -> bool:
-        return self._delete_lock(REAPER_LOCK, token)
+        return self.db._delete_lock(REAPER_LOCK, token)
 
     def reaper_lock_holder(self) -> tuple[str | None, float] | None:
         """(owner, seconds left) of a live reaper lock, or None when it is free."""
-        k = self.t.locks
-        with self.begin(read=True) as c:
-            row = c.execute(sa.select(k.c.owner, (k.c.expires_at - self.now_sql).label("left"))
-                            .where(k.c.resource == REAPER_LOCK, k.c.expires_at >= self.now_sql)).first()
+        k = self.db.t.locks
+        with self.db.begin(read=True) as c:
+            row = c.execute(sa.select(k.c.owner, (k.c.expires_at - self.db.now_sql).label("left"))
+                            .where(k.c.resource == REAPER_LOCK, k.c.expires_at >= self.db.now_sql)).first()
         return None if row is None else (row.owner, float(row.left))
 
     # -- the reaper's view of the store's clock -----------------------------------------
     def reaper_clock(self) -> dict[str, Any] | None:
         """What the last reaper run recorded of the store's clock (see reaper.py ``ClockGuard``);
         None before any run, or on a schema without the meta table."""
-        if not self.at_least(RUNS_REVISION):
+        if not self.db.at_least(RUNS_REVISION):
             return None
-        m = self.t.meta
-        with self.begin(read=True) as c:
+        m = self.db.t.meta
+        with self.db.begin(read=True) as c:
             value = c.execute(sa.select(m.c.value).where(m.c.key == REAPER_CLOCK)).scalar()
         try:
             state = json.loads(value) if value else None
@@ -252,28 +255,28 @@ class ReaperStatements(StoreBase):
         future" to now, so that a dead owner's job is not delayed by the step. False, writing
         nothing, on a schema without the meta table.
         """
-        if not self.at_least(RUNS_REVISION):
+        if not self.db.at_least(RUNS_REVISION):
             return False
-        j, w = self.t.jobs, self.t.workers
-        with self.begin() as c:
-            c.execute(self.dialect.upsert(self.t.meta, {"key": REAPER_CLOCK, "value": json.dumps(state),
-                                                         "updated_at": self.now_sql},
-                                          update=("value", "updated_at")))
+        j, w = self.db.t.jobs, self.db.t.workers
+        with self.db.begin() as c:
+            c.execute(self.db.dialect.upsert(self.db.t.meta, {"key": REAPER_CLOCK, "value": json.dumps(state),
+                                                              "updated_at": self.db.now_sql},
+                                             update=("value", "updated_at")))
             if step_back:
-                horizon = self.now_sql + j.c.lease_duration
+                horizon = self.db.now_sql + j.c.lease_duration
                 c.execute(sa.update(j).where(j.c.status == status_sql(RUNNING),
                                              j.c.lease_duration.is_not(None), j.c.lease_expires_at > horizon)
                           .values(lease_expires_at=horizon))
-                c.execute(sa.update(w).where(w.c.last_seen_at > self.now_sql)
-                          .values(last_seen_at=self.now_sql))
+                c.execute(sa.update(w).where(w.c.last_seen_at > self.db.now_sql)
+                          .values(last_seen_at=self.db.now_sql))
             if held_back is not None:
-                self._event(c, None, Event.REAPER_HELD_BACK, held_back, owner, detail=state)
+                self.db._event(c, None, Event.REAPER_HELD_BACK, held_back, owner, detail=state)
         return True
 
     # -- pruning (bounded batches) ----------------------------------------------------
     def _delete_ids(self, table: sa.Table, key: sa.Column, where: sa.ColumnElement[bool], limit: int) -> int:
         # Select then delete: MySQL rejects LIMIT inside an IN subquery.
-        with self.begin(long=True) as c:
+        with self.db.begin(long=True) as c:
             ids = [r[0] for r in c.execute(sa.select(key).where(where).limit(limit))]
             if not ids:
                 return 0
@@ -281,22 +284,22 @@ class ReaperStatements(StoreBase):
 
     def prune_completed(self, older_than: float, limit: int, now: float | None = None) -> int:
         """Delete up to ``limit`` completed jobs finished more than ``older_than`` seconds ago."""
-        j = self.t.jobs
+        j = self.db.t.jobs
         return self._delete_ids(j, j.c.id, sa.and_(
             j.c.status == status_sql(COMPLETED), j.c.updated_at < self._clock(now) - older_than), limit)
 
     def prune_events(self, older_than: float, limit: int, now: float | None = None) -> int:
         """Delete up to ``limit`` old events, except a dead letter's: its history lasts as long as it."""
-        e, j = self.t.events, self.t.jobs
+        e, j = self.db.t.events, self.db.t.jobs
         dead_letter = sa.exists().where(j.c.id == e.c.job_id, fenced_status(j.c.status, FAILED))
         old = e.c.at < self._clock(now) - older_than
         return self._delete_ids(e, e.c.id, sa.and_(old, ~dead_letter), limit)
 
     def prune_idempotency_keys(self, older_than: float, limit: int, now: float | None = None) -> int:
         """Delete up to ``limit`` keys older than ``older_than`` (lease_idempotency_retention)."""
-        k = self.t.idempotency_keys
+        k = self.db.t.idempotency_keys
         return self._delete_ids(k, k.c.key, k.c.created_at < self._clock(now) - older_than, limit)
 
     def prune_workers(self, older_than: float, limit: int, now: float | None = None) -> int:
-        w = self.t.workers
+        w = self.db.t.workers
         return self._delete_ids(w, w.c.worker_id, w.c.last_seen_at < self._clock(now) - older_than, limit)

@@ -12,15 +12,21 @@ import sqlalchemy as sa
 
 from ..errors import StoreConflict
 from ..vocabulary import Event
+from .base import StoreEngine
 from .jobs import JobStatements
-from .publishes import _record_params
+from .publishes import PublishStatements, _record_params
 from .rows import COMPLETED, PENDING, NewJob
 
 __all__ = ["ReplaceStatements"]
 
 
-class ReplaceStatements(JobStatements):
+class ReplaceStatements:
     """The three ways a replaced job's lease ends: claimed by its carrier, recorded by it, or over."""
+
+    def __init__(self, db: StoreEngine, jobs: JobStatements, publishes: PublishStatements) -> None:
+        self.db = db
+        self.jobs = jobs
+        self.publishes = publishes
 
     def hand_over(self, job_id: str, token: str, worker: str | None, payload: str | None,
                   carrier: str, nesting: int = 0) -> bool:
@@ -33,23 +39,23 @@ class ReplaceStatements(JobStatements):
         replaced run's replaced_task_nesting) lets a later claim tell a copy of the replaced run's
         message from the carrier's (see JobStatements.claim).
         """
-        j = self.t.jobs
-        fence = self._fenced(job_id, token)
-        with self.begin() as c:
+        j = self.db.t.jobs
+        fence = self.db._fenced(job_id, token)
+        with self.db.begin() as c:
             if payload is None:
                 res = c.execute(sa.delete(j).where(fence))
                 detail = {"carrier": carrier, "row": "recorded again when the carrier is published",
                           "nesting": nesting}
             else:
                 res = c.execute(sa.update(j).where(fence).values(
-                    status=PENDING, available_at=self.now_sql, payload=payload, lease_expires_at=None,
-                    lock_token=None, locked_by=None, updated_at=self.now_sql,
+                    status=PENDING, available_at=self.db.now_sql, payload=payload, lease_expires_at=None,
+                    lock_token=None, locked_by=None, updated_at=self.db.now_sql,
                     attempt_count=sa.case((j.c.attempt_count > 0, j.c.attempt_count - 1), else_=0)))
                 detail = {"carrier": carrier}
             if res.rowcount != 1:
-                self._stale(c, job_id, Event.STALE_RELEASE_REJECTED, worker, token)
+                self.db._stale(c, job_id, Event.STALE_RELEASE_REJECTED, worker, token)
                 return False
-            self._event(c, job_id, Event.HANDED_OVER, f"replaced by {carrier}", worker, token, detail)
+            self.db._event(c, job_id, Event.HANDED_OVER, f"replaced by {carrier}", worker, token, detail)
             return True
 
     def hand_over_to_step(self, job_id: str, token: str, worker: str | None, carrier: str,
@@ -62,18 +68,18 @@ class ReplaceStatements(JobStatements):
         replaced run's lease moved on (nothing written), None when the step's id is taken
         (nothing written; the caller hands over and records the step apart).
         """
-        j, e = self.t.jobs, self.t.events
-        row, event = self._record_values(Event.PUBLISHED)
+        j, e = self.db.t.jobs, self.db.t.events
+        row, event = self.publishes._record_values(Event.PUBLISHED)
         params = _record_params(step)
         try:
-            with self.begin() as c:
-                res = c.execute(sa.delete(j).where(self._fenced(job_id, token)))
+            with self.db.begin() as c:
+                res = c.execute(sa.delete(j).where(self.db._fenced(job_id, token)))
                 if res.rowcount != 1:
-                    self._stale(c, job_id, Event.STALE_RELEASE_REJECTED, worker, token)
+                    self.db._stale(c, job_id, Event.STALE_RELEASE_REJECTED, worker, token)
                     return False
                 c.execute(sa.insert(j).values(**row), params)
                 c.execute(sa.insert(e).values(job_id=row["id"], **event), params)
-                self._event(c, job_id, Event.HANDED_OVER, f"replaced by {carrier}", worker, token, {
+                self.db._event(c, job_id, Event.HANDED_OVER, f"replaced by {carrier}", worker, token, {
                     "carrier": carrier, "row": "recorded again when the carrier is published",
                     "first_step": step.id, "nesting": nesting})
         except StoreConflict:
@@ -83,6 +89,7 @@ class ReplaceStatements(JobStatements):
     def replaced(self, job_id: str, token: str, worker: str | None, carrier: str) -> bool:
         """running -> completed: the replacement that carries the id is not leased (a built-in such
         as ``celery.accumulate``, or a plain task); the lease's part of the job is over."""
-        return self._owner_write(job_id, token, worker, Event.REPLACED, Event.STALE_COMPLETION_REJECTED, dict(
-            status=COMPLETED, completed_at=self.now_sql, lease_expires_at=None, lock_token=None,
-        ), reason=f"replaced by {carrier} (not leased)", detail={"carrier": carrier})
+        return self.jobs._owner_write(
+            job_id, token, worker, Event.REPLACED, Event.STALE_COMPLETION_REJECTED, dict(
+                status=COMPLETED, completed_at=self.db.now_sql, lease_expires_at=None, lock_token=None,
+            ), reason=f"replaced by {carrier} (not leased)", detail={"carrier": carrier})

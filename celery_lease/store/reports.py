@@ -1,4 +1,4 @@
-"""Statements for operators' reads: status, listings, metrics, tuning samples.
+"""Statements for operators' reads: status, listings, metrics, tuning samples, the audit log.
 
 Reads that a Prometheus scrape runs are aggregates over indexed ranges only: the
 running and pending rows (bounded by the work in flight, not by history), and the
@@ -14,8 +14,8 @@ from typing import Any
 import sqlalchemy as sa
 
 from ..errors import JobNotFound
-from .base import RUNS_REVISION, StoreBase, where_given
-from .rows import COMPLETED, FAILED, PENDING, RUNNING, Job, fenced_status, status_sql
+from .base import RUNS_REVISION, StoreEngine, where_given
+from .rows import COMPLETED, FAILED, PENDING, RUNNING, Job, status_sql
 from .workers import POOL_REVISION
 
 __all__ = ["ReportStatements"]
@@ -29,29 +29,32 @@ def _bucket(value: Any, bounds: Sequence[float]) -> Any:
     return sa.case(*((value <= b, i) for i, b in enumerate(bounds)), else_=len(bounds))
 
 
-class ReportStatements(StoreBase):
-    """Statements for operators' reads: status, listings, metrics, tuning samples.
+class ReportStatements:
+    """Statements for operators' reads: status, listings, metrics, tuning samples, the audit log.
 
     They run with the store's long bound: an operator's read may scan history, and no lease
-    waits on it.
+    waits on it. The reads of one job's events, one effect key or one lock keep the call bound.
     """
 
+    def __init__(self, db: StoreEngine) -> None:
+        self.db = db
+
     def _now(self, c: sa.Connection) -> float:
-        return float(c.execute(sa.select(self.now_sql)).scalar_one())
+        return float(c.execute(sa.select(self.db.now_sql)).scalar_one())
 
     # -- status ---------------------------------------------------------------
     def job_counts(self) -> list[tuple[str | None, str, int]]:
         """(queue, status, count) over the whole table: an operator's one-off read, not a scrape."""
-        j = self.t.jobs
-        with self.begin(long=True, read=True) as c:
+        j = self.db.t.jobs
+        with self.db.begin(long=True, read=True) as c:
             rows = c.execute(sa.select(j.c.queue_name, j.c.status, sa.func.count())
                              .group_by(j.c.queue_name, j.c.status)).all()
         return sorted(((r[0], r[1], int(r[2])) for r in rows), key=lambda r: (r[0] or "", r[1]))
 
     def running_rows(self, limit: int = 10_000) -> tuple[float, list[dict[str, Any]]]:
         """The store's now and up to ``limit`` running jobs (oldest lease first) with their ages."""
-        j = self.t.jobs
-        with self.begin(long=True, read=True) as c:
+        j = self.db.t.jobs
+        with self.db.begin(long=True, read=True) as c:
             now = self._now(c)
             rows = c.execute(
                 sa.select(j.c.id, j.c.task_name, j.c.queue_name, j.c.locked_by, j.c.started_at,
@@ -73,9 +76,9 @@ class ReportStatements(StoreBase):
         Each count is a range of a (status, ...) index: the cost follows the work in flight and the
         recent completions, not the history (a whole-table GROUP BY reads every completed row).
         """
-        j = self.t.jobs
+        j = self.db.t.jobs
         open_ = [PENDING, RUNNING, FAILED]
-        with self.begin(long=True, read=True) as c:
+        with self.db.begin(long=True, read=True) as c:
             now = self._now(c)
             rows = c.execute(sa.select(j.c.queue_name, j.c.status, sa.func.count())
                              .where(j.c.status.in_([status_sql(s) for s in open_]))
@@ -91,18 +94,18 @@ class ReportStatements(StoreBase):
     def list_workers(self, limit: int = 100) -> tuple[float, list[dict[str, Any]]]:
         """The store's now and up to ``limit`` registered worker processes, most recently seen first,
         each with ``alive`` (seen within lease_worker_stale_after)."""
-        w = self.t.workers
-        with self.begin(long=True, read=True) as c:
+        w = self.db.t.workers
+        with self.db.begin(long=True, read=True) as c:
             now = self._now(c)
             rows = c.execute(sa.select(w).order_by(w.c.last_seen_at.desc(), w.c.worker_id).limit(limit)).all()
-        stale_after = self.stale_after
+        stale_after = self.db.stale_after
         return now, [{**r._mapping, "alive": now - float(r.last_seen_at) <= stale_after} for r in rows]
 
     def worker_counts(self) -> dict[str, int]:
         """Registered worker processes seen within lease_worker_stale_after (alive) or not (stale)."""
-        w = self.t.workers
-        alive = sa.case((w.c.last_seen_at >= self.now_sql - self.stale_after, 1), else_=0)
-        with self.begin(long=True, read=True) as c:
+        w = self.db.t.workers
+        alive = sa.case((w.c.last_seen_at >= self.db.now_sql - self.db.stale_after, 1), else_=0)
+        with self.db.begin(long=True, read=True) as c:
             total, live = c.execute(sa.select(sa.func.count(), sa.func.sum(alive))).one()
         return {"alive": int(live or 0), "stale": int(total or 0) - int(live or 0)}
 
@@ -111,26 +114,26 @@ class ReportStatements(StoreBase):
 
         Empty on the previous schema revision, whose registry does not record pools.
         """
-        w = self.t.workers
-        if not self.at_least(POOL_REVISION):
+        w = self.db.t.workers
+        if not self.db.at_least(POOL_REVISION):
             return {}
-        with self.begin(read=True) as c:
-            alive = w.c.last_seen_at >= self.now_sql - self.stale_after
+        with self.db.begin(read=True) as c:
+            alive = w.c.last_seen_at >= self.db.now_sql - self.db.stale_after
             rows = c.execute(sa.select(w.c.pool, sa.func.count()).where(alive, w.c.pool.is_not(None))
                              .group_by(w.c.pool)).all()
         return {r[0]: int(r[1]) for r in rows}
 
     def alive_workers(self) -> set[str]:
         """Ids of worker processes seen within lease_worker_stale_after (the registry is small)."""
-        w = self.t.workers
-        with self.begin(long=True, read=True) as c:
-            return {r[0] for r in c.execute(sa.select(w.c.worker_id)
-                                            .where(w.c.last_seen_at >= self.now_sql - self.stale_after))}
+        w = self.db.t.workers
+        with self.db.begin(long=True, read=True) as c:
+            alive = w.c.last_seen_at >= self.db.now_sql - self.db.stale_after
+            return {r[0] for r in c.execute(sa.select(w.c.worker_id).where(alive))}
 
     def workers_last_seen(self, worker_ids: Sequence[str]) -> tuple[float, dict[str, float]]:
         """The store's time and when each of these registered worker processes was last seen."""
-        w = self.t.workers
-        with self.begin(long=True, read=True) as c:
+        w = self.db.t.workers
+        with self.db.begin(long=True, read=True) as c:
             now = self._now(c)
             if not worker_ids:
                 return now, {}
@@ -142,13 +145,13 @@ class ReportStatements(StoreBase):
                      until: float | None = None) -> dict[str, int]:
         """Events by name with ``since < at <= until`` (store epoch seconds); one range of the
         (event, at) index per name, so the cost follows the events in range, not the log."""
-        e = self.t.events
+        e = self.db.t.events
         q = sa.select(e.c.event, sa.func.count()).where(e.c.event.in_(list(names))).group_by(e.c.event)
         if since is not None:
             q = q.where(e.c.at > since)
         if until is not None:
             q = q.where(e.c.at <= until)
-        with self.begin(long=True, read=True) as c:
+        with self.db.begin(long=True, read=True) as c:
             rows = c.execute(q).all()
         return {name: 0 for name in names} | {r[0]: int(r[1]) for r in rows}
 
@@ -156,12 +159,12 @@ class ReportStatements(StoreBase):
                               until: float) -> dict[tuple[str, str | None, str | None], int]:
         """Events by (name, queue, task) with ``since < at <= until``; queue and task are None
         where the writer did not know them, and always on a schema whose events lack them."""
-        e = self.t.events
-        labelled = self.at_least(RUNS_REVISION)
+        e = self.db.t.events
+        labelled = self.db.at_least(RUNS_REVISION)
         keys = [e.c.event, e.c.queue_name, e.c.task_name] if labelled else [e.c.event]
         q = (sa.select(*keys, sa.func.count()).where(e.c.event.in_(list(names)), e.c.at > since,
                                                      e.c.at <= until).group_by(*keys))
-        with self.begin(long=True, read=True) as c:
+        with self.db.begin(long=True, read=True) as c:
             rows = c.execute(q).all()
         return {(r[0], r[1], r[2]) if labelled else (r[0], None, None): int(r[-1]) for r in rows}
 
@@ -172,41 +175,41 @@ class ReportStatements(StoreBase):
         """Jobs matching the filters, most recently changed first (expired: oldest lease first);
         ``owner`` is the worker holding or last holding the lease, ``since`` seconds back from now
         bounds when the job last changed."""
-        j = self.t.jobs
-        q = sa.select(*self._job_columns()).limit(limit)
+        j = self.db.t.jobs
+        q = sa.select(*self.db._job_columns()).limit(limit)
         if expired:
-            q = q.where(j.c.status == status_sql(RUNNING), j.c.lease_expires_at < self.now_sql)
+            q = q.where(j.c.status == status_sql(RUNNING), j.c.lease_expires_at < self.db.now_sql)
             q = q.order_by(j.c.lease_expires_at, j.c.id)
         else:
             q = q.order_by(j.c.updated_at.desc(), j.c.id)
         q = where_given(q, (j.c.status, status), (j.c.queue_name, queue), (j.c.task_name, task),
                         (j.c.locked_by, owner))
-        with self.begin(long=True, read=True) as c:
+        with self.db.begin(long=True, read=True) as c:
             if since is not None:
                 q = q.where(j.c.updated_at >= self._now(c) - since)  # bound: an index range (list_events)
             return [Job.from_row(r) for r in c.execute(q)]
 
     def require(self, job_id: str) -> Job:
         """The job, or JobNotFound naming it."""
-        job = self.get(job_id)
+        job = self.db.get(job_id)
         if job is None:
             raise JobNotFound(job_id)
         return job
 
     def job_ids_starting(self, prefix: str, limit: int = 10) -> list[str]:
         """Up to ``limit`` job ids that start with ``prefix`` (LIKE's wildcards in it escaped), sorted."""
-        j = self.t.jobs
+        j = self.db.t.jobs
         q = sa.select(j.c.id).where(j.c.id.startswith(prefix, autoescape=True)).order_by(j.c.id).limit(limit)
-        with self.begin(long=True, read=True) as c:
+        with self.db.begin(long=True, read=True) as c:
             return list(c.execute(q).scalars())
 
     def list_events(self, job_id: str | None = None, since: float | None = None,
                     event: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
         """Audit events, newest ``limit`` of them in time order; ``since`` is seconds back from now."""
-        e = self.t.events
+        e = self.db.t.events
         q = where_given(sa.select(e).order_by(e.c.id.desc()).limit(limit),
                         (e.c.job_id, job_id), (e.c.event, event))
-        with self.begin(long=True, read=True) as c:
+        with self.db.begin(long=True, read=True) as c:
             if since is not None:
                 # A bound value, not the clock expression: PostgreSQL cannot range-scan an index
                 # against clock_timestamp(), which is volatile.
@@ -218,8 +221,8 @@ class ReportStatements(StoreBase):
     def running_metrics(self, lag_buckets: Sequence[float]) -> tuple[float, list[dict[str, Any]]]:
         """Per (queue, task) over running jobs: count, expired leases, oldest start, heartbeat lag
         max/sum and cumulative bucket counts. Bounded by the jobs in flight."""
-        j = self.t.jobs
-        with self.begin(long=True, read=True) as c:
+        j = self.db.t.jobs
+        with self.db.begin(long=True, read=True) as c:
             now = self._now(c)
             at: sa.BindParameter[float] = sa.literal(now, sa.Double())
             lag = at - sa.func.coalesce(j.c.last_heartbeat_at, j.c.started_at, at)
@@ -237,8 +240,8 @@ class ReportStatements(StoreBase):
 
     def pending_metrics(self) -> tuple[float, list[dict[str, Any]]]:
         """Per queue: pending depth and the oldest ``available_at`` already due."""
-        j = self.t.jobs
-        with self.begin(long=True, read=True) as c:
+        j = self.db.t.jobs
+        with self.db.begin(long=True, read=True) as c:
             now = self._now(c)
             due = sa.case((j.c.available_at <= now, j.c.available_at), else_=None)
             rows = c.execute(sa.select(j.c.queue_name, sa.func.count(), sa.func.min(due))
@@ -254,10 +257,10 @@ class ReportStatements(StoreBase):
         One range of the (status, updated_at) index per status: the exporter walks forward
         through what finished since its previous scrape, so the cost follows the work done.
         """
-        j = self.t.jobs
+        j = self.db.t.jobs
         sums: dict[tuple[str | None, str], dict[str, list[float]]] = {}
         rt = sa.func.coalesce(j.c.completed_at - j.c.started_at, 0.0)
-        with self.begin(long=True, read=True) as c:
+        with self.db.begin(long=True, read=True) as c:
             for status in (COMPLETED, FAILED):
                 # One bucket index per row and GROUP BY it: one CASE per row instead of one per bucket.
                 rb, ab = _bucket(rt, runtime_buckets), _bucket(j.c.attempt_count, attempt_buckets)
@@ -279,45 +282,33 @@ class ReportStatements(StoreBase):
     # -- tuning ---------------------------------------------------------------
     def finished_tasks(self, limit: int = 10_000) -> list[str]:
         """Task names among the newest ``limit`` completed jobs."""
-        j = self.t.jobs
+        j = self.db.t.jobs
         sub = (sa.select(j.c.task_name).where(j.c.status == status_sql(COMPLETED))
                .order_by(j.c.updated_at.desc()).limit(limit).subquery())
-        with self.begin(long=True, read=True) as c:
+        with self.db.begin(long=True, read=True) as c:
             return sorted(r[0] for r in c.execute(sa.select(sub.c.task_name).distinct()))
 
     def runtime_sample(self, task: str, limit: int = 10_000) -> list[tuple[float, float, str | None]]:
         """(runtime, heartbeat gap at completion, queue) of a task's newest ``limit`` completed jobs."""
-        j = self.t.jobs
+        j = self.db.t.jobs
         q = (sa.select(j.c.completed_at - j.c.started_at,
                        j.c.completed_at - sa.func.coalesce(j.c.last_heartbeat_at, j.c.started_at),
                        j.c.queue_name)
              .where(j.c.task_name == task, j.c.status == status_sql(COMPLETED), j.c.started_at.is_not(None),
                     j.c.completed_at.is_not(None))
              .order_by(j.c.updated_at.desc()).limit(limit))
-        with self.begin(long=True, read=True) as c:
+        with self.db.begin(long=True, read=True) as c:
             return [(float(r[0]), float(r[1]), r[2]) for r in c.execute(q)]
 
-    # -- used by checks.py and brokers.py ---------------------------------------
-    def leases_alive(self, job_ids: Sequence[str]) -> dict[str, str | None]:
-        """Owner of each given job that is running with an unexpired lease (store's clock)."""
-        if not job_ids:
-            return {}
-        j = self.t.jobs
-        with self.begin(long=True, read=True) as c:
-            rows = c.execute(sa.select(j.c.id, j.c.locked_by).where(
-                j.c.id.in_(list(job_ids)), fenced_status(j.c.status, RUNNING),
-                j.c.lease_expires_at > self.now_sql,
-            )).all()
-        return {r[0]: r[1] for r in rows}
-
+    # -- used by checks.py -----------------------------------------------------
     def check_facts(self) -> dict[str, Any]:
         """What `lease check` reads besides durations: tables, hosts, delays and usage per task."""
-        j, w, e, lk = self.t.jobs, self.t.workers, self.t.effects, self.t.locks
-        with self.begin(long=True, read=True) as c:
+        j, w, e, lk = self.db.t.jobs, self.db.t.workers, self.db.t.effects, self.db.t.locks
+        with self.db.begin(long=True, read=True) as c:
             existing = set(sa.inspect(c).get_table_names())
         # The previous revision has no reaper_runs or meta table: this code runs against it too.
-        newer = () if self.at_least(RUNS_REVISION) else (self.t.reaper_runs.name, self.t.meta.name)
-        missing = [t.name for t in self.t.metadata.sorted_tables
+        newer = () if self.db.at_least(RUNS_REVISION) else (self.db.t.reaper_runs.name, self.db.t.meta.name)
+        missing = [t.name for t in self.db.t.metadata.sorted_tables
                    if t.name not in existing and t.name not in newer]
         if missing:
             return {"missing_tables": missing}
@@ -327,7 +318,7 @@ class ReportStatements(StoreBase):
             sa.func.max(sa.case((sa.and_(j.c.status == status_sql(PENDING), j.c.attempt_count == 0),
                                  j.c.available_at - j.c.created_at), else_=None)),
         ).group_by(j.c.task_name)
-        with self.begin(long=True, read=True) as c:
+        with self.db.begin(long=True, read=True) as c:
             hosts = [r[0] for r in c.execute(sa.select(w.c.hostname).distinct())]
             jobs = c.execute(usage).all()
             effects: dict[str, int] = dict(c.execute(sa.select(j.c.task_name, sa.func.count()).select_from(
@@ -338,3 +329,32 @@ class ReportStatements(StoreBase):
                         "longest_delay": float(delay or 0.0), "effects": int(effects.get(name, 0)),
                         "locks": int(locks.get(name, 0))} for name, n, keyed, failed, delay in jobs}
         return {"missing_tables": [], "hosts": sorted(hosts), "tasks": tasks}
+
+    # -- the audit log, effect keys and resource locks ------------------------
+    def events(self, job_id: str | None = None, event: str | None = None,
+               limit: int = 1000) -> list[dict[str, Any]]:
+        """Audit events, oldest first, of one job or one name when given."""
+        e = self.db.t.events
+        q = where_given(sa.select(e).order_by(e.c.id).limit(limit), (e.c.job_id, job_id), (e.c.event, event))
+        with self.db.begin(read=True) as c:
+            return [dict(r._mapping) for r in c.execute(q)]
+
+    def effect_record(self, key: str) -> dict[str, Any] | None:
+        """An effect key's row (``key``, ``job_id``, ``at``), or None when no such key is recorded."""
+        e = self.db.t.effects
+        with self.db.begin(read=True) as c:
+            row = c.execute(sa.select(e.c.key, e.c.job_id, e.c.at).where(e.c.key == key)).first()
+        return None if row is None else dict(row._mapping)
+
+    def effect_keys(self, job_id: str) -> list[str]:
+        """The effect keys a job recorded, oldest first."""
+        e = self.db.t.effects
+        with self.db.begin(read=True) as c:
+            return list(c.execute(sa.select(e.c.key).where(e.c.job_id == job_id).order_by(e.c.at)).scalars())
+
+    def lock_holder(self, resource: str) -> dict[str, Any] | None:
+        """The lock row of a resource (token, job_id, owner, expires_at), or None."""
+        lk = self.db.t.locks
+        with self.db.begin(read=True) as c:
+            row = c.execute(sa.select(lk).where(lk.c.resource == resource)).first()
+        return None if row is None else dict(row._mapping)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import StoreBase
+from .base import StoreEngine
 
 __all__ = ["WorkerStatements"]
 
@@ -12,23 +12,25 @@ __all__ = ["WorkerStatements"]
 POOL_REVISION = "0003"  # the first schema revision whose registry has pool and concurrency
 
 
-class WorkerStatements(StoreBase):
+class WorkerStatements:
     """One row per worker process, refreshed by its heartbeat; the reaper reads liveness here."""
 
-    #: The pool and concurrency of the worker this process serves (set at worker start, kept
-    #: across the fork into pool children), recorded with each registry row.
-    worker_pool: tuple[str, int] | None = None
+    def __init__(self, db: StoreEngine) -> None:
+        self.db = db
+        #: The pool and concurrency of the worker this process serves (set at worker start, kept
+        #: across the fork into pool children), recorded with each registry row.
+        self.worker_pool: tuple[str, int] | None = None
 
     def _seen(self, worker_id: str, hostname: str, pid: int) -> Any:
         """Register a worker process, or refresh its last_seen_at: one upsert."""
-        values = dict(worker_id=worker_id, hostname=hostname, pid=pid, started_at=self.now_sql,
-                      last_seen_at=self.now_sql)
+        values = dict(worker_id=worker_id, hostname=hostname, pid=pid, started_at=self.db.now_sql,
+                      last_seen_at=self.db.now_sql)
         # The previous schema revision has no pool columns; this code runs against it too.
-        if self.worker_pool is not None and self.at_least(POOL_REVISION):
+        if self.worker_pool is not None and self.db.at_least(POOL_REVISION):
             values.update(pool=self.worker_pool[0][:32], concurrency=self.worker_pool[1])
-        return self.dialect.upsert(self.t.workers, values, update=("last_seen_at",))
+        return self.db.dialect.upsert(self.db.t.workers, values, update=("last_seen_at",))
 
     def touch_worker(self, worker_id: str, hostname: str, pid: int) -> None:
         """Register a worker process, or refresh its last_seen_at."""
-        with self.begin() as c:
+        with self.db.begin() as c:
             c.execute(self._seen(worker_id, hostname, pid))

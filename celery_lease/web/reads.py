@@ -37,9 +37,9 @@ OWNERS = (Event.CLAIMED, Event.LEASE_TAKEN_OVER, Event.CLAIM_TAKEN_BACK)
 def overview_data(c: Console) -> dict[str, Any]:
     """Everything the overview shows, read in a handful of bounded queries."""
     store = c.store
-    now, counts = store.overview_counts(COMPLETED_WINDOW)
-    _, running = store.running_rows()
-    _, workers = store.list_workers(WORKERS_SHOWN)
+    now, counts = store.reports.overview_counts(COMPLETED_WINDOW)
+    _, running = store.reports.running_rows()
+    _, workers = store.reports.list_workers(WORKERS_SHOWN)
     by_queue: dict[str, dict[str, int]] = {}
     for queue, state, n in counts:
         by_queue.setdefault(queue or "", dict.fromkeys(STATUSES, 0))[state] = n
@@ -49,14 +49,14 @@ def overview_data(c: Console) -> dict[str, Any]:
         expires = row["lease_expires_at"]
         row["expired"] = expires is not None and expires < now
     lags = [r["heartbeat_lag"] for r in running if r["heartbeat_lag"] is not None]
-    hour = store.event_counts(LAST_HOUR + STALE_WRITES, since=now - 3600)
+    hour = store.reports.event_counts(LAST_HOUR + STALE_WRITES, since=now - 3600)
     return {
         "now": now, "queues": sorted(by_queue.items()),
         "totals": {s: sum(q[s] for q in by_queue.values()) for s in STATUSES},
         "running": running[:RUNNING_SHOWN], "running_total": len(running),
         "expired": [r for r in running if r["expired"]],
         "lag_max": max(lags, default=None), "lag_p95": percentile(lags, 95),
-        "workers": workers, "worker_counts": store.worker_counts(),
+        "workers": workers, "worker_counts": store.reports.worker_counts(),
         "reaper": reaper_status(c.app, store),
         "recoveries": [(str(name), hour[name]) for name in LAST_HOUR
                        if name != Event.DUPLICATE_DELIVERY_SKIPPED],
@@ -87,9 +87,9 @@ def job_data(c: Console, job_id: str) -> dict[str, Any]:
     """One job: its row, message (arguments hidden unless shown by setting), events on a time axis,
     effect keys and the workers that owned it."""
     store = c.store
-    job = store.require(job_id)
+    job = store.reports.require(job_id)
     now = store.now()
-    history = store.list_events(job_id=job.id, limit=1000)
+    history = store.reports.list_events(job_id=job.id, limit=1000)
     try:
         sig = messages.decode(job.payload, c.app.conf.accept_content, job.id)
         message: dict[str, Any] = {k: sig.get(k) for k in ("task", "args", "kwargs", "options")}
@@ -106,7 +106,7 @@ def job_data(c: Console, job_id: str) -> dict[str, Any]:
     end = max(moments + ([now] if job.status == RUNNING else []))
     fields = job_dict(job)
     return {"job": job, "fields": fields, "now": now, "events": history, "message": message,
-            "arguments_hidden": not c.show_arguments, "effects": store.effect_keys(job.id),
+            "arguments_hidden": not c.show_arguments, "effects": store.reports.effect_keys(job.id),
             "owners": owners, "timeline": timeline(history, beat, min(moments), end),
             "start": min(moments), "end": end}
 
@@ -148,7 +148,7 @@ def register(web: Flask) -> None:
     def jobs() -> str:
         store = console().store
         filters, error = _jobs_filters()
-        found = [] if error else store.list_jobs(**filters)
+        found = [] if error else store.reports.list_jobs(**filters)
         now = store.now()
         return render_template("jobs.html", page="jobs", rows=[job_row(j, now) for j in found], error=error,
                                filters=filters, since=request.args.get("since", ""), statuses=STATUSES)
@@ -170,14 +170,14 @@ def register(web: Flask) -> None:
         aged = with_ages(c.store, [d.as_dict() for d in result.planned])
         planned = [{**d, "why": aged_reason(d)} for d in aged]
         return render_template("reaper.html", page="reaper", planned=planned, result=result,
-                               status=reaper_status(c.app, c.store), runs=c.store.reaper_runs(20) or [],
+                               status=reaper_status(c.app, c.store), runs=c.store.runs.reaper_runs(20) or [],
                                now=c.store.now())
 
     @web.get("/dead-letters", endpoint="dead_letters")
     def dead_letters() -> str:
         store = console().store
         task = request.args.get("task") or None
-        found = store.dead_letters(task, DEAD_LETTERS_SHOWN)
+        found = store.recovery.dead_letters(task, DEAD_LETTERS_SHOWN)
         revoked = {j.id for j in found if (j.last_error or "").startswith(REVOKED_PREFIX)}
         return render_template("dead_letters.html", page="dead_letters", jobs=found, revoked=revoked,
                                task=task, now=store.now(), shown=DEAD_LETTERS_SHOWN)

@@ -244,7 +244,7 @@ class VisibilityKeeper:
         now = time.monotonic()
         try:
             store = self.store or for_app(self.app, check=False)
-            owners = store.leases_alive([h.job_id for h in leased])
+            owners = store.deliveries.leases_alive([h.job_id for h in leased])
         except (StoreUnavailable, StoreRejected) as exc:
             log.warning("visibility refresh cannot reach the lease store (%s); trusting leases seen "
                         "within their duration", exc, extra={"action": "visibility_store_unavailable"})

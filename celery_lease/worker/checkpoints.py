@@ -45,7 +45,7 @@ def checkpoint(lease: Checkpointed, state: Any) -> None:
     """
     lease.check()
     try:
-        written = lease.store.checkpoint(lease.job_id, lease.token, state, lease.worker)
+        written = lease.store.jobs.checkpoint(lease.job_id, lease.token, state, lease.worker)
     except StoreRejected:
         raise
     except StoreUnavailable as exc:
@@ -56,7 +56,7 @@ def checkpoint(lease: Checkpointed, state: Any) -> None:
         return
     lease.pending_checkpoint = None
     if not written and lease.vanished_and_recorded_again():
-        written = lease.store.checkpoint(lease.job_id, lease.token, state, lease.worker)
+        written = lease.store.jobs.checkpoint(lease.job_id, lease.token, state, lease.worker)
     if not written:
         lease.mark_lost("checkpoint rejected: token no longer matches")
         lease.check()
@@ -112,7 +112,7 @@ def write_pending_checkpoint(lease: Checkpointed) -> None:
     pending = lease.pending_checkpoint
     if pending is None or lease.lost or lease.finishing:
         return
-    if lease.store.checkpoint(lease.job_id, lease.token, pending[0], lease.worker):
+    if lease.store.jobs.checkpoint(lease.job_id, lease.token, pending[0], lease.worker):
         if lease.pending_checkpoint is pending:
             lease.pending_checkpoint = None
     else:

@@ -300,7 +300,7 @@ def resume_post_run(task: Task, store: Store, worker: str, job: Any) -> tuple[bo
                                "again later", job_id=job.id) from exc
     if state in states.READY_STATES:
         return False, None
-    kept = store.kept_result(job.id)
+    kept = store.jobs.kept_result(job.id)
     if kept is None:
         return False, None
     _defer_if_owner_may_be_finishing(task, store, worker, job)

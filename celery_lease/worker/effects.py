@@ -74,11 +74,12 @@ def effect(lease: LeaseHandle, key: str, connection: Connection | None = None) -
     store = lease.store
     if connection is None:
         # An unreachable store is waited for until the local deadline, then LeaseLost.
-        outcome = lease.patiently(lambda: store.record_effect(key, lease.job_id, lease.token, lease.worker))
+        outcome = lease.patiently(lambda: store.effects.record_effect(key, lease.job_id, lease.token,
+                                                                      lease.worker))
         if outcome == EffectOutcome.LOST and lease.vanished_and_recorded_again():
-            outcome = store.record_effect(key, lease.job_id, lease.token, lease.worker)
+            outcome = store.effects.record_effect(key, lease.job_id, lease.token, lease.worker)
     else:
-        outcome = store.record_effect_in(connection, key, lease.job_id, lease.token, lease.worker)
+        outcome = store.effects.record_effect_in(connection, key, lease.job_id, lease.token, lease.worker)
     if outcome == EffectOutcome.LOST:
         log.warning("job %s [%s]: effect %r rejected, the lease moved on", lease.job_id, lease.token[:8], key,
                     extra={"action": "stale_effect_rejected"})
@@ -98,14 +99,14 @@ def _take_back(lease: LeaseHandle, key: str, connection: Connection | None, exc:
     reason = f"{type(exc).__name__}: {exc}"[:200]
     if connection is not None:
         try:
-            lease.store.unrecord_effect_in(connection, key, lease.job_id)
+            lease.store.effects.unrecord_effect_in(connection, key, lease.job_id)
         except (StoreUnavailable, StoreRejected) as error:
             # An aborted transaction (PostgreSQL) can only roll back, and the rollback drops the key.
             log.info("job %s [%s]: effect %r left to the transaction's rollback (%s)", lease.job_id,
                      lease.token[:8], key, error, extra={"action": "effect_released"})
         return
     try:
-        released = lease.store.release_effect(key, lease.job_id, lease.token, lease.worker, reason)
+        released = lease.store.effects.release_effect(key, lease.job_id, lease.token, lease.worker, reason)
     except (StoreUnavailable, StoreRejected) as error:
         log.error("job %s [%s]: effect %r failed (%s) and its key could not be released (%s); "
                   "the effect may not have happened", lease.job_id, lease.token[:8], key, reason, error,
@@ -196,7 +197,7 @@ class Locks:
             if lk.released:
                 return
             try:
-                deleted = self.store.release_lock(lk.resource, lk.token)
+                deleted = self.store.effects.release_lock(lk.resource, lk.token)
             except (StoreUnavailable, StoreRejected) as exc:
                 log.warning("lock %r [%s] not released yet (%s); it expires in at most %gs", lk.resource,
                             lk.token[:8], exc, lk.ttl, extra={"action": "lock_release_deferred"})
@@ -274,7 +275,7 @@ class Locks:
                 self.release(lk)
         live = [lk for lk in held if not lk.done and not lk.lost and lk.lease.renewable(now)]
         sent = deadline.monotonic()
-        renewed = self.store.renew_locks({lk.token: lk.ttl for lk in live}) if live else set()
+        renewed = self.store.effects.renew_locks({lk.token: lk.ttl for lk in live}) if live else set()
         for lk in live:
             # A block that ended during the renewal released its own row.
             if lk.token in renewed:
@@ -334,8 +335,8 @@ def _acquire(lease: LeaseHandle, held: ResourceLock, timeout: float) -> None:
     def attempt() -> EffectOutcome:
         # The send time of the statement that answers: the one whose expiry the row carries.
         sent.append(deadline.monotonic())
-        return lease.store.acquire_lock(held.resource, held.token, held.ttl, lease.worker,
-                                        lease.job_id, lease.token)
+        return lease.store.effects.acquire_lock(held.resource, held.token, held.ttl, lease.worker,
+                                                lease.job_id, lease.token)
 
     while True:
         lease.check()

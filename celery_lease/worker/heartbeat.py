@@ -67,8 +67,8 @@ class Heartbeat:
                   "past_max_runtime": sum(1 for lease in held if lease.past_max_runtime(now))}
         sent = deadline.monotonic()
         try:
-            renewed = self.store.beat(self.worker, rt.hostname, os.getpid(),
-                                      {lease.token: lease.job_id for lease in renewable})
+            renewed = self.store.jobs.beat(self.worker, rt.hostname, os.getpid(),
+                                           {lease.token: lease.job_id for lease in renewable})
         except StoreUnavailable as exc:
             log.warning("heartbeat of %s could not reach the lease store: %s", self.worker, exc,
                         extra={"action": "heartbeat_store_unavailable"})
@@ -98,7 +98,7 @@ class Heartbeat:
                     if lease.handed_over or lease.retried:
                         continue  # the body handed the job on while this round was out
                     again = deadline.monotonic()
-                    reason, owner = self.store.describe_loss(lease.job_id, lease.token, self.worker)
+                    reason, owner = self.store.jobs.describe_loss(lease.job_id, lease.token, self.worker)
                     if reason == LossReason.VANISHED and lease.recorded_again():
                         lease.confirm(again)
                         continue

@@ -245,14 +245,14 @@ class Lease:
 
         ``republish`` defaults to "the broker forgot the message" (acks_late off).
         """
-        if not self.store.release(self.job_id, self.token, self.worker, reason):
+        if not self.store.jobs.release(self.job_id, self.token, self.worker, reason):
             return False
         if reason == Event.RELEASED_ON_SHUTDOWN:
             events.send(self.app, self.runtime.hostname,
                         [events.retried(self.job_id, events.RELEASED_ON_SHUTDOWN, self.attempt)])
         if (not self.acks_late if republish is None else republish) and self.app is not None:
             job = self.store.get(self.job_id)
-            if job is None and self.recorded_again() and self.store.release(self.job_id, self.token,
+            if job is None and self.recorded_again() and self.store.jobs.release(self.job_id, self.token,
                                                                              self.worker, reason):
                 job = self.store.get(self.job_id)  # vanished once released: recorded again, released again
             try:

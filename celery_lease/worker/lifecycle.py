@@ -88,8 +88,8 @@ def _claim(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Lease | 
                            nesting=int(getattr(request, "replaced_task_nesting", 0) or 0))
         # The lease's local deadline counts from when the claim was sent, not answered.
         sent = deadline.monotonic()
-        claim = store.claim(job_id, rt.worker, token, terms, task_name=task.name, queue=queue,
-                            payload=payload)
+        claim = store.jobs.claim(job_id, rt.worker, token, terms, task_name=task.name, queue=queue,
+                                 payload=payload)
     except StoreRejected as exc:
         # A claim the store refuses is not run, and not lost either: the message comes back later
         # (with the fail-closed backoff), each time logged with the store's reason.
@@ -124,8 +124,8 @@ def _claim(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Lease | 
     deliveries.forget_store_retries(request)
 
     def record_again() -> bool:
-        again = store.claim(job_id, rt.worker, token, terms, task_name=task.name, queue=queue,
-                            payload=payload)
+        again = store.jobs.claim(job_id, rt.worker, token, terms, task_name=task.name, queue=queue,
+                                 payload=payload)
         if again.outcome == ClaimOutcome.REPLACED:  # the row went with a hand-over whose answer was lost
             deliveries.send_pending_step(task.app, job_id, again.step)
         return again.claimed and again.job is not None and again.job.lock_token == token
@@ -140,7 +140,7 @@ def _reclaim(store: Store, rt: runtime.Runtime, claim: Claim, token: str, terms:
     assert claim.job is not None and claim.job.lock_token is not None
     lost = claim.job.lock_token
     try:
-        job = store.reclaim(claim.job.id, lost, rt.worker, token, terms)
+        job = store.jobs.reclaim(claim.job.id, lost, rt.worker, token, terms)
     except (StoreUnavailable, StoreRejected) as exc:
         log.warning("job %s: could not take back the claim whose answer was lost (%s)", claim.job.id, exc)
         return claim

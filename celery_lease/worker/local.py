@@ -163,14 +163,14 @@ class LocalLease:
 
         connection = connection_for(using) if using is not None else connection
         store = for_app(self.app, check=False)
-        first = store.record_unfenced_effect_in(connection, key, self.job_id) == EffectOutcome.FIRST
+        first = store.effects.record_unfenced_effect_in(connection, key, self.job_id) == EffectOutcome.FIRST
         try:
             yield first
         except BaseException:
             if first:
                 # An aborted transaction can only roll back, and the rollback drops the key.
                 with contextlib.suppress(StoreUnavailable):
-                    store.unrecord_effect_in(connection, key, self.job_id)
+                    store.effects.unrecord_effect_in(connection, key, self.job_id)
             raise
 
     @contextlib.contextmanager

@@ -163,13 +163,13 @@ class Runtime:
         def attempt() -> set[str]:
             sent.append(deadline.monotonic())
             lease.extending(sent[-1], seconds)
-            return self.store.renew({lease.token: lease.job_id}, self.worker, {lease.token: seconds})
+            return self.store.jobs.renew({lease.token: lease.job_id}, self.worker, {lease.token: seconds})
 
         renewed = lease.patiently(attempt)
         if lease.job_id in renewed and lease.confirm(sent[-1], seconds):
             return True
         if lease.job_id not in renewed:
-            reason, owner = self.store.describe_loss(lease.job_id, lease.token, self.worker)
+            reason, owner = self.store.jobs.describe_loss(lease.job_id, lease.token, self.worker)
             lease.mark_lost(reason, owner)
             self.forget(lease)
         return False

@@ -80,15 +80,17 @@ def settle(task: Any, lease: Lease, end: RunEnd, value: Any, exc: BaseException 
         _retry(task, lease, exc)
     if end == RunEnd.IGNORED:
         # The task chose to drop its result: the job is still over.
-        _ending(lease, end, lambda: store.complete(job_id, token, worker))
+        _ending(lease, end, lambda: store.jobs.complete(job_id, token, worker))
     elif end == RunEnd.REJECTED_REQUEUE:
         # Requeued while the release waits for the store, the message would meet the lease this
         # worker still holds and be skipped: it is acknowledged, and sent again with the release.
-        if _write(lease, end, lambda: store.release(job_id, token, worker, reason=Event.REJECTED_REQUEUE),
+        if _write(lease, end, lambda: store.jobs.release(job_id, token, worker,
+                                                         reason=Event.REJECTED_REQUEUE),
                   later=lambda: lease.give_back(Event.REJECTED_REQUEUE, republish=True)) is None:
             raise Ignore() from exc
     elif end == RunEnd.REJECTED:
-        _write(lease, end, lambda: store.fail(job_id, token, f"rejected: {exc.reason}", worker))  # type: ignore[attr-defined]
+        reason = f"rejected: {exc.reason}"  # type: ignore[attr-defined]
+        _write(lease, end, lambda: store.jobs.fail(job_id, token, reason, worker))
     elif end == RunEnd.FAILED:
         _fail(task, lease, exc)
     elif end == RunEnd.OUTAGE:
@@ -121,7 +123,8 @@ def _ending(lease: Lease, end: RunEnd, write: Callable[[], bool]) -> bool | None
                   "finished body does not run again", lease.job_id, lease.token[:8], end, exc,
                   extra={"action": "settle_refused"})
         reason = f"the store refused the write of its end ({end}): {exc}"
-        return _write(lease, end, lambda: lease.store.fail(lease.job_id, lease.token, reason, lease.worker))
+        return _write(lease, end, lambda: lease.store.jobs.fail(lease.job_id, lease.token, reason,
+                                                                lease.worker))
 
 
 def _complete(task: Any, lease: Lease, value: Any) -> Any:
@@ -132,15 +135,15 @@ def _complete(task: Any, lease: Lease, value: Any) -> Any:
     kept = deliveries.keepable_result(task, value)
     try:
         if kept is None:
-            written = _ending(lease, RunEnd.RETURNED, lambda: store.complete(job_id, token, worker))
+            written = _ending(lease, RunEnd.RETURNED, lambda: store.jobs.complete(job_id, token, worker))
         else:
-            written = _write(lease, RunEnd.RETURNED, lambda: store.complete(job_id, token, worker, kept))
+            written = _write(lease, RunEnd.RETURNED, lambda: store.jobs.complete(job_id, token, worker, kept))
     except StoreRejected as exc:
         # The kept result is only there to finish a crash's post-run work: a result the store
         # cannot hold (too large for its column) is not kept, and the job still completes.
         log.error("job %s [%s]: result not kept, the store refused it (%s)", job_id, token[:8], exc,
                   extra={"action": "result_not_kept"})
-        written = _ending(lease, RunEnd.RETURNED, lambda: store.complete(job_id, token, worker))
+        written = _ending(lease, RunEnd.RETURNED, lambda: store.jobs.complete(job_id, token, worker))
     if written is False:
         log.warning("job %s [%s]: completion rejected, the lease moved on", job_id, token[:8],
                     extra={"action": "stale_completion_rejected"})
@@ -172,8 +175,8 @@ def _retry(task: Any, lease: Lease, exc: BaseException) -> None:
         due, message = lease.deferred_retry
 
         def write() -> bool:
-            return store.retry_later(job_id, token, max(0.0, due - deadline.monotonic()), message,
-                                     str(exc.exc or exc), worker)
+            return store.jobs.retry_later(job_id, token, max(0.0, due - deadline.monotonic()), message,
+                                          str(exc.exc or exc), worker)
 
         _write(lease, RunEnd.RETRIED, write, then=lambda: messages.republish(lease.app, job_id, message))
         raise exc
@@ -185,7 +188,8 @@ def _retry(task: Any, lease: Lease, exc: BaseException) -> None:
                                   task.serializer)
     delay = deadline.seconds_until(exc.when)
     if _write(lease, RunEnd.RETRIED,
-              lambda: store.retry_later(job_id, token, delay, payload, str(exc.exc or exc), worker)) is False:
+              lambda: store.jobs.retry_later(job_id, token, delay, payload, str(exc.exc or exc),
+                                             worker)) is False:
         raise Ignore() from exc
     raise exc
 
@@ -207,7 +211,7 @@ def _fail(task: Any, lease: Lease, exc: BaseException) -> None:
     """
     error = f"{type(exc).__name__}: {exc}"
     store, job_id = lease.store, lease.job_id
-    written = _write(lease, RunEnd.FAILED, lambda: store.fail(job_id, lease.token, error, lease.worker),
+    written = _write(lease, RunEnd.FAILED, lambda: store.jobs.fail(job_id, lease.token, error, lease.worker),
                      then=lambda: _dead_letter(task, store, job_id, lease.policy))
     if written is False:
         raise Ignore() from exc

@@ -112,7 +112,7 @@ class PendingCancels:
         self.store = store
         self.interval = interval
         self._mutex = threading.Lock()
-        # job id -> store.cancel's keywords for it
+        # job id -> store.jobs.cancel's keywords for it
         self._kept: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
         self._thread: threading.Thread | None = None
 
@@ -126,7 +126,7 @@ class PendingCancels:
 
         The kept cancels go first; while some are still kept (the store just failed them) this
         one joins them without a call of its own, so an outage costs a revoke one call bound.
-        ``task_name`` and ``queue`` (a discarded delivery's) record a vanished row again (store.cancel).
+        ``task_name`` and ``queue`` (a discarded delivery's) record a vanished row again (store.jobs.cancel).
         """
         order: dict[str, Any] = {"reason": reason, "owner": owner, "task_name": task_name, "queue": queue}
         self.flush()
@@ -134,7 +134,7 @@ class PendingCancels:
             self._keep(job_id, order)
             return False
         try:
-            self.store.cancel(job_id, **order)
+            self.store.jobs.cancel(job_id, **order)
         except StoreRejected as exc:
             log.error("job %s: the store rejected its cancel (%s); not retried", job_id, exc)
             return False
@@ -163,7 +163,7 @@ class PendingCancels:
         written = 0
         for job_id, order in kept:
             try:
-                self.store.cancel(job_id, **order)
+                self.store.jobs.cancel(job_id, **order)
             except StoreRejected as exc:
                 log.error("job %s: the store rejected its kept cancel (%s); dropped", job_id, exc)
             except StoreUnavailable:

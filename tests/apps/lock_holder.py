@@ -21,12 +21,13 @@ from celery_lease.worker.runtime import Runtime
 def main(url: str, prefix: str, job_id: str, resource: str, ttl: float) -> None:
     store = Store(url, prefix=prefix)
     rt = Runtime(store, "lock-holder", default_interval=0.2)
-    store.record(job_id, "t.hold", "q", "{}", 3)
+    store.publishes.record(job_id, "t.hold", "q", "{}", 3)
     token = secrets.token_hex(16)
     sent = deadline.monotonic()
-    got = store.claim(job_id, rt.worker, token,
-                      ClaimTerms(duration=3.0, grace=0.0, max_attempts=3, max_expirations=3, takeover=False),
-                      task_name="t.hold", queue="q", payload=lambda: None)
+    got = store.jobs.claim(job_id, rt.worker, token,
+                           ClaimTerms(duration=3.0, grace=0.0, max_attempts=3, max_expirations=3,
+                                      takeover=False),
+                           task_name="t.hold", queue="q", payload=lambda: None)
     if not got.claimed:
         raise SystemExit(f"could not claim {job_id}: {got.outcome}")
     policy = load({}).policy({"lease_duration": 3.0, "lease_heartbeat_interval": 0.2})

@@ -80,16 +80,16 @@ def _set(store: Any, job_id: str, **values: Any) -> None:
 
 def _claim(store: Any, job_id: str, task: str, queue: str, owner: str) -> str:
     token = secrets.token_hex(16)
-    claim = store.claim(job_id, owner, token,
-                        ClaimTerms(duration=2.0, grace=0.5,
-                                   max_attempts=3, max_expirations=3, takeover=False),
-                        task_name=task, queue=queue, payload=lambda: None)
+    claim = store.jobs.claim(job_id, owner, token,
+                             ClaimTerms(duration=2.0, grace=0.5,
+                                        max_attempts=3, max_expirations=3, takeover=False),
+                             task_name=task, queue=queue, payload=lambda: None)
     assert claim.claimed, claim
     return token
 
 
 def _running(store: Any, job_id: str, task: str, queue: str, owner: str, **times: float) -> None:
-    store.record(job_id, task, queue, _payload(task, 0, queue), 3)
+    store.publishes.record(job_id, task, queue, _payload(task, 0, queue), 3)
     _claim(store, job_id, task, queue, owner)
     _set(store, job_id, **times)
 
@@ -115,17 +115,17 @@ def populate(store: Any) -> dict[str, list[str]]:
     scene: dict[str, list[str]] = {k: [] for k in
                                    ("pending", "live", "abandoned", "alive_expired", "completed", "failed",
                                     "revoked")}
-    store.touch_worker(ALIVE, "ops", 1)
-    store.touch_worker(DEAD, "ops", 2)
+    store.workers.touch_worker(ALIVE, "ops", 1)
+    store.workers.touch_worker(DEAD, "ops", 2)
     now = store.now()
     w = store.t.workers
     with store.begin() as c:
         c.execute(sa.update(w).where(w.c.worker_id == DEAD).values(last_seen_at=now - 3600))
     for i in range(3):
         job_id = f"pending-{i}"
-        store.record(job_id, "ops.quick", "celery", _payload("ops.quick", i), 3)
+        store.publishes.record(job_id, "ops.quick", "celery", _payload("ops.quick", i), 3)
         scene["pending"].append(job_id)
-    store.record("pending-late", "ops.slow", "reports", _payload("ops.slow", 0, "reports"), 3)
+    store.publishes.record("pending-late", "ops.slow", "reports", _payload("ops.slow", 0, "reports"), 3)
     _set(store, "pending-late", available_at=now - 100)
     scene["pending"].append("pending-late")
     for i in range(2):
@@ -143,19 +143,21 @@ def populate(store: Any) -> dict[str, list[str]]:
     for task, count, runtime in shapes:
         for i in range(count):
             job_id = f"done-{task}-{i}"
-            store.record(job_id, task, "celery", _payload(task, i), 3)
-            store.complete(job_id, _claim(store, job_id, task, "celery", ALIVE), ALIVE)
+            store.publishes.record(job_id, task, "celery", _payload(task, i), 3)
+            store.jobs.complete(job_id, _claim(store, job_id, task, "celery", ALIVE), ALIVE)
             done = store.t.jobs.c.completed_at  # as the completion wrote it, read by the UPDATE itself
             _set(store, job_id, started_at=done - runtime(i), last_heartbeat_at=done - min(runtime(i), 0.4),
                  attempt_count=2 if task == "ops.slow" and i % 5 == 0 else 1)
             scene["completed"].append(job_id)
     for i in range(2):
         job_id = f"failed-{i}"
-        store.record(job_id, "ops.fails", "celery", _payload("ops.fails", i), 3, idempotency_key=f"fails-{i}")
-        store.fail(job_id, _claim(store, job_id, "ops.fails", "celery", ALIVE), "ValueError: boom", ALIVE)
+        store.publishes.record(job_id, "ops.fails", "celery", _payload("ops.fails", i), 3,
+                               idempotency_key=f"fails-{i}")
+        store.jobs.fail(job_id, _claim(store, job_id, "ops.fails", "celery", ALIVE), "ValueError: boom",
+                        ALIVE)
         scene["failed"].append(job_id)
-    store.record("revoked-0", "ops.quick", "celery", _payload("ops.quick", 0), 3)
-    store.cancel("revoked-0", "revoked")
+    store.publishes.record("revoked-0", "ops.quick", "celery", _payload("ops.quick", 0), 3)
+    store.jobs.cancel("revoked-0", "revoked")
     scene["revoked"].append("revoked-0")
     for job_id in scene["abandoned"][:2]:
         store.event(job_id, "reaped_expired_lease", "lease expired", DEAD, "0123456789")

@@ -103,11 +103,11 @@ def test_a_threads_body_past_its_max_runtime_is_interrupted_before_the_takeover_
             # Then LeaseLost lands in it, the lock is free, and only later the reaper takes the job
             lost_at, reason = wait_for(lambda: oenv.lost(job.id, 1), timeout=10,
                                        message="the overrun body was not interrupted")
-            wait_for(lambda: oenv.store.lock_holder(f"res:{job.id}") is None, timeout=5,
+            wait_for(lambda: oenv.store.reports.lock_holder(f"res:{job.id}") is None, timeout=5,
                      message="the overrun body's lock was not freed")
             second = second_start(oenv, job.id)
             wait_for(lambda: oenv.store.get(job.id).status == "completed", timeout=20,
                      message="the job was not completed by its next attempt")
-    [taken] = oenv.store.events(job.id, "reaped_expired_lease")
+    [taken] = oenv.store.reports.events(job.id, "reaped_expired_lease")
     assert "lease_max_runtime" in reason
     assert lost_at < taken["at"] < second

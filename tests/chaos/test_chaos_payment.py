@@ -106,11 +106,11 @@ def test_stopped_payment_worker_never_captures_twice(env, tmp_path):
         assert len(reports.lrange(f"captures:{payment}", 0, -1)) == 1, payment
         job = store.get(_job_of(store, payment))
         assert (job.status, job.attempt_count) == ("completed", 2), payment
-        assert store.effect_keys(job.id) == [f"capture:{payment}"]
+        assert store.reports.effect_keys(job.id) == [f"capture:{payment}"]
     assert reports.lrange("refused:p-before", 0, -1) == ["1"]
-    rejected = store.events(event="stale_completion_rejected")
+    rejected = store.reports.events(event="stale_completion_rejected")
     assert sorted(_payment_of(store, e["job_id"]) for e in rejected) == ["p-after", "p-in-transaction"]
-    assert store.events(event="failed") == []
+    assert store.reports.events(event="failed") == []
 
 
 def _waiting_on_a_lock(store: Store) -> bool:
@@ -123,7 +123,7 @@ def _waiting_on_a_lock(store: Store) -> bool:
 def _stale_outcome(store: Store, reports: redis.Redis, payment: str, job_id: str) -> str | None:
     if reports.lrange(f"refused:{payment}", 0, -1):
         return "refused"
-    if store.events(job_id, "stale_completion_rejected"):
+    if store.reports.events(job_id, "stale_completion_rejected"):
         return "stale_completion_rejected"
     return None
 

@@ -73,6 +73,6 @@ def test_a_chain_finishes_with_each_body_run_once_when_its_worker_dies_after_the
         # (the owner might still have been storing the result), and stores it when it returns.
         assert mod.app.AsyncResult(first_id).get(timeout=30) == 40
     assert reports.llen(f"runs:{first_id}") == 1 and reports.llen(f"runs:{second_id}") == 1
-    first_events = [e["event"] for e in store.events(first_id)]
+    first_events = [e["event"] for e in store.reports.events(first_id)]
     assert first_events.count("post_run_resumed") == 1 and first_events.count("claimed") == 1, first_events
     assert store.get(second_id).status == "completed"

@@ -78,12 +78,13 @@ def test_sigkilled_prefork_worker_jobs_complete_exactly_once_within_the_recovery
         wait_for(lambda: all(renv.status(j) == COMPLETED for j in every), timeout=40,
                  message="jobs not all completed")
         if acks_late:  # kombu restores the unacked messages later: they must not run again
-            wait_for(lambda: all(renv.store.events(j, "duplicate_delivery_skipped") for j in long_jobs),
+            wait_for(lambda: all(renv.store.reports.events(j,
+                                                           "duplicate_delivery_skipped") for j in long_jobs),
                      timeout=30, message="restored messages never came back")
             assert all(e["detail"] and '"redelivered": true' in e["detail"]
-                       for j in long_jobs for e in renv.store.events(j, "duplicate_delivery_skipped"))
+                       for j in long_jobs for e in renv.store.reports.events(j, "duplicate_delivery_skipped"))
     for job_id in long_jobs:
-        [reaped] = renv.store.events(job_id, "reaped_expired_lease")
+        [reaped] = renv.store.reports.events(job_id, "reaped_expired_lease")
         assert reaped["at"] - killed_at <= BOUND + SLACK, f"recovered after {reaped['at'] - killed_at:.2f}s"
         assert (renv.count(job_id, "started"), renv.count(job_id, "finished")) == (2, 1)
     for job_id in short_jobs:
@@ -102,11 +103,11 @@ def test_a_task_that_kills_its_own_process_every_time_ends_dead_lettered(renv, t
     row = renv.store.get(job.id)
     assert row.last_error == "lease expired and max attempts reached"
     assert renv.count(job.id, "started") == 3 and row.attempt_count == 3  # lease_max_attempts, no loop
-    assert len(renv.store.events(job.id, "reaped_expired_lease")) == 2
-    assert len(renv.store.events(job.id, "dead_lettered")) == 1
+    assert len(renv.store.reports.events(job.id, "reaped_expired_lease")) == 2
+    assert len(renv.store.reports.events(job.id, "dead_lettered")) == 1
     # Each death was seen at once by the worker's main process, not left to the lease's expiry.
     assert all("worker process lost: WorkerLostError" in e["reason"]
-               for e in renv.store.events(job.id, "reaped_expired_lease"))
+               for e in renv.store.reports.events(job.id, "reaped_expired_lease"))
     assert renv.broker.llen(renv.queue) == 0
 
 
@@ -126,7 +127,7 @@ def test_a_reaper_killed_between_publish_and_cas_leaves_nothing_stuck(renv, tmp_
         wait_for(pause.exists, timeout=20, message="reaper never published")
         first = wait_for(pause.read_text, timeout=5, message="pause file empty")
         paused.kill()
-        assert renv.store.events(first, "reaped_expired_lease") == []  # the CAS never happened
+        assert renv.store.reports.events(first, "reaped_expired_lease") == []  # the CAS never happened
         # The early message finds the lease claimable; the next reaper takes the lock after its TTL
         procs.append(worker(APP, env, tmp_path, pool="prefork", queues=renv.queue, name="rescuer"))
         with reaper_loop(app):
@@ -136,7 +137,7 @@ def test_a_reaper_killed_between_publish_and_cas_leaves_nothing_stuck(renv, tmp_
     # loaded machine either wins), each was recovered once and finished once, never run by two
     # live owners: its second run is a new lease in another process, after the victim died.
     for job_id in jobs:
-        recoveries = [e for name in RECOVERIES for e in renv.store.events(job_id, name)]
+        recoveries = [e for name in RECOVERIES for e in renv.store.reports.events(job_id, name)]
         assert len(recoveries) == 1, recoveries
         assert (renv.count(job_id, "started"), renv.count(job_id, "finished")) == (2, 1)
         assert len(set(renv.pids(job_id))) == 2
@@ -158,7 +159,7 @@ def test_jobs_whose_messages_vanished_from_the_broker_are_redispatched_and_compl
             wait_for(lambda: all(renv.status(j) == COMPLETED for j in jobs), timeout=40,
                      message="jobs with lost messages not all completed")
     for job_id in jobs:
-        assert len(renv.store.events(job_id, "redispatched")) == 1
+        assert len(renv.store.reports.events(job_id, "redispatched")) == 1
         assert (renv.count(job_id, "started"), renv.count(job_id, "finished")) == (1, 1)
         assert renv.store.get(job_id).dispatch_count == 1
     assert unfinished(renv) == 0

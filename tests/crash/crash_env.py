@@ -139,7 +139,7 @@ class CrashEnv:
 
     def recovery_events(self) -> list[tuple[str, str, str]]:
         return [(e["event"], e["job_id"], e["reason"]) for name in RECOVERY_EVENTS
-                for e in self.store.events(event=name)]
+                for e in self.store.reports.events(event=name)]
 
     def close(self) -> None:
         self.store.engine.dispose()

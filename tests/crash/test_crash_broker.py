@@ -43,7 +43,7 @@ def test_a_broker_killed_and_restarted_empty_still_completes_every_job_once(tmp_
                 # Then the dispatch scan re-sends what was lost, and every job completes
                 wait_for(lambda: env.all_completed(ids), timeout=90, interval=0.25,
                          message="not every job completed after the broker lost its messages")
-                redispatched = env.store.events(event="redispatched")
+                redispatched = env.store.reports.events(event="redispatched")
         finally:
             env.close()
     runs = env.executions()

@@ -51,12 +51,13 @@ class AdminCase(TransactionTestCase):
     def running(self, key=None):
         job_id = self.published(key)
         token = uuid.uuid4().hex
-        assert self.store.claim(job_id, "worker-1", token, TERMS, charge.name, "celery", lambda: None).claimed
+        assert self.store.jobs.claim(job_id, "worker-1", token, TERMS, charge.name, "celery",
+                                     lambda: None).claimed
         return job_id, token
 
     def dead_letter(self, key=None):
         job_id, token = self.running(key)
-        assert self.store.fail(job_id, token, "ValueError: card declined")
+        assert self.store.jobs.fail(job_id, token, "ValueError: card declined")
         return job_id
 
     def events(self, job_id, name):

@@ -3,9 +3,10 @@
 The store hands it each engine it builds (``engine_built``): the injector wraps the pool's
 driver connections, so every statement of the store, on SQLAlchemy's execution layer or on the
 driver connection the hot transitions use, passes it. The library's result-backend calls pass
-``backend_call``. A call belongs to the store's public method (the *verb*) that made it, found on
-the stack, and to the job named by that method's ``job_id`` (or ``leases``) argument; the n-th
-call of a verb for a job is its *ordinal*, counted in Redis across the worker processes.
+``backend_call``. A call belongs to the store's public method (the *verb*: the engine's own, or a
+statement group's, such as ``store.jobs.claim``) that made it, found on the stack, and to the job
+named by that method's ``job_id`` (or ``leases``) argument; the n-th call of a verb for a job is
+its *ordinal*, counted in Redis across the worker processes.
 
 A job's scenario (``faults:scenario:<job>``: kind, verb, ordinal, mode) says where its one fault
 goes; each fault fires at most once per job (``faults:fired:<job>`` records where it fired).
@@ -24,6 +25,7 @@ from typing import Any
 import redis
 import sqlalchemy as sa
 
+import celery_lease.store as stores
 from celery_lease.store import Store
 
 #: The modes of a store call, and those of a result-backend call.
@@ -35,7 +37,10 @@ MODES = STORE_MODES + REJECT_MODES + BACKEND_MODES
 BACKEND_OUTAGE = 3.0
 REFUSED = "Error 111 connecting to 127.0.0.1:6379. Connection refused."
 
-VERBS = frozenset(n for n in dir(Store) if not n.startswith("_") and callable(getattr(Store, n)))
+#: The store's classes: the engine's calls (on Store) and those of each statement group.
+STORE_CLASSES = (Store, *(getattr(stores, name) for name in stores.__all__ if name.endswith("Statements")))
+VERBS = frozenset(n for cls in STORE_CLASSES for n in dir(cls)
+                  if not n.startswith("_") and callable(getattr(cls, n)))
 _STORE_DIR = os.path.dirname(sys.modules[Store.__module__].__file__ or "")
 _PING = "SELECT 1"
 

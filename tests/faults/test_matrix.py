@@ -119,7 +119,7 @@ class Lane:
                 return state in ("SUCCESS", "FAILURE")
             if fired == b"event#1":  # the skip's audit event was the call that failed: nothing follows it
                 return True
-            seen = {e["event"] for e in self.store.events(job)}
+            seen = {e["event"] for e in self.store.reports.events(job)}
             return bool(seen & {"duplicate_delivery_skipped", "post_run_resumed"})
         if state not in ("SUCCESS", "FAILURE", "REVOKED"):
             return kind == "ignore"  # Ignore stores no state: the store's final status is the end

@@ -61,7 +61,7 @@ def test_retry_on_worker_lost_with_a_lease_runs_a_killed_childs_job_once_more_no
     job = renv.store.get(result.id)
     assert job.status == COMPLETED and job.attempt_count == 2
     # One message ran it again: Celery's own retry was not sent beside the lease's requeue.
-    assert renv.store.events(result.id, "duplicate_delivery_skipped") == []
+    assert renv.store.reports.events(result.id, "duplicate_delivery_skipped") == []
 
 
 def test_retry_on_worker_lost_leaves_a_job_dead_lettered_at_lease_max_attempts_failed(leased):
@@ -73,7 +73,7 @@ def test_retry_on_worker_lost_leaves_a_job_dead_lettered_at_lease_max_attempts_f
     # A later job on the same single child runs after anything Celery could have re-sent.
     app.tasks["reaper_app.work"].delay(0.0).get(timeout=30)
     assert renv.count(result.id, "started") == 2
-    assert renv.store.events(result.id, "duplicate_delivery_skipped") == []
+    assert renv.store.reports.events(result.id, "duplicate_delivery_skipped") == []
     assert result.state == "FAILURE"
 
 
@@ -82,12 +82,12 @@ def test_acks_on_timeout_off_requeues_a_timed_out_job_through_the_lease_once(lea
     # 60 s on its first run, killed at its 1.5 s hard limit; 0.1 s on the next.
     result = app.tasks["reaper_app.work"].apply_async((60.0,), time_limit=1.5)
     wait_for(lambda: renv.status(result.id) == COMPLETED, timeout=30,
-             message=f"timed-out job not run again: {renv.store.events(result.id)}")
+             message=f"timed-out job not run again: {renv.store.reports.events(result.id)}")
     assert (renv.count(result.id, "started"), renv.count(result.id, "finished")) == (2, 1)
     assert renv.attempts(result.id) == [1, 2]
-    reaped = renv.store.events(result.id, "reaped_expired_lease")
+    reaped = renv.store.reports.events(result.id, "reaped_expired_lease")
     assert len(reaped) == 1 and "TimeLimitExceeded" in reaped[0]["reason"]
-    assert renv.store.events(result.id, "duplicate_delivery_skipped") == []
+    assert renv.store.reports.events(result.id, "duplicate_delivery_skipped") == []
     wait_for(lambda: result.state == "SUCCESS", timeout=10, message="re-run's result not stored")
 
 
@@ -135,15 +135,15 @@ def test_soft_shutdown_finishes_short_bodies_and_gives_back_the_lease_of_a_long_
             assert first.popen.wait(SOFT + 20) is not None
             exited = time.time()
             wait_for(lambda: renv.status(long.id) == COMPLETED, timeout=30,
-                     message=f"given-back job never ran again: {renv.store.events(long.id)}")
+                     message=f"given-back job never ran again: {renv.store.reports.events(long.id)}")
         assert renv.status(short.id) == COMPLETED
         assert (renv.count(short.id, "started"), renv.count(short.id, "finished")) == (1, 1)
-        assert renv.store.events(short.id, "released_on_shutdown") == []
-        [released] = renv.store.events(long.id, "released_on_shutdown")
+        assert renv.store.reports.events(short.id, "released_on_shutdown") == []
+        [released] = renv.store.reports.events(long.id, "released_on_shutdown")
         assert SOFT - 0.5 <= released["at"] - signalled <= exited - signalled  # at T, before the exit
         assert (renv.count(long.id, "started"), renv.count(long.id, "finished")) == (2, 1)
         assert renv.attempts(long.id) == [1, 1]  # the given-back attempt was not charged
-        claims = [e["at"] for e in renv.store.events(long.id, "claimed")]
+        claims = [e["at"] for e in renv.store.reports.events(long.id, "claimed")]
         # Back on the standby once the worker is gone (its lease of 30 s has not expired), with no
         # reaper running: the broker's restore of the unacknowledged message finds it pending.
         assert len(claims) == 2 and claims[1] - exited < REAPER_INTERVAL
@@ -169,7 +169,7 @@ def test_spawned_children_heartbeat_and_a_killed_one_is_recovered_once(redis_url
                      message="slow job never completed")
             row = renv.store.get(slow.id)
             assert row.last_heartbeat_at - row.started_at > 2.0 and row.attempt_count == 1
-            assert renv.store.events(slow.id, "reaped_expired_lease") == []
+            assert renv.store.reports.events(slow.id, "reaped_expired_lease") == []
             killed = app.tasks["reaper_app.work"].delay(60.0)
             wait_started(renv, killed.id)
             [child] = renv.pids(killed.id)

@@ -104,7 +104,7 @@ def test_the_pages_reaper_schedule_and_acks_are_what_lease_check_asks_for(tmp_pa
 
     store = Store(conf["lease_store_url"], "celery_lease_")
     store.migrate()
-    store.record_reaper_run(0.1, {}, "reaper@host:1", keep=10)
+    store.runs.record_reaper_run(0.1, {}, "reaper@host:1", keep=10)
     found = {f.code: f for f in run_checks(app, store)}
     assert found["reaper_scheduled"].level == "ok"
     assert found["reaper_routing"].level == "ok", found["reaper_routing"].fix

@@ -115,7 +115,7 @@ def test_a_revoked_job_never_runs_and_is_not_recovered(app):
 
 
 def event_count(app, name):
-    return sum(1 for _ in for_app(app).events(event=name, limit=100_000))
+    return sum(1 for _ in for_app(app).reports.events(event=name, limit=100_000))
 
 
 def test_retries_with_countdown_zero_are_claimed_at_once_under_load(app):
@@ -157,7 +157,7 @@ def test_a_late_expired_duplicate_of_a_running_job_leaves_the_live_run_alone(app
         client.set(f"go:{result.id}", 1)
         wait_for(lambda: store.get(result.id).status == "completed", timeout=15, message="live run lost")
     assert int(client.get(f"runs:{result.id}")) == 1
-    assert Event.REVOKED not in [e["event"] for e in store.events(result.id)]
+    assert Event.REVOKED not in [e["event"] for e in store.reports.events(result.id)]
     client.close()
 
 
@@ -228,7 +228,7 @@ def test_a_frozen_signature_applied_again_runs_again_as_with_celery(app, redis_u
         wait_for(lambda: event_count(app, Event.DUPLICATE_DELIVERY_SKIPPED) == 1, timeout=15,
                  message="the redelivered copy was never delivered")
     assert int(client.get(f"runs:{job_id}")) == 2
-    assert [e["event"] for e in store.events(job_id)].count("republished") == 1
+    assert [e["event"] for e in store.reports.events(job_id)].count("republished") == 1
     client.close()
 
 

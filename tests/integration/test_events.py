@@ -162,7 +162,7 @@ def test_an_operator_requeue_and_redrive_show_as_retries(renv, monitor):
     job = app.tasks["reaper_app.work"].delay(0.1)  # no worker: the job stays pending
     store = renv.store
     token = "t" * 32
-    claim = store.claim(job.id, OWNER, token, TERMS, "reaper_app.work", renv.queue, lambda: None)
+    claim = store.jobs.claim(job.id, OWNER, token, TERMS, "reaper_app.work", renv.queue, lambda: None)
     assert claim.claimed
     [outcome] = recovery.requeue(app, store, [store.get(job.id)], force=True, who="cli:ops@host")
     assert outcome.action == "requeued"
@@ -170,8 +170,8 @@ def test_an_operator_requeue_and_redrive_show_as_retries(renv, monitor):
     assert monitor.task(job.id).state == "RETRY"
     assert monitor.of(job.id, "task-retried")[0]["hostname"] == events.node("celery_lease.cli")
     # Dead-lettered by its own worker, then redriven from the page.
-    store.claim(job.id, OWNER, token, TERMS, "reaper_app.work", renv.queue, lambda: None)
-    assert store.fail(job.id, token, "boom")
+    store.jobs.claim(job.id, OWNER, token, TERMS, "reaper_app.work", renv.queue, lambda: None)
+    assert store.jobs.fail(job.id, token, "boom")
     [outcome] = recovery.redrive(app, store, [store.get(job.id)], who="web:ops@10.0.0.1")
     assert outcome.action == "redriven"
     wait_for(lambda: len(monitor.of(job.id, "task-retried")) == 2, timeout=10, message="redrive sent none")
@@ -193,7 +193,7 @@ def test_a_duplicate_of_a_finished_job_changes_nothing_monitors_show(renv, monit
                  timeout=30, message="job never succeeded")
         before = _shown(monitor.task(job.id))
         messages.republish(app, job.id, renv.store.get(job.id).payload)  # a redelivery of the same message
-        wait_for(lambda: renv.store.events(job.id, "duplicate_delivery_skipped"), timeout=20,
+        wait_for(lambda: renv.store.reports.events(job.id, "duplicate_delivery_skipped"), timeout=20,
                  message="duplicate never skipped")
         monitor.mark()
     assert _shown(monitor.task(job.id)) == before
@@ -212,7 +212,8 @@ def test_a_duplicate_of_a_job_leased_elsewhere_changes_nothing_monitors_show(ren
         procs.append(events_worker(renv, conf, tmp_path))
         before = _shown(monitor.task(job.id))
         messages.republish(app, job.id, renv.store.get(job.id).payload)
-        skipped = wait_for(lambda: renv.store.events(job.id, "duplicate_delivery_skipped"), timeout=20,
+        skipped = wait_for(lambda: renv.store.reports.events(job.id, "duplicate_delivery_skipped"),
+                           timeout=20,
                            message="duplicate never skipped")
         monitor.mark()
         assert _shown(monitor.task(job.id)) == before

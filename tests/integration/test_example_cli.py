@@ -21,12 +21,12 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_reap_dry_run_on_the_example_project_says_what_the_next_run_would_do(tmp_path):
     store = Store(f"sqlite:///{tmp_path / 'lease.sqlite3'}", "shop_lease_")
     store.migrate()
-    store.record("abandoned", "example_project.tasks.capture_payment", "shop", None, 5)
-    claimed = store.claim("abandoned", "gone-host:1", "t" * 32,
-                          ClaimTerms(duration=3.0, grace=1.0,
-                                     max_attempts=5, max_expirations=3, takeover=False),
-                          task_name="example_project.tasks.capture_payment", queue="shop",
-                          payload=lambda: None)
+    store.publishes.record("abandoned", "example_project.tasks.capture_payment", "shop", None, 5)
+    claimed = store.jobs.claim("abandoned", "gone-host:1", "t" * 32,
+                               ClaimTerms(duration=3.0, grace=1.0,
+                                          max_attempts=5, max_expirations=3, takeover=False),
+                               task_name="example_project.tasks.capture_payment", queue="shop",
+                               payload=lambda: None)
     assert claimed.claimed
     with store.begin() as c:  # its lease ran out a minute ago, on the store's clock
         c.execute(sa.update(store.t.jobs).values(lease_expires_at=store.now_sql - 60))

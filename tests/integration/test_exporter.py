@@ -107,9 +107,9 @@ def test_a_real_reaper_run_shows_as_counters_by_queue_and_task_and_consistent_hi
     app = ops_app.build(store.url, store.prefix, "memory://")
     assert Reaper(app, store).run_once().reaped == 3
     for i in range(3):
-        store.record(f"after-{i}", "ops.quick", "celery", None, 3)
+        store.publishes.record(f"after-{i}", "ops.quick", "celery", None, 3)
         token = ops_app._claim(store, f"after-{i}", "ops.quick", "celery", ops_app.ALIVE)
-        store.complete(f"after-{i}", token)
+        store.jobs.complete(f"after-{i}", token)
     # The exporter counts rows older than its lag (5 s): poll its own scrapes until they show.
     key = (("queue", "celery"), ("task", "ops.quick"))
 
@@ -127,7 +127,7 @@ def test_a_real_reaper_run_shows_as_counters_by_queue_and_task_and_consistent_hi
     for name in ("celery_lease_task_runtime_seconds", "celery_lease_task_attempts",
                  "celery_lease_heartbeat_lag_seconds"):
         assert consistent(got, name) >= 1, name
-    assert store.meta_age("exporter_last_scrape")[0] < 30  # each scrape is noted in the store
+    assert store.runs.meta_age("exporter_last_scrape")[0] < 30  # each scrape is noted in the store
 
 
 def test_every_metric_the_alert_rules_use_is_scraped(exporter):

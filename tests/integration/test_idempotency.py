@@ -133,10 +133,10 @@ def test_a_lock_held_by_a_killed_process_frees_itself_after_its_ttl(app):
         line = holder.stdout.readline()
         assert line.startswith("held "), f"lock holder did not start: {line!r}"
         token = line.split()[1]
-        first_expiry = store.lock_holder("account:42")["expires_at"]
+        first_expiry = store.reports.lock_holder("account:42")["expires_at"]
         # Alive, its heartbeat keeps the lock past the first ttl.
         wait_for(lambda: store.now() > first_expiry + 0.5, timeout=5, message="store clock")
-        row = store.lock_holder("account:42")
+        row = store.reports.lock_holder("account:42")
         assert row["token"] == token and row["expires_at"] > store.now()
     finally:
         os.killpg(holder.pid, signal.SIGKILL)
@@ -144,20 +144,21 @@ def test_a_lock_held_by_a_killed_process_frees_itself_after_its_ttl(app):
         holder.stdout.close()
 
     rt = Runtime(store, "taker", default_interval=0.2, worker="taker:1")
-    store.record("taker-job", "t.hold", "q", "{}", 3)
+    store.publishes.record("taker-job", "t.hold", "q", "{}", 3)
     sent = deadline.monotonic()
-    got = store.claim("taker-job", rt.worker, "taker-token",
-                      ClaimTerms(duration=3.0, grace=0.0, max_attempts=3, max_expirations=3, takeover=False),
-                      task_name="t.hold", queue="q", payload=lambda: None)
+    got = store.jobs.claim("taker-job", rt.worker, "taker-token",
+                           ClaimTerms(duration=3.0, grace=0.0, max_attempts=3, max_expirations=3,
+                                      takeover=False),
+                           task_name="t.hold", queue="q", payload=lambda: None)
     assert got.claimed
     policy = load({}).policy({"lease_duration": 30.0, "lease_heartbeat_interval": 0.2})
     lease = Lease(rt, "taker-job", "taker-token", 1, policy, "t.hold:taker-job", None, sent_at=sent)
-    last_expiry = store.lock_holder("account:42")["expires_at"]
+    last_expiry = store.reports.lock_holder("account:42")["expires_at"]
     if store.now() < last_expiry - 0.2:
         with pytest.raises(LockUnavailable), lock(lease, "account:42", ttl=ttl, timeout=0):
             pytest.fail("the dead holder's lock was free before its ttl")
     with lock(lease, "account:42", ttl=ttl, timeout=ttl + 3) as held:
         taken_at = store.now()
-        assert store.lock_holder("account:42")["token"] == held.token
+        assert store.reports.lock_holder("account:42")["token"] == held.token
     assert taken_at >= last_expiry
-    assert [e["worker"] for e in store.events(event="lock_taken_after_expiry")] == ["taker:1"]
+    assert [e["worker"] for e in store.reports.events(event="lock_taken_after_expiry")] == ["taker:1"]

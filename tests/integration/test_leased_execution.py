@@ -107,7 +107,7 @@ def runs(client: redis.Redis, job_id: str) -> int:
 
 
 def event_names(store, job_id):
-    return [e["event"] for e in store.events(job_id)]
+    return [e["event"] for e in store.reports.events(job_id)]
 
 
 def test_a_task_runs_under_a_lease_and_completes(app, broker):
@@ -147,7 +147,7 @@ def test_a_copy_delivered_before_the_job_is_available_runs_it_no_sooner(app, bro
         wait_for(lambda: "duplicate_delivery_skipped" in event_names(store, result.id), timeout=10,
                  message="the third delivery was not skipped")
     assert runs(broker[1], result.id) == 1
-    log = store.events(result.id)
+    log = store.reports.events(result.id)
     assert [e["event"] for e in log[:3]] == ["published", "early_delivery_deferred", "claimed"]
     tolerance = app_config(app).clock_tolerance
     assert log[2]["at"] >= store.get(result.id).available_at - tolerance
@@ -165,10 +165,10 @@ def test_a_job_five_times_longer_than_its_lease_runs_once_and_is_never_claimable
         intruder = Store(store.url, store.prefix, hard_grace=0.5, stale_after=1.0)
 
         def intrude() -> bool:
-            outcomes.append(intruder.claim(result.id, "intruder:1", "intruder-token",
-                                        ClaimTerms(duration=1.0, grace=0.0,
-                                                   max_attempts=5, max_expirations=5, takeover=True),
-                                        task_name="t.slow", queue="celery", payload=lambda: None).outcome)
+            terms = ClaimTerms(duration=1.0, grace=0.0, max_attempts=5, max_expirations=5, takeover=True)
+            claim = intruder.jobs.claim(result.id, "intruder:1", "intruder-token", terms, task_name="t.slow",
+                                        queue="celery", payload=lambda: None)
+            outcomes.append(claim.outcome)
             return result.ready()
 
         wait_for(intrude, timeout=30, interval=0.2, message="slow job never finished")
@@ -202,7 +202,7 @@ def test_a_worker_whose_lease_was_stolen_stops_and_cannot_complete(app, broker, 
     assert job.status == "running" and job.lock_token == "thief-token"  # the thief's row is untouched
     assert result.state != "SUCCESS"  # the stale worker stored no result
     if not check:
-        lost = [e for e in store.events(result.id) if e["event"] == "lease_lost"]
+        lost = [e for e in store.reports.events(result.id) if e["event"] == "lease_lost"]
         assert lost and lost[0]["reason"] == "taken_over"
 
 
@@ -216,7 +216,7 @@ def test_celery_retry_reschedules_the_job_and_it_runs_again(app, broker):
         rows = c.execute(sa.select(store.t.jobs.c.task_name, store.t.jobs.c.status,
                                    store.t.jobs.c.attempt_count)).all()
     assert sorted(rows) == [("t.auto", "completed", 3), ("t.flaky", "completed", 2)]
-    assert store.event_counts(["retry_scheduled"])["retry_scheduled"] == 3
+    assert store.reports.event_counts(["retry_scheduled"])["retry_scheduled"] == 3
 
 
 def test_a_final_failure_marks_the_job_failed_and_celery_sees_the_exception(app, broker):
@@ -256,7 +256,7 @@ def test_a_failure_the_store_cannot_take_yet_is_written_later_and_celery_sees_it
     other.dispose()
     job = store.get(result.id)
     assert job.last_error == "ValueError: late boom"
-    assert [e["event"] for e in store.events(result.id)][-1] == "failed"
+    assert [e["event"] for e in store.reports.events(result.id)][-1] == "failed"
 
 
 def test_the_body_does_not_run_while_the_store_is_unreachable(broker, postgres_url, caplog):
@@ -339,6 +339,6 @@ def test_a_result_the_store_cannot_keep_is_not_kept_and_the_job_still_completes(
             deferred = [held for rt in runtime.in_process() for held in rt.leases() if rt.is_deferred(held)]
             assert deferred == []
             job = store.get(result.id)
-            assert (job.status, store.kept_result(result.id)) == ("completed", None)
+            assert (job.status, store.jobs.kept_result(result.id)) == ("completed", None)
     finally:
         drop_app_store(app)

@@ -178,7 +178,7 @@ def test_a_checkpoint_during_a_store_outage_neither_fails_nor_reruns_the_job(app
         store = direct(postgres_url, app)
         wait_for(lambda: status(store, result.id) == "completed", timeout=20, message="job never completed")
     assert result.state == states.SUCCESS and runs(client, result.id) == 1
-    assert "failed" not in [e["event"] for e in store.events(result.id)]
+    assert "failed" not in [e["event"] for e in store.reports.events(result.id)]
 
 
 def test_an_effect_during_a_store_outage_waits_for_the_store_and_happens_once(app_on, broker, proxied, outage,
@@ -275,7 +275,7 @@ def test_a_publish_that_meets_the_outage_gives_the_job_back_and_it_runs_again(ap
         wait_for(lambda: status(store, result.id) == "completed", timeout=20, message="job never completed")
         job = store.get(result.id)
     assert runs(client, result.id) == 2 and job.attempt_count == 1  # the outage charged no attempt
-    assert "released_after_outage" in [e["event"] for e in store.events(result.id)]
+    assert "released_after_outage" in [e["event"] for e in store.reports.events(result.id)]
 
 
 def test_a_job_whose_row_vanishes_mid_body_is_recorded_again_and_completes_once(broker, postgres_url):

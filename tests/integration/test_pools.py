@@ -69,7 +69,7 @@ def test_a_pool_child_lost_by_accident_is_rerun_without_a_celery_failure(oenv, t
     assert job.state == "SUCCESS" and oenv.errbacks(job.id) == 0
     assert [attempt for attempt, _, _ in oenv.started(job.id)] == [1, 2]
     assert oenv.store.get(job.id).status == "completed"
-    [recovered] = oenv.store.events(job.id, "reaped_expired_lease")
+    [recovered] = oenv.store.reports.events(job.id, "reaped_expired_lease")
     assert "worker process lost: WorkerLostError" in recovered["reason"]
 
 
@@ -83,4 +83,4 @@ def test_a_bodys_own_system_exit_is_a_failed_attempt_not_a_give_back(oenv, tmp_p
                  message="the job was not failed")
     assert oenv.store.get(job.id).last_error.startswith("SystemExit")
     assert len(oenv.started(job.id)) == 1
-    assert oenv.store.events(job.id, "released_on_shutdown") == []
+    assert oenv.store.reports.events(job.id, "released_on_shutdown") == []

@@ -61,7 +61,7 @@ class Scene:
         return proxy, self.postgres_url.replace(pg.netloc, f"{pg.username}@127.0.0.1:{proxy.port}")
 
     def events(self, job_id: str) -> list[str]:
-        return [str(e["event"]) for e in self.store.events(job_id)]
+        return [str(e["event"]) for e in self.store.reports.events(job_id)]
 
     def close(self) -> None:
         for proxy in self.proxies:

@@ -47,14 +47,15 @@ def test_prefork_child_holds_the_lease_and_duplicates_are_skipped(env, tmp_path)
         first = app.send_task("core.work", (0.5,))
         app.send_task("core.work", (0.5,), task_id=first.id)  # the same job, delivered twice
         result = first.get(timeout=30)
-        wait_for(lambda: [e for e in store.events(first.id) if e["event"] == "duplicate_delivery_skipped"],
+        wait_for(lambda: [e for e in store.reports.events(first.id)
+                          if e["event"] == "duplicate_delivery_skipped"],
                  timeout=15, message="second delivery was not skipped")
     job = store.get(first.id)
     # The row was created by the worker (published by name, without celery_lease).
     assert job.status == "completed" and job.attempt_count == 1
     assert job.locked_by == result["worker"] and job.locked_by.endswith(f":{result['pid']}")
     assert int(client.get(f"runs:{first.id}")) == 1
-    assert sorted(e["event"] for e in store.events(first.id)) == [
+    assert sorted(e["event"] for e in store.reports.events(first.id)) == [
         "claimed", "completed", "duplicate_delivery_skipped"]
 
 
@@ -93,7 +94,7 @@ def test_revoke_with_terminate_cancels_the_running_job_and_never_requeues_it(env
                  timeout=30, message="job never claimed")
         app.control.revoke(result.id, terminate=True)
         wait_for(lambda: store.get(result.id).status == "failed", timeout=15,
-                 message=f"job not cancelled: {store.events(result.id)}")
+                 message=f"job not cancelled: {store.reports.events(result.id)}")
         wait_for(lambda: result.state == "REVOKED", timeout=15, message="Celery did not mark it revoked")
         # A fresh job runs on the replacement child: the worker went on, and the revoked job with it.
         after = app.send_task("core.work", (0.0,))
@@ -101,4 +102,4 @@ def test_revoke_with_terminate_cancels_the_running_job_and_never_requeues_it(env
     job = store.get(result.id)
     assert job.last_error == "revoked (terminated)" and job.attempt_count == 1
     assert int(client.get(f"runs:{result.id}")) == 1
-    assert [e["event"] for e in store.events(result.id)].count("claimed") == 1
+    assert [e["event"] for e in store.reports.events(result.id)].count("claimed") == 1

@@ -77,7 +77,7 @@ def test_a_long_leased_job_completes_once_on_rabbitmq(env, tmp_path):
     assert (job.attempt_count, job.expired_count) == (1, 0)
     counts = [counters.count(f"{k}:{job_id}") for k in ("delivered", "redelivered", "started", "finished")]
     assert counts == [1, 0, 1, 1]
-    assert [e["event"] for e in store.events(job_id)] == ["published", "claimed", "completed"]
+    assert [e["event"] for e in store.reports.events(job_id)] == ["published", "claimed", "completed"]
 
 
 def test_check_flags_a_consumer_timeout_shorter_than_a_task_time_limit(env, tmp_path):
@@ -126,7 +126,7 @@ def test_a_worker_killed_on_a_quorum_queue_that_drops_the_redelivery_runs_the_jo
         procs.append(workers.worker(APP, quorum, tmp_path, name="q2"))
         with reaper_loop(app):
             wait_for(lambda: (job := store.get(job_id)) is not None and job.status == "completed", timeout=40,
-                     message=f"job not recovered: {store.events(job_id)}")
+                     message=f"job not recovered: {store.reports.events(job_id)}")
     assert [counters.count(f"{k}:{job_id}") for k in ("redelivered", "started", "finished")] == [0, 2, 1]
-    assert len(store.events(job_id, "reaped_expired_lease")) == 1
+    assert len(store.reports.events(job_id, "reaped_expired_lease")) == 1
     assert store.get(job_id).attempt_count == 2

@@ -35,7 +35,7 @@ def test_reaper_runs_store_no_result_and_no_revoked_state_for_expired_runs(renv,
             procs.append(worker(APP, renv.env(**conf), tmp_path, pool="prefork", queues=renv.queue))
             wait_for(lambda: after.state == "SUCCESS", timeout=30,
                      message="the task after the reaper never ran")
-        assert renv.store.last_reaper_run()[1] is not None  # the reaper did run, and recorded it
+        assert renv.store.runs.last_reaper_run()[1] is not None  # the reaper did run, and recorded it
         assert f"Discarding revoked task: celery_lease.reap[{expired.id}]" in procs[0].output()
         stored = {name: results.get(f"celery-task-meta-{r.id}") for name, r in
                   (("expired", expired), ("ran", ran))}

@@ -35,7 +35,7 @@ def test_warm_shutdown_lets_the_running_job_finish(renv, tmp_path, pool):
         assert proc.popen.wait(30) == 0
     assert renv.status(job.id) == COMPLETED
     assert renv.count(job.id, "finished") == 1
-    assert renv.store.events(job.id, "released_on_shutdown") == []
+    assert renv.store.reports.events(job.id, "released_on_shutdown") == []
 
 
 @pytest.mark.parametrize(("pool", "acks_late"), [("prefork", True), ("solo", True), ("prefork", False)])
@@ -62,7 +62,7 @@ def test_cold_shutdown_releases_the_lease_so_the_job_does_not_wait_for_expiry(re
         with reaper_loop(app):
             wait_for(lambda: renv.status(job.id) == COMPLETED, timeout=30, message="released job never ran")
     assert (renv.count(job.id, "started"), renv.count(job.id, "finished")) == (2, 1)
-    assert renv.store.events(job.id, "redispatched") == []
+    assert renv.store.reports.events(job.id, "redispatched") == []
 
 
 def test_a_child_killed_under_a_job_is_requeued_by_the_main_process_at_once(renv, tmp_path):
@@ -75,7 +75,7 @@ def test_a_child_killed_under_a_job_is_requeued_by_the_main_process_at_once(renv
         killed_at = time.time()
         os.kill(child, signal.SIGKILL)  # the pool child only; the main process sees WorkerLostError
         wait_for(lambda: renv.status(job.id) == COMPLETED, timeout=20, message="job not recovered")
-    requeued = renv.store.events(job.id, "reaped_expired_lease")
+    requeued = renv.store.reports.events(job.id, "reaped_expired_lease")
     assert len(requeued) == 1 and "worker process lost: WorkerLostError" in requeued[0]["reason"]
     assert requeued[0]["at"] - killed_at < 5.0  # seconds, not the 30 s lease
     assert (renv.count(job.id, "started"), renv.count(job.id, "finished")) == (2, 1)
@@ -91,5 +91,5 @@ def test_a_job_that_outlives_its_hard_time_limit_fails_at_once_and_never_runs_ag
     row = renv.store.get(job.id)
     assert "TimeLimitExceeded" in row.last_error and "a final failure" in row.last_error
     assert renv.count(job.id, "started") == 1  # a final failure, as in plain Celery
-    assert renv.store.events(job.id, "reaped_expired_lease") == []
-    assert len(renv.store.events(job.id, "dead_lettered")) == 1
+    assert renv.store.reports.events(job.id, "reaped_expired_lease") == []
+    assert len(renv.store.reports.events(job.id, "dead_lettered")) == 1

@@ -118,7 +118,7 @@ def test_live_workers_keep_their_messages_and_each_body_runs_once(env, broker, t
         job = store.get(job_id)
         assert job.completed_at - job.started_at >= LONG >= 4 * VT
         assert job.attempt_count == 1
-    assert store.event_counts(["duplicate_delivery_skipped"]) == {"duplicate_delivery_skipped": 0}
+    assert store.reports.event_counts(["duplicate_delivery_skipped"]) == {"duplicate_delivery_skipped": 0}
 
 
 @tracks_eta_requests
@@ -157,7 +157,7 @@ def test_a_killed_workers_messages_are_restored_and_completed_once_by_the_other(
     assert counters.names(f"ran_on:{reserved}") == ["b"] and counters.names(f"ran_on:{eta}") == ["b"]
     taken = store.get(running)
     assert (taken.attempt_count, taken.expired_count) == (2, 1)
-    assert store.event_counts(["duplicate_delivery_skipped"]) == {"duplicate_delivery_skipped": 0}
+    assert store.reports.event_counts(["duplicate_delivery_skipped"]) == {"duplicate_delivery_skipped": 0}
 
 
 @restores_periodically
@@ -174,7 +174,7 @@ def test_without_the_extension_duplicates_are_delivered_and_skipped_by_the_lease
         wait_for(lambda: drained(client, prefix), timeout=30, message="duplicates left unacknowledged")
 
         def skipped() -> int:
-            return store.event_counts(["duplicate_delivery_skipped"])["duplicate_delivery_skipped"]
+            return store.reports.event_counts(["duplicate_delivery_skipped"])["duplicate_delivery_skipped"]
 
         def executed() -> int:
             return sum(counters.count(f"executed:{j}") for j in jobs)

@@ -71,7 +71,7 @@ def runs(client) -> dict[str, int]:
 
 
 def events(app, job_id):
-    return [e["event"] for e in for_app(app).events(job_id)]
+    return [e["event"] for e in for_app(app).reports.events(job_id)]
 
 
 def test_a_replacement_runs_once_and_claims_the_replaced_job(counted):
@@ -156,13 +156,14 @@ def test_a_copy_of_the_replaced_message_sends_the_chains_pending_first_step_agai
     app, client = counted
     store, queue = for_app(app), app.conf.task_default_queue
     job_id, step_id = "replaced-" + secrets.token_hex(4), "step-" + secrets.token_hex(4)
-    store.record(job_id, "r.by_held_chain", queue, None, 3)
+    store.publishes.record(job_id, "r.by_held_chain", queue, None, 3)
     terms = ClaimTerms(duration=30.0, grace=1.0, max_attempts=3, max_expirations=3, takeover=True)
     token = secrets.token_hex(16)
-    assert store.claim(job_id, "gone-worker", token, terms, task_name="r.by_held_chain", queue=queue,
-                       payload=lambda: None).claimed
+    assert store.jobs.claim(job_id, "gone-worker", token, terms, task_name="r.by_held_chain", queue=queue,
+                            payload=lambda: None).claimed
     step = NewJob(step_id, "r.add", queue, messages.encode("r.add", (1, 1), {}, {}), 3)
-    assert store.hand_over_to_step(job_id, token, "gone-worker", "r.add", step, 0) is True  # never sent
+    assert store.replacing.hand_over_to_step(job_id, token, "gone-worker", "r.add", step,
+                                             0) is True  # never sent
     with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
         app.send_task("r.by_held_chain", args=(1,), task_id=job_id)  # the run's own copy
         wait_for(lambda: getattr(store.get(step_id), "status", None) == "completed", timeout=20,

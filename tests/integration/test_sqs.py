@@ -99,7 +99,7 @@ def renewed_for(store, job_id) -> float:
 
 
 def skipped(store) -> int:
-    return store.event_counts(["duplicate_delivery_skipped"])["duplicate_delivery_skipped"]
+    return store.reports.event_counts(["duplicate_delivery_skipped"])["duplicate_delivery_skipped"]
 
 
 def test_a_held_lease_keeps_the_message_invisible_and_the_body_runs_once_on_two_workers(env, tmp_path):

@@ -72,7 +72,7 @@ class Run:
 
 def lease_expired_and_owner_stale(store: Store, job_id: str, owner: str) -> bool:
     job, now = store.get(job_id), store.now()
-    _, seen = store.workers_last_seen([owner])
+    _, seen = store.reports.workers_last_seen([owner])
     return job.lease_expires_at < now - 0.5 and seen[owner] < now - 2.5
 
 
@@ -195,7 +195,7 @@ def test_with_allow_actions_a_redrive_is_planned_confirmed_and_audited(run, acti
 
     assert "redriven" in page.locator("#outcomes tbody tr", has_text=job_id).inner_text()
     assert run.store.get(job_id).status == "pending"
-    [audit] = run.store.list_events(job_id=job_id, event="dlq_redriven")
+    [audit] = run.store.reports.list_events(job_id=job_id, event="dlq_redriven")
     assert audit["worker"] == "web:anonymous@127.0.0.1"
     page.click(f"#outcomes a:text-is('{job_id}')")
     assert page.inner_text("#job-status") == "pending"

@@ -117,7 +117,7 @@ def test_a_group_records_its_jobs_with_one_insert_per_table_per_batch_and_sends_
     store = for_app(app)
     for job_id in ids:
         assert store.get(job_id).status == PENDING
-        assert [e["event"] for e in store.events(job_id)] == ["published"]
+        assert [e["event"] for e in store.reports.events(job_id)] == ["published"]
     # The stored message is the one sent: it reads back as the job's own signature.
     signature = messages.decode(store.get(ids[7]).payload)
     assert (signature["task"], list(signature["args"])) == ("batch.work", [7])
@@ -177,7 +177,7 @@ def test_a_group_applied_again_reopens_its_finished_jobs_one_by_one(app, inserts
     again = signature.apply_async()
     assert [r.id for r in again.results] == ids
     assert store.get(ids[1]).status == PENDING
-    assert [e["event"] for e in store.events(ids[1])] == ["published", "republished"]
+    assert [e["event"] for e in store.reports.events(ids[1])] == ["published", "republished"]
     assert queued_ids(app, 6) == ids + ids
 
 
@@ -194,7 +194,7 @@ def test_a_group_whose_store_cannot_record_it_raises_and_sends_none_of_its_messa
         holder.rollback()
         holder.close()
     assert queued_ids(app, 0) == []
-    assert for_app(app).list_jobs() == []
+    assert for_app(app).reports.list_jobs() == []
 
 
 def run_python(script: str) -> None:

@@ -268,11 +268,11 @@ def test_held_messages_are_waiting_ones_and_running_unacked_leased_ones(worker_s
 def leases(store):
     """Jobs in the store: one healthy lease of w1@host:42, one held by another worker, one expired."""
     def claim(job_id, worker, duration):
-        store.record(job_id, "b.leased", "celery", None, 5)
-        assert store.claim(job_id, worker, f"tok-{job_id}",
-                           ClaimTerms(duration=duration, grace=0.0,
-                                      max_attempts=5, max_expirations=5, takeover=False),
-                           task_name="b.leased", queue="celery", payload=lambda: None).claimed
+        store.publishes.record(job_id, "b.leased", "celery", None, 5)
+        assert store.jobs.claim(job_id, worker, f"tok-{job_id}",
+                                ClaimTerms(duration=duration, grace=0.0,
+                                           max_attempts=5, max_expirations=5, takeover=False),
+                                task_name="b.leased", queue="celery", payload=lambda: None).claimed
 
     claim("healthy", "w1@host:42", 60.0)
     claim("stolen", "w9@elsewhere:7", 60.0)

@@ -55,18 +55,18 @@ def run_job(store: Store, name: str = "c.work", seconds: float = 1.0, key: str |
             status: str = "completed", delay: float = 0.0) -> str:
     """A job of ``name`` in the store: finished after ``seconds``, or pending ``delay`` ahead."""
     job_id = unique_prefix()
-    store.record(job_id, name, "celery", None, 5, f"{key}-{job_id}" if key else None, delay)
+    store.publishes.record(job_id, name, "celery", None, 5, f"{key}-{job_id}" if key else None, delay)
     if status == "pending":
         return job_id
-    claim = store.claim(job_id, "w1@host:1", f"tok{job_id}",
-                        ClaimTerms(duration=30.0, grace=10.0,
-                                   max_attempts=5, max_expirations=3, takeover=False),
-                        task_name=name, queue="celery", payload=lambda: None)
+    claim = store.jobs.claim(job_id, "w1@host:1", f"tok{job_id}",
+                             ClaimTerms(duration=30.0, grace=10.0,
+                                        max_attempts=5, max_expirations=3, takeover=False),
+                             task_name=name, queue="celery", payload=lambda: None)
     assert claim.claimed
     if status == "completed":
-        assert store.complete(job_id, f"tok{job_id}")
+        assert store.jobs.complete(job_id, f"tok{job_id}")
     else:
-        assert store.fail(job_id, f"tok{job_id}", "boom")
+        assert store.jobs.fail(job_id, f"tok{job_id}", "boom")
     j = store.t.jobs
     finished = j.c.completed_at if status == "completed" else j.c.failed_at
     with store.begin() as c:
@@ -86,9 +86,9 @@ def baseline_store(store: Store) -> Store:
     """Measured runs with idempotency keys, one recovery seen, a reaper run and a scrape recorded."""
     run_job(store)
     store.event(None, "lease_taken_over", "test")
-    store.touch_worker("w1@host:1", "w1@host", 1)
-    store.record_reaper_run(0.1, {"reaped": 0}, "reaper@host:1", keep=10)
-    store.set_meta("exporter_last_scrape", "host:1")
+    store.workers.touch_worker("w1@host:1", "w1@host", 1)
+    store.runs.record_reaper_run(0.1, {"reaped": 0}, "reaper@host:1", keep=10)
+    store.runs.set_meta("exporter_last_scrape", "host:1")
     return store
 
 
@@ -166,7 +166,7 @@ CASES = [
      "error", "reaper_scheduled", ("beat_schedule",), {"beat_schedule": ["other"]},
      "add {'lease-reaper': {'task': 'celery_lease.reap', 'schedule': 15.0}} to beat_schedule and run "
      "celery beat"),
-    ("sqlite_multi_host", {}, lambda s: s.touch_worker("w2@other-host:9", "w2@other-host", 9),
+    ("sqlite_multi_host", {}, lambda s: s.workers.touch_worker("w2@other-host:9", "w2@other-host", 9),
      "error", "sqlite_multi_host", ("lease_store_url",), {"worker_hosts": ["host", "other-host"]},
      "use PostgreSQL or MySQL/MariaDB for lease_store_url"),
     ("visibility_vs_runtime",
@@ -320,7 +320,7 @@ def test_a_migrated_store_reports_its_revision(sqlite_store):
 def test_dashboards_warn_until_an_exporter_scrape_is_recorded(sqlite_store):
     run_job(sqlite_store)
     sqlite_store.event(None, "lease_taken_over", "test")
-    sqlite_store.record_reaper_run(0.1, {}, "reaper@host:1", keep=10)
+    sqlite_store.runs.record_reaper_run(0.1, {}, "reaper@host:1", keep=10)
     (finding,) = problems(run_checks(make_app(), sqlite_store))
     assert (finding.level, finding.code) == ("warning", "dashboards")
     assert finding.values == {"last_scrape_age": None, "exporter": None}
@@ -340,7 +340,7 @@ def test_dashboards_warn_when_the_last_scrape_is_old(sqlite_store):
 def test_a_scheduled_reaper_never_seen_running_says_so(sqlite_store):
     run_job(sqlite_store)
     sqlite_store.event(None, "lease_taken_over", "test")
-    sqlite_store.set_meta("exporter_last_scrape", "host:1")
+    sqlite_store.runs.set_meta("exporter_last_scrape", "host:1")
     (finding,) = problems(run_checks(make_app(), sqlite_store))
     assert (finding.level, finding.code) == ("warning", "reaper_running")
     assert finding.values == {"last_run": None, "interval": 15.0}
@@ -379,8 +379,8 @@ def test_reaper_and_scrape_features_need_migrate_on_the_revision_before_them(tmp
     store.revision = "0003"  # as the release whose window was 0003..0004 found it
     run_job(store)
     store.event(None, "lease_taken_over", "test")
-    assert store.record_reaper_run(0.1, {}, "reaper@host:1", keep=10) is False
-    assert store.set_meta("exporter_last_scrape", "host:1") is False
+    assert store.runs.record_reaper_run(0.1, {}, "reaper@host:1", keep=10) is False
+    assert store.runs.set_meta("exporter_last_scrape", "host:1") is False
     found = problems(run_checks(make_app(), store))
     assert sorted((f.level, f.code) for f in found) == [("warning", "dashboards"),
                                                         ("warning", "reaper_running")]
@@ -390,8 +390,8 @@ def test_reaper_and_scrape_features_need_migrate_on_the_revision_before_them(tmp
 
 def test_crash_tests_warn_until_a_recovery_is_recorded(sqlite_store):
     run_job(sqlite_store)
-    sqlite_store.record_reaper_run(0.1, {}, "reaper@host:1", keep=10)
-    sqlite_store.set_meta("exporter_last_scrape", "host:1")
+    sqlite_store.runs.record_reaper_run(0.1, {}, "reaper@host:1", keep=10)
+    sqlite_store.runs.set_meta("exporter_last_scrape", "host:1")
     (finding,) = problems(run_checks(make_app(), sqlite_store))
     assert (finding.level, finding.code) == ("warning", "crash_tested")
     assert finding.values == {"recoveries": dict.fromkeys(
@@ -523,18 +523,18 @@ def test_store_facts_on_every_store(store):
     run_job(store, name="c.other", status="failed")
     pending = run_job(store, status="pending", delay=90.0)
     live = unique_prefix()
-    store.record(live, "c.work", "celery", None, 5)
-    store.claim(live, "w1@h:1", "tok",
-                ClaimTerms(duration=60.0, grace=0.0, max_attempts=5, max_expirations=3, takeover=False),
-                task_name="c.work", queue="celery", payload=lambda: None)
-    store.touch_worker("w1@h:1", "w1@h", 1)
-    facts = store.check_facts()
+    store.publishes.record(live, "c.work", "celery", None, 5)
+    store.jobs.claim(live, "w1@h:1", "tok",
+                     ClaimTerms(duration=60.0, grace=0.0, max_attempts=5, max_expirations=3, takeover=False),
+                     task_name="c.work", queue="celery", payload=lambda: None)
+    store.workers.touch_worker("w1@h:1", "w1@h", 1)
+    facts = store.reports.check_facts()
     assert facts["missing_tables"] == [] and facts["hosts"] == ["w1@h"]
     work, other = facts["tasks"]["c.work"], facts["tasks"]["c.other"]
     assert (work["jobs"], work["keyed"], work["failed"]) == (3, 1, 0)
     assert work["longest_delay"] == pytest.approx(90.0, abs=1.0)
     assert (other["jobs"], other["keyed"], other["failed"]) == (1, 1, 1)
-    assert store.leases_alive([live, pending, "nope"]) == {live: "w1@h:1"}
+    assert store.deliveries.leases_alive([live, pending, "nope"]) == {live: "w1@h:1"}
 
 
 def test_consumer_timeouts_come_from_the_management_api_per_queue():
@@ -595,8 +595,8 @@ def test_every_limit_is_compared_with_the_measured_p99(sqlite_store, options, le
 
 def test_the_pool_live_workers_record_is_judged_not_the_apps_setting(sqlite_store):
     store = baseline_store(sqlite_store)
-    store.worker_pool = ("threads", 8)  # a live worker that started with -P threads
-    store.touch_worker("w2@host:2", "w2@host", 2)
+    store.workers.worker_pool = ("threads", 8)  # a live worker that started with -P threads
+    store.workers.touch_worker("w2@host:2", "w2@host", 2)
     app = make_app(worker_pool="prefork", tasks={"c.work": {"time_limit": 60}})
 
     (finding,) = [f for f in run_checks(app, store) if f.code == "runtime_limit_unenforced"]

@@ -180,7 +180,7 @@ def test_status_table_shows_queues_expired_leases_workers_and_the_last_hour(ro):
 
 
 def test_status_shows_the_reapers_last_run(rw):
-    rw.store.record_reaper_run(0.25, {"reaped": 1}, "reaper@host:7", keep=10)
+    rw.store.runs.record_reaper_run(0.25, {"reaped": 1}, "reaper@host:7", keep=10)
     report = rw.json("status")["reaper"]
     assert report["last_run"]["worker"] == "reaper@host:7" and 0 <= report["last_run"]["age"] < 30
     assert "on reaper@host:7, took 0.25s (not scheduled)" in rw.run("status").output
@@ -362,7 +362,7 @@ def test_requeue_expired_takes_only_abandoned_leases_a_batch_at_a_time(rw, broke
     for job_id in rw.ids["abandoned"]:
         job = rw.store.get(job_id)
         assert (job.status, job.lock_token, job.locked_by, job.expired_count) == ("pending", None, None, 1)
-        event = rw.store.list_events(job_id=job_id, event="manual_requeue")
+        event = rw.store.reports.list_events(job_id=job_id, event="manual_requeue")
         assert len(event) == 1 and event[0]["worker"].startswith("cli:")
     assert sorted(queued_ids(broker, "celery")) == sorted(rw.ids["abandoned"])
     for job_id in rw.ids["live"] + rw.ids["alive_expired"]:
@@ -375,9 +375,9 @@ def test_requeue_force_takes_a_live_lease_and_fences_its_old_owner(rw, broker):
     assert result.exit_code == 0, result.output
     job = rw.store.get("live-0")
     assert job.status == "pending" and job.lock_token is None
-    assert rw.store.list_events(job_id="live-0", event="manual_requeue")[0]["detail"]
+    assert rw.store.reports.list_events(job_id="live-0", event="manual_requeue")[0]["detail"]
     assert queued_ids(broker, "reports") == ["live-0"]
-    assert rw.store.complete("live-0", old.lock_token, old.locked_by) is False
+    assert rw.store.jobs.complete("live-0", old.lock_token, old.locked_by) is False
 
 
 def test_requeue_force_re_publishes_a_pending_job(rw, broker):
@@ -413,12 +413,13 @@ def test_dlq_redrive_sends_dead_letters_back_with_fresh_attempts(rw, broker):
     job = rw.store.get("failed-0")
     assert (job.status, job.attempt_count, job.failed_at) == ("pending", 0, None)
     assert job.idempotency_key == "fails-0"
-    assert rw.store.list_events(job_id="failed-0", event="dlq_redriven")[0]["reason"] == "ValueError: boom"
+    assert rw.store.reports.list_events(job_id="failed-0",
+                                        event="dlq_redriven")[0]["reason"] == "ValueError: boom"
     out = rw.run("dlq", "redrive", "--yes").output  # the revoked job stays out of a batch
     assert "failed-1" in out and "revoked-0" not in out and "redriven 1," in out
     assert rw.json("dlq", "redrive", "--yes", "--job", "revoked-0")["redriven"] == 1
     assert sorted(queued_ids(broker, "celery")) == ["failed-0", "failed-1", "revoked-0"]
-    assert rw.store.record("again", "ops.fails", "celery", None, 3, idempotency_key="fails-0") == (
+    assert rw.store.publishes.record("again", "ops.fails", "celery", None, 3, idempotency_key="fails-0") == (
         False, "failed-0")
 
 

@@ -35,7 +35,7 @@ def include_store(tmp_path_factory):
     url = f"sqlite:///{tmp_path_factory.mktemp('inc') / 'lease.sqlite3'}"
     store = Store(url, "inc_")
     store.migrate()
-    store.touch_worker(DEAD, "inc", 9)
+    store.workers.touch_worker(DEAD, "inc", 9)
     now = store.now()
     with store.begin() as c:
         c.execute(sa.update(store.t.workers).values(last_seen_at=now - 3600))

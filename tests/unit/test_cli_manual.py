@@ -39,25 +39,25 @@ def statuses(s: Scene, ids: list[str]) -> dict[str, str | None]:
     ("requeue", "--expired"), ("dlq", "redrive"), ("dlq", "discard"), ("effects", "forget", "paid:1"),
 ])
 def test_a_dry_run_prints_the_plan_and_changes_nothing(fresh, args):
-    fresh.store.record_effect("paid:1", "live-0", fresh.store.get("live-0").lock_token)
-    before = fresh.store.list_jobs(limit=1000)
+    fresh.store.effects.record_effect("paid:1", "live-0", fresh.store.get("live-0").lock_token)
+    before = fresh.store.reports.list_jobs(limit=1000)
     result = fresh.run(*args, "--dry-run")
     assert result.exit_code == 0, result.output
     assert "abandoned-2" in result.output or "failed-0" in result.output or "paid:1" in result.output
     plan = json.loads(fresh.run(*args, "--dry-run", "--json").stdout)
     assert plan["dry_run"] is True and plan["planned"]
-    assert fresh.store.list_jobs(limit=1000) == before
-    assert fresh.store.effect_record("paid:1") is not None
+    assert fresh.store.reports.list_jobs(limit=1000) == before
+    assert fresh.store.reports.effect_record("paid:1") is not None
 
 
 @pytest.mark.parametrize("args", [("requeue", "--expired"), ("dlq", "redrive"), ("dlq", "discard")])
 def test_without_a_terminal_and_without_yes_the_plan_is_printed_and_the_exit_is_non_zero(fresh, args):
-    before = fresh.store.list_jobs(limit=1000)
+    before = fresh.store.reports.list_jobs(limit=1000)
     result = fresh.run(*args)
     assert result.exit_code == 1
     assert "job" in result.stdout.splitlines()[0]  # the plan's table
     assert "nobody confirmed: nothing changed" in result.stderr and "--yes" in result.stderr
-    assert fresh.store.list_jobs(limit=1000) == before
+    assert fresh.store.reports.list_jobs(limit=1000) == before
 
 
 def test_a_terminal_is_asked_and_no_means_nothing_changes(fresh, terminal):
@@ -76,8 +76,8 @@ def test_a_terminal_that_says_yes_requeues(fresh, terminal):
 
 def test_the_batch_defaults_to_ten(fresh):
     for i in range(12):
-        fresh.store.record(f"more-{i}", "ops.fails", "celery", None, 3)
-        fresh.store.cancel(f"more-{i}", "revoked")
+        fresh.store.publishes.record(f"more-{i}", "ops.fails", "celery", None, 3)
+        fresh.store.jobs.cancel(f"more-{i}", "revoked")
     plan = json.loads(fresh.run("dlq", "discard", "--dry-run", "--json").stdout)["planned"]
     assert len(plan) == 10
 
@@ -103,7 +103,7 @@ def test_dlq_discard_deletes_dead_letters_and_audits_each(fresh):
     assert result.exit_code == 0, result.output
     assert "discarded 1," in result.stdout
     assert fresh.store.get("failed-0") is None
-    event = fresh.store.list_events(job_id="failed-0", event="dlq_discarded")
+    event = fresh.store.reports.list_events(job_id="failed-0", event="dlq_discarded")
     assert len(event) == 1 and event[0]["reason"] == "ValueError: boom"
     assert event[0]["worker"].startswith("cli:")
     assert json.loads(event[0]["detail"])["task"] == "ops.fails"
@@ -117,7 +117,7 @@ def test_dlq_discard_refuses_a_job_that_is_not_a_dead_letter(fresh):
 
 def test_a_dead_letter_redriven_meanwhile_is_skipped_by_discard(fresh):
     job = fresh.store.get("failed-1")
-    fresh.store.redrive(job, "someone")
+    fresh.store.recovery.redrive(job, "someone")
     from celery_lease.ops import recovery
 
     outcome = next(recovery.discard(fresh.store, [job], who="test"))
@@ -127,12 +127,12 @@ def test_a_dead_letter_redriven_meanwhile_is_skipped_by_discard(fresh):
 # -- effects forget -----------------------------------------------------------------------
 def test_effects_forget_deletes_the_key_and_audits_it_under_its_job(fresh):
     live = fresh.store.get("live-1")
-    fresh.store.record_effect("mail:7", "live-1", live.lock_token)
+    fresh.store.effects.record_effect("mail:7", "live-1", live.lock_token)
     result = fresh.run("effects", "forget", "mail:7", "--yes")
     assert result.exit_code == 0, result.output
     assert "effect key 'mail:7' of job live-1 forgotten" in result.stdout
-    assert fresh.store.effect_record("mail:7") is None
-    event = fresh.store.list_events(job_id="live-1", event="effect_forgotten")
+    assert fresh.store.reports.effect_record("mail:7") is None
+    event = fresh.store.reports.list_events(job_id="live-1", event="effect_forgotten")
     assert len(event) == 1 and event[0]["reason"].startswith("forgotten by cli:")
 
 
@@ -165,7 +165,7 @@ def test_an_unknown_id_is_a_clear_error_also_when_it_looks_like_a_prefix(fresh):
 
 # -- output shape -------------------------------------------------------------------------
 def test_table_cells_stay_on_one_line(fresh):
-    fresh.store.record("multi", "ops.fails", "celery", None, 3)
+    fresh.store.publishes.record("multi", "ops.fails", "celery", None, 3)
     ops_app._set(fresh.store, "multi", status="failed", last_error="Traceback:\n  line 1\nValueError: x",
                  failed_at=fresh.store.now())
     out = fresh.run("dlq", "list").output
@@ -176,7 +176,7 @@ def test_table_cells_stay_on_one_line(fresh):
 
 def test_json_nests_the_checkpoint_and_event_details(fresh):
     live = fresh.store.get("live-0")
-    fresh.store.checkpoint("live-0", live.lock_token, {"step": 2, "done": ["a"]})
+    fresh.store.jobs.checkpoint("live-0", live.lock_token, {"step": 2, "done": ["a"]})
     data = fresh.json("inspect", "live-0")
     assert data["job"]["checkpoint"] == {"step": 2, "done": ["a"]}
     checkpoint_event = next(e for e in data["events"] if e["event"] == "checkpoint")

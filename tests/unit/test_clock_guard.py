@@ -14,14 +14,15 @@ ELSEWHERE = "another-host/another-boot"  # a previous run whose monotonic clock 
 
 def previous_run(store, at: float, *, host: str = ELSEWHERE, interval: float | None = None,
                  mono: float | None = None, since: float | None = None) -> None:
-    store.record_reaper_clock({"at": at, "mono": time.monotonic() if mono is None else mono, "host": host,
-                               "interval": interval, "calm_since": since})
+    store.reaping.record_reaper_clock({"at": at, "mono": time.monotonic() if mono is None else mono,
+                                       "host": host,
+                                       "interval": interval, "calm_since": since})
 
 
 def test_a_first_run_with_no_history_holds_nothing_back(store):
     hold = ClockGuard(1.0).judge(store, store.now(), "r", STALE)
     assert hold == Hold()
-    assert store.reaper_clock()["at"] is not None
+    assert store.reaping.reaper_clock()["at"] is not None
 
 
 def test_a_gap_shorter_than_the_registry_silence_holds_nothing_back(store):
@@ -37,7 +38,7 @@ def test_a_gap_longer_than_the_registry_silence_holds_every_owner_a_lease_and_a_
     assert "no reaper run for" in hold.reason and hold.since == now
     assert hold.holds(now + 30.0 + 9.9, lease=30.0, heartbeat=10.0)
     assert not hold.holds(now + 30.0 + 10.0, lease=30.0, heartbeat=10.0)
-    [event] = store.events(None, "reaper_held_back")
+    [event] = store.reports.events(None, "reaper_held_back")
     assert event["reason"] == hold.reason
 
 
@@ -48,7 +49,7 @@ def test_a_reaper_scheduled_less_often_than_the_registry_silence_holds_back_once
     for n in range(4):  # runs 3 x STALE apart, each judged against the one before
         at = now + n * 3 * STALE
         reasons.append(guard.judge(store, at, "r", STALE).reason)
-        recorded = store.reaper_clock()  # as another host would have recorded it (no monotonic)
+        recorded = store.reaping.reaper_clock()  # as another host would have recorded it (no monotonic)
         previous_run(store, at, interval=recorded["interval"], since=recorded["calm_since"])
     assert reasons[0] is not None and reasons[1:] == [None, None, None]
 
@@ -81,6 +82,6 @@ def test_a_store_clock_behind_the_previous_run_of_another_host_stepped_back(stor
 def test_a_dry_run_judges_without_recording(store):
     now = store.now()
     previous_run(store, now - STALE - 1)
-    before = store.reaper_clock()
+    before = store.reaping.reaper_clock()
     assert ClockGuard(1.0).judge(store, now, "r", STALE, record=False).reason is not None
-    assert store.reaper_clock() == before and store.events(None, "reaper_held_back") == []
+    assert store.reaping.reaper_clock() == before and store.reports.events(None, "reaper_held_back") == []

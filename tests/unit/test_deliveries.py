@@ -153,6 +153,7 @@ class KeptStore:
 
     def __init__(self, kept):
         self.kept, self.written = kept, []
+        self.jobs = self  # kept_result is a call of the store's jobs statements
 
     def kept_result(self, job_id):
         return self.kept

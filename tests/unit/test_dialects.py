@@ -27,10 +27,10 @@ SLACK = 1.5  # seconds a bounded call may overrun its bound on a busy two-core m
 
 
 def claim(store: Store, job_id: str, token: str) -> bool:
-    return store.claim(job_id, "w:1", token,
-                       ClaimTerms(duration=30.0, grace=0.0,
-                                  max_attempts=3, max_expirations=3, takeover=False),
-                       task_name="t.task", queue="q", payload=lambda: None).claimed
+    return store.jobs.claim(job_id, "w:1", token,
+                            ClaimTerms(duration=30.0, grace=0.0,
+                                       max_attempts=3, max_expirations=3, takeover=False),
+                            task_name="t.task", queue="q", payload=lambda: None).claimed
 
 
 # -- the clock ------------------------------------------------------------------------
@@ -213,7 +213,7 @@ def test_a_syntax_error_says_so_and_does_not_ask_for_a_migration(store):
 
 
 def test_a_duplicate_key_is_a_conflict_and_a_missing_value_a_constraint(store):
-    store.record("j1", "t.task", "q", "{}", 3)
+    store.publishes.record("j1", "t.task", "q", "{}", 3)
     with pytest.raises(StoreConflict) as dup, store.begin() as c:
         c.execute(sa.insert(store.t.workers).values(worker_id="w", hostname="h", pid=1, started_at=1.0,
                                                     last_seen_at=1.0))
@@ -304,7 +304,7 @@ def test_a_write_blocked_by_a_held_row_lock_ends_within_the_bound(store_url):
     store.migrate()
     other = sa.create_engine(store_url, poolclass=sa.NullPool)
     try:
-        store.record("locked", "t.task", "q", "{}", 3)
+        store.publishes.record("locked", "t.task", "q", "{}", 3)
         token = secrets.token_hex(16)
         assert claim(store, "locked", token)
         with other.connect() as blocker:
@@ -315,11 +315,11 @@ def test_a_write_blocked_by_a_held_row_lock_ends_within_the_bound(store_url):
                 blocker.execute(sa.select(j.c.id).where(j.c.id == "locked").with_for_update())
             started = time.monotonic()
             with pytest.raises(StoreUnavailable):
-                store.complete("locked", token)
+                store.jobs.complete("locked", token)
             elapsed = time.monotonic() - started
             blocker.rollback()
         assert elapsed < store.bounds.call + SLACK
-        assert store.complete("locked", token) is True
+        assert store.jobs.complete("locked", token) is True
     finally:
         other.dispose()
         store.t.metadata.drop_all(store.engine)
@@ -373,11 +373,11 @@ def test_a_hung_postgresql_server_fails_each_call_within_its_bound(postgres_url)
     store = Store(target.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False),
                   prefix, call_timeout=4.0)
     try:
-        direct.record("hung", "t.task", "q", "{}", 3)
+        direct.publishes.record("hung", "t.task", "q", "{}", 3)
         token = secrets.token_hex(16)
         assert claim(store, "hung", token)  # warm: the pool holds a working connection
         proxy.freeze()
-        calls = {"now": store.now, "complete": lambda: store.complete("hung", token),
+        calls = {"now": store.now, "complete": lambda: store.jobs.complete("hung", token),
                  "claim": lambda: claim(store, "other", secrets.token_hex(16))}
         for name, call in calls.items():
             started = time.monotonic()

@@ -219,7 +219,7 @@ def test_an_effect_on_a_django_connection_commits_with_the_orm_row_in_a_worker(o
         wait_for(lambda: settled(store, result.id), timeout=30, message="the job did not end")
     assert store.get(result.id).status == "completed", store.get(result.id).last_error
     assert orders(alias, order_model, "w-1") == 1
-    assert store.effect_record("order-placed:w-1")["job_id"] == result.id
+    assert store.reports.effect_record("order-placed:w-1")["job_id"] == result.id
 
 
 def test_a_body_failing_after_the_effect_block_leaves_no_key_and_no_row_in_a_worker(orm, order_model):
@@ -231,7 +231,7 @@ def test_a_body_failing_after_the_effect_block_leaves_no_key_and_no_row_in_a_wor
         wait_for(lambda: settled(store, result.id), timeout=30, message="the job did not end")
     assert "the body fails after its effect block" in (store.get(result.id).last_error or "")
     assert orders(alias, order_model, "w-2") == 0
-    assert store.effect_record("order-placed:w-2") is None
+    assert store.reports.effect_record("order-placed:w-2") is None
 
 
 def test_an_eager_effect_by_alias_commits_with_the_orm_row_and_is_first_once(orm, order_model):
@@ -239,7 +239,7 @@ def test_an_eager_effect_by_alias_commits_with_the_orm_row_and_is_first_once(orm
     place = app.tasks["orm.place"]
     assert place.apply(("e-1",), {"by_alias": True}).get() is True
     assert orders(alias, order_model, "e-1") == 1
-    assert store.effect_record("order-placed:e-1") is not None
+    assert store.reports.effect_record("order-placed:e-1") is not None
     # A second eager run of the same order finds the key in the database, as a worker would.
     assert place.apply(("e-1",), {"by_alias": True}).get() is False
 
@@ -250,7 +250,7 @@ def test_an_eager_body_failing_after_the_effect_block_rolls_back_key_and_row(orm
     with pytest.raises(RuntimeError, match="after its effect block"):
         place.apply(("e-2",), {"fail": True}).get()
     assert orders(alias, order_model, "e-2") == 0
-    assert store.effect_record("order-placed:e-2") is None
+    assert store.reports.effect_record("order-placed:e-2") is None
     assert place.apply(("e-2",)).get() is True  # the effect was not lost
 
 

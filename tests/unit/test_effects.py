@@ -39,12 +39,13 @@ def store(store):
 
 def claim(store, hb: Heartbeat, job_id: str, **overrides) -> Lease:
     """Record (if new) and claim ``job_id``; a lapsed lease is taken over. Returns the new owner's Lease."""
-    store.record(job_id, "t.pay", "q", "{}", 5)
+    store.publishes.record(job_id, "t.pay", "q", "{}", 5)
     tok = secrets.token_hex(16)
     sent = deadline.monotonic()
-    got = store.claim(job_id, hb.worker, tok,
-                      ClaimTerms(duration=3.0, grace=0.0, max_attempts=5, max_expirations=5, takeover=True),
-                      task_name="t.pay", queue="q", payload=lambda: None)
+    got = store.jobs.claim(job_id, hb.worker, tok,
+                           ClaimTerms(duration=3.0, grace=0.0, max_attempts=5, max_expirations=5,
+                                      takeover=True),
+                           task_name="t.pay", queue="q", payload=lambda: None)
     assert got.claimed, got
     job = got.job
     return Lease(hb.runtime, job_id, tok, job.attempt_count, policy(**overrides),
@@ -65,7 +66,7 @@ def keys(store) -> dict[str, str]:
 
 
 def events(store, name: str) -> list[dict]:
-    return store.events(event=name)
+    return store.reports.events(event=name)
 
 
 @pytest.fixture
@@ -234,7 +235,7 @@ def test_an_open_effect_transaction_does_not_hold_up_the_heartbeat(store, hb):
     renewed = threading.Event()
     with store.engine.begin() as conn, effect(lease, "capture:p1", connection=conn) as first:
         assert first
-        threading.Thread(target=lambda: store.renew({lease.token: "job-1"}, hb.worker) and renewed.set(),
+        threading.Thread(target=lambda: store.jobs.renew({lease.token: "job-1"}, hb.worker) and renewed.set(),
                          daemon=True).start()
         assert renewed.wait(5), "the renewal waited for the effect's transaction (a lock on the jobs row)"
 
@@ -330,16 +331,16 @@ def test_an_operator_can_forget_an_unconfirmed_effect(store, hb):
     lease = claim(store, hb, "job-1")
     with effect(lease, "capture:p1"):
         pass
-    assert store.effect_keys("job-1") == ["capture:p1"]
-    assert store.forget_effect("capture:p1", "gateway shows no capture")
-    assert not store.forget_effect("capture:p1")
-    assert store.effect_keys("job-1") == [] and len(events(store, "effect_forgotten")) == 1
+    assert store.reports.effect_keys("job-1") == ["capture:p1"]
+    assert store.recovery.forget_effect("capture:p1", "gateway shows no capture")
+    assert not store.recovery.forget_effect("capture:p1")
+    assert store.reports.effect_keys("job-1") == [] and len(events(store, "effect_forgotten")) == 1
 
 
 # -- idempotent publish, redrive, checkpoints -----------------------------------------------
 def test_sixteen_threads_recording_one_idempotency_key_make_one_job(store):
-    results = race(RACERS, lambda i: store.record(f"job-{i}", "t.pay", "q", "{}", 5,
-                                                  idempotency_key="order-1"))
+    results = race(RACERS, lambda i: store.publishes.record(f"job-{i}", "t.pay", "q", "{}", 5,
+                                                            idempotency_key="order-1"))
     assert [r for r in results if not isinstance(r, tuple)] == []
     created = [holder for made, holder in results if made]
     assert len(created) == 1
@@ -370,13 +371,13 @@ def test_a_stale_checkpoint_writes_nothing_and_raises_lease_lost(store, hb):
 
 
 def test_the_idempotency_key_given_at_publish_is_the_leases(store, hb):
-    store.record("job-1", "t.pay", "q", "{}", 5, idempotency_key="order-1")
+    store.publishes.record("job-1", "t.pay", "q", "{}", 5, idempotency_key="order-1")
     assert claim(store, hb, "job-1").idempotency_key == "order-1"
 
 
 # -- resource locks -------------------------------------------------------------------------
 def holder(store, resource: str):
-    return store.lock_holder(resource)
+    return store.reports.lock_holder(resource)
 
 
 def test_a_second_holder_waits_for_release(store, hb):
@@ -577,11 +578,12 @@ def black_holed(postgres_url):
 
 
 def _claimed(store, rt: Runtime, job_id: str, **overrides) -> Lease:
-    store.record(job_id, "t.pay", "q", "{}", 5)
+    store.publishes.record(job_id, "t.pay", "q", "{}", 5)
     tok, sent = secrets.token_hex(16), deadline.monotonic()
-    got = store.claim(job_id, rt.worker, tok,
-                      ClaimTerms(duration=30.0, grace=0.0, max_attempts=5, max_expirations=5, takeover=True),
-                      task_name="t.pay", queue="q", payload=lambda: None)
+    got = store.jobs.claim(job_id, rt.worker, tok,
+                           ClaimTerms(duration=30.0, grace=0.0, max_attempts=5, max_expirations=5,
+                                      takeover=True),
+                           task_name="t.pay", queue="q", payload=lambda: None)
     assert got.claimed, got
     return Lease(rt, job_id, tok, 1, policy(**overrides), f"t.pay:{job_id}", None, sent_at=sent)
 

@@ -28,12 +28,13 @@ class Request:
 
 
 def held_lease(store, rt: Runtime, job_id: str, **overrides) -> Lease:
-    store.record(job_id, "t.task", "q", "{}", 3)
+    store.publishes.record(job_id, "t.task", "q", "{}", 3)
     tok = secrets.token_hex(16)
     sent = deadline.monotonic()
-    got = store.claim(job_id, rt.worker, tok,
-                      ClaimTerms(duration=3.0, grace=0.0, max_attempts=3, max_expirations=3, takeover=True),
-                      task_name="t.task", queue="q", payload=lambda: None)
+    got = store.jobs.claim(job_id, rt.worker, tok,
+                           ClaimTerms(duration=3.0, grace=0.0, max_attempts=3, max_expirations=3,
+                                      takeover=True),
+                           task_name="t.task", queue="q", payload=lambda: None)
     assert got.claimed
     lease = Lease(rt, job_id, tok, 1, policy(**overrides), f"t.task:{job_id}", None, sent_at=sent)
     rt.attach(Request(), lease)
@@ -88,7 +89,7 @@ def test_a_lease_taken_by_another_owner_is_marked_lost(store, hb):
     assert counts["lost"] == 1 and lease.lost and lease.lost_reason == "taken_over"
     with pytest.raises(LeaseLost, match="other:1"):
         lease.check()
-    assert "lease_lost" in [e["event"] for e in store.events("stolen")]
+    assert "lease_lost" in [e["event"] for e in store.reports.events("stolen")]
 
 
 def test_a_vanished_lease_is_told_apart_from_a_taken_one(store, hb):
@@ -156,7 +157,7 @@ def test_a_store_outage_marks_nothing_lost_and_moves_no_deadline(store, hb, monk
     def down(*_a, **_k):
         raise StoreUnavailable("down")
 
-    monkeypatch.setattr(store, "beat", down)
+    monkeypatch.setattr(store.jobs, "beat", down)
     counts = hb.beat()
     assert counts["renewed"] == 0 and not lease.lost  # the deadline timer decides, not the round
     assert lease.deadline == before
@@ -172,27 +173,27 @@ def test_a_renewal_moves_the_deadline_from_its_send_time(store, hb, monkeypatch)
 
 def test_a_lease_lost_while_its_renewal_was_out_is_given_back_not_revived(store, hb, monkeypatch):
     lease = held_lease(store, hb.runtime, "late")
-    renew = store.beat
+    renew = store.jobs.beat
 
     def slow_answer(*args, **kwargs):
         renewed = renew(*args, **kwargs)
         lease.expire_if_due(lease.deadline)  # the deadline passed while the statement was out
         return renewed
 
-    monkeypatch.setattr(store, "beat", slow_answer)
+    monkeypatch.setattr(store.jobs, "beat", slow_answer)
     counts = hb.beat()
     assert counts["renewed"] == 0 and lease.lost and "local deadline" in lease.lost_reason
     job = store.get("late")
     assert (job.status, job.lock_token) == ("pending", None)  # given back, fenced on the token
-    assert [e["event"] for e in store.events("late")][-1] == "released_after_local_loss"
+    assert [e["event"] for e in store.reports.events("late")][-1] == "released_after_local_loss"
     assert lease not in hb.runtime.leases()
 
 
 def defer(store, lease: Lease, end: RunEnd = RunEnd.RETURNED, then=None) -> None:
     """Defer the settle write ``end`` names, as the run lifecycle does when the store is down."""
     writes = {
-        RunEnd.RETURNED: lambda: store.complete(lease.job_id, lease.token, lease.worker),
-        RunEnd.FAILED: lambda: store.fail(lease.job_id, lease.token, "ValueError: boom", lease.worker),
+        RunEnd.RETURNED: lambda: store.jobs.complete(lease.job_id, lease.token, lease.worker),
+        RunEnd.FAILED: lambda: store.jobs.fail(lease.job_id, lease.token, "ValueError: boom", lease.worker),
     }
     lease.runtime.defer(lease, DeferredWrite(end, writes[end], then))
 
@@ -237,22 +238,22 @@ def test_a_deferred_completion_the_store_rejects_is_logged_and_audited_as_reject
     with caplog.at_level("INFO", logger="celery_lease.worker.runtime"):
         hb.beat()
     assert store.get("rejected").status == "running"
-    assert "stale_completion_rejected" in [e["event"] for e in store.events("rejected")]
+    assert "stale_completion_rejected" in [e["event"] for e in store.reports.events("rejected")]
     actions = [getattr(r, "action", None) for r in caplog.records]
     assert "stale_deferred_write_rejected" in actions and "deferred_write_landed" not in actions
 
 
 def test_a_checkpoint_held_back_by_an_outage_is_written_by_the_next_round(store, hb, monkeypatch):
     lease = held_lease(store, hb.runtime, "held-checkpoint")
-    write = store.checkpoint
+    write = store.jobs.checkpoint
 
     def down(*_a, **_k):
         raise StoreUnavailable("down")
 
-    monkeypatch.setattr(store, "checkpoint", down)
+    monkeypatch.setattr(store.jobs, "checkpoint", down)
     lease.checkpoint({"step": 3})  # does not raise: kept for the heartbeat
     assert lease.checkpoint_state == {"step": 3} and store.get("held-checkpoint").checkpoint_state() is None
-    monkeypatch.setattr(store, "checkpoint", write)
+    monkeypatch.setattr(store.jobs, "checkpoint", write)
     hb.beat()
     assert store.get("held-checkpoint").checkpoint_state() == {"step": 3}
     assert lease.pending_checkpoint is None and not lease.lost
@@ -290,14 +291,15 @@ def test_a_round_landing_inside_a_hand_over_leaves_the_handed_over_row_alone(sto
     terms = ClaimTerms(duration=3.0, grace=0.0, max_attempts=3, max_expirations=3, takeover=True)
 
     def record_again() -> bool:  # what the lifecycle hands a lease: the job recorded anew under its token
-        again = store.claim("handing", hb.runtime.worker, lease.token, terms, task_name="t.task", queue="q",
-                            payload=lambda: "{}")
+        again = store.jobs.claim("handing", hb.runtime.worker, lease.token, terms, task_name="t.task",
+                                 queue="q",
+                                 payload=lambda: "{}")
         return again.claimed and again.job is not None and again.job.lock_token == lease.token
 
     lease._record_again = record_again
     hb.beat()
     with lease.turn:  # held by replacing.py from the hand-over's write until its flag is set
-        assert store.hand_over("handing", lease.token, hb.runtime.worker, None, "t.carrier")
+        assert store.replacing.hand_over("handing", lease.token, hb.runtime.worker, None, "t.carrier")
         round_ = threading.Thread(target=hb.beat)
         round_.start()
         round_.join(timeout=1.0)  # a round that does not wait for the hand-over ends here

@@ -115,7 +115,7 @@ def test_eager_runs_take_a_real_lease_when_the_store_is_set_for_them(tmp_path):
         store = for_app(app)
         assert result["first"] is True and again["first"] is False
         assert store.get("eager-1").status == "completed"
-        assert store.effect_keys("eager-1") == ["charged:p3"]
+        assert store.reports.effect_keys("eager-1") == ["charged:p3"]
         assert store.get("eager-1").checkpoint_state() == {"step": 2}
     finally:
         drop_app_store(app)

@@ -112,12 +112,12 @@ def finish(store: Store, task: str, runtimes: list[float], attempts: int = 1, fa
     """Jobs of ``task`` on ``celery`` that finish now after the given runtimes."""
     for runtime in runtimes:
         job_id = f"later-{task}-{uuid.uuid4().hex[:8]}"
-        store.record(job_id, task, "celery", None, 3)
+        store.publishes.record(job_id, task, "celery", None, 3)
         token = ops_app._claim(store, job_id, task, "celery", ops_app.ALIVE)
         if fail:
-            store.fail(job_id, token, "ValueError: boom", ops_app.ALIVE)
+            store.jobs.fail(job_id, token, "ValueError: boom", ops_app.ALIVE)
         else:
-            store.complete(job_id, token, ops_app.ALIVE)
+            store.jobs.complete(job_id, token, ops_app.ALIVE)
         done = store.get(job_id).updated_at
         ops_app._set(store, job_id, started_at=done - runtime, attempt_count=attempts)
 
@@ -241,15 +241,15 @@ def test_a_store_before_the_reaper_runs_revision_is_scraped_without_its_features
     assert value(scrape, "celery_lease_store_up") == 1
     assert value(scrape, "celery_lease_reaped_total", queue="unknown", task="unknown") == 1
     assert not any(name.startswith("celery_lease_reaper_last_run") for name, _ in scrape)  # needs migrate
-    assert store.meta_age("exporter_last_scrape") is None
+    assert store.runs.meta_age("exporter_last_scrape") is None
     store.engine.dispose()
 
 
 def test_each_scrape_is_noted_in_the_store(scene):
     app, store, _ = scene
-    assert store.meta_age("exporter_last_scrape") == (None, None)
+    assert store.runs.meta_age("exporter_last_scrape") == (None, None)
     samples(LeaseCollector(app, store))
-    age, exporter = store.meta_age("exporter_last_scrape")
+    age, exporter = store.runs.meta_age("exporter_last_scrape")
     assert 0 <= age < 30 and exporter.endswith(f":{os.getpid()}")
 
 

@@ -43,10 +43,10 @@ def app(redis_url, tmp_path):
 def expired_job(app, job_id: str, options: dict) -> None:
     """A job recorded with ``options``, claimed once by a worker that is gone, its lease long expired."""
     store = migrated_store(app)
-    store.record(job_id, "o.work", "outcomes", messages.encode("o.work", [1], {}, options), 1)
+    store.publishes.record(job_id, "o.work", "outcomes", messages.encode("o.work", [1], {}, options), 1)
     terms = ClaimTerms(duration=30.0, grace=1.0, max_attempts=1, max_expirations=3, takeover=True)
-    store.claim(job_id, "gone@host:1", secrets.token_hex(8), terms, task_name="o.work", queue="outcomes",
-                payload=lambda: None)
+    store.jobs.claim(job_id, "gone@host:1", secrets.token_hex(8), terms, task_name="o.work", queue="outcomes",
+                     payload=lambda: None)
     j = store.t.jobs
     with store.begin() as c:
         c.execute(sa.update(j).where(j.c.id == job_id).values(lease_expires_at=store.now_sql - 60))

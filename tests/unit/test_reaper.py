@@ -118,7 +118,7 @@ def running(store: Store, job_id: str, task: str = "t.work", owner: str = DEAD, 
             max_attempts: int = 3, attempts: int = 1) -> str:
     """A running job leased by ``owner`` whose lease expired ``age`` seconds ago; returns its token."""
     token = secrets.token_hex(16)
-    store.record(job_id, task, "celery", payload(task), max_attempts)
+    store.publishes.record(job_id, task, "celery", payload(task), max_attempts)
     j = store.t.jobs
     with store.begin() as c:
         c.execute(sa.update(j).where(j.c.id == job_id).values(
@@ -132,7 +132,7 @@ def queued(broker: Broker, dlq: bool = False) -> list[dict]:
 
 
 def events(store: Store, job_id: str, name: str | None = None) -> list[dict]:
-    return store.events(job_id, name)
+    return store.reports.events(job_id, name)
 
 
 # -- backoff ---------------------------------------------------------------------
@@ -177,7 +177,7 @@ def test_reaper_leaves_a_lease_inside_its_grace_period_alone(app, store, broker)
 
 
 def test_reaper_leaves_a_live_owner_alone_until_the_hard_grace(app, store, broker):
-    store.touch_worker(ALIVE, "host", 2)
+    store.workers.touch_worker(ALIVE, "host", 2)
     token = running(store, "j1", owner=ALIVE)
     first, second = Reaper(app).run_once(), Reaper(app).run_once()
     assert (first.skipped_owner_alive, first.reaped) == (1, 0) and second.skipped_owner_alive == 1
@@ -195,7 +195,7 @@ def test_reaper_leaves_a_live_owner_alone_until_the_hard_grace(app, store, broke
 
 
 def test_run_once_now_replaces_the_store_clock_in_every_predicate(app, store):
-    store.touch_worker(ALIVE, "host", 2)
+    store.workers.touch_worker(ALIVE, "host", 2)
     running(store, "young", age=-20.0)  # valid for 20 more seconds
     running(store, "alive", owner=ALIVE, age=-20.0)
     assert Reaper(app).run_once().seen == 0
@@ -204,7 +204,7 @@ def test_run_once_now_replaces_the_store_clock_in_every_predicate(app, store):
 
 
 def test_reaper_reaps_at_once_when_the_owner_registry_row_is_stale(app, store):
-    store.touch_worker(ALIVE, "host", 2)
+    store.workers.touch_worker(ALIVE, "host", 2)
     running(store, "j1", owner=ALIVE)
     w = store.t.workers
     with store.begin() as c:
@@ -285,7 +285,7 @@ def test_the_scan_takes_at_most_a_batch_per_run_oldest_first(app, store):
 
 
 def test_the_keyset_walk_passes_leases_left_to_live_owners(app, store):
-    store.touch_worker(ALIVE, "host", 2)
+    store.workers.touch_worker(ALIVE, "host", 2)
     for n in range(5):
         running(store, f"alive{n}", owner=ALIVE, age=20.0 + n)  # oldest, but their owner is alive
     running(store, "dead", age=10.0)
@@ -300,7 +300,7 @@ def test_a_second_scan_skips_the_rows_another_reaper_holds(store):
     for n in range(4):
         running(store, f"j{n}", age=10.0 + n)  # j3 and j2 are the oldest
     seen: list[str] = []
-    with transaction_held(store, lambda c: store.scan_expired(c, limit=2)):  # the first reaper's page
+    with transaction_held(store, lambda c: store.reaping.scan_expired(c, limit=2)):  # the first reaper's page
         second = threading.Thread(target=lambda: seen.extend(
             e.job.id for e in scan_page(store, limit=10)))
         second.start()
@@ -311,24 +311,25 @@ def test_a_second_scan_skips_the_rows_another_reaper_holds(store):
 
 def scan_page(store: Store, limit: int):
     with store.begin() as c:
-        return store.scan_expired(c, limit=limit)
+        return store.reaping.scan_expired(c, limit=limit)
 
 
 # -- the CAS loses cleanly ------------------------------------------------------------
 def scan_one(store: Store):
     with store.begin() as c:
-        [item] = store.scan_expired(c, limit=10, lock=False)
+        [item] = store.reaping.scan_expired(c, limit=10, lock=False)
     return item.job
 
 
 def test_requeue_loses_against_a_concurrent_takeover_and_writes_nothing(store):
     running(store, "j1")
     seen = scan_one(store)
-    new = store.claim("j1", "w2", secrets.token_hex(16),
-                      ClaimTerms(duration=30.0, grace=1.0, max_attempts=3, max_expirations=3, takeover=True),
-                      task_name="t.work", queue="celery", payload=lambda: None)
+    new = store.jobs.claim("j1", "w2", secrets.token_hex(16),
+                           ClaimTerms(duration=30.0, grace=1.0, max_attempts=3, max_expirations=3,
+                                      takeover=True),
+                           task_name="t.work", queue="celery", payload=lambda: None)
     assert new.claimed
-    assert not store.requeue_abandoned("j1", seen.lock_token, seen.locked_by, delay=1.0, reason="x")
+    assert not store.reaping.requeue_abandoned("j1", seen.lock_token, seen.locked_by, delay=1.0, reason="x")
     assert store.get("j1").lock_token == new.job.lock_token
     assert events(store, "j1", "reaped_expired_lease") == []
 
@@ -336,9 +337,9 @@ def test_requeue_loses_against_a_concurrent_takeover_and_writes_nothing(store):
 def test_requeue_loses_against_a_concurrent_completion_and_writes_nothing(store):
     token = running(store, "j1")
     seen = scan_one(store)
-    assert store.complete("j1", token, DEAD)
-    assert not store.requeue_abandoned("j1", seen.lock_token, seen.locked_by, delay=1.0, reason="x")
-    assert not store.dead_letter_abandoned("j1", seen.lock_token, seen.locked_by, error="x")
+    assert store.jobs.complete("j1", token, DEAD)
+    assert not store.reaping.requeue_abandoned("j1", seen.lock_token, seen.locked_by, delay=1.0, reason="x")
+    assert not store.reaping.dead_letter_abandoned("j1", seen.lock_token, seen.locked_by, error="x")
     assert store.get("j1").status == COMPLETED
     assert events(store, "j1", "reaped_expired_lease") == events(store, "j1", "dead_lettered") == []
 
@@ -346,8 +347,8 @@ def test_requeue_loses_against_a_concurrent_completion_and_writes_nothing(store)
 def test_requeue_loses_against_a_renewal_between_scan_and_write(store):
     token = running(store, "j1")
     seen = scan_one(store)
-    assert store.renew({token: "j1"}, DEAD) == {"j1"}  # the owner woke up: same token, fresh lease
-    assert not store.requeue_abandoned("j1", seen.lock_token, seen.locked_by, delay=1.0, reason="x")
+    assert store.jobs.renew({token: "j1"}, DEAD) == {"j1"}  # the owner woke up: same token, fresh lease
+    assert not store.reaping.requeue_abandoned("j1", seen.lock_token, seen.locked_by, delay=1.0, reason="x")
     assert store.get("j1").status == RUNNING and events(store, "j1", "reaped_expired_lease") == []
 
 
@@ -359,16 +360,17 @@ def test_a_message_waiting_on_a_requeue_in_flight_claims_the_requeued_job(store)
 
     def reaper_batch() -> None:
         with store.begin() as c:
-            [item] = store.scan_expired(c, limit=10)
-            assert store.requeue_abandoned("j1", item.job.lock_token, DEAD, delay=0.0, reason="x", c=c)
+            [item] = store.reaping.scan_expired(c, limit=10)
+            assert store.reaping.requeue_abandoned("j1", item.job.lock_token, DEAD, delay=0.0, reason="x",
+                                                   c=c)
             in_tx.set()
             go.wait(10)
 
     def deliver() -> None:
-        got = store.claim("j1", "w2", secrets.token_hex(16),
-                          ClaimTerms(duration=30.0, grace=1.0,
-                                     max_attempts=3, max_expirations=3, takeover=True),
-                          task_name="t.work", queue="celery", payload=lambda: None)
+        got = store.jobs.claim("j1", "w2", secrets.token_hex(16),
+                               ClaimTerms(duration=30.0, grace=1.0,
+                                          max_attempts=3, max_expirations=3, takeover=True),
+                               task_name="t.work", queue="celery", payload=lambda: None)
         outcome.append(got.outcome)
 
     reaping = threading.Thread(target=reaper_batch)
@@ -423,13 +425,13 @@ def test_two_scanners_racing_over_1000_expired_rows_requeue_each_exactly_once(st
             won, last = [], after
             try:
                 with store.begin(long=True) as c:  # as the reaper's own pages: the long bound
-                    page = store.scan_expired(c, limit=100, after=after)
+                    page = store.reaping.scan_expired(c, limit=100, after=after)
                     if not page:
                         return
                     for item in page:
                         last = (item.job.lease_expires_at, item.job.id)
-                        if store.requeue_abandoned(item.job.id, item.job.lock_token, DEAD, delay=0.0,
-                                                   reason="x", c=c):
+                        if store.reaping.requeue_abandoned(item.job.id, item.job.lock_token, DEAD, delay=0.0,
+                                                           reason="x", c=c):
                             won.append(item.job.id)
             except StoreUnavailable as exc:
                 # MySQL breaks a deadlock between the two scanners by rolling one page back (more
@@ -449,7 +451,7 @@ def test_two_scanners_racing_over_1000_expired_rows_requeue_each_exactly_once(st
 
     assert run_in_threads(scan_and_requeue) == []
     assert sorted(wins) == [f"r{n:04d}" for n in range(1000)]
-    assert len(store.events(event="reaped_expired_lease", limit=5000)) == 1000
+    assert len(store.reports.events(event="reaped_expired_lease", limit=5000)) == 1000
     j = store.t.jobs
     with store.begin() as c:
         by_count = sa.select(j.c.expired_count, sa.func.count()).group_by(j.c.expired_count)
@@ -472,15 +474,16 @@ def test_two_reapers_running_at_once_requeue_and_publish_each_job_once(app, stor
 
     assert run_in_threads(reap_until_done) == []
     assert sum(totals) == 300
-    reaped = store.events(event="reaped_expired_lease", limit=5000)
+    reaped = store.reports.events(event="reaped_expired_lease", limit=5000)
     assert len(reaped) == 300 and len({e["job_id"] for e in reaped}) == 300
     assert sorted(m["headers"]["id"] for m in queued(broker)) == [f"r{n:04d}" for n in range(300)]
 
 
 # -- lost dispatches ------------------------------------------------------------------
 def test_a_lost_dispatch_is_republished_once_and_counted(app, store, broker):
-    store.record("p1", "t.work", "celery", payload(), 3, delay=-700.0)  # default dispatch timeout: 600 s
-    store.record("fresh", "t.work", "celery", payload(), 3)
+    store.publishes.record("p1", "t.work", "celery", payload(), 3,
+                           delay=-700.0)  # default dispatch timeout: 600 s
+    store.publishes.record("fresh", "t.work", "celery", payload(), 3)
     result = Reaper(app).run_once()
     assert result.redispatched == 1
     job = store.get("p1")
@@ -492,15 +495,16 @@ def test_a_lost_dispatch_is_republished_once_and_counted(app, store, broker):
 
 
 def test_the_dispatch_timeout_is_per_task(app, store):
-    store.record("quick", "t.quick_dispatch", "celery", payload("t.quick_dispatch"), 3, delay=-10.0)
-    store.record("slow", "t.work", "celery", payload(), 3, delay=-10.0)
+    store.publishes.record("quick", "t.quick_dispatch", "celery", payload("t.quick_dispatch"), 3, delay=-10.0)
+    store.publishes.record("slow", "t.work", "celery", payload(), 3, delay=-10.0)
     assert Reaper(app).run_once().redispatched == 1
     assert store.get("quick").dispatch_count == 1 and store.get("slow").dispatch_count == 0
 
 
 def test_lost_dispatches_are_re_sent_at_most_a_batch_per_run_oldest_first(app, store):
     for n in range(5):
-        store.record(f"p{n}", "t.work", "celery", payload(), 3, delay=-700.0 - n)  # p4 is the oldest
+        store.publishes.record(f"p{n}", "t.work", "celery", payload(), 3,
+                               delay=-700.0 - n)  # p4 is the oldest
     assert Reaper(app, batch_size=2).run_once().redispatched == 2
     assert {f"p{n}" for n in range(5) if store.get(f"p{n}").dispatch_count} == {"p4", "p3"}
     assert Reaper(app, batch_size=2).run_once().redispatched == 2
@@ -508,11 +512,11 @@ def test_lost_dispatches_are_re_sent_at_most_a_batch_per_run_oldest_first(app, s
 
 
 def test_two_reapers_do_not_both_count_one_redispatch(store):
-    store.record("p1", "t.work", "celery", payload(), 3, delay=-700.0)
+    store.publishes.record("p1", "t.work", "celery", payload(), 3, delay=-700.0)
     with store.begin() as c:
-        [(seen, _)] = store.scan_lost_dispatches(c, older_than=600.0, limit=10, lock=False)
-    assert store.redispatched(seen, "first")
-    assert not store.redispatched(seen, "second")
+        [(seen, _)] = store.reaping.scan_lost_dispatches(c, older_than=600.0, limit=10, lock=False)
+    assert store.reaping.redispatched(seen, "first")
+    assert not store.reaping.redispatched(seen, "second")
     assert store.get("p1").dispatch_count == 1 and len(events(store, "p1", "redispatched")) == 1
 
 
@@ -520,39 +524,40 @@ def test_two_reapers_do_not_both_count_one_redispatch(store):
 def test_a_second_reaper_skips_its_run_while_the_lock_is_held(app, store):
     running(store, "j1")
     other = secrets.token_hex(16)
-    assert store.acquire_reaper_lock(other, "someone-else", 30.0)
+    assert store.reaping.acquire_reaper_lock(other, "someone-else", 30.0)
     result = Reaper(app).run_once()
     assert result.skipped and result.reaped == 0 and store.get("j1").status == RUNNING
-    assert store.reaper_lock_holder()[0] == "someone-else"
-    assert store.release_reaper_lock(other)
+    assert store.reaping.reaper_lock_holder()[0] == "someone-else"
+    assert store.reaping.release_reaper_lock(other)
     assert Reaper(app).run_once().reaped == 1
-    assert store.reaper_lock_holder() is None  # released after the run
+    assert store.reaping.reaper_lock_holder() is None  # released after the run
 
 
 def test_an_expired_reaper_lock_is_taken_over(store):
-    assert store.acquire_reaper_lock("a" * 32, "crashed", 30.0)
-    assert not store.acquire_reaper_lock("b" * 32, "next", 30.0)
+    assert store.reaping.acquire_reaper_lock("a" * 32, "crashed", 30.0)
+    assert not store.reaping.acquire_reaper_lock("b" * 32, "next", 30.0)
     k = store.t.locks
     with store.begin() as c:
         c.execute(sa.update(k).values(expires_at=store.now_sql - 1.0))
-    assert store.acquire_reaper_lock("b" * 32, "next", 30.0)
-    assert not store.renew_reaper_lock("a" * 32, 30.0) and not store.release_reaper_lock("a" * 32)
+    assert store.reaping.acquire_reaper_lock("b" * 32, "next", 30.0)
+    assert not store.reaping.renew_reaper_lock("a" * 32,
+                                               30.0) and not store.reaping.release_reaper_lock("a" * 32)
 
 
 # -- dry run, pruning, logging, the task ------------------------------------------------------
 def test_dry_run_plans_every_decision_and_changes_nothing(app, store, broker):
-    store.touch_worker(ALIVE, "host", 2)
+    store.workers.touch_worker(ALIVE, "host", 2)
     running(store, "requeue")
     running(store, "dead_letter", task="t.once", max_attempts=1)
     running(store, "alive", owner=ALIVE)
-    store.record("lost", "t.work", "celery", payload(), 3, delay=-700.0)
-    before = {e["id"] for e in store.events(limit=1000)}
+    store.publishes.record("lost", "t.work", "celery", payload(), 3, delay=-700.0)
+    before = {e["id"] for e in store.reports.events(limit=1000)}
     result = Reaper(app).run_once(dry_run=True)
     plan = {d.job_id: d.decision for d in result.planned}
     assert plan == {"requeue": "requeue", "dead_letter": "dead_letter", "alive": "skip_owner_alive",
                     "lost": "redispatch"}
     assert result.reaped == result.dead_lettered == result.redispatched == 0
-    assert {e["id"] for e in store.events(limit=1000)} == before
+    assert {e["id"] for e in store.reports.events(limit=1000)} == before
     assert store.get("requeue").status == RUNNING and broker.client.exists(broker.queue, broker.dlq) == 0
     assert json.dumps(result.as_dict())  # what `celery lease reap --dry-run` and the task return
 
@@ -605,11 +610,11 @@ def test_a_dry_run_on_sqlite_answers_while_another_process_holds_the_write_lock(
 
 
 def test_pruning_removes_old_completed_jobs_events_and_stale_workers_only(app, store):
-    store.record("old_done", "t.work", "celery", payload(), 3)
-    store.record("old_failed", "t.work", "celery", payload(), 3)
-    store.record("new_done", "t.work", "celery", payload(), 3)
-    store.touch_worker("gone@host:9", "host", 9)
-    store.touch_worker(ALIVE, "host", 2)
+    store.publishes.record("old_done", "t.work", "celery", payload(), 3)
+    store.publishes.record("old_failed", "t.work", "celery", payload(), 3)
+    store.publishes.record("new_done", "t.work", "celery", payload(), 3)
+    store.workers.touch_worker("gone@host:9", "host", 9)
+    store.workers.touch_worker(ALIVE, "host", 2)
     j, w, e = store.t.jobs, store.t.workers, store.t.events
     year = 365 * 24 * 3600.0
     with store.begin() as c:
@@ -624,7 +629,7 @@ def test_pruning_removes_old_completed_jobs_events_and_stale_workers_only(app, s
     assert (result.pruned_jobs, result.pruned_events, result.pruned_workers) == (1, 1, 1)
     assert store.get("old_done") is None
     assert store.get("old_failed") is not None  # dead letters stay for operators
-    assert [ev["event"] for ev in store.events("old_failed")] == ["published"]  # with their history
+    assert [ev["event"] for ev in store.reports.events("old_failed")] == ["published"]  # with their history
     assert store.get("new_done") is not None
     with store.begin() as c:
         assert [r[0] for r in c.execute(sa.select(w.c.worker_id))] == [ALIVE]
@@ -635,7 +640,7 @@ def test_pruning_deletes_in_bounded_chunks(app, store, monkeypatch):
     monkeypatch.setattr(reaper, "PRUNE_CHUNKS", 2)
     j = store.t.jobs
     for n in range(5):
-        store.record(f"done{n}", "t.work", "celery", payload(), 3)
+        store.publishes.record(f"done{n}", "t.work", "celery", payload(), 3)
     with store.begin() as c:
         c.execute(sa.update(j).values(status=COMPLETED, updated_at=store.now_sql - 30 * 24 * 3600.0))
     assert Reaper(app).run_once().pruned_jobs == 4  # two statements of two rows
@@ -708,7 +713,7 @@ def test_the_pause_seam_runs_between_publish_and_cas(app, store, broker, monkeyp
 
 def test_an_idempotency_key_outlives_its_pruned_job_until_its_own_retention(app, store):
     cfg = app_config(app)
-    store.record("keyed", "t.work", "celery", payload(), 3, idempotency_key="order-7")
+    store.publishes.record("keyed", "t.work", "celery", payload(), 3, idempotency_key="order-7")
     j, k = store.t.jobs, store.t.idempotency_keys
     with store.begin() as c:
         past_jobs = store.now_sql - (cfg.retention + 60)
@@ -718,7 +723,7 @@ def test_an_idempotency_key_outlives_its_pruned_job_until_its_own_retention(app,
     first = Reaper(app).run_once()
 
     assert (first.pruned_jobs, first.pruned_keys) == (1, 0)
-    again = store.record("again", "t.work", "celery", payload(), 3, idempotency_key="order-7")
+    again = store.publishes.record("again", "t.work", "celery", payload(), 3, idempotency_key="order-7")
     assert again == (False, "keyed")
     with store.begin() as c:
         c.execute(sa.update(k).where(k.c.key == "order-7").values(
@@ -727,15 +732,15 @@ def test_an_idempotency_key_outlives_its_pruned_job_until_its_own_retention(app,
     second = Reaper(app).run_once()
 
     assert second.pruned_keys == 1
-    again = store.record("again", "t.work", "celery", payload(), 3, idempotency_key="order-7")
+    again = store.publishes.record("again", "t.work", "celery", payload(), 3, idempotency_key="order-7")
     assert again == (True, "again")
 
 
 def test_a_reaper_that_does_not_import_the_task_applies_the_policy_the_job_carries(app, store, broker):
     # Recorded by a worker that knows t.park (lease_on_expired='dead_letter')...
     token = secrets.token_hex(16)
-    store.record("parked", "t.park", "celery", payload("t.park"), 3,
-                 recovery=app.tasks["t.park"].lease_policy("celery").recovery())
+    store.publishes.record("parked", "t.park", "celery", payload("t.park"), 3,
+                           recovery=app.tasks["t.park"].lease_policy("celery").recovery())
     j = store.t.jobs
     with store.begin() as c:
         c.execute(sa.update(j).where(j.c.id == "parked").values(
@@ -759,13 +764,13 @@ def test_a_reaper_that_does_not_import_the_task_applies_the_policy_the_job_carri
 def test_each_run_records_itself_with_its_counts_and_a_dry_run_does_not(app, store):
     running(store, "job-rec")
     Reaper(app).run_once(dry_run=True)
-    assert store.reaper_runs() == []
+    assert store.runs.reaper_runs() == []
     result = Reaper(app).run_once()
-    (run,) = store.reaper_runs()
+    (run,) = store.runs.reaper_runs()
     assert run["counts"]["reaped"] == result.reaped == 1
     assert run["worker"].startswith("reaper@") and run["duration"] >= 0
     assert run["finished_at"] - run["started_at"] == pytest.approx(run["duration"], abs=1e-3)
-    now, last = store.last_reaper_run()
+    now, last = store.runs.last_reaper_run()
     assert last["id"] == run["id"] and 0 <= now - last["finished_at"] < 30
 
 
@@ -773,7 +778,7 @@ def test_old_runs_are_pruned_to_the_newest_kept(app, store, monkeypatch):
     monkeypatch.setattr(reaper, "REAPER_RUNS_KEPT", 3)
     for _ in range(5):
         Reaper(app).run_once()
-    runs = store.reaper_runs(limit=10)
+    runs = store.runs.reaper_runs(limit=10)
     assert len(runs) == 3
     assert [r["id"] for r in runs] == sorted((r["id"] for r in runs), reverse=True)
 
@@ -798,7 +803,8 @@ def copies_in_a_backlog(app, store, broker, *, jobs: int, timeout: float, minute
     """Messages the dispatch scan sends per job while ``jobs`` pending jobs wait ``minutes`` in a
     backlog nobody consumes, with a reaper run every REAPER_INTERVAL seconds."""
     for n in range(jobs):
-        store.record(f"b{n:02d}", "t.work", "celery", payload(), 3, recovery={"dispatch_timeout": timeout})
+        store.publishes.record(f"b{n:02d}", "t.work", "celery", payload(), 3,
+                               recovery={"dispatch_timeout": timeout})
     reaper_ = Reaper(app)
     for _ in range(int(minutes * 60 / REAPER_INTERVAL)):
         age(store, REAPER_INTERVAL)
@@ -832,11 +838,12 @@ def test_a_job_waiting_out_its_backoff_does_not_hold_up_the_due_ones_behind_it(a
     # (each carries its dispatch timeout, as a publish records it)
     backed, recovery = reaper.MAX_PAGES * 2 + 1, {"dispatch_timeout": 600.0}
     for n in range(backed):
-        store.record(f"backed{n}", "t.work", "celery", payload(), 3, delay=-700.0 - n, recovery=recovery)
+        store.publishes.record(f"backed{n}", "t.work", "celery", payload(), 3, delay=-700.0 - n,
+                               recovery=recovery)
     j = store.t.jobs
     with store.begin() as c:
         c.execute(sa.update(j).where(j.c.id.startswith("backed")).values(dispatch_count=1))
-    store.record("due", "t.work", "celery", payload(), 3, delay=-650.0, recovery=recovery)
+    store.publishes.record("due", "t.work", "celery", payload(), 3, delay=-650.0, recovery=recovery)
     # When a reaper whose batch is smaller than the jobs in backoff runs (they wait 1,200 s now)
     result = Reaper(app, batch_size=2).run_once()
     # Then the due job is re-sent, and none of the others
@@ -879,18 +886,18 @@ class Owner(threading.Thread):
         self.landed = 0
         for job_id in jobs:
             token = secrets.token_hex(16)
-            claim = clock[0].claim(job_id, name, token, ClaimTerms(LEASE, GRACE, 3, 3, True), "t.work",
-                                   "celery", payload)
+            claim = clock[0].jobs.claim(job_id, name, token, ClaimTerms(LEASE, GRACE, 3, 3, True), "t.work",
+                                        "celery", payload)
             assert claim.claimed
             self.leases[token] = job_id
-        clock[0].touch_worker(name, "host", 1)
+        clock[0].workers.touch_worker(name, "host", 1)
 
     def run(self) -> None:
         while not self.stopped.wait(BEAT):
             if self.paused.is_set():
                 continue
             try:
-                self.clock[0].beat(self.worker, "host", 1, self.leases)
+                self.clock[0].jobs.beat(self.worker, "host", 1, self.leases)
                 self.landed += 1
             except StoreUnavailable:
                 continue
@@ -927,7 +934,8 @@ def reaped_at(app, clock: list[Store], job_id: str, until: float) -> float | Non
 def taken_back(store: Store, job_ids: list[str]) -> dict[str, list[str]]:
     """The recovery events of each of ``job_ids`` that has any."""
     names = ("reaped_expired_lease", "dead_lettered", "lease_taken_over")
-    found = {job_id: [e["event"] for e in store.events(job_id) if e["event"] in names] for job_id in job_ids}
+    found = {job_id: [e["event"] for e in store.reports.events(job_id) if e["event"] in names]
+             for job_id in job_ids}
     return {job_id: names for job_id, names in found.items() if names}
 
 
@@ -961,7 +969,7 @@ def test_a_step_of_the_store_clock_reaps_no_healthy_lease_and_still_recovers_a_d
         logging.getLogger(__name__).info("step %+gs: dead owner's job recovered %.2fs after it (bound %gs)",
                                          step, at - step_at, bound)
         assert at - step_at <= bound + RUN_SLACK
-    [held] = store.events(None, "reaper_held_back")
+    [held] = store.reports.events(None, "reaper_held_back")
     assert "stepped" in held["reason"]
     twin.engine.dispose()
 
@@ -992,7 +1000,7 @@ def test_after_an_outage_nothing_is_taken_back_whose_owner_renews_within_a_lease
         assert at is not None and at - back >= LEASE, "the dead owner's job was not recovered a lease later"
         logging.getLogger(__name__).info("outage: dead owner's job recovered %.2fs after the return",
                                          at - back)
-        assert [e["event"] for e in store.events(None, "reaper_held_back")] == ["reaper_held_back"]
+        assert [e["event"] for e in store.reports.events(None, "reaper_held_back")] == ["reaper_held_back"]
 
 
 def test_a_reaper_whose_own_calls_failed_through_an_outage_takes_back_nothing_renewed_after_it(
@@ -1066,7 +1074,7 @@ def test_a_page_whose_transaction_rolls_back_sends_no_task_event(app, store, mon
         (kind.value, fields["uuid"]) for kind, fields in list(evs)) or real(a, host, []))
     running(store, "j1", age=20.0)
     running(store, "j2", age=10.0)
-    requeue, calls = store.requeue_abandoned, []
+    requeue, calls = store.reaping.requeue_abandoned, []
 
     def store_lost_at_the_second(*args, **kwargs):
         calls.append(args[0])
@@ -1074,11 +1082,11 @@ def test_a_page_whose_transaction_rolls_back_sends_no_task_event(app, store, mon
             raise StoreUnavailable("store lost mid-page")
         return requeue(*args, **kwargs)
 
-    monkeypatch.setattr(store, "requeue_abandoned", store_lost_at_the_second)
+    monkeypatch.setattr(store.reaping, "requeue_abandoned", store_lost_at_the_second)
     with pytest.raises(StoreUnavailable):
         Reaper(app).run_once()
     assert store.get("j1").status == RUNNING  # j1's requeue rolled back with the page
     assert sent == []
-    monkeypatch.setattr(store, "requeue_abandoned", requeue)
+    monkeypatch.setattr(store.reaping, "requeue_abandoned", requeue)
     Reaper(app).run_once(now=store.now())  # a simulated clock: no hold after the outage
     assert sorted(sent) == [("task-retried", "j1"), ("task-retried", "j2")]

@@ -46,7 +46,7 @@ app = Celery("dj", broker="memory://", set_as_current=False)
 app.conf.update(lease_store_url=sys.argv[2], beat_scheduler="django_celery_beat.schedulers:DatabaseScheduler")
 store = Store(sys.argv[2], "dj_")
 store.migrate()
-store.record_reaper_run(0.1, {}, "reaper@host:1", keep=10)
+store.runs.record_reaper_run(0.1, {}, "reaper@host:1", keep=10)
 wanted = ("reaper_scheduled", "reaper_routing", "reaper_running")
 print(json.dumps([f.as_dict() for f in run_checks(app, store) if f.code in wanted]))
 """

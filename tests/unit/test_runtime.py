@@ -33,12 +33,12 @@ class Request:
 
 def claim(store, rt: Runtime, job_id: str, duration: float = 3.0, **overrides) -> Lease:
     """Record (if new) and claim ``job_id`` (taking over a lapsed lease); the runtime's Lease."""
-    store.record(job_id, "t.task", "q", "{}", 5)
+    store.publishes.record(job_id, "t.task", "q", "{}", 5)
     tok = secrets.token_hex(16)
     sent = deadline.monotonic()
     store.hard_grace, store.stale_after = 0.0, 10.0  # a lapsed lease is taken over at once
     terms = ClaimTerms(duration=duration, grace=0.0, max_attempts=5, max_expirations=5, takeover=True)
-    got = store.claim(job_id, rt.worker, tok, terms, task_name="t.task", queue="q", payload=lambda: None)
+    got = store.jobs.claim(job_id, rt.worker, tok, terms, task_name="t.task", queue="q", payload=lambda: None)
     assert got.claimed, got
     return Lease(rt, job_id, tok, got.job.attempt_count, policy(lease_duration=duration, **overrides),
                  f"t.task:{job_id}", None, sent_at=sent)
@@ -216,7 +216,7 @@ def test_a_loss_during_a_store_call_of_the_body_interrupts_it_once_the_call_has_
     worker.join(10)
     assert seen == ["the call ran to its end", "LeaseLost: taken_over"]
     # The connection and the writer turn went back: a write from another thread goes through.
-    assert store.record("job-2", "t.task", "q", "{}", 5) == (True, "job-2")
+    assert store.publishes.record("job-2", "t.task", "q", "{}", 5) == (True, "job-2")
 
 
 class _HeldInterrupter(interrupt.ThreadInterrupter):
@@ -348,33 +348,33 @@ def test_the_locks_of_an_overrun_lease_are_not_renewed_and_are_freed_when_it_is_
     lease = claim(store, rt, "hung", lease_max_runtime=0.5, lease_on_lost="flag")
     rt.attach(Request(), lease)
     with lock(lease, "account:1", ttl=3.0):
-        expiry = store.lock_holder("account:1")["expires_at"]
+        expiry = store.reports.lock_holder("account:1")["expires_at"]
         later = lease.started_at + 1.0
         monkeypatch.setattr(deadline, "monotonic", lambda: later)
         rt.heartbeat.beat()
-        assert store.lock_holder("account:1")["expires_at"] == expiry
+        assert store.reports.lock_holder("account:1")["expires_at"] == expiry
         rt.timer.run_once(lease.deadline)
         rt.heartbeat.beat()
-        assert store.lock_holder("account:1") is None
+        assert store.reports.lock_holder("account:1") is None
 
 
 def test_a_lease_lost_in_a_store_outage_is_given_back_once_the_store_answers(store, rt, monkeypatch):
     lease = claim(store, rt, "cut-off")
     rt.attach(Request(), lease)
-    beat = store.beat
+    beat = store.jobs.beat
 
     def down(*_a, **_k):
         raise StoreUnavailable("down")
 
-    monkeypatch.setattr(store, "beat", down)
+    monkeypatch.setattr(store.jobs, "beat", down)
     rt.heartbeat.beat()
     rt.timer.run_once(lease.deadline)
     assert lease.lost
-    monkeypatch.setattr(store, "beat", beat)
+    monkeypatch.setattr(store.jobs, "beat", beat)
     rt.heartbeat.beat()
     job = store.get("cut-off")
     assert (job.status, job.lock_token, job.attempt_count) == ("pending", None, 0)
-    assert store.events("cut-off", "released_after_local_loss")
+    assert store.reports.events("cut-off", "released_after_local_loss")
     assert rt.leases() == []
 
 
@@ -437,7 +437,7 @@ def cut_store(postgres_url):
 def test_a_cancel_that_meets_an_outage_is_kept_and_written_once_the_store_answers(cut_store):
     proxy, store, direct = cut_store
     for job_id in ("j1", "j2"):
-        direct.record(job_id, "t.task", "q", "{}", 3)
+        direct.publishes.record(job_id, "t.task", "q", "{}", 3)
     cancels = runtime.PendingCancels(store, interval=0.1)
     # Given a store that does not answer, when two jobs are revoked
     proxy.cut()
@@ -466,7 +466,8 @@ def test_a_deferred_completion_the_store_refuses_for_good_is_not_retried_every_r
         rt.attach(Request(), lease)
         kept = '"' + "r" * 70_000 + '"'
         rt.defer(lease, DeferredWrite(RunEnd.RETURNED,
-                                      lambda: store.complete(lease.job_id, lease.token, lease.worker, kept)))
+                                      lambda: store.jobs.complete(lease.job_id, lease.token, lease.worker,
+                                                                  kept)))
         with caplog.at_level("ERROR", logger="celery_lease.worker.runtime"):
             rt.flush_deferred()
         assert not rt.is_deferred(lease) and lease not in rt.leases()
@@ -511,7 +512,7 @@ def test_an_extend_the_store_does_not_answer_is_trusted_only_for_the_shorter_lea
     def unanswered(*args, **kwargs):
         raise StoreUnavailable("no answer")
 
-    monkeypatch.setattr(store, "renew", unanswered)
+    monkeypatch.setattr(store.jobs, "renew", unanswered)
     # When the body shortens it to 1 s (the statement may have run, its answer lost)
     sent = deadline.monotonic()
     with pytest.raises(LeaseLost, match="local deadline passed"):

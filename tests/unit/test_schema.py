@@ -178,9 +178,9 @@ def test_the_reapers_scans_use_the_index_of_their_status(store, scan):
     try:
         with store.begin() as c:
             if scan == "expired":
-                store.scan_expired(c, limit=10)
+                store.reaping.scan_expired(c, limit=10)
             else:
-                store.scan_lost_dispatches(c, older_than=60.0, limit=10)
+                store.reaping.scan_lost_dispatches(c, older_than=60.0, limit=10)
     finally:
         sa.event.remove(store.engine, "before_cursor_execute", keep)
 
@@ -198,7 +198,7 @@ def test_a_claim_takes_its_job_by_primary_key_when_the_statistics_count_no_pendi
     index (which holds the job id as its second column) however cheap the statistics make it look."""
     _fill_and_analyze(store, open_statuses=("running",))
     for i in range(500):
-        store.record(f"backlog-{i}", "t", "celery", None, 5)
+        store.publishes.record(f"backlog-{i}", "t", "celery", None, 5)
     ran: list[tuple[str, dict]] = []
     if store.engine.dialect.name == "postgresql":
         import psycopg  # the hot statements run on the driver's cursor, under SQLAlchemy's events
@@ -224,8 +224,8 @@ def test_a_claim_takes_its_job_by_primary_key_when_the_statistics_count_no_pendi
         sa.event.listen(store.engine, "before_cursor_execute",
                         lambda _c, _cu, statement, params, *_: ran.append((statement, params)))
     terms = ClaimTerms(duration=30.0, grace=1.0, max_attempts=5, max_expirations=3, takeover=False)
-    assert store.claim("backlog-250", "w", "tok", terms, task_name="t", queue="celery",
-                       payload=lambda: None).claimed
+    assert store.jobs.claim("backlog-250", "w", "tok", terms, task_name="t", queue="celery",
+                            payload=lambda: None).claimed
     monkeypatch.undo()
     if store.engine.dialect.name == "sqlite":
         sa.event.remove(store.engine, "checkout", trace)

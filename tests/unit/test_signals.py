@@ -188,10 +188,10 @@ def test_an_idle_worker_is_alive_in_the_registry_before_its_first_task(tmp_path,
         assert "ready." in proc.output(), proc.output()
         alive: list[str] = []
         while time.monotonic() < deadline:
-            alive = [w["worker_id"] for w in store.list_workers()[1] if w["alive"]]
+            alive = [w["worker_id"] for w in store.reports.list_workers()[1] if w["alive"]]
             if len(alive) >= processes:
                 break
             time.sleep(0.1)
         assert len(alive) == processes and all(a.startswith(f"{node}@") for a in alive), alive
-        assert store.worker_counts()["alive"] == processes
+        assert store.reports.worker_counts()["alive"] == processes
         assert "Task core." not in proc.output()  # it ran nothing

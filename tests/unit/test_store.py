@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import secrets
 import threading
 import time
@@ -18,10 +17,8 @@ from celery_lease.store import (
     PENDING,
     RUNNING,
     ClaimTerms,
-    ReaperStore,
-    ReportStore,
     Store,
-    WorkerStore,
+    StoreEngine,
 )
 from tests.helpers import transaction_held, wait_for
 
@@ -48,7 +45,7 @@ def claim(store: Store, job_id: str, worker: str = "w1", tok: str | None = None,
     terms = ClaimTerms(**{name: overrides.pop(name, default) for name, default in TERMS.items()})
     options = dict(task_name="t.task", queue="q", payload=lambda: '{"v": 1}')
     options.update(overrides)
-    return store.claim(job_id, worker, tok or token(), terms, **options)
+    return store.jobs.claim(job_id, worker, tok or token(), terms, **options)
 
 
 def age_lease(store: Store, job_id: str, seconds: float) -> None:
@@ -59,32 +56,32 @@ def age_lease(store: Store, job_id: str, seconds: float) -> None:
 
 
 def events(store: Store, job_id: str) -> list[str]:
-    return [e["event"] for e in store.events(job_id)]
+    return [e["event"] for e in store.reports.events(job_id)]
 
 
 def test_record_inserts_a_pending_job_once(store):
-    assert store.record("j1", "t.task", "q", "{}", 3) == (True, "j1")
-    assert store.record("j1", "t.task", "q", "{}", 3) == (False, "j1")
+    assert store.publishes.record("j1", "t.task", "q", "{}", 3) == (True, "j1")
+    assert store.publishes.record("j1", "t.task", "q", "{}", 3) == (False, "j1")
     job = store.get("j1")
     assert job.status == PENDING and job.attempt_count == 0 and job.queue_name == "q"
     assert events(store, "j1") == ["published"]
 
 
 def test_record_with_a_taken_idempotency_key_returns_the_holder(store):
-    store.record("first", "t.task", "q", "{}", 3, idempotency_key="order-1")
-    created, holder = store.record("second", "t.task", "q", "{}", 3, idempotency_key="order-1")
+    store.publishes.record("first", "t.task", "q", "{}", 3, idempotency_key="order-1")
+    created, holder = store.publishes.record("second", "t.task", "q", "{}", 3, idempotency_key="order-1")
     assert (created, holder) == (False, "first")
     assert store.get("second") is None
 
 
 def test_a_finished_job_published_again_with_reopen_runs_again(store):
-    store.record("done", "t.task", "q", '{"v": 1}', 3)
+    store.publishes.record("done", "t.task", "q", '{"v": 1}', 3)
     tok = token()
     assert claim(store, "done", tok=tok).claimed
-    assert store.complete("done", tok, "w1")
-    assert store.record("done", "t.task", "q", '{"v": 2}', 3) == (False, "done")
+    assert store.jobs.complete("done", tok, "w1")
+    assert store.publishes.record("done", "t.task", "q", '{"v": 2}', 3) == (False, "done")
     assert store.get("done").status == COMPLETED  # without reopen: a duplicate, left alone
-    assert store.record("done", "t.task", "q", '{"v": 2}', 3, reopen=True) == (False, "done")
+    assert store.publishes.record("done", "t.task", "q", '{"v": 2}', 3, reopen=True) == (False, "done")
     job = store.get("done")
     assert (job.status, job.attempt_count, job.lock_token, job.payload) == (PENDING, 0, None, '{"v": 2}')
     assert job.completed_at is None
@@ -93,26 +90,26 @@ def test_a_finished_job_published_again_with_reopen_runs_again(store):
 
 
 def test_reopen_leaves_unfinished_and_keyed_jobs_alone(store):
-    store.record("waiting", "t.task", "q", "{}", 3)
-    store.record("busy", "t.task", "q", "{}", 3)
+    store.publishes.record("waiting", "t.task", "q", "{}", 3)
+    store.publishes.record("busy", "t.task", "q", "{}", 3)
     assert claim(store, "busy").claimed
-    store.record("keyed", "t.task", "q", "{}", 3, idempotency_key="order-9")
+    store.publishes.record("keyed", "t.task", "q", "{}", 3, idempotency_key="order-9")
     tok = token()
-    assert claim(store, "keyed", tok=tok).claimed and store.complete("keyed", tok, "w1")
+    assert claim(store, "keyed", tok=tok).claimed and store.jobs.complete("keyed", tok, "w1")
     for job_id in ("waiting", "busy", "keyed"):
-        assert store.record(job_id, "t.task", "q", "{}", 3, reopen=True) == (False, job_id)
+        assert store.publishes.record(job_id, "t.task", "q", "{}", 3, reopen=True) == (False, job_id)
     assert [store.get(j).status for j in ("waiting", "busy", "keyed")] == [PENDING, RUNNING, COMPLETED]
     assert "republished" not in events(store, "waiting") + events(store, "busy") + events(store, "keyed")
 
 
 def test_record_delay_sets_available_at_in_the_future(store):
     before = store.now()
-    store.record("later", "t.task", "q", "{}", 3, delay=120.0)
+    store.publishes.record("later", "t.task", "q", "{}", 3, delay=120.0)
     assert store.get("later").available_at >= before + 119.0
 
 
 def test_claim_takes_a_pending_job_and_counts_the_attempt(store):
-    store.record("j1", "t.task", "q", "{}", 3)
+    store.publishes.record("j1", "t.task", "q", "{}", 3)
     tok = token()
     got = claim(store, "j1", tok=tok, duration=5.0)
     assert got.claimed
@@ -124,7 +121,7 @@ def test_claim_takes_a_pending_job_and_counts_the_attempt(store):
 
 
 def test_claim_of_a_leased_job_is_busy_and_changes_nothing(store):
-    store.record("j1", "t.task", "q", "{}", 3)
+    store.publishes.record("j1", "t.task", "q", "{}", 3)
     first = claim(store, "j1", "w1")
     second = claim(store, "j1", "w2")
     assert second.outcome == "busy"
@@ -132,14 +129,14 @@ def test_claim_of_a_leased_job_is_busy_and_changes_nothing(store):
 
 
 def test_claim_of_a_finished_job_is_done(store):
-    store.record("j1", "t.task", "q", "{}", 3)
+    store.publishes.record("j1", "t.task", "q", "{}", 3)
     got = claim(store, "j1")
-    assert store.complete("j1", got.job.lock_token)
+    assert store.jobs.complete("j1", got.job.lock_token)
     assert claim(store, "j1", "w2").outcome == "done"
 
 
 def test_claim_before_the_job_is_available_is_early_and_changes_nothing(store):
-    store.record("later", "t.task", "q", "{}", 3, delay=120.0)
+    store.publishes.record("later", "t.task", "q", "{}", 3, delay=120.0)
     store.clock_tolerance = 1.0
     got = claim(store, "later")
     assert got.outcome == "early" and not got.claimed
@@ -150,7 +147,7 @@ def test_claim_before_the_job_is_available_is_early_and_changes_nothing(store):
 
 
 def test_claim_within_the_clock_tolerance_takes_the_job(store):
-    store.record("soon", "t.task", "q", "{}", 3, delay=5.0)
+    store.publishes.record("soon", "t.task", "q", "{}", 3, delay=5.0)
     store.clock_tolerance = 1.0
     assert claim(store, "soon").outcome == "early"
     store.clock_tolerance = 10.0
@@ -165,7 +162,7 @@ def test_claim_creates_the_row_of_a_job_published_without_celery_lease(store):
 
 
 def test_racing_claims_have_exactly_one_winner(store):
-    store.record("race", "t.task", "q", "{}", 3)
+    store.publishes.record("race", "t.task", "q", "{}", 3)
     barrier = threading.Barrier(8)
     outcomes: list[str] = []
 
@@ -183,7 +180,7 @@ def test_racing_claims_have_exactly_one_winner(store):
 
 
 def test_claim_takes_over_an_abandoned_lease_past_grace(store):
-    store.record("j1", "t.task", "q", "{}", 3)
+    store.publishes.record("j1", "t.task", "q", "{}", 3)
     old = claim(store, "j1", "dead-worker").job.lock_token
     age_lease(store, "j1", 5.0)
     got = claim(store, "j1", "w2", grace=1.0)
@@ -193,16 +190,16 @@ def test_claim_takes_over_an_abandoned_lease_past_grace(store):
 
 
 def test_claim_does_not_take_over_inside_the_grace_period(store):
-    store.record("j1", "t.task", "q", "{}", 3)
+    store.publishes.record("j1", "t.task", "q", "{}", 3)
     claim(store, "j1", "dead-worker", grace=30.0)
     age_lease(store, "j1", 5.0)
     assert claim(store, "j1", "w2").outcome == "busy"
 
 
 def test_claim_leaves_a_live_owner_alone_until_the_hard_grace(store):
-    store.record("j1", "t.task", "q", "{}", 3)
+    store.publishes.record("j1", "t.task", "q", "{}", 3)
     claim(store, "j1", "live-worker", grace=0.0)
-    store.touch_worker("live-worker", "host", 1)
+    store.workers.touch_worker("live-worker", "host", 1)
     age_lease(store, "j1", 5.0)
     assert claim(store, "j1", "w2").outcome == "busy"  # within the 60 s hard grace
     store.hard_grace = 2.0
@@ -210,32 +207,32 @@ def test_claim_leaves_a_live_owner_alone_until_the_hard_grace(store):
 
 
 def test_claim_does_not_take_over_when_attempts_are_exhausted(store):
-    store.record("j1", "t.task", "q", "{}", 1)
+    store.publishes.record("j1", "t.task", "q", "{}", 1)
     claim(store, "j1", "dead-worker", grace=0.0, max_attempts=1)
     age_lease(store, "j1", 5.0)
     assert claim(store, "j1", "w2", max_attempts=1).outcome == "busy"
 
 
 def test_complete_with_a_stale_token_changes_nothing_and_is_audited(store):
-    store.record("j1", "t.task", "q", "{}", 3)
+    store.publishes.record("j1", "t.task", "q", "{}", 3)
     tok = claim(store, "j1").job.lock_token
-    assert store.complete("j1", "stale-token") is False
+    assert store.jobs.complete("j1", "stale-token") is False
     assert store.get("j1").status == RUNNING
     assert "stale_completion_rejected" in events(store, "j1")
-    assert store.complete("j1", tok) is True
+    assert store.jobs.complete("j1", tok) is True
     job = store.get("j1")
     assert job.status == COMPLETED and job.lock_token is None and job.completed_at is not None
 
 
 def test_a_completion_keeps_its_result_in_the_same_write_and_only_when_given(store):
-    store.record("j1", "t.task", "q", "{}", 3)
-    store.record("j2", "t.task", "q", "{}", 3)
+    store.publishes.record("j1", "t.task", "q", "{}", 3)
+    store.publishes.record("j2", "t.task", "q", "{}", 3)
     tok1, tok2 = claim(store, "j1").job.lock_token, claim(store, "j2").job.lock_token
-    assert store.kept_result("j1") is None  # running: nothing to finish
-    assert store.complete("j1", "stale-token", result='"stale"') is False
-    assert store.complete("j1", tok1, result='{"data": "42"}') is True
-    assert store.complete("j2", tok2) is True
-    assert (store.kept_result("j1"), store.kept_result("j2"), store.kept_result("nope")) == (
+    assert store.jobs.kept_result("j1") is None  # running: nothing to finish
+    assert store.jobs.complete("j1", "stale-token", result='"stale"') is False
+    assert store.jobs.complete("j1", tok1, result='{"data": "42"}') is True
+    assert store.jobs.complete("j2", tok2) is True
+    assert (store.jobs.kept_result("j1"), store.jobs.kept_result("j2"), store.jobs.kept_result("nope")) == (
         '{"data": "42"}', None, None)
     assert events(store, "j1").count("completed") == 1
 
@@ -245,138 +242,139 @@ def test_on_the_revision_before_kept_results_a_completion_keeps_nothing(store_fa
     made.migrate(to="0004")
     store = Store(made.url, made.prefix)
     store.revision = "0004"  # the previous revision, which this release still runs against
-    store.record("j1", "t.task", "q", "{}", 3)
+    store.publishes.record("j1", "t.task", "q", "{}", 3)
     tok = claim(store, "j1").job.lock_token
-    assert store.complete("j1", tok, result='"kept"') is True
+    assert store.jobs.complete("j1", tok, result='"kept"') is True
     assert store.get("j1").status == COMPLETED
-    assert store.kept_result("j1") is None
+    assert store.jobs.kept_result("j1") is None
     store.engine.dispose()
 
 
 def test_a_claim_whose_answer_was_lost_is_taken_back_by_its_own_worker_only(store):
-    store.record("j1", "t.task", "q", "{}", 3)
+    store.publishes.record("j1", "t.task", "q", "{}", 3)
     lost = claim(store, "j1", worker="w1").job.lock_token  # committed; the worker never heard
     terms = ClaimTerms(**TERMS)
-    assert store.reclaim("j1", lost, "w2", token(), terms) is None  # not w2's claim
-    assert store.reclaim("j1", "other-token", "w1", token(), terms) is None
+    assert store.jobs.reclaim("j1", lost, "w2", token(), terms) is None  # not w2's claim
+    assert store.jobs.reclaim("j1", "other-token", "w1", token(), terms) is None
     fresh = token()
-    job = store.reclaim("j1", lost, "w1", fresh, terms)
+    job = store.jobs.reclaim("j1", lost, "w1", fresh, terms)
     assert (job.status, job.lock_token, job.locked_by, job.attempt_count) == (RUNNING, fresh, "w1", 1)
-    assert store.reclaim("j1", lost, "w1", token(), terms) is None  # once
+    assert store.jobs.reclaim("j1", lost, "w1", token(), terms) is None  # once
     assert events(store, "j1") == ["published", "claimed", "claim_taken_back"]  # the same owner: no takeover
-    assert store.complete("j1", lost) is False and store.complete("j1", fresh) is True
+    assert store.jobs.complete("j1", lost) is False and store.jobs.complete("j1", fresh) is True
 
 
 def test_fail_is_fenced_and_records_the_error(store):
-    store.record("j1", "t.task", "q", "{}", 3)
+    store.publishes.record("j1", "t.task", "q", "{}", 3)
     tok = claim(store, "j1").job.lock_token
-    assert store.fail("j1", "stale-token", "boom") is False
+    assert store.jobs.fail("j1", "stale-token", "boom") is False
     assert "stale_failure_rejected" in events(store, "j1")
-    assert store.fail("j1", tok, "ValueError: boom") is True
+    assert store.jobs.fail("j1", tok, "ValueError: boom") is True
     job = store.get("j1")
     assert job.status == FAILED and job.last_error == "ValueError: boom"
 
 
 def test_retry_later_reschedules_the_job_as_pending(store):
-    store.record("j1", "t.task", "q", "{}", 3)
+    store.publishes.record("j1", "t.task", "q", "{}", 3)
     tok = claim(store, "j1").job.lock_token
-    assert store.retry_later("j1", "stale", 10.0, None, "x") is False
+    assert store.jobs.retry_later("j1", "stale", 10.0, None, "x") is False
     now = store.now()
-    assert store.retry_later("j1", tok, 10.0, "NEW", "IOError: flaky") is True
+    assert store.jobs.retry_later("j1", tok, 10.0, "NEW", "IOError: flaky") is True
     job = store.get("j1")
     assert job.status == PENDING and job.lock_token is None and job.payload == "NEW"
     assert job.available_at == pytest.approx(now + 10.0, abs=1.0)
 
 
 def test_release_gives_the_attempt_back(store):
-    store.record("j1", "t.task", "q", "{}", 3)
+    store.publishes.record("j1", "t.task", "q", "{}", 3)
     tok = claim(store, "j1").job.lock_token
-    assert store.release("j1", tok, "w1") is True
+    assert store.jobs.release("j1", tok, "w1") is True
     job = store.get("j1")
     assert job.status == PENDING and job.attempt_count == 0 and job.locked_by is None
     assert "released_on_shutdown" in events(store, "j1")
-    assert store.release("j1", tok, "w1") is False
+    assert store.jobs.release("j1", tok, "w1") is False
 
 
 def test_renew_extends_only_leases_whose_token_still_matches(store):
     for job_id in ("a", "b", "c"):
-        store.record(job_id, "t.task", "q", "{}", 3)
+        store.publishes.record(job_id, "t.task", "q", "{}", 3)
     toks = {claim(store, job_id, duration=5.0).job.lock_token: job_id for job_id in ("a", "b")}
     age_lease(store, "a", 1.0)
-    renewed = store.renew({**toks, "stale-token": "c"}, "w1")
+    renewed = store.jobs.renew({**toks, "stale-token": "c"}, "w1")
     assert renewed == {"a", "b"}
     job = store.get("a")
     assert job.lease_expires_at == pytest.approx(job.last_heartbeat_at + 5.0, abs=0.05)
 
 
 def test_renew_with_extend_sets_a_longer_lease(store):
-    store.record("a", "t.task", "q", "{}", 3)
+    store.publishes.record("a", "t.task", "q", "{}", 3)
     tok = claim(store, "a", duration=5.0).job.lock_token
-    assert store.renew({tok: "a"}, "w1", {tok: 120.0}) == {"a"}
+    assert store.jobs.renew({tok: "a"}, "w1", {tok: 120.0}) == {"a"}
     job = store.get("a")
     assert job.lease_duration == 120.0
     assert job.lease_expires_at == pytest.approx(job.last_heartbeat_at + 120.0, abs=0.05)
 
 
 def test_describe_loss_tells_a_vanished_lease_from_a_taken_one(store):
-    store.record("gone", "t.task", "q", "{}", 3)
-    store.record("taken", "t.task", "q", "{}", 3)
+    store.publishes.record("gone", "t.task", "q", "{}", 3)
+    store.publishes.record("taken", "t.task", "q", "{}", 3)
     claim(store, "taken", "dead")
     age_lease(store, "taken", 5.0)
     claim(store, "taken", "thief")
-    assert store.describe_loss("gone-missing", "tok") == ("vanished", None)
-    assert store.describe_loss("taken", "tok") == ("taken_over", "thief")
+    assert store.jobs.describe_loss("gone-missing", "tok") == ("vanished", None)
+    assert store.jobs.describe_loss("taken", "tok") == ("taken_over", "thief")
 
 
 def test_cancel_fails_an_unfinished_job_once(store):
-    store.record("j1", "t.task", "q", "{}", 3)
-    assert store.cancel("j1", "revoked") is True
+    store.publishes.record("j1", "t.task", "q", "{}", 3)
+    assert store.jobs.cancel("j1", "revoked") is True
     assert store.get("j1").status == FAILED
-    assert store.cancel("j1", "revoked") is False
+    assert store.jobs.cancel("j1", "revoked") is False
 
 
 def test_a_revoked_delivery_records_a_vanished_job_again_as_failed(store):
-    assert store.cancel("gone", "revoked") is False  # no message named it: nothing to record
+    assert store.jobs.cancel("gone", "revoked") is False  # no message named it: nothing to record
     assert store.get("gone") is None
-    assert store.cancel("gone", "revoked", task_name="t.task", queue="q") is True
+    assert store.jobs.cancel("gone", "revoked", task_name="t.task", queue="q") is True
     job = store.get("gone")
     assert (job.status, job.task_name, job.queue_name, job.last_error) == (FAILED, "t.task", "q",
                                                                           "revoked (revoked)")
-    assert [e["event"] for e in store.events("gone")] == ["revoked"]
-    store.record("done", "t.task", "q", "{}", 3)
+    assert [e["event"] for e in store.reports.events("gone")] == ["revoked"]
+    store.publishes.record("done", "t.task", "q", "{}", 3)
     tok = claim(store, "done").job.lock_token
-    assert store.complete("done", tok)
-    assert store.cancel("done", "revoked", task_name="t.task", queue="q") is False  # finished: kept
+    assert store.jobs.complete("done", tok)
+    assert store.jobs.cancel("done", "revoked", task_name="t.task", queue="q") is False  # finished: kept
     assert store.get("done").status == COMPLETED
 
 
 def test_cancel_leaves_a_running_job_to_its_run_unless_its_owner_is_terminated(store):
-    store.record("j1", "t.task", "q", "{}", 3)
+    store.publishes.record("j1", "t.task", "q", "{}", 3)
     claim(store, "j1", "node@h:7")
-    assert store.cancel("j1", "expired") is False
-    assert store.cancel("j1", "terminated", owner="node@h:8") is False
+    assert store.jobs.cancel("j1", "expired") is False
+    assert store.jobs.cancel("j1", "terminated", owner="node@h:8") is False
     assert store.get("j1").status == RUNNING
-    assert store.cancel("j1", "terminated", owner="node@h:7") is True
+    assert store.jobs.cancel("j1", "terminated", owner="node@h:7") is True
     job = store.get("j1")
     assert (job.status, job.last_error, job.lock_token) == (FAILED, "revoked (terminated)", None)
 
 
 def test_a_hand_over_puts_the_job_back_to_pending_with_the_carriers_message(store):
-    store.record("j1", "t.task", "q", "{}", 3)
+    store.publishes.record("j1", "t.task", "q", "{}", 3)
     tok = claim(store, "j1").job.lock_token
-    assert store.hand_over("j1", "stale", "w1", '{"v": 2}', "t.next") is False
-    assert store.hand_over("j1", tok, "w1", '{"v": 2}', "t.next") is True
+    assert store.replacing.hand_over("j1", "stale", "w1", '{"v": 2}', "t.next") is False
+    assert store.replacing.hand_over("j1", tok, "w1", '{"v": 2}', "t.next") is True
     job = store.get("j1")
     assert (job.status, job.payload, job.attempt_count, job.lock_token) == (PENDING, '{"v": 2}', 0, None)
     assert events(store, "j1")[-1] == "handed_over"
 
 
 def test_a_hand_over_to_a_later_carrier_removes_the_row_and_replaced_completes_it(store):
-    store.record("j1", "t.task", "q", "{}", 3)
-    store.record("j2", "t.task", "q", "{}", 3)
-    assert store.hand_over("j1", claim(store, "j1").job.lock_token, "w1", None, "t.last") is True
+    store.publishes.record("j1", "t.task", "q", "{}", 3)
+    store.publishes.record("j2", "t.task", "q", "{}", 3)
+    assert store.replacing.hand_over("j1", claim(store, "j1").job.lock_token, "w1", None, "t.last") is True
     assert store.get("j1") is None and events(store, "j1")[-1] == "handed_over"
-    assert store.replaced("j2", claim(store, "j2").job.lock_token, "w1", "celery.accumulate") is True
+    assert store.replacing.replaced("j2", claim(store, "j2").job.lock_token, "w1",
+                                    "celery.accumulate") is True
     assert store.get("j2").status == COMPLETED and events(store, "j2")[-1] == "replaced"
 
 
@@ -386,9 +384,9 @@ def test_a_copy_of_a_replaced_runs_message_is_not_a_first_sighting_of_the_job(st
     from celery_lease.store import NewJob
     from celery_lease.vocabulary import ClaimOutcome, Event
 
-    store.record("j1", "t.task", "q", "{}", 3)
-    assert store.hand_over_to_step("j1", claim(store, "j1").job.lock_token, "w1", "t.last",
-                                   NewJob("s1", "t.step", "q", "{}", 3), 0) is True
+    store.publishes.record("j1", "t.task", "q", "{}", 3)
+    assert store.replacing.hand_over_to_step("j1", claim(store, "j1").job.lock_token, "w1", "t.last",
+                                             NewJob("s1", "t.step", "q", "{}", 3), 0) is True
     copy = claim(store, "j1", nesting=0)
     assert (copy.outcome, copy.job) == (ClaimOutcome.REPLACED, None)
     assert copy.step is not None and (copy.step.id, copy.step.status) == ("s1", PENDING)  # it carries the job
@@ -402,8 +400,8 @@ def test_a_copy_of_a_replaced_runs_message_is_not_a_first_sighting_of_the_job(st
 def test_a_copy_after_a_hand_over_to_an_unleased_first_step_runs_as_a_first_sighting(store):
     """No row carries such a job on (its first step is not leased): a copy of the replaced message
     may be its only way on (a hand-over whose answer was lost), so it is not skipped."""
-    store.record("j1", "t.task", "q", "{}", 3)
-    assert store.hand_over("j1", claim(store, "j1").job.lock_token, "w1", None, "t.last", 0) is True
+    store.publishes.record("j1", "t.task", "q", "{}", 3)
+    assert store.replacing.hand_over("j1", claim(store, "j1").job.lock_token, "w1", None, "t.last", 0) is True
     copy = claim(store, "j1", nesting=0)
     assert copy.claimed and store.get("j1").status == RUNNING
 
@@ -411,16 +409,17 @@ def test_a_copy_after_a_hand_over_to_an_unleased_first_step_runs_as_a_first_sigh
 def test_a_hand_over_to_a_first_step_removes_the_row_and_records_the_step_in_one_write(store):
     from celery_lease.store import NewJob
 
-    store.record("j1", "t.task", "q", "{}", 3)
-    store.record("taken", "t.task", "q", "{}", 3)
+    store.publishes.record("j1", "t.task", "q", "{}", 3)
+    store.publishes.record("taken", "t.task", "q", "{}", 3)
     tok = claim(store, "j1").job.lock_token
     step = NewJob("s1", "t.step", "q", '{"v": 3}', 3)
-    assert store.hand_over_to_step("j1", "stale", "w1", "t.last", step) is False
+    assert store.replacing.hand_over_to_step("j1", "stale", "w1", "t.last", step) is False
     assert store.get("j1").status == RUNNING and store.get("s1") is None
     # A step whose id is taken writes nothing: the replaced row stays.
-    assert store.hand_over_to_step("j1", tok, "w1", "t.last", NewJob("taken", "t.step", "q", "{}", 3)) is None
+    assert store.replacing.hand_over_to_step("j1", tok, "w1", "t.last", NewJob("taken", "t.step", "q", "{}",
+                                                                               3)) is None
     assert store.get("j1").status == RUNNING
-    assert store.hand_over_to_step("j1", tok, "w1", "t.last", step) is True
+    assert store.replacing.hand_over_to_step("j1", tok, "w1", "t.last", step) is True
     assert store.get("j1") is None and events(store, "j1")[-1] == "handed_over"
     job = store.get("s1")
     assert (job.status, job.payload, job.task_name) == (PENDING, '{"v": 3}', "t.step")
@@ -428,10 +427,10 @@ def test_a_hand_over_to_a_first_step_removes_the_row_and_records_the_step_in_one
 
 
 def test_checkpoint_is_fenced_by_the_token(store):
-    store.record("j1", "t.task", "q", "{}", 3)
+    store.publishes.record("j1", "t.task", "q", "{}", 3)
     tok = claim(store, "j1").job.lock_token
-    assert store.checkpoint("j1", "stale", {"step": 9}) is False
-    assert store.checkpoint("j1", tok, {"step": 2}) is True
+    assert store.jobs.checkpoint("j1", "stale", {"step": 9}) is False
+    assert store.jobs.checkpoint("j1", tok, {"step": 2}) is True
     assert store.get("j1").checkpoint_state() == {"step": 2}
 
 
@@ -442,7 +441,7 @@ def test_an_unreachable_store_raises_store_unavailable(tmp_path):
     with pytest.raises(StoreUnavailable, match="unreachable"):
         claim(store, "a")
     with pytest.raises(StoreUnavailable, match="unreachable"):
-        store.complete("a", token())
+        store.jobs.complete("a", token())
 
 
 def _backend_pid(store: Store) -> int:
@@ -456,7 +455,7 @@ def _backend_pid(store: Store) -> int:
 @pytest.mark.parametrize("store_url", ["postgres"], indirect=True)
 def test_a_dropped_postgres_connection_fails_one_claim_and_the_next_reconnects(store):
     for job_id in ("a", "b", "c"):
-        store.record(job_id, "t.task", "q", None, 3)
+        store.publishes.record(job_id, "t.task", "q", None, 3)
     assert claim(store, "a").claimed  # the pool now holds one warm connection
     doomed = _backend_pid(store)
     admin = sa.create_engine(store.url)
@@ -477,18 +476,18 @@ def test_claim_and_complete_on_an_unmigrated_store_say_to_migrate(store_factory)
     with pytest.raises(StoreUnavailable, match="lease migrate"):
         claim(store, "a")
     with pytest.raises(StoreUnavailable, match="lease migrate"):
-        store.complete("a", token())
+        store.jobs.complete("a", token())
 
 
 @pytest.mark.parametrize("store_url", ["postgres"], indirect=True)
 @pytest.mark.parametrize("async_commit", [True, False])
 def test_an_async_claim_turns_off_synchronous_commit_for_its_own_transaction_only(store, async_commit):
-    store.record("a", "t.task", "q", None, 3)
-    store.record("b", "t.task", "q", None, 3)
+    store.publishes.record("a", "t.task", "q", None, 3)
+    store.publishes.record("b", "t.task", "q", None, 3)
     params = {"job_id": "a", "worker": "w1", "token": token(), "duration": 30.0, "grace": 1.0, "early": 0.0,
               **{f"r_{name}": None for name in RECOVERY}}
     with store.begin() as c:
-        assert c.execute(store._claim_pending_statement(async_commit), params).rowcount == 1
+        assert c.execute(store.jobs._claim_pending_statement(async_commit), params).rowcount == 1
         inside = c.execute(sa.text("SELECT current_setting('synchronous_commit')")).scalar()
         c.rollback()
     assert inside == ("off" if async_commit else "on")
@@ -526,7 +525,7 @@ def test_a_claim_waits_for_its_wal_flush_unless_the_app_opts_in(store_url, store
                           f"EXECUTE FUNCTION {probe}()"))
     app_store = Store.from_config(cfg)
     try:
-        app_store.record("a", "t.task", "q", None, 3)
+        app_store.publishes.record("a", "t.task", "q", None, 3)
         assert claim(app_store, "a").claimed
         with plain.begin() as c:
             seen = [tuple(r) for r in c.execute(sa.text(f"SELECT job_id, setting FROM {probe}"))]
@@ -542,7 +541,7 @@ def test_a_claim_waits_for_its_wal_flush_unless_the_app_opts_in(store_url, store
 @pytest.mark.parametrize("async_commit", [True, False])
 def test_an_async_publish_record_turns_off_synchronous_commit_for_its_own_statement_only(store, async_commit):
     store.publish_async_commit = async_commit
-    built = store._record_statements(keyed=True)
+    built = store.publishes._record_statements(keyed=True)
     assert built.compiled is not None
     sql, static = built.compiled
     params = {"p_job": "a", "p_task": "t.task", "p_queue": "q", "p_payload": None, "p_max_attempts": 3,
@@ -554,9 +553,9 @@ def test_an_async_publish_record_turns_off_synchronous_commit_for_its_own_statem
     assert inside == ("off" if async_commit else "on")
     # A real publish record: the job, its key and its event are written; the pooled connection
     # it ran on waits for the flush again afterwards.
-    assert store.record("b", "t.task", "q", None, 3, idempotency_key="k-b") == (True, "b")
-    assert store.record("c", "t.task", "q", None, 3, idempotency_key="k-b") == (False, "b")
-    assert [e["event"] for e in store.events("b")] == ["published"]
+    assert store.publishes.record("b", "t.task", "q", None, 3, idempotency_key="k-b") == (True, "b")
+    assert store.publishes.record("c", "t.task", "q", None, 3, idempotency_key="k-b") == (False, "b")
+    assert [e["event"] for e in store.reports.events("b")] == ["published"]
     raw = store.engine.raw_connection()
     try:
         assert raw.driver_connection.execute("SHOW synchronous_commit").fetchone()[0] == "on"
@@ -617,31 +616,33 @@ def test_the_store_takes_the_app_wide_lease_settings_from_the_config_and_default
     assert Store.from_config(quick).stale_after == 6.0
 
 
-ROLES = (WorkerStore, ReaperStore, ReportStore)
+def _calls(cls: type) -> set[str]:
+    """The public calls of a class (a property is no call)."""
+    return {name for name in dir(cls) if not name.startswith("_") and callable(getattr(cls, name))}
 
 
-def _surface(role: type) -> dict[str, inspect.Signature | None]:
-    """The members a role's Protocol lists, with the signature of each method (None: a property)."""
-    return {name: None if isinstance(value, property) else inspect.signature(value)
-            for name, value in vars(role).items() if not name.startswith("_")}
+def test_each_statement_group_of_a_store_is_built_on_that_store(sqlite_url):
+    store = Store(sqlite_url, "roles_")
+    groups = {name: group for name, group in vars(store).items() if hasattr(group, "db")}
+    assert set(groups) == {"audited", "publishes", "jobs", "replacing", "workers", "effects", "deliveries",
+                           "reaping", "runs", "recovery", "reports"}
+    assert all(group.db is store for group in groups.values())
+    # The groups that call another are handed this store's own (one statement cache, one registry pool).
+    assert store.publishes.audited is store.jobs.audited is store.audited
+    assert store.jobs.workers is store.workers
+    assert store.replacing.jobs is store.jobs and store.replacing.publishes is store.publishes
 
 
-@pytest.mark.parametrize("role", ROLES, ids=lambda role: role.__name__)
-def test_the_store_offers_every_call_of_each_role_with_the_same_parameters(role):
-    for name, declared in _surface(role).items():
-        assert hasattr(Store, name), f"{role.__name__}.{name} is not a Store member"
-        if declared is None:
-            continue
-        actual = inspect.signature(getattr(Store, name))
-        assert [(p.name, p.kind, p.default is p.empty) for p in actual.parameters.values()] == [
-            (p.name, p.kind, p.default is p.empty) for p in declared.parameters.values()], name
-
-
-def test_every_public_store_method_belongs_to_a_role():
-    methods = {name for name, value in inspect.getmembers(Store, callable)
-               if not name.startswith("_") and not inspect.ismethod(value)}  # from_config builds, no role
-    covered = set().union(*(_surface(role) for role in ROLES))
-    assert methods - covered == set()
+def test_no_call_is_offered_by_two_parts_of_the_store(sqlite_url):
+    store = Store(sqlite_url, "roles_")
+    parts = [StoreEngine, *(type(group) for group in vars(store).values() if hasattr(group, "db"))]
+    seen: dict[str, str] = {}
+    for part in parts:
+        for name in _calls(part):
+            assert name not in seen, f"{name} is a call of both {seen[name]} and {part.__name__}"
+            seen[name] = part.__name__
+    # The store itself adds nothing to its engine's calls: every other call is a group's.
+    assert _calls(Store) == _calls(StoreEngine)
 
 
 # -- one writer at a time (SQLite) -----------------------------------------------------------
@@ -650,12 +651,12 @@ def test_threads_of_one_process_queue_for_a_sqlite_store_at_its_writer_lock(sqli
     within the bound with an error that names the holder."""
     store = Store(sqlite_url, "wl_", call_timeout=0.8)
     store.migrate()
-    store.record("first", "t.x", "celery", None, 3)  # the schema check (a long call) is behind us
+    store.publishes.record("first", "t.x", "celery", None, 3)  # the schema check (a long call) is behind us
     with transaction_held(store):
         with pytest.raises(StoreUnavailable, match="another thread of this process held") as caught:
-            store.record("queued", "t.x", "celery", None, 3)
+            store.publishes.record("queued", "t.x", "celery", None, 3)
         assert caught.value.kind == "timeout"
-    store.record("queued", "t.x", "celery", None, 3)  # the turn comes once the holder is done
+    store.publishes.record("queued", "t.x", "celery", None, 3)  # the turn comes once the holder is done
     assert store.get("queued").status == "pending"
 
 
@@ -664,14 +665,14 @@ def test_reads_of_a_sqlite_store_answer_while_a_writer_holds_it(sqlite_url):
     commit while a writer works (or while a frozen process holds the lock); writes still wait."""
     store = Store(sqlite_url, "wr_", call_timeout=0.8)
     store.migrate()
-    store.record("committed", "t.x", "celery", None, 3)
+    store.publishes.record("committed", "t.x", "celery", None, 3)
     uncommitted = sa.update(store.t.jobs).values(queue_name="uncommitted")
     with transaction_held(store, lambda c: c.execute(uncommitted)):
         assert store.get("committed").queue_name == "celery"
-        assert [e["event"] for e in store.events("committed")] == ["published"]
-        assert [job.id for job in store.list_jobs(status=PENDING)] == ["committed"]
+        assert [e["event"] for e in store.reports.events("committed")] == ["published"]
+        assert [job.id for job in store.reports.list_jobs(status=PENDING)] == ["committed"]
         with pytest.raises(StoreUnavailable):
-            store.record("queued", "t.x", "celery", None, 3)
+            store.publishes.record("queued", "t.x", "celery", None, 3)
     assert store.get("committed").queue_name == "uncommitted"
 
 
@@ -682,7 +683,7 @@ def test_a_long_sqlite_transaction_waits_for_the_file_lock_with_the_long_bound(s
 
     store = Store(sqlite_url, "wb_", call_timeout=0.8)
     store.migrate()
-    store.record("first", "t.x", "celery", None, 3)
+    store.publishes.record("first", "t.x", "celery", None, 3)
     other = sqlite3.connect(sa.make_url(sqlite_url).database, isolation_level=None)
     other.execute("BEGIN IMMEDIATE")  # as a worker process in the middle of a write would
     outcome: list[object] = []
@@ -702,7 +703,7 @@ def test_a_long_sqlite_transaction_waits_for_the_file_lock_with_the_long_bound(s
     try:
         waiter.start()
         with pytest.raises(StoreUnavailable, match="database is locked"):
-            second.record("short", "t.x", "celery", None, 3)  # gives up within the call bound
+            second.publishes.record("short", "t.x", "celery", None, 3)  # gives up within the call bound
         short = store.dialect.busy_wait(store.bounds)
         wait_for(lambda: (began and time.monotonic() - began[0] > 2 * short) or outcome,
                  message="the long transaction waiting past the short bound")
@@ -712,8 +713,8 @@ def test_a_long_sqlite_transaction_waits_for_the_file_lock_with_the_long_bound(s
         other.close()
         waiter.join(30)
     assert outcome == ["committed"] and store.get("first").queue_name == "long"
-    store.record("after", "t.x", "celery", None, 3)  # a short write again on the same connection
-    second.record("short", "t.x", "celery", None, 3)
+    store.publishes.record("after", "t.x", "celery", None, 3)  # a short write again on the same connection
+    second.publishes.record("short", "t.x", "celery", None, 3)
 
 
 def test_a_forked_process_gets_its_own_writer_lock(sqlite_url):
@@ -722,12 +723,12 @@ def test_a_forked_process_gets_its_own_writer_lock(sqlite_url):
     inherited = store._writer
     assert inherited is not None and inherited.acquire(timeout=1)  # held, as a parent thread might at fork
     store._pid = -1  # what the child sees: another pid than the one that built the engine
-    store.record("child", "t.x", "celery", None, 3)
+    store.publishes.record("child", "t.x", "celery", None, 3)
     assert store._writer is not inherited and store.get("child") is not None
 
 
 def test_a_database_with_many_writers_has_no_writer_lock(store):
-    store.record("any", "t.x", "celery", None, 3)
+    store.publishes.record("any", "t.x", "celery", None, 3)
     assert (store._writer is None) is (not store.dialect.single_writer)
 
 
@@ -746,11 +747,11 @@ def _traced(store: Store) -> tuple[list[str], object]:
 def test_a_sqlite_claim_and_completion_are_each_one_immediate_transaction_with_its_event(sqlite_url):
     store = Store(sqlite_url, "hp_")
     store.migrate()
-    store.record("hot", "t.task", "q", None, 3)
+    store.publishes.record("hot", "t.task", "q", None, 3)
     seen, _ = _traced(store)
     tok = token()
     assert claim(store, "hot", tok=tok).claimed
-    assert store.complete("hot", tok, "w1")
+    assert store.jobs.complete("hot", tok, "w1")
     writes = [s.split()[0].upper() + (" " + s.split()[1].upper() if s.upper().startswith("BEGIN") else "")
               for s in seen if not s.upper().startswith(("SELECT 1", "PRAGMA"))]
     assert writes == ["BEGIN IMMEDIATE", "UPDATE", "INSERT", "COMMIT"] * 2
@@ -762,9 +763,9 @@ def test_a_sqlite_claim_returns_the_recovery_options_as_the_row_types_say(sqlite
     """The driver's row is converted as SQLAlchemy would: a Boolean stored as 1 comes back True."""
     store = Store(sqlite_url, "hb_")
     store.migrate()
-    store.record("typed", "t.task", "q", None, 3)
+    store.publishes.record("typed", "t.task", "q", None, 3)
     terms = ClaimTerms(**TERMS, recovery={"backoff_jitter": True, "backoff_base": 2.5, "max_expirations": 4})
-    won = store.claim("typed", "w1", token(), terms, task_name="t.task", queue="q", payload=lambda: None)
+    won = store.jobs.claim("typed", "w1", token(), terms, task_name="t.task", queue="q", payload=lambda: None)
     assert won.job.backoff_jitter is True
     assert won.job.backoff_base == 2.5 and won.job.max_expirations == 4
 
@@ -776,7 +777,7 @@ def test_a_sqlite_claim_after_a_long_transaction_gives_up_within_the_short_bound
 
     store = Store(sqlite_url, "hl_", call_timeout=0.8)
     store.migrate()
-    store.record("after-long", "t.task", "q", None, 3)
+    store.publishes.record("after-long", "t.task", "q", None, 3)
     with store.begin(long=True) as c:
         c.execute(sa.update(store.t.jobs).values(queue_name="long"))
     other = sqlite3.connect(sa.make_url(sqlite_url).database, isolation_level=None)
@@ -801,10 +802,10 @@ def test_a_sqlite_write_that_fails_midway_leaves_neither_its_rows_nor_the_write_
 
     store = Store(sqlite_url, "hf_", call_timeout=0.8, engine_options={"pool_reset_on_return": None})
     store.migrate()
-    assert store.record("first", "t.task", "q", None, 3, idempotency_key="k") == (True, "first")
+    assert store.publishes.record("first", "t.task", "q", None, 3, idempotency_key="k") == (True, "first")
     with store.begin() as c:  # the key's own row stays while the job's row goes (a pruned job)
         c.execute(sa.delete(store.t.jobs).where(store.t.jobs.c.id == "first"))
-    assert store.record("second", "t.task", "q", None, 3, idempotency_key="k") == (False, "first")
+    assert store.publishes.record("second", "t.task", "q", None, 3, idempotency_key="k") == (False, "first")
     assert store.get("second") is None
     other = sqlite3.connect(sa.make_url(sqlite_url).database, isolation_level=None, timeout=0)
     try:

@@ -32,9 +32,9 @@ def store(store):
 
 def claimed(store: Store, job_id: str, worker: str = "w1") -> str:
     """Record and claim ``job_id``; its token."""
-    store.record(job_id, "t.task", "q", "{}", 5)
+    store.publishes.record(job_id, "t.task", "q", "{}", 5)
     tok = secrets.token_hex(16)
-    assert store.claim(job_id, worker, tok, TERMS, "t.task", "q", lambda: None).claimed
+    assert store.jobs.claim(job_id, worker, tok, TERMS, "t.task", "q", lambda: None).claimed
     return tok
 
 
@@ -62,31 +62,32 @@ def race(*contenders: Callable[[], object]) -> list[object]:
 
 
 def count(store: Store, job_id: str, event: Event) -> int:
-    return len(store.events(job_id, event))
+    return len(store.reports.events(job_id, event))
 
 
 # -- one job's life ------------------------------------------------------------------------
 def test_a_job_goes_pending_running_completed_with_one_event_per_transition(store):
     tok = claimed(store, "life")
 
-    assert store.complete("life", tok, "w1")
+    assert store.jobs.complete("life", tok, "w1")
 
     assert store.get("life").status == COMPLETED
-    assert [e["event"] for e in store.events("life")] == [Event.PUBLISHED, Event.CLAIMED, Event.COMPLETED]
+    assert [e["event"] for e in store.reports.events("life")] == [Event.PUBLISHED, Event.CLAIMED,
+                                                                  Event.COMPLETED]
 
 
 @pytest.mark.parametrize(("write", "stale"), [
-    (lambda s, t: s.complete("j", t, "w1"), Event.STALE_COMPLETION_REJECTED),
-    (lambda s, t: s.fail("j", t, "boom", "w1"), Event.STALE_FAILURE_REJECTED),
-    (lambda s, t: s.retry_later("j", t, 1.0, None, "again", "w1"), Event.STALE_RETRY_REJECTED),
-    (lambda s, t: s.release("j", t, "w1"), Event.STALE_RELEASE_REJECTED),
-    (lambda s, t: s.checkpoint("j", t, {"step": 2}, "w1"), Event.STALE_CHECKPOINT_REJECTED),
+    (lambda s, t: s.jobs.complete("j", t, "w1"), Event.STALE_COMPLETION_REJECTED),
+    (lambda s, t: s.jobs.fail("j", t, "boom", "w1"), Event.STALE_FAILURE_REJECTED),
+    (lambda s, t: s.jobs.retry_later("j", t, 1.0, None, "again", "w1"), Event.STALE_RETRY_REJECTED),
+    (lambda s, t: s.jobs.release("j", t, "w1"), Event.STALE_RELEASE_REJECTED),
+    (lambda s, t: s.jobs.checkpoint("j", t, {"step": 2}, "w1"), Event.STALE_CHECKPOINT_REJECTED),
 ], ids=["complete", "fail", "retry", "release", "checkpoint"])
 def test_every_owner_write_with_a_stale_token_changes_nothing_and_is_audited(store, write, stale):
     old = claimed(store, "j")
     expire(store, "j")
     new = secrets.token_hex(16)
-    assert store.claim("j", "w2", new, TERMS, "t.task", "q", lambda: None).claimed
+    assert store.jobs.claim("j", "w2", new, TERMS, "t.task", "q", lambda: None).claimed
     before = store.get("j")
 
     assert write(store, old) is False
@@ -98,9 +99,9 @@ def test_every_owner_write_with_a_stale_token_changes_nothing_and_is_audited(sto
 
 # -- races -----------------------------------------------------------------------------------
 def test_claim_against_claim_has_one_winner(store):
-    store.record("cc", "t.task", "q", "{}", 5)
-    outcomes = race(*(lambda n=n: store.claim("cc", f"w{n}", secrets.token_hex(16), TERMS, "t.task", "q",
-                                              lambda: None).outcome for n in range(6)))
+    store.publishes.record("cc", "t.task", "q", "{}", 5)
+    outcomes = race(*(lambda n=n: store.jobs.claim("cc", f"w{n}", secrets.token_hex(16), TERMS, "t.task", "q",
+                                                   lambda: None).outcome for n in range(6)))
     assert sorted(outcomes) == ["busy"] * 5 + ["claimed"]
     assert count(store, "cc", Event.CLAIMED) == 1
 
@@ -111,8 +112,8 @@ def test_a_takeover_against_the_reaper_has_one_winner(store):
     new = secrets.token_hex(16)
 
     took, requeued = race(
-        lambda: store.claim("cr", "w2", new, TERMS, "t.task", "q", lambda: None).claimed,
-        lambda: store.requeue_abandoned("cr", old, "dead", delay=0.0, reason="lease expired"))
+        lambda: store.jobs.claim("cr", "w2", new, TERMS, "t.task", "q", lambda: None).claimed,
+        lambda: store.reaping.requeue_abandoned("cr", old, "dead", delay=0.0, reason="lease expired"))
 
     job = store.get("cr")
     assert [took, requeued].count(True) >= 1
@@ -131,32 +132,33 @@ def test_two_reapers_take_one_lease_back_once(store):
     old = claimed(store, "rr", "dead")
     expire(store, "rr")
 
-    results = race(*(lambda: store.requeue_abandoned("rr", old, "dead", delay=0.0, reason="expired"),) * 4)
+    results = race(*(lambda: store.reaping.requeue_abandoned("rr", old, "dead", delay=0.0,
+                                                             reason="expired"),) * 4)
 
     assert results.count(True) == 1
     assert count(store, "rr", Event.REAPED_EXPIRED_LEASE) == 1
 
 
 def test_the_reaper_clock_record_round_trips_and_a_step_back_clamps_only_what_lies_in_the_future(store):
-    assert store.reaper_clock() is None
+    assert store.reaping.reaper_clock() is None
     claimed(store, "fresh")
     claimed(store, "old-clock")
     j, w = store.t.jobs, store.t.workers
-    store.touch_worker("w-old", "host", 1)
+    store.workers.touch_worker("w-old", "host", 1)
     with store.begin() as c:  # written on a clock 60 s ahead of the store's
         c.execute(sa.update(j).where(j.c.id == "old-clock").values(lease_expires_at=store.now_sql + 90))
         c.execute(sa.update(w).where(w.c.worker_id == "w-old").values(last_seen_at=store.now_sql + 60))
     fresh = store.get("fresh").lease_expires_at
     state = {"at": store.now(), "calm_since": None}
-    assert store.record_reaper_clock(state, held_back="stepped back", owner="r", step_back=True)
+    assert store.reaping.record_reaper_clock(state, held_back="stepped back", owner="r", step_back=True)
     now = store.now()
-    assert store.reaper_clock() == state
+    assert store.reaping.reaper_clock() == state
     assert store.get("fresh").lease_expires_at == fresh
     assert now - 1.0 < store.get("old-clock").lease_expires_at - 30.0 <= now
     with store.begin() as c:
         seen = c.execute(sa.select(w.c.last_seen_at).where(w.c.worker_id == "w-old")).scalar_one()
     assert seen <= now
-    [event] = store.events(None, Event.REAPER_HELD_BACK)
+    [event] = store.reports.events(None, Event.REAPER_HELD_BACK)
     assert event["reason"] == "stepped back"
 
 
@@ -164,8 +166,8 @@ def test_a_dead_letter_against_a_late_completion_has_one_outcome(store):
     tok = claimed(store, "dc", "dead")
     expire(store, "dc")
 
-    completed, dead = race(lambda: store.complete("dc", tok, "dead"),
-                           lambda: store.dead_letter_abandoned("dc", tok, "dead", error="expired"))
+    completed, dead = race(lambda: store.jobs.complete("dc", tok, "dead"),
+                           lambda: store.reaping.dead_letter_abandoned("dc", tok, "dead", error="expired"))
 
     assert [completed, dead].count(True) == 1
     assert store.get("dc").status == (COMPLETED if completed else FAILED)
@@ -174,33 +176,33 @@ def test_a_dead_letter_against_a_late_completion_has_one_outcome(store):
 # -- effects and locks ---------------------------------------------------------------------------
 def test_an_effect_key_is_first_once_duplicate_after_and_lost_to_a_stale_owner(store):
     tok = claimed(store, "fx")
-    racers = race(*(lambda: store.record_effect("pay:1", "fx", tok, "w1"),) * 4)
+    racers = race(*(lambda: store.effects.record_effect("pay:1", "fx", tok, "w1"),) * 4)
     assert sorted(racers) == [EffectOutcome.DUPLICATE] * 3 + [EffectOutcome.FIRST]
 
     expire(store, "fx")
-    assert store.claim("fx", "w2", secrets.token_hex(16), TERMS, "t.task", "q", lambda: None).claimed
+    assert store.jobs.claim("fx", "w2", secrets.token_hex(16), TERMS, "t.task", "q", lambda: None).claimed
 
-    assert store.record_effect("pay:2", "fx", tok, "w1") == EffectOutcome.LOST
-    assert store.effect_keys("fx") == ["pay:1"]
+    assert store.effects.record_effect("pay:2", "fx", tok, "w1") == EffectOutcome.LOST
+    assert store.reports.effect_keys("fx") == ["pay:1"]
     assert count(store, "fx", Event.STALE_EFFECT_REJECTED) == 1
 
 
 def test_a_resource_lock_has_one_holder_is_taken_after_expiry_and_refused_to_a_stale_lease(store):
     tok = claimed(store, "lk")
-    holders = race(*(lambda n=n: store.acquire_lock("acct:7", f"lt{n}", 30.0, "w1", "lk", tok)
+    holders = race(*(lambda n=n: store.effects.acquire_lock("acct:7", f"lt{n}", 30.0, "w1", "lk", tok)
                      for n in range(4)))
     assert sorted(holders) == [EffectOutcome.DUPLICATE] * 3 + [EffectOutcome.FIRST]
 
     k = store.t.locks
     with store.begin() as c:
         c.execute(sa.update(k).where(k.c.resource == "acct:7").values(expires_at=store.now_sql - 1.0))
-    assert store.acquire_lock("acct:7", "late", 30.0, "w1", "lk", tok) == EffectOutcome.FIRST
+    assert store.effects.acquire_lock("acct:7", "late", 30.0, "w1", "lk", tok) == EffectOutcome.FIRST
     assert count(store, "lk", Event.LOCK_TAKEN_AFTER_EXPIRY) == 1
 
     expire(store, "lk")
-    assert store.claim("lk", "w2", secrets.token_hex(16), TERMS, "t.task", "q", lambda: None).claimed
-    assert store.acquire_lock("acct:8", "stale", 30.0, "w1", "lk", tok) == EffectOutcome.LOST
-    assert store.lock_holder("acct:8") is None
+    assert store.jobs.claim("lk", "w2", secrets.token_hex(16), TERMS, "t.task", "q", lambda: None).claimed
+    assert store.effects.acquire_lock("acct:8", "stale", 30.0, "w1", "lk", tok) == EffectOutcome.LOST
+    assert store.reports.lock_holder("acct:8") is None
 
 
 # -- what Celery carries ----------------------------------------------------------------------
@@ -215,18 +217,18 @@ def test_ten_megabyte_arguments_results_and_checkpoints_round_trip(store):
     payload = messages.encode("t.task", (big,), {"note": "ü€"}, {}, "json")
     assert len(payload) > TEN_MB
     # A message recorded by its publisher, and one first seen by a worker (the claim writes it).
-    store.record("published", "t.task", "q", payload, 5)
+    store.publishes.record("published", "t.task", "q", payload, 5)
     tok = secrets.token_hex(16)
-    assert store.claim("published", "w1", tok, TERMS, "t.task", "q", lambda: None).claimed
+    assert store.jobs.claim("published", "w1", tok, TERMS, "t.task", "q", lambda: None).claimed
     seen = secrets.token_hex(16)
-    assert store.claim("first-seen", "w1", seen, TERMS, "t.task", "q", lambda: payload).claimed
-    assert store.checkpoint("published", tok, {"rows": big})
+    assert store.jobs.claim("first-seen", "w1", seen, TERMS, "t.task", "q", lambda: payload).claimed
+    assert store.jobs.checkpoint("published", tok, {"rows": big})
     result = messages.encode_result([big, "ü€"], "json")
-    assert store.complete("published", tok, "w1", result)
+    assert store.jobs.complete("published", tok, "w1", result)
 
     job, first = store.get("published"), store.get("first-seen")
     kept = {"payload": job.payload, "first-seen payload": first.payload,
-            "checkpoint": job.checkpoint, "result": store.kept_result("published")}
+            "checkpoint": job.checkpoint, "result": store.jobs.kept_result("published")}
     want = {"payload": payload, "first-seen payload": payload,
             "checkpoint": json.dumps({"rows": big}), "result": result}
     assert job.status == COMPLETED

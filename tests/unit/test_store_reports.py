@@ -16,10 +16,10 @@ TERMS = ClaimTerms(duration=30.0, grace=1.0, max_attempts=3, max_expirations=3, 
 
 
 def claimed(store, job_id: str, queue: str = "q", owner: str = "w1") -> str:
-    store.record(job_id, "t.task", queue, None, 3)
+    store.publishes.record(job_id, "t.task", queue, None, 3)
     token = secrets.token_hex(16)
-    assert store.claim(job_id, owner, token, TERMS, task_name="t.task", queue=queue,
-                       payload=lambda: None).claimed
+    assert store.jobs.claim(job_id, owner, token, TERMS, task_name="t.task", queue=queue,
+                            payload=lambda: None).claimed
     return token
 
 
@@ -31,14 +31,14 @@ def age_rows(store, job_ids: list[str], seconds: float) -> None:
 
 
 def test_overview_counts_every_job_in_flight_and_only_the_recent_completions(store):
-    store.record("p1", "t.task", "a", None, 3)
+    store.publishes.record("p1", "t.task", "a", None, 3)
     claimed(store, "r1", "b")
-    store.fail("f1", claimed(store, "f1", "a"), "boom")
+    store.jobs.fail("f1", claimed(store, "f1", "a"), "boom")
     for job_id in ("c-new", "c-old"):
-        store.complete(job_id, claimed(store, job_id, "a"))
+        store.jobs.complete(job_id, claimed(store, job_id, "a"))
     age_rows(store, ["c-old", "f1", "p1"], 7200)
 
-    now, counts = store.overview_counts(3600)
+    now, counts = store.reports.overview_counts(3600)
 
     assert abs(now - store.now()) < 5
     assert counts == [("a", "completed", 1), ("a", "failed", 1), ("a", "pending", 1), ("b", "running", 1)]
@@ -46,13 +46,13 @@ def test_overview_counts_every_job_in_flight_and_only_the_recent_completions(sto
 
 def test_list_workers_puts_the_most_recently_seen_first_and_says_which_are_alive(store):
     store.stale_after = 10.0
-    store.touch_worker("gone", "h", 1)
-    store.touch_worker("here", "h", 2)
+    store.workers.touch_worker("gone", "h", 1)
+    store.workers.touch_worker("here", "h", 2)
     w = store.t.workers
     with store.begin() as c:
         c.execute(sa.update(w).where(w.c.worker_id == "gone").values(last_seen_at=w.c.last_seen_at - 60))
 
-    _, workers = store.list_workers()
+    _, workers = store.reports.list_workers()
 
     assert [(x["worker_id"], x["alive"], x["pid"]) for x in workers] == [
         ("here", True, 2), ("gone", False, 1)]
@@ -64,7 +64,7 @@ def test_list_jobs_filters_by_owner_and_by_when_the_job_last_changed(store):
     claimed(store, "mine-old", owner="w1")
     age_rows(store, ["mine-old"], 7200)
 
-    assert sorted(j.id for j in store.list_jobs(owner="w1")) == ["mine", "mine-old"]
-    assert [j.id for j in store.list_jobs(owner="w1", since=3600)] == ["mine"]
-    assert sorted(j.id for j in store.list_jobs(since=3600)) == ["mine", "theirs"]
+    assert sorted(j.id for j in store.reports.list_jobs(owner="w1")) == ["mine", "mine-old"]
+    assert [j.id for j in store.reports.list_jobs(owner="w1", since=3600)] == ["mine"]
+    assert sorted(j.id for j in store.reports.list_jobs(since=3600)) == ["mine", "theirs"]
 

@@ -48,11 +48,11 @@ def test_only_a_finished_job_or_a_live_lease_of_another_node_is_a_sure_duplicate
 
 
 def test_glance_reads_status_owner_live_lease_and_kept_result(store):
-    assert store.glance("nope") is None
-    store.record("j1", "t.work", "celery", None, 3)
-    assert store.glance("j1") == Glance(Status.PENDING, None, False, False)
+    assert store.deliveries.glance("nope") is None
+    store.publishes.record("j1", "t.work", "celery", None, 3)
+    assert store.deliveries.glance("j1") == Glance(Status.PENDING, None, False, False)
     token = secrets.token_hex(16)
-    assert store.claim("j1", "w2@host:41", token, TERMS, "t.work", "celery", lambda: None).claimed
-    assert store.glance("j1") == Glance(Status.RUNNING, "w2@host:41", True, False)
-    assert store.complete("j1", token, "w2@host:41", result='{"v": 1}')
-    assert store.glance("j1") == Glance(Status.COMPLETED, "w2@host:41", False, True)
+    assert store.jobs.claim("j1", "w2@host:41", token, TERMS, "t.work", "celery", lambda: None).claimed
+    assert store.deliveries.glance("j1") == Glance(Status.RUNNING, "w2@host:41", True, False)
+    assert store.jobs.complete("j1", token, "w2@host:41", result='{"v": 1}')
+    assert store.deliveries.glance("j1") == Glance(Status.COMPLETED, "w2@host:41", False, True)

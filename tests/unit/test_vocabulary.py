@@ -37,15 +37,15 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "celery_lease"
 #: Functions that write an audit event name: the positional index and keyword of each event argument.
 WRITERS: dict[str, tuple[tuple[int, str], ...]] = {
-    "event": ((1, "event"),),  # StoreBase.event(job_id, event, ...)
-    "_event": ((2, "event"),),  # StoreBase._event(conn, job_id, event, ...)
+    "event": ((1, "event"),),  # StoreEngine.event(job_id, event, ...)
+    "_event": ((2, "event"),),  # StoreEngine._event(conn, job_id, event, ...)
     "_audited": ((2, "event"),),
     "_audited_row": ((2, "event"),),
     "_audited_write": ((2, "event"),),
     "_build_audited": ((1, "event"),),
-    "_record_statements": ((1, "event_name"),),  # JobStatements: the publish record's event
+    "_record_statements": ((1, "event_name"),),  # PublishStatements: the publish record's event
     "_owner_write": ((3, "event"), (4, "stale")),
-    "_stale": ((2, "event"),),  # StoreBase._stale(conn or None, job_id, event, ...)
+    "_stale": ((2, "event"),),  # StoreEngine._stale(conn or None, job_id, event, ...)
     "_take_back": ((7, "event"),),
     "_audit": ((2, "event"),),  # deliveries._audit(store, job_id, event, ...)
     "release": ((3, "reason"),),  # JobStatements.release: the reason is the event

@@ -47,7 +47,7 @@ class Scene:
         return self.client.post(path, data={"csrf": self.csrf(), **form})
 
     def events(self, job_id: str) -> list[str]:
-        return [e["event"] for e in self.store.list_events(job_id=job_id)]
+        return [e["event"] for e in self.store.reports.list_events(job_id=job_id)]
 
 
 @contextlib.contextmanager
@@ -175,7 +175,7 @@ def test_a_job_with_two_owners_lists_both_with_their_markup_intact(rw):
     """Masking is done on values: the text between two values (a time, then the next owner)
     is markup, never taken for a URL's password."""
     store = rw.store
-    store.record("two-owners", "ops.quick", "celery", None, 3)
+    store.publishes.record("two-owners", "ops.quick", "celery", None, 3)
     store.event("two-owners", Event.CLAIMED, "first claim", "celery@alpha:11")
     store.event("two-owners", Event.LEASE_TAKEN_OVER, "lease expired past grace", "celery@beta:22")
     html = rw.html("/jobs/two-owners")
@@ -189,7 +189,7 @@ def test_a_job_with_two_owners_lists_both_with_their_markup_intact(rw):
 def test_a_page_shows_a_secret_in_a_values_url_query_masked(rw):
     secret = "qu3rysecret"
     store = rw.store
-    store.record("query-secret", "ops.quick", "celery", None, 3)
+    store.publishes.record("query-secret", "ops.quick", "celery", None, 3)
     error = (f"OperationalError: cannot reach postgresql://shop@db.internal/shop?sslmode=require"
              f"&password={secret}&application_name=x")
     ops_app._set(store, "query-secret", last_error=error, status="failed")
@@ -269,7 +269,7 @@ def test_a_redrive_shows_its_plan_and_after_confirmation_the_job_is_pending_and_
         "failed-0 ops.fails celery redriven message re-published"]
     job = rw.store.get("failed-0")
     assert (job.status, job.attempt_count) == ("pending", 0)
-    [audit] = rw.store.list_events(job_id="failed-0", event="dlq_redriven")
+    [audit] = rw.store.reports.list_events(job_id="failed-0", event="dlq_redriven")
     assert audit["worker"] == "web:anonymous@127.0.0.1"
 
 

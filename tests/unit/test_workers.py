@@ -23,32 +23,32 @@ def backdate(store, worker_id: str, seconds: float) -> float:
 
 
 def test_touch_worker_registers_then_refreshes(store):
-    store.touch_worker("w1", "host", 42)
+    store.workers.touch_worker("w1", "host", 42)
     first = backdate(store, "w1", 60)
-    store.touch_worker("w1", "host", 42)
+    store.workers.touch_worker("w1", "host", 42)
     rows = workers(store)
     assert len(rows) == 1 and rows[0].pid == 42 and rows[0].last_seen_at > first
 
 
 def test_a_beat_without_leases_still_registers_the_process(store):
-    assert store.beat("w1", "host", 7, {}) == set()
+    assert store.jobs.beat("w1", "host", 7, {}) == set()
     rows = workers(store)
     assert [(r.worker_id, r.hostname, r.pid) for r in rows] == [("w1", "host", 7)]
 
 
 def test_a_beat_refreshes_the_registry_and_renews_only_matching_tokens(store):
-    store.touch_worker("w1", "host", 7)
+    store.workers.touch_worker("w1", "host", 7)
     seen = backdate(store, "w1", 60)
     tokens = {}
     for job_id in ("a", "b"):
-        store.record(job_id, "t.task", "q", None, 3)
+        store.publishes.record(job_id, "t.task", "q", None, 3)
         tokens[job_id] = secrets.token_hex(16)
-        assert store.claim(job_id, "w1", tokens[job_id],
-                           ClaimTerms(duration=30.0, grace=1.0,
-                                      max_attempts=3, max_expirations=3, takeover=False),
-                           task_name="t.task", queue="q", payload=lambda: None).claimed
+        assert store.jobs.claim(job_id, "w1", tokens[job_id],
+                                ClaimTerms(duration=30.0, grace=1.0,
+                                           max_attempts=3, max_expirations=3, takeover=False),
+                                task_name="t.task", queue="q", payload=lambda: None).claimed
     expiry = store.get("a").lease_expires_at
-    renewed = store.beat("w1", "host", 7, {tokens["a"]: "a", "stale-token": "b"}, {tokens["a"]: 120.0})
+    renewed = store.jobs.beat("w1", "host", 7, {tokens["a"]: "a", "stale-token": "b"}, {tokens["a"]: 120.0})
     assert renewed == {"a"}
     assert workers(store)[0].last_seen_at > seen
     job = store.get("a")
@@ -57,13 +57,13 @@ def test_a_beat_refreshes_the_registry_and_renews_only_matching_tokens(store):
 
 def test_a_worker_process_records_its_pool_and_concurrency(store):
     store.ensure_schema()
-    store.worker_pool = ("threads", 8)
+    store.workers.worker_pool = ("threads", 8)
 
-    store.touch_worker("w1", "host", 42)
+    store.workers.touch_worker("w1", "host", 42)
 
     (row,) = workers(store)
     assert (row.pool, row.concurrency) == ("threads", 8)
-    assert store.worker_pools() == {"threads": 1}
+    assert store.reports.worker_pools() == {"threads": 1}
 
 
 def test_on_the_previous_revision_the_registry_is_written_without_a_pool(store_factory):
@@ -74,13 +74,13 @@ def test_on_the_previous_revision_the_registry_is_written_without_a_pool(store_f
     store = Store(made.url, made.prefix)
     # As the release whose window was 0002..0003 found it (this release's window starts at 0003).
     store.revision = "0002"
-    store.worker_pool = ("threads", 8)
+    store.workers.worker_pool = ("threads", 8)
 
-    store.touch_worker("w1", "host", 42)
+    store.workers.touch_worker("w1", "host", 42)
 
     with store.begin() as c:
         assert c.execute(sa.select(store.t.workers.c.worker_id)).scalars().all() == ["w1"]
-    assert store.worker_pools() == {}
+    assert store.reports.worker_pools() == {}
 
 
 def test_pool_names_are_celerys_own():
