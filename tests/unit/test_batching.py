@@ -329,4 +329,4 @@ def test_with_an_unknown_group_loop_a_group_publishes_each_job_alone(app, batche
     store = for_app(app)
     for job_id in ids:
         assert store.get(job_id).status == PENDING
-        assert [e["event"] for e in store.events(job_id)] == ["published"]
+        assert [e["event"] for e in store.reports.events(job_id)] == ["published"]

@@ -563,7 +563,7 @@ def test_dry_run_plans_every_decision_and_changes_nothing(app, store, broker):
 
 
 def test_a_dry_run_plans_reap_decisions_whose_kinds_are_vocabulary_decisions(app, store, broker):
-    store.touch_worker(ALIVE, "host", 2)
+    store.workers.touch_worker(ALIVE, "host", 2)
     running(store, "requeue")
     running(store, "alive", owner=ALIVE)
     result = Reaper(app).run_once(dry_run=True)
@@ -575,7 +575,7 @@ def test_a_dry_run_plans_reap_decisions_whose_kinds_are_vocabulary_decisions(app
 
 def test_a_dry_run_mode_plans_page_after_page_without_taking_or_renewing_the_reaper_lock(app, store, broker,
                                                                                       monkeypatch):
-    store.touch_worker(ALIVE, "host", 2)
+    store.workers.touch_worker(ALIVE, "host", 2)
     running(store, "alive", owner=ALIVE, age=10.0)  # skipped: the first page of one job
     running(store, "requeue", age=5.0)
     for write in ("acquire_reaper_lock", "renew_reaper_lock"):
