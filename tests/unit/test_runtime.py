@@ -94,11 +94,11 @@ def test_a_lease_due_after_the_timers_next_look_does_not_wake_it_and_an_earlier_
         wait_for(lambda: rt.timer._planned is not None, timeout=5, message="the timer never planned")
         planned = rt.timer._planned
         assert planned <= first.deadline
-        rt.timer._wake.clear()
+        rt.timer._loop.woken.clear()
         rt.timer.watch(planned + 30.0)
-        assert not rt.timer._wake.is_set()  # it looks again before that lease is due anyway
+        assert not rt.timer._loop.woken.is_set()  # it looks again before that lease is due anyway
         rt.timer.watch(planned - 0.5)
-        assert rt.timer._wake.is_set()
+        assert rt.timer._loop.woken.is_set()
     finally:
         rt.stop()
 
@@ -395,7 +395,7 @@ def test_release_all_in_process_gives_back_every_lease_and_stops_the_threads(sto
     rt.attach(Request(), lease)
     assert runtime.release_all_in_process() >= 1
     assert store.get("job-1").status == "pending" and lease.lost
-    assert not rt.timer._thread.is_alive() and not rt.heartbeat._thread.is_alive()
+    assert not rt.timer._loop.thread.is_alive() and not rt.heartbeat._loop.thread.is_alive()
 
 
 def test_a_claim_given_up_is_remembered_for_its_job_only_and_the_oldest_are_forgotten(store, monkeypatch):
