@@ -21,13 +21,13 @@ publish of the loop or when it ends).
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ..context import BATCH as _current
 from ..errors import StoreConflict
 from ..store import NewJob, WorkerStore
 
@@ -35,9 +35,6 @@ __all__ = ["Batch", "current", "install"]
 
 # Seconds a kept job waits at most for the rest of its batch.
 BATCH_WAIT = 0.05
-
-_current: contextvars.ContextVar[Batch | None] = contextvars.ContextVar("celery_lease_batch", default=None)
-
 
 @dataclasses.dataclass
 class _Kept:

@@ -13,7 +13,6 @@ nothing (``celery_lease.testing``). With
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import secrets
 import threading
@@ -21,15 +20,12 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
+from ..context import LOCAL as _current
 from ..vocabulary import EffectOutcome
 
 __all__ = ["LocalLease", "LocalState", "state", "current", "running"]
 
 LOCAL_KEPT = 1000  # effect keys, and checkpoints, the local runs of one app keep (the newest)
-
-_current: contextvars.ContextVar[LocalLease | None] = contextvars.ContextVar("celery_lease_local",
-                                                                            default=None)
-
 
 @dataclasses.dataclass
 class _SharedLock:
