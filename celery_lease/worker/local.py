@@ -20,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
+from ..app_state import app_state
 from ..context import LOCAL as _current
 from ..vocabulary import EffectOutcome
 
@@ -100,9 +101,10 @@ def _trim(kept: OrderedDict[str, Any]) -> None:
 
 def state(app: Any) -> LocalState:
     """The app's local state in this process (made on first use)."""
-    found = getattr(app, "_celery_lease_local", None)
+    holder = app_state(app)
+    found: LocalState | None = holder.local
     if found is None:
-        found = app._celery_lease_local = LocalState()
+        found = holder.local = LocalState()
     return found
 
 
