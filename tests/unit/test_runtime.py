@@ -452,6 +452,36 @@ def test_a_cancel_that_meets_an_outage_is_kept_and_written_once_the_store_answer
     assert cancels.cancel("j3", "revoked") is True  # nothing kept: an unknown job is a no-op write
 
 
+class FlakyCancels:
+    """A store whose cancel() fails while ``down`` is set, and records the cancels it took."""
+
+    def __init__(self) -> None:
+        self.down = True
+        self.written: list[str] = []
+
+    def cancel(self, job_id: str, **_: object) -> None:
+        if self.down:
+            raise StoreUnavailable("down")
+        self.written.append(job_id)
+
+
+def test_the_kept_cancels_thread_ends_once_none_is_left_and_the_next_outage_starts_another():
+    store = FlakyCancels()
+    cancels = runtime.PendingCancels(store, interval=0.05)
+    assert cancels.cancel("j1", "revoked") is False
+    first = cancels._loop.thread
+    assert first is not None
+    store.down = False
+    wait_for(lambda: store.written == ["j1"], timeout=5, message="the kept cancel was never written")
+    first.join(5)
+    assert not first.is_alive()  # nothing left to write: the thread ended
+    store.down = True
+    assert cancels.cancel("j2", "revoked") is False
+    assert cancels._loop.thread is not first and cancels._loop.running()
+    store.down = False
+    wait_for(lambda: store.written == ["j1", "j2"], timeout=5, message="the second outage's cancel was lost")
+
+
 @pytest.mark.parametrize("store_url", ["mysql"], indirect=True)
 def test_a_deferred_completion_the_store_refuses_for_good_is_not_retried_every_round(store_factory, caplog):
     """A completion deferred in an outage and then refused (a 70 KB result on a MySQL/MariaDB
