@@ -42,6 +42,11 @@ class AppState:
     #: the CAS (reaper run, decisions and worker_lost read it when called).
     after_publish: Callable[[str], None] | None = None
 
+    def take(self, name: str) -> Any:
+        """Clear field ``name`` and return what it held, in one atomic step, so no value another
+        thread sets is lost between the read and the clear; the field then reads None again."""
+        return self.__dict__.pop(name, None)
+
 
 def app_state(app: Any) -> AppState:
     """The app's state in this process, made on first use (atomically: one per app)."""

@@ -281,7 +281,7 @@ def forget(app: Any) -> None:
     database): a runtime that still holds a lease keeps its store until that run ends.
     """
     state = app_state(app)
-    store, state.store = state.store, None
+    store = state.take("store")
     # Set by worker.runtime.for_app: the store never imports the worker. With no runtime ever
     # built for the app there is none to retire, and nothing holds the store.
     retire = state.retire

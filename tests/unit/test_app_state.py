@@ -49,3 +49,10 @@ def test_the_settings_are_cached_in_the_state_and_read_again_once_it_forgets_the
     app.conf.lease_duration = 77.0
     app_state(app).config = None
     assert app_config(app).policy().duration == 77.0
+
+
+def test_take_clears_a_field_and_returns_what_it_held_once() -> None:
+    state = app_state(Celery("state_take", set_as_current=False))
+    state.store = store = object()
+    assert state.take("store") is store
+    assert state.store is None and state.take("store") is None
