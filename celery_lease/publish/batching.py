@@ -36,6 +36,7 @@ __all__ = ["Batch", "current", "install"]
 # Seconds a kept job waits at most for the rest of its batch.
 BATCH_WAIT = 0.05
 
+
 @dataclasses.dataclass
 class _Kept:
     """One job of the batch: its record, whether publishing its id may reopen a finished job, and

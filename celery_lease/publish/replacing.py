@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = ["hand_over", "hands_over_to", "claim_on_publish", "record_step"]
 
+
 def carrier(sig: Signature, job_id: str, first: bool = True) -> tuple[Signature | None, bool]:
     """The signature frozen with ``job_id`` in a replacement, and whether it is published now."""
     if isinstance(sig, _chain):

@@ -28,6 +28,7 @@ __all__ = ["LocalLease", "LocalState", "state", "current", "running"]
 
 LOCAL_KEPT = 1000  # effect keys, and checkpoints, the local runs of one app keep (the newest)
 
+
 @dataclasses.dataclass
 class _SharedLock:
     """An in-process lock on one resource and how many runs hold it or wait for it."""
