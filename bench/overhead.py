@@ -28,6 +28,7 @@ import sqlalchemy as sa
 from bench import _pg, _results
 from bench._floor import Floor
 from celery_lease import deadline
+from celery_lease.app_state import app_state
 from celery_lease.config import load
 from celery_lease.store import ClaimTerms, Store
 from celery_lease.worker.lease import Lease
@@ -51,8 +52,8 @@ def run(task: str, seconds: float, n: int, store_url: str, prefix: str, pool: st
     from bench import _overhead_app as bench_app
 
     bench_app.app.conf.update(lease_store_url=store_url, lease_table_prefix=prefix)
-    bench_app.app._celery_lease_config = None
-    bench_app.app._celery_lease_store = None
+    app_state(bench_app.app).config = None
+    app_state(bench_app.app).store = None
     target = {"leased": bench_app.leased, "floor": bench_app.floored}.get(task, bench_app.plain)
     floor = Floor(store_url, prefix) if task == "floor" else None
     if floor is not None:

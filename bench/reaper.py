@@ -28,6 +28,7 @@ import redis
 import sqlalchemy as sa
 from celery import Celery
 
+from celery_lease.app_state import app_state
 from celery_lease.messaging import messages
 from celery_lease.reaper.run import Reaper
 from celery_lease.store import Store
@@ -92,7 +93,7 @@ def bench(url: str, rows: int, expired: int, broker: str) -> tuple[float, float,
     store.migrate()
     app = Celery("bench_reaper", broker=broker, set_as_current=False)
     app.conf.update(lease_store_url=url, lease_table_prefix=prefix, lease_reaper_batch_size=expired)
-    app._celery_lease_store = store
+    app_state(app).store = store
     try:
         started = time.perf_counter()
         build(store, rows, expired, messages.encode("bench.work", [1], {}, {"queue": QUEUE}))

@@ -14,6 +14,7 @@ import difflib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .app_state import app_state
 from .errors import LeaseConfigError, LeaseConfigErrors
 from .masking import MASK
 
@@ -296,10 +297,10 @@ def load(conf: Mapping[str, Any], namespace: str | None = None) -> AppConfig:
 
 def app_config(app: Any) -> AppConfig:
     """The app's validated settings, cached on the app."""
-    cached = getattr(app, "_celery_lease_config", None)
+    state = app_state(app)
+    cached: AppConfig | None = state.config
     if cached is None:
-        cached = load(app.conf, getattr(app, "namespace", None))
-        app._celery_lease_config = cached
+        cached = state.config = load(app.conf, getattr(app, "namespace", None))
     return cached
 
 
@@ -371,10 +372,10 @@ def worker_stale_after(app: Any) -> float:
     if explicit is not None:
         return explicit
     tasks = len(app.tasks)
-    cached = getattr(app, "_celery_lease_stale_after", None)
+    state = app_state(app)
+    cached = state.stale_after
     if cached is None or cached[0] != tasks:
-        cached = (tasks, derive_stale_after(_lease_policies(app)))
-        app._celery_lease_stale_after = cached
+        cached = state.stale_after = (tasks, derive_stale_after(_lease_policies(app)))
     return cached[1]
 
 

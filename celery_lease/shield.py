@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from contextvars import ContextVar
-from typing import Any
+
+from .context import BODY
 
 __all__ = ["BODY", "uninterrupted"]
-
-#: The lease whose body runs in this thread or greenlet (Lease.body() sets it): each has its own.
-BODY: ContextVar[Any] = ContextVar("celery_lease_body", default=None)
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from ..app_state import app_state
 from ..errors import LeaseConfigError, LeaseError, StoreUnavailable
 from ..masking import mask_secrets
 from .output import app_argument, with_app
@@ -115,9 +116,10 @@ def app_of(ctx: click.Context) -> Any:
         # anything, such as a SQLite store file in the working directory, is made for it.
         raise CommandError(NO_APP, EX_CONFIG)
     app = ctx.obj.app
-    if not getattr(app, "_celery_lease_modules_loaded", False):
+    state = app_state(app)
+    if not state.modules_loaded:
         app.loader.import_default_modules()
-        app._celery_lease_modules_loaded = True
+        state.modules_loaded = True
     return app
 
 

@@ -18,6 +18,7 @@ from celery.worker.state import task_ready
 import celery_lease.messaging.backend as results
 import celery_lease.worker.runtime as runtime
 
+from ..app_state import app_state
 from ..config import app_config, check_recovery_bound, task_policy
 from ..errors import LeaseConfigError, LeaseError
 from ..kinds import is_lease_task
@@ -280,9 +281,10 @@ def check_pool(app: Any, pool: str) -> None:
 
 def install(app: Any) -> None:
     """Add celery_lease's worker steps to an app (idempotent)."""
-    if getattr(app, "_celery_lease_installed", False):
+    state = app_state(app)
+    if state.installed:
         return
-    app._celery_lease_installed = True
+    state.installed = True
     app.steps["worker"].add(WorkerStep)
     app.steps["consumer"].add(PauseStep)
     try:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import contextvars
 import datetime
 import json
 from collections.abc import Iterator, Mapping
@@ -21,6 +20,7 @@ from typing import Any
 from kombu import compression, serialization
 from kombu.utils import json as kombu_json
 
+from ..context import UNRECORDED as _unrecorded
 from ..errors import StoreCorrupt
 
 __all__ = ["encode", "capture", "decode", "encode_result", "decode_result", "republish",
@@ -40,8 +40,6 @@ _LOCAL_OPTIONS = frozenset({
     "producer", "connection", "publisher", "add_to_parent", "countdown", "eta", "task_id",
     "retry", "retry_policy", "declare", "idempotency_key", "ignore_result_default",
 })
-
-_unrecorded: contextvars.ContextVar[bool] = contextvars.ContextVar("celery_lease_unrecorded", default=False)
 
 
 @contextlib.contextmanager

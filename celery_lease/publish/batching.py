@@ -29,18 +29,19 @@ WARNING: groups then publish job by job, each as a single publish (correct, one 
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools
 import inspect
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from contextvars import Token
 from typing import Any
 
 import celery
 from celery.canvas import Signature, group, maybe_signature
 
+from ..context import BATCH as _current
 from ..errors import StoreConflict
 from ..kinds import leased
 from ..store import NewJob, Store
@@ -56,8 +57,6 @@ BATCH_WAIT = 0.05
 # signature on Celery 5.3 to 5.5 (then ``p, add_to_parent, chord, args, kwargs, **options``)
 # and 5.6 to 5.7 (``group_index`` before ``**options``).
 _KNOWN_HEAD = ("self", "tasks", "producer", "app")
-
-_current: contextvars.ContextVar[Batch | None] = contextvars.ContextVar("celery_lease_batch", default=None)
 
 
 @dataclasses.dataclass
@@ -259,7 +258,7 @@ class _Loop:
     def __init__(self, app: Any) -> None:
         self.app = app
         self.batch: Batch | None = None
-        self._token: contextvars.Token[Batch | None] | None = None
+        self._token: Token[Any] | None = None
 
     def watch(self, tasks: Iterable[Any]) -> Iterator[Any]:
         """``tasks`` as Celery's loop reads them, opening the batch before a leased one is sent.

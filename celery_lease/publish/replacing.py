@@ -20,13 +20,14 @@ runs it. Three cases, each fenced on the replaced run's token:
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from celery.canvas import Signature, _chain, _chord, group
 from celery.exceptions import Ignore
 
+from ..context import HANDING as _handing
+from ..context import HANDING_LATER as _later
 from ..kinds import leased
 from ..store import NewJob
 
@@ -35,12 +36,6 @@ if TYPE_CHECKING:
     from ..worker.lease import Lease
 
 __all__ = ["hand_over", "hands_over_to", "claim_on_publish", "record_step"]
-
-_handing: contextvars.ContextVar[Lease | None] = contextvars.ContextVar("celery_lease_handing", default=None)
-# A hand-over whose carrier is sent later: the lease, the carrier's name and the replaced run's
-# replaced_task_nesting, until the first step is recorded.
-_later: contextvars.ContextVar[tuple[Lease, str, int] | None] = contextvars.ContextVar(
-    "celery_lease_handing_later", default=None)
 
 
 def carrier(sig: Signature, job_id: str, first: bool = True) -> tuple[Signature | None, bool]:

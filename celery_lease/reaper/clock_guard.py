@@ -31,6 +31,7 @@ import socket
 import time
 from typing import Any
 
+from ..app_state import app_state
 from ..store import Store
 
 __all__ = ["ClockGuard", "Hold", "host_clock"]
@@ -75,9 +76,10 @@ class ClockGuard:
     @classmethod
     def for_app(cls, app: Any, tolerance: float) -> ClockGuard:
         """The guard of ``app``'s reapers in this process (the beat task builds a reaper per run)."""
-        guard = getattr(app, "_celery_lease_clock_guard", None)
+        state = app_state(app)
+        guard: ClockGuard | None = state.clock_guard
         if guard is None:
-            guard = app._celery_lease_clock_guard = cls(tolerance)
+            guard = state.clock_guard = cls(tolerance)
         return guard
 
     def failed(self) -> None:

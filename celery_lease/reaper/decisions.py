@@ -8,11 +8,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
-from collections.abc import Callable
 from typing import Any
 
 import celery_lease.messaging.messages as messages
 
+from ..app_state import app_state
 from ..backoff import backoff
 from ..config import TaskPolicy, app_config, task_policy
 from ..errors import StoreCorrupt
@@ -24,9 +24,13 @@ __all__ = ["ReapDecision", "ReapResult", "after_publish", "decide", "policy_for"
 
 log = logging.getLogger("celery_lease.reaper")
 
-#: Test seam: called with the job id after its message is published and before the CAS (read as
-#: ``decisions.after_publish`` everywhere, so one patch reaches every use).
-after_publish: Callable[[str], None] | None = None
+
+def after_publish(app: Any, job_id: str) -> None:
+    """The test seam (``AppState.after_publish``): called with the job id after its message is
+    published and before the CAS, by every reaper path that publishes."""
+    seam = app_state(app).after_publish
+    if seam is not None:
+        seam(job_id)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,8 +131,7 @@ def publish_decision(app: Any, job: Job, decision: ReapDecision) -> ReapDecision
     except StoreCorrupt as exc:
         return dataclasses.replace(decision, decision=Decision.FAIL, queue=None,
                                    reason=f"{decision.reason}; message unreadable: {exc}")
-    if after_publish is not None:
-        after_publish(job.id)
+    after_publish(app, job.id)
     return decision
 
 

@@ -256,8 +256,7 @@ class Reaper:
                         log.error("job %s: could not re-send its lost message (%s)", job.id, exc,
                                   extra={"action": "redispatch_failed"})
                         return False
-                    if decisions.after_publish is not None:
-                        decisions.after_publish(job.id)
+                    decisions.after_publish(self.app, job.id)
                     if self.store.reaping.redispatched(job, why, c=c):
                         result.redispatched += 1
                     else:

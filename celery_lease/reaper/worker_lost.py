@@ -86,8 +86,7 @@ def _requeue_lost(app: Any, store: Store, job: Job, decision: ReapDecision, owne
                   "re-dispatches it after lease_dispatch_timeout", job.id, owner, exc,
                   extra={"action": "worker_lost_publish_failed"})
         return WorkerLostOutcome.ERROR
-    if decisions.after_publish is not None:  # the reaper's test seam, read when called
-        decisions.after_publish(job.id)
+    decisions.after_publish(app, job.id)  # the reaper's test seam
     log.info("job %s [%s]: worker process %s lost (%s): %s", job.id, (job.lock_token or "")[:8], owner,
              reason, decision.decision, extra={"action": "worker_lost_recovered"})
     return WorkerLostOutcome(decision.decision)

@@ -14,6 +14,7 @@ from typing import Any
 
 import celery_lease.config as config
 
+from ..app_state import app_state
 from .audited import AuditedWrites
 from .base import StoreEngine
 from .effects import EffectStatements
@@ -98,17 +99,18 @@ def for_app(app: Any, check: bool = True, *, operator: bool = False) -> Store:
 
     cfg = app_config(app)
     url = database_url(cfg)
-    store = getattr(app, "_celery_lease_store", None)
+    state = app_state(app)
+    store = state.store
     if store is None or (url is not None and store.url != url):
         with _lock:
-            store = getattr(app, "_celery_lease_store", None)
+            store = state.store
             if store is None or (url is not None and store.url != url):
                 if store is not None:
                     forget(app)  # lease_database now names another database (a test database)
                 bound = config.LONG_CALL_TIMEOUT if operator else call_timeout(app)
                 store = Store.from_config(cfg, call_timeout=bound, pool_size=pool_size(app),
                                           stale_after=lambda: config.worker_stale_after(app), url=url)
-                app._celery_lease_store = store
+                state.store = store
     if check:
         store.ensure_schema()
     return store
@@ -129,9 +131,10 @@ def forget(app: Any) -> None:
     For settings that change under a running process (Django's ``override_settings``, a test
     database): a runtime that still holds a lease keeps its store until that run ends.
     """
-    store = app.__dict__.pop("_celery_lease_store", None)
+    state = app_state(app)
+    store = state.take("store")
     # Set by worker.runtime.for_app: the store never imports the worker. With no runtime ever
     # built for the app there is none to retire, and nothing holds the store.
-    retire = app.__dict__.get("_celery_lease_retire")
+    retire = state.retire
     if (retire is None or retire(app)) and store is not None:
         store.dispose()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
@@ -27,6 +26,7 @@ from ..config import app_config, task_policy
 from ..errors import StoreRejected, StoreUnavailable
 from ..kinds import is_lease_task
 from .heartbeat import worker_id
+from .loop import Loop
 
 __all__ = ["VisibilityStep", "VisibilityKeeper", "Held", "RedisExtender", "SQSExtender", "extender_for",
            "held_messages", "OwnChannel", "transport_kind"]
@@ -207,8 +207,7 @@ class VisibilityKeeper:
         self.rounds = 0
         self._confirmed: dict[str, float] = {}
         self._reported: set[str] = set()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._loop = Loop("celery-lease-visibility", self._round, self._round_failed)
 
     @property
     def interval(self) -> float:
@@ -255,30 +254,23 @@ class VisibilityKeeper:
 
     # -- the loop -------------------------------------------------------------
     def start(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            return
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="celery-lease-visibility", daemon=True)
-        self._thread.start()
+        self._loop.start()
 
     def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-        self._thread = None
+        self._loop.stop(timeout)
         self.extender = None
         close = getattr(self.connect, "close", None)
         if close is not None:
             close()
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.run_once()
-            except Exception:  # noqa: BLE001 - the refresh must outlive one bad round; reconnect next
-                log.exception("visibility refresh round failed; reconnecting")
-                self.extender = None
-            self._stop.wait(self.interval)
+    def _round(self) -> float:
+        self.run_once()
+        return self.interval
+
+    def _round_failed(self) -> float:
+        log.exception("visibility refresh round failed; reconnecting")
+        self.extender = None
+        return self.interval
 
 
 class OwnChannel:

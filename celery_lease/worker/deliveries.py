@@ -11,7 +11,6 @@ tells the worker's main process to stop consuming until the store answers (outag
 
 from __future__ import annotations
 
-import contextvars
 import datetime
 import logging
 import random
@@ -27,6 +26,7 @@ import celery_lease.messaging.backend as results
 import celery_lease.messaging.messages as messages
 
 from ..backoff import store_retry_delay
+from ..context import RESUMED as _resumed
 from ..errors import StoreRejected, StoreUnavailable
 from ..store import Job, Store
 from ..vocabulary import ClaimOutcome, Event, Status
@@ -237,11 +237,6 @@ def keepable_result(task: Task, value: Any) -> str | None:
         log.warning("job %s: result not kept (%s); a crash before Celery stores it leaves it unstored",
                     task.request.id, exc)
         return None
-
-
-# The job whose post-run work this context is finishing: its publishes re-send what a crash
-# may have sent already (the chain's next step under its frozen id), so they reopen nothing.
-_resumed: contextvars.ContextVar[str | None] = contextvars.ContextVar("celery_lease_resumed", default=None)
 
 
 def resumed(job_id: str) -> bool:

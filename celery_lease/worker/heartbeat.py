@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 from collections import Counter
 from typing import TYPE_CHECKING
 
@@ -23,6 +22,7 @@ import celery_lease.deadline as deadline
 from ..errors import LeaseError, StoreRejected, StoreUnavailable
 from ..vocabulary import LossReason
 from .handles import RuntimeHandle
+from .loop import Loop
 
 if TYPE_CHECKING:
     from .lease import Lease
@@ -45,16 +45,14 @@ class Heartbeat:
         self.store = runtime.store
         self.worker = runtime.worker
         self.beats = 0
-        self._wake = threading.Event()
-        self._stop = threading.Event()
         self._planned_interval = runtime.default_interval
-        self._thread: threading.Thread | None = None
-        self._starting = threading.Lock()
+        self._last_beat = float("-inf")  # when the loop's last round ended (monotonic)
+        self._loop = Loop("celery-lease-heartbeat", self._round, self._round_failed)
 
     def joined(self, lease: Lease) -> None:
         """A lease joined: wake the thread if it needs beats sooner than planned."""
         if lease.policy.heartbeat_interval < self._planned_interval:
-            self._wake.set()
+            self._loop.wake()
 
     # -- one round ---------------------------------------------------------
     def beat(self) -> dict[str, int]:
@@ -127,31 +125,24 @@ class Heartbeat:
     # -- the loop -------------------------------------------------------------
     def start(self) -> None:
         """Start the loop unless it runs; safe from many threads at once (one thread starts)."""
-        with self._starting:
-            if self._thread is not None and self._thread.is_alive():
-                return
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._run, name="celery-lease-heartbeat", daemon=True)
-            self._thread.start()
+        self._loop.start()
 
     def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._loop.stop(timeout)
+        self._last_beat = float("-inf")  # a restarted loop beats at once
 
-    def _run(self) -> None:
-        last_beat = float("-inf")
-        while not self._stop.is_set():
-            self._planned_interval = self.runtime.interval
-            self._wake.wait(max(0.0, last_beat + self._planned_interval - deadline.monotonic()))
-            self._wake.clear()
-            if self._stop.is_set():
-                break
-            if deadline.monotonic() < last_beat + self.runtime.interval:
-                continue  # woken for a shorter interval: plan again
-            try:
-                self.beat()
-            except Exception:  # noqa: BLE001 - the thread must outlive any one bad round
-                log.exception("heartbeat round of %s failed", self.worker)
-            last_beat = deadline.monotonic()
+    def _round(self) -> float:
+        """Beat if the interval passed since the last round (a wake may come sooner); plan the next."""
+        if deadline.monotonic() >= self._last_beat + self.runtime.interval:
+            self.beat()
+            self._last_beat = deadline.monotonic()
+        return self._plan()
+
+    def _round_failed(self) -> float:
+        log.exception("heartbeat round of %s failed", self.worker)
+        self._last_beat = deadline.monotonic()
+        return self._plan()
+
+    def _plan(self) -> float:
+        self._planned_interval = self.runtime.interval
+        return max(0.0, self._last_beat + self._planned_interval - deadline.monotonic())

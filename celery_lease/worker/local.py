@@ -13,7 +13,6 @@ nothing (``celery_lease.testing``). With
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import secrets
 import threading
@@ -21,14 +20,13 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
+from ..app_state import app_state
+from ..context import LOCAL as _current
 from ..vocabulary import EffectOutcome
 
 __all__ = ["LocalLease", "LocalState", "state", "current", "running"]
 
 LOCAL_KEPT = 1000  # effect keys, and checkpoints, the local runs of one app keep (the newest)
-
-_current: contextvars.ContextVar[LocalLease | None] = contextvars.ContextVar("celery_lease_local",
-                                                                            default=None)
 
 
 @dataclasses.dataclass
@@ -104,9 +102,10 @@ def _trim(kept: OrderedDict[str, Any]) -> None:
 
 def state(app: Any) -> LocalState:
     """The app's local state in this process (made on first use)."""
-    found = getattr(app, "_celery_lease_local", None)
+    holder = app_state(app)
+    found: LocalState | None = holder.local
     if found is None:
-        found = app._celery_lease_local = LocalState()
+        found = holder.local = LocalState()
     return found
 
 

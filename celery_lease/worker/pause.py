@@ -11,6 +11,7 @@ import threading
 from typing import Any
 
 from ..errors import StoreUnavailable
+from .loop import Loop
 
 __all__ = ["ConsumerPause"]
 
@@ -26,8 +27,8 @@ class ConsumerPause:
         self.paused = False  # what the consumer should be; its loop applies it
         self._consumer: Any = None
         self._mutex = threading.Lock()
-        self._stop = threading.Event()
-        self._probe: threading.Thread | None = None
+        self._stop = threading.Event()  # the worker stops: never probe again
+        self._probe = Loop("celery-lease-store-probe", self._ask_store, self._ask_failed)
 
     def bind(self, consumer: Any) -> None:
         """The consumer (re)started and consumes: cancel it again if the store is still down."""
@@ -44,9 +45,7 @@ class ConsumerPause:
             if self.paused or consumer is None or self._stop.is_set():
                 return
             self.paused = True
-            self._probe = threading.Thread(target=self._wait_for_store, name="celery-lease-store-probe",
-                                           daemon=True)
-            self._probe.start()
+            self._probe.start(delay=self.interval)
         log.warning("this worker stops consuming until the lease store answers (asked every %gs): %s",
                     self.interval, why, extra={"action": "consuming_paused"})
         consumer.call_soon(self._apply)
@@ -61,27 +60,26 @@ class ConsumerPause:
         else:
             task_consumer.consume()
 
-    def _wait_for_store(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self.store.now()
-            except StoreUnavailable:
-                continue
-            except Exception:  # noqa: BLE001 - the probe must outlive any one bad answer
-                log.exception("probe of the lease store failed")
-                continue
-            with self._mutex:
-                self.paused = False
-                self._probe = None
-                consumer = self._consumer
-            log.info("lease store answers again: this worker consumes again",
-                     extra={"action": "consuming_resumed"})
-            consumer.call_soon(self._apply)
-            return
+    def _ask_store(self) -> float:
+        """One probe: ask the store again in ``interval`` seconds while it is down, else resume."""
+        try:
+            self.store.now()
+        except StoreUnavailable:
+            return self.interval
+        with self._mutex:
+            self.paused = False
+            self._probe.stop()  # under the mutex: the next outage starts a new probe
+            consumer = self._consumer
+        log.info("lease store answers again: this worker consumes again",
+                 extra={"action": "consuming_resumed"})
+        consumer.call_soon(self._apply)
+        return self.interval
+
+    def _ask_failed(self) -> float:
+        log.exception("probe of the lease store failed")
+        return self.interval
 
     def stop(self, timeout: float = 5.0) -> None:
         """The worker is stopping: stop asking the store."""
         self._stop.set()
-        probe = self._probe
-        if probe is not None:
-            probe.join(timeout)
+        self._probe.stop(timeout)

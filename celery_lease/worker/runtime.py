@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import celery_lease.deadline as deadline
 import celery_lease.worker.interrupt as interrupt
 
+from ..app_state import app_state
 from ..errors import StoreRejected, StoreUnavailable
 from ..vocabulary import Event
 from .effects import Locks
@@ -328,7 +329,7 @@ def for_app(app: Any, store: Store, hostname: str | None = None) -> Runtime:
                 host = hostname or socket.gethostname()
                 runtime = Runtime(store, host, app_config(app).heartbeat_interval)
                 _runtimes[(id(app), os.getpid())] = (weakref.ref(app), runtime)
-                app.__dict__.setdefault("_celery_lease_retire", retire)  # store.forget() calls it
+                app_state(app).retire = retire  # store.forget() calls it
     return runtime
 
 

@@ -16,6 +16,7 @@ import celery_lease.deadline as deadline
 
 from ..errors import StoreRejected, StoreUnavailable
 from .handles import RuntimeHandle
+from .loop import Loop
 
 if TYPE_CHECKING:
     from ..store import Store
@@ -34,10 +35,7 @@ class DeadlineTimer:
 
     def __init__(self, runtime: RuntimeHandle) -> None:
         self.runtime = runtime
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._starting = threading.Lock()
+        self._loop = Loop("celery-lease-deadline", self._pass, self._pass_failed)
         # When the loop next looks (monotonic); None while a pass is reading the leases.
         self._planned: float | None = None
 
@@ -55,7 +53,7 @@ class DeadlineTimer:
         return min(upcoming, default=None)
 
     def wake(self) -> None:
-        self._wake.set()
+        self._loop.wake()
 
     def watch(self, due: float) -> None:
         """A lease due at ``due`` joined: wake the loop only if it would look later than that.
@@ -64,38 +62,30 @@ class DeadlineTimer:
         """
         planned = self._planned
         if planned is None or due < planned:
-            self._wake.set()
+            self._loop.wake()
 
     def start(self) -> None:
         """Start the loop unless it runs; safe from many threads at once (one thread starts)."""
-        with self._starting:
-            if self._thread is not None and self._thread.is_alive():
-                return
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._run, name="celery-lease-deadline", daemon=True)
-            self._thread.start()
+        self._loop.start()
 
     def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._loop.stop(timeout)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            # Cleared before the pass reads the leases: a lease added meanwhile sees None and wakes us.
-            self._planned = None
-            try:
-                upcoming = self.run_once()
-            except Exception:  # noqa: BLE001 - the timer must outlive any one bad pass
-                log.exception("deadline timer of %s failed", self.runtime.worker)
-                upcoming = None
-            now = deadline.monotonic()
-            # Sleep to the next deadline exactly; a new lease or a stop wakes it earlier.
-            pause = MAX_TIMER_SLEEP if upcoming is None else min(max(0.0, upcoming - now), MAX_TIMER_SLEEP)
-            self._planned = now + pause
-            self._wake.wait(pause)
-            self._wake.clear()
+    def _pass(self) -> float:
+        # Cleared before the pass reads the leases: a lease added meanwhile sees None and wakes us.
+        self._planned = None
+        return self._plan(self.run_once())
+
+    def _pass_failed(self) -> float:
+        log.exception("deadline timer of %s failed", self.runtime.worker)
+        return self._plan(None)
+
+    def _plan(self, upcoming: float | None) -> float:
+        """Sleep to the next deadline exactly; a new lease or a stop wakes the loop earlier."""
+        now = deadline.monotonic()
+        pause = MAX_TIMER_SLEEP if upcoming is None else min(max(0.0, upcoming - now), MAX_TIMER_SLEEP)
+        self._planned = now + pause
+        return pause
 
 
 class PendingCancels:
@@ -114,7 +104,7 @@ class PendingCancels:
         self._mutex = threading.Lock()
         # job id -> store.jobs.cancel's keywords for it
         self._kept: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
-        self._thread: threading.Thread | None = None
+        self._loop = Loop("celery-lease-cancels", self._retry, self._retry_failed)
 
     def __len__(self) -> int:
         with self._mutex:
@@ -152,9 +142,7 @@ class PendingCancels:
             while len(self._kept) > CANCELS_KEPT:
                 dropped, _ = self._kept.popitem(last=False)
                 log.error("job %s: too many cancels kept while the store is down; dropped", dropped)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="celery-lease-cancels", daemon=True)
-                self._thread.start()
+            self._loop.start(delay=self.interval)
 
     def flush(self) -> int:
         """Write the kept cancels, oldest first; stops at the first that finds the store down."""
@@ -177,15 +165,18 @@ class PendingCancels:
                     del self._kept[job_id]
         return written
 
-    def _run(self) -> None:
-        stop = threading.Event()
-        while True:
-            stop.wait(self.interval)
-            try:
-                self.flush()
-            except Exception:  # noqa: BLE001 - the retry thread must outlive any one bad pass
-                log.exception("kept cancels: flush failed")
-            with self._mutex:
-                if not self._kept:
-                    self._thread = None
-                    return
+    def _retry(self) -> float:
+        self.flush()
+        return self._again()
+
+    def _retry_failed(self) -> float:
+        log.exception("kept cancels: flush failed")
+        return self._again()
+
+    def _again(self) -> float:
+        """Try again in ``interval`` seconds while a cancel is kept; else end the loop."""
+        with self._mutex:
+            if not self._kept:
+                # Under the mutex: a cancel kept from now on starts a new loop.
+                self._loop.stop()
+            return self.interval

@@ -25,7 +25,7 @@ import sqlalchemy as sa
 from celery import Celery
 
 from celery_lease import LeaseTask
-from celery_lease.reaper import decisions
+from celery_lease.app_state import app_state
 from celery_lease.reaper import run as reaper
 
 DEFAULTS = {
@@ -115,5 +115,5 @@ def _pause_forever(job_id: str) -> None:
 
 if __name__ == "__main__":
     if os.environ.get("REAPER_PAUSE_FILE"):
-        decisions.after_publish = _pause_forever
+        app_state(app).after_publish = _pause_forever
     reaper.Reaper(app).run_forever(float(os.environ.get("REAPER_INTERVAL", "0.5")))

@@ -19,6 +19,7 @@ import redis
 from celery.bin.celery import celery
 from click.testing import CliRunner, Result
 
+from celery_lease.app_state import app_state
 from celery_lease.store import for_app, migrations
 from tests.apps import ops_app
 from tests.conftest import SCENE_STORES, flushed_redis, require_service, service_url, unique_prefix
@@ -399,7 +400,7 @@ def test_requeue_reports_a_publish_failure_and_exits_non_zero(rw, monkeypatch):
     app = ops_app.app
     app.conf.task_publish_retry = False
     app.conf.broker_transport_options = {"max_retries": 0}  # kombu retries a refused connection for 6 s
-    app._celery_lease_store = rw.store
+    app_state(app).store = rw.store
     result = rw.run("requeue", "--yes", "--job", "abandoned-0", "--json")
     assert result.exit_code == 1
     outcome = json.loads(result.stdout)["outcomes"][0]

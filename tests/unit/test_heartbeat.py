@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 import time
@@ -270,6 +271,33 @@ def test_the_thread_renews_on_its_own(store, hb):
     held_lease(store, hb.runtime, "looped")
     hb.start()
     wait_for(lambda: hb.beats >= 2, timeout=5, message="heartbeat thread did not beat twice")
+
+
+def test_a_round_that_raises_is_logged_and_the_thread_beats_on_one_interval_later(store, caplog, monkeypatch):
+    # Another test's worker may have reconfigured logging: make sure this logger reaches caplog.
+    logger = logging.getLogger("celery_lease.worker.heartbeat")
+    monkeypatch.setattr(logger, "disabled", False)
+    monkeypatch.setattr(logger, "propagate", True)
+    rt = Runtime(store, "host", default_interval=0.1, worker="host:3")
+    hb = rt.heartbeat
+    real_beat, rounds = hb.beat, []
+
+    def beat() -> dict[str, int]:
+        rounds.append(deadline.monotonic())
+        if len(rounds) == 1:
+            raise RuntimeError("bad round")
+        return real_beat()
+
+    hb.beat = beat
+    try:
+        with caplog.at_level("ERROR", logger="celery_lease.worker.heartbeat"):
+            hb.start()
+            wait_for(lambda: hb.beats >= 1, timeout=5, message="the thread did not outlive the bad round")
+        failed = [r for r in caplog.records if r.getMessage() == "heartbeat round of host:3 failed"]
+        assert failed and failed[0].exc_info
+        assert rounds[1] - rounds[0] >= 0.1  # the failed round counts as a round: the next waits its interval
+    finally:
+        rt.stop()
 
 
 def test_a_lease_with_a_shorter_interval_brings_the_next_beat_forward(store):

@@ -22,10 +22,10 @@ import sqlalchemy as sa
 from celery import Celery, Task
 
 from celery_lease import LeaseTask
+from celery_lease.app_state import app_state
 from celery_lease.config import app_config
 from celery_lease.errors import StoreUnavailable
 from celery_lease.messaging import messages
-from celery_lease.reaper import decisions
 from celery_lease.reaper import run as reaper
 from celery_lease.reaper.clock_guard import Hold
 from celery_lease.reaper.decisions import ReapDecision, ReapResult
@@ -75,7 +75,7 @@ def app(store, broker):
                     lease_duration=30.0, lease_grace_period=1.0, lease_reaper_hard_grace=60.0,
                     lease_worker_stale_after=10.0, lease_backoff_base=2.0, lease_backoff_max=10.0,
                     lease_reaper_lock_ttl=30.0)
-    app._celery_lease_store = store
+    app_state(app).store = store
 
     @app.task(base=LeaseTask, shared=False, name="t.work")
     def work(x):
@@ -704,7 +704,7 @@ def test_the_pause_seam_runs_between_publish_and_cas(app, store, broker, monkeyp
         seen.append((job_id, store.get(job_id).status if store.dialect.name != "sqlite" else "-",
                      broker.client.llen(broker.queue)))
 
-    monkeypatch.setattr(decisions, "after_publish", pause)
+    monkeypatch.setattr(app_state(app), "after_publish", pause)
     assert Reaper(app).run_once().reaped == 1
     assert seen[0][0] == "j1" and seen[0][2] == 1  # the message is out before the CAS
     if store.dialect.name != "sqlite":  # a second connection still sees the row running
@@ -750,7 +750,7 @@ def test_a_reaper_that_does_not_import_the_task_applies_the_policy_the_job_carri
     bare = Celery(f"bare_{unique_prefix()}", broker=broker.url, set_as_current=False)
     bare.conf.update({k: v for k, v in app.conf.items()
                       if k.startswith("lease_") or k == "task_default_queue"})
-    bare._celery_lease_store = store
+    app_state(bare).store = store
     assert "t.park" not in bare.tasks
 
     result = Reaper(bare).run_once()
@@ -827,7 +827,7 @@ def test_a_30_minute_backlog_makes_a_bounded_number_of_copies_per_job(app, store
 
 def test_the_wait_between_re_sends_stops_growing_at_lease_dispatch_backoff_max(app, store, broker):
     app.conf.lease_dispatch_backoff_max = 120.0
-    app._celery_lease_config = None  # the settings are read once per app: read them again
+    app_state(app).config = None  # the settings are read once per app: read them again
     # re-sends after 60, 120, then every 120 s: 60 + 120 x 14 = 1,740 s <= 1,800 s
     copies = copies_in_a_backlog(app, store, broker, jobs=2, timeout=60.0, minutes=30)
     assert set(copies.values()) == {15}, copies
@@ -866,7 +866,7 @@ def quick_app(store, broker):
                     lease_table_prefix=store.prefix, lease_duration=LEASE, lease_grace_period=GRACE,
                     lease_heartbeat_interval=BEAT, lease_reaper_hard_grace=60.0,
                     lease_worker_stale_after=2.0, lease_backoff_base=0.1, lease_backoff_max=0.1)
-    app._celery_lease_store = store
+    app_state(app).store = store
 
     @app.task(base=LeaseTask, shared=False, name="t.work")
     def work(x):

@@ -94,11 +94,11 @@ def test_a_lease_due_after_the_timers_next_look_does_not_wake_it_and_an_earlier_
         wait_for(lambda: rt.timer._planned is not None, timeout=5, message="the timer never planned")
         planned = rt.timer._planned
         assert planned <= first.deadline
-        rt.timer._wake.clear()
+        rt.timer._loop.woken.clear()
         rt.timer.watch(planned + 30.0)
-        assert not rt.timer._wake.is_set()  # it looks again before that lease is due anyway
+        assert not rt.timer._loop.woken.is_set()  # it looks again before that lease is due anyway
         rt.timer.watch(planned - 0.5)
-        assert rt.timer._wake.is_set()
+        assert rt.timer._loop.woken.is_set()
     finally:
         rt.stop()
 
@@ -395,7 +395,7 @@ def test_release_all_in_process_gives_back_every_lease_and_stops_the_threads(sto
     rt.attach(Request(), lease)
     assert runtime.release_all_in_process() >= 1
     assert store.get("job-1").status == "pending" and lease.lost
-    assert not rt.timer._thread.is_alive() and not rt.heartbeat._thread.is_alive()
+    assert not rt.timer._loop.thread.is_alive() and not rt.heartbeat._loop.thread.is_alive()
 
 
 def test_a_claim_given_up_is_remembered_for_its_job_only_and_the_oldest_are_forgotten(store, monkeypatch):
@@ -450,6 +450,36 @@ def test_a_cancel_that_meets_an_outage_is_kept_and_written_once_the_store_answer
     assert [(direct.get(j).status, direct.get(j).last_error) for j in ("j1", "j2")] == [
         ("failed", "revoked (revoked)"), ("failed", "revoked (expired)")]
     assert cancels.cancel("j3", "revoked") is True  # nothing kept: an unknown job is a no-op write
+
+
+class FlakyCancels:
+    """A store whose cancel() fails while ``down`` is set, and records the cancels it took."""
+
+    def __init__(self) -> None:
+        self.down = True
+        self.written: list[str] = []
+
+    def cancel(self, job_id: str, **_: object) -> None:
+        if self.down:
+            raise StoreUnavailable("down")
+        self.written.append(job_id)
+
+
+def test_the_kept_cancels_thread_ends_once_none_is_left_and_the_next_outage_starts_another():
+    store = FlakyCancels()
+    cancels = runtime.PendingCancels(store, interval=0.05)
+    assert cancels.cancel("j1", "revoked") is False
+    first = cancels._loop.thread
+    assert first is not None
+    store.down = False
+    wait_for(lambda: store.written == ["j1"], timeout=5, message="the kept cancel was never written")
+    first.join(5)
+    assert not first.is_alive()  # nothing left to write: the thread ended
+    store.down = True
+    assert cancels.cancel("j2", "revoked") is False
+    assert cancels._loop.thread is not first and cancels._loop.running()
+    store.down = False
+    wait_for(lambda: store.written == ["j1", "j2"], timeout=5, message="the second outage's cancel was lost")
 
 
 @pytest.mark.parametrize("store_url", ["mysql"], indirect=True)

@@ -13,13 +13,15 @@ from typing import Any
 
 import celery_lease.store as stores
 
+from ...app_state import app_state
+
 __all__ = ["install", "reload", "on_setting_changed"]
 
 
 def reload(app: Any) -> None:
     """Forget ``app``'s validated lease settings, its tasks' policies and its store."""
-    for name in ("_celery_lease_config", "_celery_lease_stale_after"):
-        app.__dict__.pop(name, None)
+    state = app_state(app)
+    state.config = state.stale_after = None
     for task in list(app.tasks.values()):
         task.__dict__.pop("_lease_policies", None)
     stores.forget(app)

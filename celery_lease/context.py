@@ -1,0 +1,42 @@
+"""Every context variable of the package, in one place.
+
+What a thread or greenlet (each has its own context) is doing right now: the body it runs, the
+group it publishes, the replacement it hands over. A core module, so that every layer may read
+them and none needs another's private names; each module that sets one keeps its setter and
+reader. The values are the higher layers' objects, so they are typed ``Any`` here: each
+comment names the type.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from typing import Any
+
+__all__ = ["BODY", "LOCAL", "BATCH", "HANDING", "HANDING_LATER", "RESUMED", "UNRECORDED"]
+
+#: The worker.lease.Lease whose body runs here; set by Lease.body(), read by shield.uninterrupted().
+BODY: ContextVar[Any] = ContextVar("celery_lease_body", default=None)
+
+#: The worker.local.LocalLease of a body run outside a worker (eager); set by worker.local.running().
+LOCAL: ContextVar[Any] = ContextVar("celery_lease_local", default=None)
+
+#: The publish.batching.Batch of the group being published here; set by the wrapper of
+#: group._apply_tasks that publish.batching.install() puts in place.
+BATCH: ContextVar[Any] = ContextVar("celery_lease_batch", default=None)
+
+#: The worker.lease.Lease whose job a Task.replace() hands over to the carrier it publishes now;
+#: set by publish.replacing.hand_over().
+HANDING: ContextVar[Any] = ContextVar("celery_lease_handing", default=None)
+
+#: A hand-over whose carrier is sent later: (the Lease, the carrier's name, the replaced run's
+#: replaced_task_nesting) until the first step is recorded; set by publish.replacing.hand_over().
+HANDING_LATER: ContextVar[Any] = ContextVar("celery_lease_handing_later", default=None)
+
+#: The job id (str) whose post-run work this context finishes: its publishes re-send what a crash may
+#: have sent already (the chain's next step under its frozen id), so they reopen nothing; set by
+#: worker.deliveries when it resumes that work.
+RESUMED: ContextVar[str | None] = ContextVar("celery_lease_resumed", default=None)
+
+#: True while publishing without recording a job (the row exists, or the store is down); set by
+#: messaging.messages.publishing_unrecorded().
+UNRECORDED: ContextVar[bool] = ContextVar("celery_lease_unrecorded", default=False)
