@@ -35,7 +35,7 @@ def leased_add(tmp_path) -> Any:
                  set_as_current=False)
     app.conf.update(lease_store_url=url, lease_duration=30.0)
 
-    @app.task(base=LeaseTask, bind=True, name="path.add", acks_late=True)
+    @app.task(base=LeaseTask, bind=True, name="path.add", acks_late=True, shared=False)
     def add(self: Any, a: int, b: int) -> int:
         return a + b
 

@@ -579,7 +579,7 @@ def test_a_dry_run_mode_plans_page_after_page_without_taking_or_renewing_the_rea
     running(store, "alive", owner=ALIVE, age=10.0)  # skipped: the first page of one job
     running(store, "requeue", age=5.0)
     for write in ("acquire_reaper_lock", "renew_reaper_lock"):
-        monkeypatch.setattr(store, write, lambda *args, **kwargs: pytest.fail("a dry run took the lock"))
+        monkeypatch.setattr(store.reaping, write, lambda *_, **__: pytest.fail("a dry run took the lock"))
     result = ReapResult(dry_run=True)
 
     Reaper(app, batch_size=1)._recover_expired(result, store.now(), Hold(), RunMode.DRY_RUN)

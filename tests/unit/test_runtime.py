@@ -458,6 +458,7 @@ class FlakyCancels:
     def __init__(self) -> None:
         self.down = True
         self.written: list[str] = []
+        self.jobs = self  # the store's group of the worker's job writes
 
     def cancel(self, job_id: str, **_: object) -> None:
         if self.down:
