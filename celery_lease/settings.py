@@ -104,13 +104,7 @@ def _url(value: Any) -> str:
     return value
 
 
-def _optional_queue(value: Any) -> str | None:
-    if value is None:
-        return None
-    return _text(value)
-
-
-def _optional_secret(value: Any) -> str | None:
+def _optional_text(value: Any) -> str | None:
     if value is None:
         return None
     return _text(value)
@@ -155,7 +149,7 @@ SETTINGS: tuple[Setting, ...] = (
        "A Django database alias (celery_lease.contrib.django): the store's URL is taken from "
        "connections[alias].settings_dict at first use, so under Django's test runner it is the test "
        "database. The store keeps connections of its own. Set this or lease_store_url, not both.",
-       _optional_queue, "None or a non-empty database alias", False),
+       _optional_text, "None or a non-empty database alias", False),
     _S("lease_table_prefix", "celery_lease_",
        "Prefix of the store's table names.",
        _identifier, "letters, digits and underscores, not starting with a digit, at most 30", False),
@@ -223,7 +217,7 @@ SETTINGS: tuple[Setting, ...] = (
        _bool, "True or False", True),
     _S("lease_dead_letter_queue", None,
        "Queue that receives the message of a dead-lettered job (None: keep it in the store only).",
-       _optional_queue, "None or a queue name", True),
+       _optional_text, "None or a queue name", True),
     _S("lease_claim_async_commit", False,
        "PostgreSQL, opt-in: commit a claim without waiting for its WAL flush. A server crash may then "
        "undo a claim made in its last moments: the job is pending again, another delivery (a duplicate, "
@@ -296,7 +290,7 @@ SETTINGS: tuple[Setting, ...] = (
     _S("lease_web_token", None,
        "Bearer token `celery lease web` asks of every request (an 'Authorization: Bearer ...' header, "
        "or typed once on its sign-in page). None: no token.",
-       _optional_secret, "None or a non-empty string", False),
+       _optional_text, "None or a non-empty string", False),
     _S("lease_web_basic_auth", None,
        "'user:password' that `celery lease web` asks of every request by HTTP basic authentication. "
        "None: no password. With neither this nor lease_web_token, the page answers only requests "

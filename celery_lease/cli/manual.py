@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import click
@@ -71,7 +71,14 @@ def go_ahead(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]],
     return True
 
 
-def _report(outcomes: list[recovery.Outcome], done: RecoveryAction, batch: int, as_json: bool) -> None:
+def _recover(store: Any, jobs: list[Any], question: str, label: str,
+             run: Callable[[Iterable[Any]], Iterable[recovery.Outcome]], done: RecoveryAction, batch: int,
+             dry_run: bool, yes: bool, as_json: bool) -> None:
+    """Show the plan of ``jobs``, then (when it may proceed) ``run`` them and report the outcomes."""
+    if not go_ahead(job_plan(store, jobs), PLAN_COLUMNS, question, dry_run, yes, as_json):
+        return
+    with progress(jobs, label, not as_json and is_tty()) as items:
+        outcomes = list(run(items))
     counts = Counter(o.action for o in outcomes)
     skipped, failed = counts[RecoveryAction.SKIPPED], counts[RecoveryAction.PUBLISH_FAILED]
     if as_json:
@@ -108,11 +115,9 @@ def requeue(ctx: click.Context, job_id: str | None, expired: bool, batch: int, f
     app, store = app_of(ctx), store_of(ctx)
     jobs = recovery.requeue_plan(app, store, job_id, expired, batch, force)
     verb = "requeue" + (" (forced: their workers may still run them)" if force else "")
-    if not go_ahead(job_plan(store, jobs), PLAN_COLUMNS, f"{verb} {len(jobs)} job(s)", dry_run, yes, as_json):
-        return
-    with progress(jobs, "requeueing", not as_json and is_tty()) as items:
-        outcomes = list(recovery.requeue(app, store, items, force))
-    _report(outcomes, RecoveryAction.REQUEUED, batch, as_json)
+    _recover(store, jobs, f"{verb} {len(jobs)} job(s)", "requeueing",
+             lambda items: recovery.requeue(app, store, items, force), RecoveryAction.REQUEUED, batch,
+             dry_run, yes, as_json)
 
 
 @lease.group()
@@ -157,12 +162,9 @@ def dlq_redrive(ctx: click.Context, job_id: str | None, task: str | None, batch:
     """
     app, store = app_of(ctx), store_of(ctx)
     jobs = recovery.redrive_plan(store, job_id, task, batch)
-    if not go_ahead(job_plan(store, jobs), PLAN_COLUMNS, f"redrive {len(jobs)} dead letter(s)", dry_run, yes,
-                    as_json):
-        return
-    with progress(jobs, "redriving", not as_json and is_tty()) as items:
-        outcomes = list(recovery.redrive(app, store, items))
-    _report(outcomes, RecoveryAction.REDRIVEN, batch, as_json)
+    _recover(store, jobs, f"redrive {len(jobs)} dead letter(s)", "redriving",
+             lambda items: recovery.redrive(app, store, items), RecoveryAction.REDRIVEN, batch,
+             dry_run, yes, as_json)
 
 
 @dlq.command("discard")
@@ -182,12 +184,9 @@ def dlq_discard(ctx: click.Context, job_id: str | None, task: str | None, batch:
     """
     store = store_of(ctx)
     jobs = recovery.discard_plan(store, job_id, task, batch)
-    if not go_ahead(job_plan(store, jobs), PLAN_COLUMNS, f"delete {len(jobs)} dead letter(s) for good",
-                    dry_run, yes, as_json):
-        return
-    with progress(jobs, "discarding", not as_json and is_tty()) as items:
-        outcomes = list(recovery.discard(store, items))
-    _report(outcomes, RecoveryAction.DISCARDED, batch, as_json)
+    _recover(store, jobs, f"delete {len(jobs)} dead letter(s) for good", "discarding",
+             lambda items: recovery.discard(store, items), RecoveryAction.DISCARDED, batch,
+             dry_run, yes, as_json)
 
 
 @lease.group()

@@ -219,8 +219,7 @@ def _send_again(app: Any, job_id: str, envelope: dict[str, Any], countdown: floa
     exchange, routing_key = envelope.get("exchange") or "", envelope.get("routing_key")
     names = list(envelope.get("declare") or ())
     if queue is not None:
-        # The default exchange delivers by queue name: no binding needed, so a broker that
-        # restarted empty (Redis without persistence) still gets the message.
+        # The default exchange, for the reason republish() gives.
         exchange, routing_key, names = "", queue, [queue]
     body = envelope["body"]
     if envelope.get("b64"):

@@ -30,7 +30,11 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import app_config, fix_for, problems_of, task_options
 from ..errors import LeaseConfigError
+from .broker_checks import broker_rules
+from .celery_settings import celery_rules
 from .check_context import ERROR, OK, WARNING, Context, Finding, Rule, ok_unless
+from .checklist import checklist_rules
+from .reaper_checks import reaper_rules
 
 if TYPE_CHECKING:
     from ..store import Store
@@ -173,12 +177,6 @@ def check_acks(ctx: Context) -> Iterator[Finding]:
                          "messages are acknowledged after the job; celery_lease recovers lost pool processes")
 
 
-def check_reaper(ctx: Context) -> Iterator[Finding]:
-    from .reaper_checks import reaper_rules
-
-    yield from reaper_rules(ctx)
-
-
 # -- the store ------------------------------------------------------------------------
 def check_store(ctx: Context) -> Iterator[Finding]:
     url = {"lease_store_url": ctx.store.safe_url}
@@ -218,26 +216,8 @@ def check_store(ctx: Context) -> Iterator[Finding]:
                           "all registered workers run on one host, which SQLite supports")
 
 
-def check_broker(ctx: Context) -> Iterator[Finding]:
-    from .broker_checks import broker_rules
-
-    yield from broker_rules(ctx)
-
-
-def check_celery(ctx: Context) -> Iterator[Finding]:
-    from .celery_settings import celery_rules
-
-    yield from celery_rules(ctx)
-
-
-def check_checklist(ctx: Context) -> Iterator[Finding]:
-    from .checklist import checklist_rules
-
-    yield from checklist_rules(ctx)
-
-
 RULES: tuple[Rule, ...] = (check_policies, check_grace, check_time_limits, check_prefetch, check_acks,
-                           check_reaper, check_store, check_broker, check_celery, check_checklist)
+                           reaper_rules, check_store, broker_rules, celery_rules, checklist_rules)
 
 
 def _config_code(problem: LeaseConfigError) -> str:

@@ -24,10 +24,11 @@ import celery_lease.messaging.messages as messages
 
 from ..errors import JobNotFound, LeaseError
 from ..store import COMPLETED, FAILED, PENDING, Job, Store
-from ..vocabulary import RecoveryAction
+from ..vocabulary import DeadLetterAction, RecoveryAction
 
 __all__ = ["RecoveryRefused", "AmbiguousJobId", "Outcome", "operator", "resolve_job_id", "requeue_plan",
-           "requeue", "redrive_plan", "redrive", "discard_plan", "discard", "forget_plan", "forget"]
+           "requeue", "redrive_plan", "redrive", "discard_plan", "discard", "dead_letter_plan",
+           "recover_dead_letters", "forget_plan", "forget"]
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +223,30 @@ def discard(store: Store, jobs: Iterable[Job], who: str | None = None) -> Iterat
         log.info("dead letter %s discarded by %s", job.id, who, extra={"action": "dlq_discarded"})
         yield Outcome(job.id, job.task_name, job.queue_name, RecoveryAction.DISCARDED,
                       "deleted from the store")
+
+
+def dead_letter_plan(store: Store, action: DeadLetterAction, job_ids: list[str] | None,
+                     task: str | None = None, batch: int = 10) -> tuple[list[Job], list[str]]:
+    """The dead letters ``action`` would move (each named job, or with ``job_ids`` None the oldest
+    batch of ``task``) and, for named jobs that cannot be moved, why not: a selection on a page."""
+    plan = redrive_plan if action == DeadLetterAction.REDRIVE else discard_plan
+    if job_ids is None:
+        return plan(store, None, task, batch), []
+    jobs, refused = [], []
+    for job_id in job_ids:
+        try:
+            jobs += plan(store, job_id, None, batch)
+        except LeaseError as exc:
+            refused.append(" ".join(str(exc).split()))
+    return jobs, refused
+
+
+def recover_dead_letters(app: Any, store: Store, action: DeadLetterAction, jobs: Iterable[Job],
+                         who: str) -> Iterator[Outcome]:
+    """Redrive or discard ``jobs`` as ``action`` says."""
+    if action == DeadLetterAction.REDRIVE:
+        return redrive(app, store, jobs, who=who)
+    return discard(store, jobs, who=who)
 
 
 def forget_plan(store: Store, key: str) -> dict[str, Any]:

@@ -47,7 +47,6 @@ class Store(StoreEngine):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        """A store on ``url``, with StoreEngine's arguments; builds the statement groups on it."""
         super().__init__(*args, **kwargs)
         audited = AuditedWrites(self)
         self.workers = WorkerStatements(self)

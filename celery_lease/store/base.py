@@ -65,11 +65,8 @@ class StoreEngine:
                  clock_offset: float = 0.0, fault_injector: str | None = None) -> None:
         """A store on ``url``; ``call_timeout`` bounds every call (seconds, see dialects.Bounds).
 
-        The app-wide lease settings its statements apply (lease_reaper_hard_grace,
-        lease_worker_stale_after, lease_clock_tolerance, lease_claim_async_commit,
-        lease_publish_async_commit) default to
-        config.py's; ``from_config`` takes them from the app. ``fault_injector``
-        (lease_fault_injector) is handed each engine this store builds.
+        The app-wide lease settings its statements apply default to config.py's; ``from_config``
+        takes them from the app. ``fault_injector`` (lease_fault_injector) gets each engine built.
         """
         self.url = url
         self.hard_grace: float = _default("lease_reaper_hard_grace", hard_grace)

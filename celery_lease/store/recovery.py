@@ -2,7 +2,7 @@
 forget an effect key.
 
 Each move is one conditional UPDATE (or DELETE) per job, like the reaper's, audited in the
-same transaction; the rules of when a move is allowed live in celery_lease/recovery.py.
+same transaction; the rules of when a move is allowed live in celery_lease/ops/recovery.py.
 """
 
 from __future__ import annotations

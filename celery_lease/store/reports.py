@@ -30,10 +30,9 @@ def _bucket(value: Any, bounds: Sequence[float]) -> Any:
 
 
 class ReportStatements:
-    """Statements for operators' reads: status, listings, metrics, tuning samples, the audit log.
+    """Operators' reads, with the store's long bound: one may scan history, and no lease waits on it.
 
-    They run with the store's long bound: an operator's read may scan history, and no lease
-    waits on it. The reads of one job's events, one effect key or one lock keep the call bound.
+    The reads of one job's events, one effect key or one lock keep the call bound.
     """
 
     def __init__(self, db: StoreEngine) -> None:

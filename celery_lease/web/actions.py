@@ -10,16 +10,13 @@ started with ``--allow-actions``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 from typing import Any
 
 from flask import Flask, abort, g, render_template, request
 
 import celery_lease.ops.recovery as recovery
 
-from ..errors import LeaseError
 from ..ops.views import job_plan
-from ..store import Job
 from ..vocabulary import DeadLetterAction, RecoveryAction
 from .console import Console, console
 
@@ -32,32 +29,6 @@ ACTIONS = {
     DeadLetterAction.DISCARD: ("delete for good", "delete from the store (their events stay)",
                                RecoveryAction.DISCARDED),
 }
-
-
-def _plans(action: DeadLetterAction) -> Callable[..., list[Job]]:
-    return recovery.redrive_plan if action == DeadLetterAction.REDRIVE else recovery.discard_plan
-
-
-def _planned(c: Console, action: DeadLetterAction, ids: list[str],
-             task: str | None) -> tuple[list[Job], list[str]]:
-    """The jobs an action would move (each named job, or the oldest batch of ``task``) and, for
-    named jobs that cannot be moved, why not."""
-    plan = _plans(action)
-    if not ids:
-        return plan(c.store, None, task, BATCH), []
-    jobs, refused = [], []
-    for job_id in ids:
-        try:
-            jobs += plan(c.store, job_id, None, BATCH)
-        except LeaseError as exc:
-            refused.append(" ".join(str(exc).split()))
-    return jobs, refused
-
-
-def _outcomes(c: Console, action: DeadLetterAction, jobs: list[Job], who: str) -> Iterator[recovery.Outcome]:
-    if action == DeadLetterAction.REDRIVE:
-        return recovery.redrive(c.app, c.store, jobs, who=who)
-    return recovery.discard(c.store, jobs, who=who)
 
 
 def _request() -> tuple[Console, DeadLetterAction, list[str]]:
@@ -82,7 +53,7 @@ def register(web: Flask) -> None:
     def plan() -> Any:
         c, action, ids = _request()
         task = request.form.get("task") or None
-        jobs, refused = _planned(c, action, ids, task)
+        jobs, refused = recovery.dead_letter_plan(c.store, action, ids or None, task, BATCH)
         return render_template("plan.html", page="dead_letters", action=action, verb=ACTIONS[action],
                                jobs=jobs, rows=job_plan(c.store, jobs), refused=refused, task=task,
                                batch=BATCH, stamps={j.id: repr(j.updated_at) for j in jobs})
@@ -93,13 +64,13 @@ def register(web: Flask) -> None:
         if request.form.get("confirm") != "yes" or not ids:
             abort(400, "nothing confirmed: plan the action first and confirm it")
         stamps = dict(zip(ids, request.form.getlist("stamp"), strict=False))
-        jobs, refused = _planned(c, action, ids, None)
+        jobs, refused = recovery.dead_letter_plan(c.store, action, ids, batch=BATCH)
         changed = [j for j in jobs if repr(j.updated_at) != stamps.get(j.id)]
         jobs = [j for j in jobs if j not in changed]
         who = recovery.operator("web", g.get("user") or "anonymous", request.remote_addr or "unknown")
         outcomes = [recovery.Outcome(j.id, j.task_name, j.queue_name, RecoveryAction.SKIPPED,
                                      "changed since the plan was shown") for j in changed]
-        outcomes += list(_outcomes(c, action, jobs, who))
+        outcomes += list(recovery.recover_dead_letters(c.app, c.store, action, jobs, who))
         status = 200 if not any(o.action == RecoveryAction.PUBLISH_FAILED for o in outcomes) else 502
         return render_template("done.html", page="dead_letters", action=action, verb=ACTIONS[action],
                                outcomes=outcomes, refused=refused, who=who,

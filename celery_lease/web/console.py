@@ -1,7 +1,4 @@
-"""What every page works with (the Celery app, its store, what the server may do) and how a page gets it.
-
-A module of its own so that the pages can import it while ``app`` imports the pages to register them.
-"""
+"""The pages' Console, in a module of its own so that the pages can import it while ``app`` imports them."""
 
 from __future__ import annotations
 

@@ -20,7 +20,6 @@ from django.template.response import TemplateResponse
 import celery_lease.ops.recovery as recovery
 import celery_lease.store as stores
 
-from ....errors import LeaseError
 from ....vocabulary import DeadLetterAction, RecoveryAction
 from .tables import celery_app
 
@@ -61,13 +60,7 @@ def recover(model_admin: Any, request: HttpRequest, queryset: Any,
         return None
     app = celery_app()
     store = stores.for_app(app)
-    plan = recovery.redrive_plan if action == DeadLetterAction.REDRIVE else recovery.discard_plan
-    jobs, refused = [], []
-    for job_id in ids:
-        try:
-            jobs += plan(store, job_id)
-        except LeaseError as exc:
-            refused.append(" ".join(str(exc).split()))
+    jobs, refused = recovery.dead_letter_plan(store, action, ids, batch=BATCH)
     if request.POST.get("confirm") != "yes":
         context = {**model_admin.admin_site.each_context(request),
                    "title": f"{VERBS[action][0].capitalize()} dead letters?",
@@ -75,11 +68,8 @@ def recover(model_admin: Any, request: HttpRequest, queryset: Any,
                    "jobs": jobs, "refused": refused, "batch": BATCH,
                    "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME}
         return TemplateResponse(request, CONFIRM_TEMPLATE, context)
-    who = operator(request)
-    outcomes = (recovery.redrive(app, store, jobs, who=who) if action == DeadLetterAction.REDRIVE
-                else recovery.discard(store, jobs, who=who))
     done = VERBS[action][2]
-    for outcome in outcomes:
+    for outcome in recovery.recover_dead_letters(app, store, action, jobs, operator(request)):
         level = messages.SUCCESS if outcome.action == done else messages.WARNING
         model_admin.message_user(request, f"{outcome.job_id} ({outcome.task}): {outcome.action}, "
                                  f"{outcome.reason}", level)
