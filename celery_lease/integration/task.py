@@ -152,7 +152,10 @@ class LeaseTask(Task):
     # -- run -------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request
-        if not leased(self):
+        runs_leased = self.__dict__.get("_lease_runs_leased")
+        if runs_leased is None:  # fixed for the task: its class and name
+            runs_leased = self.__dict__["_lease_runs_leased"] = leased(self)
+        if not runs_leased:
             return super().__call__(*args, **kwargs)
         if request.is_eager and not request.called_directly and app_config(self.app).eager_store:
             return lifecycle.run(self, args, kwargs)

@@ -13,9 +13,9 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from ..config import RECOVERY
+from ..config import RECOVERY, TaskPolicy
 from ..errors import StoreCorrupt
-from ..vocabulary import ClaimOutcome, Status
+from ..vocabulary import ClaimOutcome, Decision, Status
 
 __all__ = ["PENDING", "RUNNING", "COMPLETED", "FAILED", "status_sql", "fenced_status", "NewJob", "Job",
            "Claim", "ClaimTerms"]
@@ -124,10 +124,10 @@ class Claim:
     job: Job | None
     wait: float = 0.0
     step: Job | None = None
+    claimed: bool = dataclasses.field(init=False)
 
-    @property
-    def claimed(self) -> bool:
-        return self.outcome == ClaimOutcome.CLAIMED
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "claimed", self.outcome == ClaimOutcome.CLAIMED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,3 +147,10 @@ class ClaimTerms:
     # The delivery's replaced_task_nesting (Celery's Task.replace() raises it by one for the
     # replacement): a copy of a replaced run's message has the replaced run's, not more.
     nesting: int = 0
+
+    @classmethod
+    def of(cls, policy: TaskPolicy, nesting: int = 0) -> ClaimTerms:
+        """The terms a task's policy (on one queue) asks of a claim."""
+        return cls(duration=policy.duration, grace=policy.grace_period, max_attempts=policy.max_attempts,
+                   max_expirations=policy.max_expirations, takeover=policy.on_expired == Decision.REQUEUE,
+                   recovery=policy.recovery(), nesting=nesting)

@@ -14,10 +14,12 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 from celery import Task, states
 from celery._state import _task_stack
+from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry, WorkerShutdown, WorkerTerminate
 
 import celery_lease.deadline as deadline
@@ -26,10 +28,10 @@ import celery_lease.messaging.messages as messages
 import celery_lease.worker.deliveries as deliveries
 import celery_lease.worker.runtime as runtime
 
-from ..config import task_policy
+from ..config import TaskPolicy, task_policy
 from ..errors import LeaseLost, StoreRejected, StoreUnavailable
-from ..store import Claim, ClaimTerms, Store, for_app
-from ..vocabulary import ClaimOutcome, Decision, RunEnd, Status
+from ..store import Claim, ClaimTerms, Job, Store
+from ..vocabulary import ClaimOutcome, RunEnd, Status
 from .lease import Lease
 from .settle import settle
 
@@ -55,23 +57,36 @@ def run(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     claimed = _claim(task, args, kwargs)
     if isinstance(claimed, _Resumed):
         return claimed.value  # Celery's tracer stores it and sends the chain's next step
-    lease = claimed
+    rt, job, token, policy, sent, record_again = claimed
     request = task.request
+    # The body's own request context, as Celery >= 5.5 makes itself: before 5.5 push_request
+    # starts from a blank one, and the body would see no id, hostname or delivery_info.
+    body_request = Context(**{**request.__dict__, "args": args, "kwargs": kwargs})
+    lease = rt.admit(task, request, body_request, job, token, policy, sent_at=sent, record_again=record_again)
     try:
-        lease.runtime.attach(request, lease)
         _store_started(task, request, lease)
-        end, value, exc = _body(task, lease, args, kwargs)
+        end, value, exc = _body(task, lease, body_request, args, kwargs)
         return settle(task, lease, end, value, exc)
     finally:
-        lease.runtime.detach(request, lease)
+        rt.detach(request, lease, body_request)
+
+
+def _fail_closed(task: Any, queue: str | None, exc: StoreUnavailable) -> NoReturn:
+    """Deliver the message again later, with the task's store-retry backoff on this queue."""
+    policy = task_policy(task, queue)
+    deliveries.fail_closed(task, policy.store_retry_delay, policy.store_retry_max, exc)
 
 
 # -- claim ----------------------------------------------------------------------------
-def _claim(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Lease | _Resumed:
+# The claimed job with what its lease is built of: runtime, job, token, policy, claim sent at, record_again.
+_Claimed = tuple["runtime.Runtime", Job, str, TaskPolicy, float, Callable[[], bool]]
+
+
+def _claim(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Claimed | _Resumed:
+    """Take the job's lease, or learn why its body must not run (a finished run resumed returns its value)."""
     request = task.request
     job_id = request.id
     queue = queue_of(task, request)
-    policy = task_policy(task, queue)
     token = secrets.token_hex(16)
 
     def payload() -> str | None:
@@ -80,12 +95,9 @@ def _claim(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Lease | 
 
     rt: runtime.Runtime | None = None
     try:
-        store = for_app(task.app)
-        rt = runtime.for_app(task.app, store, request.hostname)
-        terms = ClaimTerms(duration=policy.duration, grace=policy.grace_period,
-                           max_attempts=policy.max_attempts, max_expirations=policy.max_expirations,
-                           takeover=policy.on_expired == Decision.REQUEUE, recovery=policy.recovery(),
-                           nesting=int(getattr(request, "replaced_task_nesting", 0) or 0))
+        found, store, policy, terms = runtime.for_delivery(
+            task, queue, int(getattr(request, "replaced_task_nesting", 0) or 0))
+        rt = found
         # The lease's local deadline counts from when the claim was sent, not answered.
         sent = deadline.monotonic()
         claim = store.jobs.claim(job_id, rt.worker, token, terms, task_name=task.name, queue=queue,
@@ -96,14 +108,13 @@ def _claim(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Lease | 
         log.error("job %s: the store refused its claim (%s)", job_id, exc, extra={"action": "claim_rejected"})
         if request.is_eager:
             raise
-        deliveries.fail_closed(task, policy.store_retry_delay, policy.store_retry_max,
-                               StoreUnavailable(str(exc), job_id=job_id))
+        _fail_closed(task, queue, StoreUnavailable(str(exc), job_id=job_id))
     except StoreUnavailable as exc:
         if request.is_eager:
             raise  # no message to deliver again: the caller sees the outage
         if rt is not None:
             rt.claim_unanswered(job_id, token)  # the server may still commit it
-        deliveries.fail_closed(task, policy.store_retry_delay, policy.store_retry_max, exc)
+        _fail_closed(task, queue, exc)
     if claim.outcome == ClaimOutcome.EARLY:
         deliveries.defer_early(task, store, rt.worker, claim.wait)
     if claim.outcome == ClaimOutcome.REPLACED:
@@ -121,7 +132,6 @@ def _claim(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Lease | 
         deliveries.skip_duplicate(task, store, rt.worker, claim.outcome, claim.job)
     job = claim.job
     assert job is not None
-    deliveries.forget_store_retries(request)
 
     def record_again() -> bool:
         again = store.jobs.claim(job_id, rt.worker, token, terms, task_name=task.name, queue=queue,
@@ -130,9 +140,7 @@ def _claim(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Lease | 
             deliveries.send_pending_step(task.app, job_id, again.step)
         return again.claimed and again.job is not None and again.job.lock_token == token
 
-    return Lease(rt, job_id, token, job.attempt_count, policy, job.idempotency_key or f"{task.name}:{job_id}",
-                 job.checkpoint_state(), sent_at=sent, app=task.app, acks_late=bool(task.acks_late),
-                 record_again=record_again)
+    return rt, job, token, policy, sent, record_again
 
 
 def _reclaim(store: Store, rt: runtime.Runtime, claim: Claim, token: str, terms: ClaimTerms) -> Claim:
@@ -171,18 +179,13 @@ def _store_started(task: Any, request: Any, lease: Lease) -> None:
 
 
 # -- body ------------------------------------------------------------------------------
-def _call(task: Any, lease: Lease, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Celery's ``Task.__call__``, with the body's own request context resolved to its lease."""
+def _call(task: Any, body_request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Celery's ``Task.__call__``, under the body's own request context (attached to its lease)."""
     _task_stack.push(task)
-    # A copy of the worker's request, as Celery >= 5.5 makes itself: before 5.5 push_request
-    # starts from a blank one, and the body would see no id, hostname or delivery_info.
-    task.push_request(**{**task.request.__dict__, "args": args, "kwargs": kwargs})
-    request = task.request
-    lease.runtime.bind(request, lease)
+    task.request_stack.push(body_request)
     try:
         return task.run(*args, **kwargs)
     finally:
-        lease.runtime.unbind(request, lease)
         task.pop_request()
         _task_stack.pop()
 
@@ -208,12 +211,12 @@ def _worker_leaving(exc: BaseException) -> bool:
     return bool(fired is not None and fired())
 
 
-def _body(task: Any, lease: Lease, args: tuple[Any, ...],
+def _body(task: Any, lease: Lease, body_request: Any, args: tuple[Any, ...],
           kwargs: dict[str, Any]) -> tuple[RunEnd, Any, BaseException | None]:
     """Run the body under the lease and name how it ended."""
     try:
         with lease.body():
-            result = _call(task, lease, args, kwargs)
+            result = _call(task, body_request, args, kwargs)
     except LeaseLost as exc:
         return RunEnd.LOST, None, exc
     except Retry as exc:

@@ -20,23 +20,28 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import celery_lease.deadline as deadline
+import celery_lease.store as stores
 import celery_lease.worker.interrupt as interrupt
 
 from ..app_state import app_state
+from ..config import TaskPolicy, task_policy
 from ..errors import StoreRejected, StoreUnavailable
 from ..vocabulary import Event
+from .deliveries import forget_store_retries
 from .effects import Locks
 from .handles import DeferredWrite
 from .heartbeat import Heartbeat, worker_id
+from .lease import Lease
 from .timers import CANCELS_KEPT, MAX_TIMER_SLEEP, DeadlineTimer, PendingCancels
 
 if TYPE_CHECKING:
-    from ..store import Store
-    from .lease import Lease
+    from collections.abc import Callable
+
+    from ..store import Job, Store
     from .pause import ConsumerPause
 
 __all__ = ["Runtime", "DeadlineTimer", "PendingCancels", "MAX_TIMER_SLEEP", "CANCELS_KEPT", "UNANSWERED_KEPT",
-           "for_app", "current", "retire", "in_process", "release_all_in_process"]
+           "for_app", "for_delivery", "current", "retire", "in_process", "release_all_in_process"]
 
 log = logging.getLogger(__name__)
 
@@ -87,25 +92,45 @@ class Runtime:
             self._unanswered.pop(token, None)
 
     # -- membership ---------------------------------------------------------------------
-    def attach(self, request: Any, lease: Lease) -> None:
-        """A body is about to run under ``lease`` for ``request``: renew it and watch its deadline."""
+    def admit(self, task: Any, request: Any, body_request: Any, job: Job, token: str, policy: TaskPolicy, *,
+              sent_at: float, record_again: Callable[[], bool]) -> Lease:
+        """The claim of ``job`` with ``token`` succeeded (the store answered: the delivery's store retries
+        are forgotten): its lease, with the job's checkpoint, attached for both request contexts."""
+        forget_store_retries(request)
+        lease = Lease(self, job.id, token, job.attempt_count, policy,
+                      job.idempotency_key or f"{task.name}:{job.id}", job.checkpoint_state(), sent_at=sent_at,
+                      app=task.app, acks_late=bool(task.acks_late), record_again=record_again)
+        try:
+            self.attach(request, lease, body_request)
+        except BaseException:
+            self.detach(request, lease, body_request)
+            raise
+        return lease
+
+    def attach(self, request: Any, lease: Lease, body_request: Any = None) -> None:
+        """A body is about to run under ``lease`` for ``request`` (and ``body_request``, the body's own
+        copy of it): renew it and watch its deadline."""
         with self._mutex:
             self._by_request[id(request)] = lease
             self._held[(lease.job_id, lease.token)] = lease
+        if body_request is not None:
+            self.bind(body_request, lease)
         self.start()
         self.heartbeat.joined(lease)
         self.timer.watch(lease.deadline)
 
-    def detach(self, request: Any, lease: Lease) -> None:
+    def detach(self, request: Any, lease: Lease, body_request: Any = None) -> None:
         """The body is over; a deferred completion or a pending give-back keeps the lease listed."""
         key = (lease.job_id, lease.token)
         self.unbind(request, lease)
+        if body_request is not None:
+            self.unbind(body_request, lease)
         with self._mutex:
             if key not in self._deferred:
                 self._held.pop(key, None)
 
     def bind(self, request: Any, lease: Lease) -> None:
-        """Resolve one more request context to ``lease`` (the body's own copy of the request)."""
+        """Resolve one more request context to ``lease``."""
         with self._mutex:
             self._by_request[id(request)] = lease
 
@@ -315,6 +340,16 @@ def current(app: Any) -> Runtime | None:
     """This process's runtime for an app, if a leased body ever ran here."""
     entry = _runtimes.get((id(app), os.getpid()))
     return entry[1] if entry is not None and entry[0]() is app else None
+
+
+def for_delivery(task: Any, queue: str | None,
+                 nesting: int = 0) -> tuple[Runtime, Store, TaskPolicy, stores.ClaimTerms]:
+    """What one delivery's claim needs of this process: its runtime, the store, the task's policy on
+    ``queue`` (cached per task and queue) and the claim's terms (``nesting``: the delivery's)."""
+    policy = task_policy(task, queue)
+    store = stores.for_app(task.app)
+    runtime = for_app(task.app, store, task.request.hostname)
+    return runtime, store, policy, stores.ClaimTerms.of(policy, nesting)
 
 
 def for_app(app: Any, store: Store, hostname: str | None = None) -> Runtime:
