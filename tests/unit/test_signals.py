@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -172,6 +171,7 @@ def test_an_idle_worker_is_alive_in_the_registry_before_its_first_task(tmp_path,
     body-running processes alive: the worker itself for threads, each child for prefork."""
     from celery_lease.store import for_app
     from tests.conftest import unique_prefix
+    from tests.helpers import wait_for
     from tests.workers import celery_processes, worker
 
     env = {"CORE_STORE": f"sqlite:///{tmp_path / 'lease.sqlite3'}", "CORE_PREFIX": unique_prefix()}
@@ -182,16 +182,15 @@ def test_an_idle_worker_is_alive_in_the_registry_before_its_first_task(tmp_path,
     with celery_processes(tmp_path) as procs:
         procs.append(proc := worker("tests.apps.core_app", env, tmp_path, pool=pool, concurrency=concurrency,
                                     queues=f"idle-{node}", name=node))
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and "ready." not in proc.output() and proc.popen.poll() is None:
-            time.sleep(0.1)
+        wait_for(lambda: "ready." in proc.output() or proc.popen.poll() is not None, timeout=60,
+                 message="worker never started")
         assert "ready." in proc.output(), proc.output()
-        alive: list[str] = []
-        while time.monotonic() < deadline:
-            alive = [w["worker_id"] for w in store.reports.list_workers()[1] if w["alive"]]
-            if len(alive) >= processes:
-                break
-            time.sleep(0.1)
+
+        def alive_now() -> list[str]:
+            return [w["worker_id"] for w in store.reports.list_workers()[1] if w["alive"]]
+
+        wait_for(lambda: len(alive_now()) >= processes, timeout=60, message="workers never registered")
+        alive = alive_now()
         assert len(alive) == processes and all(a.startswith(f"{node}@") for a in alive), alive
         assert store.reports.worker_counts()["alive"] == processes
         assert "Task core." not in proc.output()  # it ran nothing
