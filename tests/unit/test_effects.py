@@ -578,14 +578,16 @@ def black_holed(postgres_url):
 
 
 def _claimed(store, rt: Runtime, job_id: str, **overrides) -> Lease:
+    # The store's lease and the worker's agree on the duration, as a real claim's do.
+    terms = policy(**overrides)
     store.publishes.record(job_id, "t.pay", "q", "{}", 5)
     tok, sent = secrets.token_hex(16), deadline.monotonic()
     got = store.jobs.claim(job_id, rt.worker, tok,
-                           ClaimTerms(duration=30.0, grace=0.0, max_attempts=5, max_expirations=5,
+                           ClaimTerms(duration=terms.duration, grace=0.0, max_attempts=5, max_expirations=5,
                                       takeover=True),
                            task_name="t.pay", queue="q", payload=lambda: None)
     assert got.claimed, got
-    return Lease(rt, job_id, tok, 1, policy(**overrides), f"t.pay:{job_id}", None, sent_at=sent)
+    return Lease(rt, job_id, tok, 1, terms, f"t.pay:{job_id}", None, sent_at=sent)
 
 
 def test_a_holder_cut_off_from_the_store_stops_trusting_its_lock_before_another_job_takes_it(black_holed):
