@@ -1,23 +1,26 @@
-"""The floor of the benchmarks: the least a durable publish record, or a claim and a completion, can cost.
+"""The floors of the benchmarks: the least a durable publish record, or a claim and a completion, can cost.
 
 The writes here have what the guarantees need and nothing else: one bare table (an id, a
 token and the message), one statement per write on the driver's own connection (no pool, no
-SQLAlchemy, no audit event, no lease columns), a claim that does not wait for its WAL flush
-on PostgreSQL and a record and completion that do (on SQLite, ``synchronous=FULL``, as the
-store's defaults). Plain Celery with these writes added is the best that any design which
-writes a job's record before its message is sent, and its claim and completion around its
-body, reaches on the same machine: the benchmarks print it next to LeaseTask's figures.
+SQLAlchemy, no audit event, no lease columns), each committed durably as the store's defaults
+are (PostgreSQL waits for the WAL flush; SQLite runs ``synchronous=FULL``). Plain Celery with
+these writes added is the best that any design writing **one commit per job** reaches on the same
+machine. ``GroupFloor`` is the second floor: the same statements, but the writes due at the same
+moment in one process share one commit (leader/follower, no tick), which is the best that sharing
+commits allows. The benchmarks print both next to LeaseTask's figures; ``tests/unit/test_floor.py``
+pins their statements.
 """
 
 from __future__ import annotations
 
 import sqlite3
 import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import sqlalchemy as sa
 
-__all__ = ["Floor"]
+__all__ = ["Floor", "GroupFloor", "Group"]
 
 
 class Floor:
@@ -72,12 +75,8 @@ class Floor:
         self._run(f"INSERT INTO {self.table} (id, payload, done) VALUES (%s, %s, 0)", (job_id, payload))
 
     def claim(self, job_id: str, token: str) -> None:
-        """A claim: the job's row taken under a token (PostgreSQL: without waiting for the flush)."""
-        if self.sqlite:
-            self._run(f"INSERT INTO {self.table} (id, token, done) VALUES (%s, %s, 0)", (job_id, token))
-        else:
-            self._run(f"WITH s AS (SELECT set_config('synchronous_commit', 'off', true)) "
-                      f"INSERT INTO {self.table} (id, token, done) SELECT %s, %s, 0 FROM s", (job_id, token))
+        """A claim: the job's row taken under a token, committed durably (as the store's default claim)."""
+        self._run(f"INSERT INTO {self.table} (id, token, done) VALUES (%s, %s, 0)", (job_id, token))
 
     def complete(self, job_id: str, token: str) -> None:
         """A completion: fenced by the token, committed durably."""
@@ -88,3 +87,131 @@ class Floor:
         if conn is not None:
             conn.close()
             self._local.conn = None
+
+
+class Group:
+    """Leader/follower group commit: the first caller to find no writer writes everything queued in
+    one commit; callers arriving meanwhile wait for that commit or the next. A lone caller waits for
+    nobody. ``write(batch)`` gets ``(kind, params)`` items and commits them in one transaction."""
+
+    def __init__(self, write: Callable[[list[tuple[str, tuple[Any, ...]]]], None]) -> None:
+        self._write = write
+        self._mutex = threading.Lock()
+        self._queue: list[_Item] = []
+        self._writing = False
+        self.batches = 0  # commits made, for the bench's figures and the tests
+
+    def submit(self, kind: str, params: tuple[Any, ...]) -> None:
+        item = _Item(kind, params)
+        with self._mutex:
+            self._queue.append(item)
+            lead = not self._writing
+            self._writing = True
+        if not lead:
+            item.done.wait()
+            if not item.lead:
+                item.raise_error()
+                return
+        self._lead()
+        item.raise_error()
+
+    def _lead(self) -> None:
+        with self._mutex:
+            batch, self._queue = self._queue, []
+        error: BaseException | None = None
+        try:
+            self._write([(i.kind, i.params) for i in batch])
+            self.batches += 1
+        except Exception as exc:  # noqa: BLE001 - re-raised in the thread of every caller of the batch
+            error = exc
+        for i in batch:
+            i.error = error
+            i.done.set()
+        with self._mutex:
+            if self._queue:
+                # Leadership passes to the oldest waiter, whose own write is in the next batch.
+                nxt = self._queue[0]
+                nxt.lead = True
+                nxt.done.set()
+            else:
+                self._writing = False
+
+
+class _Item:
+    __slots__ = ("done", "error", "kind", "lead", "params")
+
+    def __init__(self, kind: str, params: tuple[Any, ...]) -> None:
+        self.kind, self.params = kind, params
+        self.done = threading.Event()
+        self.lead = False
+        self.error: BaseException | None = None
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+class GroupFloor(Floor):
+    """The floor whose writes due at once share one commit: one statement per kind per batch."""
+
+    def __init__(self, url: str, prefix: str) -> None:
+        super().__init__(url, prefix)
+        self._conn_lock = threading.Lock()
+        self._shared: Any = None
+        self.group = Group(self._write)
+
+    def record(self, job_id: str, payload: str) -> None:
+        self.group.submit("record", (job_id, payload))
+
+    def claim(self, job_id: str, token: str) -> None:
+        self.group.submit("claim", (job_id, token))
+
+    def complete(self, job_id: str, token: str) -> None:
+        self.group.submit("complete", (job_id, token))
+
+    def statements(self, batch: Sequence[tuple[str, tuple[Any, ...]]]) -> list[tuple[str, list[Any]]]:
+        """The statements of one batch: one per kind present, with its bound parameters."""
+        by_kind: dict[str, list[tuple[Any, ...]]] = {}
+        for kind, params in batch:
+            by_kind.setdefault(kind, []).append(params)
+        out: list[tuple[str, list[Any]]] = []
+        mark = "?" if self.sqlite else "%s"
+        for kind in ("record", "claim", "complete"):
+            rows = by_kind.get(kind)
+            if not rows:
+                continue
+            pairs = ", ".join(f"({mark}, {mark})" for _ in rows)
+            flat = [value for row in rows for value in row]
+            if kind == "record":
+                sql = f"INSERT INTO {self.table} (id, payload, done) SELECT v.*, 0 FROM (VALUES {pairs}) AS v"
+            elif kind == "claim":
+                sql = f"INSERT INTO {self.table} (id, token, done) SELECT v.*, 0 FROM (VALUES {pairs}) AS v"
+            elif self.sqlite:
+                sql = f"UPDATE {self.table} SET done = 1 WHERE (id, token) IN (VALUES {pairs})"
+            else:
+                sql = (f"UPDATE {self.table} AS t SET done = 1 FROM (VALUES {pairs}) AS v (id, token) "
+                       "WHERE t.id = v.id AND t.token = v.token")
+            out.append((sql, flat))
+        return out
+
+    def close(self) -> None:
+        super().close()
+        with self._conn_lock:
+            if self._shared is not None:
+                self._shared.close()
+                self._shared = None
+
+    def _write(self, batch: list[tuple[str, tuple[Any, ...]]]) -> None:
+        with self._conn_lock:
+            if self._shared is None:
+                self._shared = self._connect()
+            conn = self._shared
+            if self.sqlite:
+                conn.execute("BEGIN IMMEDIATE")
+                for sql, params in self.statements(batch):
+                    conn.execute(sql, params)
+                conn.execute("COMMIT")
+            else:
+                with conn.transaction():
+                    for sql, params in self.statements(batch):
+                        conn.execute(sql, params)

@@ -11,7 +11,7 @@ import time
 import redis
 from celery import Celery
 
-from bench._floor import Floor
+from bench._floor import Floor, GroupFloor
 from celery_lease import LeaseTask
 
 BROKER = os.environ.get("BENCH_BROKER", "redis://127.0.0.1:6379/15")
@@ -25,6 +25,7 @@ app.conf.update(
 app.conf.update(json.loads(os.environ.get("BENCH_CONF", "{}")))
 counter = redis.Redis.from_url(BROKER)
 floor = Floor(app.conf.lease_store_url, app.conf.lease_table_prefix)
+group_floor = GroupFloor(app.conf.lease_store_url, app.conf.lease_table_prefix)
 _pause = threading.Event()
 
 
@@ -55,3 +56,12 @@ def floored(self, seconds: float) -> None:
     floor.claim(self.request.id, token)
     _body(seconds)
     floor.complete(self.request.id, token)
+
+
+@app.task(name="bench.groupfloor", bind=True)
+def group_floored(self, seconds: float) -> None:
+    """The floor's writes, shared with the claims and completions due at the same moment in this process."""
+    token = secrets.token_hex(16)
+    group_floor.claim(self.request.id, token)
+    _body(seconds)
+    group_floor.complete(self.request.id, token)

@@ -3,8 +3,10 @@
 Both kinds of task run in the same run, on the same Redis broker and the same worker
 settings (prefork -c4 and threads -c8 by default); the ratio is what counts. On PostgreSQL
 the worker's commits, rows written and WAL bytes per job come from the server's own
-statistics (a database of the bench's own). Each round also runs the floor (bench/_floor.py):
-plain tasks with the least a claim and a completion cost, to the same plain runs.
+statistics (a database of the bench's own). Each round also runs the two floors (bench/_floor.py):
+plain tasks with the least a durable claim and completion cost at one commit per job ("floor"),
+and with the same writes sharing a commit with those due at the same moment in the process
+("group"), to the same plain runs.
 Usage: python -m bench.overhead [--tasks 5000]
 """
 
@@ -54,8 +56,9 @@ def run(task: str, seconds: float, n: int, store_url: str, prefix: str, pool: st
     bench_app.app.conf.update(lease_store_url=store_url, lease_table_prefix=prefix)
     app_state(bench_app.app).config = None
     app_state(bench_app.app).store = None
-    target = {"leased": bench_app.leased, "floor": bench_app.floored}.get(task, bench_app.plain)
-    floor = Floor(store_url, prefix) if task == "floor" else None
+    target = {"leased": bench_app.leased, "floor": bench_app.floored,
+              "groupfloor": bench_app.group_floored}.get(task, bench_app.plain)
+    floor = Floor(store_url, prefix) if task in ("floor", "groupfloor") else None
     if floor is not None:
         floor.create()
     if task == "leased":
@@ -152,10 +155,11 @@ def main() -> None:
     print("plain runs alternate with LeaseTask runs; each ratio is to the mean of the plain runs"
           f" just before and after, so drift of the machine shows and cancels; {args.rounds} rounds,"
           " the median ratio counts")
-    print("floor: plain Celery with the least a claim and a completion cost (bench/_floor.py), to the same"
+    print("floor: plain Celery with the least a durable claim and completion cost, one commit each"
+          " (bench/_floor.py); group: the same writes sharing commits within a process; both to the same"
           " plain runs")
     print(f"{'pool':<11} {'task body':<10} {'store':<9} {'plain/s':>9} {'lease/s':>9} {'ratios by round':>18}"
-          f" {'median':>7} {'floor':>7}")
+          f" {'median':>7} {'floor':>7} {'group':>7}")
     costs: dict[str, dict[str, float]] = {}
     rows: list[dict[str, object]] = []
     for pool, concurrency in pools:
@@ -163,6 +167,7 @@ def main() -> None:
             ratios: dict[str, list[float]] = {name: [] for name in stores}
             rates: dict[str, list[tuple[float, float]]] = {name: [] for name in stores}
             floors: dict[str, list[float]] = {name: [] for name in stores}
+            groups: dict[str, list[float]] = {name: [] for name in stores}
             plain = run("plain", seconds, args.tasks, every["sqlite"], "unused_", pool, concurrency)
             for _ in range(args.rounds):
                 for name, url in stores.items():
@@ -171,10 +176,18 @@ def main() -> None:
                     leased = run("leased", seconds, args.tasks, url, prefix, pool, concurrency, cost)
                     if cost:
                         costs[f"{pool} -c{concurrency}, {label}"] = cost
-                    floored = run("floor", seconds, args.tasks, url, prefix, pool, concurrency)
+                    floor_cost: dict[str, float] = {}
+                    floored = run("floor", seconds, args.tasks, url, prefix, pool, concurrency, floor_cost)
+                    group_cost: dict[str, float] = {}
+                    grouped = run("groupfloor", seconds, args.tasks, url, prefix, pool, concurrency,
+                                  group_cost)
+                    if floor_cost:
+                        costs[f"{pool} -c{concurrency}, {label}, floor"] = floor_cost
+                        costs[f"{pool} -c{concurrency}, {label}, group"] = group_cost
                     after = run("plain", seconds, args.tasks, every["sqlite"], "unused_", pool, concurrency)
                     ratios[name].append(leased / ((plain + after) / 2))
                     floors[name].append(floored / ((plain + after) / 2))
+                    groups[name].append(grouped / ((plain + after) / 2))
                     rates[name].append(((plain + after) / 2, leased))
                     store = Store(url, prefix)
                     store.drop_schema()
@@ -187,12 +200,13 @@ def main() -> None:
                 rows.append({"pool": f"{pool} -c{concurrency}", "body": label, "store": name,
                              "plain": plain_rate, "lease": lease_rate, "ratios": ratios[name],
                              "median": statistics.median(ratios[name]), "floors": floors[name],
-                             "floor": statistics.median(floors[name])})
+                             "floor": statistics.median(floors[name]), "groups": groups[name],
+                             "group": statistics.median(groups[name])})
                 print(f"{pool + ' -c' + str(concurrency):<11} {label:<10} {name:<9} {plain_rate:>9.0f}"
                       f" {lease_rate:>9.0f} {by_round:>18} {statistics.median(ratios[name]):>7.2f}"
-                      f" {statistics.median(floors[name]):>7.2f}")
+                      f" {statistics.median(floors[name]):>7.2f} {statistics.median(groups[name]):>7.2f}")
     if costs:
-        print("\nthe worker's PostgreSQL writes per job (last round; claim, completion, heartbeats):")
+        print("\nthe worker's PostgreSQL writes per job (last round; LeaseTask, then the floors):")
         for label, cost in costs.items():
             print(f"  {label:<24} {_pg.describe(cost)}")
     print("\nstatements per heartbeat round and process, by leases held: lease renewals / all"
