@@ -9,7 +9,10 @@ run it on an otherwise idle one). PostgreSQL runs twice: at the defaults, and wi
 lease_publish_async_commit. Before them, per store, the floor (bench/_floor.py): plain
 publishes each after the least a durable record of it costs, to the same plain rounds. Then
 whole groups: a group of 1,000 signatures published at once,
-tasks per second. Usage: python -m bench.publish [--calls 2000] [--rounds 3] [--group 1000]
+tasks per second. Then publishes from many threads at once (a web server's): ``--threads``
+threads share the calls, plain and LeaseTask alternating, next to the group floor (each record
+sharing a commit with those due at the same moment). Usage: python -m bench.publish [--calls 2000]
+[--rounds 3] [--group 1000] [--threads 8]
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import argparse
 import os
 import statistics
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -28,7 +32,7 @@ import sqlalchemy as sa
 from celery import Celery, group
 
 from bench import _pg, _results
-from bench._floor import Floor
+from bench._floor import Floor, GroupFloor
 from celery_lease import LeaseTask
 from celery_lease.store import Store
 from celery_lease.store.publishes import RECORD_BATCH
@@ -79,6 +83,31 @@ def floor_rate(app: Celery, task: Any, calls: int, floor: Floor, payload: str) -
         return calls / (time.perf_counter() - started)
 
 
+def threaded_rate(app: Celery, task: Any, calls: int, threads: int, floor: Floor | None = None,
+                  payload: str = "") -> float:
+    """apply_async calls per second with ``threads`` threads publishing at once, each on its own
+    producer (``floor``: each call after the floor's record of it)."""
+    start = threading.Barrier(threads + 1)
+
+    def publish(share: int) -> None:
+        with app.producer_or_acquire() as producer:
+            start.wait()
+            for i in range(share):
+                job_id = str(uuid.uuid4())
+                if floor is not None:
+                    floor.record(job_id, payload)
+                task.apply_async((i,), producer=producer, task_id=job_id)
+
+    workers = [threading.Thread(target=publish, args=(calls // threads,)) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    start.wait()
+    started = time.perf_counter()
+    for w in workers:
+        w.join()
+    return (calls // threads * threads) / (time.perf_counter() - started)
+
+
 def group_rate(app: Celery, task: Any, size: int) -> float:
     """Tasks per second published as one ``group`` of a list of ``size`` signatures (a group made
     from a generator is sent as the generator yields, one record per publish)."""
@@ -109,6 +138,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--group", type=int, default=1000, help="signatures per group in the group rounds")
     parser.add_argument("--stores", default=",".join(MODES))
+    parser.add_argument("--threads", type=int, default=8, help="publishing threads in the threaded rounds")
     parser.add_argument("--save", action="store_true", help="write the figures to bench/results/publish.json")
     args = parser.parse_args()
     client = redis.Redis.from_url(BROKER)
@@ -118,6 +148,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     groups: list[dict[str, Any]] = []
     floor_rows: list[dict[str, Any]] = []
+    threaded: list[dict[str, Any]] = []
     costs: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         pg = _pg.bench_database()
@@ -174,6 +205,13 @@ def main() -> None:
                 print(f"{name:14} {'group of ' + str(args.group):18} {statistics.median(plains):8.0f} "
                       f"{statistics.median(leases):8.0f}  {' '.join(f'{r:.2f}' for r in ratios):20} "
                       f"{statistics.median(ratios):.2f}")
+                if name != "postgres-async":
+                    row = threaded_rounds(app, plain, leased, urls[name], prefix, payload, args, client)
+                    threaded.append({"store": name, **row})
+                    print(f"{name:14} {str(args.threads) + ' threads':18} {row['plain']:8.0f} "
+                          f"{row['lease']:8.0f}  "
+                          f"{' '.join(f'{r:.2f}' for r in row['ratios']):20} {row['median']:.2f}"
+                          f"  (group floor {row['floor']:.2f})")
                 if name == "postgres":
                     for keyed in (False, True):
                         cost = per_publish(app, leased, urls[name], 1000, keyed)
@@ -187,8 +225,31 @@ def main() -> None:
     if args.save:
         _results.save("publish", {"calls": args.calls, "rounds": args.rounds, "rows": rows,
                                   "group": args.group, "batch": RECORD_BATCH, "groups": groups,
-                                  "floors": floor_rows,
+                                  "floors": floor_rows, "threads": args.threads, "threaded": threaded,
                                   "store_writes_per_publish": costs})
+
+
+def threaded_rounds(app: Celery, plain: Any, leased: Any, url: str, prefix: str, payload: str,
+                    args: argparse.Namespace, client: Any) -> dict[str, Any]:
+    """Plain, LeaseTask and group-floor publishes from ``args.threads`` threads, alternating by round."""
+    floor = GroupFloor(url, prefix)
+    floor.create()
+    try:
+        plains = [threaded_rate(app, plain, args.calls, args.threads)]
+        leases, ratios, floors = [], [], []
+        for _ in range(args.rounds):
+            leases.append(threaded_rate(app, leased, args.calls, args.threads))
+            floors.append(threaded_rate(app, plain, args.calls, args.threads, floor, payload))
+            plains.append(threaded_rate(app, plain, args.calls, args.threads))
+            ratios.append(leases[-1] / statistics.mean(plains[-2:]))
+            floors[-1] /= statistics.mean(plains[-2:])
+            client.flushdb()
+    finally:
+        floor.drop()
+        floor.close()
+    return {"plain": statistics.median(plains), "lease": statistics.median(leases), "ratios": ratios,
+            "median": statistics.median(ratios), "floors": floors,
+            "floor": statistics.median(floors)}
 
 
 if __name__ == "__main__":
