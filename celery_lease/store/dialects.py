@@ -209,11 +209,17 @@ class PostgreSQL(_OnConflict):
         # SET LOCAL, as set_config(..., true): per transaction, so a pooled server connection
         # (PgBouncer in transaction mode) never carries one client's limits to another. The
         # settings go out with the transaction's BEGIN, its first round trip: a long one waits
-        # for it with the long bound too.
+        # for it with the long bound too. A worker's transaction whose client goes silent (frozen,
+        # cut off: its kernel still answers keepalives) would hold its row locks until the server
+        # noticed, so that nobody could write the job or lock it holds: the server ends it once idle
+        # for the whole call bound, when its client has given up anyway. The reaper's long
+        # transactions publish while open and keep the server's default.
+        settings = [sa.func.set_config("statement_timeout", ms(bounds.server_statement), True),
+                    sa.func.set_config("lock_timeout", ms(bounds.server_lock), True)]
+        if not long:
+            settings.append(sa.func.set_config("idle_in_transaction_session_timeout", ms(bounds.call), True))
         with bounded.waiting(conn, bounds.round_trip if long else None):
-            conn.execute(sa.select(
-                sa.func.set_config("statement_timeout", ms(bounds.server_statement), True),
-                sa.func.set_config("lock_timeout", ms(bounds.server_lock), True)))
+            conn.execute(sa.select(*settings))
             yield
 
     def retryable(self, exc: BaseException | None) -> bool:

@@ -326,6 +326,48 @@ def test_a_write_blocked_by_a_held_row_lock_ends_within_the_bound(store_url):
         store.engine.dispose()
 
 
+def test_a_worker_transaction_whose_client_went_silent_gives_up_its_row_locks_within_the_call_bound(
+        postgres_url):
+    store = Store(postgres_url, unique_prefix(), call_timeout=1.0)
+    store.migrate()
+    other = Store(postgres_url, store.prefix)
+    store.publishes.record("held", "t.task", "q", "{}", 3)
+    locked, silent, ended = threading.Event(), threading.Event(), []
+
+    def frozen_client() -> None:
+        # A transaction that took the job's row lock, then whose client stops sending anything.
+        try:
+            with store.begin() as c:
+                j = store.t.jobs
+                c.execute(sa.update(j).where(j.c.id == "held").values(attempt_count=j.c.attempt_count))
+                locked.set()
+                silent.wait(30)
+        except StoreUnavailable as exc:
+            ended.append(exc)
+
+    holder = threading.Thread(target=frozen_client)
+    holder.start()
+    try:
+        assert locked.wait(10)
+        # Another worker's claim of the same row gets through once the server ended the silent one.
+        wait_for(lambda: _claims(other, "held"), timeout=15,
+                 message="the silent transaction kept its row lock")
+    finally:
+        silent.set()
+        holder.join(10)
+        other.engine.dispose()
+        store.drop_schema()
+        store.engine.dispose()
+    assert ended, "the silent transaction committed after its session should have been ended"
+
+
+def _claims(store: Store, job_id: str) -> bool:
+    try:
+        return claim(store, job_id, secrets.token_hex(16))
+    except StoreUnavailable:
+        return False  # still blocked by the row lock: its own bound ended the wait
+
+
 def test_postgresql_timeouts_are_set_per_transaction_not_per_session(postgres_url):
     store = Store(postgres_url, unique_prefix(), call_timeout=10.0)
     try:
