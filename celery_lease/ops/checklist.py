@@ -1,9 +1,6 @@
 """The seeds' operational checklist, answered from the live config and the lease store.
 
-Durations measured? Timeout above p99? Heartbeat for long jobs? Idempotency for sensitive
-jobs? Locks? Backoff? DLQ? Dashboards? Crash tests? Where only the code can tell (which
-job is sensitive, which resource is critical), the answer says what the store shows and
-asks the question as a warning.
+Where only the code can tell (which job is sensitive), the answer asks the question as a warning.
 """
 
 from __future__ import annotations
@@ -188,7 +185,6 @@ def _dead_letter(ctx: Context) -> Iterator[Finding]:
 
 
 def _dashboards(ctx: Context) -> Iterator[Finding]:
-    """Answered from what the store observed: when an exporter last answered a scrape."""
     if ctx.store_error:
         return
     hint = ("pip install celery-lease[metrics], run `celery -A proj lease exporter`, have Prometheus "
