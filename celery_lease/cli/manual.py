@@ -1,9 +1,7 @@
-"""Verbs that change jobs by hand: requeue, dlq redrive|discard, effects forget (playbook step 4).
+"""Verbs that change jobs by hand: requeue, dlq redrive|discard, effects forget.
 
-Each one shows its plan first. ``--dry-run`` stops there; otherwise the operator
-confirms on a terminal, or passes ``--yes`` in a script. Without a terminal and
-without ``--yes`` the plan is printed and the command exits non-zero, changing
-nothing: a pipeline never changes jobs because nobody was asked.
+Each shows its plan, then asks; without a terminal or ``--yes`` nothing changes, so a pipeline never
+changes jobs because nobody was asked.
 """
 
 from __future__ import annotations
@@ -51,11 +49,7 @@ def batch_option(f: Callable[..., Any]) -> Callable[..., Any]:
 
 def go_ahead(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]], question: str,
              dry_run: bool, yes: bool, as_json: bool) -> bool:
-    """Show the plan; True when the change may proceed (confirmed, or --yes).
-
-    Nothing planned, or --dry-run: False. No terminal and no --yes: the plan, then a
-    CommandError (non-zero exit) saying how to go on.
-    """
+    """Show the plan; True when the change may proceed (confirmed, or --yes)."""
     if as_json and (dry_run or not yes or not rows):
         emit_json({"dry_run": True, "planned": list(rows)})
     elif not as_json:
@@ -74,7 +68,6 @@ def go_ahead(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]],
 def _recover(store: Any, jobs: list[Any], question: str, label: str,
              run: Callable[[Iterable[Any]], Iterable[recovery.Outcome]], done: RecoveryAction, batch: int,
              dry_run: bool, yes: bool, as_json: bool) -> None:
-    """Show the plan of ``jobs``, then (when it may proceed) ``run`` them and report the outcomes."""
     if not go_ahead(job_plan(store, jobs), PLAN_COLUMNS, question, dry_run, yes, as_json):
         return
     with progress(jobs, label, not as_json and is_tty()) as items:
