@@ -1,13 +1,7 @@
 """One rule for keeping store passwords out of messages, logs, CLI output, pages and metric labels.
 
-A store URL may carry a secret in its userinfo (``postgresql+psycopg://user:secret@host/db``)
-or in its query string (``?password=...``, ``sslpassword``, any key naming a password, a
-secret or a token), and a driver's keyword/value form of it (``host=h password=...``).
-Every text celery_lease shows that could contain a URL goes through :func:`mask_secrets`,
-which also handles a URL SQLAlchemy cannot parse, so a typo never leaks the password. It is
-applied to values where they are formatted (a message, a log argument, a page's value before
-it is escaped into HTML), never to a finished page: there, markup between two values could
-look like a URL.
+Applied to values where they are formatted, never to a finished page: markup between two values
+could look like a URL.
 """
 
 from __future__ import annotations
