@@ -111,8 +111,7 @@ def _redis(ctx: Context) -> Iterator[Finding]:
                       f"task {name} may run {longest:g}s but kombu re-delivers an unacknowledged message "
                       "after "
                       f"{vt:g}s: every long run is delivered again (skipped by the lease, but restored long "
-                      "jobs "
-                      "loop at the head of the queue and starve others)",
+                      "jobs loop at the head of the queue and starve others)",
                       "set lease_extend_visibility = True, or raise visibility_timeout above the longest run")
     else:
         yield Finding(OK, "visibility_vs_runtime", settings, {**base, "task": name, "longest": longest},
@@ -327,12 +326,10 @@ def _other(ctx: Context, kind: str) -> Iterator[Finding]:
     if kind in DEMO_TRANSPORTS:
         yield Finding(OK, "broker_visibility", ("broker_url",), {"transport": kind},
                       f"the {kind} transport has no redelivery timeout (a demo transport: use Redis or "
-                      "RabbitMQ "
-                      "in production)")
+                      "RabbitMQ in production)")
         return
     yield Finding(WARNING, "broker_visibility", ("broker_url",), {"transport": kind},
                   f"celery_lease cannot extend the visibility of the {kind} transport's messages: a job "
-                  "longer "
-                  "than its redelivery timeout is delivered again (the lease skips the copy)",
+                  "longer than its redelivery timeout is delivered again (the lease skips the copy)",
                   "make the transport's redelivery timeout longer than the longest task")
 

@@ -184,8 +184,7 @@ def check_store(ctx: Context) -> Iterator[Finding]:
         if len(hosts) > 1:
             yield Finding(ERROR, "sqlite_multi_host", ("lease_store_url",), values,
                           "workers on several hosts each see their own SQLite file (or corrupt a shared "
-                          "network "
-                          "file): leases are not shared, so two hosts can run the same job",
+                          "network file): leases are not shared, so two hosts can run the same job",
                           "use PostgreSQL or MySQL/MariaDB for lease_store_url")
         else:
             yield Finding(OK, "sqlite_multi_host", ("lease_store_url",), values,
