@@ -33,18 +33,11 @@ def can_prompt() -> bool:
     return sys.stdin.isatty() and sys.stdout.isatty()
 
 
-def dry_run_option(f: Callable[..., Any]) -> Callable[..., Any]:
-    return click.option("--dry-run", is_flag=True, help="Print the plan and change nothing.")(f)
-
-
-def yes_option(f: Callable[..., Any]) -> Callable[..., Any]:
-    return click.option("--yes", "-y", is_flag=True,
-                        help="Do it without asking (needed when not on a terminal).")(f)
-
-
-def batch_option(f: Callable[..., Any]) -> Callable[..., Any]:
-    return click.option("--batch", default=10, show_default=True, type=click.IntRange(1),
-                        help="Jobs at most in this run (recover in small batches).")(f)
+dry_run_option = click.option("--dry-run", is_flag=True, help="Print the plan and change nothing.")
+yes_option = click.option("--yes", "-y", is_flag=True,
+                          help="Do it without asking (needed when not on a terminal).")
+batch_option = click.option("--batch", default=10, show_default=True, type=click.IntRange(1),
+                            help="Jobs at most in this run (recover in small batches).")
 
 
 def go_ahead(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]], question: str,
