@@ -235,10 +235,8 @@ def _sets(conf: Any, name: str, namespace: str | None) -> bool:
 def _read(conf: Any, name: str, namespace: str | None) -> Any:
     if name in conf:
         return conf[name]
-    if namespace:
-        key = f"{namespace}_{name}".upper()
-        if key in conf:
-            return conf[key]
+    if namespace and written_as(name, namespace) in conf:
+        return conf[written_as(name, namespace)]
     return BY_NAME[name].default
 
 

@@ -16,18 +16,12 @@ __all__ = ["Setting", "SETTINGS", "BY_NAME", "SECRETS", "PER_TASK", "IDENTIFIER"
 # A store call may take at most this share of the shortest lease: a hung renewal bounded by the
 # heartbeat's third of a lease fails in time for the next one to run.
 CALL_TIMEOUT_SHARE = 1 / 3
-# Pooled store connections of a process when the worker's concurrency is unknown.
-DEFAULT_POOL_SIZE = 10
-# Seconds the reaper's batches, migrations and operators' reads may take: no lease waits on them.
-LONG_CALL_TIMEOUT = 300.0
-# Reaper runs kept in the store (newest first); each run prunes the older ones.
-REAPER_RUNS_KEPT = 1000
-# A scheduled reaper whose last run is older than this many intervals is reported as not running.
-REAPER_OVERDUE_INTERVALS = 3
-# Label pairs (queue, task) per exporter metric; the rest are counted under "other".
-METRICS_MAX_SERIES = 200
-# Seconds after which the exporter's last scrape counts as old (scrapes come every 15-60 s).
-SCRAPE_FRESH = 600.0
+DEFAULT_POOL_SIZE = 10  # pooled store connections of a process when the worker's concurrency is unknown
+LONG_CALL_TIMEOUT = 300.0  # seconds for the reaper's batches, migrations and reads: no lease waits on them
+REAPER_RUNS_KEPT = 1000  # reaper runs kept in the store; each run prunes the older ones
+REAPER_OVERDUE_INTERVALS = 3  # a reaper whose last run is this many intervals old is not running
+METRICS_MAX_SERIES = 200  # label pairs (queue, task) per exporter metric; the rest count as "other"
+SCRAPE_FRESH = 600.0  # seconds after which the exporter's last scrape is old (scrapes come every 15-60 s)
 # Where the shipped alert rules' runbook_url annotations point by default: the README's playbook.
 RUNBOOK_BASE_URL = "https://github.com/celery-lease/celery-lease/blob/main/README.md"
 
