@@ -1,9 +1,5 @@
-"""What celery_lease keeps on a Celery app in this process: one object, stored once on the app.
-
-Each field is made, or set, by one module on first use; ``app_state(app)`` is the one way to it,
-so no module sets or parses another's private attributes on the app. A core module, so that every
-layer may use it; the values are the higher layers' objects, so they are typed ``Any`` here and
-each comment names the type.
+"""What celery_lease keeps on a Celery app in this process: one object, so no module touches another's
+private attributes on the app. Fields hold higher layers' objects (``Any``); comments name the type.
 """
 
 from __future__ import annotations
@@ -27,8 +23,7 @@ class AppState:
     stale_after: tuple[int, float] | None = None
     #: store.Store: the lease store (store.for_app(); store.forget() drops it).
     store: Any = None
-    #: worker.runtime.retire: set by worker.runtime.for_app() so store.forget() stops an idle runtime
-    #: without the store importing the worker.
+    #: worker.runtime.retire: lets store.forget() stop an idle runtime without importing the worker.
     retire: Callable[[Any], bool] | None = None
     #: worker.local.LocalState: the effect keys, checkpoints and locks of runs outside a worker.
     local: Any = None
@@ -38,13 +33,11 @@ class AppState:
     installed: bool = False
     #: Whether the CLI imported the app's task modules (cli.base).
     modules_loaded: bool = False
-    #: Test seam of the reaper: called with the job id after its message is published and before
-    #: the CAS (reaper run, decisions and worker_lost read it when called).
+    #: Test seam of the reaper: called with the job id after its message is published, before the CAS.
     after_publish: Callable[[str], None] | None = None
 
     def take(self, name: str) -> Any:
-        """Clear field ``name`` and return what it held, in one atomic step, so no value another
-        thread sets is lost between the read and the clear; the field then reads None again."""
+        """Clear field ``name`` and return what it held, atomically: no value another thread sets is lost."""
         return self.__dict__.pop(name, None)
 
 

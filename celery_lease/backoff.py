@@ -1,10 +1,5 @@
-"""Delays that double and stop at a cap: a requeue after an expired lease, a delivery sent
-again while the store is unreachable, and the dispatch scan's wait before it re-sends a
-pending job's message.
-
-The first two are jittered so that the jobs of one incident do not all come back at the
-same instant; the third is paced by the reaper's runs and batches instead.
-"""
+"""Delays that double and stop at a cap; jittered where one incident's jobs would otherwise all come
+back at the same instant."""
 
 from __future__ import annotations
 
@@ -27,16 +22,12 @@ def backoff(attempt: int, base: float, cap: float, jitter: bool, rng: Any = rand
 
 
 def store_retry_delay(retries: int, base: float, cap: float, rng: Any = random) -> float:
-    """Seconds before a delivery that found the store unreachable ``retries`` times before is
-    delivered again: ``base * 2**retries`` capped at ``cap``, with equal jitter (between half of
-    it and all of it), so each wait is at least half the step and one outage's deliveries spread.
-    """
+    """Seconds before a delivery that found the store unreachable is sent again: equal jitter, so each
+    wait is at least half the step and one outage's deliveries spread."""
     ceiling = _doubled(base, retries, max(cap, base))
     return ceiling / 2.0 + rng.uniform(0.0, ceiling / 2.0)
 
 
 def dispatch_wait(timeout: float, dispatches: int, cap: float) -> float:
-    """Seconds a pending job waits past ``available_at`` before the dispatch scan re-sends its
-    message, when it was re-sent ``dispatches`` times before: ``timeout * 2**dispatches``, at most
-    ``cap`` but never less than ``timeout`` (the first re-send is never later than it was)."""
+    """Seconds a pending job waits past ``available_at`` before the dispatch scan re-sends its message."""
     return max(timeout, _doubled(timeout, dispatches, cap))

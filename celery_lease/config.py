@@ -1,10 +1,6 @@
-"""How the ``lease_*`` settings are resolved for an app and a task, and validated.
+"""How the ``lease_*`` settings (the table in settings.py) are resolved for an app and a task, and validated.
 
-Each option has one name, ``lease_<name>``, used both as the Celery setting and as
-the per-task option. Resolution order: task option > queue policy
-(``lease_queue_policies``) > app setting > default. Values are validated once and
-frozen; a bad value raises :class:`LeaseConfigError` naming the key, the value and
-the rule. The defaults and rules are the table in settings.py.
+Resolution order: task option > queue policy (``lease_queue_policies``) > app setting > default.
 """
 
 from __future__ import annotations
@@ -109,10 +105,6 @@ def _validate(name: str, value: Any, source: str = "") -> Any:
         raise LeaseConfigError(name, shown, f"must be {setting.rule}", source) from None
 
 
-def _cross_check(values: Mapping[str, Any], where: str = "") -> None:
-    raise_all(_cross_problems(values, where))
-
-
 def _cross_problems(values: Mapping[str, Any], where: str = "") -> list[LeaseConfigError]:
     """Every rule between two settings that ``values`` breaks."""
     problems = []
@@ -214,7 +206,7 @@ class AppConfig:
                         "Per-task options: " + ", ".join(PER_TASK),
                     )
                 merged[name] = _validate(name, value, source)
-        _cross_check(merged, f" ({where})" if where else "")
+        raise_all(_cross_problems(merged, f" ({where})" if where else ""))
         return TaskPolicy(**{name[len("lease_"):]: merged[name] for name in PER_TASK})
 
 
@@ -243,20 +235,14 @@ def _sets(conf: Any, name: str, namespace: str | None) -> bool:
 def _read(conf: Any, name: str, namespace: str | None) -> Any:
     if name in conf:
         return conf[name]
-    if namespace:
-        key = f"{namespace}_{name}".upper()
-        if key in conf:
-            return conf[key]
+    if namespace and written_as(name, namespace) in conf:
+        return conf[written_as(name, namespace)]
     return BY_NAME[name].default
 
 
 def load(conf: Mapping[str, Any], namespace: str | None = None) -> AppConfig:
-    """Validate a Celery configuration's ``lease_*`` settings into an AppConfig.
-
-    Every problem is reported at once (LeaseConfigErrors when there are several), each
-    naming the setting as the configuration spells it (``CELERY_LEASE_DURATON`` under
-    Django's namespace) and a misspelled one the closest valid name.
-    """
+    """Validate a Celery configuration's ``lease_*`` settings into an AppConfig, reporting every problem at
+    once, each named as the configuration spells it."""
     prefix = f"{namespace}_lease_".upper() if namespace else None
     problems: dict[str, LeaseConfigError] = {}
     for key in list(conf.keys()):
@@ -329,17 +315,12 @@ def task_policy(task: Any, queue: str | None = None) -> TaskPolicy:
     return policy
 
 
-# -- worker liveness --------------------------------------------------------------
 STALE_HEARTBEATS = 3  # a live worker may miss this many heartbeats before it looks gone
 
 
 def derive_stale_after(policies: list[TaskPolicy]) -> float:
-    """The registry silence after which a worker is gone, from the lease policies in force.
-
-    At most the shortest lease + grace minus one (longest) heartbeat, so the reaper finds
-    a dead owner stale by the time its lease is past grace; at least three of the longest
-    heartbeat intervals, so a live worker never looks stale.
-    """
+    """The registry silence after which a worker is gone: a dead owner is stale by the time its lease is
+    past grace, a live one (three heartbeats) never is."""
     interval = max(p.heartbeat_interval for p in policies)
     window = min(p.duration + p.grace_period for p in policies)
     return max(STALE_HEARTBEATS * interval, window - interval)

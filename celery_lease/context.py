@@ -1,10 +1,6 @@
-"""Every context variable of the package, in one place.
+"""Every context variable of the package, in one core module so no layer needs another's private names.
 
-What a thread or greenlet (each has its own context) is doing right now: the body it runs, the
-group it publishes, the replacement it hands over. A core module, so that every layer may read
-them and none needs another's private names; each module that sets one keeps its setter and
-reader. The values are the higher layers' objects, so they are typed ``Any`` here: each
-comment names the type.
+The values are higher layers' objects, so they are typed ``Any``; each comment names the type.
 """
 
 from __future__ import annotations
@@ -20,8 +16,7 @@ BODY: ContextVar[Any] = ContextVar("celery_lease_body", default=None)
 #: The worker.local.LocalLease of a body run outside a worker (eager); set by worker.local.running().
 LOCAL: ContextVar[Any] = ContextVar("celery_lease_local", default=None)
 
-#: The publish.batching.Batch of the group being published here; set by the wrapper of
-#: group._apply_tasks that publish.batching.install() puts in place.
+#: The publish.batching.Batch of the group being published here; set by publish.batching's wrapper.
 BATCH: ContextVar[Any] = ContextVar("celery_lease_batch", default=None)
 
 #: The worker.lease.Lease whose job a Task.replace() hands over to the carrier it publishes now;
@@ -33,8 +28,7 @@ HANDING: ContextVar[Any] = ContextVar("celery_lease_handing", default=None)
 HANDING_LATER: ContextVar[Any] = ContextVar("celery_lease_handing_later", default=None)
 
 #: The job id (str) whose post-run work this context finishes: its publishes re-send what a crash may
-#: have sent already (the chain's next step under its frozen id), so they reopen nothing; set by
-#: worker.deliveries when it resumes that work.
+#: have sent already, so they reopen nothing; set by worker.deliveries.
 RESUMED: ContextVar[str | None] = ContextVar("celery_lease_resumed", default=None)
 
 #: True while publishing without recording a job (the row exists, or the store is down); set by

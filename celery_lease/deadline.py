@@ -1,20 +1,8 @@
 """The local lease deadline: when a worker stops trusting its lease, on its own clock.
 
-A renewal (or the claim) sent at local monotonic time ``s`` and confirmed by the store
-makes the row expire at ``e + duration`` on the store's clock, where ``e`` is when the
-statement ran, after ``s``. The reaper takes the lease back only past expiry + grace on
-that clock. The worker's clock may run at a slightly different rate than the store's
-(``DRIFT``, a fraction of elapsed time), and the body needs a moment to notice a loss
-(``NOTICE``: how late the deadline timer may run and the interruption land). So the
-worker calls its lease lost at::
-
-    s + duration - margin,   margin = DRIFT * duration + NOTICE
-
-which is, for any statement time and any rate within DRIFT, before the store can see the
-lease expired (see README, "One live owner"). Nothing here waits on the store.
-
-A resource lock gets the same deadline with its TTL for the duration. The store lets another
-job take a lock at its expiry itself (no grace), which the inequality covers with grace 0.
+A renewal sent at local time ``s`` expires in the store after ``s + duration``; so, for any clock
+rate within ``DRIFT``, ``s + duration - (DRIFT * duration + NOTICE)`` comes before the store can see the
+lease (or a resource lock, grace 0) expired (README, "One live owner").
 """
 
 from __future__ import annotations
@@ -49,12 +37,7 @@ def local_deadline(sent_at: float, duration: float) -> float:
 
 def store_takeover_local_time(sent_at: float, ran_after: float, duration: float, grace: float,
                               rate: float) -> float:
-    """Local time at which the store first lets another worker take the lease.
-
-    ``ran_after``: store seconds between the send and the statement's execution (>= 0);
-    ``rate``: local seconds per store second (within 1 +/- DRIFT). Used by the proofs in
-    the tests and the README's numbers, not at run time.
-    """
+    """Local time at which the store first lets another worker take the lease (for the tests' proofs)."""
     return sent_at + rate * (ran_after + duration + grace)
 
 
@@ -63,7 +46,6 @@ def seconds_until(when: Any) -> float:
     if when is None:
         return 0.0
     if isinstance(when, str):
-        # Celery accepts an ISO 8601 string as eta.
         when = datetime.datetime.fromisoformat(when)
     if isinstance(when, datetime.datetime):
         if when.tzinfo is None:

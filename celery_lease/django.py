@@ -1,19 +1,7 @@
 """LeaseTask composed with an app's own task class: Django's DjangoTask, or any ``task_cls``.
 
-Celery's Django fixup makes ``celery.contrib.django.task.DjangoTask`` (``delay_on_commit``,
-``apply_async_on_commit``) an app's default task class; ``base=LeaseTask`` alone would
-drop it. Compose the two instead, and make the result the app's ``task_cls``::
-
-    app = Celery("proj", task_cls="celery_lease.django:LeaseDjangoTask")
-
-``LeaseDjangoTask`` needs Celery >= 5.4 (where DjangoTask exists); importing it on an
-older Celery raises ImportError saying so. ``lease_task_class(MyTask)`` composes
-LeaseTask with any other custom task class the same way.
-
-``self.lease.effect(key, using="default")`` (or ``connection=django.db.connection``) writes
-the effect key on that Django connection, inside its current ``transaction.atomic()``: the
-key and the ORM writes commit or roll back together, in a worker and in eager mode alike.
-``connection_for(alias)`` is the connection it takes.
+Celery's Django fixup makes DjangoTask an app's default task class, which ``base=LeaseTask`` alone
+would drop: use ``task_cls="celery_lease.django:LeaseDjangoTask"`` (Celery >= 5.4).
 """
 
 from __future__ import annotations

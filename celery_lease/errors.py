@@ -6,8 +6,7 @@
     ├── StoreUnavailable      the lease store cannot be reached (driver error wrapped): an outage
     │   ├── SchemaMismatch    the store's schema revision is not one this code runs against
     │   └── StoreNotMigrated  a table or column is missing: run `celery -A proj lease migrate`
-    ├── StoreRejected         the store refused a statement for good (permission, syntax, data,
-    │   │                     constraint): not an outage, retrying the same write cannot help
+    ├── StoreRejected         the store refused a statement for good: retrying cannot help
     │   └── StoreConflict     a row with the same key exists (a race the store settles itself)
     ├── StoreCorrupt          a row in the store cannot be understood
     ├── JobNotFound           no job with that id in the store
@@ -15,8 +14,7 @@
     ├── JobDeadLettered       the reaper gave up on a job (the failure Celery is told of)
     └── LockUnavailable       a resource lock is held by someone else
 
-Each class's docstring is its default message; instances carry the job id,
-setting or resource a reader needs.
+Each class's docstring is its default message.
 """
 
 from __future__ import annotations
@@ -54,16 +52,12 @@ class LeaseError(Exception):
         super().__init__(mask_secrets(message or (self.__doc__ or "").strip()))
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Subclasses take keyword context, not the message: rebuild from both so
-        # pickle-based result backends can carry these exceptions.
+        # Subclasses take keyword context, not the message: pickle-based result backends need both.
         return (_rebuild, (type(self), str(self), self.context))
 
 
 class LeaseConfigError(LeaseError):
-    """A celery_lease setting is invalid.
-
-    The message and ``value`` never carry a password: a store URL is shown masked.
-    """
+    """A celery_lease setting is invalid (its message and ``value`` show a store URL masked)."""
 
     setting: str
     value: Any

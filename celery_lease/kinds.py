@@ -1,8 +1,4 @@
-"""Which tasks are leased: the LeaseTask marker, read without importing Celery or the task class.
-
-``LeaseTask`` carries ``_celery_lease_task = True``; the worker, the publish path and the signal
-handlers ask ``is_lease_task``/``leased`` here instead of importing integration/task.py above them.
-"""
+"""Which tasks are leased: the LeaseTask marker, read without importing integration/task.py above it."""
 
 from __future__ import annotations
 
@@ -21,12 +17,8 @@ def is_lease_task(obj: Any) -> bool:
 
 
 def leased(task: Any) -> bool:
-    """Whether runs of ``task`` take a lease: LeaseTasks, except Celery's own plumbing.
-
-    ``celery.chord_unlock`` retries every second, ``celery.accumulate`` ends a replacement,
-    ``celery.backend_cleanup`` is periodic housekeeping: leasing them (an app whose
-    ``task_cls`` is LeaseTask makes them LeaseTasks) would only add rows and races.
-    """
+    """Whether runs of ``task`` take a lease: LeaseTasks, except Celery's own plumbing (chord_unlock,
+    backend_cleanup...), where a lease would only add rows and races."""
     name = getattr(task, "name", None) or ""
     kind = task if isinstance(task, type) else type(task)
     return is_lease_task(kind) and (not name.startswith("celery.") or name in LEASED_BUILTINS)

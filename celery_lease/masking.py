@@ -1,13 +1,7 @@
 """One rule for keeping store passwords out of messages, logs, CLI output, pages and metric labels.
 
-A store URL may carry a secret in its userinfo (``postgresql+psycopg://user:secret@host/db``)
-or in its query string (``?password=...``, ``sslpassword``, any key naming a password, a
-secret or a token), and a driver's keyword/value form of it (``host=h password=...``).
-Every text celery_lease shows that could contain a URL goes through :func:`mask_secrets`,
-which also handles a URL SQLAlchemy cannot parse, so a typo never leaks the password. It is
-applied to values where they are formatted (a message, a log argument, a page's value before
-it is escaped into HTML), never to a finished page: there, markup between two values could
-look like a URL.
+Applied to values where they are formatted, never to a finished page: markup between two values
+could look like a URL.
 """
 
 from __future__ import annotations
@@ -19,16 +13,13 @@ __all__ = ["MASK", "mask_secrets", "mask_value"]
 
 MASK = "***"
 
-# user:PASSWORD@host in a URL, also a malformed one (one slash, no scheme): the user part
-# starts after a slash, a quote, "=", "(" or whitespace; the password runs to the last "@"
-# of the URL (it may itself hold "@" or "/"), and a URL ends at whitespace or a quote.
+# user:PASSWORD@host, also in a malformed URL (one slash, no scheme); the password runs to the
+# URL's last "@" (it may itself hold "@" or "/"), and a URL ends at whitespace or a quote.
 _USERINFO = re.compile(r"(?P<head>(?:^|(?<=[/\s'\"=(]))[^\s:/@'\"]*:(?!//))(?P<password>[^\s'\"]*)@")
-# ?password=VALUE or &sslpassword=VALUE (any key naming a password, a secret or a token): the
-# value runs to the next parameter, a fragment, whitespace or a quote.
+# ?password=VALUE or &sslpassword=VALUE: any query key naming a password, a secret or a token.
 _QUERY = re.compile(r"(?P<head>[?&][^=&#\s'\"]*(?:password|secret|token)[^=&#\s'\"]*=)"
                     r"(?P<value>[^&#\s'\"]*)", re.IGNORECASE)
-# password=VALUE in a libpq keyword/value string ("host=h dbname=d password=VALUE"), the
-# conninfo psycopg builds from a URL: a word of its own, the value bare or single-quoted.
+# password=VALUE in the libpq conninfo psycopg builds from a URL, the value bare or single-quoted.
 _KEYWORD = re.compile(r"(?P<head>(?:^|(?<=\s))[a-z_]*(?:password|secret|token)\s*=\s*)"
                       r"(?P<value>'(?:[^'\\]|\\.)*'|[^\s'\"]+)", re.IGNORECASE)
 

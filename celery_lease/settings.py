@@ -1,7 +1,4 @@
-"""The settings table: every ``lease_*`` option's default, its rule and what it is for.
-
-Defaults live here and nowhere else; config.py resolves and validates them per app and task.
-"""
+"""The settings table: every ``lease_*`` option's default (defined only here), its rule and its purpose."""
 
 from __future__ import annotations
 
@@ -16,28 +13,19 @@ __all__ = ["Setting", "SETTINGS", "BY_NAME", "SECRETS", "PER_TASK", "IDENTIFIER"
            "CALL_TIMEOUT_SHARE", "DEFAULT_POOL_SIZE", "LONG_CALL_TIMEOUT", "REAPER_RUNS_KEPT",
            "REAPER_OVERDUE_INTERVALS", "METRICS_MAX_SERIES", "SCRAPE_FRESH", "RUNBOOK_BASE_URL"]
 
-# A store call may take at most this share of the shortest lease (seconds per second). The
-# heartbeat runs at most every third of a lease so that two renewals can fail before it
-# expires; a hung renewal bounded by the same third fails in time for the next one to run.
+# A store call may take at most this share of the shortest lease: a hung renewal bounded by the
+# heartbeat's third of a lease fails in time for the next one to run.
 CALL_TIMEOUT_SHARE = 1 / 3
-# Pooled store connections of a process when the worker's concurrency is unknown.
-DEFAULT_POOL_SIZE = 10
-# Seconds the reaper's batches, migrations and operators' reads may take: they hold a batch
-# of rows while publishing, or scan history, and no lease waits on them.
-LONG_CALL_TIMEOUT = 300.0
-# Reaper runs kept in the store (newest first); each run prunes the older ones.
-REAPER_RUNS_KEPT = 1000
-# A scheduled reaper whose last run is older than this many intervals is reported as not running.
-REAPER_OVERDUE_INTERVALS = 3
-# Label pairs (queue, task) per exporter metric; the rest are counted under "other".
-METRICS_MAX_SERIES = 200
-# Seconds after which the exporter's last scrape counts as old (scrapes come every 15-60 s).
-SCRAPE_FRESH = 600.0
+DEFAULT_POOL_SIZE = 10  # pooled store connections of a process when the worker's concurrency is unknown
+LONG_CALL_TIMEOUT = 300.0  # seconds for the reaper's batches, migrations and reads: no lease waits on them
+REAPER_RUNS_KEPT = 1000  # reaper runs kept in the store; each run prunes the older ones
+REAPER_OVERDUE_INTERVALS = 3  # a reaper whose last run is this many intervals old is not running
+METRICS_MAX_SERIES = 200  # label pairs (queue, task) per exporter metric; the rest count as "other"
+SCRAPE_FRESH = 600.0  # seconds after which the exporter's last scrape is old (scrapes come every 15-60 s)
 # Where the shipped alert rules' runbook_url annotations point by default: the README's playbook.
 RUNBOOK_BASE_URL = "https://github.com/celery-lease/celery-lease/blob/main/README.md"
 
-# 30 characters keep the longest index name ("<prefix>jobs_status_available_ix") within
-# PostgreSQL's 63-character identifier limit.
+# 30 characters keep the longest index name within PostgreSQL's 63-character identifier limit.
 IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,29}$")
 
 

@@ -1,8 +1,5 @@
-"""The body's shield: library code that a lost lease's interruption waits for.
-
-A core module so that the store (which wraps every call in ``uninterrupted()``) needs nothing
-of the worker; worker/interrupt.py, which raises the interruption, re-exports both names.
-"""
+"""The body's shield: library code that a lost lease's interruption waits for (core, so the store needs
+nothing of the worker)."""
 
 from __future__ import annotations
 

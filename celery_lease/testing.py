@@ -1,19 +1,5 @@
-"""Helpers for the tests of apps that use LeaseTask.
-
-Outside a worker (``task_always_eager``, ``apply()``, a direct call) ``self.lease`` is a
-local handle whose effect keys and checkpoints are kept in this process, per app.
-``local_leases(app)`` starts a test from nothing and shows what the runs did::
-
-    @pytest.fixture
-    def leases(celery_app):
-        with local_leases(celery_app) as state:
-            yield state
-
-    def test_capture_is_charged_once(leases):
-        capture_payment.apply(("p-1",))
-        capture_payment.apply(("p-1",))
-        assert list(leases.effects) == ["payment-captured:p-1"]
-"""
+"""Helpers for the tests of apps that use LeaseTask: outside a worker, effect keys and checkpoints
+are kept in this process, and ``local_leases(app)`` starts a test from nothing and shows them."""
 
 from __future__ import annotations
 

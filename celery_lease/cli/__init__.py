@@ -1,9 +1,4 @@
-"""`celery -A proj lease ...`: the operator's commands, as a Celery subcommand.
-
-Installed through the ``celery.commands`` entry point (``lease = celery_lease.cli:lease``).
-The verbs live in ``reads`` (status, jobs, inspect, events, tune), ``ops`` (migrate, web,
-reap, check, exporter) and ``manual`` (requeue, dlq, effects: they ask before changing jobs).
-"""
+"""`celery -A proj lease ...`: the operator's commands, as a Celery subcommand (``celery.commands``)."""
 
 import celery_lease.cli.manual as manual
 import celery_lease.cli.ops as ops

@@ -1,11 +1,6 @@
 """The `lease` command group, its error handling and what every verb shares.
 
-Installed through the ``celery.commands`` entry point, so Celery loads the app
-(``-A``) and hands it over in ``ctx.obj.app`` as it does for its own commands.
-Every verb prints a table on a terminal and JSON with ``--json``; library errors
-leave as one line that names the job or setting and what to do, with an exit
-status that says which kind of failure it was. Only the command's output goes to
-stdout; library logs go to stderr.
+Library errors leave as one line with an exit status per kind; only the command's output goes to stdout.
 """
 
 from __future__ import annotations
@@ -76,8 +71,8 @@ class _Stderr(logging.StreamHandler):
 
 
 def _log_to_stderr(verbose: int) -> None:
-    """celery_lease's log records to stderr, never stdout: warnings and errors, INFO with -v, DEBUG
-    with -vv. The logger's own level is only lowered for -v, so that a host process keeps its own."""
+    """celery_lease's log records to stderr, never stdout; the logger's level is only lowered for -v,
+    so that a host process keeps its own."""
     logger = logging.getLogger("celery_lease")
     handler = next((h for h in logger.handlers if isinstance(h, _Stderr)), None)
     if handler is None:
@@ -106,14 +101,9 @@ def lease(ctx: click.Context, verbose: int = 0, **_: Any) -> None:
 
 
 def app_of(ctx: click.Context) -> Any:
-    """The Celery app that `celery -A` loaded, with its task modules imported as a worker does.
-
-    ``include=`` modules and autodiscovered ones register their tasks only when imported; a
-    command that reads tasks (check, tune, reap) must see the same tasks a worker runs.
-    """
+    """The Celery app `celery -A` loaded, its task modules imported so verbs see a worker's tasks."""
     if app_argument(ctx) is None:
-        # Celery's fallback app (or whichever app happens to be current): refuse before
-        # anything, such as a SQLite store file in the working directory, is made for it.
+        # Celery's fallback app: refuse before anything (a SQLite store file here) is made for it.
         raise CommandError(NO_APP, EX_CONFIG)
     app = ctx.obj.app
     state = app_state(app)
@@ -123,21 +113,14 @@ def app_of(ctx: click.Context) -> Any:
     return app
 
 
-def reaper_store_of(ctx: click.Context) -> Store:
-    """The app's lease store seen as the reaper sees it (for `lease reap`), with the long bound."""
-    from ..store import for_app
-
-    return for_app(app_of(ctx), check=False, operator=True)
-
-
 def store_of(ctx: click.Context) -> Store:
-    """The app's lease store, not migrated implicitly (only `lease migrate` creates tables).
-
-    An operator's command may scan history or create indexes: its calls get the long bound.
-    """
+    """The app's lease store, not migrated implicitly, with the long call bound (history scans, indexes)."""
     from ..store import for_app
 
     return for_app(app_of(ctx), check=False, operator=True)
+
+
+reaper_store_of = store_of
 
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")

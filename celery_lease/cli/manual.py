@@ -1,9 +1,7 @@
-"""Verbs that change jobs by hand: requeue, dlq redrive|discard, effects forget (playbook step 4).
+"""Verbs that change jobs by hand: requeue, dlq redrive|discard, effects forget.
 
-Each one shows its plan first. ``--dry-run`` stops there; otherwise the operator
-confirms on a terminal, or passes ``--yes`` in a script. Without a terminal and
-without ``--yes`` the plan is printed and the command exits non-zero, changing
-nothing: a pipeline never changes jobs because nobody was asked.
+Each shows its plan, then asks; without a terminal or ``--yes`` nothing changes, so a pipeline never
+changes jobs because nobody was asked.
 """
 
 from __future__ import annotations
@@ -35,27 +33,16 @@ def can_prompt() -> bool:
     return sys.stdin.isatty() and sys.stdout.isatty()
 
 
-def dry_run_option(f: Callable[..., Any]) -> Callable[..., Any]:
-    return click.option("--dry-run", is_flag=True, help="Print the plan and change nothing.")(f)
-
-
-def yes_option(f: Callable[..., Any]) -> Callable[..., Any]:
-    return click.option("--yes", "-y", is_flag=True,
-                        help="Do it without asking (needed when not on a terminal).")(f)
-
-
-def batch_option(f: Callable[..., Any]) -> Callable[..., Any]:
-    return click.option("--batch", default=10, show_default=True, type=click.IntRange(1),
-                        help="Jobs at most in this run (recover in small batches).")(f)
+dry_run_option = click.option("--dry-run", is_flag=True, help="Print the plan and change nothing.")
+yes_option = click.option("--yes", "-y", is_flag=True,
+                          help="Do it without asking (needed when not on a terminal).")
+batch_option = click.option("--batch", default=10, show_default=True, type=click.IntRange(1),
+                            help="Jobs at most in this run (recover in small batches).")
 
 
 def go_ahead(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]], question: str,
              dry_run: bool, yes: bool, as_json: bool) -> bool:
-    """Show the plan; True when the change may proceed (confirmed, or --yes).
-
-    Nothing planned, or --dry-run: False. No terminal and no --yes: the plan, then a
-    CommandError (non-zero exit) saying how to go on.
-    """
+    """Show the plan; True when the change may proceed (confirmed, or --yes)."""
     if as_json and (dry_run or not yes or not rows):
         emit_json({"dry_run": True, "planned": list(rows)})
     elif not as_json:
@@ -74,7 +61,6 @@ def go_ahead(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]],
 def _recover(store: Any, jobs: list[Any], question: str, label: str,
              run: Callable[[Iterable[Any]], Iterable[recovery.Outcome]], done: RecoveryAction, batch: int,
              dry_run: bool, yes: bool, as_json: bool) -> None:
-    """Show the plan of ``jobs``, then (when it may proceed) ``run`` them and report the outcomes."""
     if not go_ahead(job_plan(store, jobs), PLAN_COLUMNS, question, dry_run, yes, as_json):
         return
     with progress(jobs, label, not as_json and is_tty()) as items:

@@ -8,7 +8,7 @@ import click
 
 from ..ops.views import aged_reason, with_ages
 from ..vocabulary import Severity
-from .base import CommandError, app_of, json_option, lease, reaper_store_of, store_of
+from .base import CommandError, app_of, json_option, lease, store_of
 from .output import echo, emit_json, table
 
 __all__ = ["migrate", "reap", "check", "exporter", "web", "with_ages", "aged_reason"]
@@ -53,7 +53,7 @@ def reap(ctx: click.Context, dry_run: bool, as_json: bool) -> None:
     from ..reaper.run import Reaper
 
     store = store_of(ctx)
-    result = Reaper(app_of(ctx), reaper_store_of(ctx)).run_once(dry_run=dry_run)
+    result = Reaper(app_of(ctx), store).run_once(dry_run=dry_run)
     planned = with_ages(store, [d.as_dict() for d in result.planned])
     if as_json:
         emit_json({**result.as_dict(), "planned": planned} if dry_run else result.as_dict())
@@ -150,10 +150,7 @@ def web(ctx: click.Context, port: int, bind: str, allow_actions: bool, url_prefi
         raise CommandError(f"{INSTALL_HINT} ({exc})") from exc
     if url_prefix and not url_prefix.startswith("/"):
         raise click.BadParameter("a path that starts with /, e.g. /lease", param_hint="--url-prefix")
-    from ..store import for_app
-
-    app = app_of(ctx)
-    store = for_app(app, check=False, operator=True)  # store_of's, as a Store: the reaper reads it too
+    app, store = app_of(ctx), store_of(ctx)
     cfg = app_config(app)
     guarded = cfg.web_token is not None or cfg.web_basic_auth is not None
     if allow_actions and not guarded and not is_loopback(bind):

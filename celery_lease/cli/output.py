@@ -18,7 +18,6 @@ from ..ops.formats import age, one_line, parse_duration, when
 __all__ = ["table", "emit_json", "echo", "with_app", "app_argument", "one_line", "when", "age",
            "parse_duration", "progress", "is_tty", "Duration"]
 
-# A command in a hint: `celery lease jobs`, `celery -A proj lease migrate`.
 _HINT = re.compile(r"\bcelery (?:-A \S+ )?lease\b")
 
 
@@ -76,7 +75,6 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]], em
 
 
 def emit_json(data: Any) -> None:
-    """``data`` as indented JSON on stdout."""
     echo(json.dumps(data, indent=2, sort_keys=True, default=str))
 
 

@@ -1,11 +1,6 @@
 """``lease check`` rules for the broker: its redelivery timeout against the jobs and the lease.
 
-Redis (kombu's ``visibility_timeout``), SQS (its visibility timeout) and RabbitMQ
-(``consumer_timeout``) each take a message back from a worker after a while. A job
-that outlives that while is delivered again; these rules say when that can happen.
-SQS queues are read as they are (``GetQueueAttributes``): an existing queue keeps its own
-``VisibilityTimeout`` whatever kombu's option says, and its redrive policy's
-``maxReceiveCount`` moves a message to the dead-letter queue after that many receives.
+SQS queues are read as they are: an existing queue keeps its own ``VisibilityTimeout``.
 """
 
 from __future__ import annotations
@@ -42,11 +37,7 @@ VT = "broker_transport_options['visibility_timeout']"
 
 def rabbitmq_consumer_timeouts(app: Any, queues: Iterable[str], configured: float | None,
                                port: int = MANAGEMENT_PORT) -> dict[str, tuple[float, str]]:
-    """Each queue's consumer timeout in seconds and where it came from.
-
-    The management API shows a queue's ``x-consumer-timeout`` argument or policy;
-    otherwise ``configured`` (``lease_rabbitmq_consumer_timeout``) or RabbitMQ's default.
-    """
+    """Each queue's consumer timeout and its source: management API, else ``configured``, else default."""
     connection = app.connection_for_read()
     host, vhost = connection.hostname or "localhost", connection.virtual_host or "/"
     credentials = f"{connection.userid or 'guest'}:{connection.password or 'guest'}"
@@ -120,8 +111,7 @@ def _redis(ctx: Context) -> Iterator[Finding]:
                       f"task {name} may run {longest:g}s but kombu re-delivers an unacknowledged message "
                       "after "
                       f"{vt:g}s: every long run is delivered again (skipped by the lease, but restored long "
-                      "jobs "
-                      "loop at the head of the queue and starve others)",
+                      "jobs loop at the head of the queue and starve others)",
                       "set lease_extend_visibility = True, or raise visibility_timeout above the longest run")
     else:
         yield Finding(OK, "visibility_vs_runtime", settings, {**base, "task": name, "longest": longest},
@@ -187,12 +177,7 @@ def _rabbitmq(ctx: Context) -> Iterator[Finding]:
 
 
 def sqs_queue_attributes(app: Any, queues: Iterable[str]) -> dict[str, dict[str, Any]]:
-    """Each queue's ``VisibilityTimeout`` and redrive ``maxReceiveCount`` (None: no redrive policy).
-
-    Read with one bounded request per queue, on the broker URL's endpoint and credentials and
-    kombu's queue naming (``queue_name_prefix``, ``predefined_queues``). A queue that cannot be
-    read maps to ``{"error": ...}``.
-    """
+    """Each queue's ``VisibilityTimeout`` and redrive ``maxReceiveCount``, or ``{"error": ...}``."""
     try:
         import boto3  # the SQS transport's own dependency
         from botocore.config import Config
@@ -341,12 +326,10 @@ def _other(ctx: Context, kind: str) -> Iterator[Finding]:
     if kind in DEMO_TRANSPORTS:
         yield Finding(OK, "broker_visibility", ("broker_url",), {"transport": kind},
                       f"the {kind} transport has no redelivery timeout (a demo transport: use Redis or "
-                      "RabbitMQ "
-                      "in production)")
+                      "RabbitMQ in production)")
         return
     yield Finding(WARNING, "broker_visibility", ("broker_url",), {"transport": kind},
                   f"celery_lease cannot extend the visibility of the {kind} transport's messages: a job "
-                  "longer "
-                  "than its redelivery timeout is delivered again (the lease skips the copy)",
+                  "longer than its redelivery timeout is delivered again (the lease skips the copy)",
                   "make the transport's redelivery timeout longer than the longest task")
 

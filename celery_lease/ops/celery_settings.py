@@ -1,8 +1,6 @@
 """``lease check`` on Celery 5.5–5.7's settings that overlap the lease's job, and on the Celery floor.
 
-Each setting is looked up in the installed Celery's own defaults, so a setting that Celery does
-not know (an older Celery) is named with the version that first has it, and one the app sets
-anyway is a warning: that Celery ignores it.
+A setting the installed Celery does not know but the app sets is a warning: that Celery ignores it.
 """
 
 from __future__ import annotations
@@ -101,12 +99,7 @@ def _acks_on_timeout(ctx: Context) -> Iterator[Finding]:
 
 
 def _beat_alive(ctx: Context) -> Iterator[Finding]:
-    """With ``beat_enable_remote_control``, whether a celery beat answers ping.
-
-    Celery's beat stops answering once its scheduler has not ticked for a while, so silence
-    means the process that schedules the reaper is gone or stuck; ``reaper_running`` says
-    when the reaper last ran.
-    """
+    """Whether celery beat answers ping: it stops answering once its scheduler stops ticking."""
     if "beat_enable_remote_control" not in DEFAULTS or not ctx.conf.beat_enable_remote_control:
         return
     settings = ("beat_enable_remote_control",)

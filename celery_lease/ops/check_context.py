@@ -1,5 +1,4 @@
-"""What every ``lease check`` rule reads and answers: the Context (config, tasks, store
-facts and broker, each computed once) and the Finding (level, code, settings, why, fix)."""
+"""What every ``lease check`` rule reads (the Context) and answers (the Finding)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """The seeds' operational checklist, answered from the live config and the lease store.
 
-Durations measured? Timeout above p99? Heartbeat for long jobs? Idempotency for sensitive
-jobs? Locks? Backoff? DLQ? Dashboards? Crash tests? Where only the code can tell (which
-job is sensitive, which resource is critical), the answer says what the store shows and
-asks the question as a warning.
+Where only the code can tell (which job is sensitive), the answer asks the question as a warning.
 """
 
 from __future__ import annotations
@@ -45,8 +42,7 @@ def _durations(ctx: Context) -> Iterator[Finding]:
     if unmeasured:
         yield Finding(WARNING, "durations_measured", (), {"unmeasured": unmeasured, "measured": measured},
                       "no finished run in the store: their p99 is unknown, so no timeout can be checked "
-                      "against "
-                      "the tail of their run times",
+                      "against the tail of their run times",
                       "let them run (staging or production), then run `celery lease check` and `celery lease "
                       "tune`")
     else:
@@ -71,8 +67,7 @@ def _timeouts_vs_p99(ctx: Context) -> Iterator[Finding]:
                     level, "timeout_vs_p99", (setting,),
                     {"task": task.name, setting: float(limit), "p99": p99},
                     f"task {task.name}: 1% of its runs take longer than {setting} ({limit:g}s < p99 "
-                    f"{p99:g}s); "
-                    "those runs are cut short or lose their lease while healthy",
+                    f"{p99:g}s); those runs are cut short or lose their lease while healthy",
                     f"raise {setting} above the p99 ({p99:g}s) with room for the tail, or split the task"))
     yield from ok_unless(problems, "timeout_vs_p99", ("task_time_limit", "task_soft_time_limit",
                                                       "lease_max_runtime"),
@@ -85,8 +80,7 @@ def _plain_tasks(ctx: Context) -> Iterator[Finding]:
     if names:
         yield Finding(WARNING, "heartbeat_for_long_jobs", ("task_cls",), {"plain_tasks": names},
                       "these tasks run without a lease or heartbeat: if one runs long, the broker "
-                      "re-delivers it "
-                      "and two workers run it; if its worker dies, nothing recovers it",
+                      "re-delivers it and two workers run it; if its worker dies, nothing recovers it",
                       "declare long or important tasks with base=LeaseTask (or set the app's task_cls)")
     else:
         yield Finding(OK, "heartbeat_for_long_jobs", ("task_cls",), {"lease_tasks": len(ctx.tasks)},
@@ -100,8 +94,7 @@ def _idempotency(ctx: Context) -> Iterator[Finding]:
     yield from ok_unless(
         [Finding(WARNING, "idempotency", (), {"tasks": bare},
                  "these tasks ran without an idempotency key or a recorded effect: a retried or taken-over "
-                 "run "
-                 "repeats whatever side effects the first one had (payments, stock, e-mails)",
+                 "run repeats whatever side effects the first one had (payments, stock, e-mails)",
                  "for each side effect, `with self.lease.effect(key) as first:` (or publish with "
                  "apply_async(idempotency_key=...)); ignore this for tasks without side "
                  "effects")] if bare else [],
@@ -126,8 +119,7 @@ def _locks(ctx: Context) -> Iterator[Finding]:
     else:
         yield Finding(WARNING, "locks", ("lease_lock_ttl",), {"tasks_using_locks": users},
                       "no task takes a resource lock: two different jobs on the same account or order can "
-                      "run "
-                      "at once (a lease covers one job, not a resource)",
+                      "run at once (a lease covers one job, not a resource)",
                       "wrap critical sections in `with self.lease.lock(f'account:{id}'):`; ignore this if no "
                       "resource is shared")
 
@@ -142,8 +134,7 @@ def _backoff(ctx: Context) -> Iterator[Finding]:
                 {"task": task.name, "lease_backoff_base": policy.backoff_base,
                  "lease_backoff_max": policy.backoff_max},
                 f"task {task.name}: an expired job is requeued at once, so a job that keeps failing its "
-                "lease "
-                "loops without a pause and hammers a struggling dependency",
+                "lease loops without a pause and hammers a struggling dependency",
                 "set lease_backoff_base > 0 (e.g. 1.0) and lease_backoff_max > it"))
         delay = task.default_retry_delay or 0
         if getattr(task, "autoretry_for", ()) and not getattr(task, "retry_backoff", False) and delay < 1:
@@ -151,8 +142,7 @@ def _backoff(ctx: Context) -> Iterator[Finding]:
                 WARNING, "backoff", ("retry_backoff", "default_retry_delay"),
                 {"task": task.name, "retry_backoff": False, "default_retry_delay": delay},
                 f"task {task.name}: autoretry re-runs a failure after {delay:g}s with no backoff: a fast "
-                "retry "
-                "loop while a dependency is down",
+                "retry loop while a dependency is down",
                 "set retry_backoff=True (and retry_jitter) on the task, or a default_retry_delay of seconds"))
     yield from ok_unless(problems, "backoff", ("lease_backoff_base", "retry_backoff"),
                          {"lease_backoff_base": ctx.cfg.backoff_base,
@@ -170,8 +160,7 @@ def _dead_letter(ctx: Context) -> Iterator[Finding]:
                 WARNING, "dead_letter", ("lease_dead_letter_queue",),
                 {"task": task.name, "lease_dead_letter_queue": policy.dead_letter_queue},
                 f"task {task.name}: its dead-letter queue {policy.dead_letter_queue!r} is a queue its "
-                "workers "
-                "consume: dead jobs come straight back to them (and are skipped as finished)",
+                "workers consume: dead jobs come straight back to them (and are skipped as finished)",
                 "use a queue no worker consumes, e.g. 'dead_letter', and inspect it with `celery lease dlq "
                 "list`"))
     failed = {t.name: ctx.task_facts(t)["failed"] for t in ctx.tasks if ctx.task_facts(t).get("failed")}
@@ -188,7 +177,6 @@ def _dead_letter(ctx: Context) -> Iterator[Finding]:
 
 
 def _dashboards(ctx: Context) -> Iterator[Finding]:
-    """Answered from what the store observed: when an exporter last answered a scrape."""
     if ctx.store_error:
         return
     hint = ("pip install celery-lease[metrics], run `celery -A proj lease exporter`, have Prometheus "
@@ -232,8 +220,7 @@ def _crash_tested(ctx: Context) -> Iterator[Finding]:
     else:
         yield Finding(WARNING, "crash_tested", (), {"recoveries": counts},
                       "no recovery from a crash before ack is recorded in this store: the recovery path has "
-                      "not "
-                      "been seen working here",
+                      "not been seen working here",
                       "in staging, `kill -9` a worker in the middle of a job and watch it complete once "
                       "(`celery lease events`)")
 

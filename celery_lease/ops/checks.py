@@ -1,26 +1,6 @@
 """``celery lease check``: a linter over the live app config and the lease store.
 
-``run_checks(app)`` returns one Finding per answer: its level (error, warning, ok), a
-stable code, the settings involved with their values, why it matters and the fix. The
-rules here cover the lease, the worker and the broker; ``checklist.py`` walks the
-seeds' operational checklist. Which code answers which checklist question:
-
-    durations measured?               durations_measured
-    timeout above p99?                timeout_vs_p99
-    app/dependency/visibility timeouts aligned?
-                                      max_runtime_vs_time_limit, blocking_heartbeat,
-                                      visibility_vs_runtime, visibility_vs_eta,
-                                      visibility_vs_lease, consumer_timeout, sqs_visibility
-    heartbeat for long jobs?          heartbeat_vs_lease, heartbeat_for_long_jobs
-    idempotency for sensitive jobs?   idempotency
-    locks?                            locks
-    backoff?                          backoff
-    DLQ?                              dead_letter
-    dashboards?                       dashboards
-    crash tests?                      crash_tested
-
-Celery 5.5–5.7's settings and the Celery floor: celery_settings.py (celery_features,
-retry_on_worker_lost, acks_on_timeout, ...).
+``run_checks(app)`` returns one Finding per answer; the rules here cover the lease and the worker.
 """
 
 from __future__ import annotations
@@ -44,11 +24,9 @@ __all__ = ["run_checks", "RULES"]
 LONG_TASK = 60.0  # seconds: a task expected to run this long counts as long
 
 
-# -- the lease ------------------------------------------------------------------
 def check_policies(ctx: Context) -> Iterator[Finding]:
     for name, exc in ctx.policy_errors.items():
-        code = "heartbeat_vs_lease" if exc.setting == "lease_heartbeat_interval" else "config_invalid"
-        yield Finding(ERROR, code, (exc.setting,), {"task": name, exc.setting: exc.value},
+        yield Finding(ERROR, _config_code(exc), (exc.setting,), {"task": name, exc.setting: exc.value},
                       f"task {name}: {exc}", fix_for(exc))
     ratios = {n: round(p.duration / p.heartbeat_interval, 2) for n, p in ctx.policies.items()}
     if not ctx.policy_errors:
@@ -126,7 +104,6 @@ def _unenforced_limits(ctx: Context) -> Iterator[Finding]:
             "or run it in the prefork or gevent pool")
 
 
-# -- the worker -------------------------------------------------------------------
 def check_prefetch(ctx: Context) -> Iterator[Finding]:
     multiplier = ctx.conf.worker_prefetch_multiplier
     long_tasks = {}
@@ -177,7 +154,6 @@ def check_acks(ctx: Context) -> Iterator[Finding]:
                          "messages are acknowledged after the job; celery_lease recovers lost pool processes")
 
 
-# -- the store ------------------------------------------------------------------------
 def check_store(ctx: Context) -> Iterator[Finding]:
     url = {"lease_store_url": ctx.store.safe_url}
     error = ctx.store_error
@@ -208,8 +184,7 @@ def check_store(ctx: Context) -> Iterator[Finding]:
         if len(hosts) > 1:
             yield Finding(ERROR, "sqlite_multi_host", ("lease_store_url",), values,
                           "workers on several hosts each see their own SQLite file (or corrupt a shared "
-                          "network "
-                          "file): leases are not shared, so two hosts can run the same job",
+                          "network file): leases are not shared, so two hosts can run the same job",
                           "use PostgreSQL or MySQL/MariaDB for lease_store_url")
         else:
             yield Finding(OK, "sqlite_multi_host", ("lease_store_url",), values,
@@ -225,14 +200,10 @@ def _config_code(problem: LeaseConfigError) -> str:
 
 
 def run_checks(app: Any, store: Store | None = None, pool: str | None = None) -> list[Finding]:
-    """Every finding for an app: its config, its tasks, its broker and its store.
-
-    ``pool``: the worker pool the tasks run in (default: the app's ``worker_pool``).
-    """
+    """Every finding for an app: its config, its tasks, its broker and its store."""
     try:
         cfg = app_config(app)
     except LeaseConfigError as exc:
-        # Every problem at once, each named as the configuration spells it, with its own fix.
         return [Finding(ERROR, _config_code(p), (p.setting,), {p.setting: p.value}, str(p), fix_for(p))
                 for p in problems_of(exc)]
     if store is None:

@@ -1,7 +1,4 @@
-"""How operators read times and durations (UTC to the millisecond, 12.3s, 5m03s), without click.
-
-The CLI's output and the web page's filters both write them; the page must not import the CLI.
-"""
+"""How operators read times and durations, shared by the CLI and the page (which must not import click)."""
 
 from __future__ import annotations
 

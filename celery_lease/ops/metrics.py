@@ -1,21 +1,6 @@
 """Prometheus metrics over the lease store: a collector and a small HTTP exporter.
 
-A scrape runs a handful of indexed queries: running jobs (bounded by the work in
-flight), pending jobs per queue (bounded by the backlog), the worker registry, the
-reaper's last recorded run, the jobs that finished and the audit events written since
-the previous scrape (ranges of the ``(status, updated_at)`` and ``(event, at)``
-indexes). Histograms and counters are cumulative from when the exporter started, like
-any process's: ``rate(x_sum) / rate(x_count)`` and ``histogram_quantile`` over
-``rate(x_bucket)`` work as usual. Run one exporter per store, or each counts the same
-work. The ranges lag the store's clock by ``event_lag`` seconds so that a row whose
-transaction commits late is still counted once. A scrape also notes itself in the store
-(revision 0004), so ``lease check`` can tell whether anything scrapes.
-
-Counters and histograms are labelled by queue and task, at most ``max_series`` label
-pairs per metric (the first seen); the rest are counted under ``other``. An event whose
-writer did not know the job is labelled ``unknown``.
-
-``prometheus_client`` is an optional dependency: ``pip install celery-lease[metrics]``.
+Counters and histograms count from when the exporter started, so run one exporter per store.
 """
 
 from __future__ import annotations
@@ -76,7 +61,6 @@ COUNTERS: tuple[tuple[str, str, str | None, dict[Event, str]], ...] = (
      None, {Event.DLQ_REDRIVEN: ""}),
 )
 EVENT_NAMES = tuple(event for *_, events in COUNTERS for event in events)
-#: event -> (counter name, extra label value or None)
 _BY_EVENT = {event: (name, value if label else None) for name, _, label, events in COUNTERS
              for event, value in events.items()}
 #: Histogram key -> (name, help, bounds).
@@ -107,8 +91,7 @@ def _le(bound: float) -> str:
 
 
 def metric_names(families: Iterable[Any]) -> set[str]:
-    """Every sample name the given families expose, whether or not they hold samples now
-    (a counter ``x`` exposes ``x_total``; a histogram its ``_bucket``, ``_sum`` and ``_count``)."""
+    """Every sample name the given families expose, whether or not they hold samples now."""
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
     return {f.name + suffix for f in families for suffix in suffixes.get(f.type, ("",))}
 
@@ -153,10 +136,7 @@ class _Cap:
 
 
 class LeaseCollector:
-    """A prometheus_client collector over one app's lease store.
-
-    It reads the store, and writes one row per scrape: its last scrape, for `lease check`.
-    """
+    """A prometheus_client collector over one app's lease store; each scrape is noted for `lease check`."""
 
     def __init__(self, app: Any, store: Store | None = None, event_lag: float = EVENT_LAG,
                  max_series: int = METRICS_MAX_SERIES, record_scrapes: bool = True) -> None:
@@ -171,7 +151,6 @@ class LeaseCollector:
         self._totals: dict[str, dict[tuple[str, ...], float]] = {name: {} for name, *_ in COUNTERS}
         self._histograms: dict[str, dict[tuple[str, str], _Histogram]] = {k: {} for k in HISTOGRAMS}
 
-    # -- families ------------------------------------------------------------
     def _families(self) -> dict[str, Any]:
         core = prometheus().core
         g = core.GaugeMetricFamily
@@ -227,7 +206,6 @@ class LeaseCollector:
         fams["duration"].add_metric([], time.monotonic() - started)
         yield from fams.values()
 
-    # -- the queries -------------------------------------------------------------
     def _fill(self, fams: dict[str, Any]) -> None:
         store = self.store
         now, running = store.reports.running_metrics(LAG_BUCKETS)
@@ -256,7 +234,6 @@ class LeaseCollector:
             due = r["oldest_due_at"]
             fams["pending"].add_metric([r["queue"] or ""], r["pending"])
             fams["oldest_pending"].add_metric([r["queue"] or ""], max(0.0, now - due) if due else 0.0)
-        workers = store.reports.worker_counts()
         fams["alive"].add_metric([], workers["alive"])
         fams["stale"].add_metric([], workers["stale"])
         if last_run is not None:  # None: a schema without recorded runs (needs `lease migrate`)
@@ -271,7 +248,7 @@ class LeaseCollector:
         self._histograms[key].setdefault(labels, _Histogram(bounds)).add(values)
 
     def _advance(self, now: float) -> None:
-        """Count the jobs finished and the events written in (previous scrape, now - event_lag]."""
+        """Count what finished in (previous scrape, now - event_lag]: the lag covers late commits."""
         until = now - self.event_lag
         if self._through is None:
             # What was written before the exporter started is history, not counted: from now on.
@@ -301,8 +278,7 @@ class _QuietHandler(WSGIRequestHandler):
 
 
 def make_exporter(app: Any, port: int = 9808, addr: str = "0.0.0.0", **options: Any) -> WSGIServer:
-    """An HTTP server answering Prometheus scrapes for the app's lease store; call
-    ``serve_forever()`` on it (and ``shutdown()`` from another thread to stop)."""
+    """An HTTP server answering Prometheus scrapes for the app's lease store (call ``serve_forever()``)."""
     pc = prometheus()
     registry = pc.CollectorRegistry(auto_describe=True)
     registry.register(LeaseCollector(app, **options))

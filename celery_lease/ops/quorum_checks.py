@@ -1,10 +1,6 @@
 """``lease check`` on RabbitMQ quorum queues: their delivery limit against ``lease_max_attempts``.
 
-A quorum queue drops (or dead-letters) a message delivered unsuccessfully more than its
-``x-delivery-limit`` times: 20 by default from RabbitMQ 4.0, no limit before. Each time a whole
-worker dies under a job, RabbitMQ delivers the same message again; when the queue gives up
-before the lease's attempts run out, the job is left to the reaper, which re-sends it only
-after its lease expires, and a dead-letter exchange receives a job that is still alive.
+From RabbitMQ 4.0 a quorum queue drops a message after 20 deliveries by default.
 """
 
 from __future__ import annotations
@@ -13,7 +9,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from .check_context import OK, WARNING, Context, Finding
+from .check_context import WARNING, Context, Finding, ok_unless
 
 __all__ = ["quorum_rules", "queue_delivery_limits", "RABBITMQ4_DELIVERY_LIMIT"]
 
@@ -38,11 +34,7 @@ def server_major(app: Any) -> int | None:
 
 
 def queue_delivery_limits(app: Any, queues: set[str], major: int | None) -> dict[str, tuple[int | None, str]]:
-    """Each quorum queue's delivery limit (None: unlimited) and where it comes from.
-
-    Read from the queues the app declares (``task_queues``, or the default queue with
-    ``task_default_queue_type = "quorum"``); a classic queue has no delivery limit and is left out.
-    """
+    """Each declared quorum queue's delivery limit (None: unlimited) and where it comes from."""
     limits: dict[str, tuple[int | None, str]] = {}
     for name, queue in app.amqp.queues.items():
         arguments = queue.queue_arguments or {}
@@ -85,9 +77,6 @@ def quorum_rules(ctx: Context) -> Iterator[Finding]:
             "gets a copy of a job that is still alive",
             f"declare the queue with x-delivery-limit >= {policy.max_attempts - 1}, or lower "
             f"lease_max_attempts to {limit + 1}"))
-    if problems:
-        yield from problems
-    else:
-        yield Finding(OK, "quorum_delivery_limit", settings,
-                      {"delivery_limits": {q: limit for q, (limit, _) in limits.items()}},
-                      "every quorum queue redelivers a job at least as often as the lease retries it")
+    yield from ok_unless(problems, "quorum_delivery_limit", settings,
+                         {"delivery_limits": {q: limit for q, (limit, _) in limits.items()}},
+                         "every quorum queue redelivers a job at least as often as the lease retries it")

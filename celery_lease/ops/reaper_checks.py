@@ -1,13 +1,4 @@
-"""`lease check` rules about the reaper: is it scheduled, routed apart, and seen running?
-
-The schedule is read wherever it is held: the app's ``beat_schedule`` and, when
-django-celery-beat is installed and Django is configured, its ``PeriodicTask`` rows
-(what ``DatabaseScheduler`` runs). Whether it runs is read from the store: each run
-records itself (revision 0004), so the answer holds whichever process or scheduler
-starts it. A reaper should have a queue of its own (on a shared work queue it waits
-behind the backlog it should rescue) and an ``expires`` below its interval (so runs
-that queued up while no worker consumed do not all fire at once).
-"""
+"""`lease check` rules about the reaper: is it scheduled, routed apart, and seen running?"""
 
 from __future__ import annotations
 
@@ -107,7 +98,6 @@ def reaper_entries(app: Any) -> tuple[list[ReaperEntry], str | None]:
 
 
 def _work_queues(ctx: Context) -> set[str]:
-    """The queues work goes to: the default queue and every LeaseTask's."""
     queues = {str(ctx.conf.task_default_queue or "celery")}
     return queues | {q for q in (ctx.queue(t) for t in ctx.tasks) if q}
 
@@ -138,7 +128,6 @@ def _routing(ctx: Context, entries: list[ReaperEntry]) -> Iterator[Finding]:
 
 
 def _routing_fix(sources: set[str]) -> str:
-    """How to fix the routing where the faulty entries are held: beat_schedule, the admin, or both."""
     fixes = []
     if "beat_schedule" in sources:
         fixes.append("route the reaper to a queue of its own with expires below its interval, e.g. "
@@ -152,7 +141,6 @@ def _routing_fix(sources: set[str]) -> str:
 
 
 def _scheduled_fix(conf: Any) -> str:
-    """How to schedule the reaper with the scheduler this app's beat runs."""
     if "django_celery_beat" in str(conf.beat_scheduler or ""):
         return (f"run `{SCHEDULE_COMMAND}` (it creates the reaper's periodic task with its queue and "
                 f"expiry), or add it in django-celery-beat's admin, and run celery beat")

@@ -1,13 +1,7 @@
 """Manual recovery: requeue abandoned leases, redrive or discard dead letters, forget effect keys.
 
-These are the operator's versions of the reaper's moves, with the same rules: a
-lease is only taken when it expired past its grace and its owner is gone (unless
-forced), every move is one compare-and-set, and each one is audited (``manual_requeue``,
-``dlq_redriven``, ``dlq_discarded``, ``effect_forgotten``). The row changes first and the
-stored message is re-published after: a message that arrived while the old lease still
-stood would be skipped as a duplicate and acknowledged, leaving a pending job
-with no message. If the publish fails after the change, the job is pending and
-the reaper re-dispatches it after ``lease_dispatch_timeout``; the outcome says so.
+The row changes before the message is re-published: a message that arrived while the old lease
+stood would be skipped as a duplicate, leaving a pending job with no message.
 """
 
 from __future__ import annotations
@@ -55,10 +49,7 @@ PREFIX_MATCHES_SHOWN = 10
 
 
 def resolve_job_id(store: Store, text: str) -> str:
-    """The id of the job ``text`` names: the id itself or a prefix unique among the store's ids.
-
-    JobNotFound when nothing matches; AmbiguousJobId (listing the matches) when several do.
-    """
+    """The id of the job ``text`` names: the id itself or a prefix unique among the store's ids."""
     if store.get(text) is not None:
         return text
     matches = store.reports.job_ids_starting(text, PREFIX_MATCHES_SHOWN + 1) if text else []
@@ -84,8 +75,7 @@ class Outcome:
 
 
 def operator(via: str = "cli", user: str | None = None, host: str | None = None) -> str:
-    """Who ran a manual recovery, for the audit log: ``via:user@host`` (the command line's user and
-    host by default; the web page passes its signed-in user and the client's address)."""
+    """Who ran a manual recovery, for the audit log: ``via:user@host``."""
     if user is None:
         try:
             user = getpass.getuser()
@@ -112,8 +102,7 @@ def _lease_state(store: Store, job: Job) -> str:
 
 def requeue_plan(app: Any, store: Store, job_id: str | None = None, expired: bool = False,
                  batch: int = 10, force: bool = False) -> list[Job]:
-    """The jobs a ``requeue`` would move: one named job (refused when that is unsafe) or up to
-    ``batch`` abandoned leases, oldest first."""
+    """The jobs a ``requeue`` would move: one named job (refused when unsafe) or the oldest abandoned."""
     if job_id is None:
         if not expired:
             raise RecoveryRefused("", "name a job with --job ID or take expired leases with --expired")
@@ -149,7 +138,6 @@ def _publish(app: Any, job: Job, done: RecoveryAction) -> Outcome:
     try:
         messages.republish(app, job.id, job.payload)
     except Exception as exc:  # noqa: BLE001 - the row already moved: report any publish failure, go on
-
         log.error("job %s is pending but its message could not be sent: %s", job.id, exc,
                   extra={"action": "manual_publish_failed"})
         return Outcome(job.id, job.task_name, job.queue_name, RecoveryAction.PUBLISH_FAILED,
@@ -175,8 +163,7 @@ def requeue(app: Any, store: Store, jobs: Iterable[Job], force: bool = False,
 
 def redrive_plan(store: Store, job_id: str | None = None, task: str | None = None,
                  batch: int = 10) -> list[Job]:
-    """The dead letters a redrive would send back: one named job, or up to ``batch`` failed
-    jobs (oldest first) that were not revoked on purpose."""
+    """The dead letters a redrive would send back: one named job, or the oldest not revoked on purpose."""
     if job_id is None:
         return store.recovery.dead_letters(task, batch, include_revoked=False)
     return [_dead_letter(store, job_id, "redriven")]
@@ -203,10 +190,9 @@ def redrive(app: Any, store: Store, jobs: Iterable[Job], who: str | None = None)
         yield _publish(app, job, RecoveryAction.REDRIVEN)
 
 
-
 def discard_plan(store: Store, job_id: str | None = None, task: str | None = None,
                  batch: int = 10) -> list[Job]:
-    """The dead letters a discard would delete: one named job, or up to ``batch`` (oldest first)."""
+    """The dead letters a discard would delete: one named job, or the oldest ``batch``."""
     if job_id is None:
         return store.recovery.dead_letters(task, batch)
     return [_dead_letter(store, job_id, "discarded")]
@@ -227,8 +213,7 @@ def discard(store: Store, jobs: Iterable[Job], who: str | None = None) -> Iterat
 
 def dead_letter_plan(store: Store, action: DeadLetterAction, job_ids: list[str] | None,
                      task: str | None = None, batch: int = 10) -> tuple[list[Job], list[str]]:
-    """The dead letters ``action`` would move (each named job, or with ``job_ids`` None the oldest
-    batch of ``task``) and, for named jobs that cannot be moved, why not: a selection on a page."""
+    """The dead letters ``action`` would move and, for named jobs that cannot be moved, why not."""
     plan = redrive_plan if action == DeadLetterAction.REDRIVE else discard_plan
     if job_ids is None:
         return plan(store, None, task, batch), []
@@ -243,7 +228,6 @@ def dead_letter_plan(store: Store, action: DeadLetterAction, job_ids: list[str] 
 
 def recover_dead_letters(app: Any, store: Store, action: DeadLetterAction, jobs: Iterable[Job],
                          who: str) -> Iterator[Outcome]:
-    """Redrive or discard ``jobs`` as ``action`` says."""
     if action == DeadLetterAction.REDRIVE:
         return redrive(app, store, jobs, who=who)
     return discard(store, jobs, who=who)

@@ -1,12 +1,6 @@
 """Lease tuning from measured runtimes: percentiles per task and recommended settings.
 
-Percentiles are computed in Python over a bounded sample (the newest
-``SAMPLE_LIMIT`` completed jobs of each task), the same way on every store:
-SQLite and MariaDB have no ``percentile_cont``, and 10,000 floats cost
-milliseconds. Runtime is ``completed_at - started_at`` of the final attempt. The
-heartbeat gap is ``completed_at - last_heartbeat_at`` of finished jobs, plus
-``now - last_heartbeat_at`` of running ones: how old a lease's last renewal gets
-before its job ends, which is what the lease has to outlast.
+Percentiles are computed in Python over the newest runs: SQLite and MariaDB have no ``percentile_cont``.
 """
 
 from __future__ import annotations
@@ -33,11 +27,7 @@ FEW_SAMPLES = 20
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0-100) with linear interpolation between closest ranks; None when empty.
-
-    The one percentile of ``lease tune``, ``lease check``, ``lease status`` and the page, so that
-    they report the same p99 for the same sample.
-    """
+    """The q-th percentile (0-100), interpolated; the one every report uses, so they agree on a p99."""
     if not values:
         return None
     ordered = sorted(values)
@@ -72,13 +62,8 @@ class TaskTuning:
 
 
 def recommend(p99: float, gap_p99: float, policy: TaskPolicy) -> dict[str, Any]:
-    """Lease duration, heartbeat interval, grace period and max runtime for a measured task.
-
-    Short jobs get a lease of twice their p99 runtime, so a typical run never depends
-    on a renewal; long jobs (p99 above LONG_JOB) keep a short lease renewed by the
-    heartbeat, so a crash is recovered quickly. Either way three heartbeats fit in the
-    lease and it outlasts three observed heartbeat gaps.
-    """
+    """Lease settings for a measured task: short jobs get twice their p99 (no renewal needed), long ones a
+    short renewed lease (a crash is recovered quickly)."""
     interval = policy.heartbeat_interval
     floor = max(3 * interval, 3 * gap_p99, 1.0)
     duration = _keep(policy.duration, _up(max(2 * p99, floor) if p99 <= LONG_JOB else max(floor, 60.0)),
@@ -91,8 +76,7 @@ def recommend(p99: float, gap_p99: float, policy: TaskPolicy) -> dict[str, Any]:
 
 
 def _keep(current: float | None, wanted: float, low: float, high: float) -> float:
-    """The current value when it lies within [wanted * low, wanted * high], else ``wanted``:
-    a setting that is already good enough is not churned."""
+    """The current value when within [wanted * low, wanted * high], else ``wanted``: no churn."""
     if current is not None and wanted * low <= current <= wanted * high:
         return current
     return wanted

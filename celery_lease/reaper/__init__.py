@@ -1,5 +1,4 @@
-"""The reaper: run_once(now) -> ReapResult, its decisions, a lost child's job (imports core, store/,
-messaging/ only; never worker/ or publish/)."""
+"""The reaper, its decisions, a lost child's job (imports core, store/, messaging/; not worker/, publish/)."""
 
 from .run import Reaper, ReapResult, reap
 

@@ -1,25 +1,8 @@
 """The reaper's guard against a store that was away or whose clock stepped.
 
-No owner counts as gone until it had a lease's time to renew against the store as it is now.
-
-An owner looks gone when its renewals did not land: after an outage every owner does, and
-after a forward step of the store's clock every lease looks old. So each reaper run compares
-the store's clock with the previous run's, as recorded in the store (any reaper process, one
-at a time under the reaper lock), and starts a **hold** when
-
-- the store's clock moved by more or less than this host's monotonic clock between the two
-  runs, by more than ``lease_clock_tolerance`` (a step, forward or backward; only comparable
-  when both runs ran on one host since its boot);
-- it moved backward (whichever host ran the previous run);
-- nobody recorded a run for longer than ``lease_worker_stale_after`` (and than twice the usual
-  gap between runs): the store may have been unreachable, or no reaper ran. A shorter gap
-  cannot hurt: a live owner whose last renewal came a heartbeat before the gap began is, at
-  its end, neither past lease + grace nor stale (config.derive_stale_after);
-- or this process's reaper could not reach the store since its last run, for however long.
-
-While a hold lasts no lease is taken back whose owner has not had its whole lease duration
-plus a heartbeat since the hold began to renew against the store as it is now: a live owner
-renews within that time, a dead one is recovered one lease later than it would have been.
+After an outage or a forward clock step every owner looks gone, so a run that sees a step, a
+backward move, a gap longer than ``lease_worker_stale_after`` or its own failure to reach the store
+starts a hold: no owner counts as gone until it had a lease and a heartbeat to renew since.
 """
 
 from __future__ import annotations
@@ -65,9 +48,8 @@ class Hold:
 
 
 class ClockGuard:
-    """Judges, once per run, whether the store was away or its clock stepped; keeps its state in
-    the store, and in memory only what the store could not be told: that this process's reaper
-    failed to reach it (one guard per app and process, see ``for_app``)."""
+    """Judges, once per run, whether the store was away or its clock stepped; in memory it keeps only
+    what the store could not be told: that this process's reaper failed to reach it."""
 
     def __init__(self, tolerance: float) -> None:
         self.tolerance = tolerance
@@ -89,11 +71,8 @@ class ClockGuard:
 
     def judge(self, store: Store, now: float, owner: str, stale_after: float,
               record: bool = True, mono: tuple[float, float] | None = None) -> Hold:
-        """This run's hold, from the previous run's record; ``record`` writes this run's (and the
-        hold's one event) in the store, a dry run only reads. ``stale_after``: the registry
-        silence after which an owner looks gone (config.worker_stale_after). ``mono``: this
-        host's monotonic clock when ``now`` was read, and how far off it may be (half the read's
-        round trip); by default read now, taken as exact."""
+        """This run's hold, from the previous run's record; ``record`` writes this run's (a dry run only
+        reads). ``mono``: this host's monotonic clock when ``now`` was read, and its error."""
         state = store.reaping.reaper_clock() or {}
         at, err = mono if mono is not None else (time.monotonic(), 0.0)
         reason, step = self._reason(state, now, at, err, stale_after)
@@ -114,8 +93,7 @@ class ClockGuard:
 
     def _reason(self, state: dict[str, Any], now: float, mono: float, err: float,
                 stale_after: float) -> tuple[str | None, float | None]:
-        """Why the store's history since the previous run calls for a hold (None: it does not),
-        and the step of its clock when it stepped (seconds, negative backward)."""
+        """Why a hold is needed (None: it is not), and the clock's step (seconds, negative backward)."""
         own = None if self._failed_at is None else (
             f"this reaper could not reach the store for {mono - self._failed_at:.1f}s before this run")
         if "at" not in state:

@@ -26,8 +26,7 @@ log = logging.getLogger("celery_lease.reaper")
 
 
 def after_publish(app: Any, job_id: str) -> None:
-    """The test seam (``AppState.after_publish``): called with the job id after its message is
-    published and before the CAS, by every reaper path that publishes."""
+    """The test seam (``AppState.after_publish``): called after a job's message is sent, before the CAS."""
     seam = app_state(app).after_publish
     if seam is not None:
         seam(job_id)
@@ -88,11 +87,7 @@ class ReapResult:
 
 
 def policy_for(app: Any, job: Job) -> TaskPolicy:
-    """The job's recovery policy: what its row carries, else its task's, else the app's for its queue.
-
-    The row wins: it is the policy of the code that recorded or last claimed the job, and a
-    reaper may run on a worker that does not import the task at all.
-    """
+    """The job's recovery policy: its row's (a reaper may not import the task), else its task's or app's."""
     task = app.tasks.get(job.task_name)
     base = task_policy(task, job.queue_name) if task is not None else app_config(app).policy(
         queue=job.queue_name)

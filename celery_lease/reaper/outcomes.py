@@ -1,10 +1,6 @@
 """Final outcomes that no worker reports: Celery hears of a job the reaper dead-lettered.
 
-A worker that fails a job lets Celery store FAILURE, fire the errbacks, fail the
-chord and the chain and send ``task_failure``. A job dead-lettered by the reaper has
-no worker any more: this module does the same from the stored message, with the
-backend's ``mark_as_failure`` and a request built as Celery's worker builds one.
-A job the lease will run again is never reported here.
+No worker is left to store FAILURE and fire the errbacks, so this does it from the stored message.
 """
 
 from __future__ import annotations
@@ -48,10 +44,7 @@ def request_from(app: Any, job: Job) -> tuple[Context, list[Any], dict[str, Any]
 
 
 def report_failure(app: Any, job: Job, reason: str) -> bool:
-    """Store FAILURE, fire the errbacks and the chord's error path, send ``task_failure``; True when done.
-
-    A failure here is logged and contained: the job is a dead letter in the store either way.
-    """
+    """Store FAILURE, fire the errbacks and the chord's error path, send ``task_failure``; True when done."""
     task = app.tasks.get(job.task_name)
     backend = task.backend if task is not None else app.backend
     exc = JobDeadLettered(job.id, reason)

@@ -1,13 +1,7 @@
 """The reaper: takes back leases nobody renews, re-sends lost messages, prunes old rows.
 
-Conservative by construction: it only takes leases past their grace, at most a batch
-per run, leaves an owner that looks alive alone until the hard grace, and changes a
-job only by a compare-and-set on the token that writes one audit event. One reaper
-works at a time (a lock row of its own). The message is published *before* the CAS,
-so a reaper that dies in between leaves an expired lease (reaped again next run,
-and the early message finds it claimable), never a pending job without a message.
-After the store was away or its clock stepped it takes nothing back until each owner had
-a lease's time to renew (clock_guard.py).
+The message is published *before* the CAS, so a reaper that dies in between leaves an expired
+lease (reaped next run), never a pending job without a message.
 """
 
 from __future__ import annotations
@@ -71,10 +65,8 @@ class Reaper:
     def run_once(self, now: float | None = None, dry_run: bool = False) -> ReapResult:
         """One round: recover expired leases, re-send lost dispatches, prune; returns the counts.
 
-        ``now`` (epoch seconds) replaces the store's clock; by default the store's clock is
-        read once per run and bound as a parameter, so the scans are index range scans
-        (PostgreSQL's clock_timestamp() and MySQL's SYSDATE() are volatile: compared row by
-        row they would read the whole status range).
+        The store's clock is read once and bound as a parameter: compared row by row, PostgreSQL's
+        clock_timestamp() and MySQL's SYSDATE() (volatile) would read the whole status range.
         """
         result = ReapResult(dry_run=dry_run)
         try:
@@ -118,19 +110,14 @@ class Reaper:
         return result
 
     def _judge(self, now: float, mono: tuple[float, float] | None, record: bool) -> Hold:
-        """This run's hold (clock_guard.py), under the reaper lock when it records; none for a
-        simulated ``now`` (``mono`` None)."""
+        """This run's hold (clock_guard.py); none for a simulated ``now``."""
         if mono is None:
             return Hold()
         return self.guard.judge(self.store, now, self.owner, worker_stale_after(self.app), record=record,
                                 mono=mono)
 
     def _record(self, result: ReapResult, duration: float) -> None:
-        """Note the run in the store (its liveness for `lease check`, status and the exporter).
-
-        A run that did its work but could not note it is still a run: the failure is logged,
-        and the next run records itself.
-        """
+        """Note the run in the store (its liveness for `lease check`); a failure to note it is only logged."""
         counts = {k: v for k, v in result.as_dict().items() if type(v) is int}
         try:
             self.store.runs.record_reaper_run(duration, counts, self.owner, REAPER_RUNS_KEPT)
@@ -201,8 +188,7 @@ class Reaper:
                         finals.append((job, decision.reason))
                         moved.append(events.failed(job.id, job.task_name, decision.reason,
                                                    job.attempt_count))
-            # Celery hears of each dead letter, and monitors of each move, once the page's
-            # transaction committed it (a rolled-back page sends nothing).
+            # Only after the page committed: a rolled-back page tells Celery and monitors nothing.
             for job, reason in finals:
                 report_failure(self.app, job, reason)
             events.send(self.app, self.node, moved)
@@ -296,6 +282,5 @@ class Reaper:
 
 @shared_task(name="celery_lease.reap", base=Task, bind=True, ignore_result=True)
 def reap(self: Task, dry_run: bool = False) -> dict[str, Any]:
-    """One reaper round (schedule it with celery beat); returns the counts. Its result is ignored:
-    each run records itself in the store (``lease status``), not a result row every few seconds."""
+    """One reaper round (schedule it with celery beat); its result is ignored: each run records itself."""
     return Reaper(self.app).run_once(dry_run=dry_run).as_dict()

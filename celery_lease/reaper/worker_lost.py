@@ -1,9 +1,5 @@
-"""A pool child died under a job: the worker's main process settles its lease at once.
-
-Celery's main process sees the child go (WorkerLostError, a hard time limit) long before the
-lease would expire; it applies the reaper's decision for the job then, under the same
-compare-and-set on the token, instead of leaving it to the reaper's next run.
-"""
+"""A pool child died under a job: the worker's main process applies the reaper's decision at once,
+long before the lease would expire."""
 
 from __future__ import annotations
 
@@ -26,15 +22,8 @@ log = logging.getLogger(__name__)
 
 def recover_worker_lost(app: Any, job_id: str, owner: str, reason: str, final: bool = False,
                         resend: bool = True) -> WorkerLostOutcome:
-    """In the worker's main process, when a child died under ``job_id``: recover it now.
-
-    Applies the reaper's decision (requeue with backoff or dead-letter at the limit)
-    if the job is still running under ``owner``; the CAS uses the token read from
-    the row. ``final`` (a hard time limit) fails the job instead, dead-lettering its
-    message when a dead-letter queue is set. ``resend=False``: the broker brings the message
-    back itself (Celery requeued it), so a requeue moves only the row. Returns the outcome: the
-    decision applied (requeue, dead_letter, fail), or lost_race, error or none.
-    """
+    """Recover a job whose child died, if still running under ``owner``: ``final`` (a hard time limit)
+    fails it; ``resend=False`` when Celery requeued the message itself, so only the row moves."""
     store = for_app(app)
     job = store.get(job_id)
     if job is None or job.status != RUNNING or job.locked_by != owner or not job.lock_token:
@@ -65,11 +54,7 @@ def recover_worker_lost(app: Any, job_id: str, owner: str, reason: str, final: b
 
 def _requeue_lost(app: Any, store: Store, job: Job, decision: ReapDecision, owner: str,
                   reason: str, resend: bool = True) -> WorkerLostOutcome:
-    """Requeue a dead child's job: the row first, then its message, so no delivery finds it busy.
-
-    The owner is known dead (its main process saw it go), so nothing holds the row across
-    the publish; a publish that fails leaves a pending job for the dispatch scan.
-    """
+    """Requeue a dead child's job: the row first, then its message, so no delivery finds it busy."""
     try:
         messages.decode(job.payload, app.conf.accept_content, job.id)
     except StoreCorrupt as exc:

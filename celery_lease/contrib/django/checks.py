@@ -1,9 +1,4 @@
-"""``manage.py check`` for the lease settings: the same problems a worker start and ``lease check`` report.
-
-The Celery app is the project's current one (``proj/celery.py``, imported by ``proj/__init__.py``
-as Celery's Django guide sets it up); its settings are validated afresh, not from the cache a
-running process keeps, so a check sees the settings as they are now.
-"""
+"""``manage.py check`` for the lease settings, validated afresh (not from a process's cache)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
 """A pytest-django fixture for eager leases on the test database.
 
-Enable it in a project's ``conftest.py`` (``pytest_plugins = ["celery_lease.contrib.django.pytest_plugin"]``)
-or with ``-p celery_lease.contrib.django.pytest_plugin``. The ``lease_store`` fixture needs the store
-to follow a Django database (``CELERY_LEASE_DATABASE``): it sets up pytest-django's test databases,
-has eager runs lease in the store there (``lease_eager_store``), and yields that store. The store
-commits on connections of its own, so a test's transaction rollback does not undo its rows: the
-fixture deletes them after each test instead, and closes the store's connections, so the next test
-starts from an empty store and the test database can be dropped.
+The store commits on connections of its own, so a test's rollback does not undo its rows: the
+fixture deletes them after each test and closes the connections.
 """
 
 from __future__ import annotations

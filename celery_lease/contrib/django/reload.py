@@ -1,11 +1,5 @@
-"""Lease settings that change under a running process: Django's ``setting_changed`` (``override_settings``).
-
-A process validates its lease settings once and keeps them (config.app_config), and builds its
-store once (store.for_app). When a ``CELERY_LEASE_*`` setting or ``DATABASES`` changes, the
-Celery app's validated settings, its tasks' resolved policies and its store are dropped, so the
-next use reads the settings as they are now (a store following ``CELERY_LEASE_DATABASE`` then
-opens the database the alias names now).
-"""
+"""Lease settings that change under a running process (``override_settings``): the cached settings,
+policies and store are dropped, so the next use reads them as they are now."""
 
 from __future__ import annotations
 
@@ -28,8 +22,7 @@ def reload(app: Any) -> None:
 
 
 def on_setting_changed(setting: str = "", **_: Any) -> None:
-    """``setting_changed`` receiver: reload the current Celery app when a lease setting or DATABASES
-    changed."""
+    """``setting_changed`` receiver: reload the current Celery app when lease settings or DATABASES change."""
     from celery import current_app
 
     app = current_app._get_current_object()

@@ -1,11 +1,7 @@
 """Django's DEBUG error page and error e-mails without the lease store's password.
 
-Django's ``SafeExceptionReporterFilter`` hides settings whose *name* looks secret; the store
-URL's setting (``CELERY_LEASE_STORE_URL``) does not, and a store error's traceback holds the
-password in the driver's frame variables (psycopg's conninfo, SQLAlchemy's connect arguments).
-:class:`LeaseExceptionReporterFilter` is Django's filter plus :func:`~celery_lease.masking.mask_secrets`
-over every setting and frame variable. The app installs it when the project keeps Django's
-default filter; a project with a filter of its own subclasses this one instead.
+Django hides settings whose *name* looks secret; ``CELERY_LEASE_STORE_URL`` and a driver's frame
+variables (psycopg's conninfo) do not look so, so every value is masked as well.
 """
 
 from __future__ import annotations
@@ -22,8 +18,7 @@ __all__ = ["LeaseExceptionReporterFilter", "install"]
 
 DJANGO_FILTER = "django.views.debug.SafeExceptionReporterFilter"
 LEASE_FILTER = f"{__name__}.LeaseExceptionReporterFilter"
-# A frame variable hidden by its name alone: narrower than Django's pattern for settings, which
-# would also hide every local named ``key`` (an effect key) or ``token`` (a lease token prefix).
+# Narrower than Django's pattern, which would hide every local named ``key`` or ``token``.
 SECRET_NAME = re.compile(r"passw|secret", re.IGNORECASE)
 
 

@@ -1,11 +1,7 @@
 """The store's schema revisions as Django migrations: ``manage.py migrate`` creates and upgrades the store.
 
-Alembic's version table stays the truth. Each migration of this app names one store revision
-(celery_lease/store/migrations/versions) and runs it, through the store's own migration code
-(store/migrating.py) on the store's own connections, on the database ``CELERY_LEASE_DATABASE``
-names; on any other database, or with the store on ``CELERY_LEASE_STORE_URL``, it does nothing
-(``celery lease migrate`` migrates such a store). Going back runs the previous revision; going
-back past the first drops the store's tables.
+Alembic's version table stays the truth; on a database other than ``CELERY_LEASE_DATABASE``'s a
+migration does nothing.
 """
 
 from __future__ import annotations

@@ -1,13 +1,5 @@
-"""Eager leases on Django's test database with Django's runner.
-
-``TEST_RUNNER = "celery_lease.contrib.django.testing.LeaseTestRunner"``:
-
-With the store following a Django database (``CELERY_LEASE_DATABASE``), the runner has eager
-runs (``task_always_eager``, ``apply()``) take real leases in the store (``lease_eager_store``),
-and the store opens the test database the alias names once the runner made it (each
-``--parallel`` worker its clone). The store's connections are closed before the test databases
-are dropped. The pytest plugin (pytest_plugin.py) does the same for pytest-django.
-"""
+"""Eager leases on Django's test database with Django's runner
+(``TEST_RUNNER = "celery_lease.contrib.django.testing.LeaseTestRunner"``)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Prometheus alert rules for celery_lease: alerts.yml (package data), and the same rules with
-their ``runbook_url`` annotations pointing at another copy of the playbook.
-
-The shipped file links to the README at ``config.RUNBOOK_BASE_URL``; ``alert_rules(app)``
-renders it for the app's ``lease_runbook_base_url``, and
-``python -m celery_lease.contrib.prometheus URL > alerts.yml`` does the same from a shell.
-"""
+"""Prometheus alert rules for celery_lease (alerts.yml), with their ``runbook_url`` annotations pointing
+at the playbook copy an app names (``python -m celery_lease.contrib.prometheus URL`` from a shell)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""Redrive and discard dead letters from the admin: the CLI's recovery verbs, confirmed first.
-
-The plan and the moves are celery_lease.ops.recovery's (``redrive_plan``/``redrive``,
-``discard_plan``/``discard``), as ``celery lease dlq redrive|discard`` and the web page run them:
-a job that is not a dead letter (a running job with a live lease, a pending or completed one) is
-refused with the CLI's reason, each move is one compare-and-set, and each is audited
-(``dlq_redriven``, ``dlq_discarded``) with the operator ``admin:USER@ADDRESS``. A selection is
-one small batch at most. The first POST shows the plan; the confirmation moves the jobs.
-"""
+"""Redrive and discard dead letters from the admin: ops.recovery's verbs, as the CLI runs them,
+confirmed first (the first POST shows the plan)."""
 
 from __future__ import annotations
 
@@ -43,8 +36,7 @@ def operator(request: HttpRequest) -> str:
 
 
 def _selected(request: HttpRequest, queryset: Any) -> list[str]:
-    # The ids as posted: a job that left the list's filter since (no longer failed) is then refused
-    # with its reason instead of vanishing from the selection.
+    # The ids as posted: a job that left the list's filter since is refused with its reason, not dropped.
     if request.POST.get("select_across") == "1":
         return [str(pk) for pk in queryset.values_list("pk", flat=True)[: BATCH + 1]]
     return [pk for pk in request.POST.getlist(helpers.ACTION_CHECKBOX_NAME) if pk]

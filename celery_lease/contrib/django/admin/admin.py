@@ -1,11 +1,5 @@
-"""The lease store's admin pages: jobs with their events, dead letters, running leases, the audit log.
-
-Every page is read-only and reads the store's database (``CELERY_LEASE_DATABASE``). No change list
-counts its table: the paginator counts at most paging.COUNT_LIMIT rows, and there is no "N total"
-beside a search. Search takes an exact job id or idempotency key (the primary key and the key's
-unique index). The only moves are the dead-letter actions (actions.py), each behind a permission of
-its own: ``celery_lease_admin.redrive_deadletter`` and ``celery_lease_admin.discard_deadletter``.
-"""
+"""The lease store's admin pages, read-only: jobs with their events, dead letters, running leases, the
+audit log. No page counts or scans a whole table; the only moves are the dead-letter actions."""
 
 from __future__ import annotations
 
@@ -33,8 +27,7 @@ SAMPLE = COUNT_LIMIT  # rows whose queues and tasks a filter lists
 
 
 class SampledValuesFilter(admin.AllValuesFieldListFilter):
-    """Django's filter by a column's values, the values found among ``SAMPLE`` rows of the list, not a
-    DISTINCT over the whole table (which reads every row); any value still filters (``?task_name=...``)."""
+    """Django's filter by a column's values, those among ``SAMPLE`` rows: a DISTINCT would read every row."""
 
     def __init__(self, field: Any, request: HttpRequest, params: Any, model: Any, model_admin: Any,
                  field_path: str) -> None:
@@ -51,20 +44,13 @@ REDRIVE = "celery_lease_admin.redrive_deadletter"
 DISCARD = "celery_lease_admin.discard_deadletter"
 
 
-class StoreAdmin(admin.ModelAdmin):
-    """Read-only, on the store's database, never counting a whole table."""
-
-    paginator = BoundedPaginator
-    show_full_result_count = False
-    list_per_page = 50
+class ReadOnlyOnStore:
+    """An admin or inline that reads the store's database and changes nothing."""
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
-        return super().get_queryset(request).using(store_alias())
+        return super().get_queryset(request).using(store_alias())  # type: ignore[misc]
 
-    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Sequence[str]:
-        return [field.name for field in self.model._meta.fields]
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
 
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
@@ -72,6 +58,17 @@ class StoreAdmin(admin.ModelAdmin):
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
+
+
+class StoreAdmin(ReadOnlyOnStore, admin.ModelAdmin):
+    """Read-only, on the store's database, never counting a whole table."""
+
+    paginator = BoundedPaginator
+    show_full_result_count = False
+    list_per_page = 50
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Sequence[str]:
+        return [field.name for field in self.model._meta.fields]
 
 
 class ExactSearch:
@@ -108,7 +105,7 @@ class DeadLetterActions:
         return recover(self, request, queryset, DeadLetterAction.DISCARD)
 
 
-class EventInline(admin.TabularInline):
+class EventInline(ReadOnlyOnStore, admin.TabularInline):
     """A job's audit trail on its page, oldest first."""
 
     model = Event
@@ -117,18 +114,6 @@ class EventInline(admin.TabularInline):
     ordering = ("id",)
     extra = 0
     can_delete = False
-
-    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
-        return super().get_queryset(request).using(store_alias())
-
-    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
 
 
 JOB_FIELDSETS = (

@@ -1,4 +1,4 @@
-"""The admin's Django app: binds the models to the store's tables and checks that the admin can read them."""
+"""The admin's Django app: binds the models to the store's tables and checks the admin can read them."""
 
 from __future__ import annotations
 

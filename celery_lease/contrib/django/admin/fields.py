@@ -11,8 +11,7 @@ __all__ = ["EpochTimeField"]
 
 
 class EpochTimeField(models.FloatField):
-    """A column of epoch seconds, read as an aware UTC datetime; a datetime in a lookup is written back
-    as epoch seconds."""
+    """A column of epoch seconds, read as an aware UTC datetime (and a datetime in a lookup written back)."""
 
     def from_db_value(self, value: Any, expression: Any, connection: Any) -> datetime.datetime | None:
         return None if value is None else datetime.datetime.fromtimestamp(float(value), datetime.timezone.utc)

@@ -1,10 +1,5 @@
-"""Read-only, unmanaged models over the store's tables (celery_lease/store/schema.py).
-
-Django never creates, alters or flushes them (``managed = False``); the store's migrations own the
-tables. A model's ``db_table`` is the default prefix's name here and is set to the configured
-``lease_table_prefix`` when Django is ready (tables.bind). Message bodies and results are not
-mapped: the admin never loads them.
-"""
+"""Read-only, unmanaged models over the store's tables: the store's migrations own them, and message
+bodies and results are not mapped, so the admin never loads them."""
 
 from __future__ import annotations
 

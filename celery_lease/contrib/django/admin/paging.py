@@ -1,11 +1,5 @@
-"""A change list paginator that never counts a whole table.
-
-Django's paginator asks ``COUNT(*)`` of the filtered rows; on a jobs table of millions of rows that
-reads every row (or a whole index) for each page. :class:`BoundedPaginator` counts at most
-``COUNT_LIMIT`` rows (``SELECT COUNT(*) FROM (SELECT ... LIMIT n)``), so a page costs the same
-with a thousand rows or a million; past the limit the list says "more than" and pages no further
-than the limit. Filters and search narrow the list below it.
-"""
+"""A change list paginator that never counts a whole table: Django's ``COUNT(*)`` reads every row of a
+jobs table of millions for each page, so this counts at most ``COUNT_LIMIT``."""
 
 from __future__ import annotations
 
@@ -25,7 +19,6 @@ class BoundedPaginator(Paginator):
 
     @cached_property
     def counted(self) -> int:
-        """Rows counted, at most one past the limit."""
         rows = self.object_list
         if isinstance(rows, QuerySet):  # unordered: which rows are counted does not matter, a sort reads all
             return int(rows.order_by()[: self.limit + 1].count())

@@ -1,10 +1,7 @@
 """Which database and tables the admin reads: the store's alias and its configured table prefix.
 
-A Django model's ``db_table`` is fixed when its class is made, before the settings of the Celery
-app are read; :func:`bind` sets each model's table from ``lease_table_prefix`` once Django is
-ready, and again when ``override_settings`` changes a lease setting. The settings are read afresh
-(validated, not from a cache), so a project with invalid lease settings keeps the default names
-until ``manage.py check`` has had its say.
+A model's ``db_table`` is fixed before the Celery app's settings are read, so :func:`bind` sets it
+once Django is ready (and on ``override_settings``).
 """
 
 from __future__ import annotations
@@ -16,7 +13,6 @@ from ....errors import LeaseConfigError
 
 __all__ = ["bind", "store_alias", "celery_app", "on_setting_changed", "TABLES"]
 
-# Each model's table, without the prefix.
 TABLES = {"Job": "jobs", "DeadLetter": "jobs", "RunningLease": "jobs", "Event": "events"}
 
 

@@ -1,10 +1,5 @@
-"""``manage.py lease_schedule_reaper``: the reaper's django-celery-beat periodic task, set right.
-
-For projects whose beat runs django-celery-beat's ``DatabaseScheduler``: it creates (or updates)
-the ``PeriodicTask`` that runs ``celery_lease.reap`` with a fixed interval, a queue of its own
-and an expiry below the interval, the values ``lease check`` asks for. Running it again changes
-nothing; running it with other options updates the same entry.
-"""
+"""``manage.py lease_schedule_reaper``: the reaper's django-celery-beat periodic task, set as ``lease check``
+asks (idempotent)."""
 
 from __future__ import annotations
 
