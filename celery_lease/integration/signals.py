@@ -1,8 +1,5 @@
-"""Thin hooks into the worker: start-up checks, lost children, store outages, revokes and shutdown.
-
-Each hook delegates to one function; a failure in one is logged and contained,
-except at start-up, where a bad setting must stop the worker.
-"""
+"""Thin hooks into the worker: start-up checks, lost children, store outages, revokes and shutdown; a failure
+in one is logged and contained, except at start-up, where a bad setting must stop the worker."""
 
 from __future__ import annotations
 
@@ -33,14 +30,9 @@ log = logging.getLogger(__name__)
 
 
 class LeaseRequest(Request):
-    """A request whose main-process failure handler settles the lease of a dead pool child, and
-    stops the worker's consumer when the delivery found the store unreachable (outage.py).
-
-    A hard time limit is a final failure, as in plain Celery: the lease fails the job and
-    Celery stores FAILURE and fires the errbacks (once: plain Celery's prefork pool fires
-    them twice). A child lost by accident (SIGKILL, OOM) is re-run by the lease, so Celery
-    must not report that attempt as a failure.
-    """
+    """A request whose main-process failure handler settles the lease of a dead pool child, and pauses the
+    consumer when the delivery found the store unreachable. A child lost by accident is re-run by the
+    lease, so Celery must not report that attempt as a failure."""
 
     def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> Any:
         exc = getattr(exc_info, "exception", None)
@@ -48,13 +40,11 @@ class LeaseRequest(Request):
         if isinstance(exc, StoreDown):
             store_unreachable(self.task.app, str(exc))
         if self.worker_pid and isinstance(exc, TimeLimitExceeded):
-            # acks_on_timeout=False: Celery requeues the message, so the lease requeues the job
-            # (counting the attempt) without sending a second message; else a final failure.
+            # acks_on_timeout=False: Celery requeues the message, so the lease requeues without sending.
             again = bool(self.task.acks_late) and not acks_on_timeout(self.task)
             self._lease_settled = _settle_dead_child(self, type(exc).__name__, final=not again,
                                                      resend=not again) != WorkerLostOutcome.NONE
-            # Billiard calls on_timeout right after this, and it stores FAILURE, fires the
-            # errbacks and sends task-failed: the failure path must not do it a second time.
+            # Billiard's on_timeout, called next, stores FAILURE and fires the errbacks: not twice.
             return super().on_failure(exc_info, send_failed_event=False, return_ok=True)
         if self.worker_pid and exc is not None and self._child_lost(exc):
             outcome = _settle_dead_child(self, type(exc).__name__, final=False)
@@ -64,25 +54,15 @@ class LeaseRequest(Request):
         return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
     def _retry_worker_lost(self, exc: Any, exc_info: Any) -> bool:
-        """Celery 5.7's ``task_retry_on_worker_lost``: not for a job whose lease already decided.
-
-        The lease requeues a lost child's job itself (above), and a job it dead-lettered or
-        failed at ``lease_max_attempts`` must stay failed: Celery's re-sent message would only
-        be skipped as a duplicate, after overwriting FAILURE with RETRY. False sends Celery down
-        its usual worker-lost path. A job the lease never claimed is Celery's to retry.
-        """
+        """Celery 5.7's ``task_retry_on_worker_lost``, except for a job whose lease already decided: its
+        re-sent message would only be skipped, after overwriting FAILURE with RETRY."""
         if getattr(self, "_lease_settled", False):
             return False
         return bool(super()._retry_worker_lost(exc, exc_info))
 
     def terminate(self, pool: Any, signal: Any = None) -> Any:
-        """``revoke(terminate=True)``: cancel the job this delivery runs, then let Celery kill the run.
-
-        Fenced by the owner that is terminated (``hostname:pid`` of the process running the
-        body, as the worker-lost path is): the main process of a prefork worker never sees
-        the child's token. The job is cancelled before the signal is sent, so the run's own
-        give-back on its way out finds nothing to give back, and the job is never requeued.
-        """
+        """``revoke(terminate=True)``: cancel the job, fenced by the terminated process's owner (the main
+        process never sees a child's token), then let Celery kill the run."""
         # Threads and solo cannot terminate a run (Celery raises NotImplementedError): it goes on.
         if self.time_start and self.worker_pid and _can_terminate(pool):
             _cancel_terminated(self)
@@ -95,11 +75,8 @@ class LeaseRequest(Request):
         return isinstance(exc, (SystemExit, KeyboardInterrupt, WorkerLostError))
 
     def _rerun_by_lease(self, exc: BaseException, exc_info: Any, outcome: WorkerLostOutcome) -> None:
-        """The lease re-sends the job (or already moved on): no FAILURE, no errback; RETRY as Celery's own.
-
-        The state is RETRY, as Celery's ``task_retry_on_worker_lost`` leaves it (a later
-        SUCCESS is kept by the backend); the message is acknowledged: the lease holds the job.
-        """
+        """The lease re-sends the job (or already moved on): no FAILURE, no errback; RETRY as Celery's own,
+        and the message acked."""
         task_ready(self)
         if self.store_errors:
             results.of(self.task.app, self.task.backend).mark_as_retry(
@@ -128,8 +105,8 @@ def _cancel_terminated(request: LeaseRequest) -> None:
 
 def _cancel(app: Any, job_id: str, reason: CancelReason, owner: str | None = None,
             task_name: str | None = None, queue: str | None = None) -> None:
-    """Cancel a job from a hook: a store outage keeps the cancel for later (runtime.PendingCancels),
-    and no error reaches Celery, which acknowledges the revoked delivery whatever happens here."""
+    """Cancel a job from a hook: an outage keeps the cancel for later, and no error reaches Celery, which acks
+    the revoked delivery whatever happens here."""
     try:
         from ..store import for_app
 
@@ -140,8 +117,8 @@ def _cancel(app: Any, job_id: str, reason: CancelReason, owner: str | None = Non
 
 
 def acks_on_timeout(task: Any) -> bool:
-    """Whether a hard time limit acknowledges the message (Celery 5.7's ``acks_on_timeout``, else
-    the ``acks_on_failure_or_timeout`` it splits, as Celery before 5.7 reads it)."""
+    """Whether a hard time limit acks the message (Celery 5.7's ``acks_on_timeout``, else
+    ``acks_on_failure_or_timeout``)."""
     value = getattr(task, "acks_on_timeout", None)
     if value is None:
         value = getattr(task, "acks_on_failure_or_timeout", None)
@@ -162,12 +139,8 @@ def _settle_dead_child(request: LeaseRequest, reason: str, final: bool,
 
 
 class WorkerStep(bootsteps.StartStopStep):
-    """At worker start: validate the lease settings, every LeaseTask's options on every queue it
-    may run on, and check the store's schema (fail fast).
-
-    An empty store is created at the newest revision; an older schema is refused, never
-    upgraded behind the operator's back.
-    """
+    """At worker start: validate the lease settings and every LeaseTask's options on each queue it may run on,
+    and check the store's schema (an older one is refused, never upgraded)."""
 
     label = "celery_lease"
 
@@ -176,8 +149,7 @@ class WorkerStep(bootsteps.StartStopStep):
 
         app_config(worker.app)
         if getattr(worker, "task_events", False):
-            # `-E` is the worker's own flag: the app's setting says it too, so that the lease's
-            # task events (events.py) go out wherever this worker's events do.
+            # `-E`: the lease's task events go out wherever this worker's events do.
             worker.app.conf.worker_send_task_events = True
         # An unreachable store or a schema of the wrong revision stops the worker first.
         store = for_app(worker.app, check=False)
@@ -193,11 +165,7 @@ class WorkerStep(bootsteps.StartStopStep):
         super().__init__(worker, **kwargs)
 
     def start(self, worker: Any) -> None:
-        """Register the process that runs bodies now, not after its first LeaseTask.
-
-        The threads, solo and green pools run bodies in this process; a prefork worker's
-        children register themselves as they start (``worker_process_init``).
-        """
+        """Register the process that runs bodies now (a prefork worker's children register as they start)."""
         if self.pool != "prefork":
             register_process(worker.app, worker.hostname)
 
@@ -239,9 +207,8 @@ def routed_queue(app: Any, task: Any) -> str | None:
 
 
 def validate_tasks(app: Any, queues: list[str]) -> None:
-    """Resolve the lease policy of every registered LeaseTask on its routed queue and on each
-    queue this worker consumes: a bad option stops the worker here, naming the task and setting,
-    instead of failing the first publish of that task in a web request."""
+    """Resolve every LeaseTask's policy on its routed queue and each consumed queue, so a bad option stops the
+    worker here rather than failing a first publish in a web request."""
     for name, task in sorted(app.tasks.items()):
         if not is_lease_task(task):
             continue
@@ -295,23 +262,16 @@ def install(app: Any) -> None:
 
 
 @signals.worker_process_shutdown.connect
-def _on_process_shutdown(**_: Any) -> None:
-    runtime.release_all_in_process(Event.RELEASED_ON_SHUTDOWN)
-
-
 @signals.worker_shutdown.connect
-def _on_worker_shutdown(**_: Any) -> None:
+def _on_shutdown(**_: Any) -> None:
     runtime.release_all_in_process(Event.RELEASED_ON_SHUTDOWN)
 
 
 @signals.task_revoked.connect
 def _on_revoked(request: Any = None, terminated: bool = False, expired: bool = False,
                 sender: Any = None, **_: Any) -> None:
-    """A delivery Celery discarded as revoked or expired cancels the job only while it is pending.
-
-    The delivery may be a late duplicate of a run that is live elsewhere: a running job is
-    cancelled only by ``revoke(terminate=True)`` (LeaseRequest.terminate).
-    """
+    """A delivery Celery discarded as revoked or expired cancels the job only while it is pending: it may be a
+    late duplicate of a run live elsewhere."""
     task = sender
     if request is None or task is None or terminated or not hasattr(task, "lease_policy"):
         return

@@ -1,15 +1,6 @@
-"""LeaseTask's consumer strategy: a sure duplicate is acknowledged before Celery announces it.
-
-Celery's default strategy (celery/worker/strategy.py) sends ``task-received`` for a delivery,
-and the worker ``task-started``, before the task class sees the message: a duplicate that the
-claim then skips has already told Flower that this worker received and started a job that
-another one ran, its times after the real run's. When the worker sends task events, this
-strategy reads the job's row once by its primary key (``store.deliveries.glance``) first and acknowledges
-a sure duplicate there, with no event: a dead letter, a job leased live by another node, a
-completed job whose result was never kept or that the result backend holds. Anything less
-sure goes on to Celery's path, where the claim decides as before. With task events off the
-strategy is Celery's own handler, untouched.
-"""
+"""LeaseTask's consumer strategy: with task events on, one read of the job's row acknowledges a sure duplicate
+before Celery sends ``task-received`` and ``task-started``, which would tell Flower this worker ran a job
+another one ran. Anything less sure goes on to Celery's path and the claim."""
 
 from __future__ import annotations
 
@@ -41,12 +32,8 @@ def owner_node(locked_by: str | None) -> str | None:
 
 
 def sure_duplicate(glance: Glance | None, node: str, result_held: Callable[[], bool]) -> bool:
-    """Whether a delivery of this job can only be skipped, whatever the claim would find.
-
-    ``result_held`` is asked only for a completed job that kept its result: whether the result
-    backend has it (else a crash interrupted Celery's post-run work and the delivery resumes it).
-    A lease of this node's own is never sure: it may be a claim whose answer was lost.
-    """
+    """Whether a delivery of this job can only be skipped, whatever the claim would find; a lease of this
+    node's own is never sure (it may be a claim whose answer was lost)."""
     if glance is None:
         return False
     if glance.status == Status.FAILED:
@@ -59,8 +46,8 @@ def sure_duplicate(glance: Glance | None, node: str, result_held: Callable[[], b
 
 
 def _result_held(task: Any, job_id: str) -> bool:
-    """Whether no delivery could resume the job's post-run work: the backend holds its result,
-    or is not one a worker reads back (deliveries._why_not_resumable)."""
+    """Whether no delivery could resume the job's post-run work: the backend holds its result, or is not one a
+    worker reads back."""
     backend = task.backend
     if isinstance(backend, (DisabledBackend, RPCBackend)) or not getattr(backend, "persistent", True):
         return True

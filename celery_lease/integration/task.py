@@ -1,10 +1,5 @@
-"""LeaseTask, the base class, and Lease, the running job's handle.
-
-A LeaseTask records its job when published and runs each delivery through the run
-lifecycle (lifecycle.py: claim, attach, body, settle). A delivery for a job that someone
-else holds, or that is finished, does not run the body: it is acknowledged and audited
-as ``duplicate_delivery_skipped``.
-"""
+"""LeaseTask, the base class, and Lease, the running job's handle: a LeaseTask records its job when published
+and runs each delivery through the run lifecycle (lifecycle.py)."""
 
 from __future__ import annotations
 
@@ -67,13 +62,11 @@ class LeaseTask(Task):
     lease_lock_timeout: float | None = None
 
     Request = "celery_lease.integration.signals:LeaseRequest"
-    #: Celery's strategy, behind one read that acknowledges a sure duplicate before its
-    #: ``task-received`` when the worker sends task events (strategy.py).
+    #: Celery's strategy, behind one read that acknowledges a sure duplicate first (strategy.py).
     Strategy = "celery_lease.integration.strategy:lease_strategy"
 
-    #: Whether Celery's ``task_track_started`` applies to this task. A leased task stores
-    #: STARTED itself once its claim succeeded, so a duplicate delivery of a finished job
-    #: never turns its state back to STARTED (Celery's tracer would, before the body runs).
+    #: Whether ``task_track_started`` applies: stored by the lease once its claim succeeded, so a
+    #: duplicate delivery of a finished job never turns its state back to STARTED.
     lease_tracks_started: bool | None = None
 
     @classmethod
@@ -92,17 +85,13 @@ class LeaseTask(Task):
         from .signals import install
 
         install(app)
-        # A group publishes its LeaseTask jobs a batch at a time: one INSERT per table per batch.
         batching.install()
 
     @property
     def lease(self) -> Lease | local.LocalLease | None:
-        """The running job's lease, found through the current request (None outside any run).
-
-        A LeaseTask called directly inside a leased body (the items of ``celery.map``,
-        ``celery.starmap`` and ``celery.chunks``) shares the lease of that body. A run outside
-        a worker (eager, ``apply()``, a direct call) gets a local handle (local.py).
-        """
+        """The running job's lease, found through the current request (None outside any run); a LeaseTask
+        called directly in a leased body (``celery.map`` items) shares it, a run outside a worker gets a
+        local handle."""
         rt = runtime.current(self.app)
         lease = rt.lease_for(self.request) if rt is not None else None
         if lease is None and rt is not None and self.request.called_directly:
@@ -116,7 +105,6 @@ class LeaseTask(Task):
         """The lease options in force for this task on a queue."""
         return task_policy(self, queue)
 
-    # -- publish -------------------------------------------------------------
     def apply_async(self, args: Any = None, kwargs: Any = None, task_id: str | None = None,
                     producer: Any = None, link: Any = None, link_error: Any = None, shadow: Any = None,
                     idempotency_key: str | None = None, **options: Any) -> Any:
@@ -132,8 +120,7 @@ class LeaseTask(Task):
         return publishing.publish(self, super().apply_async, args, kwargs, task_id or uuid(), producer,
                                   link, link_error, shadow, idempotency_key, options)
 
-    # Celery's Django fixup makes DjangoTask an app's task class; ``base=LeaseTask`` replaces
-    # that class, so LeaseTask carries DjangoTask's two methods itself, on any Celery version.
+    # ``base=LeaseTask`` replaces the Django fixup's DjangoTask, so LeaseTask carries its two methods.
     def delay_on_commit(self, *args: Any, **kwargs: Any) -> None:
         """``delay()`` once the current Django transaction commits (at once outside one), as DjangoTask."""
         _on_commit(functools.partial(self.delay, *args, **kwargs))
@@ -149,7 +136,6 @@ class LeaseTask(Task):
             return super().on_replace(sig)
         return replacing.hand_over(self, lease, sig, super().on_replace)
 
-    # -- run -------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request
         runs_leased = self.__dict__.get("_lease_runs_leased")

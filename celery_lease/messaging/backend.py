@@ -1,11 +1,5 @@
-"""The result-backend calls celery_lease makes itself, through one adapter.
-
-Celery's tracer stores the outcomes of a run; the library also writes and reads the
-backend on its own (STARTED after a claim, RETRY for a lost pool child, FAILURE for a
-job the reaper dead-lettered, the state of a completed job whose post-run work may be
-unfinished). Those calls go through :func:`of`, so that ``lease_fault_injector`` can
-fail them in tests; without an injector it hands back the backend itself.
-"""
+"""The result-backend calls celery_lease makes itself (not Celery's tracer), through :func:`of`, so that
+``lease_fault_injector`` can fail them in tests."""
 
 from __future__ import annotations
 

@@ -1,16 +1,6 @@
-"""Celery task events for the moves no worker announces: what Flower shows of a leased job.
-
-A job the reaper dead-letters has no worker left to send ``task-failed``; one it requeues,
-or one an operator requeues or redrives, runs again without a word to the event stream; a
-lease given back on shutdown leaves its job STARTED. Each of these sends Celery's own event
-(``task-failed`` with the reason, ``task-retried`` with the attempt) after the store
-committed the move, from a node of its own (``celery_lease.reaper@host``) or from the
-worker that gave the lease back.
-
-Sent only when the app sends task events (``worker_send_task_events``; a worker started with
-``-E`` sets it in its process, signals.py). A failure to send (the broker down) is logged and
-never fails the move: the store is the record, the events are what monitors see of it.
-"""
+"""Celery task events for the moves no worker announces (a dead letter, a requeue or redrive, a lease given
+back on shutdown), so Flower sees them. Sent after the store committed the move, only when the app sends
+task events; a failure to send is logged and never fails the move."""
 
 from __future__ import annotations
 
@@ -32,7 +22,6 @@ RELEASED_ON_SHUTDOWN = "released on shutdown"
 
 
 def node(name: str) -> str:
-    """An event sender's node name on this host: ``name@<host>``."""
     return f"{name}@{socket.gethostname()}"
 
 
@@ -54,11 +43,8 @@ def retried(job_id: str, reason: str, attempt: int) -> tuple[TaskEvent, dict[str
 
 
 def send(app: Any, hostname: str, events: Iterable[tuple[TaskEvent, dict[str, Any]]]) -> int:
-    """Send ``events`` from ``hostname`` through one dispatcher; returns how many were sent.
-
-    Nothing is sent (0) when the app sends no task events. A broker that refuses them is
-    logged: the moves they describe are committed already.
-    """
+    """Send ``events`` from ``hostname`` through one dispatcher; how many were sent (0 when the app sends no
+    task events)."""
     batch = list(events)
     if not batch or not enabled(app):
         return 0

@@ -1,12 +1,6 @@
-"""A job's message as stored in ``jobs.payload``, and its re-publication.
-
-A published job's payload is the message Celery sent (version 2): the body as kombu
-encoded and compressed it, its headers, properties and route, captured in the producer
-(publishing.py), so the reaper sends the very same message again. A job first seen at its
-claim (published without the record, e.g. by ``send_task`` from another app) and rows of
-the first release hold version 1: the job's signature encoded with the task's serializer.
-Both are read.
-"""
+"""A job's message as stored in ``jobs.payload``, and its re-publication. Version 2 is the message Celery
+sent, as kombu encoded it (publishing.py), so the reaper sends the very same message again; version 1, the
+job's signature, is what a job first seen at its claim holds."""
 
 from __future__ import annotations
 
@@ -116,22 +110,10 @@ def _message(payload: str) -> dict[str, Any] | None:
     return envelope if isinstance(envelope, dict) and envelope.get("v") == MESSAGE_VERSION else None
 
 
-def _message_body(envelope: dict[str, Any], accept: Any) -> Any:
-    data = envelope["body"]
-    if envelope.get("b64"):
-        data = base64.b64decode(data)
-    algorithm = (envelope.get("headers") or {}).get("compression")
-    if algorithm:
-        data = compression.decompress(data.encode() if isinstance(data, str) else data, algorithm)
-    if accept is not None:
-        accept = serialization.prepare_accept_content(accept)
-    return serialization.loads(data, envelope["content_type"], envelope["content_encoding"], accept=accept)
-
-
 def _message_signature(envelope: dict[str, Any], accept: Any) -> dict[str, Any]:
     """The signature dict of a sent message (Celery's task protocol 2)."""
     headers, properties = envelope.get("headers") or {}, envelope.get("properties") or {}
-    args, kwargs, embed = _message_body(envelope, accept)
+    args, kwargs, embed = _loads(envelope, accept, "body", headers.get("compression"))
     embed = embed or {}
     options = {
         "link": embed.get("callbacks"), "link_error": embed.get("errbacks"), "chain": embed.get("chain"),
@@ -151,7 +133,8 @@ def decode(payload: str | None, accept: Any = None, job_id: str | None = None) -
         raise StoreCorrupt(f"job {job_id} has no stored message to re-publish", job_id=job_id)
     try:
         envelope = _message(payload)
-        sig = _message_signature(envelope, accept) if envelope is not None else _open(payload, accept)
+        sig = (_message_signature(envelope, accept) if envelope is not None
+               else _loads(json.loads(payload), accept))
         if not isinstance(sig, dict) or "task" not in sig:
             raise ValueError("not a task signature")
         return sig
@@ -162,11 +145,13 @@ def decode(payload: str | None, accept: Any = None, job_id: str | None = None) -
         ) from exc
 
 
-def _open(text: str, accept: Any) -> Any:
-    envelope = json.loads(text)
-    data = envelope["data"]
+def _loads(envelope: dict[str, Any], accept: Any, key: str = "data", algorithm: str | None = None) -> Any:
+    """The value an envelope holds under ``key`` (a sent message's ``body``, compressed by ``algorithm``)."""
+    data = envelope[key]
     if envelope.get("b64"):
         data = base64.b64decode(data)
+    if algorithm:
+        data = compression.decompress(data.encode() if isinstance(data, str) else data, algorithm)
     if accept is not None:
         # Celery settings name serializers ('json'); kombu compares MIME types.
         accept = serialization.prepare_accept_content(accept)
@@ -174,14 +159,13 @@ def _open(text: str, accept: Any) -> Any:
 
 
 def encode_result(value: Any, serializer: str) -> str:
-    """A task's return value for ``jobs.result``, in the app's result serializer."""
     return _envelope(value, serializer)
 
 
 def decode_result(text: str, accept: Any, job_id: str) -> Any:
     """The return value a completed job kept; StoreCorrupt when it cannot be read."""
     try:
-        return _open(text, accept)
+        return _loads(json.loads(text), accept)
     except Exception as exc:  # noqa: BLE001 - any decoding problem means a corrupt row
         raise StoreCorrupt(f"job {job_id}: kept result cannot be decoded ({exc})", job_id=job_id) from exc
 
@@ -200,8 +184,7 @@ def republish(app: Any, job_id: str, payload: str | None, countdown: float = 0.0
     if countdown > 0:
         options["countdown"] = countdown
     if queue is not None:
-        # The default exchange delivers by queue name: no binding needed, so a broker that
-        # restarted empty (Redis without persistence) still gets the message.
+        # The default exchange needs no binding: a broker that restarted empty still gets the message.
         options.update(queue=queue, routing_key=queue, exchange="")
     with publishing_unrecorded():
         return sig.apply_async(**options)

@@ -1,31 +1,10 @@
 """A group's LeaseTask jobs recorded a batch at a time, before their messages are sent.
 
-Celery's ``group`` (and so a chord's header) sends each signature through its task's own
-``apply_async``, one after another, inside ``group._apply_tasks``: the one place that sees the
-whole group. install() wraps it, once per process, when a LeaseTask is bound to an app (never at
-import). The wrapper opens a batch for a group's loop once the loop reaches a signature that may
-send a leased job (a LeaseTask, or a chain, chord or group holding one); a group of plain tasks
-goes through Celery's own loop with no batch. Inside a batch, the publish of a new
-LeaseTask job without an idempotency key keeps its encoded message instead of recording and
-sending it. The kept jobs are recorded with one INSERT per table per RECORD_BATCH jobs
-(store.publishes.record_batch), then their messages are sent in the group's order: when the loop ends,
-or once the oldest kept job has waited BATCH_WAIT (a timer thread), since Celery sends the
-signatures of a generator as it yields them and the generator may wait for the tasks sent
-before (celery#3021). A publish with a key, a retry or a replacement sends the jobs kept so
-far first, then goes as before, so the order of the messages is the group's.
-
-If the loop fails, what it kept is dropped and Celery raises from ``apply_async`` as before.
-If a batch finds an id the store knows (a frozen group applied again), its jobs are recorded
-one by one, each as a single publish would be. If a batch cannot be recorded, or a message
-cannot be sent, the records it made for the unsent messages are deleted, as a single publish
-deletes its own, and the error leaves ``apply_async`` (from a background flush: at the next
-publish of the loop or when it ends).
-
-The wrapper knows ``_apply_tasks`` as Celery 5.3 to 5.7 define it: a generator function whose
-first parameters are ``(self, tasks, producer, app)``, ``tasks`` yielding ``(signature, result,
-group id)``. With a Celery whose ``group`` differs, install() leaves it alone and logs one
-WARNING: groups then publish job by job, each as a single publish (correct, one INSERT a job).
-"""
+install() wraps ``group._apply_tasks`` (Celery 5.3 to 5.7: a generator function over ``(self, tasks,
+producer, app)``), the one place that sees the whole group; another shape is left alone, one WARNING
+logged, and jobs publish one by one. Kept jobs go out in the group's order when the loop ends or after
+BATCH_WAIT, since a generator may wait for the tasks sent before (celery#3021). A batch that fails
+deletes the records of its unsent messages, as a single publish does."""
 
 from __future__ import annotations
 
@@ -50,19 +29,15 @@ __all__ = ["Batch", "current", "install"]
 
 log = logging.getLogger(__name__)
 
-# Seconds a kept job waits at most for the rest of its batch.
-BATCH_WAIT = 0.05
+BATCH_WAIT = 0.05  # seconds a kept job waits at most for the rest of its batch
 
-# The parameters of ``group._apply_tasks`` the wrapper passes on by position, first in its
-# signature on Celery 5.3 to 5.5 (then ``p, add_to_parent, chord, args, kwargs, **options``)
-# and 5.6 to 5.7 (``group_index`` before ``**options``).
+# Passed on by position: first in ``group._apply_tasks``'s signature on Celery 5.3 to 5.7.
 _KNOWN_HEAD = ("self", "tasks", "producer", "app")
 
 
 @dataclasses.dataclass
 class _Kept:
-    """One job of the batch: its record, whether publishing its id may reopen a finished job, and
-    the send of its message (given a producer of its app)."""
+    """One job of the batch: its record, whether its id may reopen a finished job, and its message's send."""
 
     app: Any
     store: Store
@@ -87,8 +62,7 @@ class Batch:
             self._raise_failure()
             self._kept.append(_Kept(app, store, job, reopen, send))
             if self._timer is None:
-                # A generator may wait for the tasks already sent (celery#3021): a kept job
-                # goes out within BATCH_WAIT whatever the loop does meanwhile.
+                # A generator may wait for the tasks already sent (celery#3021).
                 self._timer = threading.Timer(BATCH_WAIT, self._flush_in_background)
                 self._timer.daemon = True
                 self._timer.start()
@@ -157,9 +131,8 @@ def _record_and_send(kept: list[_Kept]) -> None:
 
 
 def _record(items: list[_Kept]) -> list[_Kept]:
-    """Record ``items`` of one store, as one batch or, when an id is known already, one by one;
-    the items whose rows this made (a known id keeps its row and, as a single publish of it
-    would, still gets its message)."""
+    """Record ``items`` of one store as one batch, or one by one when an id is known already (a frozen group
+    applied again); the items whose rows this made."""
     store = items[0].store
     try:
         store.publishes.record_batch([item.job for item in items])
@@ -177,7 +150,6 @@ def _record(items: list[_Kept]) -> list[_Kept]:
 
 
 def current() -> Batch | None:
-    """The batch of the group being published in this context, if any."""
     return _current.get()
 
 
@@ -186,10 +158,8 @@ _refused = False  # whether install() found a group it does not know (logged onc
 
 
 def install() -> bool:
-    """Wrap ``celery.canvas.group._apply_tasks`` once per process, if its shape is the one known.
-
-    Called whenever a LeaseTask is bound to an app (idempotent). Returns whether groups are batched.
-    """
+    """Wrap ``celery.canvas.group._apply_tasks`` once per process, if its shape is the one known; whether
+    groups are batched."""
     global _refused
     with _install_lock:
         original: Any = getattr(group, "_apply_tasks", None)
@@ -234,8 +204,7 @@ def _batched(original: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[A
             yield from original(self, tasks, producer, app, *args, **kwargs)
             return
         loop = _Loop(app or self.app)
-        # group.apply_async takes the whole list at once: consuming it here keeps the batch's
-        # context to the loop (a generator's frame would share it with the caller between items).
+        # Consumed here, so the batch's context is not shared with the caller between items.
         try:
             results = list(original(self, loop.watch(tasks), producer, app, *args, **kwargs))
         except BaseException:
@@ -261,11 +230,8 @@ class _Loop:
         self._token: Token[Any] | None = None
 
     def watch(self, tasks: Iterable[Any]) -> Iterator[Any]:
-        """``tasks`` as Celery's loop reads them, opening the batch before a leased one is sent.
-
-        The loop reads one item ahead of the one it sends, and reads it in the context of the
-        wrapper (a generator has no context of its own), so the batch is current from there on.
-        """
+        """``tasks`` as Celery's loop reads them (one ahead, in the wrapper's context), opening the batch
+        before a leased one is sent."""
         for item in tasks:
             if self.batch is None and _sends_leased(item[0] if isinstance(item, tuple) else item, self.app):
                 self.batch = Batch()
@@ -279,9 +245,8 @@ class _Loop:
 
 
 def _sends_leased(sig: Any, app: Any) -> bool:
-    """Whether applying ``sig`` may publish a leased job: a leased task's signature, or a chain,
-    chord or group holding one. What cannot be read without running a generator counts as leased
-    (a batch costs nothing to a group that keeps no job)."""
+    """Whether applying ``sig`` may publish a leased job; what cannot be read without running a generator
+    counts as leased (a batch costs an unleased group nothing)."""
     if not isinstance(sig, Signature):
         if not isinstance(sig, dict):
             return True

@@ -1,11 +1,5 @@
-"""A LeaseTask's publish: the record of its job, written with the message as Celery sends it.
-
-Celery builds the task message and hands it to ``producer.publish``; this wrapper encodes it
-there once, exactly as kombu would (serializer, compression, pydantic models, protocol
-options), gives the encoded message to the store write of the publish, and then sends those
-same bytes. So the stored message is the sent message, and a message Celery can send can
-always be recorded. The store write raises to stop the send (a duplicate idempotency key).
-"""
+"""A LeaseTask's publish: the message is encoded once inside ``producer.publish``, exactly as kombu would,
+recorded with its job, and those same bytes sent, so the stored message is the sent one."""
 
 from __future__ import annotations
 
@@ -45,11 +39,8 @@ class _KeyTaken(LeaseError):  # noqa: N818 - a signal inside publish(), never se
 def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id: str, producer: Any,
             link: Any, link_error: Any, shadow: Any, idempotency_key: str | None,
             options: dict[str, Any]) -> Any:
-    """Publish through Celery's ``apply_async`` (``send``), recording the job with the message it sends.
-
-    The record is the hand-over of a replaced job, the row going back to pending for the
-    running job's own retry, or a new job (once per idempotency key).
-    """
+    """Publish through Celery's ``apply_async`` (``send``), recording the job (a hand-over, the running job's
+    own retry, or a new job once per key) with the message it sends."""
     delay = seconds_until(options.get("eta")) or seconds_until(options.get("countdown"))
     record: Callable[[str], bool | None]
     keep: Callable[[str, Callable[[Any], Any]], None] | None = None
@@ -60,8 +51,7 @@ def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id
             replacing.claim_on_publish(task, task_id, payload)
     elif (lease := runtime.own_lease(task)) is not None and lease.job_id == task_id and not (
             lease.lost or lease.handed_over):
-        # The running job sends itself again (Task.retry()): the row becomes pending first,
-        # so the new message finds it claimable however soon it is consumed.
+        # Task.retry(): the row becomes pending first, so the new message finds it claimable.
         def record(payload: str) -> bool:
             return retry_first(lease, delay, payload)
     else:
@@ -79,9 +69,7 @@ def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id
             except (StoreUnavailable, StoreRejected) as exc:
                 if idempotency_key is not None or not _after_a_body():
                     raise
-                # Celery's post-run work (a chain's next step, a link) met an outage or a refused
-                # record: raising would drop the rest of the canvas, whose next step may carry a
-                # replaced job. Plain Celery would send it, and its first claim records the job.
+                # Raising would drop the rest of the canvas (maybe a replaced job): its claim records it.
                 refused = isinstance(exc, StoreRejected)
                 (log.error if refused else log.warning)(
                     "task %s [%s] sent unrecorded, the store %s (%s); its claim records it", task.name,
@@ -92,7 +80,6 @@ def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id
                 raise _KeyTaken(holder)
 
         if batch is not None and idempotency_key is None and task.app.conf.task_protocol != 1:
-            # Inside a group's publish: recorded and sent with the next batch of its jobs (batching.py).
             reopen = _reopens(task_id)
 
             def keep(payload: str, send_message: Callable[[Any], Any]) -> None:
@@ -105,8 +92,7 @@ def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id
         producer = task.app.amqp.Producer(connection, auto_declare=False)
     try:
         if task.app.conf.task_protocol == 1:
-            # Celery's deprecated protocol 1 carries the task id in the body, not the headers:
-            # the job's signature is recorded before the send instead of the message.
+            # Protocol 1 carries the task id in the body: the signature is recorded instead.
             serializer = options.get("serializer") or task.serializer
             signature = messages.encode(task.name, args, kwargs, {
                 **options, "link": link, "link_error": link_error, "shadow": shadow}, serializer)
@@ -127,8 +113,8 @@ def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id
 
 
 def record_eager(task: Any, task_id: str, idempotency_key: str, options: dict[str, Any]) -> tuple[bool, str]:
-    """An eager run's record under ``idempotency_key`` (lease_eager_store): (True, its id) to run it,
-    (False, the key's job) when that job exists already, which the run must not repeat."""
+    """An eager run's record under ``idempotency_key``: (True, its id) to run it, or (False, the key's
+    existing job), which the run must not repeat."""
     queue = options.get("queue")
     queue = getattr(queue, "name", queue)
     policy = task_policy(task, queue)
@@ -142,11 +128,8 @@ def record_eager(task: Any, task_id: str, idempotency_key: str, options: dict[st
 
 
 def retry_first(lease: Lease, delay: float, payload: str) -> bool:
-    """running -> pending under the token before the retry's message is sent; LeaseLost if it moved on.
-
-    An unreachable store holds the message back (False): the settle step writes the row and
-    then sends the message, once the store answers; the lease stays renewed meanwhile.
-    """
+    """running -> pending under the token before the retry's message is sent; LeaseLost if it moved on. An
+    unreachable store holds the message back (False) for the settle step."""
     with lease.turn:
         try:
             written = lease.store.jobs.retry_later(lease.job_id, lease.token, delay, payload, None,
@@ -169,18 +152,15 @@ def retry_first(lease: Lease, delay: float, payload: str) -> bool:
 
 
 def _after_a_body() -> bool:
-    """Whether this publish comes from a worker's task outside any leased body: Celery's post-run
-    work (a chain's next step, a link callback) or a plain task."""
+    """Whether this publish comes from a worker's task outside any leased body (Celery's post-run work, or a
+    plain task)."""
     current = get_current_worker_task()
     return current is not None and runtime.own_lease(current) is None
 
 
 def _reopens(task_id: str) -> bool:
-    """Whether publishing ``task_id`` runs a finished job of that id again, as Celery would.
-
-    Not from the job's own run (a retry after its lease was lost), and not while a delivery
-    finishes a crash's post-run work (it re-sends the chain's next step under its frozen id).
-    """
+    """Whether publishing ``task_id`` runs a finished job of that id again, as Celery would: not from the
+    job's own run, nor while a crash's post-run work is resumed."""
     current = get_current_worker_task()
     if current is None:
         return True
@@ -204,8 +184,7 @@ class RecordingProducer:
 
     def publish(self, body: Any, **kwargs: Any) -> Any:
         headers = kwargs.get("headers")
-        # The same producer also sends the task-sent event, and Celery retries a refused
-        # callback publish through it: only the task's own message is recorded, once.
+        # The producer also sends the task-sent event and retried callbacks: record the task's own, once.
         if self._recorded or not headers or headers.get("id") != self._task_id:
             return self._producer.publish(body, **kwargs)
         producer = self._producer
@@ -218,7 +197,6 @@ class RecordingProducer:
         self._recorded = True
 
         def send_message(sender: Any) -> Any:
-            # Already encoded and compressed: kombu sends the bytes as they are.
             return sender.publish(data, content_type=content_type, content_encoding=content_encoding,
                                   compression="", **kwargs)
 

@@ -1,21 +1,7 @@
-"""``Task.replace()`` under a lease: the replaced job's id passes to the task that carries it.
-
-Celery freezes the replacement with the replaced task's id, sends it and raises
-``Ignore``. The job is not over then: its carrier (the signature frozen with the id)
-runs it. Three cases, each fenced on the replaced run's token:
-
-- the carrier is a leased task sent now: the row goes back to ``pending`` with the
-  carrier's message just before that message is published, so its delivery claims it;
-- the carrier is a leased task sent later (the last step of a chain): the row is
-  removed in the transaction that records the replacement's first step (a leased task),
-  before that step's message is sent, and the carrier's own publish records the job anew.
-  So at every instant one of them is in the store: a worker killed in between loses
-  nothing (the replaced row's lease expires and is reaped, or the step's pending row is
-  re-sent by the dispatch scan). A first step that is not a leased task records nothing
-  to join: the row is then removed just before the replacement is sent, as before;
-- the carrier is not leased (``celery.accumulate`` for a group, a plain task): the
-  lease's part of the job ends, ``completed``, once the replacement was sent.
-"""
+"""``Task.replace()`` under a lease: the replaced job's id passes to the task frozen with it (its
+carrier), fenced on the replaced run's token. A leased carrier sent now gets the row back to pending
+just before its message; one sent later (a chain's last step) gets it removed in the transaction that
+records the first step, so one of them is always in the store; an unleased carrier completes it."""
 
 from __future__ import annotations
 
@@ -105,13 +91,8 @@ def _first_sent(sig: Signature) -> Signature | None:
 def record_step(store: Store, job_id: str, task_name: str, queue: str | None, payload: str | None,
                 max_attempts: int, idempotency_key: str | None, delay: float,
                 recovery: Mapping[str, Any] | None, reopen: bool) -> tuple[bool, str]:
-    """A leased publish's record (``store.publishes.record``); the replacement's first step also hands
-    the job over.
-
-    While a running job hands over to a carrier sent later, the first step it publishes is
-    recorded in the transaction that removes the replaced row (store.replacing.hand_over_to_step).
-    Raises Ignore when the replaced run's lease moved on: nothing is sent.
-    """
+    """A leased publish's record; while a job hands over to a carrier sent later, its first step is recorded
+    in the transaction that removes the replaced row. Ignore when the replaced lease moved on."""
     later = _later.get()
     lease, carrier_name, nesting = later if later is not None else (None, "", 0)
     if lease is not None and idempotency_key is None and job_id != lease.job_id and not lease.handed_over:
@@ -133,8 +114,7 @@ def record_step(store: Store, job_id: str, task_name: str, queue: str | None, pa
                     raise Ignore()
             lease.handed_over = True
         if done:
-            # Not "created": a failed send must not forget the step's row, which now carries the
-            # job (the dispatch scan sends it).
+            # Not "created": a failed send must not forget the step's row, which now carries the job.
             return False, job_id
     return store.publishes.record(job_id, task_name, queue, payload, max_attempts, idempotency_key, delay,
                                   recovery=recovery, reopen=reopen)
@@ -156,11 +136,8 @@ def hands_over_to(task_id: str) -> bool:
 
 
 def claim_on_publish(task: Any, task_id: str, payload: str) -> bool:
-    """In the carrier's apply_async: the row goes back to pending with its message; True when it did.
-
-    Called just before the carrier's message is published, so its delivery finds the job
-    claimable however soon it is consumed. Raises Ignore when the replaced run's lease moved on.
-    """
+    """Just before the carrier's message is published, the row goes back to pending, so its delivery finds it
+    claimable; True when it did, Ignore when the replaced lease moved on."""
     lease = _handing.get()
     if lease is None or lease.job_id != task_id or lease.handed_over:
         return False

@@ -1,14 +1,7 @@
-"""Keep the broker's idea of ownership in step with the lease.
-
-kombu's Redis transport scores each unacknowledged message with the time it reached the
-worker and restores it once that is older than ``visibility_timeout``, even while the
-worker lives and the job is healthily leased (kombu #337). ``VisibilityStep``, a consumer
-bootstep in the worker's main process, refreshes those scores for the messages this live
-worker holds; SQS-style transports get ``ChangeMessageVisibility`` instead. A dead worker
-refreshes nothing, so the broker's own recovery still brings its messages back. A delivery
-tag is the same on every redelivery, so it is never used as a fencing token: the lease
-token is.
-"""
+"""Keep the broker's idea of ownership in step with the lease: kombu's Redis transport restores an unacked
+message older than ``visibility_timeout`` even while its worker lives (kombu #337), so the main process
+refreshes the messages this live worker holds; a dead one refreshes nothing, and the broker's recovery
+still brings its messages back."""
 
 from __future__ import annotations
 
@@ -61,11 +54,7 @@ class Extender(Protocol):
 
 
 class RedisExtender:
-    """``ZADD <unacked_index> XX CH <now> <tag> ...``: one command for every held message.
-
-    ``XX`` only updates tags still in the index, so a message acked or restored in the
-    meantime is never resurrected. The channel's client adds ``global_keyprefix``.
-    """
+    """``ZADD <unacked_index> XX CH <now> <tag> ...``; ``XX`` never resurrects an acked or restored one."""
 
     def __init__(self, channel: Any) -> None:
         self.channel = channel
@@ -81,12 +70,7 @@ class RedisExtender:
 
 
 class SQSExtender:
-    """``ChangeMessageVisibilityBatch`` with each held message's receipt handle.
-
-    SQS refuses a handle whose message is gone (deleted through an older receipt of the same
-    message, by a worker whose lease had ended); the refusal is logged once per handle, not
-    every round while the worker still holds it.
-    """
+    """``ChangeMessageVisibilityBatch``; a receipt handle SQS refuses is logged once, not every round."""
 
     def __init__(self, channel: Any) -> None:
         self.channel = channel
@@ -144,19 +128,13 @@ def _snapshot(requests: Iterable[Any]) -> list[Any]:
 
 
 def held_messages() -> list[Held]:
-    """The messages this worker process holds and has not acknowledged.
-
-    Waiting ones (reserved or ETA) are always held; a running one only when it is a
-    LeaseTask whose message is still unacknowledged (acks_late): its refresh then
-    depends on the lease. Running plain tasks keep Celery's own behaviour.
-    """
+    """This worker's unacked messages: waiting ones, and running LeaseTasks with acks_late."""
     from celery.worker import state
 
     active = _snapshot(state.active_requests)
     running = {id(r) for r in active}
     held: dict[str, Held] = {}
-    # Celery 5.7 keeps the requests waiting for their ETA in scheduled_requests; before it they
-    # are not tracked, and their messages age in unacked_index as in plain Celery.
+    # Celery < 5.7 does not track ETA requests: their messages age in unacked_index as in plain Celery.
     scheduled = getattr(state, "scheduled_requests", ())
     for request in [*active, *_snapshot(state.reserved_requests), *_snapshot(scheduled)]:
         message = request.message
@@ -168,8 +146,7 @@ def held_messages() -> list[Held]:
             held[tag] = Held(request.id, tag, info)
         elif is_lease_task(request.task) and request.worker_pid:
             policy = task_policy(request.task, info.get("routing_key") or None)
-            # The body sees the node name under `celery worker`, but the bare host name
-            # where Celery's tracer was not set up for the worker (in-process test workers).
+            # The node name under `celery worker`; the bare host name in in-process test workers.
             owners = tuple(dict.fromkeys(worker_id(host, request.worker_pid)
                                          for host in (request.hostname, gethostname())))
             held[tag] = Held(request.id, tag, info, leased=True, owners=owners, duration=policy.duration)
@@ -178,8 +155,6 @@ def held_messages() -> list[Held]:
 
 @dataclasses.dataclass
 class RefreshResult:
-    """What one round saw and did."""
-
     held: int = 0
     leased: int = 0
     not_healthy: int = 0
@@ -187,14 +162,9 @@ class RefreshResult:
 
 
 class VisibilityKeeper:
-    """Every ``interval``, extends the broker visibility of the messages this live worker holds.
-
-    The main process does not run the leased bodies, so it learns which leases are healthy
-    from the store: one query for the running requests' jobs (running, unexpired on the
-    store's clock, locked by the process that runs the request). While the store is
-    unreachable, a lease counts as healthy for one lease duration after it was last seen
-    healthy: the rule the heartbeat applies to itself.
-    """
+    """Every ``interval``, extends the broker visibility of the messages this live worker holds. The main
+    process learns which leases are healthy from the store; while it is unreachable, a lease seen healthy
+    within its duration still counts."""
 
     def __init__(self, app: Any, connect: Callable[[], Extender | None],
                  collect: Callable[[], list[Held]] = held_messages, store: Any = None) -> None:
@@ -252,7 +222,6 @@ class VisibilityKeeper:
         self._confirmed = {job_id: now for job_id in healthy}
         return healthy
 
-    # -- the loop -------------------------------------------------------------
     def start(self) -> None:
         self._loop.start()
 

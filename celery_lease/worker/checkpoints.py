@@ -1,10 +1,5 @@
-"""A lease's checkpoints and the record of a job whose row vanished (Lease's methods call these).
-
-A checkpoint the store cannot take yet is kept on the lease and written by the heartbeat once
-the store answers. A fenced write that changes nothing may mean the job's row vanished (a
-restored backup, a failover that lost its last seconds): the row is recorded again from the
-message the worker holds, under the lease's token, and the write is made again.
-"""
+"""A lease's checkpoints and the record of a job whose row vanished (a restored backup, a failover that lost
+its last seconds): recorded again from the message the worker holds, under the lease's token."""
 
 from __future__ import annotations
 
@@ -38,11 +33,7 @@ class Checkpointed(LeaseHandle, Protocol):
 
 
 def checkpoint(lease: Checkpointed, state: Any) -> None:
-    """Save JSON progress under the token; a later attempt reads ``checkpoint_state``.
-
-    An unreachable store does not stop the body: the state is kept and the heartbeat writes
-    it once the store answers (a newer checkpoint replaces one still waiting).
-    """
+    """Lease.checkpoint: write now, or keep the state for the heartbeat while the store is unreachable."""
     lease.check()
     try:
         written = lease.store.jobs.checkpoint(lease.job_id, lease.token, state, lease.worker)
@@ -64,8 +55,7 @@ def checkpoint(lease: Checkpointed, state: Any) -> None:
 
 
 def recorded_again(lease: Checkpointed, record_again: Callable[[], bool] | None) -> bool:
-    """The job's row vanished (a restored backup, a failover that lost its last seconds): record it
-    again from the message this worker holds, under this lease's token; True when it is ours again."""
+    """The job's row vanished: record it again under this lease's token; True when it is ours again."""
     if record_again is None or lease.lost:
         return False
     try:
@@ -81,12 +71,7 @@ def recorded_again(lease: Checkpointed, record_again: Callable[[], bool] | None)
 
 
 def send_if_pending(lease: Checkpointed) -> bool:
-    """After a deferred write the store refused as stale: when the job is pending (a write of ours
-    whose answer was lost after it committed, or anyone's requeue), send its stored message again.
-
-    A pending job's extra message is harmless (its claim runs it once, a copy is skipped); a
-    missing one would leave it to the dispatch scan.
-    """
+    """After a deferred write refused as stale: send a pending job's message again (extras are harmless)."""
     job = lease.store.get(lease.job_id)
     if job is None or job.status != Status.PENDING or lease.app is None:
         return False

@@ -1,13 +1,6 @@
-"""Deliveries whose body must not run now: the store is down, the job is not available
-yet, or the job is leased or finished. Each is acknowledged, logged and audited, and
-the first two are sent again for later; none writes a task state or result, except to
-finish what a crash interrupted (``resume_post_run``).
-
-A delivery sent again because the store is down counts its re-sends in a message header
-(the store cannot keep the count while it is down), so each re-send waits twice as long
-as the one before, up to ``lease_store_retry_max``. It leaves with ``FailedClosed``, which
-tells the worker's main process to stop consuming until the store answers (outage.py).
-"""
+"""Deliveries whose body must not run now (store down, job not available yet, leased or finished): acked,
+logged and audited, the first two sent again for later. Re-sends for an outage are counted in a header,
+since the store cannot count while down."""
 
 from __future__ import annotations
 
@@ -74,8 +67,7 @@ def forget_store_retries(request: Any) -> None:
 
 def _send_again(task: Task, countdown: float, why: str, headers: dict[str, Any] | None = None,
                 requeued: type[Reject] = Reject) -> None:
-    """Re-send this delivery's message ``countdown`` seconds from now (with ``headers`` instead of
-    the delivery's own custom headers, when given); ``requeued`` when the broker refuses it."""
+    """Re-send this delivery's message in ``countdown`` seconds; ``requeued`` if the broker refuses it."""
     request = task.request
     options: dict[str, Any] = {"countdown": countdown}
     if headers is not None:
@@ -118,13 +110,8 @@ def defer_early(task: Task, store: Store, worker: str, wait: float) -> NoReturn:
 
 
 def _defer_if_owner_may_be_finishing(task: Task, store: Store, worker: str, job: Any) -> None:
-    """Send this delivery again for later when the job completed less than a lease ago.
-
-    The owner completes the job in the store before Celery stores its result and sends the
-    chain's next step: a duplicate delivered in between would find no result and take the
-    owner's post-run work for one a crash interrupted. A live owner finishes that work well
-    within its lease duration; after it, a result still missing means a crash.
-    """
+    """Send this delivery again for later when the job completed less than a lease ago: its owner may not have
+    stored the result yet, and that is no crash."""
     completed_at = getattr(job, "completed_at", None)
     settle = float(getattr(job, "lease_duration", None) or 0.0)
     if completed_at is None or settle <= 0:
@@ -145,11 +132,8 @@ def _defer_if_owner_may_be_finishing(task: Task, store: Store, worker: str, job:
 
 
 def _audit(store: Store, job_id: str, event: Event, reason: str, worker: str, detail: Any) -> None:
-    """Audit a delivery whose body does not run; a store outage costs the event, not the delivery.
-
-    Raising here would fail the task and let Celery write a FAILURE state for a job
-    that another delivery runs or ran.
-    """
+    """Audit a delivery whose body does not run; a store outage costs the event, not the delivery (raising
+    would let Celery write FAILURE for a job another delivery runs)."""
     try:
         store.event(job_id, event, reason, worker, detail=detail)
     except (StoreUnavailable, StoreRejected) as exc:
@@ -166,9 +150,7 @@ def skip_duplicate(task: Task, store: Store, worker: str, outcome: ClaimOutcome,
            {"owner": job.locked_by if job else None,
             "redelivered": bool((task.request.delivery_info or {}).get("redelivered"))})
     if outcome == ClaimOutcome.DONE and _vanished(store, job_id):
-        # A restore or a failover forgot the finished job between the claim's read and now: this
-        # message is all that is left of it, so it is not acknowledged away. Its next delivery
-        # is a first one (its claim records the job) and runs it once more.
+        # A restore or failover forgot the finished job: this message is all that is left of it.
         log.error("job %s: its row vanished from the store while a duplicate delivery was skipped; "
                   "delivery sent again, it runs as a first one", job_id,
                   extra={"action": "job_recorded_again"})
@@ -177,22 +159,14 @@ def skip_duplicate(task: Task, store: Store, worker: str, outcome: ClaimOutcome,
 
 
 def skip_replaced_copy(task: Task, store: Store, worker: str, step: Job | None) -> NoReturn:
-    """A copy of a replaced run's message, while its chain's first step carries the job: not run.
-
-    Run, it would replace the job a second time. The first step's message is sent again while
-    its row is pending (see send_pending_step).
-    """
+    """A copy of a replaced run's message: not run, or it would replace the job a second time."""
     send_pending_step(task.app, task.request.id, step)
     skip_duplicate(task, store, worker, ClaimOutcome.REPLACED, None)
 
 
 def send_pending_step(app: Any, job_id: str, step: Job | None) -> bool:
-    """Send the stored message of a replaced job's first step again, while that step is pending.
-
-    After a hand-over whose answer was lost the run ends as an outage before its chain is sent:
-    the step's row is then all that carries the job. A pending job's extra message is harmless
-    (its claim runs it once and skips the other); a send that fails leaves it to the dispatch scan.
-    """
+    """Send the stored message of a replaced job's pending first step again: after a hand-over whose answer
+    was lost, that row is all that carries the job."""
     if step is None or step.status != Status.PENDING:
         return False
     try:
@@ -215,8 +189,8 @@ def _vanished(store: Store, job_id: str) -> bool:
 
 
 def ignores_result(task: Task, request: Any) -> bool:
-    """Whether Celery stores no result for this run: the request's own ``ignore_result`` when
-    it set one, else the task's (Celery 5.7's rule, which 5.3 does not export)."""
+    """Whether Celery stores no result for this run: the request's own ``ignore_result`` if set, else the
+    task's (Celery 5.7's rule, which 5.3 does not export)."""
     explicit = request.__dict__.get("ignore_result") if isinstance(request, Context) else getattr(
         request, "ignore_result", None)
     return bool(explicit if explicit is not None else task.ignore_result)
@@ -227,8 +201,7 @@ def _has_results(task: Task) -> bool:
 
 
 def keepable_result(task: Task, value: Any) -> str | None:
-    """The return value encoded for the completion to keep; None when Celery stores no result
-    for this run (no backend, ``ignore_result``), so the rare path has nothing to finish."""
+    """The return value encoded for the completion to keep; None when Celery stores no result for this run."""
     if not _has_results(task):
         return None
     try:
@@ -245,14 +218,7 @@ def resumed(job_id: str) -> bool:
 
 
 def _why_not_resumable(task: Task, store: Store, job: Any) -> str | None:
-    """Why a missing result would not prove that a crash interrupted the post-run work; None if it would.
-
-    Resuming is safe only where a worker reads back what the owner stored: a persistent
-    backend (``backend.persistent``) that is not a message to the caller (``rpc://`` sends the
-    result to the caller's reply queue, whatever ``result_persistent`` says, so a worker never
-    sees it), and a result younger than ``result_expires`` on the store's clock (an older one
-    may have expired, and would look missing). Elsewhere the delivery is an ordinary duplicate.
-    """
+    """Why a missing result would not prove a crash interrupted the post-run work (None if it would)."""
     backend = task.backend
     if isinstance(backend, RPCBackend):
         return "the rpc:// backend sends results to the caller, a worker cannot read them"
@@ -270,15 +236,9 @@ def _why_not_resumable(task: Task, store: Store, job: Any) -> str | None:
 
 
 def resume_post_run(task: Task, store: Store, worker: str, job: Any) -> tuple[bool, Any]:
-    """(True, result) when this delivery must finish a completed job's post-run work.
-
-    StoreUnavailable when the store or the result backend cannot answer: the caller sends the
-    delivery again later rather than skip work a crash may have left undone.
-
-    Celery sends the chain's next step and the link callbacks, then stores the result: a
-    completed job whose result the backend lacks was interrupted by a crash. Returning the
-    result the completion kept lets Celery's tracer do that work now; the body does not run.
-    """
+    """(True, result) when a completed job's result is missing from the backend, so a crash interrupted its
+    post-run work: Celery's tracer finishes it with the kept result; the body does not run.
+    StoreUnavailable when the store or backend cannot answer."""
     request = task.request
     if not _has_results(task):
         return False, None

@@ -1,20 +1,5 @@
-"""Fenced effects, resource locks and a monotonic update: effects once per key.
-
-``effect(lease, key)`` claims a side effect's key while the job's lease holds, so
-``first`` is True for exactly one completed block per key, whichever attempt or
-worker gets there first. The key is written *before* the block runs (two racers
-cannot both see ``first``) and taken back if the block raises (a failed effect is
-not lost). Given the caller's ``connection``, the key lives in the caller's
-transaction and commits or rolls back with the business write (``connection_for(alias)``:
-a Django database alias's connection, what ``using=`` takes).
-
-``lock(lease, resource)`` leases a business resource under its own token; this
-process's runtime renews every held lock in one statement after each heartbeat and
-releases the locks of a lost lease (and stops renewing those of an overrun one). Like
-the lease, a lock has a local deadline (deadline.py): past it the holder stops trusting
-the lock, and the body its lease, without waiting for the store to say so.
-``advance`` moves a column forward only (a replay changes nothing).
-"""
+"""Fenced effects (once per key), resource locks and a forward-only update. An effect's key is written before
+its block runs, so two racers cannot both see ``first``, and taken back if the block raises."""
 
 from __future__ import annotations
 
@@ -63,12 +48,8 @@ def connection_for(using: str) -> Any:
 
 @contextlib.contextmanager
 def effect(lease: LeaseHandle, key: str, connection: Connection | None = None) -> Iterator[bool]:
-    """``with effect(lease, key) as first:`` do the side effect only when ``first``.
-
-    Raises LeaseLost, recording nothing, when the lease moved on. When the block
-    raises, the key is released (fenced by the token; with ``connection``, deleted in
-    that transaction) so a later attempt performs the effect.
-    """
+    """``with effect(lease, key) as first:`` do the side effect only when ``first``; a block that raises frees
+    the key (in ``connection``'s transaction when given) so a later attempt performs it."""
     _check_key("effect key", key)
     lease.check()
     store = lease.store
@@ -120,25 +101,15 @@ def _take_back(lease: LeaseHandle, key: str, connection: Connection | None, exc:
 
 def advance(connection: Connection, column: sa.Column, where: sa.ColumnElement[bool], value: Any,
             order: Sequence[Any] | None = None) -> bool:
-    """Set ``column`` to ``value`` where it is NULL or behind; True when a row moved forward.
-
-    Without ``order`` "behind" is ``column < value`` (counters, versions, times);
-    with ``order`` (states in their sequence) it is any earlier state. Replays and
-    late, out-of-order messages change nothing.
-    """
+    """Set ``column`` to ``value`` where NULL or behind (``<``, or earlier in ``order``); True when a row
+    moved."""
     return connection.execute(advance_statement(column, where, value, order)).rowcount > 0
 
 
-# -- resource locks ---------------------------------------------------------------
 @dataclasses.dataclass(eq=False)
 class ResourceLock:
-    """A held lease on a business resource: its own token, renewed by the heartbeat.
-
-    Trusted until its local deadline (deadline.py, with the TTL for the duration): the send
-    time of the last acquisition or renewal the store confirmed, plus the TTL, minus the
-    safety margin. The store lets another owner take the lock only after its expiry, so past
-    that deadline the holder stops trusting it whether or not the store answers.
-    """
+    """A held lease on a business resource under its own token; past its local deadline the holder stops
+    trusting it whether or not the store answers, since the store lets another owner take it after expiry."""
 
     resource: str
     token: str
@@ -158,10 +129,7 @@ class ResourceLock:
             self.deadline = max(self.deadline, deadline.local_deadline(sent_at, self.ttl))
 
     def check(self) -> None:
-        """Raise LeaseLost if the lock (or the job's lease) can no longer be trusted.
-
-        Past the local deadline the lock is lost without asking the store, which may not answer.
-        """
+        """Raise LeaseLost if the lock (or the job's lease) can no longer be trusted."""
         if not self.lost and not self.done and deadline.monotonic() >= self.deadline:
             self.lease.runtime.locks.expire(self)
         if self.lost:
@@ -216,12 +184,7 @@ class Locks:
         self.store.event(lease.job_id, Event.LOCK_LOST, f"{lk.resource}: {why}", lease.worker, lk.token)
 
     def expire(self, lk: ResourceLock, now: float | None = None) -> None:
-        """The lock passed its local deadline: lost, and its job's lease with it; no store call.
-
-        The body is stopped as at a lost lease (interrupted, or flagged), the lock is released
-        rather than renewed, and the job's lease is given back once the store answers, so the
-        job runs again instead of waiting for its lease to expire (unless it overran).
-        """
+        """The lock passed its local deadline: lost, and its job's lease with it; no store call."""
         # Not lk._mutex: a release may hold it through a store call that does not return.
         with self._mutex:
             if lk.lost or lk.done:
@@ -239,8 +202,7 @@ class Locks:
         log.warning("job %s [%s]: resource lock %r [%s] lost: %s", lease.job_id, lease.token[:8],
                     lk.resource, lk.token[:8], why, extra={"action": "lock_lost"})
         lease.mark_lost(why)
-        # As at the lease's own deadline: an overrun job (its locks no longer renewed) is left to
-        # expire, so the reaper counts the expiration against it.
+        # An overrun job is left to expire, so the reaper counts the expiration against it.
         lease.runtime.lost_locally(lease, give_back=not overran)
 
     def expire_due(self, now: float, lease: LeaseHandle | None = None) -> float | None:
@@ -260,12 +222,8 @@ class Locks:
         return min(upcoming, default=None)
 
     def renew(self, now: float) -> None:
-        """Release the locks of ended blocks and lost leases; renew the others in one statement.
-
-        The locks of a lease past its ``lease_max_runtime`` are not renewed: they expire
-        with it, so a hung body cannot keep a resource. A renewal moves a lock's local
-        deadline from the statement's send time.
-        """
+        """Release the locks of ended blocks and lost leases; renew the others in one statement. A lease past
+        its ``lease_max_runtime`` keeps no lock: a hung body cannot hold a resource."""
         with self._mutex:
             held = list(self.held.values())
         if not held:
@@ -293,14 +251,8 @@ class Locks:
 @contextlib.contextmanager
 def lock(lease: LeaseHandle, resource: str, ttl: float | None = None,
          timeout: float | None = None) -> Iterator[ResourceLock]:
-    """``with lock(lease, "account:42"):`` hold a resource, waiting up to ``timeout`` seconds.
-
-    Raises LockUnavailable when the resource stays held, LeaseLost when the job's
-    lease is gone. Released on exit; the heartbeat renews it meanwhile and releases
-    it if the lease is lost; a dead process's lock expires after ``ttl`` (default: the
-    lease's duration). Past the lock's local deadline ``check()`` refuses and the body
-    is stopped as at a lost lease, whether or not the store answers.
-    """
+    """``with lock(lease, "account:42"):`` hold a resource, waiting up to ``timeout`` seconds (LockUnavailable
+    after); renewed by the heartbeat, released on exit, expiring after ``ttl`` if the process dies."""
     _check_key("lock resource", resource)
     if resource.startswith(RESERVED):
         raise ValueError(f"lock resource {resource!r}: names starting with {RESERVED!r} are reserved "

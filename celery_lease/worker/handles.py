@@ -1,10 +1,4 @@
-"""What the worker's parts read of each other, named at the bottom of worker/ so none imports upward.
-
-``RuntimeHandle`` is what a Lease, its Heartbeat, the DeadlineTimer and the run (lifecycle,
-settle) use of their Runtime;
-``LeaseHandle`` is what effects and locks use of a Lease. ``DeferredWrite`` is the settle write
-the lease, the runtime and the settle step pass between them.
-"""
+"""What the worker's parts read of each other, named at the bottom of worker/ so none imports upward."""
 
 from __future__ import annotations
 
@@ -25,12 +19,7 @@ _T = TypeVar("_T")
 
 @dataclasses.dataclass
 class DeferredWrite:
-    """The settle write of a finished body that the store could not take yet.
-
-    The runtime keeps the lease renewed and calls ``write`` after each heartbeat round until the
-    store answers; ``then`` (a dead-letter publish, a message sent again) follows a write the
-    store took, never one it rejected.
-    """
+    """A finished body's settle write the store could not take yet; ``then`` follows only a landed write."""
 
     end: RunEnd
     write: Callable[[], bool]
@@ -65,14 +54,6 @@ class RuntimeHandle(Protocol):
     def interrupter(self) -> Callable[[], Any]: ...
 
     def leases(self) -> list[Any]: ...
-
-    def attach(self, request: Any, lease: Any) -> None: ...
-
-    def detach(self, request: Any, lease: Any) -> None: ...
-
-    def bind(self, request: Any, lease: Any) -> None: ...
-
-    def unbind(self, request: Any, lease: Any) -> None: ...
 
     def defer(self, lease: Any, write: DeferredWrite) -> None: ...
 

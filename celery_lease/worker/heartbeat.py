@@ -1,13 +1,6 @@
-"""The renewal round of a worker process's runtime.
-
-Every interval the heartbeat renews all leases its runtime holds in one statement,
-refreshes the process's row in the worker registry, and marks lost the leases that
-the statement did not renew. A renewal confirms a lease from the time its statement
-was *sent* (deadline.py); a lease that passed its local deadline while the statement
-was on its way is not revived. A job past ``lease_max_runtime`` is no longer renewed,
-nor are its resource locks, so a hung body cannot hold them forever. Deciding when a
-lease is lost without an answer from the store is the runtime's deadline timer's job.
-"""
+"""The renewal round of a worker process's runtime: every interval one statement renews all its leases
+(confirmed from when it was sent, deadline.py) and its registry row, and the leases it did not renew are
+marked lost."""
 
 from __future__ import annotations
 
@@ -54,7 +47,6 @@ class Heartbeat:
         if lease.policy.heartbeat_interval < self._planned_interval:
             self._loop.wake()
 
-    # -- one round ---------------------------------------------------------
     def beat(self) -> dict[str, int]:
         """Renew every held lease once; returns counts (held, renewed, lost, past_max_runtime)."""
         rt = self.runtime
@@ -83,13 +75,10 @@ class Heartbeat:
                     counts["renewed"] += 1
                 # else: lost locally while the statement was out; the runtime gives it back.
             elif (lease.finishing or lease.handed_over) and not rt.is_deferred(lease):
-                # The body is over (or Task.replace() handed the job over) and that write
-                # already cleared the token: not a loss, a lease that ended between snapshot
-                # and renewal.
+                # The body's end or hand-over cleared the token between snapshot and renewal: no loss.
                 continue
             elif rt.is_deferred(lease) and self.store.get(lease.job_id) is not None:
-                # A finished body's deferred write, whose first try may have committed with its
-                # answer lost: flush_deferred (below) makes it and acts on what the store holds.
+                # A deferred write's first try may have committed unanswered: flush_deferred decides.
                 continue
             else:
                 with lease.turn:
@@ -117,14 +106,11 @@ class Heartbeat:
             return False
         if Counter(other.job_id for other in renewable)[lease.job_id] == 1:
             return True
-        # The same job claimed twice in this process (a stale claim and a new one): the
-        # statement returns job ids, so ask the row which token it carries.
+        # The same job claimed twice here (stale and new): the statement returns job ids, so ask the row.
         job = self.store.get(lease.job_id)
         return job is not None and job.lock_token == lease.token
 
-    # -- the loop -------------------------------------------------------------
     def start(self) -> None:
-        """Start the loop unless it runs; safe from many threads at once (one thread starts)."""
         self._loop.start()
 
     def stop(self, timeout: float = 5.0) -> None:

@@ -1,18 +1,6 @@
-"""Raising LeaseLost inside a running body: one class per kind of execution unit.
-
-A body runs in an OS thread (prefork child, threads, solo) or in a greenlet (gevent).
-``PyThreadState_SetAsyncExc`` reaches a thread at its next bytecode but cannot reach a
-greenlet; a greenlet is interrupted by throwing into it from its hub, which a callback
-scheduled thread-safely on the hub's loop does. Both land when the body next runs
-Python code (a thread blocked in a C call, or a greenlet that never yields, sees it
-when the call returns).
-
-An interruption must not cut the library's own store calls: landing between a lock's
-``acquire()`` and the ``try`` that releases it, or inside the pool's checkout, it would
-leave the lock held or the connection astray for the rest of the process. A call wrapped
-in ``uninterrupted()`` from a body defers the interruption to the call's end
-(``Lease.shielded()``).
-"""
+"""Raising LeaseLost inside a running body: an asynchronous exception for an OS thread, a throw from its hub
+for a gevent greenlet; both land when the body next runs Python code. A store call in ``uninterrupted()``
+defers it to the call's end, so no lock or pooled connection is left astray."""
 
 from __future__ import annotations
 
@@ -105,8 +93,7 @@ class GreenletInterrupter(Interrupter):
             return  # unbound, or the body found the loss itself and raises LeaseLost
 
         def throw() -> None:
-            # Runs in the hub, while the body's greenlet is switched out: the check and
-            # the throw cannot be separated by the body finishing.
+            # In the hub, the body switched out: it cannot finish between the check and the throw.
             if still_running() and not self.greenlet.dead:
                 self.greenlet.throw(error)
 
@@ -126,5 +113,4 @@ def greenlets_in_use() -> bool:
 
 
 def for_process() -> type[Interrupter]:
-    """The interrupter class for the bodies of this process."""
     return GreenletInterrupter if greenlets_in_use() else ThreadInterrupter

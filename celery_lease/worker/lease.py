@@ -1,11 +1,5 @@
-"""Lease, the running job's handle: its token, its local deadline and its fenced helpers.
-
-A lease is trusted until its local deadline (deadline.py): the send time of the last
-renewal the store confirmed, plus the lease's duration, minus a safety margin. Past it
-the lease is lost whether or not the store ever answers; ``check()``, ``effect()``,
-``lock()`` and ``checkpoint()`` refuse, and the runtime's timer interrupts the body
-(``lease_on_lost='raise'``) or only flags it. A lost lease is never revived.
-"""
+"""Lease, the running job's handle: trusted until its local deadline (deadline.py), past which it is lost
+whether or not the store answers, and never revived."""
 
 from __future__ import annotations
 
@@ -72,8 +66,7 @@ class Lease:
         self.deferred: DeferredWrite | None = None
         # A checkpoint the store could not take yet: the heartbeat writes it once it answers.
         self.pending_checkpoint: tuple[Any] | None = None
-        # A retry whose row the store could not set pending yet: (due on the monotonic clock,
-        # its message); the message is held back and sent once the row is written.
+        # A retry the store could not write yet: (due, monotonic; its message, sent once written).
         self.deferred_retry: tuple[float, str] | None = None
         self._in_body = False
         # The body got its LeaseLost (raised it itself, or the interruption went out): no other.
@@ -82,16 +75,13 @@ class Lease:
         self._deferred = False  # an interruption came during one: raised when it ends
         self._interrupter = runtime.interrupter()
         self._guard = threading.Lock()
-        # Held by a body's hand-over (replace, retry) from its write until its flag is set, and by
-        # the heartbeat while it decides a lease it did not renew is lost or vanished: otherwise a
-        # heartbeat landing between the two would record the handed-over row again, or call the
-        # lease lost and interrupt the body before it sent the message the row now waits for.
+        # Held by a hand-over from its write until its flag is set, and by the heartbeat deciding a loss:
+        # else the heartbeat could record a handed-over row again, or interrupt before its message is sent.
         self.turn = threading.RLock()
 
     def __repr__(self) -> str:
         return f"<Lease job={self.job_id} token={self.token[:8]} attempt={self.attempt}>"
 
-    # -- the deadline ----------------------------------------------------------------
     def check(self) -> None:
         """Raise LeaseLost if the lease moved on or its local deadline passed."""
         if not self.lost:
@@ -104,12 +94,8 @@ class Lease:
         return LeaseLost(self.job_id, self.lost_reason or "lost", self.lost_owner)
 
     def raising_in_body(self) -> None:
-        """Called just before code in the body's own thread raises LeaseLost: no interruption lands after it.
-
-        The timer or the heartbeat may have flagged the loss and not yet interrupted (it logs
-        first): that interruption would land a second LeaseLost in the body's own except and
-        finally blocks. Called from another thread, it changes nothing.
-        """
+        """Called just before the body's own thread raises LeaseLost, so a flagged but not yet sent
+        interruption cannot land a second one in its except and finally blocks."""
         with self._guard:
             if self._in_body and self._interrupter.is_current():
                 self._raised = True
@@ -125,8 +111,7 @@ class Lease:
                 reason = (f"local deadline passed: no renewal confirmed for {now - self.confirmed_at:.1f}s "
                           f"of a {self.duration:g}s lease")
             self.mark_lost(reason)
-            # A lease cut off from the store is given back once it answers; an overrun one is
-            # left to expire, so the reaper counts the expiration against the job.
+            # An overrun lease is left to expire, so the reaper counts the expiration against the job.
             self.runtime.lost_locally(self, give_back=not overran)
         if not self.lost:
             # A resource lock held past its own local deadline: the body can no longer trust it.
@@ -134,28 +119,21 @@ class Lease:
         return self.lost
 
     def confirm(self, sent_at: float, duration: float | None = None) -> bool:
-        """The store renewed the lease with a statement sent at ``sent_at``; False if already lost.
-
-        ``duration`` (an ``extend``) sets the lease's duration from then on: the local deadline
-        becomes ``sent_at + duration - margin``, earlier than before when the lease was shortened,
-        as the store's expiry is.
-        """
+        """The store renewed the lease with a statement sent at ``sent_at``; False if already lost."""
         with self._guard:
             if self.lost:
                 return False  # never revived: the runtime gives it back instead
-            if duration is not None:
-                self.duration = duration
-                self.confirmed_at = max(self.confirmed_at, sent_at)
-                self.deadline = deadline.local_deadline(sent_at, duration)
-                return True
             self.confirmed_at = max(self.confirmed_at, sent_at)
-            self.deadline = max(self.deadline, deadline.local_deadline(sent_at, self.duration))
+            if duration is not None:  # an extend: the deadline may move earlier, as the store's expiry
+                self.duration = duration
+                self.deadline = deadline.local_deadline(sent_at, duration)
+            else:
+                self.deadline = max(self.deadline, deadline.local_deadline(sent_at, self.duration))
             return True
 
     def extending(self, sent_at: float, duration: float) -> None:
-        """An ``extend`` to ``duration`` is being sent at ``sent_at``: until it is answered, trust the
-        shorter of both leases, so an answer that never comes cannot leave the deadline past the store's
-        expiry (which may already be the new one)."""
+        """An ``extend`` to ``duration`` is being sent: until answered, trust the shorter lease, so a lost
+        answer cannot leave the deadline past the store's expiry."""
         with self._guard:
             if duration < self.duration:
                 self.duration = duration
@@ -169,15 +147,9 @@ class Lease:
         """Still to be renewed: not lost and within lease_max_runtime."""
         return not self.lost and not self.past_max_runtime(now)
 
-    # -- the user's helpers ---------------------------------------------------------------
     def extend(self, seconds: float) -> None:
-        """Renew now for ``seconds`` from this renewal, before a long blocking call.
-
-        Both clocks move: the store's expiry to ``seconds`` after the statement runs, the local
-        deadline to ``seconds`` (minus the safety margin) after it was sent, and the heartbeat
-        renews for ``seconds`` from then on. Below the lease's duration that shortens the lease,
-        on both clocks. LeaseLost if the lease moved on.
-        """
+        """Renew now for ``seconds`` (on both clocks, and at each heartbeat from then on), before a long
+        blocking call; below the lease's duration this shortens it. LeaseLost if the lease moved on."""
         seconds = float(seconds)
         if not math.isfinite(seconds) or seconds <= 0:
             raise ValueError(f"extend() takes a number of seconds > 0, got {seconds!r}")
@@ -186,11 +158,7 @@ class Lease:
             self.check()
 
     def checkpoint(self, state: Any) -> None:
-        """Save JSON progress under the token; a later attempt reads ``checkpoint_state``.
-
-        An unreachable store does not stop the body: the state is kept and the heartbeat writes
-        it once the store answers (a newer checkpoint replaces one still waiting).
-        """
+        """Save JSON progress for a later attempt; kept for the heartbeat while the store is down."""
         checkpoints.checkpoint(self, state)
 
     def recorded_again(self) -> bool:
@@ -210,11 +178,7 @@ class Lease:
         checkpoints.write_pending_checkpoint(self)
 
     def patiently(self, call: Callable[[], _T]) -> _T:
-        """Make a store call of the body, waiting through an outage until the local deadline.
-
-        Past the deadline ``check()`` raises LeaseLost: the run ends as a lost lease, given
-        back once the store answers. A store that rejects the call is not waited for.
-        """
+        """Make a body's store call, waiting through an outage until the local deadline (then LeaseLost)."""
         delay = 0.05
         while True:
             self.check()
@@ -230,8 +194,8 @@ class Lease:
             delay = min(delay * 2, MAX_STORE_WAIT)
 
     def effect(self, key: str, connection: Any = None, using: str | None = None) -> Any:
-        """``with lease.effect(key) as first:`` records a side effect once per key; ``using`` (a
-        Django database alias) or a Django ``connection`` puts the key in that transaction."""
+        """``with lease.effect(key) as first:``; ``using`` or ``connection``: the key joins that
+        transaction."""
         if using is not None:
             connection = effects.connection_for(using)
         return effects.effect(self, key, connection)
@@ -241,10 +205,8 @@ class Lease:
         return effects.lock(self, resource, ttl, timeout)
 
     def give_back(self, reason: Event = Event.RELEASED_ON_SHUTDOWN, republish: bool | None = None) -> bool:
-        """Release the lease so the job runs again soon, re-sending its message when it was acked.
-
-        ``republish`` defaults to "the broker forgot the message" (acks_late off).
-        """
+        """Release the lease so the job runs again soon, re-sending its message when the broker forgot it
+        (``republish`` defaults to acks_late off)."""
         if not self.store.jobs.release(self.job_id, self.token, self.worker, reason):
             return False
         if reason == Event.RELEASED_ON_SHUTDOWN:
@@ -262,7 +224,6 @@ class Lease:
                             self.job_id, exc, extra={"action": "release_republish_failed"})
         return True
 
-    # -- loss and interruption ------------------------------------------------------------
     def mark_lost(self, reason: str, owner: str | None = None) -> None:
         """Flag the lease lost; with ``lease_on_lost='raise'`` interrupt the body too."""
         with self._guard:
@@ -275,14 +236,12 @@ class Lease:
                 self._interrupter.interrupt(LeaseLost(self.job_id, reason, owner), self._still_running)
 
     def _still_running(self) -> bool:
-        """Whether the interrupter may raise in the body now (called with the guard held, or
-        from the gevent hub while the body is switched out); inside a store call it defers."""
+        """Whether the interrupter may raise in the body now; inside a store call it defers."""
         running = self._in_body and not self.finishing and not self._raised
         if running and self._shield:
             self._deferred = True
             return False
-        # The interruption goes out: it is the body's one LeaseLost, and the store calls of the
-        # body's handlers (an effect's key given back, a lock released) run as they would.
+        # The body's one LeaseLost: its handlers' store calls (a key given back, a lock released) run.
         self._raised = self._raised or running
         return running
 
@@ -292,13 +251,8 @@ class Lease:
 
     @contextlib.contextmanager
     def shielded(self) -> Iterator[None]:
-        """A store call of the body: an interruption waits until it ends, then raises LeaseLost.
-
-        A loss flagged before the call raises at once instead, the interruption already on its
-        way cancelled: with the guard held no other one can be sent, so none lands inside.
-        Code that copied the body's context into another thread (``asyncio.to_thread``) is
-        not the body: nothing is deferred or raised there.
-        """
+        """A store call of the body: an interruption waits until it ends, then raises LeaseLost. Not the body
+        (another thread with a copied context): nothing is deferred or raised."""
         if not self._interrupter.is_current():
             yield
             return
@@ -340,6 +294,5 @@ class Lease:
                 self._in_body = False
                 self.finishing = True
                 if self.lost and self.policy.on_lost == OnLost.RAISE:
-                    # An interruption queued just as the body returned must not land
-                    # in the bookkeeping that follows.
+                    # An interruption queued as the body returned must not land in the bookkeeping.
                     self._interrupter.cancel()

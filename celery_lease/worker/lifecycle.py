@@ -1,13 +1,5 @@
-"""One leased run: claim, attach, body, settle (the settle step is settle.py).
-
-- **claim**: the delivery takes the job's lease, or learns why its body must not run (the store
-  is down, the job is not available yet, another delivery holds it, it is finished);
-- **attach**: the lease joins this process's runtime (renewed, watched by the deadline timer) and
-  Celery's STARTED state is stored, inside the ``try`` whose ``finally`` detaches it;
-- **body**: the task runs under the lease, and whatever way it ends is named (``RunEnd``);
-- **settle** (settle.py): one step writes that end to the store and ends the delivery as plain
-  Celery would for that end.
-"""
+"""One leased run: claim (take the lease, or learn why the body must not run), attach (join the runtime, store
+STARTED), body (named by how it ends, a ``RunEnd``), settle (settle.py)."""
 
 from __future__ import annotations
 
@@ -59,8 +51,7 @@ def run(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return claimed.value  # Celery's tracer stores it and sends the chain's next step
     rt, job, token, policy, sent, record_again = claimed
     request = task.request
-    # The body's own request context, as Celery >= 5.5 makes itself: before 5.5 push_request
-    # starts from a blank one, and the body would see no id, hostname or delivery_info.
+    # Celery < 5.5's push_request starts blank: the body would see no id, hostname or delivery_info.
     body_request = Context(**{**request.__dict__, "args": args, "kwargs": kwargs})
     lease = rt.admit(task, request, body_request, job, token, policy, sent_at=sent, record_again=record_again)
     try:
@@ -77,7 +68,6 @@ def _fail_closed(task: Any, queue: str | None, exc: StoreUnavailable) -> NoRetur
     deliveries.fail_closed(task, policy.store_retry_delay, policy.store_retry_max, exc)
 
 
-# -- claim ----------------------------------------------------------------------------
 # The claimed job with what its lease is built of: runtime, job, token, policy, claim sent at, record_again.
 _Claimed = tuple["runtime.Runtime", Job, str, TaskPolicy, float, Callable[[], bool]]
 
@@ -103,8 +93,7 @@ def _claim(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Claimed
         claim = store.jobs.claim(job_id, rt.worker, token, terms, task_name=task.name, queue=queue,
                                  payload=payload)
     except StoreRejected as exc:
-        # A claim the store refuses is not run, and not lost either: the message comes back later
-        # (with the fail-closed backoff), each time logged with the store's reason.
+        # Neither run nor lost: the message comes back later with the fail-closed backoff.
         log.error("job %s: the store refused its claim (%s)", job_id, exc, extra={"action": "claim_rejected"})
         if request.is_eager:
             raise
@@ -160,14 +149,9 @@ def _reclaim(store: Store, rt: runtime.Runtime, claim: Claim, token: str, terms:
     return Claim(ClaimOutcome.CLAIMED, job)
 
 
-# -- attach -----------------------------------------------------------------------------
 def _store_started(task: Any, request: Any, lease: Lease) -> None:
-    """Celery's task_track_started, once the claim proved this delivery runs the job.
-
-    STARTED is a progress report: a backend that refuses it costs the report, not the run
-    (the body runs and its result is stored as usual). An eager run stores none: Celery stores
-    no result of an eager run (unless task_store_eager_result), so STARTED would stay for ever.
-    """
+    """Celery's task_track_started, once the claim proved this delivery runs the job; a backend that refuses
+    it costs the report, not the run. An eager run stores none: its STARTED would stay for ever."""
     if request.is_eager or not task.lease_tracks_started or deliveries.ignores_result(task, request):
         return
     try:
@@ -178,7 +162,6 @@ def _store_started(task: Any, request: Any, lease: Lease) -> None:
                     extra={"action": "started_not_stored"})
 
 
-# -- body ------------------------------------------------------------------------------
 def _call(task: Any, body_request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Celery's ``Task.__call__``, under the body's own request context (attached to its lease)."""
     _task_stack.push(task)
@@ -203,8 +186,7 @@ def _worker_leaving(exc: BaseException) -> bool:
 
     if isinstance(exc, (WorkerShutdown, WorkerTerminate)) or state.should_stop or state.should_terminate:
         return True
-    # A prefork child's terminate handler raises SystemExit inside whatever runs (billiard
-    # tells it from the body's own with a flag of its own, where it has one).
+    # A prefork child's terminate handler raises SystemExit in whatever runs; billiard flags it.
     from billiard import common
 
     fired = getattr(common, "terminate_handler_fired", None)
@@ -213,7 +195,6 @@ def _worker_leaving(exc: BaseException) -> bool:
 
 def _body(task: Any, lease: Lease, body_request: Any, args: tuple[Any, ...],
           kwargs: dict[str, Any]) -> tuple[RunEnd, Any, BaseException | None]:
-    """Run the body under the lease and name how it ended."""
     try:
         with lease.body():
             result = _call(task, body_request, args, kwargs)
@@ -235,13 +216,11 @@ def _body(task: Any, lease: Lease, body_request: Any, args: tuple[Any, ...],
     except Exception as exc:  # noqa: BLE001 - named here, raised again by the settle step
         if _worker_terminating():
             return RunEnd.SHUTDOWN, None, exc
-        # An error raised after the lease was lost (by the interruption, or by a body that turned
-        # the LeaseLost into an error of its own) is the loss, not a failure of the job.
+        # Raised after the loss (the interruption, or a LeaseLost turned into another error): no failure.
         return (RunEnd.LOST if lease.lost else RunEnd.FAILED), None, exc
     except BaseException as exc:  # noqa: BLE001 - named here, raised again by the settle step
         if _worker_leaving(exc):
             return RunEnd.SHUTDOWN, None, exc
-        # The body's own SystemExit or KeyboardInterrupt, or gevent's hard time limit
-        # (gevent.Timeout): a failed attempt, final as in plain Celery.
+        # The body's own SystemExit, KeyboardInterrupt or gevent.Timeout: final, as in plain Celery.
         return RunEnd.FAILED, None, exc
     return RunEnd.RETURNED, result, None

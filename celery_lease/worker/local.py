@@ -1,14 +1,6 @@
-"""``self.lease`` outside a worker: eager runs, ``apply()`` and direct calls.
-
-A run that no worker delivered has no lease to hold, yet its body still calls
-``self.lease``. It gets a local handle with the same surface: ``check()`` and
-``extend()`` always pass, ``checkpoint()`` keeps the state on the handle, ``effect(key)``
-is first once per key within this process (among its newest 1,000 keys), and
-``lock(resource)`` is an in-process lock. The keys and locks live on the app (one
-``LocalState`` each, bounded), so a test sees what a run did and can start again from
-nothing (``celery_lease.testing``). With
-``lease_eager_store = True`` an eager run takes a real lease in the store instead.
-"""
+"""``self.lease`` outside a worker (eager runs, ``apply()``, direct calls): a local handle with the Lease
+surface whose effect keys and locks live on the app, bounded, so a test sees what a run did
+(``celery_lease.testing``)."""
 
 from __future__ import annotations
 
@@ -39,12 +31,8 @@ class _SharedLock:
 
 @dataclasses.dataclass
 class LocalState:
-    """The effect keys and resource locks of the local runs of one app, in this process.
-
-    Bounded, so a long-lived process that calls tasks directly or eagerly does not grow without
-    end: the newest ``LOCAL_KEPT`` effect keys and checkpoints are kept (the oldest forgotten
-    first), and a resource's lock is dropped once no run holds or waits for it.
-    """
+    """The effect keys and resource locks of the local runs of one app, in this process; bounded (the newest
+    ``LOCAL_KEPT`` keys and checkpoints) so a long-lived process does not grow without end."""
 
     effects: OrderedDict[str, str] = dataclasses.field(default_factory=OrderedDict)
     checkpoints: OrderedDict[str, Any] = dataclasses.field(default_factory=OrderedDict)
@@ -101,7 +89,6 @@ def _trim(kept: OrderedDict[str, Any]) -> None:
 
 
 def state(app: Any) -> LocalState:
-    """The app's local state in this process (made on first use)."""
     holder = app_state(app)
     found: LocalState | None = holder.local
     if found is None:
@@ -139,9 +126,8 @@ class LocalLease:
 
     @contextlib.contextmanager
     def effect(self, key: str, connection: Any = None, using: str | None = None) -> Iterator[bool]:
-        """First once per key in this process; a block that raises gives its key back. With a
-        connection (or a Django ``using`` alias) the key is written in that transaction, as a
-        worker writes it, and is first once per key in that database."""
+        """First once per key in this process; a block that raises gives its key back. With a connection (or a
+        Django ``using`` alias) the key is written in that transaction, as a worker writes it."""
         if connection is not None or using is not None:
             with self._effect_in(key, connection, using) as first:
                 yield first
@@ -174,8 +160,7 @@ class LocalLease:
 
     @contextlib.contextmanager
     def lock(self, resource: str, ttl: float | None = None, timeout: float | None = None) -> Iterator[None]:
-        """An in-process lock on ``resource``; LockUnavailable after ``timeout`` seconds (default:
-        lease_lock_timeout's default)."""
+        """An in-process lock on ``resource``; LockUnavailable after ``timeout`` seconds."""
         from ..config import BY_NAME
         from ..errors import LockUnavailable
 
@@ -187,7 +172,6 @@ class LocalLease:
 
 
 def current() -> LocalLease | None:
-    """The local handle of the run in this context, if any."""
     return _current.get()
 
 

@@ -1,15 +1,8 @@
-"""Loop: the one shape of the worker's helper threads (heartbeat, deadline timer, kept cancels,
-visibility refresher, store probe).
-
-A loop is a named daemon thread that calls a step function; the step returns the seconds until
-the next round (None: until a wake). ``wake()`` runs the next round now, ``stop()`` ends the
-loop. A step that raises is handed to the owner's ``failed``, called inside the ``except`` so
-it can log the traceback, which returns the pause as the step would have: one bad round never
-ends the thread. The thread starts on first ``start()`` and once, however many threads ask at
-once; a forked child sees the parent's thread dead (threading marks it so), so its first
-``start()`` starts its own. ``threading`` is looked up at each start: under gevent's patching
-the loop is a greenlet of the hub, as the threads it replaces were.
-"""
+"""Loop: the one shape of the worker's helper threads (heartbeat, deadline timer, kept cancels, visibility
+refresher, store probe). A step that raises goes to ``failed`` inside the ``except`` (so it can log the
+traceback): one bad round never ends the thread. A forked child sees the parent's thread dead, so its first
+start starts its own; ``threading`` is looked up at each start, so under gevent the loop is a greenlet of
+the hub."""
 
 from __future__ import annotations
 
@@ -22,8 +15,8 @@ Step = Callable[[], "float | None"]  # a round: the seconds until the next one (
 
 
 class _Run:
-    """One started thread with its own stop flag and wake-up event: a thread still winding down
-    after ``stop()`` never eats a wake meant for its successor."""
+    """One started thread with its own stop flag and wake-up event, so a thread winding down after ``stop()``
+    never eats a wake meant for its successor."""
 
     def __init__(self, name: str, delay: float | None, target: Callable[[_Run], None]) -> None:
         self.stopping = threading.Event()
@@ -44,7 +37,6 @@ class Loop:
 
     @property
     def thread(self) -> threading.Thread | None:
-        """The thread last started (None before the first start)."""
         run = self._run
         return run.thread if run is not None else None
 
@@ -55,16 +47,12 @@ class Loop:
         return run.woken if run is not None else None
 
     def running(self) -> bool:
-        """Whether a thread runs and has not been told to stop."""
         run = self._run
         return run is not None and run.thread.is_alive() and not run.stopping.is_set()
 
     def start(self, delay: float | None = 0.0) -> None:
-        """Start the thread unless it runs; its first round comes after ``delay`` seconds.
-
-        Safe from many threads at once: one starts. A thread told to stop that has not ended
-        yet does not count: a new one starts.
-        """
+        """Start the thread unless it runs (one starts, however many threads ask; one told to stop does not
+        count); its first round comes after ``delay`` seconds."""
         with self._starting:
             if self.running():
                 return
@@ -78,11 +66,7 @@ class Loop:
             run.woken.set()
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Tell the thread to stop, wake it and wait up to ``timeout`` seconds for it to end.
-
-        From the loop's own thread (a step ending its loop) it only tells: the thread ends when
-        the step returns.
-        """
+        """Tell the thread to stop, wake it and wait for it (from the loop's own thread, only tell)."""
         run = self._run
         if run is None:
             return

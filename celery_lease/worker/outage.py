@@ -1,15 +1,6 @@
-"""A worker whose deliveries find the store unreachable stops consuming until it answers.
-
-A delivery that cannot claim its job sends its message again for later and is acknowledged
-(deliveries.fail_closed). A worker that went on consuming would take every message of its
-queues only to send each one back, the whole backlog churning through the broker for as
-long as the outage lasts. So the worker's main process, told by the delivery's outcome
-(``FailedClosed``, seen by LeaseRequest in every pool, a prefork child's included), cancels
-its task consumer, asks the store from a thread of its own every ``lease_store_retry_delay``,
-and consumes again once the store answers. The consumer is only ever touched from its own
-event loop (``Consumer.call_soon``); messages the worker already holds still run, or fail
-closed with their backoff.
-"""
+"""A worker whose deliveries find the store unreachable stops consuming until it answers, rather than take its
+whole backlog only to send each message back. Told by ``FailedClosed`` (seen by LeaseRequest in every
+pool), the main process cancels its task consumer, from the consumer's own event loop only."""
 
 from __future__ import annotations
 
@@ -50,8 +41,7 @@ class PauseStep(bootsteps.StartStopStep):
 
 
 def store_unreachable(app: Any, why: str) -> None:
-    """Tell this worker process's consumer that a delivery met an unreachable store (a no-op in a
-    process without one: a prefork child, a process that is no worker)."""
+    """Tell this process's consumer, if it has one, that a delivery met an unreachable store."""
     rt = runtime.current(app)
     pause = rt.pause if rt is not None else None
     if pause is not None:

@@ -1,8 +1,5 @@
-"""ConsumerPause: a worker's task consumer cancelled while the store is unreachable, resumed when it answers.
-
-outage.py explains why and wires it to the worker (PauseStep); the runtime holds the main
-process's one (``Runtime.pause``).
-"""
+"""ConsumerPause: a worker's task consumer cancelled while the store is unreachable, resumed when it answers
+(outage.py says why)."""
 
 from __future__ import annotations
 
@@ -80,6 +77,5 @@ class ConsumerPause:
         return self.interval
 
     def stop(self, timeout: float = 5.0) -> None:
-        """The worker is stopping: stop asking the store."""
         self._stop.set()
         self._probe.stop(timeout)

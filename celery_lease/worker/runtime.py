@@ -1,13 +1,5 @@
-"""One runtime per worker process: its leases, its heartbeat, its deadline timer, its locks.
-
-The runtime holds the leases of the bodies running in this process, by request (what
-``self.lease`` resolves through) and by (job id, token): two claims of one job in one
-process, a stale one and a new one, never see each other's lease. Its heartbeat renews
-them (heartbeat.py); its deadline timer (timers.py), a thread of its own, marks a lease lost at its
-local deadline however long a store call takes, and interrupts the body. A lease lost
-locally is given back, fenced on its token, once the store answers. Signals and the
-shutdown path reach the runtime through the functions at the bottom of this module.
-"""
+"""One runtime per worker process: the leases of its running bodies (by request, and by job id and token so a
+stale and a new claim of one job never share a lease), its heartbeat, deadline timer and locks."""
 
 from __future__ import annotations
 
@@ -70,11 +62,9 @@ class Runtime:
         self._starting = threading.Lock()  # concurrent first tasks (a threads pool) start once
         # A worker's main process stops its consumer here while the store is down (outage.py).
         self.pause: ConsumerPause | None = None
-        # Tokens of claims this process sent and gave up on (no answer within the bound): the
-        # server may still have committed one, leaving a job "running" under us that no body runs.
+        # Claims sent and given up on unanswered: the server may have committed one that no body runs.
         self._unanswered: collections.OrderedDict[str, str] = collections.OrderedDict()
 
-    # -- claims whose answer was lost ----------------------------------------------------
     def claim_unanswered(self, job_id: str, token: str) -> None:
         """A claim of ``job_id`` with ``token`` got no answer: remember it (the newest 1,000)."""
         with self._mutex:
@@ -91,11 +81,9 @@ class Runtime:
         with self._mutex:
             self._unanswered.pop(token, None)
 
-    # -- membership ---------------------------------------------------------------------
     def admit(self, task: Any, request: Any, body_request: Any, job: Job, token: str, policy: TaskPolicy, *,
               sent_at: float, record_again: Callable[[], bool]) -> Lease:
-        """The claim of ``job`` with ``token`` succeeded (the store answered: the delivery's store retries
-        are forgotten): its lease, with the job's checkpoint, attached for both request contexts."""
+        """The claim succeeded, so the delivery's store retries are forgotten: attach its new lease."""
         forget_store_retries(request)
         lease = Lease(self, job.id, token, job.attempt_count, policy,
                       job.idempotency_key or f"{task.name}:{job.id}", job.checkpoint_state(), sent_at=sent_at,
@@ -108,8 +96,7 @@ class Runtime:
         return lease
 
     def attach(self, request: Any, lease: Lease, body_request: Any = None) -> None:
-        """A body is about to run under ``lease`` for ``request`` (and ``body_request``, the body's own
-        copy of it): renew it and watch its deadline."""
+        """A body is about to run under ``lease``: renew it and watch its deadline."""
         with self._mutex:
             self._by_request[id(request)] = lease
             self._held[(lease.job_id, lease.token)] = lease
@@ -130,7 +117,6 @@ class Runtime:
                 self._held.pop(key, None)
 
     def bind(self, request: Any, lease: Lease) -> None:
-        """Resolve one more request context to ``lease``."""
         with self._mutex:
             self._by_request[id(request)] = lease
 
@@ -177,13 +163,8 @@ class Runtime:
             self._held[key] = lease
 
     def extend(self, lease: Lease, seconds: float) -> bool:
-        """Renew one lease now with a new duration; False when it is no longer ours.
-
-        The store's expiry becomes ``seconds`` after the statement runs and the local deadline
-        ``seconds`` (minus the margin) after it was sent, earlier or later than before. While
-        the statement is out the lease trusts the shorter of the two durations. An unreachable
-        store is waited for, as the body's other store calls are, until the local deadline.
-        """
+        """Renew one lease now with a new duration; False when it is no longer ours. While the statement is
+        out the lease trusts the shorter of the old and new durations."""
         sent: list[float] = []
 
         def attempt() -> set[str]:
@@ -205,7 +186,6 @@ class Runtime:
         intervals = [lease.policy.heartbeat_interval for lease in self.leases()]
         return min([self.default_interval, *intervals])
 
-    # -- after each heartbeat round (the store answered) ----------------------------------
     def give_back_lost(self) -> int:
         """Release, fenced on their tokens, the leases lost locally; returns how many were released."""
         with self._mutex:
@@ -244,8 +224,7 @@ class Runtime:
             try:
                 written = write.write()
             except StoreRejected as exc:
-                # Not an outage: retrying would loop for ever. The lease expires and the reaper
-                # decides, as for a worker that died here.
+                # Retrying would loop for ever: the lease expires and the reaper decides.
                 log.error("job %s [%s]: deferred %s rejected by the store for good (%s)", lease.job_id,
                           lease.token[:8], write.end, exc, extra={"action": "deferred_write_rejected"})
                 self.forget(lease)
@@ -254,8 +233,7 @@ class Runtime:
                 return
             self.forget(lease)
             if not written:
-                # The store audited the stale write; nothing follows it. The first try may have
-                # committed with its answer lost: a job left pending gets its message again.
+                # The first try may have committed unanswered: a job left pending gets its message again.
                 log.warning("job %s [%s]: deferred %s rejected, the lease moved on", lease.job_id,
                             lease.token[:8], write.end, extra={"action": "stale_deferred_write_rejected"})
                 try:
@@ -303,7 +281,6 @@ class Runtime:
         self.flush_deferred()
         return released
 
-    # -- cancels the store did not take ---------------------------------------------------
     @property
     def cancels(self) -> PendingCancels:
         """This process's kept cancels (PendingCancels), made on first use."""
@@ -313,7 +290,6 @@ class Runtime:
                 kept = self.__dict__["_cancels"] = PendingCancels(self.store, self.default_interval)
             return kept
 
-    # -- threads --------------------------------------------------------------------------
     def start(self) -> None:
         """Start the heartbeat and the deadline timer once, however many first tasks call it at once."""
         with self._starting:
@@ -344,8 +320,7 @@ def current(app: Any) -> Runtime | None:
 
 def for_delivery(task: Any, queue: str | None,
                  nesting: int = 0) -> tuple[Runtime, Store, TaskPolicy, stores.ClaimTerms]:
-    """What one delivery's claim needs of this process: its runtime, the store, the task's policy on
-    ``queue`` (cached per task and queue) and the claim's terms (``nesting``: the delivery's)."""
+    """A delivery's runtime, store, task policy on ``queue`` (cached) and claim terms."""
     policy = task_policy(task, queue)
     store = stores.for_app(task.app)
     runtime = for_app(task.app, store, task.request.hostname)
@@ -381,7 +356,6 @@ def retire(app: Any) -> bool:
 
 
 def in_process() -> list[Runtime]:
-    """Every runtime of this process (one per app)."""
     pid = os.getpid()
     return [rt for (_, owner), (_, rt) in list(_runtimes.items()) if owner == pid]
 

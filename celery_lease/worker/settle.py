@@ -1,13 +1,5 @@
-"""The settle step of a leased run (lifecycle.py: claim, attach, body, settle).
-
-One step writes how the body ended to the store, knowing the two ways a write fails. A store
-that is unreachable gets the write later: the lease stays renewed, the heartbeat makes the write
-once the store answers and acts on its real answer (a stale token is a rejected write, audited).
-A store that rejects the write for good is an error for the caller, never a deferral loop.
-
-Celery sees what plain Celery shows for the same end: the value, the body's own exception, or
-Celery's Retry, Ignore and Reject; never StoreUnavailable for an outage.
-"""
+"""The settle step of a leased run: write how the body ended, deferring the write while the store is
+unreachable (never looping on a rejection), and end the delivery as plain Celery would for that end."""
 
 from __future__ import annotations
 
@@ -36,11 +28,7 @@ log = logging.getLogger(__name__)
 
 def _write(lease: Lease, end: RunEnd, write: Callable[[], bool], then: Callable[[], None] | None = None,
            later: Callable[[], bool] | None = None) -> bool | None:
-    """Make one settle write: True (written, ``then`` followed), False (stale token), None (deferred).
-
-    An unreachable store gets ``later`` (default: the same write) once it answers. StoreRejected
-    leaves to the caller: a refusal is not retried.
-    """
+    """One settle write: True (written, ``then`` followed), False (stale), None (``later`` deferred)."""
     try:
         written = write()
         if not written and lease.vanished_and_recorded_again():
@@ -53,8 +41,7 @@ def _write(lease: Lease, end: RunEnd, write: Callable[[], bool], then: Callable[
         lease.runtime.defer(lease, DeferredWrite(end, later or write, then))
         return None
     if not written:
-        # Stale: the lease moved on, or this very write committed once with its answer lost (a
-        # retry, a release, a hand-over): a job left pending gets its message again.
+        # Stale, or this write committed once unanswered: a job left pending gets its message again.
         try:
             lease.send_if_pending()
         except Exception as error:  # noqa: BLE001 - the reaper's dispatch scan sends it later
@@ -79,11 +66,9 @@ def settle(task: Any, lease: Lease, end: RunEnd, value: Any, exc: BaseException 
     if end == RunEnd.RETRIED:
         _retry(task, lease, exc)
     if end == RunEnd.IGNORED:
-        # The task chose to drop its result: the job is still over.
         _ending(lease, end, lambda: store.jobs.complete(job_id, token, worker))
     elif end == RunEnd.REJECTED_REQUEUE:
-        # Requeued while the release waits for the store, the message would meet the lease this
-        # worker still holds and be skipped: it is acknowledged, and sent again with the release.
+        # Requeued now, it would meet the lease still held and be skipped: it is sent with the release.
         if _write(lease, end, lambda: store.jobs.release(job_id, token, worker,
                                                          reason=Event.REJECTED_REQUEUE),
                   later=lambda: lease.give_back(Event.REJECTED_REQUEUE, republish=True)) is None:
@@ -99,23 +84,18 @@ def settle(task: Any, lease: Lease, end: RunEnd, value: Any, exc: BaseException 
         _write(lease, end, lambda: lease.give_back(Event.RELEASED_AFTER_OUTAGE, republish=True))
         raise Ignore() from exc
     elif end == RunEnd.SHUTDOWN:
-        # The worker is shutting down mid-body: give the job back (an unreachable store leaves
-        # the lease to expire, and the reaper requeues it).
+        # An unreachable store leaves the lease to expire, and the reaper requeues it.
         with contextlib.suppress(StoreUnavailable, StoreRejected):
             lease.give_back(Event.RELEASED_ON_SHUTDOWN)
         if isinstance(exc, Exception):
-            # A cold shutdown of a solo pool raises Celery's own error inside the body: the job
-            # did not fail, the worker left. Requeue its message.
+            # A solo pool's cold shutdown raises Celery's own error in the body: the worker left.
             raise Reject(f"worker shutting down: {type(exc).__name__}", requeue=True) from exc
     raise exc
 
 
 def _ending(lease: Lease, end: RunEnd, write: Callable[[], bool]) -> bool | None:
-    """A settle write that ends a job whose body finished; one the store refuses fails the job instead.
-
-    Left running, the refused job's lease would expire and the reaper would run a finished body
-    again. If the failure is refused too, StoreRejected goes to the caller as before.
-    """
+    """A settle write that ends a finished job; one the store refuses fails the job instead, or the reaper
+    would run the finished body again."""
     try:
         return _write(lease, end, write)
     except StoreRejected as exc:
@@ -139,8 +119,7 @@ def _complete(task: Any, lease: Lease, value: Any) -> Any:
         else:
             written = _write(lease, RunEnd.RETURNED, lambda: store.jobs.complete(job_id, token, worker, kept))
     except StoreRejected as exc:
-        # The kept result is only there to finish a crash's post-run work: a result the store
-        # cannot hold (too large for its column) is not kept, and the job still completes.
+        # The kept result only serves a crash's post-run work: one too large is dropped, the job completes.
         log.error("job %s [%s]: result not kept, the store refused it (%s)", job_id, token[:8], exc,
                   extra={"action": "result_not_kept"})
         written = _ending(lease, RunEnd.RETURNED, lambda: store.jobs.complete(job_id, token, worker))
@@ -154,15 +133,12 @@ def _complete(task: Any, lease: Lease, value: Any) -> Any:
 def _lost(task: Any, lease: Lease, exc: BaseException) -> NoReturn:
     log.warning("job %s [%s] stopped: %s", lease.job_id, lease.token[:8], exc, extra={"action": "lease_lost"})
     if lease.lost_reason == LossReason.VANISHED and not task.request.is_eager:
-        # The job's row is gone (a restored backup, a failover that lost its last seconds): the
-        # message is the job's only record now. Send it again; its claim records the job anew.
+        # The message is the job's only record now: its claim records the job anew.
         log.error("job %s [%s]: its row vanished from the store; message sent again", lease.job_id,
                   lease.token[:8], extra={"action": "vanished_job_sent_again"})
         deliveries.send_again(task, "the job's row vanished from the store")
     elif not lease.lost:
-        # The body raised LeaseLost on a lease this worker still holds (a check of its own, a
-        # library call below it): nobody else runs the job, so give it back now, uncharged,
-        # instead of leaving it to expire and wait for the reaper.
+        # LeaseLost on a lease still held: nobody else runs the job, so give it back now, uncharged.
         _write(lease, RunEnd.LOST, lambda: lease.give_back(Event.RELEASED_AFTER_LOCAL_LOSS, republish=True))
     raise Ignore() from exc
 
@@ -195,7 +171,6 @@ def _retry(task: Any, lease: Lease, exc: BaseException) -> None:
 
 
 def _dead_letter(task: Any, store: Store, job_id: str, policy: TaskPolicy) -> None:
-    """Park a failed job's message on the dead-letter queue, when one is configured."""
     if not policy.dead_letter_queue:
         return
     job = store.get(job_id)
@@ -204,11 +179,8 @@ def _dead_letter(task: Any, store: Store, job_id: str, policy: TaskPolicy) -> No
 
 
 def _fail(task: Any, lease: Lease, exc: BaseException) -> None:
-    """A final failure of the attempt: the job is failed (and dead-lettered); Ignore if it moved on.
-
-    A store that does not take the write (down, or a lock it waited on too long) gets it later:
-    the lease is kept and renewed, and Celery still sees the body's own exception.
-    """
+    """A final failure of the attempt: the job is failed (and dead-lettered); Ignore if it moved on. Celery
+    sees the body's own exception even when the write is deferred."""
     error = f"{type(exc).__name__}: {exc}"
     store, job_id = lease.store, lease.job_id
     written = _write(lease, RunEnd.FAILED, lambda: store.jobs.fail(job_id, lease.token, error, lease.worker),

@@ -1,9 +1,5 @@
-"""A runtime's two helper threads: the deadline timer and the kept cancels.
-
-``DeadlineTimer`` marks each lease and resource lock lost at its local deadline (deadline.py),
-however long a store call takes; ``PendingCancels`` keeps the cancels an unreachable store did
-not take and writes them once it answers. runtime.Runtime owns one of each.
-"""
+"""A runtime's two helper threads: the deadline timer, which marks leases and locks lost at their local
+deadlines however long a store call takes, and the kept cancels."""
 
 from __future__ import annotations
 
@@ -30,8 +26,7 @@ CANCELS_KEPT = 10_000  # cancels the store did not take that a process remembers
 
 
 class DeadlineTimer:
-    """Marks leases and resource locks lost at their local deadlines; ``run_once(now)`` is one pass,
-    ``start()`` the loop."""
+    """Marks leases and resource locks lost at their local deadlines; ``run_once(now)`` is one pass."""
 
     def __init__(self, runtime: RuntimeHandle) -> None:
         self.runtime = runtime
@@ -40,11 +35,7 @@ class DeadlineTimer:
         self._planned: float | None = None
 
     def run_once(self, now: float | None = None) -> float | None:
-        """Expire every lease and lock past its deadline; returns the next deadline (None: none left).
-
-        A lock past its deadline marks its job's lease lost (and interrupts the body) as the
-        lease's own deadline does.
-        """
+        """Expire every lease and lock past its deadline; returns the next deadline, if any."""
         now = deadline.monotonic() if now is None else now
         upcoming = [lease.deadline for lease in self.runtime.leases() if not lease.expire_if_due(now)]
         lock_due = self.runtime.locks.expire_due(now)
@@ -52,20 +43,14 @@ class DeadlineTimer:
             upcoming.append(lock_due)
         return min(upcoming, default=None)
 
-    def wake(self) -> None:
-        self._loop.wake()
-
     def watch(self, due: float) -> None:
-        """A lease due at ``due`` joined: wake the loop only if it would look later than that.
-
-        Waking it for every claim costs the claiming thread a GIL hand-off per task.
-        """
+        """A lease due at ``due`` joined: wake the loop only if it would look later (a wake costs the claiming
+        thread a GIL hand-off)."""
         planned = self._planned
         if planned is None or due < planned:
             self._loop.wake()
 
     def start(self) -> None:
-        """Start the loop unless it runs; safe from many threads at once (one thread starts)."""
         self._loop.start()
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -89,14 +74,9 @@ class DeadlineTimer:
 
 
 class PendingCancels:
-    """Cancels (a revoke, ``revoke(terminate=True)``) the store did not take because it was unreachable.
-
-    Celery acknowledges a revoked delivery whatever the store said: a cancel lost to an outage
-    would leave the job pending, and the dispatch scan would run it once the worker forgot the
-    revoke. So a cancel that finds the store down is kept here (the newest CANCELS_KEPT) and
-    written by the next cancel that reaches the store, or by a thread of its own that tries
-    every ``interval`` seconds while any is kept; it stops when none is left.
-    """
+    """Cancels the store did not take because it was unreachable, written once it answers. Celery acks a
+    revoked delivery whatever the store said: a lost cancel would leave the job pending for the dispatch
+    scan to run."""
 
     def __init__(self, store: Store, interval: float) -> None:
         self.store = store
@@ -112,12 +92,8 @@ class PendingCancels:
 
     def cancel(self, job_id: str, reason: str, owner: str | None = None, task_name: str | None = None,
                queue: str | None = None) -> bool:
-        """Cancel ``job_id`` now, or keep the cancel for when the store answers; True when written now.
-
-        The kept cancels go first; while some are still kept (the store just failed them) this
-        one joins them without a call of its own, so an outage costs a revoke one call bound.
-        ``task_name`` and ``queue`` (a discarded delivery's) record a vanished row again (store.jobs.cancel).
-        """
+        """Cancel ``job_id`` now, or keep it for when the store answers; True when written now. While cancels
+        are kept a new one joins them without a call, so an outage costs a revoke one call bound."""
         order: dict[str, Any] = {"reason": reason, "owner": owner, "task_name": task_name, "queue": queue}
         self.flush()
         if len(self):
