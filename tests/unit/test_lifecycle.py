@@ -12,6 +12,7 @@ reaches closer lowers the bound.
 from __future__ import annotations
 
 import sys
+import threading
 from collections import Counter
 from typing import Any
 
@@ -74,7 +75,14 @@ def test_one_delivery_enters_no_more_library_modules_and_leaves_the_lifecycle_no
         if caller == LIFECYCLE and module != LIFECYCLE:
             departures.append(f"{module}.{frame.f_code.co_name}")
 
-    job_id, value = _deliver(leased_add, profile)
+    # In a thread of its own, joined with a deadline: a delivery that never ends fails here rather
+    # than hanging the suite.
+    measured: list[tuple[str, Any]] = []
+    runner = threading.Thread(target=lambda: measured.append(_deliver(leased_add, profile)), daemon=True)
+    runner.start()
+    runner.join(60)
+    assert measured, "the measured delivery did not end within 60 s"
+    job_id, value = measured[0]
 
     assert value == 3
     job = Store(leased_add.app.conf.lease_store_url).get(job_id)
