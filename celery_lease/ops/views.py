@@ -15,7 +15,7 @@ from ..vocabulary import MANUAL_RECOVERIES, Decision, Event, Status
 from .formats import age
 
 __all__ = ["STATUSES", "LAST_HOUR", "job_dict", "event_dict", "job_row", "reaper_status", "job_plan",
-           "with_ages", "aged_reason"]
+           "with_ages", "aged_reason", "job_timeline", "FROM_ROW", "FROM_EVENT"]
 
 STATUSES = tuple(s.value for s in Status)
 LAST_HOUR = (Event.REAPED_EXPIRED_LEASE, Event.DUPLICATE_DELIVERY_SKIPPED, Event.DEAD_LETTERED,
@@ -39,6 +39,62 @@ def job_dict(job: Job, payload: bool = False) -> dict[str, Any]:
     if not payload:
         data.pop("payload")
     return data
+
+
+# Where a timeline entry comes from: a stored event row, or the job's row (a first claim and
+# its owner's completion write no event unless lease_audit_every_transition; a decision's event
+# keeps the attempt it followed, whose start and owner the row held then).
+FROM_EVENT, FROM_ROW = "event", "row"
+# The events that end or change a job's completion (a replacement completes it without a completion).
+_FINISHES = (Event.COMPLETED, Event.REPLACED)
+
+
+def _detail(e: dict[str, Any]) -> dict[str, Any]:
+    detail = e.get("detail")
+    parsed = _parsed(detail) if isinstance(detail, str) else detail
+    return parsed if isinstance(parsed, dict) else {}
+
+
+def _row_entry(job: Job, event: Event, at: float, worker: str | None, token: str | None,
+               reason: str) -> dict[str, Any]:
+    return {"id": None, "job_id": job.id, "event": str(event), "reason": reason, "worker": worker,
+            "token": token, "at": at, "detail": None, "source": FROM_ROW}
+
+
+def job_timeline(job: Job | None, events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A job's stored events and the claim and completion its row records, in time order, each
+    marked with its ``source`` (FROM_EVENT or FROM_ROW).
+
+    The first claim is the row's (started_at, locked_by) while no later decision recorded the
+    attempt before it; else the earliest such record's (previous_started_at, previous_owner).
+    A claimed event stored without a previous attempt (lease_audit_every_transition, a job
+    first seen by a worker) is the first claim itself. The completion is the row's completed_at.
+    """
+    stored = [{**e, "source": FROM_EVENT} for e in events]
+    if job is None:
+        return stored
+    derived: list[dict[str, Any]] = []
+    earlier = [e for e in stored if _detail(e).get("previous_started_at") is not None]
+    recorded = any(e["event"] == Event.CLAIMED and _detail(e).get("previous_started_at") is None
+                   for e in stored)
+    if not recorded and earlier:
+        first = _detail(earlier[0])
+        began = float(first["previous_started_at"])
+        # A retry or release cleared the owner from the row before the decision read it: its
+        # own event names it.
+        owner = first.get("previous_owner") or next(
+            (e["worker"] for e in reversed(stored[:stored.index(earlier[0])])
+             if e["worker"] and e["at"] >= began), None)
+        derived.append(_row_entry(job, Event.CLAIMED, began, owner, first.get("previous_token"),
+                                  f"first claim (recorded by {earlier[0]['event']})"))
+    elif not recorded and job.started_at is not None:
+        derived.append(_row_entry(job, Event.CLAIMED, job.started_at, job.locked_by,
+                                  (job.lock_token or "")[:8] or None, "first claim (the job's row)"))
+    finished = any(e["event"] in _FINISHES and e["at"] >= (job.started_at or 0.0) for e in stored)
+    if job.status == Status.COMPLETED and job.completed_at is not None and not finished:
+        derived.append(_row_entry(job, Event.COMPLETED, job.completed_at, job.locked_by, None,
+                                  "completed (the job's row)"))
+    return sorted(stored + derived, key=lambda e: e["at"])
 
 
 def event_dict(e: dict[str, Any]) -> dict[str, Any]:
