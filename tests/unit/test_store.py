@@ -546,6 +546,51 @@ def test_a_claim_waits_for_its_wal_flush_unless_the_app_opts_in(store_url, store
 
 
 @pytest.mark.parametrize("store_url", ["postgres"], indirect=True)
+@pytest.mark.parametrize(("every_transition", "rows"), [(False, 2), (True, 4)])
+def test_a_job_run_on_the_happy_path_writes_two_rows_on_postgres(store_url, store_factory, every_transition,
+                                                                 rows):
+    """The claim and the completion of a published job: the job row's two updates, and two event
+    rows more only with lease_audit_every_transition. A trigger (test-only SQL) on every table of
+    the store's prefix counts each row written, whatever path the statement took to the server."""
+    from celery_lease.config import load
+
+    plain = store_factory(reuse=False)
+    cfg = load({"lease_store_url": store_url, "lease_table_prefix": plain.prefix,
+                "lease_audit_every_transition": every_transition})
+    assert cfg.audit_every_transition is every_transition
+    probe = f"{plain.prefix}written"
+    names = [t.name for t in plain.t.jobs.metadata.tables.values()]
+    with plain.begin() as c:
+        c.execute(sa.text(f"CREATE TABLE {probe} (tbl text, op text)"))
+        c.execute(sa.text(
+            f"CREATE FUNCTION {probe}() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            f"INSERT INTO {probe} VALUES (TG_TABLE_NAME, TG_OP); RETURN NULL; END $$"))
+        for name in names:
+            c.execute(sa.text(f"CREATE TRIGGER {probe} AFTER INSERT OR UPDATE OR DELETE ON {name} "
+                              f"FOR EACH ROW EXECUTE FUNCTION {probe}()"))
+    app_store = Store.from_config(cfg)
+    try:
+        assert app_store.audit_every_transition is every_transition
+        app_store.publishes.record("happy", "t.task", "q", None, 3)
+        with plain.begin() as c:
+            c.execute(sa.text(f"DELETE FROM {probe}"))  # the publish's record is not counted
+        tok = token()
+        assert claim(app_store, "happy", tok=tok).claimed
+        assert app_store.jobs.complete("happy", tok, "w1", result='"done"')
+        with plain.begin() as c:
+            seen = sorted(tuple(r) for r in c.execute(sa.text(f"SELECT tbl, op FROM {probe}")))
+            c.execute(sa.text(f"DROP FUNCTION {probe}() CASCADE"))
+            c.execute(sa.text(f"DROP TABLE {probe}"))
+    finally:
+        app_store.engine.dispose()
+    jobs, events = plain.t.jobs.name, plain.t.events.name
+    assert seen == sorted([(jobs, "UPDATE")] * 2 + [(events, "INSERT")] * (rows - 2))
+    assert len(seen) == rows
+    job = plain.get("happy")
+    assert (job.status, job.locked_by, job.attempt_count) == (COMPLETED, "w1", 1)
+
+
+@pytest.mark.parametrize("store_url", ["postgres"], indirect=True)
 @pytest.mark.parametrize("async_commit", [True, False])
 def test_an_async_publish_record_turns_off_synchronous_commit_for_its_own_statement_only(store, async_commit):
     store.publish_async_commit = async_commit
