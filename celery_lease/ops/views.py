@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..store import RUNNING, Job
-from ..vocabulary import MANUAL_RECOVERIES, Decision, Event, Status
+from ..store.attempts import PREVIOUS_OWNER, PREVIOUS_STARTED_AT, PREVIOUS_TOKEN
+from ..vocabulary import MANUAL_RECOVERIES, Decision, Event, Status, TimelineSource
 from .formats import age
 
 __all__ = ["STATUSES", "LAST_HOUR", "job_dict", "event_dict", "job_row", "reaper_status", "job_plan",
@@ -44,7 +45,7 @@ def job_dict(job: Job, payload: bool = False) -> dict[str, Any]:
 # Where a timeline entry comes from: a stored event row, or the job's row (a first claim and
 # its owner's completion write no event unless lease_audit_every_transition; a decision's event
 # keeps the attempt it followed, whose start and owner the row held then).
-FROM_EVENT, FROM_ROW = "event", "row"
+FROM_EVENT, FROM_ROW = TimelineSource.EVENT, TimelineSource.ROW
 # The events whose worker became (or stayed) the job's owner: each one starts an attempt.
 _STARTS = (Event.CLAIMED, Event.LEASE_TAKEN_OVER, Event.CLAIM_TAKEN_BACK)
 # The events that end or change a job's completion (a replacement completes it without a completion).
@@ -68,14 +69,14 @@ def _attempts(job: Job | None, stored: list[dict[str, Any]]) -> dict[float, dict
     found: dict[float, dict[str, Any]] = {}
     for n, e in enumerate(stored):
         detail = _detail(e)
-        if detail.get("previous_started_at") is None:
+        if detail.get(PREVIOUS_STARTED_AT) is None:
             continue
-        began = float(detail["previous_started_at"])
+        began = float(detail[PREVIOUS_STARTED_AT])
         # A retry or release cleared the owner from the row before the decision read it: its own
         # event names it.
-        owner = detail.get("previous_owner") or next(
+        owner = detail.get(PREVIOUS_OWNER) or next(
             (x["worker"] for x in reversed(stored[:n]) if x["worker"] and x["at"] >= began), None)
-        found.setdefault(began, {"owner": owner, "token": detail.get("previous_token"),
+        found.setdefault(began, {"owner": owner, "token": detail.get(PREVIOUS_TOKEN),
                                  "by": f"recorded by {e['event']}"})
     if job is not None and job.started_at is not None:
         found.setdefault(job.started_at, {"owner": job.locked_by, "token": (job.lock_token or "")[:8] or None,

@@ -10,7 +10,8 @@ hold every earlier attempt and the row the last one.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -18,11 +19,7 @@ from sqlalchemy.engine import Connection
 from ..config import RECOVERY
 from ..vocabulary import Event
 from .base import StoreEngine
-from .rows import PENDING, Job, fenced_status
-
-if TYPE_CHECKING:
-    from .jobs import JobStatements
-    from .rows import ClaimTerms
+from .rows import PENDING, fenced_status
 
 __all__ = ["PREVIOUS_OWNER", "PREVIOUS_TOKEN", "PREVIOUS_STARTED_AT", "attempt_detail", "previous_attempt",
            "reclaim_pending"]
@@ -49,26 +46,24 @@ def previous_attempt(db: StoreEngine, c: Connection, *where: sa.ColumnElement[bo
     return None if row is None else attempt_detail(row.locked_by, row.lock_token, row.started_at)
 
 
-def reclaim_pending(jobs: JobStatements, c: Connection, job_id: str, worker: str, token: str,
-                    terms: ClaimTerms) -> Job | None:
-    """A pending, available job that ran before -> ours, audited ``claimed`` with the attempt before;
-    None when it is no longer such a job.
+def reclaim_pending(db: StoreEngine, c: Connection, job_id: str, worker: str, token: str,
+                    lease: Mapping[str, Any], recovery: Mapping[str, Any] | None) -> bool:
+    """A pending, available job that ran before -> ours (the columns ``lease``, the task's
+    ``recovery`` policy), audited ``claimed`` with the attempt before; False when it is no longer
+    such a job.
 
     The first claim of a job (no attempt before: started_at is NULL) is the one-statement claim.
     """
-    db = jobs.db
     j = db.t.jobs
     where = [j.c.id == job_id, fenced_status(j.c.status, PENDING), j.c.started_at.is_not(None),
              j.c.available_at <= db.now_sql + db.clock_tolerance]
     previous = previous_attempt(db, c, *where)
     if previous is None:
-        return None
+        return False
     # As the one-statement claim: the running code's recovery policy replaces the recorded one.
-    given = terms.recovery or {}
-    recovery = {name: given[name] for name in RECOVERY if given.get(name) is not None}
-    res = c.execute(sa.update(j).where(*where).values(
-        **jobs._lease_values(worker, token, terms.duration, terms.grace), **recovery))
-    if res.rowcount != 1:
-        return None
+    given = recovery or {}
+    policy = {name: given[name] for name in RECOVERY if given.get(name) is not None}
+    if c.execute(sa.update(j).where(*where).values(**lease, **policy)).rowcount != 1:
+        return False
     db._event(c, job_id, Event.CLAIMED, "claimed again after an earlier attempt", worker, token, previous)
-    return jobs._job(c, job_id)
+    return True

@@ -102,10 +102,10 @@ class JobStatements:
                     wait = current.available_at - float(c.execute(sa.select(self.db.now_sql)).scalar_one())
                     if wait > self.db.clock_tolerance:
                         return Claim(ClaimOutcome.EARLY, current, wait)
-                    if current.started_at is not None:
-                        again = reclaim_pending(self, c, job_id, worker, token, terms)
-                        if again is not None:
-                            return Claim(ClaimOutcome.CLAIMED, again)
+                    lease = self._lease_values(worker, token, terms.duration, terms.grace)
+                    if current.started_at is not None and reclaim_pending(
+                            self.db, c, job_id, worker, token, lease, terms.recovery):
+                        return Claim(ClaimOutcome.CLAIMED, self._job(c, job_id))
                     continue  # requeued between our two statements: claim it on the next pass
                 if current is not None and not (current.status == RUNNING and terms.takeover):
                     return _not_ours(current)
@@ -127,9 +127,9 @@ class JobStatements:
         """A first claim, pending -> running as ours: the new row or None (its event only with
         lease_audit_every_transition: the row records it)."""
         async_commit = self.db.claim_async_commit
-        event = Event.CLAIMED if self.db.audit_every_transition else None
         return self.audited._audited_row(
-            lambda: self._claim_pending_statement(async_commit), job_id, event, worker=worker,
+            lambda: self._claim_pending_statement(async_commit), job_id,
+            Event.CLAIMED if self.db.audit_every_transition else None, worker=worker,
             token=token, key="claim_async" if async_commit else "claim",
             params={"job_id": job_id, "worker": worker, "token": token, "duration": terms.duration,
                     "grace": terms.grace, "early": self.db.clock_tolerance,
@@ -242,8 +242,8 @@ class JobStatements:
         keep = result is not None and self.db.at_least(RESULT_REVISION)
         if keep:
             params["result"] = result
-        event = Event.COMPLETED if self.db.audit_every_transition else None
-        if self.audited._audited_write(lambda: self._complete_running(keep), job_id, event,
+        if self.audited._audited_write(lambda: self._complete_running(keep), job_id,
+                                       Event.COMPLETED if self.db.audit_every_transition else None,
                                        worker=worker, token=token, params=params,
                                        key="complete_kept" if keep else "complete"):
             return True
