@@ -148,6 +148,20 @@ def test_a_reaper_requeue_and_dead_letter_record_the_attempt_they_took_back(stor
         "previous_started_at": again.job.started_at}
 
 
+def test_a_manual_requeue_records_the_attempt_it_took_back(store):
+    old = claimed(store, "mr", "w1")
+    first = store.get("mr")
+    expire(store, "mr")
+
+    assert store.recovery.manual_requeue(first, "ops@host")
+
+    found = store.reports.events("mr", Event.MANUAL_REQUEUE)
+    assert json.loads(found[0]["detail"]) == {
+        "previous_status": RUNNING, "forced": False, "previous_owner": "w1", "previous_token": old[:8],
+        "previous_started_at": first.started_at}
+    assert (store.get("mr").status, store.get("mr").locked_by) == (PENDING, None)
+
+
 def test_a_job_taken_over_twice_keeps_all_three_attempts_in_its_row_and_events(store):
     tokens, starts = [claimed(store, "three", "w1")], [store.get("three").started_at]
     for worker in ("w2", "w3"):
