@@ -220,6 +220,12 @@ SETTINGS: tuple[Setting, ...] = (
        "well is not sent again, and its idempotency key can be taken again. Up to a fifth more "
        "apply_async calls per second, as measured (README, What it costs). False waits for the flush.",
        _bool, "True or False", False),
+    _S("lease_audit_every_transition", False,
+       "Write an event row for every claim and completion too. False records only decisions (a "
+       "re-claim, a takeover, a recovery, a stale write...): a first claim and its owner's completion "
+       "are read from the job's row (started_at, completed_at, attempt_count, locked_by). True costs two "
+       "more rows per job.",
+       _bool, "True or False", False),
     _S("lease_clock_tolerance", 1.0,
        "Seconds a delivery may arrive before its job's available_at (countdown, retry ETA, backoff) "
        "and still run, for worker clocks ahead of the store's; an earlier one is sent again for later.",

@@ -14,7 +14,7 @@ import enum
 __all__ = [
     "Name", "Status", "ClaimOutcome", "EffectOutcome", "Decision", "RecoveryAction", "Event", "RunEnd",
     "LossReason", "TaskEvent", "WorkerLostOutcome", "OnLost", "StoreFailure", "RunMode", "Severity",
-    "DeadLetterAction", "CancelReason",
+    "DeadLetterAction", "CancelReason", "TimelineSource",
     "STALE_WRITES", "RELEASES", "RECOVERIES", "MANUAL_RECOVERIES", "REPLACEMENTS",
 ]
 
@@ -67,6 +67,14 @@ class RunEnd(Name):
     LOST = "lost"
     OUTAGE = "outage"
     SHUTDOWN = "shutdown"
+
+
+class TimelineSource(Name):
+    """Where an entry of a job's timeline comes from: a stored event row, or the job's row (a
+    claim or a completion that wrote no event: lease_audit_every_transition is off)."""
+
+    EVENT = "event"
+    ROW = "row"
 
 
 class CancelReason(Name):

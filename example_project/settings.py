@@ -61,6 +61,7 @@ lease_backoff_base = 0.5        # first requeue delay, doubling per attempt, wit
 lease_backoff_max = 2.0
 lease_dispatch_timeout = 60.0   # a pending job may wait this long in the queue (20 jobs fit)
 lease_max_attempts = 5
+lease_audit_every_transition = True  # the demo's timelines and checks read every claim and completion
 
 # The reaper, every second, on its own queue: a worker busy with long jobs must not hold
 # it up. A run that waited past its interval is dropped; the next one does its work.

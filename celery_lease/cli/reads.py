@@ -12,7 +12,7 @@ import celery_lease.ops.recovery as recovery
 from ..config import worker_stale_after
 from ..errors import StoreCorrupt
 from ..ops.tuning import percentile
-from ..ops.views import LAST_HOUR, STATUSES, event_dict, job_dict, job_row, reaper_status
+from ..ops.views import LAST_HOUR, STATUSES, event_dict, job_dict, job_row, job_timeline, reaper_status
 from ..vocabulary import STALE_WRITES, Status
 from .base import app_of, json_option, lease, store_of
 from .output import Duration, age, echo, emit_json, table, when
@@ -116,11 +116,11 @@ EVENT_COLUMNS = [("at", "at"), ("event", "event"), ("job_id", "job"), ("reason",
 @json_option
 @click.pass_context
 def inspect(ctx: click.Context, job_id: str, as_json: bool) -> None:
-    """One job (its id or a unique prefix): its row, its stored message and its event history."""
+    """One job (its id or a unique prefix): its row, its stored message and its timeline (as events --job)."""
     store = store_of(ctx)
     job = store.reports.require(recovery.resolve_job_id(store, job_id))
     job_id = job.id
-    history = store.reports.list_events(job_id=job_id, limit=1000)
+    history = job_timeline(job, store.reports.list_events(job_id=job_id, limit=1000))
     try:
         sig = messages.decode(job.payload, app_of(ctx).conf.accept_content, job.id)
         message: dict[str, Any] = {k: sig.get(k) for k in ("task", "args", "kwargs", "options")}
@@ -141,12 +141,14 @@ def inspect(ctx: click.Context, job_id: str, as_json: bool) -> None:
     keys = store.reports.effect_keys(job_id)
     lines += ["", "message", *(f"  {k}: {v}" for k, v in message.items()), "",
               "effect keys", *(f"  {k}" for k in keys or ["(none)"]), "", "events",
-              table([event_row(e) for e in history], EVENT_COLUMNS, empty="(no events)")]
+              table([event_row(e) for e in history], [*EVENT_COLUMNS, ("source", "source")],
+                    empty="(no events)")]
     echo("\n".join(lines))
 
 
 @lease.command()
-@click.option("--job", "job_id", help="Only the events of this job (its id or a unique prefix).")
+@click.option("--job", "job_id", help="Only this job (its id or a unique prefix): its timeline, the stored "
+              "events with the first claim and the completion its row records (source: row).")
 @click.option("--since", type=Duration(), help="Only events newer than this (30s, 10m, 2h, 1d).")
 @click.option("--event", help="Only events with this name (e.g. reaped_expired_lease).")
 @click.option("--limit", default=100, show_default=True, type=click.IntRange(1), help="Newest rows at most.")
@@ -154,15 +156,25 @@ def inspect(ctx: click.Context, job_id: str, as_json: bool) -> None:
 @click.pass_context
 def events(ctx: click.Context, job_id: str | None, since: float | None, event: str | None, limit: int,
            as_json: bool) -> None:
-    """The audit log, oldest first among the newest --limit events."""
+    """The audit log, oldest first among the newest --limit events.
+
+    Without --job it lists stored events only: a first claim and its owner's completion write
+    none (unless lease_audit_every_transition); the job's row records them, and --job shows them.
+    """
     store = store_of(ctx)
     if job_id is not None and store.get(job_id) is None and store.reports.job_ids_starting(job_id, 1):
         job_id = recovery.resolve_job_id(store, job_id)  # a prefix; a discarded job's id stays exact
     found = store.reports.list_events(job_id=job_id, since=since, event=event, limit=limit)
+    columns = EVENT_COLUMNS
+    if job_id is not None:
+        after = None if since is None else store.now() - since
+        found = [e for e in job_timeline(store.get(job_id), found)
+                 if (event is None or e["event"] == event) and (after is None or e["at"] >= after)]
+        found, columns = found[-limit:], [*EVENT_COLUMNS, ("source", "source")]
     if as_json:
         emit_json([event_dict(e) for e in found])
         return
-    echo(table([event_row(e) for e in found], EVENT_COLUMNS, empty="no events match"))
+    echo(table([event_row(e) for e in found], columns, empty="no events match"))
 
 
 def _change(current: Any, recommended: Any) -> str:

@@ -11,11 +11,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..store import RUNNING, Job
-from ..vocabulary import MANUAL_RECOVERIES, Decision, Event, Status
+from ..store.attempts import PREVIOUS_OWNER, PREVIOUS_STARTED_AT, PREVIOUS_TOKEN
+from ..vocabulary import MANUAL_RECOVERIES, Decision, Event, Status, TimelineSource
 from .formats import age
 
 __all__ = ["STATUSES", "LAST_HOUR", "job_dict", "event_dict", "job_row", "reaper_status", "job_plan",
-           "with_ages", "aged_reason"]
+           "with_ages", "aged_reason", "job_timeline", "FROM_ROW", "FROM_EVENT"]
 
 STATUSES = tuple(s.value for s in Status)
 LAST_HOUR = (Event.REAPED_EXPIRED_LEASE, Event.DUPLICATE_DELIVERY_SKIPPED, Event.DEAD_LETTERED,
@@ -39,6 +40,76 @@ def job_dict(job: Job, payload: bool = False) -> dict[str, Any]:
     if not payload:
         data.pop("payload")
     return data
+
+
+# Where a timeline entry comes from: a stored event row, or the job's row (a first claim and
+# its owner's completion write no event unless lease_audit_every_transition; a decision's event
+# keeps the attempt it followed, whose start and owner the row held then).
+FROM_EVENT, FROM_ROW = TimelineSource.EVENT, TimelineSource.ROW
+# The events whose worker became (or stayed) the job's owner: each one starts an attempt.
+_STARTS = (Event.CLAIMED, Event.LEASE_TAKEN_OVER, Event.CLAIM_TAKEN_BACK)
+# The events that end or change a job's completion (a replacement completes it without a completion).
+_FINISHES = (Event.COMPLETED, Event.REPLACED)
+
+
+def _detail(e: dict[str, Any]) -> dict[str, Any]:
+    detail = e.get("detail")
+    parsed = _parsed(detail) if isinstance(detail, str) else detail
+    return parsed if isinstance(parsed, dict) else {}
+
+
+def _row_entry(job_id: str, event: Event, at: float, worker: str | None, token: str | None,
+               reason: str) -> dict[str, Any]:
+    return {"id": None, "job_id": job_id, "event": str(event), "reason": reason, "worker": worker,
+            "token": token, "at": at, "detail": None, "source": FROM_ROW}
+
+
+def _attempts(job: Job | None, stored: list[dict[str, Any]]) -> dict[float, dict[str, Any]]:
+    """Every attempt's start the row or a decision's event records: start -> (owner, token, by what)."""
+    found: dict[float, dict[str, Any]] = {}
+    for n, e in enumerate(stored):
+        detail = _detail(e)
+        if detail.get(PREVIOUS_STARTED_AT) is None:
+            continue
+        began = float(detail[PREVIOUS_STARTED_AT])
+        # A retry or release cleared the owner from the row before the decision read it: its own
+        # event names it.
+        owner = detail.get(PREVIOUS_OWNER) or next(
+            (x["worker"] for x in reversed(stored[:n]) if x["worker"] and x["at"] >= began), None)
+        found.setdefault(began, {"owner": owner, "token": detail.get(PREVIOUS_TOKEN),
+                                 "by": f"recorded by {e['event']}"})
+    if job is not None and job.started_at is not None:
+        found.setdefault(job.started_at, {"owner": job.locked_by, "token": (job.lock_token or "")[:8] or None,
+                                          "by": "the job's row"})
+    return found
+
+
+def job_timeline(job: Job | None, events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A job's stored events and the claims and completion its row records, in time order, each
+    marked with its ``source`` (FROM_EVENT or FROM_ROW).
+
+    An attempt's start is known from the row (started_at, locked_by: the last attempt) and from
+    the decisions that ended or replaced one (previous_started_at, previous_owner). An attempt
+    no claiming event stored (at or after its start, before the next one) is listed as a claim
+    from the row: the first claim, and the first claim of a row recorded again. The completion
+    is the row's completed_at when no completion event is stored.
+    """
+    stored = [{**e, "source": FROM_EVENT} for e in events]
+    job_id = job.id if job is not None else (stored[0]["job_id"] if stored else "")
+    attempts = _attempts(job, stored)
+    starts = sorted(attempts)
+    derived: list[dict[str, Any]] = []
+    for n, began in enumerate(starts):
+        after = starts[n + 1] if n + 1 < len(starts) else float("inf")
+        if not any(e["event"] in _STARTS and began <= e["at"] < after for e in stored):
+            a = attempts[began]
+            derived.append(_row_entry(job_id, Event.CLAIMED, began, a["owner"], a["token"],
+                                      f"claim ({a['by']})"))
+    if job is not None and job.status == Status.COMPLETED and job.completed_at is not None and not any(
+            e["event"] in _FINISHES and e["at"] >= (job.started_at or 0.0) for e in stored):
+        derived.append(_row_entry(job_id, Event.COMPLETED, job.completed_at, job.locked_by, None,
+                                  "completion (the job's row)"))
+    return sorted(stored + derived, key=lambda e: e["at"])
 
 
 def event_dict(e: dict[str, Any]) -> dict[str, Any]:

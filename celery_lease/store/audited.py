@@ -1,7 +1,9 @@
 """Audited writes: a transition of one job row and its audit event, as one atomic write.
 
 The hot transitions (claim, complete, the publish record) go through here: built once per
-store, compiled once for the driver where the dialect allows, run in one round trip.
+store, compiled once for the driver where the dialect allows, run in one round trip. A
+transition the job's row records by itself (a first claim, its owner's completion) passes no
+event unless lease_audit_every_transition: then it is the row's write alone.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ class AuditedWrites:
     def __init__(self, db: StoreEngine) -> None:
         self.db = db
 
-    def _audited(self, stmt: sa.Update | Callable[[], sa.Update], job_id: str, event: Event,
+    def _audited(self, stmt: sa.Update | Callable[[], sa.Update], job_id: str, event: Event | None,
                  reason: str | None, worker: str | None, token: str | None, detail: Any,
                  key: str | None, params: dict[str, Any] | None, full_row: bool) -> Any:
         """A one-row UPDATE and its audit event as one atomic write: the changed row, or None.
@@ -39,6 +41,8 @@ class AuditedWrites:
         reused: on the hot path, building them costs more CPU than running them; on
         PostgreSQL they are also compiled once and run on the driver connection.
         """
+        if key and event is None:
+            key = f"{key}_unaudited"
         built = self.db._built.get(key) if key else None
         if built is None:
             built = self._build_audited(stmt() if callable(stmt) else stmt, event, full_row, bool(key))
@@ -57,14 +61,14 @@ class AuditedWrites:
                 return conn.execute(built.statement, bind).first()
         return self._audited_in_transaction(built, bind, job_id, full_row)
 
-    def _audited_row(self, stmt: sa.Update | Callable[[], sa.Update], job_id: str, event: Event, *,
+    def _audited_row(self, stmt: sa.Update | Callable[[], sa.Update], job_id: str, event: Event | None, *,
                      worker: str | None = None, token: str | None = None, key: str | None = None,
                      params: dict[str, Any] | None = None) -> Job | None:
         """The audited write of a transition that hands its caller the job (a claim): the new row or None."""
         row = self._audited(stmt, job_id, event, None, worker, token, None, key, params, True)
         return None if row is None else Job.from_row(row)
 
-    def _audited_write(self, stmt: sa.Update | Callable[[], sa.Update], job_id: str, event: Event,
+    def _audited_write(self, stmt: sa.Update | Callable[[], sa.Update], job_id: str, event: Event | None,
                        reason: str | None = None, worker: str | None = None, token: str | None = None,
                        detail: Any = None, *, key: str | None = None,
                        params: dict[str, Any] | None = None) -> bool:
@@ -82,7 +86,7 @@ class AuditedWrites:
                                 .where(self.db.t.jobs.c.id == job_id)).first()
             else:
                 row = None
-            if row is not None:
+            if row is not None and built.audit is not None:
                 c.execute(built.audit, bind)
         return row
 
@@ -91,8 +95,10 @@ class AuditedWrites:
         jobs = self.db.t.jobs
         return [c for c in self.db._job_columns() if c is not jobs.c.payload] if full_row else [jobs.c.id]
 
-    def _build_audited(self, stmt: sa.Update, event: Event, full_row: bool, reused: bool) -> _Audited:
+    def _build_audited(self, stmt: sa.Update, event: Event | None, full_row: bool, reused: bool) -> _Audited:
         columns = self._row_columns(full_row)
+        if event is None:
+            return self._build_unaudited(stmt, columns, reused)
         values = dict(
             event=sa.literal(str(event), sa.String()), reason=sa.bindparam("ev_reason", type_=sa.Text()),
             worker=sa.bindparam("ev_worker", type_=sa.String()),
@@ -119,6 +125,22 @@ class AuditedWrites:
         compiled = statement.compile(dialect=self.db.engine.dialect)
         static = compiled.construct_params(_check=False)  # the literals SQLAlchemy made parameters
         return _Audited(compiled=(compiled.string, static), columns=[c.name for c in columns])
+
+    def _build_unaudited(self, stmt: sa.Update, columns: list[sa.Column], reused: bool) -> _Audited:
+        """The row's write alone, built as its audited form would be (one statement where it can)."""
+        dialect = self.db.engine.dialect
+        if not self.db.dialect.one_statement_writes:
+            update = stmt.returning(*columns) if self.db.dialect.update_returning else stmt
+            if not (reused and self.db.dialect.compiled_fast_path and self.db.dialect.update_returning):
+                return _Audited(update=update)
+            return _Audited(columns=[c.name for c in columns],
+                            positional=(_Positional.compile(update, dialect, columns),))
+        statement = stmt.returning(*columns)
+        if not (reused and self.db.dialect.compiled_fast_path):
+            return _Audited(statement=statement)
+        compiled = statement.compile(dialect=dialect)
+        return _Audited(compiled=(compiled.string, compiled.construct_params(_check=False)),
+                        columns=[c.name for c in columns])
 
     def _execute_compiled(self, built: _Audited, bind: dict[str, Any]) -> dict[str, Any] | None:
         """Run a statement compiled once on a pooled driver connection, in autocommit: its row or None.

@@ -62,6 +62,7 @@ class StoreEngine:
                  stale_after: float | Callable[[], float] | None = None,
                  clock_tolerance: float | None = None,
                  claim_async_commit: bool | None = None, publish_async_commit: bool | None = None,
+                 audit_every_transition: bool | None = None,
                  clock_offset: float = 0.0, fault_injector: str | None = None) -> None:
         """A store on ``url``; ``call_timeout`` bounds every call (seconds, see dialects.Bounds).
 
@@ -77,6 +78,8 @@ class StoreEngine:
         self.clock_tolerance: float = _default("lease_clock_tolerance", clock_tolerance)
         self.claim_async_commit: bool = _default("lease_claim_async_commit", claim_async_commit)
         self.publish_async_commit: bool = _default("lease_publish_async_commit", publish_async_commit)
+        # False: a first claim and its owner's completion write the job's row only, no event.
+        self.audit_every_transition: bool = _default("lease_audit_every_transition", audit_every_transition)
         self.prefix = prefix
         self.t = schema.tables(prefix)
         self.revision: str | None = None  # the schema revision, once a check found it usable
@@ -125,6 +128,7 @@ class StoreEngine:
                    clock_tolerance=cfg.clock_tolerance,
                    claim_async_commit=cfg.claim_async_commit,
                    publish_async_commit=cfg.publish_async_commit,
+                   audit_every_transition=cfg.audit_every_transition,
                    fault_injector=cfg.fault_injector)
 
     # -- plumbing ---------------------------------------------------------

@@ -132,6 +132,10 @@ class Dialect:
         """``query`` holding its rows of ``of`` and skipping rows another transaction holds."""
         return query.with_for_update(skip_locked=True)
 
+    def hold_rows(self, query: sa.Select, of: sa.Table) -> sa.Select:
+        """``query`` holding its rows of ``of`` until the transaction ends (waiting for them)."""
+        return query.with_for_update()
+
     def autocommit_settings(self, bounds: Bounds, async_commit: bool = False) -> list[ColumnElement[bool]]:
         """Conditions that set a one-statement write's own transaction settings (none here)."""
         return []

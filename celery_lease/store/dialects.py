@@ -68,6 +68,9 @@ class SQLite(_OnConflict):
     def lock_rows(self, query: sa.Select, of: sa.Table) -> sa.Select:
         return query  # BEGIN IMMEDIATE already serialises writers
 
+    def hold_rows(self, query: sa.Select, of: sa.Table) -> sa.Select:
+        return query  # the write transaction holds the whole database
+
     def connect_args(self, bounds: Bounds) -> dict[str, Any]:
         if self.url.query.get("mode") == "memory":
             # Pooled connections move between threads, as SQLAlchemy lets a file's do.
@@ -168,6 +171,9 @@ class PostgreSQL(_OnConflict):
 
     def lock_rows(self, query: sa.Select, of: sa.Table) -> sa.Select:
         return query.with_for_update(skip_locked=True, of=of)
+
+    def hold_rows(self, query: sa.Select, of: sa.Table) -> sa.Select:
+        return query.with_for_update(of=of)
 
     def autocommit_settings(self, bounds: Bounds, async_commit: bool = False) -> list[ColumnElement[bool]]:
         # A write in autocommit is its own transaction, so a transaction-local setting made in

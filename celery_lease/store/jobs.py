@@ -12,6 +12,7 @@ from sqlalchemy.engine import Connection
 from ..config import RECOVERY
 from ..errors import StoreConflict, StoreUnavailable
 from ..vocabulary import ClaimOutcome, Event, LossReason
+from .attempts import attempt_detail, previous_attempt, reclaim_pending
 from .audited import AuditedWrites
 from .base import RESULT_REVISION, StoreEngine
 from .rows import COMPLETED, FAILED, PENDING, RUNNING, Claim, ClaimTerms, Job, fenced_status
@@ -41,13 +42,14 @@ class JobStatements:
         self.workers = workers
 
     # -- claim ------------------------------------------------------------
-    def _lease_values(self, worker: Any, token: Any, duration: Any, grace: Any) -> dict[str, Any]:
-        """The columns of a new lease, from values or bind parameters."""
+    def _lease_values(self, worker: Any, token: Any, duration: Any, grace: Any,
+                      count: bool = True) -> dict[str, Any]:
+        """The columns of a new lease, from values or bind parameters (``count``: one more attempt)."""
+        counted = {"attempt_count": self.db.t.jobs.c.attempt_count + 1} if count else {}
         return dict(
             status=RUNNING, locked_by=worker, lock_token=token, lease_duration=duration,
             grace_period=grace, started_at=self.db.now_sql, last_heartbeat_at=self.db.now_sql,
-            lease_expires_at=self.db.now_sql + duration, updated_at=self.db.now_sql,
-            attempt_count=self.db.t.jobs.c.attempt_count + 1,
+            lease_expires_at=self.db.now_sql + duration, updated_at=self.db.now_sql, **counted,
         )
 
     def _claim_pending_statement(self, async_commit: bool) -> sa.Update:
@@ -55,8 +57,9 @@ class JobStatements:
         j = self.db.t.jobs
         duration: sa.BindParameter[float] = sa.bindparam("duration", type_=sa.Double())
         early: sa.BindParameter[float] = sa.bindparam("early", type_=sa.Double())
+        # A first claim only (no attempt before): a re-claim records the attempt it follows.
         conditions = [j.c.id == sa.bindparam("job_id"), fenced_status(j.c.status, PENDING),
-                      j.c.available_at <= self.db.now_sql + early,
+                      j.c.started_at.is_(None), j.c.available_at <= self.db.now_sql + early,
                       *self.db.dialect.autocommit_settings(self.db.bounds, async_commit)]
         grace: sa.BindParameter[float] = sa.bindparam("grace", type_=sa.Double())
         # The running code's recovery policy replaces the recorded one; NULL keeps it.
@@ -99,6 +102,10 @@ class JobStatements:
                     wait = current.available_at - float(c.execute(sa.select(self.db.now_sql)).scalar_one())
                     if wait > self.db.clock_tolerance:
                         return Claim(ClaimOutcome.EARLY, current, wait)
+                    lease = self._lease_values(worker, token, terms.duration, terms.grace)
+                    if current.started_at is not None and reclaim_pending(
+                            self.db, c, job_id, worker, token, lease, terms.recovery):
+                        return Claim(ClaimOutcome.CLAIMED, self._job(c, job_id))
                     continue  # requeued between our two statements: claim it on the next pass
                 if current is not None and not (current.status == RUNNING and terms.takeover):
                     return _not_ours(current)
@@ -117,10 +124,12 @@ class JobStatements:
         raise StoreUnavailable(f"job {job_id}: claim kept racing with concurrent inserts", job_id=job_id)
 
     def _claim_pending(self, job_id: str, worker: str, token: str, terms: ClaimTerms) -> Job | None:
-        """pending and available -> running as ours, audited ``claimed``: the new row, or None."""
+        """A first claim, pending -> running as ours: the new row or None (its event only with
+        lease_audit_every_transition: the row records it)."""
         async_commit = self.db.claim_async_commit
         return self.audited._audited_row(
-            lambda: self._claim_pending_statement(async_commit), job_id, Event.CLAIMED, worker=worker,
+            lambda: self._claim_pending_statement(async_commit), job_id,
+            Event.CLAIMED if self.db.audit_every_transition else None, worker=worker,
             token=token, key="claim_async" if async_commit else "claim",
             params={"job_id": job_id, "worker": worker, "token": token, "duration": terms.duration,
                     "grace": terms.grace, "early": self.db.clock_tolerance,
@@ -139,8 +148,7 @@ class JobStatements:
             return None
         self.db._event(c, current.id, Event.LEASE_TAKEN_OVER, reason="lease expired past grace",
                        worker=worker, token=token,
-                       detail={"previous_owner": current.locked_by,
-                               "previous_token": (current.lock_token or "")[:8]})
+                       detail=attempt_detail(current.locked_by, current.lock_token, current.started_at))
         return self._job(c, current.id)
 
     def reclaim(self, job_id: str, lost_token: str, worker: str, token: str, terms: ClaimTerms) -> Job | None:
@@ -151,17 +159,15 @@ class JobStatements:
         attempt that claim counted is the one this takes on: the count does not grow again.
         """
         j = self.db.t.jobs
-        lease = {k: v for k, v in self._lease_values(worker, token, terms.duration, terms.grace).items()
-                 if k != "attempt_count"}
+        lease = self._lease_values(worker, token, terms.duration, terms.grace, count=False)
+        where = [j.c.id == job_id, j.c.lock_token == lost_token, j.c.locked_by == worker,
+                 fenced_status(j.c.status, RUNNING)]
         with self.db.begin() as c:
-            res = c.execute(sa.update(j).where(
-                j.c.id == job_id, j.c.lock_token == lost_token, j.c.locked_by == worker,
-                fenced_status(j.c.status, RUNNING),
-            ).values(**lease))
-            if res.rowcount != 1:
+            previous = previous_attempt(self.db, c, *where)
+            if previous is None or c.execute(sa.update(j).where(*where).values(**lease)).rowcount != 1:
                 return None
             self.db._event(c, job_id, Event.CLAIM_TAKEN_BACK, reason="own claim whose answer was lost",
-                           worker=worker, token=token, detail={"previous_token": lost_token[:8]})
+                           worker=worker, token=token, detail=previous)
             return self._job(c, job_id)
 
     def _insert_first_seen(self, job_id: str, worker: str, token: str, terms: ClaimTerms, task_name: str,
@@ -173,8 +179,7 @@ class JobStatements:
         message: run, it would replace the job a second time.
         """
         j = self.db.t.jobs
-        lease = {k: v for k, v in self._lease_values(worker, token, terms.duration, terms.grace).items()
-                 if k != "attempt_count"}
+        lease = self._lease_values(worker, token, terms.duration, terms.grace, count=False)
         try:
             with self.db.begin() as c:
                 step = self._replaced_by_step(c, job_id, terms.nesting)
@@ -232,12 +237,13 @@ class JobStatements:
 
     def complete(self, job_id: str, token: str, worker: str | None = None, result: str | None = None) -> bool:
         """running -> completed, keeping ``result`` (encoded) in the same statement; False
-        (audited) when the token no longer matches."""
+        (audited) when the token no longer matches; ``completed`` only with lease_audit_every_transition."""
         params: dict[str, Any] = {"job_id": job_id, "token": token}
         keep = result is not None and self.db.at_least(RESULT_REVISION)
         if keep:
             params["result"] = result
-        if self.audited._audited_write(lambda: self._complete_running(keep), job_id, Event.COMPLETED,
+        if self.audited._audited_write(lambda: self._complete_running(keep), job_id,
+                                       Event.COMPLETED if self.db.audit_every_transition else None,
                                        worker=worker, token=token, params=params,
                                        key="complete_kept" if keep else "complete"):
             return True

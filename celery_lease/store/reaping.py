@@ -22,6 +22,7 @@ from sqlalchemy.engine import Connection
 
 from ..errors import StoreConflict
 from ..vocabulary import Event
+from .attempts import previous_attempt
 from .base import RUNS_REVISION, StoreEngine
 from .rows import COMPLETED, FAILED, PENDING, RUNNING, Job, fenced_status, status_sql
 
@@ -108,12 +109,16 @@ class ReaperStatements:
         j = self.db.t.jobs
         with self._tx(c) as tx:
             fence = self._abandoned(job_id, token, owner, expired, self._clock(now))
+            # The attempt taken back, read holding its row: its event keeps it (the row forgets it).
+            previous = previous_attempt(self.db, tx, fence)
+            if previous is None:
+                return False
             res = tx.execute(sa.update(j).where(fence).values(
                 lock_token=None, lease_expires_at=None, expired_count=j.c.expired_count + 1,
                 updated_at=self.db.now_sql, **values))
             if res.rowcount != 1:
                 return False
-            self.db._event(tx, job_id, event, reason, owner, token, detail)
+            self.db._event(tx, job_id, event, reason, owner, token, {**(detail or {}), **previous})
             return True
 
     def requeue_abandoned(self, job_id: str, token: str, owner: str | None, *, delay: float, reason: str,

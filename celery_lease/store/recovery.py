@@ -12,6 +12,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from ..vocabulary import Event
+from .attempts import previous_attempt
 from .base import StoreEngine, where_given
 from .rows import FAILED, PENDING, RUNNING, Job, fenced_status, status_sql
 
@@ -61,10 +62,12 @@ class RecoveryStatements:
         else:
             return False
         with self.db.begin(long=True) as c:
-            if c.execute(sa.update(j).where(*where).values(**values)).rowcount != 1:
+            # The attempt requeued, read holding its row: the event keeps it (the row forgets it).
+            previous = previous_attempt(self.db, c, *where)
+            if previous is None or c.execute(sa.update(j).where(*where).values(**values)).rowcount != 1:
                 return False
             self.db._event(c, job.id, Event.MANUAL_REQUEUE, reason, operator, job.lock_token, detail={
-                "previous_status": job.status, "previous_owner": job.locked_by, "forced": force,
+                "previous_status": job.status, "forced": force, **previous,
             })
         return True
 

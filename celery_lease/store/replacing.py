@@ -12,6 +12,7 @@ import sqlalchemy as sa
 
 from ..errors import StoreConflict
 from ..vocabulary import Event
+from .attempts import previous_attempt
 from .base import StoreEngine
 from .jobs import JobStatements
 from .publishes import PublishStatements, _record_params
@@ -42,6 +43,7 @@ class ReplaceStatements:
         j = self.db.t.jobs
         fence = self.db._fenced(job_id, token)
         with self.db.begin() as c:
+            previous = previous_attempt(self.db, c, fence) or {}  # the attempt that hands over
             if payload is None:
                 res = c.execute(sa.delete(j).where(fence))
                 detail = {"carrier": carrier, "row": "recorded again when the carrier is published",
@@ -55,7 +57,8 @@ class ReplaceStatements:
             if res.rowcount != 1:
                 self.db._stale(c, job_id, Event.STALE_RELEASE_REJECTED, worker, token)
                 return False
-            self.db._event(c, job_id, Event.HANDED_OVER, f"replaced by {carrier}", worker, token, detail)
+            self.db._event(c, job_id, Event.HANDED_OVER, f"replaced by {carrier}", worker, token,
+                           {**detail, **previous})
             return True
 
     def hand_over_to_step(self, job_id: str, token: str, worker: str | None, carrier: str,
@@ -73,6 +76,7 @@ class ReplaceStatements:
         params = _record_params(step)
         try:
             with self.db.begin() as c:
+                previous = previous_attempt(self.db, c, self.db._fenced(job_id, token)) or {}
                 res = c.execute(sa.delete(j).where(self.db._fenced(job_id, token)))
                 if res.rowcount != 1:
                     self.db._stale(c, job_id, Event.STALE_RELEASE_REJECTED, worker, token)
@@ -81,7 +85,7 @@ class ReplaceStatements:
                 c.execute(sa.insert(e).values(job_id=row["id"], **event), params)
                 self.db._event(c, job_id, Event.HANDED_OVER, f"replaced by {carrier}", worker, token, {
                     "carrier": carrier, "row": "recorded again when the carrier is published",
-                    "first_step": step.id, "nesting": nesting})
+                    "first_step": step.id, "nesting": nesting, **previous})
         except StoreConflict:
             return None
         return True

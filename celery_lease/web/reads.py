@@ -17,7 +17,17 @@ import celery_lease.ops.recovery as recovery
 from ..errors import StoreCorrupt
 from ..ops.formats import parse_duration
 from ..ops.tuning import percentile
-from ..ops.views import LAST_HOUR, STATUSES, aged_reason, job_dict, job_row, reaper_status, with_ages
+from ..ops.views import (
+    FROM_EVENT,
+    LAST_HOUR,
+    STATUSES,
+    aged_reason,
+    job_dict,
+    job_row,
+    job_timeline,
+    reaper_status,
+    with_ages,
+)
 from ..store import RUNNING
 from ..store.recovery import REVOKED_PREFIX
 from ..vocabulary import STALE_WRITES, Event
@@ -30,7 +40,8 @@ RUNNING_SHOWN = 50  # running jobs listed on the overview, soonest lease expiry 
 WORKERS_SHOWN = 50
 JOBS_LIMIT, JOBS_MAX = 50, 500
 DEAD_LETTERS_SHOWN = 100
-#: The events whose worker became (or stayed) the job's owner.
+#: The events whose worker became (or stayed) the job's owner; a first claim is the job's row's
+#: (job_timeline), listed as ``claimed``.
 OWNERS = (Event.CLAIMED, Event.LEASE_TAKEN_OVER, Event.CLAIM_TAKEN_BACK)
 
 
@@ -69,9 +80,10 @@ def overview_data(c: Console) -> dict[str, Any]:
 def timeline(events: list[dict[str, Any]], heartbeat: float | None, start: float,
              end: float) -> list[dict[str, Any]]:
     """Marks on a time axis from ``start`` to ``end``: each event, and the last heartbeat (which
-    writes no event), each with its place in percent and its offset from the start."""
+    writes no event), each with its place in percent and its offset from the start. An entry the
+    job's row records (a first claim, a completion: job_timeline) is of kind ``row``."""
     marks = [{"at": e["at"], "event": e["event"], "worker": e["worker"], "reason": e["reason"],
-              "kind": "event"} for e in events]
+              "kind": e.get("source", FROM_EVENT)} for e in events]
     if heartbeat is not None:
         marks.append({"at": heartbeat, "event": "last heartbeat", "worker": None, "reason": None,
                       "kind": "heartbeat"})
@@ -89,7 +101,7 @@ def job_data(c: Console, job_id: str) -> dict[str, Any]:
     store = c.store
     job = store.reports.require(job_id)
     now = store.now()
-    history = store.reports.list_events(job_id=job.id, limit=1000)
+    history = job_timeline(job, store.reports.list_events(job_id=job.id, limit=1000))
     try:
         sig = messages.decode(job.payload, c.app.conf.accept_content, job.id)
         message: dict[str, Any] = {k: sig.get(k) for k in ("task", "args", "kwargs", "options")}

@@ -92,6 +92,29 @@ def _running(store: Any, job_id: str, task: str, queue: str, owner: str, **times
     store.publishes.record(job_id, task, queue, _payload(task, 0, queue), 3)
     _claim(store, job_id, task, queue, owner)
     _set(store, job_id, **times)
+    # Published a moment before the claim the row now dates (the claim writes no event of its own).
+    e = store.t.events
+    with store.begin() as c:
+        c.execute(sa.update(e).where(e.c.job_id == job_id, e.c.event == "published")
+                  .values(at=times["started_at"] - 1.0))
+
+
+def taken_over_twice(store: Any, job_id: str) -> list[tuple[str, str, float]]:
+    """Record ``job_id`` and run it three times: claimed by ``w1``, its lease abandoned and taken
+    over by ``w2``, then by ``w3``, which completes it. Each attempt as (worker, token, started_at)."""
+    terms = ClaimTerms(duration=30.0, grace=0.0, max_attempts=5, max_expirations=5, takeover=True)
+    store.publishes.record(job_id, "ops.quick", "celery", _payload("ops.quick", 0), 5)
+    attempts = []
+    for worker in ("w1", "w2", "w3"):
+        if attempts:  # the last owner (never registered: gone) let its lease expire
+            _set(store, job_id, lease_expires_at=store.now_sql - 10.0)
+        token = secrets.token_hex(16)
+        claim = store.jobs.claim(job_id, worker, token, terms, task_name="ops.quick", queue="celery",
+                                 payload=lambda: None)
+        assert claim.claimed, claim
+        attempts.append((worker, token, claim.job.started_at))
+    assert store.jobs.complete(job_id, attempts[-1][1], "w3")
+    return attempts
 
 
 def heartbeat(store: Any, job_ids: list[str]) -> None:

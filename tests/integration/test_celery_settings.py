@@ -7,6 +7,7 @@ must keep it to one more run, with its attempts counted once.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -143,10 +144,12 @@ def test_soft_shutdown_finishes_short_bodies_and_gives_back_the_lease_of_a_long_
         assert SOFT - 0.5 <= released["at"] - signalled <= exited - signalled  # at T, before the exit
         assert (renv.count(long.id, "started"), renv.count(long.id, "finished")) == (2, 1)
         assert renv.attempts(long.id) == [1, 1]  # the given-back attempt was not charged
-        claims = [e["at"] for e in renv.store.reports.events(long.id, "claimed")]
-        # Back on the standby once the worker is gone (its lease of 30 s has not expired), with no
+        # The first claim is the given-back attempt the re-claim's event records; the re-claim is
+        # back on the standby once the worker is gone (its lease of 30 s has not expired), with no
         # reaper running: the broker's restore of the unacknowledged message finds it pending.
-        assert len(claims) == 2 and claims[1] - exited < REAPER_INTERVAL
+        [claim] = renv.store.reports.events(long.id, "claimed")
+        assert json.loads(claim["detail"])["previous_started_at"] < released["at"] < claim["at"]
+        assert claim["at"] - exited < REAPER_INTERVAL
     finally:
         renv.close()
 

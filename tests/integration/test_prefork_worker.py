@@ -55,8 +55,10 @@ def test_prefork_child_holds_the_lease_and_duplicates_are_skipped(env, tmp_path)
     assert job.status == "completed" and job.attempt_count == 1
     assert job.locked_by == result["worker"] and job.locked_by.endswith(f":{result['pid']}")
     assert int(client.get(f"runs:{first.id}")) == 1
+    # The worker's claim created the row (first seen: audited); the completion is the row's.
     assert sorted(e["event"] for e in store.reports.events(first.id)) == [
-        "claimed", "completed", "duplicate_delivery_skipped"]
+        "claimed", "duplicate_delivery_skipped"]
+    assert job.completed_at is not None and job.completed_at >= job.started_at
 
 
 def test_a_worker_with_an_invalid_lease_setting_refuses_to_start(env, tmp_path):

@@ -236,10 +236,33 @@ def test_inspect_shows_the_row_the_message_and_the_history(ro):
     data = ro.json("inspect", "abandoned-0")
     assert data["job"]["id"] == "abandoned-0" and data["job"]["locked_by"] == ops_app.DEAD
     assert data["message"]["task"] == "ops.quick" and data["message"]["args"] == [0]
-    assert [e["event"] for e in data["events"]] == ["published", "claimed", "reaped_expired_lease"]
+    assert [(e["event"], e["source"]) for e in data["events"]] == [
+        ("published", "event"), ("claimed", "row"), ("reaped_expired_lease", "event")]
+    claim = data["events"][1]  # the first claim, as the job's row records it
+    assert (claim["worker"], claim["at"]) == (ops_app.DEAD, data["job"]["started_at"])
     out = ro.run("inspect", "abandoned-0").output
     assert "lease_expires_at" in out and "ago)" in out
     assert "reaped_expired_lease" in out and "task: ops.quick" in out
+
+
+def test_a_job_taken_over_twice_shows_its_three_attempts_in_events_of_the_job(rw):
+    attempts = ops_app.taken_over_twice(rw.store, "thrice")
+
+    timeline = rw.json("events", "--job", "thrice")
+
+    assert [(e["event"], e["worker"], e["source"]) for e in timeline] == [
+        ("published", None, "event"), ("claimed", "w1", "row"), ("lease_taken_over", "w2", "event"),
+        ("lease_taken_over", "w3", "event"), ("completed", "w3", "row")]
+    # The first attempt's start and token, as the first takeover read them from the row.
+    assert (timeline[1]["at"], timeline[1]["token"]) == (attempts[0][2], attempts[0][1][:8])
+    assert [(e["detail"]["previous_owner"], e["detail"]["previous_started_at"]) for e in timeline[2:4]] == [
+        ("w1", attempts[0][2]), ("w2", attempts[1][2])]
+    job = rw.json("inspect", "thrice")["job"]
+    assert (job["attempt_count"], job["locked_by"], job["started_at"]) == (3, "w3", attempts[2][2])
+    assert timeline[-1]["at"] == job["completed_at"]
+    # Stored events only, without --job: no claim and no completion were written.
+    assert [e["event"] for e in rw.json("events", "--limit", "1000") if e["job_id"] == "thrice"] == [
+        "published", "lease_taken_over", "lease_taken_over"]
 
 
 def test_inspect_of_an_unknown_job_says_so_and_what_to_do(ro):
@@ -250,13 +273,18 @@ def test_inspect_of_an_unknown_job_says_so_and_what_to_do(ro):
 
 
 def test_events_filter_by_job_name_and_age(ro):
-    assert [e["event"] for e in ro.json("events", "--job", "failed-0")] == ["published", "claimed", "failed"]
+    timeline = ro.json("events", "--job", "failed-0")
+    assert [(e["event"], e["source"]) for e in timeline] == [
+        ("published", "event"), ("claimed", "row"), ("failed", "event")]
+    assert [e["event"] for e in ro.json("events", "--job", "failed-0", "--event", "claimed")] == ["claimed"]
+    # Without --job: the stored events only (a first claim wrote none).
+    assert "claimed" not in {e["event"] for e in ro.json("events", "--limit", "1000")}
     assert {e["job_id"] for e in ro.json("events", "--event", "reaped_expired_lease")} == {
         "abandoned-0", "abandoned-1"}
     assert len(ro.json("events", "--since", "1h", "--limit", "7")) == 7
     assert ro.json("events", "--since", "1h", "--event", "revoked")[0]["job_id"] == "revoked-0"
     out = ro.run("events", "--job", "failed-0").output
-    assert out.splitlines()[0].split() == ["at", "event", "job", "reason", "worker", "token"]
+    assert out.splitlines()[0].split() == ["at", "event", "job", "reason", "worker", "token", "source"]
     assert "ValueError: boom" in out
 
 

@@ -25,6 +25,7 @@ BAD_VALUES = {
     "lease_clock_tolerance": -0.5,
     "lease_claim_async_commit": "yes",
     "lease_publish_async_commit": 1,
+    "lease_audit_every_transition": "true",
     "lease_duration": "30s",
     "lease_heartbeat_interval": 0,
     "lease_grace_period": -0.5,

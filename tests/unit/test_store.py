@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import secrets
 import threading
 import time
@@ -117,7 +118,9 @@ def test_claim_takes_a_pending_job_and_counts_the_attempt(store):
     assert job.status == RUNNING and job.lock_token == tok and job.locked_by == "w1"
     assert job.attempt_count == 1
     assert job.lease_expires_at == pytest.approx(job.started_at + 5.0, abs=0.05)
-    assert events(store, "j1") == ["published", "claimed"]
+    # A first claim: the row records it (owner, start, attempt), no event row.
+    assert events(store, "j1") == ["published"]
+    assert store.get("j1").started_at == job.started_at
 
 
 def test_claim_of_a_leased_job_is_busy_and_changes_nothing(store):
@@ -234,7 +237,9 @@ def test_a_completion_keeps_its_result_in_the_same_write_and_only_when_given(sto
     assert store.jobs.complete("j2", tok2) is True
     assert (store.jobs.kept_result("j1"), store.jobs.kept_result("j2"), store.jobs.kept_result("nope")) == (
         '{"data": "42"}', None, None)
-    assert events(store, "j1").count("completed") == 1
+    # The row records the completion once (the stale write is the one event): no "completed" row.
+    assert events(store, "j1") == ["published", "stale_completion_rejected"]
+    assert store.get("j1").status == COMPLETED and store.get("j1").completed_at is not None
 
 
 def test_on_the_revision_before_kept_results_a_completion_keeps_nothing(store_factory):
@@ -260,7 +265,10 @@ def test_a_claim_whose_answer_was_lost_is_taken_back_by_its_own_worker_only(stor
     job = store.jobs.reclaim("j1", lost, "w1", fresh, terms)
     assert (job.status, job.lock_token, job.locked_by, job.attempt_count) == (RUNNING, fresh, "w1", 1)
     assert store.jobs.reclaim("j1", lost, "w1", token(), terms) is None  # once
-    assert events(store, "j1") == ["published", "claimed", "claim_taken_back"]  # the same owner: no takeover
+    assert events(store, "j1") == ["published", "claim_taken_back"]  # the same owner: no takeover
+    taken_back = store.reports.list_events(job_id="j1", event="claim_taken_back")[0]
+    assert json.loads(taken_back["detail"]) == {"previous_owner": "w1", "previous_token": lost[:8],
+                                                "previous_started_at": pytest.approx(job.started_at, abs=60)}
     assert store.jobs.complete("j1", lost) is False and store.jobs.complete("j1", fresh) is True
 
 
@@ -538,6 +546,51 @@ def test_a_claim_waits_for_its_wal_flush_unless_the_app_opts_in(store_url, store
 
 
 @pytest.mark.parametrize("store_url", ["postgres"], indirect=True)
+@pytest.mark.parametrize(("every_transition", "rows"), [(False, 2), (True, 4)])
+def test_a_job_run_on_the_happy_path_writes_two_rows_on_postgres(store_url, store_factory, every_transition,
+                                                                 rows):
+    """The claim and the completion of a published job: the job row's two updates, and two event
+    rows more only with lease_audit_every_transition. A trigger (test-only SQL) on every table of
+    the store's prefix counts each row written, whatever path the statement took to the server."""
+    from celery_lease.config import load
+
+    plain = store_factory(reuse=False)
+    cfg = load({"lease_store_url": store_url, "lease_table_prefix": plain.prefix,
+                "lease_audit_every_transition": every_transition})
+    assert cfg.audit_every_transition is every_transition
+    probe = f"{plain.prefix}written"
+    names = [t.name for t in plain.t.jobs.metadata.tables.values()]
+    with plain.begin() as c:
+        c.execute(sa.text(f"CREATE TABLE {probe} (tbl text, op text)"))
+        c.execute(sa.text(
+            f"CREATE FUNCTION {probe}() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            f"INSERT INTO {probe} VALUES (TG_TABLE_NAME, TG_OP); RETURN NULL; END $$"))
+        for name in names:
+            c.execute(sa.text(f"CREATE TRIGGER {probe} AFTER INSERT OR UPDATE OR DELETE ON {name} "
+                              f"FOR EACH ROW EXECUTE FUNCTION {probe}()"))
+    app_store = Store.from_config(cfg)
+    try:
+        assert app_store.audit_every_transition is every_transition
+        app_store.publishes.record("happy", "t.task", "q", None, 3)
+        with plain.begin() as c:
+            c.execute(sa.text(f"DELETE FROM {probe}"))  # the publish's record is not counted
+        tok = token()
+        assert claim(app_store, "happy", tok=tok).claimed
+        assert app_store.jobs.complete("happy", tok, "w1", result='"done"')
+        with plain.begin() as c:
+            seen = sorted(tuple(r) for r in c.execute(sa.text(f"SELECT tbl, op FROM {probe}")))
+            c.execute(sa.text(f"DROP FUNCTION {probe}() CASCADE"))
+            c.execute(sa.text(f"DROP TABLE {probe}"))
+    finally:
+        app_store.engine.dispose()
+    jobs, events = plain.t.jobs.name, plain.t.events.name
+    assert seen == sorted([(jobs, "UPDATE")] * 2 + [(events, "INSERT")] * (rows - 2))
+    assert len(seen) == rows
+    job = plain.get("happy")
+    assert (job.status, job.locked_by, job.attempt_count) == (COMPLETED, "w1", 1)
+
+
+@pytest.mark.parametrize("store_url", ["postgres"], indirect=True)
 @pytest.mark.parametrize("async_commit", [True, False])
 def test_an_async_publish_record_turns_off_synchronous_commit_for_its_own_statement_only(store, async_commit):
     store.publish_async_commit = async_commit
@@ -744,8 +797,23 @@ def _traced(store: Store) -> tuple[list[str], object]:
     return seen, trace
 
 
-def test_a_sqlite_claim_and_completion_are_each_one_immediate_transaction_with_its_event(sqlite_url):
+def test_a_sqlite_claim_and_completion_are_each_one_immediate_transaction_of_the_row_alone(sqlite_url):
     store = Store(sqlite_url, "hp_")
+    store.migrate()
+    store.publishes.record("hot", "t.task", "q", None, 3)
+    seen, _ = _traced(store)
+    tok = token()
+    assert claim(store, "hot", tok=tok).claimed
+    assert store.jobs.complete("hot", tok, "w1")
+    writes = [s.split()[0].upper() + (" " + s.split()[1].upper() if s.upper().startswith("BEGIN") else "")
+              for s in seen if not s.upper().startswith(("SELECT 1", "PRAGMA"))]
+    assert writes == ["BEGIN IMMEDIATE", "UPDATE", "COMMIT"] * 2
+    assert events(store, "hot") == ["published"]
+    assert store.get("hot").status == COMPLETED
+
+
+def test_a_sqlite_claim_and_completion_with_every_transition_audited_write_their_events(sqlite_url):
+    store = Store(sqlite_url, "ha_", audit_every_transition=True)
     store.migrate()
     store.publishes.record("hot", "t.task", "q", None, 3)
     seen, _ = _traced(store)

@@ -66,7 +66,20 @@ def count(store: Store, job_id: str, event: Event) -> int:
 
 
 # -- one job's life ------------------------------------------------------------------------
-def test_a_job_goes_pending_running_completed_with_one_event_per_transition(store):
+def test_a_job_goes_pending_running_completed_and_its_row_alone_records_the_claim_and_completion(store):
+    tok = claimed(store, "life")
+
+    assert store.jobs.complete("life", tok, "w1")
+
+    job = store.get("life")
+    assert (job.status, job.locked_by, job.attempt_count) == (COMPLETED, "w1", 1)
+    assert job.started_at is not None and job.completed_at is not None
+    assert job.started_at <= job.completed_at
+    assert [e["event"] for e in store.reports.events("life")] == [Event.PUBLISHED]
+
+
+def test_with_every_transition_audited_a_job_has_one_event_per_transition(store):
+    store.audit_every_transition = True
     tok = claimed(store, "life")
 
     assert store.jobs.complete("life", tok, "w1")
@@ -74,6 +87,98 @@ def test_a_job_goes_pending_running_completed_with_one_event_per_transition(stor
     assert store.get("life").status == COMPLETED
     assert [e["event"] for e in store.reports.events("life")] == [Event.PUBLISHED, Event.CLAIMED,
                                                                   Event.COMPLETED]
+    assert all(e["detail"] is None for e in store.reports.events("life")[1:])  # as before: no detail
+
+
+def _previous(store: Store, job_id: str, event: Event) -> dict:
+    """The previous attempt the job's one ``event`` recorded."""
+    found = store.reports.events(job_id, event)
+    assert len(found) == 1, found
+    detail = json.loads(found[0]["detail"])
+    return {k: detail[k] for k in ("previous_owner", "previous_token", "previous_started_at")}
+
+
+def test_a_takeover_records_the_attempt_it_replaced(store):
+    old = claimed(store, "tk", "w1")
+    first = store.get("tk")
+    expire(store, "tk")
+
+    assert store.jobs.claim("tk", "w2", secrets.token_hex(16), TERMS, "t.task", "q", lambda: None).claimed
+
+    assert _previous(store, "tk", Event.LEASE_TAKEN_OVER) == {
+        "previous_owner": "w1", "previous_token": old[:8], "previous_started_at": first.started_at}
+    assert (store.get("tk").locked_by, store.get("tk").attempt_count) == ("w2", 2)
+    assert count(store, "tk", Event.CLAIMED) == 0
+
+
+def test_a_reclaim_after_a_retry_is_audited_with_the_attempt_before(store):
+    old = claimed(store, "rc", "w1")
+    first = store.get("rc")
+    assert store.jobs.retry_later("rc", old, 0.0, None, "flaky", "w1")
+
+    new = secrets.token_hex(16)
+    again = store.jobs.claim("rc", "w2", new, TERMS, "t.task", "q", lambda: None)
+
+    assert again.claimed and (again.job.locked_by, again.job.attempt_count) == ("w2", 2)
+    assert again.job.started_at >= first.started_at
+    # The retry cleared the owner from the row: its own event names it; the start stays.
+    assert _previous(store, "rc", Event.CLAIMED) == {
+        "previous_owner": None, "previous_token": None, "previous_started_at": first.started_at}
+    assert [e["event"] for e in store.reports.events("rc")] == [
+        Event.PUBLISHED, Event.RETRY_SCHEDULED, Event.CLAIMED]
+
+
+def test_a_reaper_requeue_and_dead_letter_record_the_attempt_they_took_back(store):
+    old = claimed(store, "rq", "w1")
+    first = store.get("rq")
+    expire(store, "rq")
+    assert store.reaping.requeue_abandoned("rq", old, "w1", delay=0.0, reason="expired")
+    assert _previous(store, "rq", Event.REAPED_EXPIRED_LEASE) == {
+        "previous_owner": "w1", "previous_token": old[:8], "previous_started_at": first.started_at}
+    detail = json.loads(store.reports.events("rq", Event.REAPED_EXPIRED_LEASE)[0]["detail"])
+    assert detail["delay"] == 0.0  # the detail it carried before stays
+
+    again = store.jobs.claim("rq", "w2", secrets.token_hex(16), TERMS, "t.task", "q", lambda: None)
+    assert again.claimed
+    assert _previous(store, "rq", Event.CLAIMED)["previous_started_at"] == first.started_at
+    expire(store, "rq")
+    assert store.reaping.dead_letter_abandoned("rq", again.job.lock_token, "w2", error="gave up")
+    assert _previous(store, "rq", Event.DEAD_LETTERED) == {
+        "previous_owner": "w2", "previous_token": again.job.lock_token[:8],
+        "previous_started_at": again.job.started_at}
+
+
+def test_a_manual_requeue_records_the_attempt_it_took_back(store):
+    old = claimed(store, "mr", "w1")
+    first = store.get("mr")
+    expire(store, "mr")
+
+    assert store.recovery.manual_requeue(first, "ops@host")
+
+    found = store.reports.events("mr", Event.MANUAL_REQUEUE)
+    assert json.loads(found[0]["detail"]) == {
+        "previous_status": RUNNING, "forced": False, "previous_owner": "w1", "previous_token": old[:8],
+        "previous_started_at": first.started_at}
+    assert (store.get("mr").status, store.get("mr").locked_by) == (PENDING, None)
+
+
+def test_a_job_taken_over_twice_keeps_all_three_attempts_in_its_row_and_events(store):
+    tokens, starts = [claimed(store, "three", "w1")], [store.get("three").started_at]
+    for worker in ("w2", "w3"):
+        expire(store, "three")
+        tok = secrets.token_hex(16)
+        assert store.jobs.claim("three", worker, tok, TERMS, "t.task", "q", lambda: None).claimed
+        tokens.append(tok)
+        starts.append(store.get("three").started_at)
+    assert store.jobs.complete("three", tokens[-1], "w3")
+
+    job = store.get("three")
+    assert (job.locked_by, job.started_at, job.attempt_count) == ("w3", starts[-1], 3)
+    takeovers = store.reports.events("three", Event.LEASE_TAKEN_OVER)
+    assert [(e["worker"], json.loads(e["detail"])["previous_owner"]) for e in takeovers] == [
+        ("w2", "w1"), ("w3", "w2")]
+    assert [json.loads(e["detail"])["previous_started_at"] for e in takeovers] == starts[:2]
+    assert [json.loads(e["detail"])["previous_token"] for e in takeovers] == [t[:8] for t in tokens[:2]]
 
 
 @pytest.mark.parametrize(("write", "stale"), [
@@ -98,12 +203,25 @@ def test_every_owner_write_with_a_stale_token_changes_nothing_and_is_audited(sto
 
 
 # -- races -----------------------------------------------------------------------------------
-def test_claim_against_claim_has_one_winner(store):
+@pytest.mark.parametrize("every_transition", [False, True], ids=["decisions", "every_transition"])
+def test_claim_against_claim_has_one_winner(store, every_transition):
+    store.audit_every_transition = every_transition
     store.publishes.record("cc", "t.task", "q", "{}", 5)
     outcomes = race(*(lambda n=n: store.jobs.claim("cc", f"w{n}", secrets.token_hex(16), TERMS, "t.task", "q",
                                                    lambda: None).outcome for n in range(6)))
     assert sorted(outcomes) == ["busy"] * 5 + ["claimed"]
-    assert count(store, "cc", Event.CLAIMED) == 1
+    assert store.get("cc").attempt_count == 1  # one claim counted
+    assert count(store, "cc", Event.CLAIMED) == (1 if every_transition else 0)
+
+
+def test_reclaim_against_reclaim_has_one_winner_and_one_event(store):
+    old = claimed(store, "rr", "w0")
+    assert store.jobs.retry_later("rr", old, 0.0, None, "again", "w0")
+    outcomes = race(*(lambda n=n: store.jobs.claim("rr", f"w{n}", secrets.token_hex(16), TERMS, "t.task", "q",
+                                                   lambda: None).outcome for n in range(1, 5)))
+    assert sorted(outcomes) == ["busy"] * 3 + ["claimed"]
+    assert store.get("rr").attempt_count == 2
+    assert count(store, "rr", Event.CLAIMED) == 1
 
 
 def test_a_takeover_against_the_reaper_has_one_winner(store):

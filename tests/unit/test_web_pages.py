@@ -163,8 +163,9 @@ def test_a_jobs_timeline_lists_its_events_in_time_order_with_its_last_heartbeat(
     items = re.findall(r'<li class="(\w+)"><span class="offset">\+([^<]+)</span> '
                        r'<b class="event">([^<]+)</b>', timeline)
 
+    # The first claim wrote no event: the job's row dates it (kind "row").
     assert [(kind, event) for kind, _, event in items] == [
-        ("heartbeat", "last heartbeat"), ("event", "published"), ("event", "claimed"),
+        ("event", "published"), ("row", "claimed"), ("heartbeat", "last heartbeat"),
         ("event", "reaped_expired_lease")]
     assert html.count('class="mark ') == 4
     owners = html.split('id="owners"', 1)[1].split("</ol>", 1)[0]
@@ -184,6 +185,20 @@ def test_a_job_with_two_owners_lists_both_with_their_markup_intact(rw):
     items = re.findall(r'<li>([^<]+) <span class="quiet">(\w+) [0-9: .-]+Z</span></li>', owners)
     assert items == [("celery@alpha:11", "claimed"), ("celery@beta:22", "lease_taken_over")], owners
     assert "***" not in owners
+
+
+def test_a_jobs_owners_begin_with_the_first_claim_its_row_records(rw):
+    ops_app.taken_over_twice(rw.store, "thrice")
+    html = rw.html("/jobs/thrice")
+    owners = html.split('<ol id="owners">', 1)[1].split("</ol>", 1)[0]
+
+    items = re.findall(r'<li>([^<]+) <span class="quiet">(\w+) [0-9: .-]+Z</span></li>', owners)
+    assert items == [("w1", "claimed"), ("w2", "lease_taken_over"), ("w3", "lease_taken_over")], owners
+    timeline = html.split('id="timeline"', 1)[1].split("</ol>", 1)[0]
+    kinds = re.findall(r'<li class="(\w+)"><span class="offset">[^<]+</span> <b class="event">([^<]+)</b>',
+                       timeline)
+    assert kinds[0] == ("event", "published") and ("row", "claimed") in kinds
+    assert kinds[-1] == ("row", "completed")
 
 
 def test_a_page_shows_a_secret_in_a_values_url_query_masked(rw):
