@@ -239,9 +239,9 @@ def _stop_runtimes_after_each_test() -> Iterator[None]:
     yield
     from celery_lease.worker import runtime
 
-    with runtime._runtimes_lock:
-        stopped = [rt for _, rt in runtime._runtimes.values()]
-        runtime._runtimes.clear()
+    with runtime.PROCESS.lock:
+        stopped = [rt for _, rt in runtime.PROCESS.runtimes.values()]
+        runtime.PROCESS.runtimes.clear()
     for rt in stopped:
         rt.stop(timeout=2.0)
 

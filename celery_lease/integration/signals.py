@@ -159,8 +159,7 @@ class WorkerStep(bootsteps.StartStopStep):
         check_pool(worker.app, pool)
         validate_tasks(worker.app, consumed_queues(worker.app))
         store.workers.worker_pool = (pool, int(getattr(worker, "concurrency", 0) or 0))
-        global _starting
-        _starting = (worker.app, worker.hostname)  # what a forked pool child registers under
+        runtime.PROCESS.starting = (worker.app, worker.hostname)  # what a forked pool child registers under
         self.pool = pool
         super().__init__(worker, **kwargs)
 
@@ -168,10 +167,6 @@ class WorkerStep(bootsteps.StartStopStep):
         """Register the process that runs bodies now (a prefork worker's children register as they start)."""
         if self.pool != "prefork":
             register_process(worker.app, worker.hostname)
-
-
-# The app and node name of the worker starting in this process; its forked children inherit them.
-_starting: tuple[Any, str] | None = None
 
 
 def register_process(app: Any, hostname: str) -> None:
@@ -187,8 +182,9 @@ def register_process(app: Any, hostname: str) -> None:
 
 @signals.worker_process_init.connect
 def _on_process_init(**_: Any) -> None:
-    if _starting is not None:
-        register_process(*_starting)
+    starting = runtime.PROCESS.starting
+    if starting is not None:
+        register_process(*starting)
 
 
 def consumed_queues(app: Any) -> list[str]:

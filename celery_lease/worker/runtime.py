@@ -33,7 +33,8 @@ if TYPE_CHECKING:
     from .pause import ConsumerPause
 
 __all__ = ["Runtime", "DeadlineTimer", "PendingCancels", "MAX_TIMER_SLEEP", "CANCELS_KEPT", "UNANSWERED_KEPT",
-           "for_app", "for_delivery", "current", "retire", "in_process", "release_all_in_process"]
+           "Process", "PROCESS", "for_app", "for_delivery", "current", "retire", "in_process",
+           "release_all_in_process"]
 
 log = logging.getLogger(__name__)
 
@@ -301,9 +302,18 @@ class Runtime:
         self.heartbeat.stop(timeout)
 
 
-# By (id(app), pid), with a weak reference that tells a live app from a new one at a reused id.
-_runtimes: dict[tuple[int, int], tuple[weakref.ref[Any], Runtime]] = {}
-_runtimes_lock = threading.Lock()
+class Process:
+    """What celery_lease keeps for this process, in one place: a runtime per app, and the worker
+    (app, node name) starting here, which its forked pool children register under."""
+
+    def __init__(self) -> None:
+        # By (id(app), pid), with a weak reference that tells a live app from a new one at a reused id.
+        self.runtimes: dict[tuple[int, int], tuple[weakref.ref[Any], Runtime]] = {}
+        self.lock = threading.Lock()
+        self.starting: tuple[Any, str] | None = None
+
+
+PROCESS = Process()
 
 
 def own_lease(task: Any) -> Lease | None:
@@ -314,7 +324,7 @@ def own_lease(task: Any) -> Lease | None:
 
 def current(app: Any) -> Runtime | None:
     """This process's runtime for an app, if a leased body ever ran here."""
-    entry = _runtimes.get((id(app), os.getpid()))
+    entry = PROCESS.runtimes.get((id(app), os.getpid()))
     return entry[1] if entry is not None and entry[0]() is app else None
 
 
@@ -331,25 +341,25 @@ def for_app(app: Any, store: Store, hostname: str | None = None) -> Runtime:
     """This process's runtime for an app (a forked child gets its own)."""
     runtime = current(app)
     if runtime is None:
-        with _runtimes_lock:
+        with PROCESS.lock:
             runtime = current(app)
             if runtime is None:
                 from ..config import app_config
 
                 host = hostname or socket.gethostname()
                 runtime = Runtime(store, host, app_config(app).heartbeat_interval)
-                _runtimes[(id(app), os.getpid())] = (weakref.ref(app), runtime)
+                PROCESS.runtimes[(id(app), os.getpid())] = (weakref.ref(app), runtime)
                 app_state(app).retire = retire  # store.forget() calls it
     return runtime
 
 
 def retire(app: Any) -> bool:
     """Stop and drop this process's runtime for an app unless it holds a lease; True when none is left."""
-    with _runtimes_lock:
+    with PROCESS.lock:
         runtime = current(app)
         if runtime is not None and runtime.leases():
             return False
-        _runtimes.pop((id(app), os.getpid()), None)
+        PROCESS.runtimes.pop((id(app), os.getpid()), None)
     if runtime is not None:
         runtime.stop()
     return True
@@ -357,7 +367,7 @@ def retire(app: Any) -> bool:
 
 def in_process() -> list[Runtime]:
     pid = os.getpid()
-    return [rt for (_, owner), (_, rt) in list(_runtimes.items()) if owner == pid]
+    return [rt for (_, owner), (_, rt) in list(PROCESS.runtimes.items()) if owner == pid]
 
 
 def release_all_in_process(reason: Event = Event.RELEASED_ON_SHUTDOWN) -> int:
