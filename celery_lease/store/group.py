@@ -32,7 +32,7 @@ from .jobs import JobStatements
 from .rows import COMPLETED, RUNNING, fenced_status
 from .workers import WorkerStatements
 
-__all__ = ["Group", "GroupedJobStatements"]
+__all__ = ["Group", "GroupedJobStatements", "Completion"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -90,8 +90,6 @@ class Group(Generic[T, R]):
             batch, self._queue = self._queue, []
         try:
             answers = self._write([i.value for i in batch])
-            if len(answers) != len(batch):
-                raise StoreUnavailable(f"a batch of {len(batch)} writes got {len(answers)} answers")
             self.batches += 1
             for i, answer in zip(batch, answers, strict=True):
                 i.answer = answer
@@ -122,6 +120,8 @@ class Group(Generic[T, R]):
 
 @dataclasses.dataclass(frozen=True)
 class Completion:
+    """One caller's completion: its job, its token, its worker and the result it keeps (encoded)."""
+
     job_id: str
     token: str
     worker: str | None
