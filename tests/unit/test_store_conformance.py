@@ -12,11 +12,12 @@ import hashlib
 import json
 import secrets
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import sqlalchemy as sa
 
+from celery_lease.errors import StoreUnavailable
 from celery_lease.store import COMPLETED, FAILED, PENDING, RUNNING, ClaimTerms, JobStatements, Store
 from celery_lease.vocabulary import EffectOutcome, Event
 from tests.helpers import wait_for
@@ -460,28 +461,61 @@ def test_a_token_rejected_inside_a_batch_rejects_that_job_alone_audited_the_othe
         assert count(store, job, Event.STALE_COMPLETION_REJECTED) == (job in ("r1", "r2"))
 
 
+@contextlib.contextmanager
+def first_batch_commit_fails(store: Store, grouped: Store) -> Iterator[None]:
+    """The first commit that completes a job named ``fail-*`` fails; later ones commit.
+
+    PostgreSQL: a deferred constraint trigger (test-only SQL) raises a serialization failure at
+    the commit of the batch's own transaction. SQLite: the batch's transaction raises after its
+    UPDATE, before its commit, and is rolled back.
+    """
+    if store.dialect.name != "postgresql":
+        real_begin = grouped.begin
+
+        @contextlib.contextmanager
+        def failing_begin(**kwargs):
+            with real_begin(**kwargs) as c:
+                yield c
+                grouped.begin = real_begin  # once: the next batch commits
+                raise StoreUnavailable("commit lost")
+
+        grouped.begin = failing_begin
+        try:
+            yield
+        finally:
+            grouped.begin = real_begin
+        return
+    probe, jobs = f"{store.prefix}fail", store.t.jobs.name
+    with store.begin() as c:
+        c.execute(sa.text(f"CREATE SEQUENCE {probe}_seq"))
+        c.execute(sa.text(
+            f"CREATE FUNCTION {probe}() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            f"IF nextval('{probe}_seq') = 1 THEN "
+            f"RAISE EXCEPTION 'commit refused' USING ERRCODE = '40001'; END IF; RETURN NULL; END $$"))
+        c.execute(sa.text(
+            f"CREATE CONSTRAINT TRIGGER {probe} AFTER UPDATE ON {jobs} DEFERRABLE INITIALLY DEFERRED "
+            f"FOR EACH ROW WHEN (NEW.id LIKE 'fail-%' AND NEW.status = 'completed') "
+            f"EXECUTE FUNCTION {probe}()"))
+    try:
+        yield
+    finally:
+        with store.begin() as c:
+            c.execute(sa.text(f"DROP FUNCTION {probe}() CASCADE"))
+            c.execute(sa.text(f"DROP SEQUENCE {probe}_seq"))
+
+
 def test_a_batch_whose_commit_fails_raises_in_every_caller_and_completes_none_of_its_rows(store, grouped):
     if not store.dialect.group_commit:
         pytest.skip("MySQL/MariaDB write each completion alone")
-    from celery_lease.errors import StoreUnavailable
-
-    real_begin, failure = grouped.begin, StoreUnavailable("commit lost")
-
-    @contextlib.contextmanager
-    def failing_begin(**kwargs):
-        with real_begin(**kwargs) as c:
-            yield c
-            grouped.begin = real_begin  # once: the next batch commits
-            raise failure  # inside the transaction, after the UPDATE: it is rolled back
-
-    toks = {f"f{n}": claimed(grouped, f"f{n}") for n in range(3)}
-    grouped.begin = failing_begin
-    answers = shared_commit(grouped, [(job, tok, None) for job, tok in toks.items()])
-    assert answers == [failure] * 3
-    assert [store.get(job).status for job in toks] == [RUNNING] * 3
-    assert all(count(store, job, Event.STALE_COMPLETION_REJECTED) == 0 for job in toks)
-    # The next batch runs, and its callers' writes (the same ones, retried) complete.
-    assert shared_commit(grouped, [(job, tok, None) for job, tok in toks.items()]) == [True] * 3
+    toks = {f"fail-{n}": claimed(grouped, f"fail-{n}") for n in range(3)}
+    with first_batch_commit_fails(store, grouped):
+        answers = shared_commit(grouped, [(job, tok, None) for job, tok in toks.items()])
+        assert isinstance(answers[0], StoreUnavailable)
+        assert all(a is answers[0] for a in answers)  # the batch's error, raised in each caller
+        assert [store.get(job).status for job in toks] == [RUNNING] * 3
+        assert all(count(store, job, Event.STALE_COMPLETION_REJECTED) == 0 for job in toks)
+        # The next batch runs, and its callers' writes (the same ones, retried) complete.
+        assert shared_commit(grouped, [(job, tok, None) for job, tok in toks.items()]) == [True] * 3
     assert [store.get(job).status for job in toks] == [COMPLETED] * 3
 
 
