@@ -226,6 +226,12 @@ SETTINGS: tuple[Setting, ...] = (
        "are read from the job's row (started_at, completed_at, attempt_count, locked_by). True costs two "
        "more rows per job.",
        _bool, "True or False", False),
+    _S("lease_group_commit", False,
+       "Completions due at the same moment in one worker process (threads, gevent) share one commit: "
+       "the first writes every completion queued meanwhile in one statement, each row fenced by its "
+       "own token; a lone completion waits for nobody and is written as with False. PostgreSQL and "
+       "SQLite; MySQL/MariaDB write each completion alone whatever the setting.",
+       _bool, "True or False", False),
     _S("lease_clock_tolerance", 1.0,
        "Seconds a delivery may arrive before its job's available_at (countdown, retry ETA, backoff) "
        "and still run, for worker clocks ahead of the store's; an earlier one is sent again for later.",

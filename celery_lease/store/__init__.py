@@ -19,6 +19,7 @@ from .audited import AuditedWrites
 from .base import StoreEngine
 from .effects import EffectStatements
 from .glance import DeliveryStatements, Glance
+from .group import GroupedJobStatements
 from .jobs import JobStatements
 from .publishes import PublishStatements
 from .reaping import Expired, ReaperStatements
@@ -51,7 +52,9 @@ class Store(StoreEngine):
         audited = AuditedWrites(self)
         self.workers = WorkerStatements(self)
         self.publishes = PublishStatements(self, audited)
-        self.jobs = JobStatements(self, audited, self.workers)
+        # lease_group_commit: completions due at once share one commit, where the dialect can.
+        grouped = self.group_commit and self.dialect.group_commit
+        self.jobs = (GroupedJobStatements if grouped else JobStatements)(self, audited, self.workers)
         self.replacing = ReplaceStatements(self, self.jobs, self.publishes)
         self.effects = EffectStatements(self)
         self.deliveries = DeliveryStatements(self)

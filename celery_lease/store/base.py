@@ -62,7 +62,7 @@ class StoreEngine:
                  stale_after: float | Callable[[], float] | None = None,
                  clock_tolerance: float | None = None,
                  claim_async_commit: bool | None = None, publish_async_commit: bool | None = None,
-                 audit_every_transition: bool | None = None,
+                 audit_every_transition: bool | None = None, group_commit: bool | None = None,
                  clock_offset: float = 0.0, fault_injector: str | None = None) -> None:
         """A store on ``url``; ``call_timeout`` bounds every call (seconds, see dialects.Bounds).
 
@@ -80,6 +80,8 @@ class StoreEngine:
         self.publish_async_commit: bool = _default("lease_publish_async_commit", publish_async_commit)
         # False: a first claim and its owner's completion write the job's row only, no event.
         self.audit_every_transition: bool = _default("lease_audit_every_transition", audit_every_transition)
+        # True: completions due at once in this process share one commit (store/group.py).
+        self.group_commit: bool = _default("lease_group_commit", group_commit)
         self.prefix = prefix
         self.t = schema.tables(prefix)
         self.revision: str | None = None  # the schema revision, once a check found it usable
@@ -128,7 +130,7 @@ class StoreEngine:
                    clock_tolerance=cfg.clock_tolerance,
                    claim_async_commit=cfg.claim_async_commit,
                    publish_async_commit=cfg.publish_async_commit,
-                   audit_every_transition=cfg.audit_every_transition,
+                   audit_every_transition=cfg.audit_every_transition, group_commit=cfg.group_commit,
                    fault_injector=cfg.fault_injector)
 
     # -- plumbing ---------------------------------------------------------

@@ -265,6 +265,9 @@ class MySQL(Dialect):
     now_sql = "CAST(UNIX_TIMESTAMP(SYSDATE(6)) AS DOUBLE)"
     fence_locks_rows = True
     update_returning = False
+    # No UPDATE ... RETURNING: a shared completion could not tell which of its rows it wrote, so
+    # each completion is written alone, whatever lease_group_commit says.
+    group_commit = False
     minimums: ClassVar[Mapping[str, tuple[tuple[int, ...], str]]] = {
         "MySQL": ((8, 0), "SELECT ... FOR UPDATE SKIP LOCKED"),
         "MariaDB": ((10, 6), "SELECT ... FOR UPDATE SKIP LOCKED")}

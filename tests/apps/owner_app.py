@@ -109,6 +109,13 @@ def make_app(env: Mapping[str, str]) -> Celery:
             raise
         return attempt
 
+    @app.task(base=LeaseTask, bind=True, shared=False, name="owner.sleeps")
+    def sleeps(self: Any, seconds: float) -> int:
+        """Sleeps ``seconds`` (a short body of a threads pool); reports each body it ran."""
+        attempt = started(self)
+        time.sleep(seconds)
+        return attempt
+
     @app.task(base=LeaseTask, bind=True, shared=False, name="owner.hard_limited", time_limit=1.0)
     def hard_limited(self: Any) -> None:
         """Outlives its hard time limit on every attempt."""

@@ -26,6 +26,7 @@ BAD_VALUES = {
     "lease_claim_async_commit": "yes",
     "lease_publish_async_commit": 1,
     "lease_audit_every_transition": "true",
+    "lease_group_commit": "yes",
     "lease_duration": "30s",
     "lease_heartbeat_interval": 0,
     "lease_grace_period": -0.5,

@@ -7,17 +7,20 @@ Each race starts its contenders on a barrier and asserts exactly one winner and 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import secrets
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import sqlalchemy as sa
 
-from celery_lease.store import COMPLETED, FAILED, PENDING, RUNNING, ClaimTerms, Store
+from celery_lease.errors import StoreUnavailable
+from celery_lease.store import COMPLETED, FAILED, PENDING, RUNNING, ClaimTerms, JobStatements, Store
 from celery_lease.vocabulary import EffectOutcome, Event
+from tests.helpers import wait_for
 
 TERMS = ClaimTerms(duration=30.0, grace=1.0, max_attempts=5, max_expirations=5, takeover=True)
 
@@ -356,3 +359,171 @@ def test_ten_megabyte_arguments_results_and_checkpoints_round_trip(store):
 def _digest(text: str | None) -> tuple[int, str] | None:
     """A long text's length and hash: what a failed comparison can print."""
     return None if text is None else (len(text), hashlib.sha256(text.encode()).hexdigest()[:16])
+
+
+# -- completions sharing one commit (lease_group_commit) ------------------------------------------
+@pytest.fixture
+def grouped(store):
+    """A second store on the same tables, with lease_group_commit (MySQL/MariaDB: each alone)."""
+    other = Store(store.url, store.prefix, group_commit=True)
+    yield other
+    other.engine.dispose()
+
+
+def shared_commit(g: Store, completions: list[tuple[str, str, str | None]]) -> list[object]:
+    """Complete ``completions`` (job, token, kept result) at once, queued behind a held lone completion
+    so that, where the store groups them, they share the next commit: each caller's answer or error."""
+    held_job = f"held-{secrets.token_hex(4)}"
+    lone = claimed(g, held_job)
+    group = getattr(g.jobs, "group", None)
+    gate, entered = threading.Event(), threading.Event()
+    if group is not None:
+        write = group._write
+
+        def held(batch: list) -> list:
+            if batch[0].job_id == held_job:
+                entered.set()
+                assert gate.wait(30)
+            return write(batch)
+
+        group._write = held
+    results: list[object] = [None] * (len(completions) + 1)
+
+    def run(n: int, job: str, tok: str, result: str | None) -> None:
+        try:
+            results[n] = g.jobs.complete(job, tok, "w1", result)
+        except Exception as exc:  # noqa: BLE001 - the test compares what each caller got
+            results[n] = exc
+
+    first = threading.Thread(target=run, args=(0, held_job, lone, None))
+    first.start()
+    if group is not None:
+        assert entered.wait(30)
+    threads = [threading.Thread(target=run, args=(n + 1, *c)) for n, c in enumerate(completions)]
+    for t in threads:
+        t.start()
+    if group is not None:
+        wait_for(lambda: len(group._queue) == len(completions), timeout=30,
+                 message="the completions never queued")
+    gate.set()
+    for t in [first, *threads]:
+        t.join(30)
+    assert results[0] is True
+    return results[1:]
+
+
+def counted(g: Store, marker: str) -> list[str]:
+    """The statements SQLAlchemy sends from now on with a parameter holding ``marker`` (the batch's,
+    and each completion's where the store writes them alone)."""
+    seen: list[str] = []
+
+    @sa.event.listens_for(g.engine, "before_cursor_execute")
+    def count(conn, cursor, statement, parameters, context, executemany) -> None:
+        if marker in str(parameters):
+            seen.append(statement.split()[0].upper())
+
+    return seen
+
+
+def test_completions_due_at_once_share_one_statement_each_row_fenced_and_written_as_alone(store, grouped):
+    toks = {f"grp-{n}": claimed(grouped, f"grp-{n}") for n in range(5)}
+    kept = {"grp-1": '"one"', "grp-3": '{"three": 3}'}
+    seen = counted(grouped, "grp-")
+    answers = shared_commit(grouped, [(job, tok, kept.get(job)) for job, tok in toks.items()])
+    assert answers == [True] * 5
+    if store.dialect.group_commit:
+        assert seen == ["UPDATE"]  # five completions, one statement
+        assert grouped.jobs.group.batches == 2  # the held lone completion, then the five
+    else:
+        # No UPDATE ... RETURNING: each completion alone, as today (its UPDATE, then its row read).
+        assert seen.count("UPDATE") == 5 and type(grouped.jobs) is JobStatements
+    for job in toks:
+        row = store.get(job)
+        assert (row.status, row.lock_token, row.lease_expires_at) == (COMPLETED, None, None)
+        assert row.completed_at is not None and row.completed_at >= row.started_at
+        assert store.jobs.kept_result(job) == kept.get(job)
+        assert [e["event"] for e in store.reports.events(job)] == [Event.PUBLISHED]
+
+
+def test_a_token_rejected_inside_a_batch_rejects_that_job_alone_audited_the_others_complete(store, grouped):
+    toks = {f"r{n}": claimed(grouped, f"r{n}") for n in range(4)}
+    j = store.t.jobs
+    with store.begin() as c:  # r1's lease moved on; r2's row vanished (test-only SQL)
+        c.execute(sa.update(j).where(j.c.id == "r1").values(lock_token="thief", locked_by="w2"))
+        c.execute(sa.delete(j).where(j.c.id == "r2"))
+    answers = shared_commit(grouped, [(job, tok, '"kept"') for job, tok in toks.items()])
+    assert answers == [True, False, False, True]
+    assert [store.get(job).status for job in ("r0", "r3")] == [COMPLETED, COMPLETED]
+    assert (store.get("r1").status, store.get("r1").lock_token) == (RUNNING, "thief")
+    assert store.get("r2") is None
+    assert store.jobs.kept_result("r1") is None
+    for job in toks:
+        assert count(store, job, Event.STALE_COMPLETION_REJECTED) == (job in ("r1", "r2"))
+
+
+@contextlib.contextmanager
+def first_batch_commit_fails(store: Store, grouped: Store) -> Iterator[None]:
+    """The first commit that completes a job named ``fail-*`` fails; later ones commit.
+
+    PostgreSQL: a deferred constraint trigger (test-only SQL) raises a serialization failure at
+    the commit of the batch's own transaction. SQLite: the batch's transaction raises after its
+    UPDATE, before its commit, and is rolled back.
+    """
+    if store.dialect.name != "postgresql":
+        real_begin = grouped.begin
+
+        @contextlib.contextmanager
+        def failing_begin(**kwargs):
+            with real_begin(**kwargs) as c:
+                yield c
+                grouped.begin = real_begin  # once: the next batch commits
+                raise StoreUnavailable("commit lost")
+
+        grouped.begin = failing_begin
+        try:
+            yield
+        finally:
+            grouped.begin = real_begin
+        return
+    probe, jobs = f"{store.prefix}fail", store.t.jobs.name
+    with store.begin() as c:
+        c.execute(sa.text(f"CREATE SEQUENCE {probe}_seq"))
+        c.execute(sa.text(
+            f"CREATE FUNCTION {probe}() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            f"IF nextval('{probe}_seq') = 1 THEN "
+            f"RAISE EXCEPTION 'commit refused' USING ERRCODE = '40001'; END IF; RETURN NULL; END $$"))
+        c.execute(sa.text(
+            f"CREATE CONSTRAINT TRIGGER {probe} AFTER UPDATE ON {jobs} DEFERRABLE INITIALLY DEFERRED "
+            f"FOR EACH ROW WHEN (NEW.id LIKE 'fail-%' AND NEW.status = 'completed') "
+            f"EXECUTE FUNCTION {probe}()"))
+    try:
+        yield
+    finally:
+        with store.begin() as c:
+            c.execute(sa.text(f"DROP FUNCTION {probe}() CASCADE"))
+            c.execute(sa.text(f"DROP SEQUENCE {probe}_seq"))
+
+
+def test_a_batch_whose_commit_fails_raises_in_every_caller_and_completes_none_of_its_rows(store, grouped):
+    if not store.dialect.group_commit:
+        pytest.skip("MySQL/MariaDB write each completion alone")
+    toks = {f"fail-{n}": claimed(grouped, f"fail-{n}") for n in range(3)}
+    with first_batch_commit_fails(store, grouped):
+        answers = shared_commit(grouped, [(job, tok, None) for job, tok in toks.items()])
+        assert isinstance(answers[0], StoreUnavailable)
+        assert all(a is answers[0] for a in answers)  # the batch's error, raised in each caller
+        assert [store.get(job).status for job in toks] == [RUNNING] * 3
+        assert all(count(store, job, Event.STALE_COMPLETION_REJECTED) == 0 for job in toks)
+        # The next batch runs, and its callers' writes (the same ones, retried) complete.
+        assert shared_commit(grouped, [(job, tok, None) for job, tok in toks.items()]) == [True] * 3
+    assert [store.get(job).status for job in toks] == [COMPLETED] * 3
+
+
+def test_with_every_transition_audited_a_batch_writes_each_jobs_completed_event(store, grouped):
+    grouped.audit_every_transition = True
+    toks = {f"a{n}": claimed(grouped, f"a{n}") for n in range(3)}
+    assert shared_commit(grouped, [(job, tok, None) for job, tok in toks.items()]) == [True] * 3
+    for job, tok in toks.items():
+        events = store.reports.events(job)
+        assert [e["event"] for e in events] == [Event.PUBLISHED, Event.CLAIMED, Event.COMPLETED]
+        assert (events[-1]["worker"], events[-1]["token"], events[-1]["detail"]) == ("w1", tok[:8], None)

@@ -1,0 +1,201 @@
+"""Completions due at the same moment in one process share one commit (lease_group_commit).
+
+A leader/follower group commit, with no tick: the first completion that finds no write in
+progress writes everything queued in one transaction; completions arriving meanwhile wait for
+that commit, or lead the next one. A lone completion waits for nobody and takes the single-row
+path (JobStatements.complete), statement for statement.
+
+A batch is one UPDATE fenced row by row by each job's own token and running status, RETURNING
+the ids it completed. A row it did not complete (its token moved on, its row vanished) is then
+written alone through the single-row path, so that it is rejected and audited as it would have
+been. A batch the store does not take raises the same exception in each of its callers; one the
+store refuses hands each row back to the single-row path, so that only a row refused alone is
+refused (a kept result too large for its column fails its own job's write, not its neighbours').
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
+
+import sqlalchemy as sa
+
+from ..errors import StoreRejected, StoreUnavailable
+from ..shield import uninterrupted
+from ..vocabulary import Event
+from .audited import AuditedWrites
+from .base import RESULT_REVISION, StoreEngine
+from .jobs import JobStatements
+from .rows import COMPLETED, RUNNING, fenced_status
+from .workers import WorkerStatements
+
+__all__ = ["Group", "GroupedJobStatements", "Completion"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class _Item(Generic[T, R]):
+    __slots__ = ("answer", "done", "error", "lead", "value")
+
+    def __init__(self, value: T) -> None:
+        self.value = value
+        self.done = threading.Event()
+        self.lead = False
+        self.answer: R | None = None
+        self.error: BaseException | None = None
+
+
+class Group(Generic[T, R]):
+    """Leader/follower group commit of ``write``, which takes a batch and answers each of its items.
+
+    ``write(batch)`` returns one answer per item, in order; what it raises is raised in the
+    thread of every caller of that batch. ``batches`` counts the batches written.
+    """
+
+    def __init__(self, write: Callable[[list[T]], Sequence[R]]) -> None:
+        self._write = write
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pid = os.getpid()
+        self._mutex = threading.Lock()
+        self._queue: list[_Item[T, R]] = []
+        self._writing = False
+        self.batches = 0
+
+    def submit(self, value: T) -> R:
+        """Queue ``value``, and return its answer once the commit holding it is over."""
+        if self._pid != os.getpid():
+            self._reset()  # a forked child: the parent's queue and writer are not its own
+        item: _Item[T, R] = _Item(value)
+        with self._mutex:
+            self._queue.append(item)
+            lead = not self._writing
+            self._writing = True
+        if not lead:
+            item.done.wait()
+            lead = item.lead  # leadership handed on: this item is in the next batch
+        if lead:
+            self._lead()
+        if item.error is not None:
+            raise item.error
+        return item.answer  # type: ignore[return-value]  # set with done, never None when R is not
+
+    def _lead(self) -> None:
+        with self._mutex:
+            batch, self._queue = self._queue, []
+        try:
+            answers = self._write([i.value for i in batch])
+            self.batches += 1
+            for i, answer in zip(batch, answers, strict=True):
+                i.answer = answer
+        except Exception as exc:  # noqa: BLE001 - raised again in the thread of every caller of the batch
+            for i in batch:
+                i.error = exc
+        except BaseException:
+            # The leader itself was stopped (an interrupt): the others do not know whether the
+            # batch committed, as when the store stops answering.
+            for i in batch:
+                i.error = StoreUnavailable("the write of a shared commit was interrupted")
+            raise
+        finally:
+            for i in batch:
+                i.done.set()
+            self._hand_on()
+
+    def _hand_on(self) -> None:
+        with self._mutex:
+            if self._queue:
+                # The oldest waiter leads the next batch, which holds its own write.
+                nxt = self._queue[0]
+                nxt.lead = True
+                nxt.done.set()
+            else:
+                self._writing = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """One caller's completion: its job, its token, its worker and the result it keeps (encoded)."""
+
+    job_id: str
+    token: str
+    worker: str | None
+    result: str | None
+
+
+class GroupedJobStatements(JobStatements):
+    """JobStatements whose completions due at once share one commit (lease_group_commit).
+
+    ``complete`` answers as the single-row one does: True once the completion is committed,
+    False (audited ``stale_completion_rejected``) when the token no longer matches.
+    """
+
+    def __init__(self, db: StoreEngine, audited: AuditedWrites, workers: WorkerStatements) -> None:
+        super().__init__(db, audited, workers)
+        self.group: Group[Completion, bool | None] = Group(self._write_batch)
+
+    def complete(self, job_id: str, token: str, worker: str | None = None, result: str | None = None) -> bool:
+        # Shielded: a lost lease's interruption must not leave a batch without its leader.
+        with uninterrupted():
+            done = self.group.submit(Completion(job_id, token, worker, result))
+        if done is None:
+            # Not completed by the batch: written alone, rejected and audited as alone.
+            return super().complete(job_id, token, worker, result)
+        return done
+
+    def _write_batch(self, batch: list[Completion]) -> list[bool | None]:
+        """Each completion's answer: True or False written alone, True completed by the batch,
+        None not completed by it (its caller writes it alone)."""
+        if len(batch) == 1:
+            only = batch[0]
+            return [super().complete(only.job_id, only.token, only.worker, only.result)]
+        firsts: dict[str, Completion] = {}
+        for c in batch:
+            firsts.setdefault(c.job_id, c)  # a job twice in one batch: the second is written alone
+        try:
+            done = self.complete_many(list(firsts.values()))
+        except StoreRejected:
+            return [None] * len(batch)  # each row again alone: only a row refused alone is refused
+        return [True if firsts[c.job_id] is c and c.job_id in done else None for c in batch]
+
+    def complete_many(self, rows: Sequence[Completion]) -> set[str]:
+        """running -> completed for each row under its own token, in one UPDATE and one commit:
+        the ids it completed. Each row gets what ``complete`` writes (its kept result, and its
+        ``completed`` event with lease_audit_every_transition, in the same transaction)."""
+        j = self.db.t.jobs
+        keep = self.db.at_least(RESULT_REVISION)
+        kept = [(j.c.id == r.job_id, sa.bindparam(None, r.result, type_=sa.Text()))
+                for r in rows if keep and r.result is not None]
+        values: dict[str, object] = dict(
+            status=COMPLETED, completed_at=self.db.now_sql, lease_expires_at=None, lock_token=None,
+            updated_at=self.db.now_sql)
+        if kept:
+            values["result"] = sa.case(*kept, else_=j.c.result)
+        stmt = sa.update(j).where(
+            j.c.id.in_([r.job_id for r in rows]),
+            sa.tuple_(j.c.id, j.c.lock_token).in_([(r.job_id, r.token) for r in rows]),
+            fenced_status(j.c.status, RUNNING),
+        ).values(**values).returning(j.c.id)
+        if self.db.dialect.one_statement_writes and not self.db.audit_every_transition:
+            # PostgreSQL: one statement in autocommit, its own transaction (one round trip, as the
+            # single-row completion), its settings made in its WHERE.
+            stmt = stmt.where(*self.db.dialect.autocommit_settings(self.db.bounds))
+            with self.db._driver_errors(), self.db.engine.connect() as conn:
+                return set(conn.execution_options(isolation_level="AUTOCOMMIT").execute(stmt).scalars())
+        with self.db.begin() as c:
+            done = set(c.execute(stmt).scalars())
+            if done and self.db.audit_every_transition:
+                job = sa.bindparam("ev_job", type_=sa.String())
+                c.execute(sa.insert(self.db.t.events).values(
+                    job_id=job, event=sa.literal(str(Event.COMPLETED), sa.String()), reason=None,
+                    worker=sa.bindparam("ev_worker", type_=sa.String()),
+                    token=sa.bindparam("ev_token", type_=sa.String()), at=self.db.now_sql, detail=None,
+                    **self.db._job_labels(job, c),
+                ), [{"ev_job": r.job_id, "ev_worker": r.worker, "ev_token": r.token[:8]}
+                    for r in rows if r.job_id in done])
+        return done

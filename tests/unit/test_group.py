@@ -1,0 +1,210 @@
+"""The group commit of completions (store/group.py, lease_group_commit): its leader/follower queue,
+and a lone completion that waits for nobody and writes what the single-row path writes.
+
+What a batch writes on each database is in test_store_conformance.py.
+"""
+
+from __future__ import annotations
+
+import secrets
+import sqlite3
+import threading
+
+import pytest
+import sqlalchemy as sa
+
+from celery_lease.config import load
+from celery_lease.errors import StoreUnavailable
+from celery_lease.store import ClaimTerms, JobStatements, Store
+from celery_lease.store.group import Group, GroupedJobStatements
+from tests.helpers import wait_for
+
+TERMS = ClaimTerms(duration=30.0, grace=1.0, max_attempts=5, max_expirations=5, takeover=True)
+
+
+def test_a_lone_write_is_written_at_once_by_its_own_thread():
+    writers: list[tuple[int, list]] = []
+
+    def write(batch: list) -> list:
+        writers.append((threading.get_ident(), batch))
+        return ["ok"]
+
+    group: Group[str, str] = Group(write)
+    assert group.submit("a") == "ok"
+    assert writers == [(threading.get_ident(), ["a"])]
+    assert group.batches == 1 and not group._writing
+
+
+def test_writes_arriving_during_a_commit_share_the_next_one_and_each_caller_gets_its_own_answer():
+    release, first_started = threading.Event(), threading.Event()
+    batches: list[list[str]] = []
+
+    def write(batch: list[str]) -> list[str]:
+        batches.append(batch)
+        if len(batches) == 1:
+            first_started.set()
+            assert release.wait(10)
+        return [f"{v}!" for v in batch]
+
+    group: Group[str, str] = Group(write)
+    answers: dict[str, str] = {}
+
+    def submit(value: str) -> None:
+        answers[value] = group.submit(value)
+
+    leader = threading.Thread(target=submit, args=("lead",))
+    leader.start()
+    assert first_started.wait(10)
+    followers = [threading.Thread(target=submit, args=(f"f{i}",)) for i in range(5)]
+    for t in followers:
+        t.start()
+    wait_for(lambda: len(group._queue) == 5, timeout=10, message="the followers never queued")
+    assert answers == {}  # nobody returns before the commit holding its write
+    release.set()
+    for t in [leader, *followers]:
+        t.join(10)
+    assert [len(b) for b in batches] == [1, 5]
+    assert answers == {v: f"{v}!" for v in ["lead", *(f"f{i}" for i in range(5))]}
+    assert group.batches == 2 and not group._writing
+
+
+def test_a_failed_batch_raises_the_same_error_in_every_caller_and_the_next_batch_still_runs():
+    release, first_started = threading.Event(), threading.Event()
+    calls: list[list[str]] = []
+    failure = StoreUnavailable("commit lost")
+
+    def write(batch: list[str]) -> list[str]:
+        calls.append(batch)
+        if len(calls) == 1:
+            first_started.set()
+            assert release.wait(10)
+        if len(calls) == 2:
+            raise failure
+        return batch
+
+    group: Group[str, str] = Group(write)
+    raised: dict[str, BaseException | None] = {}
+
+    def submit(value: str) -> None:
+        try:
+            group.submit(value)
+            raised[value] = None
+        except StoreUnavailable as exc:
+            raised[value] = exc
+
+    threads = [threading.Thread(target=submit, args=("lead",))]
+    threads[0].start()
+    assert first_started.wait(10)
+    threads += [threading.Thread(target=submit, args=(v,)) for v in ("a", "b", "c")]
+    for t in threads[1:]:
+        t.start()
+    wait_for(lambda: len(group._queue) == 3, timeout=10, message="the followers never queued")
+    release.set()
+    for t in threads:
+        t.join(10)
+    assert raised == {"lead": None, "a": failure, "b": failure, "c": failure}
+    assert group.submit("next") == "next"
+    assert [sorted(c) for c in calls] == [["lead"], ["a", "b", "c"], ["next"]]
+
+
+def test_an_interrupted_leader_raises_its_interrupt_and_its_followers_get_an_unknown_outcome():
+    release, first_started = threading.Event(), threading.Event()
+    calls: list[list[str]] = []
+
+    def write(batch: list[str]) -> list[str]:
+        calls.append(batch)
+        if len(calls) == 1:
+            first_started.set()
+            assert release.wait(10)
+            raise KeyboardInterrupt
+        return batch
+
+    group: Group[str, str] = Group(write)
+    seen: dict[str, BaseException] = {}
+
+    def submit(value: str) -> None:
+        try:
+            group.submit(value)
+        except BaseException as exc:  # noqa: BLE001 - the test records what each caller got
+            seen[value] = exc
+
+    leader = threading.Thread(target=submit, args=("lead",))
+    leader.start()
+    assert first_started.wait(10)
+    # A follower queued behind the interrupted leader leads the next batch and writes its own.
+    follower = threading.Thread(target=submit, args=("after",))
+    follower.start()
+    wait_for(lambda: len(group._queue) == 1, timeout=10, message="the follower never queued")
+    release.set()
+    leader.join(10)
+    follower.join(10)
+    assert isinstance(seen.pop("lead"), KeyboardInterrupt)
+    assert seen == {}
+    assert calls == [["lead"], ["after"]] and not group._writing
+
+
+# -- the store's completions ---------------------------------------------------------------
+def traced_store(url: str, prefix: str, **settings: object) -> tuple[Store, list[str]]:
+    """A store on SQLite and every statement its connections run, as the driver sees them."""
+    store = Store(url, prefix, **settings)  # type: ignore[arg-type]
+    seen: list[str] = []
+
+    @sa.event.listens_for(store.engine, "connect")
+    def trace(dbapi_conn: sqlite3.Connection, _record: object) -> None:
+        dbapi_conn.set_trace_callback(seen.append)
+
+    store.engine.dispose()  # connections opened from now on are traced
+    store.migrate()
+    return store, seen
+
+
+@pytest.mark.parametrize("kept", [None, '"value"'])
+def test_a_lone_completion_waits_for_nobody_and_runs_the_statements_of_the_setting_off(tmp_path, kept):
+    written: dict[bool, list[str]] = {}
+    for on in (False, True):
+        store, seen = traced_store(f"sqlite:///{tmp_path / f'{on}.db'}", "g_", group_commit=on)
+        try:
+            assert isinstance(store.jobs, GroupedJobStatements) is on
+            store.publishes.record("lone", "t.task", "q", "{}", 5)
+            assert store.jobs.claim("lone", "w1", "tok-lone", TERMS, "t.task", "q", lambda: None).claimed
+            del seen[:]
+            assert store.jobs.complete("lone", "tok-lone", "w1", kept) is True
+            written[on] = list(seen)
+            assert store.get("lone").status == "completed"
+            assert store.jobs.kept_result("lone") == kept
+            if on:
+                assert store.jobs.group.batches == 1 and not store.jobs.group._writing
+        finally:
+            store.engine.dispose()
+    assert written[True] == written[False]
+    assert [s.split()[0] for s in written[True]] == ["BEGIN", "UPDATE", "COMMIT"]
+
+
+def test_the_setting_reaches_the_store_and_is_off_by_default(tmp_path):
+    url = f"sqlite:///{tmp_path / 'c.db'}"
+    assert Store.from_config(load({"lease_store_url": url})).group_commit is False
+    assert type(Store(url).jobs) is JobStatements
+    on = Store.from_config(load({"lease_store_url": url, "lease_group_commit": True}))
+    assert on.group_commit is True and isinstance(on.jobs, GroupedJobStatements)
+    # A database that cannot say which rows an UPDATE wrote keeps the single-row completion.
+    mysql = Store("mysql+pymysql://root@127.0.0.1:3306/test", group_commit=True)
+    assert mysql.dialect.group_commit is False and type(mysql.jobs) is JobStatements
+
+
+def test_a_job_twice_in_one_batch_is_completed_once_and_its_second_write_goes_alone(tmp_path):
+    store = Store(f"sqlite:///{tmp_path / 'd.db'}", "g_", group_commit=True)
+    store.migrate()
+    try:
+        assert isinstance(store.jobs, GroupedJobStatements)
+        toks = {}
+        for job in ("a", "b"):
+            store.publishes.record(job, "t.task", "q", "{}", 5)
+            toks[job] = secrets.token_hex(8)
+            assert store.jobs.claim(job, "w1", toks[job], TERMS, "t.task", "q", lambda: None).claimed
+        from celery_lease.store.group import Completion
+
+        batch = [Completion("a", toks["a"], "w1", None), Completion("b", toks["b"], "w1", None),
+                 Completion("a", toks["a"], "w1", None)]
+        assert store.jobs._write_batch(batch) == [True, True, None]
+    finally:
+        store.engine.dispose()
