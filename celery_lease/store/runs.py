@@ -1,10 +1,5 @@
-"""The reaper's runs and the store's small facts (revision 0004): liveness read from the store.
-
-Whichever scheduler starts the reaper (celery beat, django-celery-beat, a loop of its own),
-each run that did its work leaves a row here, so `lease check`, `lease status` and the
-exporter can tell when it last ran. The meta table keeps facts by key, such as the
-exporter's last scrape. On the previous revision neither table exists: the readers say so
-(None from ``supports_runs``) and the writers write nothing.
+"""The reaper's runs and the store's small facts (revision 0004): liveness read from the store,
+whichever scheduler runs the reaper; without the tables readers answer None and writers write nothing.
 """
 
 from __future__ import annotations
