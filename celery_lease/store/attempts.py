@@ -1,8 +1,7 @@
 """A job's previous attempt, kept in the detail of the decision event that ends or replaces it.
 
-The row holds only the last attempt; each re-claim, takeover or recovery reads the one it
-replaces while holding the row, so the events hold every earlier attempt.
-"""
+The row holds only the last attempt; each re-claim, takeover or recovery reads the one it replaces while
+holding the row, so the events hold every earlier attempt."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Audited writes: a transition of one job row and its audit event, as one atomic write.
 
-The hot transitions go through here, built once per store and run in one round trip; a first
-claim or its owner's completion is the row's write alone unless lease_audit_every_transition.
-"""
+The hot transitions go through here, built once per store and run in one round trip; a first claim or its
+owner's completion is the row's write alone unless lease_audit_every_transition."""
 
 from __future__ import annotations
 
@@ -31,10 +30,8 @@ class AuditedWrites:
                  reason: str | None, worker: str | None, token: str | None, detail: Any,
                  key: str | None, params: dict[str, Any] | None, full_row: bool) -> Any:
         """A one-row UPDATE and its audit event as one atomic write: the changed row, or None.
-
-        On PostgreSQL one autocommit statement of data-modifying CTEs, elsewhere one transaction.
-        With ``key`` the statements are built once and reused: building them costs more CPU than running them.
-        """
+        On PostgreSQL one autocommit statement of data-modifying CTEs, elsewhere one transaction. With ``key``
+        the statements are built once and reused: building them costs more CPU than running them."""
         if key and event is None:
             key = f"{key}_unaudited"
         built = self.db._built.get(key) if key else None
@@ -138,10 +135,8 @@ class AuditedWrites:
 
     def _execute_compiled(self, built: _Audited, bind: dict[str, Any]) -> dict[str, Any] | None:
         """Run a statement compiled once on a pooled driver connection, in autocommit: its row or None.
-
-        Skips SQLAlchemy's execution layer, whose cold path costs as much CPU as the round trip;
-        driver errors are wrapped as SQLAlchemy's so that they map as elsewhere.
-        """
+        Skips SQLAlchemy's execution layer, whose cold path costs as much CPU as the round trip; driver errors
+        are wrapped as SQLAlchemy's so that they map as elsewhere."""
         assert built.compiled is not None
         sql, static = built.compiled
         dbapi = self.db.engine.dialect.loaded_dbapi
@@ -169,10 +164,8 @@ class AuditedWrites:
     def _execute_positional(self, built: _Audited, bind: dict[str, Any]) -> dict[str, Any] | None:
         """SQLite's hot writes: a write's statements, compiled once, in one transaction as begin() opens it
         (writer turn, write lock up front); the first one's row ({} when it returns none), or None.
-
-        SQLAlchemy's execution layer costs more CPU than these writes; an UPDATE ... RETURNING that
-        finds no row runs nothing after it. Driver errors are wrapped as SQLAlchemy's.
-        """
+        SQLAlchemy's execution layer costs more CPU than these writes; an UPDATE ... RETURNING that finds no
+        row runs nothing after it. Driver errors are wrapped as SQLAlchemy's."""
         assert built.positional is not None
         first, *rest = built.positional
         dbapi = self.db.engine.dialect.loaded_dbapi

@@ -1,9 +1,8 @@
 """A deadline on every wait of a psycopg connection for the server's answer.
 
-libpq has no read timeout, and neither keepalives, ``tcp_user_timeout`` nor a server-side timeout
-end a wait on a hung server or a black-holed path. A wait past the deadline closes the connection
-(its protocol state is unknown), so the pool drops it.
-"""
+libpq has no read timeout, and neither keepalives, ``tcp_user_timeout`` nor a server-side timeout end a wait
+on a hung server or a black-holed path. A wait past the deadline closes the connection (its protocol state is
+unknown), so the pool drops it."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """The store's statements on a caller's DB-API connection: Django's, inside its ``atomic()``.
 
-Wrapping Django's raw connection in an engine would hand SQLAlchemy the transaction (its first
-connect rolls back, closing commits or rolls back). So each statement is compiled with the
-``format`` paramstyle every Django backend takes and run on Django's own cursor.
-"""
+Wrapping Django's raw connection in an engine would hand SQLAlchemy the transaction (its first connect rolls
+back, closing commits or rolls back). So each statement is compiled with the ``format`` paramstyle every
+Django backend takes and run on Django's own cursor."""
 
 from __future__ import annotations
 

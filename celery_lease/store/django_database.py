@@ -1,8 +1,7 @@
 """The lease store on a Django database: ``CELERY_LEASE_DATABASE = "default"`` (store.database_url).
 
-The URL follows the alias's settings_dict (the test database under Django's test runner); the store
-opens its own connections, so a heartbeat never waits on (or commits) a request's transaction.
-"""
+The URL follows the alias's settings_dict (the test database under Django's test runner); the store opens its
+own connections, so a heartbeat never waits on (or commits) a request's transaction."""
 
 from __future__ import annotations
 

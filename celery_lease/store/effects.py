@@ -1,8 +1,7 @@
 """Statements of fenced effects, resource locks and the monotonic ``advance`` helper.
 
-An effect key is one ``INSERT ... SELECT`` from the jobs row under the caller's token; the ``*_in``
-statements run in the caller's transaction. Locks are rows with a token and an expiry.
-"""
+An effect key is one ``INSERT ... SELECT`` from the jobs row under the caller's token; the ``*_in`` statements
+run in the caller's transaction. Locks are rows with a token and an expiry."""
 
 from __future__ import annotations
 
@@ -78,10 +77,8 @@ class EffectStatements:
     def record_effect_in(self, conn: Connection | Any, key: str, job_id: str, token: str,
                          worker: str | None = None) -> EffectOutcome:
         """Like record_effect, but the key is written in the caller's transaction on ``conn``.
-
-        On MySQL/MariaDB the fenced insert would share-lock the jobs row until the caller commits
-        (blocking heartbeats and the reaper): the fence is read on the store's connection instead.
-        """
+        On MySQL/MariaDB the fenced insert would share-lock the jobs row until the caller commits (blocking
+        heartbeats and the reaper): the fence is read on the store's connection instead."""
         conn = self._caller(conn)
         what = f"effect {key!r}"
         if self.db.dialect.fence_locks_rows:

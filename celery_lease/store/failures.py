@@ -1,8 +1,7 @@
 """What a driver or pool error means for a caller, in words an operator can act on.
 
-Only a missing table or column asks for a migration; an unreachable server or an exhausted pool
-is an outage: the caller fails closed and retries.
-"""
+Only a missing table or column asks for a migration; an unreachable server or an exhausted pool is an outage:
+the caller fails closed and retries."""
 
 from __future__ import annotations
 

@@ -162,10 +162,8 @@ class JobStatements:
     def _insert_first_seen(self, job_id: str, worker: str, token: str, terms: ClaimTerms, task_name: str,
                            queue: str | None, payload: Callable[[], str | None]) -> Job | _Replaced | None:
         """A job published without celery_lease -> a running row of ours; None when another insert won.
-
-        ``_Replaced`` when this is a copy of a replaced run's message whose chain carrier is not
-        recorded yet: run, it would replace the job a second time.
-        """
+        ``_Replaced`` when this is a copy of a replaced run's message whose chain carrier is not recorded yet:
+        run, it would replace the job a second time."""
         j = self.db.t.jobs
         lease = self._lease_values(worker, token, terms.duration, terms.grace, count=False)
         try:
@@ -272,10 +270,8 @@ class JobStatements:
     def cancel(self, job_id: str, reason: str = "revoked", owner: str | None = None,
                task_name: str | None = None, queue: str | None = None) -> bool:
         """pending -> failed because Celery revoked the task; no re-run follows.
-
-        Only with ``owner`` (terminate=True) is a running job cancelled: a revoked delivery may be a
-        late duplicate of a live run. With ``task_name`` a vanished row is recorded again, failed.
-        """
+        Only with ``owner`` (terminate=True) is a running job cancelled: a revoked delivery may be a late
+        duplicate of a live run. With ``task_name`` a vanished row is recorded again, failed."""
         j = self.db.t.jobs
         unfinished = fenced_status(j.c.status, PENDING)
         if owner is not None:

@@ -1,8 +1,7 @@
 """When the store's schema is created, recognised, upgraded, or refused.
 
-Only ``migrate`` changes a schema (a worker start may create an empty one); ``ensure`` refuses
-a revision outside those this code runs against, naming both and what to run.
-"""
+Only ``migrate`` changes a schema (a worker start may create an empty one); ``ensure`` refuses a revision
+outside those this code runs against, naming both and what to run."""
 
 from __future__ import annotations
 
@@ -108,8 +107,7 @@ def migrate(store: object, to: str = "head") -> list[str]:
         except (SchemaMismatch, LeaseConfigError):
             raise
         except (StoreUnavailable, StoreRejected) as exc:
-            # Two processes creating one empty store race; the loser looks again and finds the
-            # schema made (MySQL's DDL is not transactional, so it cannot wait for it).
+            # Two processes creating one store race; MySQL's DDL is not transactional: look again.
             if attempt == 2:
                 raise type(exc)(
                     f"cannot migrate lease store {store.safe_url}: {exc}",  # type: ignore[attr-defined]

@@ -124,10 +124,8 @@ class PublishStatements:
 
     def _record_statements(self, keyed: bool, event_name: Event = Event.PUBLISHED) -> _Audited:
         """The publish record as statements of bind parameters, built once per store: on PostgreSQL one
-        autocommit statement of CTEs, elsewhere an INSERT each in one transaction.
-
-        The event's queue and task are the row's values: a subquery in the same statement would not see it.
-        """
+        autocommit statement of CTEs, elsewhere an INSERT each in one transaction. The event's queue and task
+        are the row's values: a subquery in the same statement would not see it."""
         async_commit = self.db.publish_async_commit
         cache_key = ("record_keyed" if keyed else "record") + ("_async" if async_commit else "")
         built = self.db._built.get(cache_key)

@@ -1,9 +1,8 @@
 """Statements of the reaper: scans of abandoned leases and lost dispatches, recovery CAS, pruning.
 
-Scans hold a batch's rows (``FOR UPDATE SKIP LOCKED`` where the database has it) while the reaper
-publishes and writes the CAS, so a second reaper skips them; each write re-checks what the scan saw.
-``now`` replaces the store's clock in predicates only; written times use the real clock.
-"""
+Scans hold a batch's rows (``FOR UPDATE SKIP LOCKED`` where the database has it) while the reaper publishes
+and writes the CAS, so a second reaper skips them; each write re-checks what the scan saw. ``now`` replaces
+the store's clock in predicates only; written times use the real clock."""
 
 from __future__ import annotations
 
@@ -44,8 +43,6 @@ class Expired:
 
 
 class ReaperStatements:
-    """Statements of the reaper (the module's docstring)."""
-
     def __init__(self, db: StoreEngine) -> None:
         self.db = db
 
@@ -239,10 +236,8 @@ class ReaperStatements:
     def record_reaper_clock(self, state: dict[str, Any], *, held_back: str | None = None,
                             owner: str | None = None, step_back: bool = False) -> bool:
         """Record this run's view of the clock; with ``held_back`` also the hold's audit event.
-
-        With ``step_back`` (the clock stepped back) leases and registry rows left in its future are
-        clamped to now, so a dead owner's job is not delayed; False on a schema without the meta table.
-        """
+        With ``step_back`` (the clock stepped back) leases and registry rows left in its future are clamped to
+        now, so a dead owner's job is not delayed; False on a schema without the meta table."""
         if not self.db.at_least(RUNS_REVISION):
             return False
         j, w = self.db.t.jobs, self.db.t.workers

@@ -1,7 +1,6 @@
 """Statements of ``Task.replace()``: a leased job passes its id to its replacement (the carrier).
 
-Each statement is fenced on the replaced run's token and audited in the same transaction.
-"""
+Each statement is fenced on the replaced run's token and audited in the same transaction."""
 
 from __future__ import annotations
 
@@ -29,10 +28,8 @@ class ReplaceStatements:
     def hand_over(self, job_id: str, token: str, worker: str | None, payload: str | None,
                   carrier: str, nesting: int = 0) -> bool:
         """running -> pending, available now, with the carrier's message; the attempt is given back.
-
-        With ``payload`` None (a chain's last step carries it later) the row is removed, so the dispatch
-        scan never re-sends a step before the steps in front of it ran.
-        """
+        With ``payload`` None (a chain's last step carries it later) the row is removed, so the dispatch scan
+        never re-sends a step before the steps in front of it ran."""
         j = self.db.t.jobs
         fence = self.db._fenced(job_id, token)
         with self.db.begin() as c:

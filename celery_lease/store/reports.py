@@ -1,8 +1,7 @@
 """Statements for operators' reads: status, listings, metrics, tuning samples, the audit log.
 
-A Prometheus scrape reads only indexed ranges: the work in flight, and what finished since the
-previous scrape; never the whole history.
-"""
+A Prometheus scrape reads only indexed ranges: the work in flight, and what finished since the previous
+scrape; never the whole history."""
 
 from __future__ import annotations
 
@@ -177,7 +176,6 @@ class ReportStatements:
             return [Job.from_row(r) for r in c.execute(q)]
 
     def require(self, job_id: str) -> Job:
-        """The job, or JobNotFound naming it."""
         job = self.db.get(job_id)
         if job is None:
             raise JobNotFound(job_id)

@@ -27,10 +27,8 @@ def status_sql(status: Status) -> sa.ColumnElement[Any]:
 
 def fenced_status(column: sa.ColumnElement[Any], status: Status) -> sa.ColumnElement[bool]:
     """``column`` is ``status``, in a statement that finds its rows by id, written so no index matches it.
-
-    Statistics that count no pending job would otherwise send each claim of a sudden backlog through
-    the whole pending index instead of the primary key (measured: twice as slow at 2,000).
-    """
+    Statistics that count no pending job would otherwise send each claim of a sudden backlog through the whole
+    pending index instead of the primary key (measured: twice as slow at 2,000)."""
     return sa.func.coalesce(column, sa.literal_column("''")) == status_sql(status)
 
 

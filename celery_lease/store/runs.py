@@ -1,6 +1,5 @@
-"""The reaper's runs and the store's small facts (revision 0004): liveness read from the store,
-whichever scheduler runs the reaper; without the tables readers answer None and writers write nothing.
-"""
+"""The reaper's runs and the store's small facts (revision 0004): liveness read from the store, whichever
+scheduler runs the reaper; without the tables readers answer None and writers write nothing."""
 
 from __future__ import annotations
 

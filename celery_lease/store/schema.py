@@ -1,7 +1,6 @@
 """The store's tables at the newest schema revision (SQLAlchemy Core), times in epoch seconds.
 
-A change here lands with a new migration; test_migrations.py proves upgrading gives these tables.
-"""
+A change here lands with a new migration; test_migrations.py proves upgrading gives these tables."""
 
 from __future__ import annotations
 
@@ -42,14 +41,12 @@ class Tables:
 
 
 def _key() -> sa.types.TypeEngine:
-    # MySQL/MariaDB compare with the database's collation, case-insensitive by default:
-    # distinct keys such as "ch_1Ab" and "ch_1aB" must not collide.
+    # MySQL/MariaDB's default collation is case-insensitive: "ch_1Ab" and "ch_1aB" must not collide.
     return sa.String(ID).with_variant(mysql.VARCHAR(ID, collation="utf8mb4_bin"), "mysql", "mariadb")
 
 
 def _long_text() -> sa.types.TypeEngine:
-    # A message, result, checkpoint or error: MySQL/MariaDB's TEXT holds 64 KB, LONGTEXT what
-    # Celery carries (revision 0007); the other databases' TEXT has no such limit.
+    # MySQL/MariaDB's TEXT holds 64 KB; LONGTEXT holds what Celery carries (a message, a result).
     return sa.Text().with_variant(mysql.LONGTEXT(), "mysql", "mariadb")
 
 

@@ -30,6 +30,5 @@ class WorkerStatements:
         return self.db.dialect.upsert(self.db.t.workers, values, update=("last_seen_at",))
 
     def touch_worker(self, worker_id: str, hostname: str, pid: int) -> None:
-        """Register a worker process, or refresh its last_seen_at."""
         with self.db.begin() as c:
             c.execute(self._seen(worker_id, hostname, pid))
