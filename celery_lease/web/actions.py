@@ -42,8 +42,6 @@ def _request() -> tuple[Console, DeadLetterAction, list[str]]:
 
 
 def register(web: Flask) -> None:
-    """Add the dead letters' plan and confirm steps to ``web``."""
-
     @web.post("/dead-letters/plan", endpoint="plan")
     def plan() -> Any:
         c, action, ids = _request()

@@ -139,8 +139,6 @@ def _jobs_filters() -> tuple[dict[str, Any], str | None]:
 
 
 def register(web: Flask) -> None:
-    """Add the read-only pages to ``web``."""
-
     @web.get("/", endpoint="overview")
     def overview() -> str:
         return render_template("overview.html", page="overview", **overview_data(console()))
