@@ -112,8 +112,7 @@ class EffectStatements:
         return for_caller(conn, self.db.engine.dialect)
 
     def record_unfenced_effect_in(self, conn: Any, key: str, job_id: str) -> EffectOutcome:
-        """Insert ``key`` in the caller's transaction for a run that holds no lease (an eager run):
-        FIRST, or DUPLICATE when the key is recorded already."""
+        """Write ``key`` in the caller's transaction for a run without a lease (eager): FIRST or DUPLICATE."""
         conn = self._caller(conn)
         with self._caller_errors(conn, f"effect {key!r}"):
             inserted = conn.execute(self._effect_insert(key, job_id, "", fenced=False))

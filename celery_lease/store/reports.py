@@ -81,8 +81,7 @@ class ReportStatements:
         return now, sorted(counts, key=lambda r: (r[0] or "", r[1]))
 
     def list_workers(self, limit: int = 100) -> tuple[float, list[dict[str, Any]]]:
-        """The store's now and up to ``limit`` registered worker processes, most recently seen first,
-        each with ``alive`` (seen within lease_worker_stale_after)."""
+        """The store's now and up to ``limit`` worker processes, latest seen first, each with ``alive``."""
         w = self.db.t.workers
         with self.db.begin(long=True, read=True) as c:
             now = self._now(c)
@@ -99,8 +98,7 @@ class ReportStatements:
         return {"alive": int(live or 0), "stale": int(total or 0) - int(live or 0)}
 
     def worker_pools(self) -> dict[str, int]:
-        """Pools of the worker processes seen within lease_worker_stale_after: name -> processes
-        (empty on the previous schema revision, which does not record pools)."""
+        """Pools of the live worker processes: name -> processes (empty on a schema without pools)."""
         w = self.db.t.workers
         if not self.db.at_least(POOL_REVISION):
             return {}

@@ -29,8 +29,7 @@ class RunStatements:
 
     def record_reaper_run(self, duration: float, counts: Mapping[str, Any], worker: str | None,
                           keep: int) -> bool:
-        """Record a finished run (finished now, on the store's clock) and drop all but the newest
-        ``keep`` runs; False, writing nothing, on a schema without the table."""
+        """Record a finished run and drop all but the newest ``keep``; False on a schema without the table."""
         if not self.supports_runs:
             return False
         r = self.db.t.reaper_runs
