@@ -1,11 +1,8 @@
-"""The names celery_lease stores and reports: statuses, outcomes, decisions, policy values,
-failure kinds, modes and audit events.
+"""The names celery_lease stores and reports: statuses, outcomes, decisions, policy values, failure kinds,
+modes and audit events.
 
-Every name is a ``str`` enum member: it equals, hashes, formats and binds as the
-string already stored in the database (``Status.RUNNING == "running"``), so
-existing stores read the same. The groups at the bottom are what metrics, the
-CLI and the checks count; they are built from the members, never from literals.
-"""
+Each is a ``str`` enum member equal to the string stored (``Status.RUNNING == "running"``), so existing
+stores read the same; the groups at the bottom are built from the members, never from literals."""
 
 from __future__ import annotations
 
@@ -70,8 +67,7 @@ class RunEnd(Name):
 
 
 class TimelineSource(Name):
-    """Where an entry of a job's timeline comes from: a stored event row, or the job's row (a
-    claim or a completion that wrote no event: lease_audit_every_transition is off)."""
+    """Where an entry of a job's timeline comes from: a stored event row, or the job's row."""
 
     EVENT = "event"
     ROW = "row"
@@ -108,15 +104,13 @@ class Decision(Name):
     FAIL = "fail"
     REDISPATCH = "redispatch"
     SKIP_OWNER_ALIVE = "skip_owner_alive"
-    # Left alone after the store was unreachable or its clock stepped: its owner gets a lease's
-    # time to renew against the store as it is now.
+    # After an outage or a clock step: its owner gets a lease's time to renew first.
     HOLD_BACK = "hold_back"
 
 
 class WorkerLostOutcome(Name):
     """What settling a dead pool child's lease came to: a decision applied, or why none was."""
 
-    # The Decision applied (recover_worker_lost).
     REQUEUE = "requeue"
     DEAD_LETTER = "dead_letter"
     FAIL = "fail"
@@ -163,8 +157,7 @@ class Event(Name):
     REPUBLISHED = "republished"
     CLAIMED = "claimed"
     LEASE_TAKEN_OVER = "lease_taken_over"
-    # A worker's own claim whose answer it never got, taken back under a new token: the same
-    # owner, so neither a takeover nor a recovery.
+    # A worker's own claim whose answer it never got, taken back: neither a takeover nor a recovery.
     CLAIM_TAKEN_BACK = "claim_taken_back"
     COMPLETED = "completed"
     FAILED = "failed"
@@ -173,9 +166,7 @@ class Event(Name):
     REVOKED = "revoked"
     LEASE_LOST = "lease_lost"
     DEAD_LETTER_PUBLISHED = "dead_letter_published"
-    # Task.replace(): the job's id passed to its replacement, which claims it (or records it
-    # when it is published later in a chain); or, when the replacement is not leased, the
-    # job's lease ends with it.
+    # Task.replace(): the job's id passed to its replacement; or its lease ends (replacement not leased).
     HANDED_OVER = "handed_over"
     REPLACED = "replaced"
     # Leases given back before expiry: the release's reason is its event.
@@ -183,14 +174,12 @@ class Event(Name):
     REJECTED_REQUEUE = "rejected_requeue"
     # A lease this worker stopped trusting on its own clock, given back once the store answered.
     RELEASED_AFTER_LOCAL_LOSS = "released_after_local_loss"
-    # A body that met an unreachable store where it could not wait (a publish, a hand-over):
-    # its job given back, attempt uncharged, once the store answered.
+    # A body that met an unreachable store where it could not wait: given back, attempt uncharged.
     RELEASED_AFTER_OUTAGE = "released_after_outage"
     # Deliveries whose body did not run.
     EARLY_DELIVERY_DEFERRED = "early_delivery_deferred"
     DUPLICATE_DELIVERY_SKIPPED = "duplicate_delivery_skipped"
-    # A delivery of a completed job whose result never reached the result backend (a crash
-    # interrupted Celery's post-run work): the kept result is stored and the canvas continues.
+    # A completed job whose result a crash kept from the backend: the kept result is stored.
     POST_RUN_RESUMED = "post_run_resumed"
     # Writes of a worker that had lost its lease, rejected by the token check.
     STALE_COMPLETION_REJECTED = "stale_completion_rejected"
@@ -211,8 +200,7 @@ class Event(Name):
     DEAD_LETTERED = "dead_lettered"
     REAP_SKIPPED_OWNER_ALIVE = "reap_skipped_owner_alive"
     REDISPATCHED = "redispatched"
-    # A reaper run found a gap in the store's history or a step of its clock, and takes nothing
-    # back until every owner had a lease's time to renew (one event per hold, its reason).
+    # A gap in the store's history or a clock step: nothing taken back until owners could renew.
     REAPER_HELD_BACK = "reaper_held_back"
     # An operator.
     MANUAL_REQUEUE = "manual_requeue"
@@ -248,8 +236,7 @@ class Severity(Name):
 class TaskEvent(Name):
     """A Celery task event the lease sends for a move no worker reports (events.py)."""
 
-    # Celery's own names: Flower and celery.events.state.State know these. A custom type would
-    # rank above STARTED there (states.precedence gives unknown states None's place).
+    # Celery's own names: a custom type would rank above STARTED in Flower (states.precedence).
     FAILED = "task-failed"
     RETRIED = "task-retried"
 

@@ -1,7 +1,5 @@
-"""Jobs, events, plans and the reaper's state as rows an operator reads, for the CLI and the web page.
-
-Both show the same rows from the same store reads; they live here so the page never imports the CLI.
-"""
+"""Jobs, events, plans and the reaper's state as rows an operator reads, for the CLI and the web page
+(here so the page never imports the CLI)."""
 
 from __future__ import annotations
 
@@ -42,9 +40,8 @@ def job_dict(job: Job, payload: bool = False) -> dict[str, Any]:
     return data
 
 
-# Where a timeline entry comes from: a stored event row, or the job's row (a first claim and
-# its owner's completion write no event unless lease_audit_every_transition; a decision's event
-# keeps the attempt it followed, whose start and owner the row held then).
+# Where a timeline entry comes from: a stored event, or the job's row (a first claim and its
+# completion write no event unless lease_audit_every_transition).
 FROM_EVENT, FROM_ROW = TimelineSource.EVENT, TimelineSource.ROW
 # The events whose worker became (or stayed) the job's owner: each one starts an attempt.
 _STARTS = (Event.CLAIMED, Event.LEASE_TAKEN_OVER, Event.CLAIM_TAKEN_BACK)
@@ -72,8 +69,7 @@ def _attempts(job: Job | None, stored: list[dict[str, Any]]) -> dict[float, dict
         if detail.get(PREVIOUS_STARTED_AT) is None:
             continue
         began = float(detail[PREVIOUS_STARTED_AT])
-        # A retry or release cleared the owner from the row before the decision read it: its own
-        # event names it.
+        # A retry or release cleared the owner before the decision read it: its own event names it.
         owner = detail.get(PREVIOUS_OWNER) or next(
             (x["worker"] for x in reversed(stored[:n]) if x["worker"] and x["at"] >= began), None)
         found.setdefault(began, {"owner": owner, "token": detail.get(PREVIOUS_TOKEN),
@@ -86,14 +82,8 @@ def _attempts(job: Job | None, stored: list[dict[str, Any]]) -> dict[float, dict
 
 def job_timeline(job: Job | None, events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """A job's stored events and the claims and completion its row records, in time order, each
-    marked with its ``source`` (FROM_EVENT or FROM_ROW).
-
-    An attempt's start is known from the row (started_at, locked_by: the last attempt) and from
-    the decisions that ended or replaced one (previous_started_at, previous_owner). An attempt
-    no claiming event stored (at or after its start, before the next one) is listed as a claim
-    from the row: the first claim, and the first claim of a row recorded again. The completion
-    is the row's completed_at when no completion event is stored.
-    """
+    marked with its ``source``; an attempt (from the row or a decision's detail) that no stored event
+    claimed is listed as a claim from the row."""
     stored = [{**e, "source": FROM_EVENT} for e in events]
     job_id = job.id if job is not None else (stored[0]["job_id"] if stored else "")
     attempts = _attempts(job, stored)

@@ -1,12 +1,7 @@
-"""A job's previous attempt, as the decisions that replace or recover it record it.
+"""A job's previous attempt, kept in the detail of the decision event that ends or replaces it.
 
-A first claim and its owner's completion write only the job's row (unless
-lease_audit_every_transition): the row holds the last attempt (locked_by, started_at,
-attempt_count). A decision that ends or replaces an attempt (a re-claim, a takeover, a claim
-taken back, a reaper's or an operator's recovery) reads that attempt's owner, token and start
-in its own transaction, holding the row, and keeps them in its event's detail: so the events
-hold every earlier attempt and the row the last one.
-"""
+The row holds only the last attempt; each re-claim, takeover or recovery reads the one it replaces while
+holding the row, so the events hold every earlier attempt."""
 
 from __future__ import annotations
 
@@ -36,10 +31,7 @@ def attempt_detail(owner: str | None, token: str | None, started_at: float | Non
 
 
 def previous_attempt(db: StoreEngine, c: Connection, *where: sa.ColumnElement[bool]) -> dict[str, Any] | None:
-    """The attempt of the jobs row ``where`` finds, holding that row until ``c`` ends (None: no such row).
-
-    The caller's write that follows, with the same conditions, changes the row read here.
-    """
+    """The attempt of the jobs row ``where`` finds, holding that row for the caller's write (None: no row)."""
     j = db.t.jobs
     row = c.execute(db.dialect.hold_rows(sa.select(j.c.locked_by, j.c.lock_token, j.c.started_at)
                                          .where(*where), j)).first()
@@ -48,12 +40,8 @@ def previous_attempt(db: StoreEngine, c: Connection, *where: sa.ColumnElement[bo
 
 def reclaim_pending(db: StoreEngine, c: Connection, job_id: str, worker: str, token: str,
                     lease: Mapping[str, Any], recovery: Mapping[str, Any] | None) -> bool:
-    """A pending, available job that ran before -> ours (the columns ``lease``, the task's
-    ``recovery`` policy), audited ``claimed`` with the attempt before; False when it is no longer
-    such a job.
-
-    The first claim of a job (no attempt before: started_at is NULL) is the one-statement claim.
-    """
+    """A pending, available job that ran before -> ours, audited ``claimed`` with the attempt before;
+    False when it is no longer such a job (a first claim is the one-statement claim)."""
     j = db.t.jobs
     where = [j.c.id == job_id, fenced_status(j.c.status, PENDING), j.c.started_at.is_not(None),
              j.c.available_at <= db.now_sql + db.clock_tolerance]

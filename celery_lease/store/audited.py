@@ -1,10 +1,7 @@
 """Audited writes: a transition of one job row and its audit event, as one atomic write.
 
-The hot transitions (claim, complete, the publish record) go through here: built once per
-store, compiled once for the driver where the dialect allows, run in one round trip. A
-transition the job's row records by itself (a first claim, its owner's completion) passes no
-event unless lease_audit_every_transition: then it is the row's write alone.
-"""
+The hot transitions go through here, built once per store and run in one round trip; a first claim or its
+owner's completion is the row's write alone unless lease_audit_every_transition."""
 
 from __future__ import annotations
 
@@ -33,14 +30,8 @@ class AuditedWrites:
                  reason: str | None, worker: str | None, token: str | None, detail: Any,
                  key: str | None, params: dict[str, Any] | None, full_row: bool) -> Any:
         """A one-row UPDATE and its audit event as one atomic write: the changed row, or None.
-
-        Where the dialect allows (PostgreSQL) it is a single statement in autocommit (the
-        UPDATE and the event INSERT in data-modifying CTEs): one round trip instead of four.
-        Elsewhere it is an UPDATE, an INSERT and a commit in one transaction. With ``key``
-        the statements are built once (from a callable using bind parameters ``params``) and
-        reused: on the hot path, building them costs more CPU than running them; on
-        PostgreSQL they are also compiled once and run on the driver connection.
-        """
+        On PostgreSQL one autocommit statement of data-modifying CTEs, elsewhere one transaction. With ``key``
+        the statements are built once and reused: building them costs more CPU than running them."""
         if key and event is None:
             key = f"{key}_unaudited"
         built = self.db._built.get(key) if key else None
@@ -144,11 +135,8 @@ class AuditedWrites:
 
     def _execute_compiled(self, built: _Audited, bind: dict[str, Any]) -> dict[str, Any] | None:
         """Run a statement compiled once on a pooled driver connection, in autocommit: its row or None.
-
-        The hot transitions (claim, complete) skip SQLAlchemy's execution layer: on a
-        worker that sleeps between tasks its cold path costs as much CPU as the round
-        trip. Driver errors are wrapped as SQLAlchemy's so that they map as elsewhere.
-        """
+        Skips SQLAlchemy's execution layer, whose cold path costs as much CPU as the round trip; driver errors
+        are wrapped as SQLAlchemy's so that they map as elsewhere."""
         assert built.compiled is not None
         sql, static = built.compiled
         dbapi = self.db.engine.dialect.loaded_dbapi
@@ -174,15 +162,10 @@ class AuditedWrites:
         return None if values is None else dict(zip(built.columns, values, strict=True))
 
     def _execute_positional(self, built: _Audited, bind: dict[str, Any]) -> dict[str, Any] | None:
-        """Run a write's statements, compiled once, in one transaction on a pooled driver
-        connection: the first one's row ({} when it returns none), or None when it changed nothing.
-
-        SQLite's hot writes (claim, complete, the publish record): its statements take
-        microseconds, and SQLAlchemy's execution layer around them cost more CPU than the
-        writes. An UPDATE ... RETURNING that finds no row runs nothing after it. The transaction
-        is what begin() would open (this process's writer turn, the write lock up front);
-        driver errors are wrapped as SQLAlchemy's so that they map as elsewhere.
-        """
+        """SQLite's hot writes: a write's statements, compiled once, in one transaction as begin() opens it
+        (writer turn, write lock up front); the first one's row ({} when it returns none), or None.
+        SQLAlchemy's execution layer costs more CPU than these writes; an UPDATE ... RETURNING that finds no
+        row runs nothing after it. Driver errors are wrapped as SQLAlchemy's."""
         assert built.positional is not None
         first, *rest = built.positional
         dbapi = self.db.engine.dialect.loaded_dbapi
@@ -204,9 +187,7 @@ class AuditedWrites:
                             sql = "COMMIT"
                             cursor.execute(sql)
                         except BaseException:
-                            # Inside the writer turn, whatever the pool's reset setting: the
-                            # error raised is the statement's; a connection too dead to roll
-                            # back fails its return to the pool and is discarded there.
+                            # Still in the writer turn; a connection too dead to roll back: the pool drops it.
                             with contextlib.suppress(dbapi.Error):
                                 raw.rollback()
                             raise

@@ -1,12 +1,8 @@
 """A deadline on every wait of a psycopg connection for the server's answer.
 
-libpq has no read timeout. A server that hangs, or a path that black-holes packets after
-the peer's kernel acknowledged them, leaves a statement waiting for ever: keepalives only
-probe idle sockets, ``tcp_user_timeout`` only counts unacknowledged data, and a server-side
-timeout never fires for a statement that never reached the server. psycopg waits for each
-answer in ``Connection.wait``; the connection class here gives that wait a deadline, and
-closes the connection when it passes (its protocol state is unknown), so the pool drops it.
-"""
+libpq has no read timeout, and neither keepalives, ``tcp_user_timeout`` nor a server-side timeout end a wait
+on a hung server or a black-holed path. A wait past the deadline closes the connection (its protocol state is
+unknown), so the pool drops it."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""The built form of an audited write: its statements, made once per store and reused.
-
-Shared by the store's plumbing (which caches them) and the audited writes (which build and run them).
-"""
+"""The built form of an audited write: its statements, made once per store and reused."""
 
 from __future__ import annotations
 
@@ -29,12 +26,8 @@ class _Audited:
 
 @dataclasses.dataclass(frozen=True)
 class _Positional:
-    """A statement compiled once for a driver of positional parameters (SQLite's ``?``).
-
-    ``names`` orders the bind parameters; ``static`` holds the values SQLAlchemy made
-    parameters of literals; ``binds`` and ``results`` are the types' conversions SQLAlchemy
-    would apply on the way in and out (a Boolean stored as an integer).
-    """
+    """A statement compiled once for a driver of positional parameters (SQLite's ``?``), with the type
+    conversions SQLAlchemy would apply on the way in and out (a Boolean stored as an integer)."""
 
     sql: str
     names: tuple[str, ...]

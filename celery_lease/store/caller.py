@@ -1,14 +1,8 @@
 """The store's statements on a caller's DB-API connection: Django's, inside its ``atomic()``.
 
-``effect(key, connection=django.db.connection)`` writes the key in the caller's
-transaction. Django's connection is not a SQLAlchemy one, and wrapping its raw
-connection in an engine (``creator=``) would hand SQLAlchemy the transaction: its
-first connect rolls back to read the server version, and closing the wrapper rolls
-back or commits. So each statement is compiled here for the store's dialect with the
-``format`` paramstyle that every Django backend takes (``%s``; SQLite's wrapper turns it
-into ``?``) and run on Django's own cursor: the key joins whatever Django has open and
-commits or rolls back with it, and Django's execute wrappers and query log see it.
-"""
+Wrapping Django's raw connection in an engine would hand SQLAlchemy the transaction (its first connect rolls
+back, closing commits or rolls back). So each statement is compiled with the ``format`` paramstyle every
+Django backend takes and run on Django's own cursor."""
 
 from __future__ import annotations
 
@@ -50,11 +44,8 @@ class CallerResult:
 
 
 class CallerConnection:
-    """A Django connection seen as the part of a SQLAlchemy Connection the effect statements use.
-
-    ``dialect`` is the store's dialect compiling for ``%s`` placeholders; ``execute`` runs on
-    a fresh Django cursor, so nothing here begins, commits or rolls back.
-    """
+    """A Django connection seen as the part of a SQLAlchemy Connection the effect statements use;
+    nothing here begins, commits or rolls back."""
 
     def __init__(self, wrapper: Any, dialect: Dialect) -> None:
         self.wrapper = wrapper
@@ -82,8 +73,7 @@ class CallerConnection:
         except sa.exc.SQLAlchemyError:
             raise
         except Exception as exc:
-            # Django re-raises the driver's error as its own (``from`` the driver's): the store's
-            # error classification reads the driver's, as on its own connections.
+            # Django re-raises the driver's error as its own; the store classifies the driver's.
             driver = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
             raise sa.exc.DBAPIError(str(compiled), params, driver) from exc
 

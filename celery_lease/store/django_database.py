@@ -1,11 +1,7 @@
 """The lease store on a Django database: ``CELERY_LEASE_DATABASE = "default"`` (store.database_url).
 
-The store's SQLAlchemy URL is built from ``connections[alias].settings_dict`` when the store is
-first used, and again whenever that dict names another database: under Django's test runner
-it is the test database (``test_<name>``, and each ``--parallel`` worker's clone). The store
-opens connections of its own to that database; it never runs on Django's connection, so a
-heartbeat or a claim never waits on (or commits) a request's transaction.
-"""
+The URL follows the alias's settings_dict (the test database under Django's test runner); the store opens its
+own connections, so a heartbeat never waits on (or commits) a request's transaction."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """Statements of fenced effects, resource locks and the monotonic ``advance`` helper.
 
-An effect key is inserted only while its job's row still carries the caller's
-token: one ``INSERT ... SELECT`` from the jobs row, whose "nothing inserted" is
-told apart afterwards (the key exists, or the lease is gone). The ``*_in`` statements run
-in the caller's transaction: on a SQLAlchemy Connection, or on Django's (caller.py). Resource
-locks are rows with their own token and an expiry on the store's clock.
-"""
+An effect key is one ``INSERT ... SELECT`` from the jobs row under the caller's token; the ``*_in`` statements
+run in the caller's transaction. Locks are rows with a token and an expiry."""
 
 from __future__ import annotations
 
@@ -23,8 +19,6 @@ from .caller import for_caller, is_django
 
 __all__ = ["EffectStatements", "advance_statement"]
 
-# What a fenced insert found (EffectOutcome): the caller wrote the key (or took the lock),
-# the key exists already (the lock is held), or the caller's job lease is gone.
 FIRST, DUPLICATE, LOST = EffectOutcome.FIRST, EffectOutcome.DUPLICATE, EffectOutcome.LOST
 
 
@@ -48,13 +42,10 @@ class EffectStatements:
     def __init__(self, db: StoreEngine) -> None:
         self.db = db
 
-    # -- fencing ----------------------------------------------------------------
     def _lease_held(self, c: Connection, job_id: str, token: str) -> bool:
-        """Whether the job's row still carries this token (read on ``c``)."""
         j = self.db.t.jobs
         return c.execute(sa.select(j.c.id).where(self.db._fenced(job_id, token))).first() is not None
 
-    # -- effects ------------------------------------------------------------------
     def _effect_insert(self, key: str, job_id: str, token: str, fenced: bool = True) -> Any:
         e, j = self.db.t.effects, self.db.t.jobs
         if not fenced:
@@ -86,13 +77,8 @@ class EffectStatements:
     def record_effect_in(self, conn: Connection | Any, key: str, job_id: str, token: str,
                          worker: str | None = None) -> EffectOutcome:
         """Like record_effect, but the key is written in the caller's transaction on ``conn``.
-
-        Where the fenced ``INSERT ... SELECT`` only reads the jobs row (PostgreSQL, SQLite) it
-        runs on ``conn``. On MySQL/MariaDB it would hold a shared lock on the jobs row until
-        the caller commits (blocking heartbeats and the reaper), so the fence is read on the
-        store's own connection just before a plain insert of the key on ``conn``. Raises
-        ValueError for a connection to another kind of database.
-        """
+        On MySQL/MariaDB the fenced insert would share-lock the jobs row until the caller commits (blocking
+        heartbeats and the reaper): the fence is read on the store's connection instead."""
         conn = self._caller(conn)
         what = f"effect {key!r}"
         if self.db.dialect.fence_locks_rows:
@@ -107,15 +93,13 @@ class EffectStatements:
             if conn.execute(self._effect_insert(key, job_id, token)).rowcount == 1:
                 return FIRST
             if self.db.dialect.single_writer:
-                # The caller's connection may hold the database's only write lock: a second
-                # connection would wait for it, so read and audit on the caller's.
+                # The caller's connection may hold the only write lock: read and audit on it.
                 return self._duplicate_or_lost(conn, key, job_id, token, worker)
         with self.db.begin() as c:
             return self._duplicate_or_lost(c, key, job_id, token, worker)
 
     def _caller(self, conn: Any) -> Any:
-        """The caller's connection as the statements take it: SQLAlchemy's as is, Django's wrapped
-        (caller.py); ValueError for a connection to another kind of database."""
+        """The caller's connection as the statements take it; ValueError for another kind of database."""
         django = is_django(conn)
         name = conn.vendor if django else conn.dialect.name
         if not self.db.dialect.speaks(name):
@@ -128,8 +112,7 @@ class EffectStatements:
         return for_caller(conn, self.db.engine.dialect)
 
     def record_unfenced_effect_in(self, conn: Any, key: str, job_id: str) -> EffectOutcome:
-        """Insert ``key`` in the caller's transaction for a run that holds no lease (an eager run):
-        FIRST, or DUPLICATE when the key is recorded already."""
+        """Write ``key`` in the caller's transaction for a run without a lease (eager): FIRST or DUPLICATE."""
         conn = self._caller(conn)
         with self._caller_errors(conn, f"effect {key!r}"):
             inserted = conn.execute(self._effect_insert(key, job_id, "", fenced=False))
@@ -149,11 +132,8 @@ class EffectStatements:
 
     def release_effect(self, key: str, job_id: str, token: str, worker: str | None = None,
                        reason: str | None = None) -> bool:
-        """Delete a key whose block failed, only while ``token`` still holds the job.
-
-        When the lease is gone the key stays (a stale owner changes nothing) and an
-        ``effect_unconfirmed`` event names it: the effect may not have happened.
-        """
+        """Delete a key whose block failed while ``token`` holds the job; else keep it, audited
+        ``effect_unconfirmed`` (the effect may not have happened)."""
         e = self.db.t.effects
         with self.db.begin() as c:
             res = c.execute(sa.delete(e).where(
@@ -175,20 +155,15 @@ class EffectStatements:
         with self._caller_errors(conn, f"effect {key!r}"):
             return conn.execute(sa.delete(e).where(e.c.key == key, e.c.job_id == job_id)).rowcount == 1
 
-    # -- resource locks ---------------------------------------------------------------
     def acquire_lock(self, resource: str, token: str, ttl: float, owner: str | None = None,
                      job_id: str | None = None, job_token: str | None = None) -> EffectOutcome:
-        """Take ``resource`` if it is free or expired: FIRST (taken), DUPLICATE (held) or LOST.
-
-        With ``job_token`` the lock is taken only while that job lease holds; LOST otherwise,
-        audited as ``stale_lock_rejected`` like a stale effect.
-        """
+        """Take ``resource`` if it is free or expired: FIRST, DUPLICATE (held) or LOST (with ``job_token``,
+        that job's lease is gone; audited)."""
         for attempt in range(3):
             try:
                 return self._acquire_lock_once(resource, token, ttl, owner, job_id, job_token)
             except StoreUnavailable as exc:
-                # Racing takers of one key can deadlock on MySQL; the loser's transaction was
-                # rolled back whole, so running it again is safe.
+                # Racing takers can deadlock on MySQL; the loser was rolled back whole: safe to rerun.
                 if attempt == 2 or not self.db.dialect.retryable(exc.__cause__):
                     raise
         raise AssertionError("unreachable")

@@ -1,11 +1,7 @@
 """What a driver or pool error means for a caller, in words an operator can act on.
 
-Only a missing table or column asks for a migration; a refused statement says what
-was refused (permission, syntax, data, constraint); an unreachable or silent server,
-and a pool with no free connection, are outages: the caller fails closed and retries.
-Each dialect tells the kind of a driver error (store/dialects.py); the generic SQLAlchemy
-class decides when it cannot.
-"""
+Only a missing table or column asks for a migration; an unreachable server or an exhausted pool is an outage:
+the caller fails closed and retries."""
 
 from __future__ import annotations
 
@@ -40,10 +36,7 @@ def _generic(exc: Exception) -> StoreFailure:
 
 
 def classify(exc: Exception, where: str, bounds: object, kind: StoreFailure | None) -> LeaseError:
-    """The LeaseError for ``exc``, raised by a call on the store ``where`` (a URL without password).
-
-    ``kind`` is the dialect's reading of the driver error, or None to go by SQLAlchemy's class.
-    """
+    """The LeaseError for ``exc`` on the store ``where``; ``kind`` is the dialect's reading, or None."""
     kind = kind or _generic(exc)
     detail = getattr(exc, "orig", None) or exc
     call = getattr(bounds, "call", None)

@@ -1,10 +1,4 @@
-"""The worker's reads of its deliveries' jobs: the consumer's glance and the broker's lease check.
-
-``glance`` finds the job by its primary key and answers only what tells a sure duplicate
-from a delivery the task must see: the status, the owner, whether its lease is live on the
-store's clock and whether a completed job kept its result. strategy.py decides with it.
-``leases_alive`` tells which deliveries a broker holds hidden are still leased (brokers.py).
-"""
+"""The worker's reads of its deliveries' jobs: the consumer's glance and the broker's lease check."""
 
 from __future__ import annotations
 

@@ -41,7 +41,6 @@ class JobStatements:
         self.audited = audited
         self.workers = workers
 
-    # -- claim ------------------------------------------------------------
     def _lease_values(self, worker: Any, token: Any, duration: Any, grace: Any,
                       count: bool = True) -> dict[str, Any]:
         """The columns of a new lease, from values or bind parameters (``count``: one more attempt)."""
@@ -69,8 +68,7 @@ class JobStatements:
             **self._lease_values(sa.bindparam("worker"), sa.bindparam("token"), duration, grace), **recovery)
 
     def _complete_running(self, keep: bool = False) -> sa.Update:
-        """running -> completed under the token (``keep``: with the result), as a statement of bind
-        parameters."""
+        """running -> completed under the token (``keep``: with the result), of bind parameters."""
         j = self.db.t.jobs
         kept = {"result": sa.bindparam("result", type_=sa.Text())} if keep else {}
         return sa.update(j).where(
@@ -82,12 +80,8 @@ class JobStatements:
 
     def claim(self, job_id: str, worker: str, token: str, terms: ClaimTerms, task_name: str,
               queue: str | None, payload: Callable[[], str | None]) -> Claim:
-        """Take the job's lease: a pending, available job or (``terms.takeover``) an abandoned running one.
-
-        A pending job becomes available at ``available_at``; lease_clock_tolerance is how many
-        seconds before that a delivery still claims it (the clocks of worker and store differ).
-        A job the store does not know is created as ours (``payload`` makes its stored message).
-        """
+        """Take the job's lease: a pending job available within lease_clock_tolerance (the clocks differ),
+        an abandoned running one (``terms.takeover``), or a job the store does not know, created as ours."""
         for _ in range(3):
             claimed = self._claim_pending(job_id, worker, token, terms)
             if claimed is not None:
@@ -124,8 +118,7 @@ class JobStatements:
         raise StoreUnavailable(f"job {job_id}: claim kept racing with concurrent inserts", job_id=job_id)
 
     def _claim_pending(self, job_id: str, worker: str, token: str, terms: ClaimTerms) -> Job | None:
-        """A first claim, pending -> running as ours: the new row or None (its event only with
-        lease_audit_every_transition: the row records it)."""
+        """A first claim, pending -> running as ours: the new row or None (the row records the event)."""
         async_commit = self.db.claim_async_commit
         return self.audited._audited_row(
             lambda: self._claim_pending_statement(async_commit), job_id,
@@ -152,12 +145,8 @@ class JobStatements:
         return self._job(c, current.id)
 
     def reclaim(self, job_id: str, lost_token: str, worker: str, token: str, terms: ClaimTerms) -> Job | None:
-        """A running lease of ``worker``'s own claim whose answer it never got -> a new token for it.
-
-        The claim committed on the server after the worker gave up waiting (a lock held the
-        row or the table longer than the call bound), so no body runs under ``lost_token``. The
-        attempt that claim counted is the one this takes on: the count does not grow again.
-        """
+        """A running lease of ``worker``'s own claim whose answer it never got (committed after the call
+        bound) -> a new token for it; the attempt that claim counted is this one."""
         j = self.db.t.jobs
         lease = self._lease_values(worker, token, terms.duration, terms.grace, count=False)
         where = [j.c.id == job_id, j.c.lock_token == lost_token, j.c.locked_by == worker,
@@ -173,11 +162,8 @@ class JobStatements:
     def _insert_first_seen(self, job_id: str, worker: str, token: str, terms: ClaimTerms, task_name: str,
                            queue: str | None, payload: Callable[[], str | None]) -> Job | _Replaced | None:
         """A job published without celery_lease -> a running row of ours; None when another insert won.
-
-        ``_Replaced`` when the row is missing because a replaced run handed the job to a chain
-        whose carrier is not recorded yet, and this delivery is a copy of the replaced run's
-        message: run, it would replace the job a second time.
-        """
+        ``_Replaced`` when this is a copy of a replaced run's message whose chain carrier is not recorded yet:
+        run, it would replace the job a second time."""
         j = self.db.t.jobs
         lease = self._lease_values(worker, token, terms.duration, terms.grace, count=False)
         try:
@@ -198,13 +184,9 @@ class JobStatements:
             return None
 
     def _replaced_by_step(self, c: Connection, job_id: str, nesting: int) -> str | None:
-        """The first step's id when the job's last hand-on is a hand-over to a chain's first step,
-        made by a run nested at least as deep as this delivery (the carrier is nested one deeper).
-
-        Only a hand-over that recorded its first step counts: that row carries the job on. A
-        hand-over to an unleased first step left nothing in the store, and a copy of the replaced
-        message may then be the job's only way on (a hand-over whose answer was lost).
-        """
+        """The first step's id when the job's last hand-on is a recorded hand-over to a chain's first
+        step, by a run nested at least as deep as this delivery; an unrecorded one leaves the copy
+        of the message as the job's only way on."""
         e = self.db.t.events
         last = c.execute(sa.select(e.c.event, e.c.detail).where(
             e.c.job_id == job_id, e.c.event.in_((Event.HANDED_OVER, Event.PUBLISHED, Event.CLAIMED)),
@@ -223,7 +205,6 @@ class JobStatements:
         row = c.execute(sa.select(*self.db._job_columns()).where(self.db.t.jobs.c.id == job_id)).first()
         return None if row is None else Job.from_row(row)
 
-    # -- owner transitions (fenced) -------------------------------------------
     def _owner_write(self, job_id: str, token: str, worker: str | None, event: Event, stale: Event,
                      values: Mapping[str, Any], reason: str | None = None, detail: Any = None) -> bool:
         """One fenced write audited as ``event``; a stale token changes nothing, audited as ``stale``."""
@@ -236,8 +217,7 @@ class JobStatements:
         return False
 
     def complete(self, job_id: str, token: str, worker: str | None = None, result: str | None = None) -> bool:
-        """running -> completed, keeping ``result`` (encoded) in the same statement; False
-        (audited) when the token no longer matches; ``completed`` only with lease_audit_every_transition."""
+        """running -> completed, keeping ``result`` in the same statement; False (audited) when stale."""
         params: dict[str, Any] = {"job_id": job_id, "token": token}
         keep = result is not None and self.db.at_least(RESULT_REVISION)
         if keep:
@@ -276,8 +256,7 @@ class JobStatements:
         if error is not None:
             values["last_error"] = error[:4000]
         return self._owner_write(job_id, token, worker, Event.RETRY_SCHEDULED, Event.STALE_RETRY_REJECTED,
-                                 values,
-                                 reason=(error or "")[:200])
+                                 values, reason=(error or "")[:200])
 
     def release(self, job_id: str, token: str, worker: str | None = None,
                 reason: Event = Event.RELEASED_ON_SHUTDOWN) -> bool:
@@ -291,13 +270,8 @@ class JobStatements:
     def cancel(self, job_id: str, reason: str = "revoked", owner: str | None = None,
                task_name: str | None = None, queue: str | None = None) -> bool:
         """pending -> failed because Celery revoked the task; no re-run follows.
-
-        With ``owner`` (``revoke(terminate=True)`` of the run in that worker process) a job
-        running under that owner is cancelled too; a running job is never cancelled by a
-        revoked or expired delivery, which may be a late duplicate of a live run. With
-        ``task_name`` (a discarded delivery, whose message names the job) a job the store has
-        no row for (a restore forgot it) is recorded again, failed: it stays revoked.
-        """
+        Only with ``owner`` (terminate=True) is a running job cancelled: a revoked delivery may be a late
+        duplicate of a live run. With ``task_name`` a vanished row is recorded again, failed."""
         j = self.db.t.jobs
         unfinished = fenced_status(j.c.status, PENDING)
         if owner is not None:
@@ -328,8 +302,7 @@ class JobStatements:
                                  dict(checkpoint=json.dumps(state)))
 
     def _still_held(self, leases: Mapping[str, str]) -> sa.ColumnElement[bool]:
-        # By id (the primary key) and token: there is no index on the token, and a
-        # heartbeat must not scan the table.
+        # By id too: there is no index on the token, and a heartbeat must not scan the table.
         j = self.db.t.jobs
         return sa.and_(j.c.id.in_(set(leases.values())), j.c.lock_token.in_(list(leases)),
                        fenced_status(j.c.status, RUNNING))
@@ -355,11 +328,7 @@ class JobStatements:
 
     def renew(self, leases: Mapping[str, str], worker: str,
               extend: Mapping[str, float] | None = None) -> set[str]:
-        """Renew every given lease in one statement; returns renewed job ids.
-
-        ``leases`` maps token to job id. A lease whose row no longer carries its
-        token is not renewed: the caller marks it lost.
-        """
+        """Renew every lease (token -> job id) in one statement: the renewed job ids (the rest are lost)."""
         if not leases:
             return set()
         with self.db.begin() as c:
@@ -367,11 +336,8 @@ class JobStatements:
 
     def beat(self, worker: str, hostname: str, pid: int, leases: Mapping[str, str],
              extend: Mapping[str, float] | None = None) -> set[str]:
-        """One heartbeat round: refresh the worker's registry row and renew its leases.
-
-        Where the dialect allows (PostgreSQL) both writes are one statement (the registry
-        upsert rides in a CTE); elsewhere they share one transaction. Returns the renewed job ids.
-        """
+        """One heartbeat: refresh the worker's registry row and renew its leases; the renewed job ids.
+        On PostgreSQL one statement (the upsert in a CTE), elsewhere one transaction."""
         seen = self.workers._seen(worker, hostname, pid)
         if self.db.dialect.one_statement_writes and leases:
             settings = self.db.dialect.autocommit_settings(self.db.bounds)

@@ -1,15 +1,7 @@
 """When the store's schema is created, recognised, upgraded, or refused.
 
-- ``migrate(store, to)`` (``celery lease migrate``): create an empty store at the newest
-  revision, stamp a first-release store that has no version table as 0001, then
-  upgrade or downgrade to ``to``.
-- ``sql(store, to)`` (``celery lease migrate --sql``): the DDL that would move the store
-  from its revision to ``to``, for a DBA; nothing when it is there already.
-- ``ensure(store, create)``: what a process checks before it uses the store. A worker
-  start (``create=True``) creates an empty store; nobody upgrades an existing schema
-  implicitly; a schema outside the revisions this code runs against is refused with one
-  line that names both and what to run. Publishers and the reaper check once per process.
-"""
+Only ``migrate`` changes a schema (a worker start may create an empty one); ``ensure`` refuses a revision
+outside those this code runs against, naming both and what to run."""
 
 from __future__ import annotations
 
@@ -42,11 +34,8 @@ def _has_tables(conn: Connection, prefix: str) -> list[str]:
 
 
 def _recognise_first_release(conn: Connection, prefix: str) -> list[str]:
-    """Stamp an unversioned store made by the first release as 0001 (after checking its columns).
-
-    The first release created missing tables and indexes on every start; what it would
-    still have created is created here, so a half-made store is finished, not refused.
-    """
+    """Stamp an unversioned first-release store as 0001 after checking its columns; like that release
+    on its starts, create what is missing, so a half-made store is finished, not refused."""
     done: list[str] = []
     inspector = sa.inspect(conn)
     existing = set(inspector.get_table_names())
@@ -87,8 +76,7 @@ def _migrate(conn: Connection, store: object, to: str) -> list[str]:
     revision = migrations.current(conn, prefix)
     if revision is None and not _has_tables(conn, prefix):
         if target == migrations.head():
-            # An empty store is created from the tables as they are now, then stamped: the
-            # same schema as upgrading through every revision (the migration tests prove it).
+            # The same schema as upgrading through every revision (the migration tests prove it).
             store.t.metadata.create_all(conn)  # type: ignore[attr-defined]
             migrations.stamp(conn, prefix, target)
         else:
@@ -119,9 +107,7 @@ def migrate(store: object, to: str = "head") -> list[str]:
         except (SchemaMismatch, LeaseConfigError):
             raise
         except (StoreUnavailable, StoreRejected) as exc:
-            # Two processes creating one empty store race (the loser's CREATE is refused: a
-            # table or version row that exists); the loser looks again and finds the schema
-            # made (MySQL's DDL is not transactional, so it cannot wait for it).
+            # Two processes creating one store race; MySQL's DDL is not transactional: look again.
             if attempt == 2:
                 raise type(exc)(
                     f"cannot migrate lease store {store.safe_url}: {exc}",  # type: ignore[attr-defined]
@@ -132,11 +118,8 @@ def migrate(store: object, to: str = "head") -> list[str]:
 
 
 def sql(store: object, to: str = "head") -> str:
-    """The DDL that moves the store from its revision to ``to``, read without changing it.
-
-    An empty store gets the script from nothing; a first-release store (tables, no version
-    table) the script from 0001; a store at ``to`` already an SQL comment saying so.
-    """
+    """The DDL that moves the store from its revision (an unversioned one with tables: 0001) to ``to``,
+    read without changing it."""
     target = _target(to)
     revision, has_tables = describe(store)
     if revision is None and has_tables:
@@ -184,10 +167,7 @@ def ensure(store: object, create: bool = False) -> str:
 
 
 def drop(store: object) -> list[str]:
-    """Drop every table under the store's prefix, its version table included: the store is gone.
-
-    For removing celery_lease and for throw-away stores (benchmarks); returns the tables dropped.
-    """
+    """Drop every table under the store's prefix, its version table included; the tables dropped."""
     prefix = store.prefix  # type: ignore[attr-defined]
     tables = sa.MetaData()
     with store.begin(long=True) as conn:  # type: ignore[attr-defined]
@@ -198,10 +178,7 @@ def drop(store: object) -> list[str]:
 
 
 def clear(store: object) -> int:
-    """Delete every row of the store's tables, its version table kept: the schema as migrated, empty.
-
-    For tests that share one test database (a pytest fixture's teardown); returns the rows deleted.
-    """
+    """Delete every row of the store's tables, its version table kept (tests sharing one database)."""
     deleted = 0
     with store.begin(long=True) as conn:  # type: ignore[attr-defined]
         for table in reversed(store.t.metadata.sorted_tables):  # type: ignore[attr-defined]

@@ -18,7 +18,7 @@ from .rows import COMPLETED, FAILED, PENDING, NewJob, fenced_status
 
 __all__ = ["RECORD_BATCH", "PublishStatements"]
 
-# Jobs one statement of record_batch() inserts at most: a 10,000-task group is 20 statements.
+# Jobs one statement of record_batch() inserts at most.
 RECORD_BATCH = 500
 
 
@@ -33,13 +33,8 @@ class PublishStatements:
                max_attempts: int, idempotency_key: str | None = None,
                delay: float = 0.0, recovery: Mapping[str, Any] | None = None,
                reopen: bool = False) -> tuple[bool, str]:
-        """Insert a pending job; returns (created, job id holding the key).
-
-        ``recovery`` is the task's recovery policy (config.RECOVERY), carried on the row. A
-        key lives in its own table too, so it keeps its job's id after the job is pruned
-        (until lease_idempotency_retention). With ``reopen``, a finished job of this id and no
-        key runs again (see reopen()).
-        """
+        """Insert a pending job; returns (created, job id holding the key). The key has its own table so it
+        outlives a pruned job; with ``reopen`` a finished job of this id and no key runs again."""
         j, k = self.db.t.jobs, self.db.t.idempotency_keys
         params = _record_params(NewJob(job_id, task_name, queue, payload, max_attempts, delay, recovery),
                                 idempotency_key)
@@ -73,15 +68,8 @@ class PublishStatements:
             return False, job_id
 
     def record_batch(self, jobs: Sequence[NewJob]) -> None:
-        """Insert pending jobs without keys and their ``published`` events, a batch at a time.
-
-        A group's publish records its jobs here before any of their messages is sent. Each
-        batch of up to RECORD_BATCH jobs is one INSERT of many rows into the jobs table and one
-        into the events table, in one transaction (SQLAlchemy renders an executemany INSERT
-        as multi-row VALUES; pymysql does the same). A batch holding an id the store knows
-        writes nothing and raises StoreConflict: the caller records those jobs one by one
-        (record()), as it would have without the batch.
-        """
+        """Insert a group's pending jobs without keys and their ``published`` events, each batch one
+        transaction of two multi-row INSERTs; an id the store knows raises StoreConflict (nothing written)."""
         if not jobs:
             return
         insert_job, insert_event = self._batch_statements()
@@ -103,21 +91,15 @@ class PublishStatements:
         insert_job = sa.insert(j).values(**row)
         insert_event = sa.insert(e).values(job_id=row["id"], **event)
         if self.db.engine.dialect.insert_executemany_returning:
-            # With RETURNING, SQLAlchemy sends an executemany INSERT as one statement of many
-            # VALUES rows ("insertmanyvalues"); without it psycopg would pipeline one per row.
+            # With RETURNING SQLAlchemy sends one multi-row statement; psycopg would send one per row.
             insert_job, insert_event = insert_job.returning(j.c.id), insert_event.returning(e.c.id)
         built = _Audited(update=insert_job, audit=insert_event)
         self.db._built["record_batch"] = built
         return built.update, built.audit
 
     def reopen(self, job_id: str, task_name: str, payload: str | None, delay: float = 0.0) -> bool:
-        """completed or failed -> pending with fresh attempts: its task id was published again.
-
-        Celery runs a task again when a caller applies a signature whose id already ran (a
-        frozen signature applied twice, one errback shared by several chords): a new publish,
-        not a duplicate delivery. A job with an idempotency key is never reopened this way.
-        Audited ``republished`` with the finish it replaces.
-        """
+        """completed or failed -> pending with fresh attempts: its task id was published again (a frozen
+        signature applied twice, a shared errback); never a job with an idempotency key."""
         j = self.db.t.jobs
         values: dict[str, Any] = dict(
             status=PENDING, task_name=task_name, available_at=self.db.now_sql + delay,
@@ -141,16 +123,9 @@ class PublishStatements:
         return True
 
     def _record_statements(self, keyed: bool, event_name: Event = Event.PUBLISHED) -> _Audited:
-        """The publish record as statements of bind parameters, built once per store.
-
-        On PostgreSQL the job, its key and its ``published`` event are one statement in
-        autocommit (data-modifying CTEs), compiled once: one round trip and one commit per
-        publish (with lease_publish_async_commit, one that does not wait for the WAL flush).
-        A duplicate id or key fails the whole statement (StoreConflict). Elsewhere
-        they are an INSERT each (``update``, ``statement`` for the key, ``audit``) in one
-        transaction. The event's queue and task are the row's own values (a subquery in the
-        same statement would not see the row yet).
-        """
+        """The publish record as statements of bind parameters, built once per store: on PostgreSQL one
+        autocommit statement of CTEs, elsewhere an INSERT each in one transaction. The event's queue and task
+        are the row's values: a subquery in the same statement would not see it."""
         async_commit = self.db.publish_async_commit
         cache_key = ("record_keyed" if keyed else "record") + ("_async" if async_commit else "")
         built = self.db._built.get(cache_key)
@@ -217,11 +192,7 @@ class PublishStatements:
 
 
 def _record_params(job: NewJob, idempotency_key: str | None = None) -> dict[str, Any]:
-    """The bind parameters of one job's record (the same for its jobs, key and events INSERTs).
-
-    Their names are no column's: an INSERT given an extra key named like one of its table's
-    columns would write it (SQLAlchemy adds parameters' columns to an INSERT).
-    """
+    """The bind parameters of one job's record, named like no column: SQLAlchemy would add it to an INSERT."""
     return {"p_job": job.id, "p_task": job.task_name, "p_queue": job.queue, "p_payload": job.payload,
             "p_max_attempts": job.max_attempts, "p_key": idempotency_key, "p_delay": float(job.delay),
             "p_detail": json.dumps({"queue": job.queue}) if job.queue else None,

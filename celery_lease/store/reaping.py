@@ -1,12 +1,8 @@
 """Statements of the reaper: scans of abandoned leases and lost dispatches, recovery CAS, pruning.
 
-Scans take a connection so the reaper can hold a batch's rows (``FOR UPDATE SKIP
-LOCKED`` where the database has it) while it publishes their messages and writes
-the compare-and-set; a second reaper skips those rows instead of fighting over
-them. Every recovery write re-checks what the scan saw and writes one event when,
-and only when, it wins. ``now`` replaces the store's clock in the predicates (the
-seam of ``Reaper.run_once(now=...)``); written times always use the real clock.
-"""
+Scans hold a batch's rows (``FOR UPDATE SKIP LOCKED`` where the database has it) while the reaper publishes
+and writes the CAS, so a second reaper skips them; each write re-checks what the scan saw. ``now`` replaces
+the store's clock in predicates only; written times use the real clock."""
 
 from __future__ import annotations
 
@@ -42,14 +38,11 @@ class Expired:
 
     @property
     def keyset(self) -> tuple[float, str]:
-        """This row's place in the scan's keyset ``(lease_expires_at, id)``."""
         assert self.job.lease_expires_at is not None  # the scan selects expired leases only
         return self.job.lease_expires_at, self.job.id
 
 
 class ReaperStatements:
-    """Statements of the reaper: scans of abandoned leases and lost dispatches, recovery CAS, pruning."""
-
     def __init__(self, db: StoreEngine) -> None:
         self.db = db
 
@@ -68,7 +61,6 @@ class ReaperStatements:
             with self.db.begin(long=True) as own:
                 yield own
 
-    # -- expired leases -------------------------------------------------------
     def _past_grace(self, clock: sa.ColumnElement[float]) -> sa.ColumnElement[bool]:
         j = self.db.t.jobs
         return j.c.lease_expires_at + sa.func.coalesce(j.c.grace_period, 0.0) < clock
@@ -150,7 +142,6 @@ class ReaperStatements:
         self.db._event(c, job.id, Event.REAP_SKIPPED_OWNER_ALIVE, reason, job.locked_by, job.lock_token)
         return True
 
-    # -- lost dispatches --------------------------------------------------------
     def _dispatch_wait(self, floor: float, cap: float) -> sa.ColumnElement[float]:
         """backoff.dispatch_wait of each row: its own timeout (``floor`` where it carries none),
         doubled per re-send so far, at most ``cap`` but never less than the timeout."""
@@ -166,12 +157,8 @@ class ReaperStatements:
     def scan_lost_dispatches(self, c: Connection, *, older_than: float, limit: int,
                              after: tuple[float, str] | None = None, now: float | None = None,
                              lock: bool = True, backoff_max: float | None = None) -> list[tuple[Job, float]]:
-        """Pending jobs available for longer than ``older_than``, oldest first, with seconds waited.
-
-        ``backoff_max``: only the jobs past their own wait (``_dispatch_wait``, with ``older_than``
-        standing in for a timeout the row does not carry), so that jobs waiting out their backoff
-        never fill the pages in front of the ones that are due.
-        """
+        """Pending jobs available for longer than ``older_than``, oldest first, with seconds waited; with
+        ``backoff_max`` only those past their own wait, so jobs in backoff never fill the pages."""
         j = self.db.t.jobs
         clock = self._clock(now)
         due = [j.c.available_at < clock - older_than]  # the index's range
@@ -197,9 +184,8 @@ class ReaperStatements:
                            detail={"dispatch_count": job.dispatch_count + 1, **(detail or {})})
             return True
 
-    # -- the reaper's own lock ----------------------------------------------------
-    # Not the resource-lock statements of store/effects.py: their INSERT IGNORE + UPDATE in one
-    # transaction deadlocks on MySQL when two reapers start together (gap locks).
+    # Not effects.py's lock statements: their INSERT IGNORE + UPDATE in one transaction
+    # deadlocks on MySQL when two reapers start together (gap locks).
     def acquire_reaper_lock(self, token: str, owner: str, ttl: float) -> bool:
         """Take the reaper lock when it is free or expired; False while another reaper holds it."""
         k = self.db.t.locks
@@ -234,10 +220,8 @@ class ReaperStatements:
                             .where(k.c.resource == REAPER_LOCK, k.c.expires_at >= self.db.now_sql)).first()
         return None if row is None else (row.owner, float(row.left))
 
-    # -- the reaper's view of the store's clock -----------------------------------------
     def reaper_clock(self) -> dict[str, Any] | None:
-        """What the last reaper run recorded of the store's clock (see reaper.py ``ClockGuard``);
-        None before any run, or on a schema without the meta table."""
+        """What the last reaper run recorded of the store's clock (``ClockGuard``), or None."""
         if not self.db.at_least(RUNS_REVISION):
             return None
         m = self.db.t.meta
@@ -251,15 +235,9 @@ class ReaperStatements:
 
     def record_reaper_clock(self, state: dict[str, Any], *, held_back: str | None = None,
                             owner: str | None = None, step_back: bool = False) -> bool:
-        """Record this run's view of the clock; with ``held_back`` (the reason) also the hold's one
-        audit event, and with ``step_back`` clamp what a clock that stepped back left in its future.
-
-        After a backward step, a lease renewed on the old clock expires further ahead than any
-        renewal could set now; it is brought back to ``now + lease_duration`` (a renewal made
-        after the step is never beyond that, so it is untouched), and a registry row seen "in the
-        future" to now, so that a dead owner's job is not delayed by the step. False, writing
-        nothing, on a schema without the meta table.
-        """
+        """Record this run's view of the clock; with ``held_back`` also the hold's audit event.
+        With ``step_back`` (the clock stepped back) leases and registry rows left in its future are clamped to
+        now, so a dead owner's job is not delayed; False on a schema without the meta table."""
         if not self.db.at_least(RUNS_REVISION):
             return False
         j, w = self.db.t.jobs, self.db.t.workers
@@ -278,7 +256,6 @@ class ReaperStatements:
                 self.db._event(c, None, Event.REAPER_HELD_BACK, held_back, owner, detail=state)
         return True
 
-    # -- pruning (bounded batches) ----------------------------------------------------
     def _delete_ids(self, table: sa.Table, key: sa.Column, where: sa.ColumnElement[bool], limit: int) -> int:
         # Select then delete: MySQL rejects LIMIT inside an IN subquery.
         with self.db.begin(long=True) as c:

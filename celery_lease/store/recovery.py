@@ -1,9 +1,5 @@
-"""The operator's moves on single jobs: requeue an abandoned lease, list, redrive or discard dead letters,
-forget an effect key.
-
-Each move is one conditional UPDATE (or DELETE) per job, like the reaper's, audited in the
-same transaction; the rules of when a move is allowed live in celery_lease/ops/recovery.py.
-"""
+"""The operator's moves on single jobs (requeue, redrive, discard, forget an effect key): each one
+conditional write audited in its transaction; when a move is allowed is ops/recovery.py's rule."""
 
 from __future__ import annotations
 
@@ -62,7 +58,6 @@ class RecoveryStatements:
         else:
             return False
         with self.db.begin(long=True) as c:
-            # The attempt requeued, read holding its row: the event keeps it (the row forgets it).
             previous = previous_attempt(self.db, c, *where)
             if previous is None or c.execute(sa.update(j).where(*where).values(**values)).rowcount != 1:
                 return False
@@ -121,7 +116,6 @@ class RecoveryStatements:
             })
         return True
 
-    # -- effect keys ------------------------------------------------------------
     def forget_effect(self, key: str, reason: str = "released by an operator") -> bool:
         """Delete an effect key unconditionally (an operator's decision), audited."""
         e = self.db.t.effects

@@ -1,10 +1,6 @@
-"""Statements of ``Task.replace()``: a leased job passes its id to its replacement.
+"""Statements of ``Task.replace()``: a leased job passes its id to its replacement (the carrier).
 
-Celery freezes the replacement with the replaced task's id and publishes it; the
-replaced body then raises ``Ignore``. The job is not over: the task that carries the
-id next (the carrier) runs it. Each statement is fenced on the replaced run's token
-and writes its audit event in the same transaction.
-"""
+Each statement is fenced on the replaced run's token and audited in the same transaction."""
 
 from __future__ import annotations
 
@@ -32,14 +28,8 @@ class ReplaceStatements:
     def hand_over(self, job_id: str, token: str, worker: str | None, payload: str | None,
                   carrier: str, nesting: int = 0) -> bool:
         """running -> pending, available now, with the carrier's message; the attempt is given back.
-
-        ``payload`` is the carrier's stored message (the reaper re-sends it, not the replaced
-        task's). With ``payload`` None the carrier is published later (the last step of a
-        chain): the row is removed and the carrier's publish records the job anew, so the
-        dispatch scan never re-sends a step before the steps in front of it ran. ``nesting`` (the
-        replaced run's replaced_task_nesting) lets a later claim tell a copy of the replaced run's
-        message from the carrier's (see JobStatements.claim).
-        """
+        With ``payload`` None (a chain's last step carries it later) the row is removed, so the dispatch scan
+        never re-sends a step before the steps in front of it ran."""
         j = self.db.t.jobs
         fence = self.db._fenced(job_id, token)
         with self.db.begin() as c:
@@ -63,14 +53,8 @@ class ReplaceStatements:
 
     def hand_over_to_step(self, job_id: str, token: str, worker: str | None, carrier: str,
                           step: NewJob, nesting: int = 0) -> bool | None:
-        """The replaced row removed and the replacement's first step recorded, in one transaction.
-
-        The carrier is published later (the last step of a chain): until then the first step's
-        row (pending, with its message, which the dispatch scan re-sends) is what carries the
-        job on, so no instant exists where neither row is in the store. Returns False when the
-        replaced run's lease moved on (nothing written), None when the step's id is taken
-        (nothing written; the caller hands over and records the step apart).
-        """
+        """The replaced row removed and the replacement's first step recorded in one transaction, so one
+        of them is always in the store; False when the lease moved on, None when the step's id is taken."""
         j, e = self.db.t.jobs, self.db.t.events
         row, event = self.publishes._record_values(Event.PUBLISHED)
         params = _record_params(step)
@@ -91,8 +75,7 @@ class ReplaceStatements:
         return True
 
     def replaced(self, job_id: str, token: str, worker: str | None, carrier: str) -> bool:
-        """running -> completed: the replacement that carries the id is not leased (a built-in such
-        as ``celery.accumulate``, or a plain task); the lease's part of the job is over."""
+        """running -> completed: the replacement that carries the id is not leased."""
         return self.jobs._owner_write(
             job_id, token, worker, Event.REPLACED, Event.STALE_COMPLETION_REJECTED, dict(
                 status=COMPLETED, completed_at=self.db.now_sql, lease_expires_at=None, lock_token=None,

@@ -1,10 +1,7 @@
 """Statements for operators' reads: status, listings, metrics, tuning samples, the audit log.
 
-Reads that a Prometheus scrape runs are aggregates over indexed ranges only: the
-running and pending rows (bounded by the work in flight, not by history), and the
-finished rows and events since the previous scrape (time ranges of their indexes).
-The operator's writes are in recovery.py.
-"""
+A Prometheus scrape reads only indexed ranges: the work in flight, and what finished since the previous
+scrape; never the whole history."""
 
 from __future__ import annotations
 
@@ -30,10 +27,8 @@ def _bucket(value: Any, bounds: Sequence[float]) -> Any:
 
 
 class ReportStatements:
-    """Operators' reads, with the store's long bound: one may scan history, and no lease waits on it.
-
-    The reads of one job's events, one effect key or one lock keep the call bound.
-    """
+    """Operators' reads, with the store's long bound (one may scan history; no lease waits on it);
+    the reads of one job's events, effect key or lock keep the call bound."""
 
     def __init__(self, db: StoreEngine) -> None:
         self.db = db
@@ -41,7 +36,6 @@ class ReportStatements:
     def _now(self, c: sa.Connection) -> float:
         return float(c.execute(sa.select(self.db.now_sql)).scalar_one())
 
-    # -- status ---------------------------------------------------------------
     def job_counts(self) -> list[tuple[str | None, str, int]]:
         """(queue, status, count) over the whole table: an operator's one-off read, not a scrape."""
         j = self.db.t.jobs
@@ -69,12 +63,8 @@ class ReportStatements:
         ]
 
     def overview_counts(self, since: float) -> tuple[float, list[tuple[str | None, str, int]]]:
-        """The store's now and (queue, status, count) of the work an operator acts on: every pending,
-        running and failed job, and the jobs completed in the last ``since`` seconds.
-
-        Each count is a range of a (status, ...) index: the cost follows the work in flight and the
-        recent completions, not the history (a whole-table GROUP BY reads every completed row).
-        """
+        """The store's now and (queue, status, count) of every pending, running and failed job and the
+        jobs completed in the last ``since`` seconds: index ranges, never every completed row."""
         j = self.db.t.jobs
         open_ = [PENDING, RUNNING, FAILED]
         with self.db.begin(long=True, read=True) as c:
@@ -91,8 +81,7 @@ class ReportStatements:
         return now, sorted(counts, key=lambda r: (r[0] or "", r[1]))
 
     def list_workers(self, limit: int = 100) -> tuple[float, list[dict[str, Any]]]:
-        """The store's now and up to ``limit`` registered worker processes, most recently seen first,
-        each with ``alive`` (seen within lease_worker_stale_after)."""
+        """The store's now and up to ``limit`` worker processes, latest seen first, each with ``alive``."""
         w = self.db.t.workers
         with self.db.begin(long=True, read=True) as c:
             now = self._now(c)
@@ -109,10 +98,7 @@ class ReportStatements:
         return {"alive": int(live or 0), "stale": int(total or 0) - int(live or 0)}
 
     def worker_pools(self) -> dict[str, int]:
-        """Pools of the worker processes seen within lease_worker_stale_after: name -> processes.
-
-        Empty on the previous schema revision, whose registry does not record pools.
-        """
+        """Pools of the live worker processes: name -> processes (empty on a schema without pools)."""
         w = self.db.t.workers
         if not self.db.at_least(POOL_REVISION):
             return {}
@@ -167,7 +153,6 @@ class ReportStatements:
             rows = c.execute(q).all()
         return {(r[0], r[1], r[2]) if labelled else (r[0], None, None): int(r[-1]) for r in rows}
 
-    # -- listings -------------------------------------------------------------
     def list_jobs(self, status: str | None = None, queue: str | None = None, task: str | None = None,
                   expired: bool = False, limit: int = 50, owner: str | None = None,
                   since: float | None = None) -> list[Job]:
@@ -189,7 +174,6 @@ class ReportStatements:
             return [Job.from_row(r) for r in c.execute(q)]
 
     def require(self, job_id: str) -> Job:
-        """The job, or JobNotFound naming it."""
         job = self.db.get(job_id)
         if job is None:
             raise JobNotFound(job_id)
@@ -210,13 +194,11 @@ class ReportStatements:
                         (e.c.job_id, job_id), (e.c.event, event))
         with self.db.begin(long=True, read=True) as c:
             if since is not None:
-                # A bound value, not the clock expression: PostgreSQL cannot range-scan an index
-                # against clock_timestamp(), which is volatile.
+                # A bound value: PostgreSQL cannot range-scan an index against volatile clock_timestamp().
                 q = q.where(e.c.at >= self._now(c) - since)
             rows = [dict(r._mapping) for r in c.execute(q)]
         return rows[::-1]
 
-    # -- metrics (one scrape) --------------------------------------------------
     def running_metrics(self, lag_buckets: Sequence[float]) -> tuple[float, list[dict[str, Any]]]:
         """Per (queue, task) over running jobs: count, expired leases, oldest start, heartbeat lag
         max/sum and cumulative bucket counts. Bounded by the jobs in flight."""
@@ -249,13 +231,9 @@ class ReportStatements:
 
     def finished_between(self, since: float, until: float, runtime_buckets: Sequence[float],
                          attempt_buckets: Sequence[float]) -> dict[tuple[str | None, str], Any]:
-        """Per (queue, task) over jobs that finished with ``since < updated_at <= until``: runtime
-        bucket counts (completed) and attempts bucket counts (completed and failed), each a list
-        of per-bucket counts, then the +Inf count, then the sum (not cumulative).
-
-        One range of the (status, updated_at) index per status: the exporter walks forward
-        through what finished since its previous scrape, so the cost follows the work done.
-        """
+        """Per (queue, task) over jobs finished with ``since < updated_at <= until``: runtime (completed)
+        and attempts bucket counts, then the +Inf count, then the sum (not cumulative); one index range
+        per status."""
         j = self.db.t.jobs
         sums: dict[tuple[str | None, str], dict[str, list[float]]] = {}
         rt = sa.func.coalesce(j.c.completed_at - j.c.started_at, 0.0)
@@ -278,7 +256,6 @@ class ReportStatements:
                     tries[-1] += float(a_sum or 0)
         return sums
 
-    # -- tuning ---------------------------------------------------------------
     def finished_tasks(self, limit: int = 10_000) -> list[str]:
         """Task names among the newest ``limit`` completed jobs."""
         j = self.db.t.jobs
@@ -299,7 +276,6 @@ class ReportStatements:
         with self.db.begin(long=True, read=True) as c:
             return [(float(r[0]), float(r[1]), r[2]) for r in c.execute(q)]
 
-    # -- used by checks.py -----------------------------------------------------
     def check_facts(self) -> dict[str, Any]:
         """What `lease check` reads besides durations: tables, hosts, delays and usage per task."""
         j, w, e, lk = self.db.t.jobs, self.db.t.workers, self.db.t.effects, self.db.t.locks
@@ -329,7 +305,6 @@ class ReportStatements:
                         "locks": int(locks.get(name, 0))} for name, n, keyed, failed, delay in jobs}
         return {"missing_tables": [], "hosts": sorted(hosts), "tasks": tasks}
 
-    # -- the audit log, effect keys and resource locks ------------------------
     def events(self, job_id: str | None = None, event: str | None = None,
                limit: int = 1000) -> list[dict[str, Any]]:
         """Audit events, oldest first, of one job or one name when given."""

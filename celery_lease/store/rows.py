@@ -1,8 +1,4 @@
-"""The jobs row as the store hands it out, and statuses as SQL.
-
-``Job`` is a snapshot of one row; ``Claim`` what a claim found; ``ClaimTerms`` what a
-task's policy asks of a claim; ``NewJob`` a job a batch publish records.
-"""
+"""The jobs row as the store hands it out, and statuses as SQL."""
 
 from __future__ import annotations
 
@@ -24,22 +20,15 @@ PENDING, RUNNING, COMPLETED, FAILED = Status.PENDING, Status.RUNNING, Status.COM
 
 
 def status_sql(status: Status) -> sa.ColumnElement[Any]:
-    """A status written into the statement's text, not bound.
-
-    The scans' indexes hold one status each (partial indexes, revision 0006): a planner uses
-    one only for a statement whose text states that status, which a bound value does not.
-    """
+    """A status written into the statement's text, not bound: a planner uses a partial index (one
+    status each) only for a statement whose text states that status."""
     return sa.literal_column(f"'{Status(status).value}'")
 
 
 def fenced_status(column: sa.ColumnElement[Any], status: Status) -> sa.ColumnElement[bool]:
-    """``column`` is ``status``, in a statement that finds its rows by id.
-
-    Written so that no index matches it: such a statement must take the primary key whatever
-    the statistics say. Statistics that count no pending job (a quiet hour, a table not yet
-    analyzed) would otherwise send each claim of a sudden backlog through the whole pending
-    index, which holds the job's id as its second column (measured: twice as slow at 2,000).
-    """
+    """``column`` is ``status``, in a statement that finds its rows by id, written so no index matches it.
+    Statistics that count no pending job would otherwise send each claim of a sudden backlog through the whole
+    pending index instead of the primary key (measured: twice as slow at 2,000)."""
     return sa.func.coalesce(column, sa.literal_column("''")) == status_sql(status)
 
 
@@ -113,12 +102,8 @@ class Job:
 
 @dataclasses.dataclass(frozen=True)
 class Claim:
-    """What a claim found: ``claimed`` (the job is ours), ``busy``, ``done``, ``early`` or ``replaced``.
-
-    ``early``: the job is pending but not available for ``wait`` more seconds. ``replaced``: the
-    delivery is a copy of a replaced run's message; ``step`` is the row of the chain's first step
-    that carries the job on now (None if it is gone).
-    """
+    """What a claim found; ``early`` waits ``wait`` more seconds, ``replaced`` names the chain's first
+    ``step`` that carries the job on now (None if it is gone)."""
 
     outcome: ClaimOutcome
     job: Job | None
@@ -132,11 +117,7 @@ class Claim:
 
 @dataclasses.dataclass(frozen=True)
 class ClaimTerms:
-    """What a task's policy asks of a claim: its lease, attempt limits, takeover rule and recovery options.
-
-    ``takeover``: a running job whose lease was abandoned may be taken over (on_expired=requeue).
-    ``recovery`` is the task's recovery policy (config.RECOVERY), carried on the row.
-    """
+    """What a task's policy asks of a claim: its lease, attempt limits, takeover rule and recovery options."""
 
     duration: float
     grace: float
@@ -144,8 +125,7 @@ class ClaimTerms:
     max_expirations: int
     takeover: bool
     recovery: Mapping[str, Any] | None = None
-    # The delivery's replaced_task_nesting (Celery's Task.replace() raises it by one for the
-    # replacement): a copy of a replaced run's message has the replaced run's, not more.
+    # replaced_task_nesting: a copy of a replaced run's message has the replaced run's, not one more.
     nesting: int = 0
 
     @classmethod

@@ -1,11 +1,5 @@
-"""The reaper's runs and the store's small facts (revision 0004): liveness read from the store.
-
-Whichever scheduler starts the reaper (celery beat, django-celery-beat, a loop of its own),
-each run that did its work leaves a row here, so `lease check`, `lease status` and the
-exporter can tell when it last ran. The meta table keeps facts by key, such as the
-exporter's last scrape. On the previous revision neither table exists: the readers say so
-(None from ``supports_runs``) and the writers write nothing.
-"""
+"""The reaper's runs and the store's small facts (revision 0004): liveness read from the store, whichever
+scheduler runs the reaper; without the tables readers answer None and writers write nothing."""
 
 from __future__ import annotations
 
@@ -35,8 +29,7 @@ class RunStatements:
 
     def record_reaper_run(self, duration: float, counts: Mapping[str, Any], worker: str | None,
                           keep: int) -> bool:
-        """Record a finished run (finished now, on the store's clock) and drop all but the newest
-        ``keep`` runs; False, writing nothing, on a schema without the table."""
+        """Record a finished run and drop all but the newest ``keep``; False on a schema without the table."""
         if not self.supports_runs:
             return False
         r = self.db.t.reaper_runs

@@ -1,11 +1,6 @@
-"""The store's tables at the newest schema revision (SQLAlchemy Core).
+"""The store's tables at the newest schema revision (SQLAlchemy Core), times in epoch seconds.
 
-One factory builds every table from the configured prefix so that each index and
-constraint has a deterministic name. Times are epoch seconds (see clock.py). The
-schema evolves by the numbered migrations in ``migrations/versions``: a change here
-lands with a new revision, and tests/unit/test_migrations.py proves that upgrading
-through every revision gives exactly these tables.
-"""
+A change here lands with a new migration; test_migrations.py proves upgrading gives these tables."""
 
 from __future__ import annotations
 
@@ -46,14 +41,12 @@ class Tables:
 
 
 def _key() -> sa.types.TypeEngine:
-    # MySQL/MariaDB compare with the database's collation, case-insensitive by default:
-    # distinct keys such as "ch_1Ab" and "ch_1aB" must not collide.
+    # MySQL/MariaDB's default collation is case-insensitive: "ch_1Ab" and "ch_1aB" must not collide.
     return sa.String(ID).with_variant(mysql.VARCHAR(ID, collation="utf8mb4_bin"), "mysql", "mariadb")
 
 
 def _long_text() -> sa.types.TypeEngine:
-    # A message, result, checkpoint or error: MySQL/MariaDB's TEXT holds 64 KB, LONGTEXT what
-    # Celery carries (revision 0007); the other databases' TEXT has no such limit.
+    # MySQL/MariaDB's TEXT holds 64 KB; LONGTEXT holds what Celery carries (a message, a result).
     return sa.Text().with_variant(mysql.LONGTEXT(), "mysql", "mariadb")
 
 
@@ -91,8 +84,7 @@ def tables(prefix: str = "celery_lease_") -> Tables:
         sa.Column("last_error", _long_text(), nullable=True),
         _time("created_at", nullable=False),
         _time("updated_at", nullable=False),
-        # The recovery policy of the task that recorded or claimed the job (revision 0002), so
-        # a reaper that does not import the task applies the task's policy. NULL: app settings.
+        # The task's recovery policy, for a reaper that does not import the task (NULL: app settings).
         sa.Column("on_expired", sa.String(16), nullable=True),
         sa.Column("max_expirations", sa.Integer(), nullable=True),
         sa.Column("backoff_base", sa.Double(), nullable=True),
@@ -100,18 +92,15 @@ def tables(prefix: str = "celery_lease_") -> Tables:
         sa.Column("backoff_jitter", sa.Boolean(create_constraint=False), nullable=True),
         sa.Column("dead_letter_queue", sa.String(ID), nullable=True),
         sa.Column("dispatch_timeout", sa.Double(), nullable=True),
-        # A completed job's return value, encoded by the result serializer (revision 0005):
-        # read only when a crash interrupted Celery's post-run work.
+        # Read only when a crash interrupted Celery's post-run work.
         sa.Column("result", _long_text(), nullable=True),
         sa.UniqueConstraint("idempotency_key", name=f"{p}jobs_idempotency_key_uq"),
         sa.CheckConstraint(
             "status IN ('pending', 'running', 'completed', 'failed')", name=f"{p}jobs_status_ck"
         ),
     )
-    # The reaper's expired-lease scan and the dispatch scan walk these by keyset. Where the
-    # database has partial indexes (revision 0006), each holds the rows of its one status only:
-    # PostgreSQL writes a new entry in every index a changed row is in, so a claim then skips
-    # the pending index and a completion both. MySQL keeps the (status, ...) ones.
+    # The reaper's scans walk these by keyset. Partial (one status each) where the database has
+    # them: PostgreSQL writes an entry in every index a changed row is in, so a claim skips these.
     for name, status, column in (("running_lease_ix", "running", jobs.c.lease_expires_at),
                                  ("pending_at_ix", "pending", jobs.c.available_at)):
         where = sa.text(f"status = '{status}'")
@@ -135,8 +124,7 @@ def tables(prefix: str = "celery_lease_") -> Tables:
         sa.Column("token", sa.String(16), nullable=True),
         _time("at", nullable=False),
         sa.Column("detail", sa.Text(), nullable=True),
-        # The job's queue and task when the event was written (revision 0004), so counters
-        # are labelled without a join; NULL where the writer did not know the job.
+        # So counters are labelled without a join; NULL where the writer did not know the job.
         sa.Column("queue_name", sa.String(ID), nullable=True),
         sa.Column("task_name", sa.String(ID), nullable=True),
     )
@@ -169,8 +157,7 @@ def tables(prefix: str = "celery_lease_") -> Tables:
         sa.Column("owner", sa.String(ID), nullable=True),
         _time("expires_at", nullable=False),
     )
-    # Keys outlive their jobs (revision 0002): a pruned job must not free its key for a new
-    # job before lease_idempotency_retention has passed.
+    # Keys outlive their jobs: a pruned job must not free its key before lease_idempotency_retention.
     keys = sa.Table(
         f"{p}idempotency_keys", md,
         sa.Column("key", _key(), primary_key=True),

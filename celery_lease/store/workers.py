@@ -17,8 +17,7 @@ class WorkerStatements:
 
     def __init__(self, db: StoreEngine) -> None:
         self.db = db
-        #: The pool and concurrency of the worker this process serves (set at worker start, kept
-        #: across the fork into pool children), recorded with each registry row.
+        #: The worker's (pool, concurrency), set at worker start and kept across the fork.
         self.worker_pool: tuple[str, int] | None = None
 
     def _seen(self, worker_id: str, hostname: str, pid: int) -> Any:
@@ -31,6 +30,5 @@ class WorkerStatements:
         return self.db.dialect.upsert(self.db.t.workers, values, update=("last_seen_at",))
 
     def touch_worker(self, worker_id: str, hostname: str, pid: int) -> None:
-        """Register a worker process, or refresh its last_seen_at."""
         with self.db.begin() as c:
             c.execute(self._seen(worker_id, hostname, pid))

@@ -1,12 +1,7 @@
-"""Redrive or discard dead letters from the page: the plan first, then the operator's confirmation.
+"""Redrive or discard dead letters from the page (the CLI's moves): the plan first, then the confirmation.
 
-The moves are the CLI's (``recovery.redrive_plan``/``redrive``, ``discard_plan``/``discard``):
-one compare-and-set per job, audited ``dlq_redriven`` / ``dlq_discarded`` with the operator
-``web:USER@ADDRESS``. A selection is one small batch at most. The confirmation carries each
-job's ``updated_at`` as the plan showed it, so a job that changed in between is skipped, not
-moved on the strength of a plan that no longer describes it. Refused unless the server was
-started with ``--allow-actions``.
-"""
+The confirmation carries each job's ``updated_at`` as the plan showed it: a job changed in between is
+skipped, not moved on a plan that no longer describes it."""
 
 from __future__ import annotations
 
@@ -47,8 +42,6 @@ def _request() -> tuple[Console, DeadLetterAction, list[str]]:
 
 
 def register(web: Flask) -> None:
-    """Add the dead letters' plan and confirm steps to ``web``."""
-
     @web.post("/dead-letters/plan", endpoint="plan")
     def plan() -> Any:
         c, action, ids = _request()

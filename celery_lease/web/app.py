@@ -1,11 +1,6 @@
 """The Flask application of `celery lease web` and its waitress server.
 
-Flask renders plain HTML on the server (Jinja escapes every value a job carries) and serves the
-package's own CSS and JavaScript; waitress is a production WSGI server in pure Python, with
-threads for a few operators and a ``url_prefix`` for a reverse proxy. Every value a page shows
-goes through :func:`celery_lease.masking.mask_secrets` before Jinja escapes it into the page
-(the environment's ``finalize``), as the CLI's output does; the rendered HTML is never rewritten.
-"""
+Every value a page shows is masked (``mask_secrets``) before Jinja escapes it, as the CLI's output is."""
 
 from __future__ import annotations
 
@@ -27,7 +22,7 @@ from .security import COOKIE, CSRF_FIELD, Guard
 
 __all__ = ["Console", "create_app", "make_server", "console", "shown"]
 
-THREADS = 4  # requests served at once: a few operators and their pages' refreshes
+THREADS = 4  # a few operators and their pages' refreshes
 TITLES = {400: "Not understood", 403: "Refused", 404: "Not found", 409: "Refused",
           503: "Lease store unavailable"}
 
@@ -99,21 +94,14 @@ def create_app(celery_app: Any, store: Store, *, allow_actions: bool = False) ->
 
 
 def shown(value: Any) -> Any:
-    """A template value as a page shows it: any secret of a URL in its text masked.
-
-    Jinja calls it on each ``{{ ... }}`` value before escaping it; markup the templates built
-    themselves (a Markup value) passes as it is.
-    """
+    """A template value as a page shows it (Jinja's ``finalize``): secrets masked, Markup as it is."""
     if value is None or isinstance(value, (Markup, Undefined, bool, int, float)):
         return value
     return mask_secrets(value if isinstance(value, str) else str(value))
 
 
 def make_server(web: Flask, host: str, port: int, url_prefix: str = "") -> Any:
-    """A waitress server for ``web`` (not started): ``.effective_host``, ``.effective_port``, ``.run()``.
-
-    ImportError with the install hint when waitress is missing.
-    """
+    """A waitress server for ``web``, not started; ImportError with the install hint without waitress."""
     try:
         from waitress import create_server
     except ImportError as exc:

@@ -23,7 +23,6 @@ class Console:
 
 
 def console() -> Console:
-    """The current request's Console."""
     from flask import current_app
 
     found: Console = current_app.extensions["celery_lease"]

@@ -1,9 +1,4 @@
-"""The pages that only read: overview (confirm), jobs and a job (scope), reaper (check), dead letters.
-
-They follow the playbook's steps and ask the store what the CLI's verbs ask, through the same
-report queries; the overview's counts are ranges of the status indexes (see
-``ReportStatements.overview_counts``), so its cost follows the work in flight.
-"""
+"""The pages that only read: overview, jobs and a job, reaper, dead letters; the CLI's report queries."""
 
 from __future__ import annotations
 
@@ -36,12 +31,11 @@ from .console import Console, console
 __all__ = ["register", "overview_data", "job_data", "timeline", "COMPLETED_WINDOW"]
 
 COMPLETED_WINDOW = 3600.0  # seconds of completions the overview counts (history is not counted)
-RUNNING_SHOWN = 50  # running jobs listed on the overview, soonest lease expiry first
+RUNNING_SHOWN = 50
 WORKERS_SHOWN = 50
 JOBS_LIMIT, JOBS_MAX = 50, 500
 DEAD_LETTERS_SHOWN = 100
-#: The events whose worker became (or stayed) the job's owner; a first claim is the job's row's
-#: (job_timeline), listed as ``claimed``.
+#: The events whose worker became (or stayed) the job's owner.
 OWNERS = (Event.CLAIMED, Event.LEASE_TAKEN_OVER, Event.CLAIM_TAKEN_BACK)
 
 
@@ -79,9 +73,8 @@ def overview_data(c: Console) -> dict[str, Any]:
 
 def timeline(events: list[dict[str, Any]], heartbeat: float | None, start: float,
              end: float) -> list[dict[str, Any]]:
-    """Marks on a time axis from ``start`` to ``end``: each event, and the last heartbeat (which
-    writes no event), each with its place in percent and its offset from the start. An entry the
-    job's row records (a first claim, a completion: job_timeline) is of kind ``row``."""
+    """Marks on a time axis from ``start`` to ``end``: each event and the last heartbeat (which writes
+    no event), with its place in percent and its offset from the start."""
     marks = [{"at": e["at"], "event": e["event"], "worker": e["worker"], "reason": e["reason"],
               "kind": e.get("source", FROM_EVENT)} for e in events]
     if heartbeat is not None:
@@ -146,8 +139,6 @@ def _jobs_filters() -> tuple[dict[str, Any], str | None]:
 
 
 def register(web: Flask) -> None:
-    """Add the read-only pages to ``web``."""
-
     @web.get("/", endpoint="overview")
     def overview() -> str:
         return render_template("overview.html", page="overview", **overview_data(console()))

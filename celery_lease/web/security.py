@@ -1,15 +1,7 @@
 """Who may see the page and who may act: sign-in, the Host check, CSRF and response headers.
 
-Three rules, checked before every request:
-
-- With ``lease_web_token`` or ``lease_web_basic_auth`` set, a request carries one of them: a bearer
-  header (or the cookie the sign-in page sets from the token) or HTTP basic credentials.
-- With neither set, the page trusts the network it listens on (127.0.0.1 by default), so it answers
-  only requests addressed to an IP address or ``localhost``: a web site that points its own name at
-  127.0.0.1 (DNS rebinding) gets nothing.
-- Every POST carries the process's CSRF token (a form field or the ``X-CSRF-Token`` header), which
-  only a page of this server holds: another site's form cannot act for the operator.
-"""
+Without credentials set the page answers only requests addressed to an IP address or ``localhost``
+(against DNS rebinding); every POST carries the process's CSRF token."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""The lease store's schema revisions: Alembic scripts driven from code.
+"""The lease store's schema revisions: Alembic scripts driven from code (store/migrating.py decides when).
 
-Revision 0001 is the first release's schema; each later change is a new revision in
-``versions/``. The version table carries the store's table prefix
-(``<prefix>alembic_version``), so it never meets the application's own Alembic history.
-Nothing here decides *when* to migrate: store/migrating.py does.
+The version table carries the store's table prefix, so it never meets the application's own Alembic history.
 """
 
 from __future__ import annotations
@@ -61,11 +58,8 @@ def head() -> str:
 
 
 def supported() -> tuple[str, str]:
-    """The oldest and newest revision this code runs against: the head and the one before it.
-
-    A release's code works with its own schema and the previous one, so a rolling deploy
-    starts the new workers first and runs `lease migrate` once the old ones are gone.
-    """
+    """The oldest and newest revision this code runs against: the head and the one before it, so a rolling
+    deploy starts the new workers first and runs `lease migrate` once the old ones are gone."""
     all_revisions = revisions()
     return all_revisions[max(0, len(all_revisions) - 2)], all_revisions[-1]
 

@@ -1,9 +1,5 @@
-"""Alembic's entry point for the lease store's own migrations.
-
-Run through ``celery_lease.store.migrations`` (never the ``alembic`` command): it hands
-over the connection (or, for ``--sql``, the URL) and the table prefix, and the version
-table carries the prefix so it never meets the application's own Alembic history.
-"""
+"""Alembic's entry point for the lease store's own migrations, run through ``celery_lease.store.migrations``
+(never the ``alembic`` command), which hands over the connection (``--sql``: the URL) and the table prefix."""
 
 from __future__ import annotations
 

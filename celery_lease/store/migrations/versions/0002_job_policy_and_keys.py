@@ -1,8 +1,7 @@
 """Jobs carry their recovery policy; idempotency keys get a table of their own.
 
-The reaper may run on a worker that does not import a job's task: the policy columns
-let it apply the task's own on_expired, limits, backoff, dead-letter queue and
-dispatch timeout. Keys copied from existing jobs outlive those jobs' pruning.
+The policy columns let a reaper that does not import a job's task apply the task's own policy; keys
+copied from existing jobs outlive those jobs' pruning.
 
 Revision ID: 0002
 Revises: 0001

@@ -1,8 +1,7 @@
 """The reaper records its runs; events carry their job's queue and task; a key/value meta table.
 
-`lease check`, `lease status` and the exporter read the reaper's liveness from the store
-(whichever scheduler runs it); event counters are labelled by queue and task without a
-join; the exporter notes its last scrape in the meta table.
+The reaper's liveness is read from the store, whichever scheduler runs it; event counters are labelled
+without a join.
 
 Revision ID: 0004
 Revises: 0003

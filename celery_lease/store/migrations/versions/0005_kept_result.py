@@ -1,8 +1,7 @@
 """A completed job keeps its result, so a delivery after a crash can finish Celery's post-run work.
 
-The completion writes the encoded return value in the same statement (no extra write). A
-delivery that finds its job completed while the result backend has no result for it stores
-that result and lets Celery send the chain's next step and the link callbacks.
+The completion writes it in the same statement; a delivery that finds the job completed but the result
+backend empty stores it and lets Celery send the chain's next step and the link callbacks.
 
 Revision ID: 0005
 Revises: 0004

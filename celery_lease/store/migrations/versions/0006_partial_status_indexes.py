@@ -1,14 +1,10 @@
 """The scans' jobs indexes hold one status each, where the database has partial indexes.
 
-PostgreSQL writes a new entry in every index of a row it updates when an indexed column
-changes, and a claim or a completion changes the status. The expired-lease scan only
-reads running jobs and the dispatch scan only pending ones, so their indexes now hold only
-those rows (PostgreSQL and SQLite): a claim adds no entry to the pending index and a
-completion none to either, and neither index grows with the finished history. MySQL has no
-partial indexes and keeps the (status, ...) ones; nothing changes there.
+PostgreSQL writes an entry in every index of a row whose indexed column changes, and claims and
+completions change the status: partial indexes (PostgreSQL, SQLite) take fewer writes and do not grow
+with the finished history. MySQL has no partial indexes: nothing changes there.
 
-Building the two indexes reads the jobs table once and blocks its writes meanwhile (on
-PostgreSQL, seconds for millions of rows): run it with the workers stopped or quiet.
+Building them blocks writes to the jobs table (seconds for millions of rows): migrate with the workers quiet.
 
 Revision ID: 0006
 Revises: 0005

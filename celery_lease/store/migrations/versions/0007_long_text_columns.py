@@ -1,13 +1,10 @@
 """MySQL/MariaDB: the columns that hold a message, a result, a checkpoint or an error are LONGTEXT.
 
-``TEXT`` there holds 64 KB: a message with a larger argument could not be recorded
-(``apply_async`` refused what plain Celery sends) and a larger return value could not be
-completed. ``LONGTEXT`` holds what Celery carries (4 GB; a statement is bounded by the
-server's ``max_allowed_packet``). The other databases' text types have no such limit:
-nothing changes there.
+``TEXT`` there holds 64 KB, less than Celery sends; ``LONGTEXT`` holds 4 GB (a statement is bounded by
+``max_allowed_packet``). Nothing changes on the other databases.
 
-The change is one ``ALTER TABLE`` that rewrites the jobs table (on MariaDB and MySQL
-seconds for millions of rows, with writes held meanwhile): migrate with the workers quiet.
+One ``ALTER TABLE`` rewrites the jobs table, holding writes (seconds for millions of rows): migrate with the
+workers quiet.
 
 Revision ID: 0007
 Revises: 0006
