@@ -72,7 +72,7 @@ demo: $(STAMP)
 	$(PY) -m example_project.demo $(if $(MODE),--mode $(MODE))
 
 # Each bench/NAME.py runs as `python -m bench.NAME` from the root (files named _*.py are helpers).
-# The ones that save figures (bench/results/) then have the README's cost tables rewritten.
+# The ones that save figures (bench/results/) then have docs/costs.md's cost tables rewritten.
 bench: $(STAMP)
 	@set -e; found=0; for f in bench/*.py; do \
 	    case "$$(basename $$f)" in _*) continue ;; esac; \
@@ -82,15 +82,15 @@ bench: $(STAMP)
 	done; [ $$found = 1 ] || echo "no benchmarks in bench/"
 	$(MAKE) bench-tables
 
-# Rewrite the README's cost tables from the figures the benchmarks saved in bench/results/.
+# Rewrite docs/costs.md's cost tables from the figures the benchmarks saved in bench/results/.
 bench-tables: $(STAMP)
-	$(PY) tools/bench_tables.py --write README.md
+	$(PY) tools/bench_tables.py --write docs/costs.md
 
 # Rewrite the settings table in README.md from celery_lease.config.SETTINGS.
 settings-table: $(STAMP)
 	$(PY) tools/settings_table.py --write README.md
 
-# Pictures of `celery lease web`'s pages for the README (Debian's chromium through Playwright).
+# Pictures of `celery lease web`'s pages for docs/operators.md (Debian's chromium through Playwright).
 screenshots: $(STAMP)
 	$(PY) tools/screenshots.py --out docs/img
 

@@ -1,7 +1,7 @@
 """Where a benchmark run leaves its figures: bench/results/NAME.json, read by tools/bench_tables.py.
 
-The README's cost tables are rendered from these files (`make bench` runs every benchmark
-with ``--save`` and then rewrites the tables), so the README shows what a run printed.
+docs/costs.md's cost tables are rendered from these files (`make bench` runs every benchmark
+with ``--save`` and then rewrites the tables), so that page shows what a run printed.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A renewal sent at local time ``s`` expires in the store after ``s + duration``; so, for any clock
 rate within ``DRIFT``, ``s + duration - (DRIFT * duration + NOTICE)`` comes before the store can see the
-lease (or a resource lock, grace 0) expired (README, "One live owner").
+lease (or a resource lock, grace 0) expired (docs/guarantees.md, "One live owner").
 """
 
 from __future__ import annotations

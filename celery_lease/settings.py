@@ -22,8 +22,8 @@ REAPER_RUNS_KEPT = 1000  # reaper runs kept in the store; each run prunes the ol
 REAPER_OVERDUE_INTERVALS = 3  # a reaper whose last run is this many intervals old is not running
 METRICS_MAX_SERIES = 200  # label pairs (queue, task) per exporter metric; the rest count as "other"
 SCRAPE_FRESH = 600.0  # seconds after which the exporter's last scrape is old (scrapes come every 15-60 s)
-# Where the shipped alert rules' runbook_url annotations point by default: the README's playbook.
-RUNBOOK_BASE_URL = "https://github.com/celery-lease/celery-lease/blob/main/README.md"
+# Where the shipped alert rules' runbook_url annotations point by default: the operator's playbook.
+RUNBOOK_BASE_URL = "https://github.com/celery-lease/celery-lease/blob/main/docs/operators.md"
 
 # 30 characters keep the longest index name within PostgreSQL's 63-character identifier limit.
 IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,29}$")
@@ -218,7 +218,7 @@ SETTINGS: tuple[Setting, ...] = (
        "PostgreSQL: commit a publish's record (job, key, event) without waiting for its WAL flush. "
        "A server crash may then undo records of its last moments: a job whose message was lost as "
        "well is not sent again, and its idempotency key can be taken again. Up to a fifth more "
-       "apply_async calls per second, as measured (README, What it costs). False waits for the flush.",
+       "apply_async calls per second, as measured (docs/costs.md). False waits for the flush.",
        _bool, "True or False", False),
     _S("lease_audit_every_transition", False,
        "Write an event row for every claim and completion too. False records only decisions (a "
@@ -284,7 +284,7 @@ SETTINGS: tuple[Setting, ...] = (
     # operations
     _S("lease_runbook_base_url", RUNBOOK_BASE_URL,
        "Absolute URL of the operator's playbook that alert rules link to (runbook_url = this URL + "
-       "'#' + the step's anchor); point it at your own copy of the README.",
+       "'#' + the step's anchor); point it at your own copy of docs/operators.md.",
        _url, "an absolute http(s) URL without a '#' fragment", False),
     # the web page (`celery lease web`)
     _S("lease_web_token", None,

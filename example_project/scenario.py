@@ -151,8 +151,8 @@ class Scenario:
         """On a SQLite store, hold its write lock while a worker is being frozen.
 
         SQLite has one write lock per file: a worker frozen in the middle of a write would keep
-        it, and every other writer, the reaper too, would wait until it wakes (README, "The
-        limits, plainly"). This step shows a lease outliving a silent worker, so it freezes
+        it, and every other writer, the reaper too, would wait until it wakes (docs/guarantees.md,
+        "The limits, plainly"). This step shows a lease outliving a silent worker, so it freezes
         the worker between two of its writes. PostgreSQL and MySQL lock rows, not the store.
         """
         if self.store is None or not self.store.dialect.single_writer:

@@ -1,12 +1,12 @@
-"""Render the README's cost tables from the benchmarks' saved figures (bench/results/*.json).
+"""Render docs/costs.md's cost tables from the benchmarks' saved figures (bench/results/*.json).
 
-    python tools/bench_tables.py                   print the tables
-    python tools/bench_tables.py --write README.md  replace each block between its markers
-    python tools/bench_tables.py --check README.md  exit 1 if a block is out of date
+    python tools/bench_tables.py                         print the tables
+    python tools/bench_tables.py --write docs/costs.md  replace each block between its markers
+    python tools/bench_tables.py --check docs/costs.md  exit 1 if a block is out of date
 
 Each block sits between ``<!-- bench:NAME:start -->`` and ``<!-- bench:NAME:end -->``;
 ``make bench`` saves the figures and rewrites the blocks, and tests/unit/test_readme.py keeps
-the README in step with the saved figures.
+docs/costs.md in step with the saved figures.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def markers(name: str) -> tuple[str, str]:
 
 
 def block(name: str, results: Path = RESULTS) -> str:
-    """One benchmark's rendered figures with their markers, as in the README."""
+    """One benchmark's rendered figures with their markers, as in docs/costs.md."""
     data = json.loads((results / f"{name}.json").read_text(encoding="utf-8"))
     start, end = markers(name)
     return f"{start}\n{RENDERERS[name](data)}\n{end}"
@@ -139,7 +139,7 @@ def replace(text: str, results: Path = RESULTS, names: list[str] | None = None) 
     for name in names or list(RENDERERS):
         current = extract(text, name)
         if current is None:
-            raise SystemExit(f"README lacks the {markers(name)[0]} ... {markers(name)[1]} block")
+            raise SystemExit(f"the page lacks the {markers(name)[0]} ... {markers(name)[1]} block")
         text = text.replace(current, block(name, results), 1)
     return text
 
@@ -147,8 +147,8 @@ def replace(text: str, results: Path = RESULTS, names: list[str] | None = None) 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     group = parser.add_mutually_exclusive_group()
-    group.add_argument("--write", metavar="README", type=Path, help="rewrite the blocks in this file")
-    group.add_argument("--check", metavar="README", type=Path, help="fail if a block is out of date")
+    group.add_argument("--write", metavar="PAGE", type=Path, help="rewrite the blocks in this file")
+    group.add_argument("--check", metavar="PAGE", type=Path, help="fail if a block is out of date")
     parser.add_argument("--results", type=Path, default=RESULTS, help="where the saved figures are")
     args = parser.parse_args(argv)
     if args.write:

@@ -1,4 +1,4 @@
-"""Screenshots of `celery lease web`'s pages for the README: ``make screenshots`` writes docs/img/*.png.
+"""Screenshots of `celery lease web`'s pages (docs/operators.md): ``make screenshots`` writes docs/img/*.png.
 
 The scene is the operations tests' one (tests/apps/ops_app.py): jobs in flight, abandoned leases of
 a worker gone an hour ago, completions, dead letters and one recorded reaper run, in a SQLite store

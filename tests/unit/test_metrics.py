@@ -28,7 +28,7 @@ from tests.conftest import SCENE_STORES, require_service, service_url, unique_pr
 ROOT = Path(__file__).resolve().parents[2]
 ALERTS = ROOT / "celery_lease" / "contrib" / "prometheus" / "alerts.yml"
 DASHBOARD = ROOT / "celery_lease" / "contrib" / "grafana" / "celery_lease.json"
-PLAYBOOK = ROOT / "README.md"
+PLAYBOOK = ROOT / "docs" / "operators.md"
 METRIC = re.compile(r"\bcelery_lease_[a-z0-9_]+\b")
 
 

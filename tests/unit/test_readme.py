@@ -1,4 +1,5 @@
-"""README.md's settings table is the one generated from celery_lease.config.SETTINGS."""
+"""README.md's settings table is the one generated from celery_lease.config.SETTINGS; docs/costs.md's
+cost tables are the saved benchmark figures."""
 
 from __future__ import annotations
 
@@ -54,13 +55,14 @@ def load_bench_tables():
     return load("bench_tables")
 
 
-def test_readme_cost_tables_are_the_saved_benchmark_figures():
+def test_cost_page_tables_are_the_saved_benchmark_figures():
     tool = load_bench_tables()
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    text = (ROOT / "docs" / "costs.md").read_text(encoding="utf-8")
     for name in tool.RENDERERS:
         current = tool.extract(text, name)
-        assert current is not None, f"README.md lacks the bench:{name} markers"
-        assert current == tool.block(name), f"README's {name} figures are stale: run `make bench-tables`"
+        assert current is not None, f"docs/costs.md lacks the bench:{name} markers"
+        assert current == tool.block(name), (
+            f"docs/costs.md's {name} figures are stale: run `make bench-tables`")
 
 
 def test_cost_tables_render_each_saved_row(tmp_path):

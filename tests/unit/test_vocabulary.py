@@ -1,5 +1,5 @@
 """The vocabulary: every audit event written is an Event, every Event is written, and the lists
-that metrics, the CLI, the checks and the README name are made of its members."""
+that metrics, the CLI, the checks and the README and docs/ pages name are made of its members."""
 
 from __future__ import annotations
 
@@ -144,7 +144,7 @@ def test_a_member_is_its_stored_string_in_comparisons_formatting_and_json(enum):
 
 
 def _readme_names() -> set[str]:
-    text = (ROOT / "README.md").read_text()
+    text = "\n".join(path.read_text() for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
     return (set(re.findall(r"`([a-z][a-z0-9_]*)`", text))
             | set(re.findall(r"--event[ =]([a-z][a-z0-9_]*)", text)))
 

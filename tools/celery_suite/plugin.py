@@ -17,7 +17,7 @@ declared failure that did not fail) to PATH: the pass list. ``--celery-suite-exp
 compares with such a list: the session fails, listing them, when a test on the list ran and
 did not pass, and succeeds otherwise (tests off the list fail with plain Celery too).
 ``--celery-suite-differences PATH`` deselects the tests listed there: the known differences of
-LeaseTask, each explained in the README ("Celery's own integration tests").
+LeaseTask, each explained in docs/celery.md ("Celery's own integration tests").
 ``--celery-suite-racy PATH`` gives the tests listed there Celery's own @flaky reruns, in both
 modes: tests whose race is in the test itself, whatever the task class.
 """
@@ -200,7 +200,7 @@ class SuitePlugin:
         else:
             tr.write_line(f"all {self.compared} tests on the pass list passed", green=True)
         if self.known:
-            tr.write_line(f"{len(self.known)} known differences deselected (README, \"Celery's own "
+            tr.write_line(f"{len(self.known)} known differences deselected (docs/celery.md, \"Celery's own "
                           "integration tests\"):")
             for nodeid in self.known:
                 tr.write_line(f"  {nodeid}")
