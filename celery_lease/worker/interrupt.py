@@ -25,11 +25,13 @@ def raise_in_thread(thread_id: int, exc_type: type[BaseException] | None) -> boo
     return count == 1
 
 
-def _async_error(error: LeaseLost) -> type[LeaseLost]:
-    # The interpreter instantiates an asynchronous exception with no arguments.
+def _async_error(error: LeaseLost, landed: Callable[[], None]) -> type[LeaseLost]:
+    # The interpreter instantiates an asynchronous exception with no arguments, in the target
+    # thread, as it lands: that is how the interrupter learns it landed.
     job_id, reason, owner = error.job_id, error.reason, error.owner
 
     def __init__(self: LeaseLost) -> None:
+        landed()
         LeaseLost.__init__(self, job_id, reason, owner)
 
     return type("LeaseLost", (LeaseLost,), {"__init__": __init__, "__module__": __name__})
@@ -57,6 +59,7 @@ class ThreadInterrupter(Interrupter):
 
     def __init__(self) -> None:
         self.thread_id: int | None = None
+        self._pending = False  # sent and not landed yet
 
     def bind(self) -> None:
         self.thread_id = threading.get_ident()
@@ -64,11 +67,30 @@ class ThreadInterrupter(Interrupter):
     def interrupt(self, error: LeaseLost, still_running: Callable[[], bool]) -> None:
         # The body's own thread found the loss: it raises LeaseLost itself (check()).
         if self.thread_id is not None and self.thread_id != threading.get_ident() and still_running():
-            raise_in_thread(self.thread_id, _async_error(error))
+            self._pending = True
+            if not raise_in_thread(self.thread_id, _async_error(error, self._landed)):
+                self._pending = False
+
+    def _landed(self) -> None:
+        self._pending = False
 
     def cancel(self) -> None:
-        if self.thread_id is not None:
-            raise_in_thread(self.thread_id, None)
+        """Called in the body's own thread. Clearing an exception through the C API would leave the
+        interpreter's "asynchronous exception pending" flag set for good (CPython clears it only as one
+        lands): every thread would then take the slow path at each call, and a profiler or tracer
+        (cProfile, coverage) would hang. So only an interruption still on its way is dropped, by
+        letting it land here."""
+        if not self._pending or self.thread_id != threading.get_ident():
+            return
+        try:
+            for _ in range(1000):  # bytecode to run: a pending asynchronous exception lands within it
+                if not self._pending:
+                    break
+        except LeaseLost:
+            pass  # noqa: SIM105 - the interruption this call drops, caught as it lands
+        if self._pending:  # never seen: it did not land while bytecode ran; clear it as a last resort
+            self._pending = False
+            raise_in_thread(threading.get_ident(), None)
 
     def is_current(self) -> bool:
         return self.thread_id == threading.get_ident()

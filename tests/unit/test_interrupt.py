@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -31,6 +34,53 @@ def test_a_thread_is_interrupted_at_its_next_bytecode():
     worker.join(10)
     [exc] = caught
     assert (exc.job_id, exc.reason, exc.owner) == ("job-1", "taken_over", "other:1")
+
+
+# Run in a process of its own: the interpreter state it checks is process-wide.
+AFTER_AN_INTERRUPTION = textwrap.dedent("""
+    import sys, threading, time
+    from celery_lease.errors import LeaseLost
+    from celery_lease.worker.interrupt import ThreadInterrupter
+
+    def run(landing):
+        interrupter, ready, sent = ThreadInterrupter(), threading.Event(), threading.Event()
+
+        def body():
+            interrupter.bind()
+            ready.set()
+            try:
+                if landing:
+                    while True:
+                        sum(range(100))
+                sent.wait(10)
+            except LeaseLost:
+                pass
+            interrupter.cancel()
+
+        worker = threading.Thread(target=body)
+        worker.start()
+        ready.wait(10)
+        if landing:
+            interrupter.interrupt(LeaseLost("job-1", "lost", None), lambda: True)
+        sent.set()
+        worker.join(10)
+
+    run(landing=True)   # an interruption that landed, then the body's end cancels
+    run(landing=False)  # nothing sent, the body's end cancels
+    sys.setprofile(lambda *args: None)
+    (lambda: None)()
+    sys.setprofile(None)
+    print("ran on")
+""")
+
+
+def test_cancelling_after_an_interruption_leaves_the_process_able_to_run_under_a_profiler():
+    # A cancel that cleared through the C API left the interpreter's pending flag set for good:
+    # every call took the slow path, and the first call under a profiler never returned.
+    done = subprocess.run([sys.executable, "-c", AFTER_AN_INTERRUPTION], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ran on"
 
 
 def test_a_greenlet_is_interrupted_from_a_real_thread_through_its_hub():
