@@ -7,7 +7,7 @@ are (PostgreSQL waits for the WAL flush; SQLite runs ``synchronous=FULL``). Plai
 these writes added is the best that any design writing **one commit per job** reaches on the same
 machine. ``GroupFloor`` is the second floor: the same statements, but the writes due at the same
 moment in one process share one commit (leader/follower, no tick), which is the best that sharing
-commits allows. The benchmarks print both next to LeaseTask's figures; ``tests/unit/test_floor.py``
+commits allows. The benchmarks print both next to LeaseTask's figures; ``tests/unit/test_bench_floor.py``
 pins their statements.
 """
 
@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import sqlalchemy as sa
 
-__all__ = ["Floor", "GroupFloor", "Group"]
+from celery_lease.store.group import Group
+
+__all__ = ["Floor", "GroupFloor"]
 
 
 class Floor:
@@ -89,68 +91,6 @@ class Floor:
             self._local.conn = None
 
 
-class Group:
-    """Leader/follower group commit: the first caller to find no writer writes everything queued in
-    one commit; callers arriving meanwhile wait for that commit or the next. A lone caller waits for
-    nobody. ``write(batch)`` gets ``(kind, params)`` items and commits them in one transaction."""
-
-    def __init__(self, write: Callable[[list[tuple[str, tuple[Any, ...]]]], None]) -> None:
-        self._write = write
-        self._mutex = threading.Lock()
-        self._queue: list[_Item] = []
-        self._writing = False
-        self.batches = 0  # commits made, for the bench's figures and the tests
-
-    def submit(self, kind: str, params: tuple[Any, ...]) -> None:
-        item = _Item(kind, params)
-        with self._mutex:
-            self._queue.append(item)
-            lead = not self._writing
-            self._writing = True
-        if not lead:
-            item.done.wait()
-            if not item.lead:
-                item.raise_error()
-                return
-        self._lead()
-        item.raise_error()
-
-    def _lead(self) -> None:
-        with self._mutex:
-            batch, self._queue = self._queue, []
-        error: BaseException | None = None
-        try:
-            self._write([(i.kind, i.params) for i in batch])
-            self.batches += 1
-        except Exception as exc:  # noqa: BLE001 - re-raised in the thread of every caller of the batch
-            error = exc
-        for i in batch:
-            i.error = error
-            i.done.set()
-        with self._mutex:
-            if self._queue:
-                # Leadership passes to the oldest waiter, whose own write is in the next batch.
-                nxt = self._queue[0]
-                nxt.lead = True
-                nxt.done.set()
-            else:
-                self._writing = False
-
-
-class _Item:
-    __slots__ = ("done", "error", "kind", "lead", "params")
-
-    def __init__(self, kind: str, params: tuple[Any, ...]) -> None:
-        self.kind, self.params = kind, params
-        self.done = threading.Event()
-        self.lead = False
-        self.error: BaseException | None = None
-
-    def raise_error(self) -> None:
-        if self.error is not None:
-            raise self.error
-
-
 class GroupFloor(Floor):
     """The floor whose writes due at once share one commit: one statement per kind per batch."""
 
@@ -158,16 +98,21 @@ class GroupFloor(Floor):
         super().__init__(url, prefix)
         self._conn_lock = threading.Lock()
         self._shared: Any = None
-        self.group = Group(self._write)
+        # The library's own leader/follower queue (store/group.py), as lease_group_commit uses it.
+        self.group: Group[tuple[str, tuple[Any, ...]], None] = Group(self._write_all)
 
     def record(self, job_id: str, payload: str) -> None:
-        self.group.submit("record", (job_id, payload))
+        self.group.submit(("record", (job_id, payload)))
 
     def claim(self, job_id: str, token: str) -> None:
-        self.group.submit("claim", (job_id, token))
+        self.group.submit(("claim", (job_id, token)))
 
     def complete(self, job_id: str, token: str) -> None:
-        self.group.submit("complete", (job_id, token))
+        self.group.submit(("complete", (job_id, token)))
+
+    def _write_all(self, batch: list[tuple[str, tuple[Any, ...]]]) -> list[None]:
+        self._write(batch)
+        return [None] * len(batch)
 
     def statements(self, batch: Sequence[tuple[str, tuple[Any, ...]]]) -> list[tuple[str, list[Any]]]:
         """The statements of one batch: one per kind present, with its bound parameters."""

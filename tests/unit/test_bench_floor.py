@@ -1,15 +1,13 @@
 """The benchmarks' floors (bench/_floor.py): their statements are pinned, so a floor cannot get slower
-unnoticed, and the group floor shares one commit among the writes due at the same moment."""
+unnoticed; the group floor's leader/follower queue is the library's (tests/unit/test_group.py)."""
 
 from __future__ import annotations
 
 import sqlite3
-import threading
 
 import pytest
 
-from bench._floor import Floor, Group, GroupFloor
-from tests.helpers import wait_for
+from bench._floor import Floor, GroupFloor
 
 
 def traced(floor: Floor) -> list[str]:
@@ -59,58 +57,3 @@ def test_a_group_floor_batch_is_one_statement_per_kind_in_one_commit_fenced_row_
     rows = dict(group._connect().execute("SELECT id, done FROM g_floor").fetchall())
     assert rows == {"a": 1, "b": 0, "c": 0}  # b's write carried another token: b alone is not completed
     group.close()
-
-
-def test_a_lone_write_is_committed_at_once_by_its_own_thread():
-    writers: list[tuple[int, list]] = []
-    group = Group(lambda batch: writers.append((threading.get_ident(), batch)))
-    group.submit("claim", ("a", "t"))
-    assert writers == [(threading.get_ident(), [("claim", ("a", "t"))])]
-
-
-def test_writes_arriving_during_a_commit_share_the_next_one_and_each_caller_returns_after_its_own():
-    release, first_started = threading.Event(), threading.Event()
-    batches: list[list] = []
-
-    def write(batch: list) -> None:
-        batches.append(batch)
-        if len(batches) == 1:
-            first_started.set()
-            assert release.wait(10)
-
-    group = Group(write)
-    returned: list[str] = []
-
-    def submit(job: str) -> None:
-        group.submit("claim", (job, "t"))
-        returned.append(job)
-
-    leader = threading.Thread(target=submit, args=("lead",))
-    leader.start()
-    assert first_started.wait(10)
-    followers = [threading.Thread(target=submit, args=(f"f{i}",)) for i in range(5)]
-    for t in followers:
-        t.start()
-    wait_for(lambda: len(group._queue) == 5, timeout=10, message="the followers never queued")
-    assert returned == []  # nobody returns before the commit holding its write
-    release.set()
-    for t in [leader, *followers]:
-        t.join(10)
-    assert [len(b) for b in batches] == [1, 5]
-    assert sorted(returned) == sorted(["lead", *(f"f{i}" for i in range(5))])
-    assert group.batches == 2
-
-
-def test_a_failed_commit_raises_in_every_caller_of_its_batch_and_the_next_batch_still_runs():
-    calls: list[int] = []
-
-    def write(batch: list) -> None:
-        calls.append(len(batch))
-        if len(calls) == 1:
-            raise OSError("disk full")
-
-    group = Group(write)
-    with pytest.raises(OSError, match="disk full"):
-        group.submit("claim", ("a", "t"))
-    group.submit("claim", ("b", "t"))
-    assert calls == [1, 1] and group.batches == 1
