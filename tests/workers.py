@@ -34,6 +34,10 @@ class Proc:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(10)
 
+    def exited(self) -> int | None:
+        """The exit code when the process has ended, else None."""
+        return self.popen.poll()
+
     def output(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
@@ -79,6 +83,9 @@ def worker(app: str, env: Mapping[str, str], log_dir: Path, *, pool: str = "pref
 
 
 def beat(app: str, env: Mapping[str, str], log_dir: Path, name: str = "beat") -> Proc:
-    """Start ``celery -A app beat`` with its schedule file in ``log_dir``."""
-    return _spawn(["-A", app, "beat", "-l", "INFO", "-s", str(log_dir / "beat-schedule")],
+    """Start ``celery -A app beat`` with a schedule file of its own in ``log_dir``.
+
+    Two beats sharing one shelve file race on its rewrite, and the loser exits at start-up.
+    """
+    return _spawn(["-A", app, "beat", "-l", "INFO", "-s", str(log_dir / f"{name}-schedule")],
                   env, log_dir, name)
