@@ -21,8 +21,8 @@ from ..errors import LeaseConfigError, LeaseError
 from ..kinds import is_lease_task
 from ..vocabulary import CancelReason, Event, OnLost, WorkerLostOutcome
 from ..worker.deliveries import StoreDown
-from ..worker.heartbeat import worker_id
 from ..worker.outage import PauseStep, store_unreachable
+from ..worker.threads import worker_id
 
 __all__ = ["LeaseRequest", "WorkerStep", "install"]
 

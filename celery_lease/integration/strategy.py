@@ -19,7 +19,7 @@ from ..errors import StoreRejected, StoreUnavailable
 from ..kinds import leased
 from ..store import Glance, for_app
 from ..vocabulary import Event, Status
-from ..worker.heartbeat import worker_id
+from ..worker.threads import worker_id
 
 __all__ = ["lease_strategy", "sure_duplicate", "owner_node"]
 

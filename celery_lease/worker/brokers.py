@@ -18,8 +18,7 @@ from celery.utils.nodenames import gethostname
 from ..config import app_config, task_policy
 from ..errors import StoreRejected, StoreUnavailable
 from ..kinds import is_lease_task
-from .heartbeat import worker_id
-from .loop import Loop
+from .threads import Loop, worker_id
 
 __all__ = ["VisibilityStep", "VisibilityKeeper", "Held", "RedisExtender", "SQSExtender", "extender_for",
            "held_messages", "OwnChannel", "transport_kind"]

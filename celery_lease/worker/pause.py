@@ -8,7 +8,7 @@ import threading
 from typing import Any
 
 from ..errors import StoreUnavailable
-from .loop import Loop
+from .threads import Loop
 
 __all__ = ["ConsumerPause"]
 

@@ -22,9 +22,8 @@ from ..vocabulary import Event
 from .deliveries import forget_store_retries
 from .effects import Locks
 from .handles import DeferredWrite
-from .heartbeat import Heartbeat, worker_id
 from .lease import Lease
-from .timers import CANCELS_KEPT, MAX_TIMER_SLEEP, DeadlineTimer, PendingCancels
+from .threads import CANCELS_KEPT, MAX_TIMER_SLEEP, DeadlineTimer, Heartbeat, PendingCancels, worker_id
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -15,9 +15,9 @@ from celery_lease.config import load
 from celery_lease.errors import LeaseConfigError, LeaseError, LeaseLost, LockUnavailable
 from celery_lease.store import ClaimTerms, Store
 from celery_lease.worker.effects import advance, effect, lock
-from celery_lease.worker.heartbeat import Heartbeat
 from celery_lease.worker.lease import Lease
 from celery_lease.worker.runtime import Runtime
+from celery_lease.worker.threads import Heartbeat
 from tests.conftest import unique_prefix
 from tests.helpers import wait_for
 from tests.tcp_proxy import TcpProxy

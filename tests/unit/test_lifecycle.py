@@ -2,11 +2,11 @@
 leaves the lifecycle module (celery_lease/worker/lifecycle.py), measured under ``sys.setprofile``.
 
 The path measured is a prefork child's: the claim succeeds and the body returns. The bounds are the
-figures of today's code (23 modules, 5 departures), so a change that spreads a delivery over more
-modules, or adds a crossing out of the lifecycle, fails here and says where the path went. The
-layering's target is 8 modules and 6 departures: the departures are within it; the modules are not
-(the store's engine, dialect, statements and rows are modules of their own), and each change that
-reaches closer lowers the bound.
+figures of today's code (20 modules, 6 departures: the settle step is part of the lifecycle module, so its
+two calls out count), so a change that spreads a delivery over more modules, or adds a crossing out of the
+lifecycle, fails here and says where the path went. The layering's target is 8 modules and 6 departures:
+the departures meet it; the modules do not (the store's engine, dialect, statements and rows are modules
+of their own), and each change that reaches closer lowers the bound.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from tests.conftest import unique_prefix
 
 LIFECYCLE = "celery_lease.worker.lifecycle"
 # Today's figures (see the module docstring).
-MAX_MODULES = 23
-MAX_DEPARTURES = 5
+MAX_MODULES = 20
+MAX_DEPARTURES = 6
 
 
 @pytest.fixture
