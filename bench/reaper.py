@@ -66,7 +66,7 @@ def build(store: Store, rows: int, expired: int, payload: str) -> None:
     columns = ["id", "queue_name", "task_name", "payload", "status", "attempt_count", "expired_count",
                "dispatch_count", "max_attempts", "available_at", "lease_expires_at", "lease_duration",
                "grace_period", "locked_by", "lock_token", "created_at", "updated_at"]
-    with store.begin() as c:
+    with store.begin(long=True) as c:
         c.execute(sa.insert(j).from_select(columns, source))
     with store.engine.connect() as c:
         c.execute(sa.text("ANALYZE"))

@@ -199,7 +199,7 @@ def main() -> None:
         wait_listening(port)
         start = time.perf_counter()
         fill(store, args.rows, history=True)
-        with store.begin() as c:
+        with store.begin(long=True) as c:
             count = c.execute(sa.select(sa.func.count()).select_from(store.t.jobs)).scalar_one()
         print(f"PostgreSQL, {count:,} jobs rows (and as many events), filled in "
               f"{time.perf_counter() - start:.1f}s")
