@@ -12,7 +12,6 @@ import logging
 import random
 import secrets
 import threading
-import time
 import uuid
 from typing import NamedTuple
 from urllib.parse import urlsplit, urlunsplit
@@ -418,16 +417,23 @@ def test_two_scanners_racing_over_1000_expired_rows_requeue_each_exactly_once(st
     """The CAS alone (no reaper lock): two scanners over the same rows, one winner per row."""
     insert_expired(store, 1000)
     wins: list[str] = []
-    lock = threading.Lock()
+    progress = threading.Condition()
+    pages = [0]  # pages committed and scanners finished, by both
+
+    def moved_on() -> None:
+        with progress:
+            pages[0] += 1
+            progress.notify_all()
 
     def scan_and_requeue() -> None:
         after, stalls, deadlocks = None, 3, 100
         while True:
-            won, last = [], after
+            won, last, seen = [], after, pages[0]
             try:
                 with store.begin(long=True) as c:  # as the reaper's own pages: the long bound
                     page = store.reaping.scan_expired(c, limit=100, after=after)
                     if not page:
+                        moved_on()
                         return
                     for item in page:
                         last = (item.job.lease_expires_at, item.job.id)
@@ -445,13 +451,16 @@ def test_two_scanners_racing_over_1000_expired_rows_requeue_each_exactly_once(st
                     stalls -= 1
                 if not (stalls and deadlocks):
                     raise
-                # A retry's jittered backoff, as the reaper's next run comes an interval later: two
-                # scanners retrying in lockstep on a loaded machine could deadlock on every page.
-                time.sleep(random.uniform(0.0, 0.05))
+                if store.dialect.retryable(exc.__cause__):
+                    # The deadlock's other side goes on: retry once it has committed its page (as
+                    # the reaper's next run comes later), not in lockstep with it.
+                    with progress:
+                        progress.wait_for(lambda seen=seen: pages[0] != seen, timeout=30)
                 continue
             after = last
-            with lock:
+            with progress:
                 wins.extend(won)
+            moved_on()
 
     assert run_in_threads(scan_and_requeue) == []
     assert sorted(wins) == [f"r{n:04d}" for n in range(1000)]
