@@ -34,11 +34,11 @@ def broker(redis_url):
 
 def make_app(broker_url: str, store_url: str, **conf) -> Celery:
     app = Celery(f"leased_{unique_prefix()}", broker=broker_url, backend=broker_url, set_as_current=False)
-    app.conf.update(
-        lease_store_url=store_url, lease_table_prefix=unique_prefix(), lease_duration=1.5,
-        lease_heartbeat_interval=0.2, lease_grace_period=0.5, worker_hijack_root_logger=False,
-        broker_transport_options={"visibility_timeout": 3600}, result_expires=None, **conf,
-    )
+    app.conf.update({
+        "lease_store_url": store_url, "lease_table_prefix": unique_prefix(), "lease_duration": 1.5,
+        "lease_heartbeat_interval": 0.2, "lease_grace_period": 0.5, "worker_hijack_root_logger": False,
+        "broker_transport_options": {"visibility_timeout": 3600}, "result_expires": None, **conf,
+    })
     return app
 
 
