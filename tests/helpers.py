@@ -13,6 +13,10 @@ __all__ = ["wait_for", "with_password"]
 
 T = TypeVar("T")
 
+#: An embedded worker's stop waits for its pending Redis BRPOP to come back empty: one second by
+#: kombu's default, this long with ``broker_transport_options={"polling_interval": EMPTY_POLL}``.
+EMPTY_POLL = 0.1
+
 
 def wait_for(
     predicate: Callable[[], T],

@@ -24,7 +24,7 @@ from celery_lease.worker.effects import lock
 from celery_lease.worker.lease import Lease
 from celery_lease.worker.runtime import Runtime, current
 from tests.conftest import drop_app_store, flushed_redis, migrated_store, unique_prefix
-from tests.helpers import wait_for
+from tests.helpers import EMPTY_POLL, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -45,7 +45,7 @@ def app(broker, store_url):
     app.conf.update(
         lease_store_url=store_url, lease_table_prefix=unique_prefix(), lease_duration=2.0,
         lease_heartbeat_interval=0.4, lease_grace_period=0.5, worker_hijack_root_logger=False,
-        result_expires=None,
+        result_expires=None, broker_transport_options={"polling_interval": EMPTY_POLL},
     )
     migrated_store(app)
     yield app

@@ -18,7 +18,7 @@ from celery_lease.config import app_config
 from celery_lease.messaging import messages
 from celery_lease.store import ClaimTerms, Store, for_app
 from tests.conftest import drop_app_store, flushed_redis, migrated_store, unique_prefix
-from tests.helpers import wait_for
+from tests.helpers import EMPTY_POLL, wait_for
 from tests.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.integration
@@ -37,7 +37,8 @@ def make_app(broker_url: str, store_url: str, **conf) -> Celery:
     app.conf.update({
         "lease_store_url": store_url, "lease_table_prefix": unique_prefix(), "lease_duration": 1.5,
         "lease_heartbeat_interval": 0.2, "lease_grace_period": 0.5, "worker_hijack_root_logger": False,
-        "broker_transport_options": {"visibility_timeout": 3600}, "result_expires": None, **conf,
+        "broker_transport_options": {"visibility_timeout": 3600, "polling_interval": EMPTY_POLL},
+        "result_expires": None, **conf,
     })
     return app
 

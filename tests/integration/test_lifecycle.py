@@ -18,7 +18,7 @@ from celery_lease import LeaseTask
 from celery_lease.store import Store
 from celery_lease.worker import runtime
 from tests.conftest import flushed_redis, unique_prefix
-from tests.helpers import wait_for
+from tests.helpers import EMPTY_POLL, wait_for
 from tests.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.integration
@@ -61,8 +61,8 @@ def make_app(broker_url: str, store_url: str, backend: str | None = None, **conf
     app.conf.update({
         "lease_store_url": store_url, "lease_table_prefix": unique_prefix(), "lease_duration": 8.0,
         "lease_heartbeat_interval": 0.3, "lease_grace_period": 1.0, "lease_store_retry_delay": 0.3,
-        "worker_hijack_root_logger": False, "broker_transport_options": {"visibility_timeout": 3600},
-        "result_expires": None, **conf,
+        "worker_hijack_root_logger": False, "result_expires": None,
+        "broker_transport_options": {"visibility_timeout": 3600, "polling_interval": EMPTY_POLL}, **conf,
     })
     return app
 
