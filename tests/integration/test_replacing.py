@@ -9,6 +9,7 @@ from celery import chain, group
 from celery.contrib.testing.worker import start_worker
 
 from celery_lease import LeaseTask
+from celery_lease.errors import StoreUnavailable
 from celery_lease.ops.views import job_timeline
 from celery_lease.store import for_app
 from celery_lease.vocabulary import RECOVERIES, RELEASES, Event
@@ -152,6 +153,33 @@ def test_a_group_replacement_ends_the_lease_and_gives_the_group_result(counted):
     with store.begin() as c:
         names = {r[0] for r in c.execute(store.t.jobs.select().with_only_columns(store.t.jobs.c.task_name))}
     assert names == {"r.by_group", "r.add"}  # celery.accumulate carries the id, unleased
+
+
+def test_a_group_replacement_whose_record_meets_an_outage_runs_the_replaced_body_once_more(
+        counted, monkeypatch):
+    """The group's members are recorded by the replaced body: a store that does not answer then ends the
+    run as an outage, its lease is given back, and the body runs again; the group it could not record
+    never left, so each member runs once."""
+    app, client = counted
+    statements = type(for_app(app).publishes)
+    record_batch, calls = statements.record_batch, []
+
+    def unanswered_once(self, jobs):
+        calls.append(len(jobs))
+        if len(calls) == 1:
+            raise StoreUnavailable("no answer within the call bound (injected)")
+        return record_batch(self, jobs)
+
+    monkeypatch.setattr(statements, "record_batch", unanswered_once)
+    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+        result = app.tasks["r.by_group"].delay(3)
+        assert result.get(timeout=30) == [0, 2, 4]
+    counts = runs(client)
+    assert calls == [3, 3]
+    assert counts.pop(f"runs:r.by_group:{result.id}") == 2
+    assert sorted(counts.values()) == [1, 1, 1]
+    assert Event.RELEASED_AFTER_OUTAGE in events(app, result.id)
+    assert unexplained(app, runs(client)) == {}
 
 
 def test_a_copy_of_the_replaced_message_delivered_mid_chain_does_not_replace_the_job_again(counted):
