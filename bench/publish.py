@@ -10,8 +10,9 @@ lease_publish_async_commit. Before them, per store, the floor (bench/_floor.py):
 publishes each after the least a durable record of it costs, to the same plain rounds. Then
 whole groups: a group of 1,000 signatures published at once,
 tasks per second. Then publishes from many threads at once (a web server's): ``--threads``
-threads share the calls, plain and LeaseTask alternating, next to the group floor (each record
-sharing a commit with those due at the same moment). Usage: python -m bench.publish [--calls 2000]
+threads share the calls, plain and LeaseTask alternating (at the defaults, then with
+lease_group_commit), next to the group floor (each record sharing a commit with those due at the
+same moment). Usage: python -m bench.publish [--calls 2000]
 [--rounds 3] [--group 1000] [--threads 8]
 """
 
@@ -206,12 +207,21 @@ def main() -> None:
                       f"{statistics.median(leases):8.0f}  {' '.join(f'{r:.2f}' for r in ratios):20} "
                       f"{statistics.median(ratios):.2f}")
                 if name != "postgres-async":
-                    row = threaded_rounds(app, plain, leased, urls[name], prefix, payload, args, client)
+                    # The same publishes with lease_group_commit: records due at once share a commit.
+                    grouped_app, _, grouped = build(urls[name], prefix, **MODES[name],
+                                                    lease_group_commit=True)
+                    try:
+                        row = threaded_rounds(app, plain, leased, grouped, urls[name], prefix, payload, args,
+                                              client)
+                    finally:
+                        grouped_app.close()
                     threaded.append({"store": name, **row})
                     print(f"{name:14} {str(args.threads) + ' threads':18} {row['plain']:8.0f} "
                           f"{row['lease']:8.0f}  "
                           f"{' '.join(f'{r:.2f}' for r in row['ratios']):20} {row['median']:.2f}"
-                          f"  (group floor {row['floor']:.2f})")
+                          f"  (lease_group_commit {row['grouped']:.2f}: "
+                          f"{' '.join(f'{r:.2f}' for r in row['grouped_ratios'])}; "
+                          f"group floor {row['floor']:.2f})")
                 if name == "postgres":
                     for keyed in (False, True):
                         cost = per_publish(app, leased, urls[name], 1000, keyed)
@@ -229,27 +239,32 @@ def main() -> None:
                                   "store_writes_per_publish": costs})
 
 
-def threaded_rounds(app: Celery, plain: Any, leased: Any, url: str, prefix: str, payload: str,
+def threaded_rounds(app: Celery, plain: Any, leased: Any, grouped: Any, url: str, prefix: str, payload: str,
                     args: argparse.Namespace, client: Any) -> dict[str, Any]:
-    """Plain, LeaseTask and group-floor publishes from ``args.threads`` threads, alternating by round."""
+    """Plain, LeaseTask (the default, then with lease_group_commit) and group-floor publishes from
+    ``args.threads`` threads, alternating by round."""
     floor = GroupFloor(url, prefix)
     floor.create()
     try:
+        threaded_rate(grouped.app, grouped, 200, args.threads)  # warm the grouped app's producer and pool
         plains = [threaded_rate(app, plain, args.calls, args.threads)]
-        leases, ratios, floors = [], [], []
+        leases, ratios, floors, groups = [], [], [], []
         for _ in range(args.rounds):
             leases.append(threaded_rate(app, leased, args.calls, args.threads))
+            groups.append(threaded_rate(grouped.app, grouped, args.calls, args.threads))
             floors.append(threaded_rate(app, plain, args.calls, args.threads, floor, payload))
             plains.append(threaded_rate(app, plain, args.calls, args.threads))
-            ratios.append(leases[-1] / statistics.mean(plains[-2:]))
-            floors[-1] /= statistics.mean(plains[-2:])
+            mean = statistics.mean(plains[-2:])
+            ratios.append(leases[-1] / mean)
+            groups[-1] /= mean
+            floors[-1] /= mean
             client.flushdb()
     finally:
         floor.drop()
         floor.close()
     return {"plain": statistics.median(plains), "lease": statistics.median(leases), "ratios": ratios,
-            "median": statistics.median(ratios), "floors": floors,
-            "floor": statistics.median(floors)}
+            "median": statistics.median(ratios), "grouped_ratios": groups,
+            "grouped": statistics.median(groups), "floors": floors, "floor": statistics.median(floors)}
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from .audited import AuditedWrites
 from .base import StoreEngine
 from .effects import EffectStatements
 from .glance import DeliveryStatements, Glance
-from .group import GroupedJobStatements
+from .group import GroupedJobStatements, GroupedPublishStatements
 from .jobs import JobStatements
 from .publishes import PublishStatements
 from .reaping import Expired, ReaperStatements
@@ -51,9 +51,10 @@ class Store(StoreEngine):
         super().__init__(*args, **kwargs)
         audited = AuditedWrites(self)
         self.workers = WorkerStatements(self)
-        self.publishes = PublishStatements(self, audited)
-        # lease_group_commit: completions due at once share one commit, where the dialect can.
+        # lease_group_commit: completions and publish records due at once share one commit, where
+        # the dialect can.
         grouped = self.group_commit and self.dialect.group_commit
+        self.publishes = (GroupedPublishStatements if grouped else PublishStatements)(self, audited)
         self.jobs = (GroupedJobStatements if grouped else JobStatements)(self, audited, self.workers)
         self.replacing = ReplaceStatements(self, self.jobs, self.publishes)
         self.effects = EffectStatements(self)

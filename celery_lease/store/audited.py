@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import sqlalchemy as sa
@@ -165,11 +165,35 @@ class AuditedWrites:
         """SQLite's hot writes: a write's statements, compiled once, in one transaction as begin() opens it
         (writer turn, write lock up front); the first one's row ({} when it returns none), or None.
         SQLAlchemy's execution layer costs more CPU than these writes; an UPDATE ... RETURNING that finds no
-        row runs nothing after it. Driver errors are wrapped as SQLAlchemy's."""
+        row runs nothing after it."""
         assert built.positional is not None
         first, *rest = built.positional
+        with self._driver_transaction() as (cursor, running):
+            running[0] = first.sql
+            cursor.execute(first.sql, first.parameters(bind))
+            values = cursor.fetchone() if first.results else ()
+            if values is not None:
+                for then in rest:
+                    running[0] = then.sql
+                    cursor.execute(then.sql, then.parameters(bind))
+        return None if values is None else dict(zip(built.columns, first.row(values), strict=True))
+
+    def _execute_positional_many(self, built: _Audited, binds: list[dict[str, Any]]) -> None:
+        """SQLite: a write's statements, compiled once, each run for every one of ``binds`` in one
+        transaction as _execute_positional() opens it. For writes that return no row (inserts)."""
+        assert built.positional is not None
+        with self._driver_transaction() as (cursor, running):
+            for statement in built.positional:
+                running[0] = statement.sql
+                cursor.executemany(statement.sql, [statement.parameters(bind) for bind in binds])
+
+    @contextlib.contextmanager
+    def _driver_transaction(self) -> Iterator[tuple[Any, list[str]]]:
+        """A driver cursor in a write transaction as begin() opens it (writer turn, write lock up front),
+        committed when the block ends; the block names the statement it runs in ``running[0]``, so that
+        a driver error is wrapped as SQLAlchemy's with it."""
         dbapi = self.db.engine.dialect.loaded_dbapi
-        sql = first.sql
+        running = ["BEGIN"]
         with self.db._driver_errors(), self.db._writer_turn(self.db.bounds, False):
             try:
                 raw = self.db.engine.raw_connection()
@@ -178,14 +202,9 @@ class AuditedWrites:
                     try:
                         self.db.dialect.begin_write(raw, self.db.bounds)
                         try:
-                            cursor.execute(sql, first.parameters(bind))
-                            values = cursor.fetchone() if first.results else ()
-                            if values is not None:
-                                for then in rest:
-                                    sql = then.sql
-                                    cursor.execute(sql, then.parameters(bind))
-                            sql = "COMMIT"
-                            cursor.execute(sql)
+                            yield cursor, running
+                            running[0] = "COMMIT"
+                            cursor.execute("COMMIT")
                         except BaseException:
                             # Still in the writer turn; a connection too dead to roll back: the pool drops it.
                             with contextlib.suppress(dbapi.Error):
@@ -196,6 +215,5 @@ class AuditedWrites:
                 finally:
                     raw.close()
             except dbapi.Error as exc:
-                raise sa.exc.DBAPIError.instance(sql, None, exc, dbapi.Error, hide_parameters=True,
+                raise sa.exc.DBAPIError.instance(running[0], None, exc, dbapi.Error, hide_parameters=True,
                                                  dialect=self.db.engine.dialect) from exc
-        return None if values is None else dict(zip(built.columns, first.row(values), strict=True))

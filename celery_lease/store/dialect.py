@@ -78,7 +78,8 @@ class Dialect:
     update_returning: ClassVar[bool] = True
     one_statement_writes: ClassVar[bool] = False  # audited write and heartbeat as one statement
     compiled_fast_path: ClassVar[bool] = False  # hot statements compiled once, run on the driver
-    # lease_group_commit: completions due at once share one UPDATE ... RETURNING (store/group.py).
+    # lease_group_commit: completions due at once share one UPDATE ... RETURNING, publish records one
+    # transaction (store/group.py).
     group_commit: ClassVar[bool] = True
     single_writer: ClassVar[bool] = False  # one writer at a time for the whole database
     fence_locks_rows: ClassVar[bool] = False  # INSERT ... SELECT from jobs share-locks the row

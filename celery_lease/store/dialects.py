@@ -266,7 +266,8 @@ class MySQL(Dialect):
     fence_locks_rows = True
     update_returning = False
     # No UPDATE ... RETURNING: a shared completion could not tell which of its rows it wrote, so
-    # each completion is written alone, whatever lease_group_commit says.
+    # each completion, and (one decision for the setting) each publish record, is written alone,
+    # whatever lease_group_commit says.
     group_commit = False
     minimums: ClassVar[Mapping[str, tuple[tuple[int, ...], str]]] = {
         "MySQL": ((8, 0), "SELECT ... FOR UPDATE SKIP LOCKED"),

@@ -1,16 +1,22 @@
-"""Completions due at the same moment in one process share one commit (lease_group_commit).
+"""Writes due at the same moment in one process share one commit (lease_group_commit): completions,
+and the records of publishes made from many threads at once (a web server's).
 
-A leader/follower group commit, with no tick: the first completion that finds no write in
-progress writes everything queued in one transaction; completions arriving meanwhile wait for
-that commit, or lead the next one. A lone completion waits for nobody and takes the single-row
-path (JobStatements.complete), statement for statement.
+A leader/follower group commit, with no tick: the first write that finds none in progress writes
+everything queued in one transaction; writes arriving meanwhile wait for that commit, or lead the
+next one. A lone write waits for nobody and takes the single-row path (JobStatements.complete,
+PublishStatements.record), statement for statement.
 
-A batch is one UPDATE fenced row by row by each job's own token and running status, RETURNING
-the ids it completed. A row it did not complete (its token moved on, its row vanished) is then
-written alone through the single-row path, so that it is rejected and audited as it would have
+A batch of completions is one UPDATE fenced row by row by each job's own token and running status,
+RETURNING the ids it completed. A row it did not complete (its token moved on, its row vanished) is
+then written alone through the single-row path, so that it is rejected and audited as it would have
 been. A batch the store does not take raises the same exception in each of its callers; one the
 store refuses hands each row back to the single-row path, so that only a row refused alone is
 refused (a kept result too large for its column fails its own job's write, not its neighbours').
+
+A batch of publish records is one commit (PublishStatements.record_many). One id the
+store already holds rolls the whole batch back, and each record is then written alone, as it would
+have been (a finished job reopened, a conflict answered); a record with an idempotency key is
+always written alone, since its conflict names the key's holder.
 """
 
 from __future__ import annotations
@@ -18,21 +24,22 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-from collections.abc import Callable, Sequence
-from typing import Generic, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Generic, TypeVar
 
 import sqlalchemy as sa
 
-from ..errors import StoreRejected, StoreUnavailable
+from ..errors import StoreConflict, StoreRejected, StoreUnavailable
 from ..shield import uninterrupted
 from ..vocabulary import Event
 from .audited import AuditedWrites
 from .base import RESULT_REVISION, StoreEngine
 from .jobs import JobStatements
-from .rows import COMPLETED, RUNNING, fenced_status
+from .publishes import PublishStatements
+from .rows import COMPLETED, RUNNING, NewJob, fenced_status
 from .workers import WorkerStatements
 
-__all__ = ["Group", "GroupedJobStatements", "Completion"]
+__all__ = ["Completion", "Group", "GroupedJobStatements", "GroupedPublishStatements", "Record"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -199,3 +206,55 @@ class GroupedJobStatements(JobStatements):
                 ), [{"ev_job": r.job_id, "ev_worker": r.worker, "ev_token": r.token[:8]}
                     for r in rows if r.job_id in done])
         return done
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """One caller's publish record without a key: its job, and whether its id may reopen a finished job."""
+
+    job: NewJob
+    reopen: bool
+
+
+class GroupedPublishStatements(PublishStatements):
+    """PublishStatements whose records due at once share one commit (lease_group_commit).
+
+    ``record`` answers as the single-row one does: (created, the job id holding the key).
+    """
+
+    def __init__(self, db: StoreEngine, audited: AuditedWrites) -> None:
+        super().__init__(db, audited)
+        self.group: Group[Record, tuple[bool, str] | None] = Group(self._write_batch)
+
+    def record(self, job_id: str, task_name: str, queue: str | None, payload: str | None,
+               max_attempts: int, idempotency_key: str | None = None,
+               delay: float = 0.0, recovery: Mapping[str, Any] | None = None,
+               reopen: bool = False) -> tuple[bool, str]:
+        if idempotency_key is not None:
+            return super().record(job_id, task_name, queue, payload, max_attempts, idempotency_key, delay,
+                                  recovery, reopen)
+        job = NewJob(job_id, task_name, queue, payload, max_attempts, delay, recovery)
+        # Shielded: a lost lease's interruption must not leave a batch without its leader.
+        with uninterrupted():
+            answer = self.group.submit(Record(job, reopen))
+        if answer is None:
+            # Not written by the batch: written alone, answered as alone.
+            return super().record(job_id, task_name, queue, payload, max_attempts, None, delay, recovery,
+                                  reopen)
+        return answer
+
+    def _write_batch(self, batch: list[Record]) -> list[tuple[bool, str] | None]:
+        """Each record's answer: the single-row answer when alone, (True, id) recorded by the batch,
+        None not recorded by it (its caller writes it alone)."""
+        if len(batch) == 1:
+            job = batch[0].job
+            return [super().record(job.id, job.task_name, job.queue, job.payload, job.max_attempts, None,
+                                   job.delay, job.recovery, batch[0].reopen)]
+        firsts: dict[str, Record] = {}
+        for r in batch:
+            firsts.setdefault(r.job.id, r)  # an id twice in one batch: the second is written alone
+        try:
+            self.record_many([r.job for r in firsts.values()])
+        except (StoreConflict, StoreRejected):
+            return [None] * len(batch)  # each again alone: a known id reopened or answered as alone
+        return [(True, r.job.id) if firsts[r.job.id] is r else None for r in batch]

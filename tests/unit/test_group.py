@@ -1,5 +1,5 @@
-"""The group commit of completions (store/group.py, lease_group_commit): its leader/follower queue,
-and a lone completion that waits for nobody and writes what the single-row path writes.
+"""The group commit of completions and publish records (store/group.py, lease_group_commit): its
+leader/follower queue, and a lone write that waits for nobody and writes what the single-row path writes.
 
 What a batch writes on each database is in test_store_conformance.py.
 """
@@ -16,7 +16,8 @@ import sqlalchemy as sa
 from celery_lease.config import load
 from celery_lease.errors import StoreUnavailable
 from celery_lease.store import ClaimTerms, JobStatements, Store
-from celery_lease.store.group import Group, GroupedJobStatements
+from celery_lease.store.group import Group, GroupedJobStatements, GroupedPublishStatements
+from celery_lease.store.publishes import PublishStatements
 from tests.helpers import wait_for
 
 TERMS = ClaimTerms(duration=30.0, grace=1.0, max_attempts=5, max_expirations=5, takeover=True)
@@ -180,15 +181,43 @@ def test_a_lone_completion_waits_for_nobody_and_runs_the_statements_of_the_setti
     assert [s.split()[0] for s in written[True]] == ["BEGIN", "UPDATE", "COMMIT"]
 
 
+@pytest.mark.parametrize("key", [None, "key-1"])
+def test_a_lone_publish_record_waits_for_nobody_and_runs_the_statements_of_the_setting_off(tmp_path, key):
+    written: dict[bool, list[str]] = {}
+    for on in (False, True):
+        store, seen = traced_store(f"sqlite:///{tmp_path / f'p{on}.db'}", "g_", group_commit=on)
+        try:
+            assert isinstance(store.publishes, GroupedPublishStatements) is on
+            # The statements' first build reads the schema: not measured.
+            store.publishes.record("warm", "t.task", "q", "{}", 5)
+            del seen[:]
+            assert store.publishes.record("lone", "t.task", "q", "{}", 5, key) == (True, "lone")
+            written[on] = list(seen)
+            assert store.get("lone").status == "pending"
+            if on:
+                # A keyed record never joins a batch; one without a key is a batch of one.
+                group = store.publishes.group
+                assert group.batches == (1 if key else 2) and not group._writing
+        finally:
+            store.engine.dispose()
+    assert written[True] == written[False]
+    inserts = ["INSERT"] * (3 if key else 2)  # the job, its key, its published event
+    assert [s.split()[0] for s in written[True]] == ["BEGIN", *inserts, "COMMIT"]
+
+
 def test_the_setting_reaches_the_store_and_is_off_by_default(tmp_path):
     url = f"sqlite:///{tmp_path / 'c.db'}"
     assert Store.from_config(load({"lease_store_url": url})).group_commit is False
     assert type(Store(url).jobs) is JobStatements
+    assert type(Store(url).publishes) is PublishStatements
     on = Store.from_config(load({"lease_store_url": url, "lease_group_commit": True}))
     assert on.group_commit is True and isinstance(on.jobs, GroupedJobStatements)
-    # A database that cannot say which rows an UPDATE wrote keeps the single-row completion.
+    assert isinstance(on.publishes, GroupedPublishStatements)
+    # A database that cannot say which rows an UPDATE wrote keeps the single-row completion, and
+    # (one decision for the setting) the single-row publish record.
     mysql = Store("mysql+pymysql://root@127.0.0.1:3306/test", group_commit=True)
     assert mysql.dialect.group_commit is False and type(mysql.jobs) is JobStatements
+    assert type(mysql.publishes) is PublishStatements
 
 
 def test_a_job_twice_in_one_batch_is_completed_once_and_its_second_write_goes_alone(tmp_path):

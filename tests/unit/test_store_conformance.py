@@ -19,6 +19,7 @@ import sqlalchemy as sa
 
 from celery_lease.errors import StoreUnavailable
 from celery_lease.store import COMPLETED, FAILED, PENDING, RUNNING, ClaimTerms, JobStatements, Store
+from celery_lease.store.publishes import PublishStatements
 from celery_lease.vocabulary import EffectOutcome, Event
 from tests.helpers import wait_for
 
@@ -527,3 +528,119 @@ def test_with_every_transition_audited_a_batch_writes_each_jobs_completed_event(
         events = store.reports.events(job)
         assert [e["event"] for e in events] == [Event.PUBLISHED, Event.CLAIMED, Event.COMPLETED]
         assert (events[-1]["worker"], events[-1]["token"], events[-1]["detail"]) == ("w1", tok[:8], None)
+
+
+# -- publish records sharing one commit (lease_group_commit) ---------------------------------------
+RECOVERY = {"on_expired": "requeue", "max_expirations": 3, "backoff_base": 0.5, "backoff_jitter": True,
+            "dispatch_timeout": 9.5}
+
+
+def publish(job_id: str, **options: object) -> dict[str, object]:
+    """publishes.record()'s arguments for ``job_id``: a delayed job with a recovery policy."""
+    return {"job_id": job_id, "task_name": "t.task", "queue": "q", "payload": '{"p": 1}', "max_attempts": 5,
+            "delay": 7.0, "recovery": RECOVERY, **options}
+
+
+def shared_records(g: Store, records: list[dict[str, object]]) -> list[object]:
+    """Record ``records`` (publishes.record's arguments) at once, queued behind a held lone record so
+    that, where the store groups them, those without a key share the next commit: each caller's answer
+    or error."""
+    held_job = f"held-{secrets.token_hex(4)}"
+    group = getattr(g.publishes, "group", None)
+    gate, entered = threading.Event(), threading.Event()
+    if group is not None:
+        write = group._write
+
+        def held(batch: list) -> list:
+            if batch[0].job.id == held_job:
+                entered.set()
+                assert gate.wait(30)
+            return write(batch)
+
+        group._write = held
+    results: list[object] = [None] * (len(records) + 1)
+
+    def run(n: int, record: dict[str, object]) -> None:
+        try:
+            results[n] = g.publishes.record(**record)  # type: ignore[arg-type]
+        except Exception as exc:  # noqa: BLE001 - the test compares what each caller got
+            results[n] = exc
+
+    first = threading.Thread(target=run, args=(0, publish(held_job)))
+    first.start()
+    if group is not None:
+        assert entered.wait(30)
+    threads = [threading.Thread(target=run, args=(n + 1, r)) for n, r in enumerate(records)]
+    for t in threads:
+        t.start()
+    if group is not None:
+        grouped_records = sum(1 for r in records if r.get("idempotency_key") is None)
+        wait_for(lambda: len(group._queue) == grouped_records, timeout=30,
+                 message="the records never queued")
+    gate.set()
+    for t in [first, *threads]:
+        t.join(30)
+    assert results[0] == (True, held_job)
+    return results[1:]
+
+
+def as_recorded(store: Store, job_id: str) -> tuple[dict[str, object], list[tuple[object, ...]]]:
+    """What a record wrote of ``job_id``, its id and clock readings aside: the row and its events."""
+    row = {k: v for k, v in vars(store.get(job_id)).items() if k not in ("id", "created_at", "updated_at")}
+    row["available_at"] = round(row["available_at"] - store.get(job_id).created_at, 3)
+    events = [(e["event"], e["reason"], e["worker"], e["token"], e["detail"], e.get("queue_name"),
+               e.get("task_name")) for e in store.reports.events(job_id)]
+    return row, events
+
+
+def test_publish_records_due_at_once_share_one_commit_and_write_what_each_writes_alone(store, grouped):
+    assert store.publishes.record(**publish("alone")) == (True, "alone")
+    jobs = [f"pub-{n}" for n in range(5)]
+    commits: list[str] = []
+    if store.dialect.name == "sqlite":
+        @sa.event.listens_for(grouped.engine, "connect")
+        def trace(dbapi_conn, _record) -> None:
+            dbapi_conn.set_trace_callback(commits.append)
+
+        grouped.engine.dispose()  # connections opened from now on are traced
+
+    assert shared_records(grouped, [publish(job) for job in jobs]) == [(True, job) for job in jobs]
+
+    for job in jobs:
+        assert as_recorded(store, job) == as_recorded(store, "alone")
+    if not store.dialect.group_commit:
+        assert type(grouped.publishes) is PublishStatements  # MySQL/MariaDB: each record alone
+        return
+    assert grouped.publishes.group.batches == 2  # the held lone record, then the five
+    if store.dialect.name == "postgresql":
+        # Rows written by one transaction carry its id: the five jobs and their events, one commit.
+        j, e = store.t.jobs.name, store.t.events.name
+        with store.begin(read=True) as c:
+            xids = c.execute(sa.text(
+                f"SELECT xmin::text FROM {j} WHERE id LIKE 'pub-%' UNION SELECT xmin::text FROM {e} "
+                f"WHERE job_id LIKE 'pub-%'")).scalars().all()
+        assert len(xids) == 1
+    else:
+        # The transactions that inserted (the store's first reads of its schema aside): the held lone
+        # record's, then the batch's.
+        words = " ".join(sql.split()[0] for sql in commits)
+        assert sum("INSERT" in transaction for transaction in words.split("COMMIT")) == 2
+
+
+def test_a_known_id_in_a_batch_is_answered_as_alone_and_the_batch_records_every_other(store, grouped):
+    claimed(store, "done")
+    store.jobs.complete("done", store.get("done").lock_token, "w1")
+    store.publishes.record("taken", "t.task", "q", "{}", 5)
+    store.publishes.record("holder", "t.task", "q", "{}", 5, idempotency_key="key-1")
+
+    answers = shared_records(grouped, [
+        publish("new-0"), publish("done", reopen=True), publish("taken"), publish("new-1"),
+        publish("keyed", idempotency_key="key-1")])
+
+    assert answers == [(True, "new-0"), (False, "done"), (False, "taken"), (True, "new-1"), (False, "holder")]
+    assert [count(store, job, Event.PUBLISHED) for job in ("new-0", "new-1")] == [1, 1]
+    assert (store.get("done").status, count(store, "done", Event.REPUBLISHED)) == (PENDING, 1)
+    assert store.get("taken").payload == "{}" and store.get("keyed") is None
+    if store.dialect.group_commit:
+        # The held record, then the batch the known ids rolled back (each record was then written alone).
+        assert grouped.publishes.group.batches == 2
