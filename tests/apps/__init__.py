@@ -1,5 +1,6 @@
 """The suite's worker apps. ``TESTS_GROUP_COMMIT=1`` runs every worker they start with
-lease_group_commit on, so that the chaos and integration suites can be run with batching."""
+lease_group_commit on (unless its test sets it), so that the chaos, crash and integration suites
+can be run with batching."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from celery.signals import celeryd_init, worker_ready
 if os.environ.get("TESTS_GROUP_COMMIT") == "1":
     @celeryd_init.connect(weak=False)
     def _group_commit(conf: Any, **_: object) -> None:
-        conf.lease_group_commit = True
+        if "lease_group_commit" not in conf:
+            conf.lease_group_commit = True
 
     @worker_ready.connect(weak=False)
     def _say_so(sender: Any, **_: object) -> None:
