@@ -97,8 +97,9 @@ class PublishStatements:
             self.audited._execute_positional_many(self._record_statements(False), rows)
             return
         built = self._many_statement()
-        self.audited._execute_compiled(built, {f"many_{name}": [row[name] for row in rows]
-                                               for name in self._param_types()})
+        # Each parameter of the single record becomes the array of its values across the batch.
+        columns = {f"many_{name}": [row[name] for row in rows] for name in rows[0]}
+        self.audited._execute_compiled(built, columns)
 
     def _many_statement(self) -> _Audited:
         """record_many()'s PostgreSQL statement, built once per store: the single record's CTEs, each
