@@ -22,7 +22,6 @@ from ..errors import StoreUnavailable
 from ..masking import mask_secrets
 from ..shield import uninterrupted
 from ..vocabulary import Event, StoreFailure
-from .built import _Audited
 from .rows import RUNNING, Job, fenced_status, status_sql
 
 __all__ = ["StoreEngine", "RUNS_REVISION", "RESULT_REVISION", "where_given"]
@@ -99,7 +98,7 @@ class StoreEngine:
         self._writer: threading.RLock | None = None  # per process, see _writer_turn
         self._lock = threading.Lock()
         self._schema_lock = threading.Lock()
-        self._built: dict[str, _Audited] = {}
+        self._built: dict[str, Any] = {}  # audited._Audited by key: statements built once per store
         self.now_sql = self.dialect.now()
 
     @property

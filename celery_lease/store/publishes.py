@@ -12,9 +12,8 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from ..config import RECOVERY
 from ..errors import StoreConflict
 from ..vocabulary import Event
-from .audited import AuditedWrites
+from .audited import AuditedWrites, _Audited, _Positional
 from .base import RESULT_REVISION, RUNS_REVISION, StoreEngine
-from .built import _Audited, _Positional
 from .rows import COMPLETED, FAILED, PENDING, NewJob, fenced_status
 
 __all__ = ["RECORD_BATCH", "PublishStatements"]

@@ -16,7 +16,7 @@ import celery_lease.store as stores
 import celery_lease.worker.interrupt as interrupt
 
 from ..app_state import app_state
-from ..config import TaskPolicy, task_policy
+from ..config import TaskPolicy, app_config, task_policy
 from ..errors import StoreRejected, StoreUnavailable
 from ..vocabulary import Event
 from .deliveries import forget_store_retries
@@ -64,6 +64,10 @@ class Runtime:
         self.pause: ConsumerPause | None = None
         # Claims sent and given up on unanswered: the server may have committed one that no body runs.
         self._unanswered: collections.OrderedDict[str, str] = collections.OrderedDict()
+        # What for_delivery resolved per (task, queue, nesting): its store (None when the app's store
+        # follows a Django database, checked on every delivery), policy and claim terms.
+        self.deliveries: dict[tuple[str, str | None, int],
+                              tuple[Store | None, TaskPolicy, stores.ClaimTerms]] = {}
 
     def claim_unanswered(self, job_id: str, token: str) -> None:
         """A claim of ``job_id`` with ``token`` got no answer: remember it (the newest 1,000)."""
@@ -329,11 +333,22 @@ def current(app: Any) -> Runtime | None:
 
 def for_delivery(task: Any, queue: str | None,
                  nesting: int = 0) -> tuple[Runtime, Store, TaskPolicy, stores.ClaimTerms]:
-    """A delivery's runtime, store, task policy on ``queue`` (cached) and claim terms."""
-    policy = task_policy(task, queue)
+    """A delivery's runtime, store, task policy on ``queue`` and claim terms, resolved once per process
+    (retire() drops them when the settings or the store are reloaded)."""
+    key = (task.name, queue, nesting)
+    runtime = current(task.app)
+    known = runtime.deliveries.get(key) if runtime is not None else None
+    if known is not None and known[0] is not None:
+        return runtime, known[0], known[1], known[2]  # type: ignore[return-value]
     store = stores.for_app(task.app)
     runtime = for_app(task.app, store, task.request.hostname)
-    return runtime, store, policy, stores.ClaimTerms.of(policy, nesting)
+    if known is None:
+        policy = task_policy(task, queue)
+        # A store that follows a Django database is looked up on every delivery: a test database
+        # switched under a running worker names another URL.
+        fixed = store if app_config(task.app).database is None else None
+        known = runtime.deliveries[key] = (fixed, policy, stores.ClaimTerms.of(policy, nesting))
+    return runtime, store, known[1], known[2]
 
 
 def for_app(app: Any, store: Store, hostname: str | None = None) -> Runtime:
@@ -343,8 +358,6 @@ def for_app(app: Any, store: Store, hostname: str | None = None) -> Runtime:
         with PROCESS.lock:
             runtime = current(app)
             if runtime is None:
-                from ..config import app_config
-
                 host = hostname or socket.gethostname()
                 runtime = Runtime(store, host, app_config(app).heartbeat_interval)
                 PROCESS.runtimes[(id(app), os.getpid())] = (weakref.ref(app), runtime)
@@ -356,6 +369,8 @@ def retire(app: Any) -> bool:
     """Stop and drop this process's runtime for an app unless it holds a lease; True when none is left."""
     with PROCESS.lock:
         runtime = current(app)
+        if runtime is not None:
+            runtime.deliveries.clear()  # the settings or the store changed: the next delivery reads them
         if runtime is not None and runtime.leases():
             return False
         PROCESS.runtimes.pop((id(app), os.getpid()), None)

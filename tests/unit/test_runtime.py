@@ -633,3 +633,39 @@ def test_threads_starting_the_runtime_at_once_start_one_heartbeat_and_one_timer(
         sys.setswitchinterval(previous)
         rt.stop()
     assert sorted(started) == ["celery-lease-deadline", "celery-lease-heartbeat"]
+
+
+def test_a_delivery_reads_its_store_and_terms_once_until_the_settings_are_reloaded(tmp_path):
+    import celery_lease.store as stores
+    from celery_lease.app_state import app_state
+
+    app = Celery("rt_deliveries", set_as_current=False)
+    app.conf.update(lease_store_url=f"sqlite:///{tmp_path / 'store.db'}", lease_duration=30.0)
+
+    @app.task(base=LeaseTask, bind=True, shared=False, name="t.task")
+    def task(self):  # pragma: no cover - never called
+        return None
+
+    stores.for_app(app, check=False).migrate()
+    task.push_request(id="job-1", hostname="host")
+    try:
+        rt, store, policy, terms = runtime.for_delivery(task, "q")
+        assert terms.duration == 30.0
+        again = runtime.for_delivery(task, "q")
+        assert again[0] is rt and again[1] is store and again[3] is terms
+        assert runtime.for_delivery(task, "q", nesting=1)[3].nesting == 1
+        rt.start = lambda: None
+        rt.attach(Request(), claim(store, rt, "held"))  # a runtime holding a lease outlives the reload
+        # What Django's setting_changed receiver does (contrib/django/reload.py): a reload.
+        app.conf.lease_duration = 60.0
+        app_state(app).config = None
+        task.__dict__.pop("_lease_policies", None)
+        stores.forget(app)
+        rt2, store2, _, terms2 = runtime.for_delivery(task, "q")
+        assert rt2 is rt and terms2.duration == 60.0
+        assert store2 is not store and store2 is stores.for_app(app)
+    finally:
+        task.pop_request()
+        for lease in rt.leases():
+            rt.forget(lease)
+        runtime.retire(app)
