@@ -227,6 +227,8 @@ class Runtime:
                 continue
             try:
                 written = write.write()
+                if not written and lease.vanished_and_recorded_again():
+                    written = write.write()  # the row vanished while the store was away (a restore)
             except StoreRejected as exc:
                 # Retrying would loop for ever: the lease expires and the reaper decides.
                 log.error("job %s [%s]: deferred %s rejected by the store for good (%s)", lease.job_id,

@@ -369,6 +369,24 @@ def test_a_deferred_failure_of_a_lease_that_moved_on_writes_and_dead_letters_not
     assert lease not in hb.runtime.leases()
 
 
+def test_a_deferred_completion_whose_row_vanished_meanwhile_records_the_job_again_and_completes_it(store, hb):
+    # Given a completion deferred through an outage (or a batch a neighbour's fault failed) and the
+    # job's row deleted before the store answers again (a restore): the first try's answer applies.
+    lease = held_lease(store, hb.runtime, "vanished")
+    terms = ClaimTerms(duration=3.0, grace=0.0, max_attempts=3, max_expirations=3, takeover=True)
+    lease._record_again = lambda: store.jobs.claim(
+        "vanished", hb.runtime.worker, lease.token, terms, task_name="t.task", queue="q",
+        payload=lambda: None).claimed
+    defer(store, lease)
+    j = store.t.jobs
+    with store.begin() as c:
+        c.execute(sa.delete(j).where(j.c.id == "vanished"))
+    hb.runtime.flush_deferred()  # the round's write, after its renewals (which record a vanished row too)
+    job = store.get("vanished")
+    assert job is not None and job.status == "completed"
+    assert lease not in hb.runtime.leases()
+
+
 def test_a_deferred_completion_the_store_rejects_is_logged_and_audited_as_rejected(store, hb, caplog):
     # Given a completion deferred through an outage longer than the lease (lost on the local
     # clock, still deferred), and the job taken by another owner meanwhile:
