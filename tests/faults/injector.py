@@ -6,7 +6,8 @@ driver connection the hot transitions use, passes it. The library's result-backe
 ``backend_call``. A call belongs to the store's public method (the *verb*: the engine's own, or a
 statement group's, such as ``store.jobs.claim``) that made it, found on the stack, and to the job
 named by that method's ``job_id`` (or ``leases``) argument; the n-th call of a verb for a job is
-its *ordinal*, counted in Redis across the worker processes.
+its *ordinal*, counted in Redis across the worker processes. A batch that a group commit's leader
+writes for many jobs (lease_group_commit, BATCHES) is a call of the single verb for each of them.
 
 A job's scenario (``faults:scenario:<job>``: kind, verb, ordinal, mode) says where its one fault
 goes; each fault fires at most once per job (``faults:fired:<job>`` records where it fired).
@@ -41,6 +42,10 @@ REFUSED = "Error 111 connecting to 127.0.0.1:6379. Connection refused."
 STORE_CLASSES = (Store, *(getattr(stores, name) for name in stores.__all__ if name.endswith("Statements")))
 VERBS = frozenset(n for cls in STORE_CLASSES for n in dir(cls)
                   if not n.startswith("_") and callable(getattr(cls, n)))
+#: A group commit's batch writes (lease_group_commit): the single verb each is a call of per job, the
+#: argument holding the batch's rows and a row's job id attribute.
+BATCHES = {"complete_many": ("complete", "rows", "job_id"), "record_many": ("record", "jobs", "id")}
+BATCHED = "faults:batched"  # how many calls of a job the matrix's batches made
 _STORE_DIR = os.path.dirname(sys.modules[Store.__module__].__file__ or "")
 _PING = "SELECT 1"
 
@@ -51,15 +56,19 @@ def _reads_only(statement: str) -> bool:
 
 
 class _Call:
-    """One call of a store verb on one thread: its frame, verb, job, scenario and ordinal."""
+    """One call of a store verb on one thread: its frame, verb, and the jobs it is a call of (one; or
+    every job of a batch that a group commit's leader writes), each with its scenario and ordinal."""
 
-    def __init__(self, frame: Any, verb: str, job: str | None, scenario: dict | None, ordinal: int) -> None:
-        self.frame, self.verb, self.job, self.scenario, self.ordinal = frame, verb, job, scenario, ordinal
+    def __init__(self, frame: Any, verb: str, jobs: list[tuple[str, dict | None, int]]) -> None:
+        self.frame, self.verb, self.jobs = frame, verb, jobs
         self.vanished = False
 
-    def targets(self, *modes: str) -> bool:
-        s = self.scenario
-        return bool(s and s["mode"] in modes and s["verb"] == self.verb and s["ordinal"] == self.ordinal)
+    def target(self, *modes: str) -> tuple[str, dict, str] | None:
+        """The job whose scenario fails this call in one of ``modes``: (job, scenario, "verb#ordinal")."""
+        for job, s, ordinal in self.jobs:
+            if s and s["mode"] in modes and s["verb"] == self.verb and s["ordinal"] == ordinal:
+                return job, s, f"{self.verb}#{ordinal}"
+        return None
 
 
 class Injector:
@@ -97,8 +106,8 @@ class Injector:
     def _checkout(self, _dbapi: Any, _record: Any, _proxy: Any) -> None:
         """The pool hands out no connection within its timeout: what QueuePool raises."""
         call = self.call()
-        if call is not None and call.job is not None and call.targets("pool_timeout") and self._fire(
-                call.job, f"{call.verb}#{call.ordinal}"):
+        hit = call.target("pool_timeout") if call is not None else None
+        if hit is not None and self._fire(hit[0], hit[2]):
             raise sa.exc.TimeoutError("QueuePool limit of size 6 overflow 0 reached, connection timed out, "
                                       "timeout 1.00 (Background on this error at: https://sqlalche.me/e/20/3o7r)")
 
@@ -135,17 +144,31 @@ class Injector:
 
     def call(self) -> _Call | None:
         """The store call this thread is in (the outermost store verb on the stack), counted once."""
-        frame, found = sys._getframe(2), None
+        frame, found, batch = sys._getframe(2), None, None
         while frame is not None:
             code = frame.f_code
             if code.co_name in VERBS and os.path.dirname(code.co_filename) == _STORE_DIR:
                 found = frame
+            if code.co_name in BATCHES and os.path.dirname(code.co_filename) == _STORE_DIR and batch is None:
+                batch = frame
             frame = frame.f_back
         if found is None:
             return None
+        if batch is not None:
+            found = batch
         current: _Call | None = getattr(self._local, "call", None)
         if current is not None and current.frame is found:
             return current
+        if batch is not None:
+            # A group commit's leader writes for every job of the batch: its statements are a call of
+            # the single verb for each of them (their complete#n), and a fault of any one fails it.
+            verb, rows, id_of = BATCHES[batch.f_code.co_name]
+            jobs = [(job, scenario, self._count(job, verb, scenario))
+                    for job in dict.fromkeys(getattr(row, id_of) for row in batch.f_locals[rows])
+                    if (scenario := self._scenario(job)) is not None]
+            self.redis.incr(BATCHED, len(jobs))
+            self._local.call = _Call(found, verb, jobs)
+            return self._local.call
         verb, loc = found.f_code.co_name, found.f_locals
         job, scenario = None, None
         candidates = [loc.get("job_id")]
@@ -163,36 +186,38 @@ class Injector:
             found_scenario = self._scenario(candidate)
             if found_scenario is not None and (scenario is None or found_scenario["verb"] == verb):
                 job, scenario = candidate, found_scenario
-        ordinal = 0
-        if scenario is not None:
-            ordinal = int(self.redis.incr(f"faults:calls:{job}:{verb}"))
-            if scenario["mode"] == "clean":
-                self.redis.rpush(f"faults:seen:{job}", f"{verb}#{ordinal}")
-        self._local.call = _Call(found, verb, job, scenario, ordinal)
+        jobs = [(job, scenario, self._count(job, verb, scenario))] if job is not None and scenario else []
+        self._local.call = _Call(found, verb, jobs)
         return self._local.call
+
+    def _count(self, job: str, verb: str, scenario: dict) -> int:
+        """The ordinal of this call of ``verb`` for ``job`` (a clean run records it as seen)."""
+        ordinal = int(self.redis.incr(f"faults:calls:{job}:{verb}"))
+        if scenario["mode"] == "clean":
+            self.redis.rpush(f"faults:seen:{job}", f"{verb}#{ordinal}")
+        return ordinal
 
     # -- the faults ----------------------------------------------------------------------
     def before_execute(self, conn: _Connection, statement: str) -> None:
         if statement.strip() == _PING:
             return
         call = self.call()
-        if call is None or call.job is None:
+        if call is None or not call.jobs:
             return
-        where = f"{call.verb}#{call.ordinal}"
-        if call.targets("vanished") and not call.vanished and self._fire(call.job, where):
+        if (hit := call.target("vanished")) and not call.vanished and self._fire(hit[0], hit[2]):
             call.vanished = True
-            self._delete_row(conn.store, call.job)
-        elif call.targets("before") and self._fire(call.job, where):
+            self._delete_row(conn.store, hit[0])
+        elif (hit := call.target("before")) and self._fire(hit[0], hit[2]):
             raise _unreachable(conn)
-        elif (call.targets(*REJECT_MODES) and not _reads_only(statement)
-              and self._fire(call.job, where)):
-            raise _rejected(conn, call.scenario["mode"])  # type: ignore[index]
+        elif ((hit := call.target(*REJECT_MODES)) and not _reads_only(statement)
+              and self._fire(hit[0], hit[2])):
+            raise _rejected(conn, hit[1]["mode"])
 
     def lost_after(self, conn: _Connection, autocommit: bool) -> bool:
         """Whether the answer of what just committed (a commit, or an autocommit statement) is lost."""
         call = self.call()
-        return bool(call is not None and call.job is not None and call.targets("lost_after_commit")
-                    and self._fire(call.job, f"{call.verb}#{call.ordinal}"))
+        hit = call.target("lost_after_commit") if call is not None else None
+        return bool(hit is not None and self._fire(hit[0], hit[2]))
 
     def _delete_row(self, store: Any, job_id: str) -> None:
         engine = self._deleters.get(store.url)

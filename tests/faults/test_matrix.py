@@ -47,11 +47,14 @@ CONCURRENCY = {"prefork": 4, "threads": 6}
 class Lane:
     """A store, its worker and beat, and the test process's twin of their app (for publishing)."""
 
-    def __init__(self, name: str, pool: str, store_url: str, redis_url: str, log_dir: Path) -> None:
+    def __init__(self, name: str, pool: str, store_url: str, redis_url: str, log_dir: Path,
+                 group_commit: bool = False) -> None:
         self.name, self.pool, self.store_url = name, pool, store_url
         self.prefix, self.queue = unique_prefix(), f"faults_{uuid.uuid4().hex[:8]}"
         self.env = {"FAULTS_BROKER": redis_url, "FAULTS_REDIS": redis_url, "FAULTS_STORE": store_url,
-                    "FAULTS_PREFIX": self.prefix, "FAULTS_QUEUE": self.queue}
+                    "FAULTS_PREFIX": self.prefix, "FAULTS_QUEUE": self.queue,
+                    # Read by tests/apps when the worker starts: lease_group_commit on.
+                    "TESTS_GROUP_COMMIT": "1" if group_commit else "0"}
         self.store = Store(store_url, self.prefix)
         self.store.migrate()
         saved = {k: os.environ.get(k) for k in self.env}
@@ -186,7 +189,7 @@ def seed() -> int:
 
 def test_every_fault_point_leaves_each_job_as_its_clean_run_left_it(
         seed, redis_url, postgres_url, mysql_url, tmp_path):
-    pool, store_kind = matrix.lane_of(seed)
+    pool, store_kind, grouped = matrix.lane_of(seed)
     main_url = postgres_url if store_kind == "postgres" else f"sqlite:///{tmp_path / 'faults.sqlite3'}"
     r = redis.Redis.from_url(redis_url)
     all_points, _ = matrix.read_points()
@@ -196,7 +199,8 @@ def test_every_fault_point_leaves_each_job_as_its_clean_run_left_it(
     points = [p for p in all_points if p.kind in kinds]
     known = {pair: why for pair, why in known.items() if pair.split()[0] in kinds}
     flaky = {pair for pair in flaky if pair.split()[0] in kinds}
-    lanes = {"main": Lane("main", pool, main_url, redis_url, tmp_path),
+    r.delete(injector.BATCHED)
+    lanes = {"main": Lane("main", pool, main_url, redis_url, tmp_path, grouped),
              "reject": Lane("reject", pool, mysql_url, redis_url, tmp_path)}
     started = time.monotonic()
     try:
@@ -263,6 +267,9 @@ def test_every_fault_point_leaves_each_job_as_its_clean_run_left_it(
                          f"{pool}/{store_kind} "
           f"(rejections on {pool}/mysql), seed {seed}; settle bound {matrix.SETTLE_BOUND:g}s, settled in "
           f"{settle:.1f}s, {elapsed:.0f}s in all; {len(failures)} failing, {len(unreached)} not reached")
+    if grouped:
+        matrix.REPORT.append(f"  lease_group_commit on: {int(r.get(injector.BATCHED) or 0)} calls of a job "
+                             "written in a batch shared with another job")
     for line in unsettled:
         matrix.REPORT.append(f"  not final within the settle bound: {line}")
     for pair in sorted(failures):
