@@ -4,9 +4,8 @@ A *point* is (run kind, verb, ordinal): the n-th call of a store method or of a 
 result-backend call in one run of that kind. tests/faults/points.txt lists them; every point
 runs once per applicable mode in each ``make test``. A *lane* is the worker pool and store the
 jobs of a mode run on: the seed picks the pool and the store (PostgreSQL or SQLite) of the
-run, and on threads whether the worker shares commits (lease_group_commit, whose batches the
-injector attributes to each of their jobs); the rejection modes run on MariaDB, whose driver
-raises them.
+run; the matrix runs a second time on threads with lease_group_commit on (the injector attributes
+a shared batch to each of its jobs). The rejection modes run on MariaDB, whose driver raises them.
 """
 
 from __future__ import annotations
@@ -117,11 +116,10 @@ def read_known_failing(store: str | None = None,
     return known, flaky
 
 
-def lane_of(seed: int) -> tuple[str, str, bool]:
-    """(pool, store, group commit) of the run's non-rejection lane: the seed rotates through the four
-    pairs, and every other threads run shares commits (a prefork child never has two to share)."""
-    pool = POOLS[seed % 2]
-    return pool, STORES[(seed // 2) % 2], pool == "threads" and (seed // 4) % 2 == 1
+def lane_of(seed: int, group_commit: bool = False) -> tuple[str, str]:
+    """(pool, store) of the run's non-rejection lane: the seed rotates through the four pairs. A run
+    with lease_group_commit is on threads (a prefork child never has two writes to share)."""
+    return ("threads" if group_commit else POOLS[seed % 2]), STORES[(seed // 2) % 2]
 
 
 def overlaps(bodies: list[dict[str, Any]]) -> bool:

@@ -187,9 +187,10 @@ def seed() -> int:
     return value
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["seed_lane", "group_commit"])
 def test_every_fault_point_leaves_each_job_as_its_clean_run_left_it(
-        seed, redis_url, postgres_url, mysql_url, tmp_path):
-    pool, store_kind, grouped = matrix.lane_of(seed)
+        seed, grouped, redis_url, postgres_url, mysql_url, tmp_path):
+    pool, store_kind = matrix.lane_of(seed, grouped)
     main_url = postgres_url if store_kind == "postgres" else f"sqlite:///{tmp_path / 'faults.sqlite3'}"
     r = redis.Redis.from_url(redis_url)
     all_points, _ = matrix.read_points()
@@ -264,7 +265,7 @@ def test_every_fault_point_leaves_each_job_as_its_clean_run_left_it(
     elapsed = time.monotonic() - started
     modes = sorted({m for p in points for m in matrix.modes_of(p)})
     matrix.REPORT.append(f"fault matrix: {len(points)} points, {len(modes)} modes, {ran} pairs run on "
-                         f"{pool}/{store_kind} "
+                         f"{pool}/{store_kind}{' with lease_group_commit' if grouped else ''} "
           f"(rejections on {pool}/mysql), seed {seed}; settle bound {matrix.SETTLE_BOUND:g}s, settled in "
           f"{settle:.1f}s, {elapsed:.0f}s in all; {len(failures)} failing, {len(unreached)} not reached")
     if grouped:
