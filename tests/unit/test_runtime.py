@@ -652,7 +652,7 @@ def test_a_delivery_reads_its_store_and_terms_once_until_the_settings_are_reload
         rt, store, policy, terms = runtime.for_delivery(task, "q")
         assert terms.duration == 30.0
         again = runtime.for_delivery(task, "q")
-        assert again[0] is rt and again[1] is store and again[3] is terms
+        assert again[0] is rt and again[1] is store and again[2] is policy and again[3] is terms
         assert runtime.for_delivery(task, "q", nesting=1)[3].nesting == 1
         rt.start = lambda: None
         rt.attach(Request(), claim(store, rt, "held"))  # a runtime holding a lease outlives the reload
