@@ -80,7 +80,9 @@ def timeline(events: list[dict[str, Any]], heartbeat: float | None, start: float
     if heartbeat is not None:
         marks.append({"at": heartbeat, "event": "last heartbeat", "worker": None, "reason": None,
                       "kind": "heartbeat"})
-    marks.sort(key=lambda m: m["at"])
+    # A heartbeat read at the same clock reading as the run's end (a fast job) came before that end.
+    ends = {Event.COMPLETED, Event.FAILED, Event.DEAD_LETTERED}
+    marks.sort(key=lambda m: (m["at"], 2 if m["event"] in ends else 1 if m["kind"] == "heartbeat" else 0))
     span = end - start
     for m in marks:
         m["offset"] = m["at"] - start

@@ -172,6 +172,15 @@ def test_a_jobs_timeline_lists_its_events_in_time_order_with_its_last_heartbeat(
     assert "dead@ops:2" in owners
 
 
+def test_a_heartbeat_read_at_the_clock_reading_of_the_claim_and_the_end_sits_between_them():
+    from celery_lease.web.reads import timeline
+
+    row = {"worker": "w1", "reason": None, "source": "row"}
+    marks = timeline([{"at": 5.0, "event": "claimed", **row}, {"at": 5.0, "event": "completed", **row}],
+                     5.0, 5.0, 5.0)
+    assert [m["event"] for m in marks] == ["claimed", "last heartbeat", "completed"]
+
+
 def test_a_job_with_two_owners_lists_both_with_their_markup_intact(rw):
     """Masking is done on values: the text between two values (a time, then the next owner)
     is markup, never taken for a URL's password."""
