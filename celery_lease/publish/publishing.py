@@ -131,9 +131,11 @@ def retry_first(lease: Lease, delay: float, payload: str) -> bool:
     """running -> pending under the token before the retry's message is sent; LeaseLost if it moved on. An
     unreachable store holds the message back (False) for the settle step."""
     with lease.turn:
+        def write() -> bool:
+            return lease.store.jobs.retry_later(lease.job_id, lease.token, delay, payload, None, lease.worker)
+
         try:
-            written = lease.store.jobs.retry_later(lease.job_id, lease.token, delay, payload, None,
-                                                   lease.worker)
+            written = write() or (lease.vanished_and_recorded_again() and write())
         except StoreRejected:
             raise
         except StoreUnavailable as exc:
@@ -141,9 +143,6 @@ def retry_first(lease: Lease, delay: float, payload: str) -> bool:
                         lease.token[:8], exc, extra={"action": "retry_deferred"})
             lease.deferred_retry = (deadline.monotonic() + delay, payload)
             return False
-        if not written and lease.vanished_and_recorded_again():
-            written = lease.store.jobs.retry_later(lease.job_id, lease.token, delay, payload, None,
-                                                   lease.worker)
         if not written:
             lease.mark_lost("retry rejected: token no longer matches")
             lease.check()

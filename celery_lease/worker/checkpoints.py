@@ -37,6 +37,8 @@ def checkpoint(lease: Checkpointed, state: Any) -> None:
     lease.check()
     try:
         written = lease.store.jobs.checkpoint(lease.job_id, lease.token, state, lease.worker)
+        if not written and lease.vanished_and_recorded_again():
+            written = lease.store.jobs.checkpoint(lease.job_id, lease.token, state, lease.worker)
     except StoreRejected:
         raise
     except StoreUnavailable as exc:
@@ -46,8 +48,6 @@ def checkpoint(lease: Checkpointed, state: Any) -> None:
         lease.checkpoint_state = state
         return
     lease.pending_checkpoint = None
-    if not written and lease.vanished_and_recorded_again():
-        written = lease.store.jobs.checkpoint(lease.job_id, lease.token, state, lease.worker)
     if not written:
         lease.mark_lost("checkpoint rejected: token no longer matches")
         lease.check()
@@ -55,12 +55,15 @@ def checkpoint(lease: Checkpointed, state: Any) -> None:
 
 
 def recorded_again(lease: Checkpointed, record_again: Callable[[], bool] | None) -> bool:
-    """The job's row vanished: record it again under this lease's token; True when it is ours again."""
+    """The job's row vanished: record it again under this lease's token; True when it is ours again.
+
+    An unreachable store is no answer: StoreUnavailable reaches the caller, whose write then waits
+    for the store as it would had the write itself met the outage (a settle write is deferred)."""
     if record_again is None or lease.lost:
         return False
     try:
         again = record_again()
-    except (StoreUnavailable, StoreRejected) as exc:
+    except StoreRejected as exc:
         log.warning("job %s [%s]: its row vanished and could not be recorded again (%s)", lease.job_id,
                     lease.token[:8], exc)
         return False

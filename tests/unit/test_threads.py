@@ -369,21 +369,58 @@ def test_a_deferred_failure_of_a_lease_that_moved_on_writes_and_dead_letters_not
     assert lease not in hb.runtime.leases()
 
 
+def recording_again(store, lease: Lease, outages: int = 0) -> list[str]:
+    """Give ``lease`` the lifecycle's record-again (a claim under its own token), refused by an
+    unreachable store ``outages`` times first; returns the list of its calls' answers."""
+    terms = ClaimTerms(duration=3.0, grace=0.0, max_attempts=3, max_expirations=3, takeover=True)
+    calls: list[str] = []
+
+    def record_again() -> bool:
+        if len(calls) < outages:
+            calls.append("unreachable")
+            raise StoreUnavailable("down")
+        calls.append("recorded")
+        return store.jobs.claim(lease.job_id, lease.worker, lease.token, terms, task_name="t.task", queue="q",
+                                payload=lambda: None).claimed
+
+    lease._record_again = record_again
+    return calls
+
+
+def vanish(store, job_id: str) -> None:
+    j = store.t.jobs
+    with store.begin() as c:
+        c.execute(sa.delete(j).where(j.c.id == job_id))
+
+
 def test_a_deferred_completion_whose_row_vanished_meanwhile_records_the_job_again_and_completes_it(store, hb):
     # Given a completion deferred through an outage (or a batch a neighbour's fault failed) and the
     # job's row deleted before the store answers again (a restore): the first try's answer applies.
     lease = held_lease(store, hb.runtime, "vanished")
-    terms = ClaimTerms(duration=3.0, grace=0.0, max_attempts=3, max_expirations=3, takeover=True)
-    lease._record_again = lambda: store.jobs.claim(
-        "vanished", hb.runtime.worker, lease.token, terms, task_name="t.task", queue="q",
-        payload=lambda: None).claimed
+    recording_again(store, lease)
     defer(store, lease)
-    j = store.t.jobs
-    with store.begin() as c:
-        c.execute(sa.delete(j).where(j.c.id == "vanished"))
+    vanish(store, "vanished")
     hb.runtime.flush_deferred()  # the round's write, after its renewals (which record a vanished row too)
     job = store.get("vanished")
     assert job is not None and job.status == "completed"
+    assert lease not in hb.runtime.leases()
+
+
+def test_a_completion_whose_row_vanished_and_whose_record_again_meets_an_outage_waits_for_the_store(
+        store, hb):
+    from celery_lease.worker.lifecycle import _write
+
+    lease = held_lease(store, hb.runtime, "vanished-down")
+    calls = recording_again(store, lease, outages=1)
+    vanish(store, "vanished-down")
+    def complete() -> bool:
+        return store.jobs.complete(lease.job_id, lease.token, lease.worker)
+
+    assert _write(lease, RunEnd.RETURNED, complete) is None  # deferred, as an outage of the write itself is
+    assert store.get("vanished-down") is None and lease in hb.runtime.leases()
+    hb.runtime.flush_deferred()
+    job = store.get("vanished-down")
+    assert calls == ["unreachable", "recorded"] and job is not None and job.status == "completed"
     assert lease not in hb.runtime.leases()
 
 
