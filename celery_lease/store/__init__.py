@@ -51,8 +51,8 @@ class Store(StoreEngine):
         super().__init__(*args, **kwargs)
         audited = AuditedWrites(self)
         self.workers = WorkerStatements(self)
-        # lease_group_commit: completions and publish records due at once share one commit, where
-        # the dialect can.
+        # lease_group_commit: first claims, completions and publish records due at once share one
+        # commit, where the dialect can.
         grouped = self.group_commit and self.dialect.group_commit
         self.publishes = (GroupedPublishStatements if grouped else PublishStatements)(self, audited)
         self.jobs = (GroupedJobStatements if grouped else JobStatements)(self, audited, self.workers)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -67,6 +67,14 @@ class _Positional:
                 for convert, v in zip(self.results, values, strict=True)]
 
 
+def _bind(params: dict[str, Any] | None, job_id: str, reason: str | None, worker: str | None,
+          token: str | None, detail: Any) -> dict[str, Any]:
+    """A write's parameters with its audit event's."""
+    return {**(params or {}), "ev_job": job_id, "ev_reason": reason, "ev_worker": worker,
+            "ev_token": token[:8] if token else None,
+            "ev_detail": None if detail is None else json.dumps(detail, default=str)}
+
+
 class AuditedWrites:
     """The audited one-row writes the job transitions are made of."""
 
@@ -79,16 +87,8 @@ class AuditedWrites:
         """A one-row UPDATE and its audit event as one atomic write: the changed row, or None.
         On PostgreSQL one autocommit statement of data-modifying CTEs, elsewhere one transaction. With ``key``
         the statements are built once and reused: building them costs more CPU than running them."""
-        if key and event is None:
-            key = f"{key}_unaudited"
-        built = self.db._built.get(key) if key else None
-        if built is None:
-            built = self._build_audited(stmt() if callable(stmt) else stmt, event, full_row, bool(key))
-            if key:
-                self.db._built[key] = built
-        bind = {**(params or {}), "ev_job": job_id, "ev_reason": reason, "ev_worker": worker,
-                "ev_token": token[:8] if token else None,
-                "ev_detail": None if detail is None else json.dumps(detail, default=str)}
+        built = self._built_for(stmt, event, key, full_row)
+        bind = _bind(params, job_id, reason, worker, token, detail)
         if built.compiled is not None:
             return self._execute_compiled(built, bind)
         if built.positional is not None:
@@ -98,6 +98,30 @@ class AuditedWrites:
                 conn = conn.execution_options(isolation_level="AUTOCOMMIT")
                 return conn.execute(built.statement, bind).first()
         return self._audited_in_transaction(built, bind, job_id, full_row)
+
+    def _built_for(self, stmt: sa.Update | Callable[[], sa.Update], event: Event | None, key: str | None,
+                   full_row: bool) -> _Audited:
+        """The write's statements: with ``key`` built once per store and reused."""
+        if key and event is None:
+            key = f"{key}_unaudited"
+        built = self.db._built.get(key) if key else None
+        if built is None:
+            built = self._build_audited(stmt() if callable(stmt) else stmt, event, full_row, bool(key))
+            if key:
+                self.db._built[key] = built
+        return built
+
+    def _unaudited_rows(self, stmt: Callable[[], sa.Update], key: str,
+                        writes: Sequence[tuple[str, dict[str, Any]]]) -> list[Job | None] | None:
+        """Unaudited one-row writes of one kind (first claims), each as _audited_row() makes it, in one
+        transaction on SQLite's driver: each one's new row or None. None where the write has no such
+        form (each is then written alone)."""
+        built = self._built_for(stmt, None, key, True)
+        if built.positional is None:
+            return None
+        rows = self._execute_positional_rows(
+            built, [_bind(params, job_id, None, None, None, None) for job_id, params in writes])
+        return [None if row is None else Job.from_row(row) for row in rows]
 
     def _audited_row(self, stmt: sa.Update | Callable[[], sa.Update], job_id: str, event: Event | None, *,
                      worker: str | None = None, token: str | None = None, key: str | None = None,
@@ -184,6 +208,12 @@ class AuditedWrites:
         """Run a statement compiled once on a pooled driver connection, in autocommit: its row or None.
         Skips SQLAlchemy's execution layer, whose cold path costs as much CPU as the round trip; driver errors
         are wrapped as SQLAlchemy's so that they map as elsewhere."""
+        rows = self._execute_compiled_rows(built, bind, 1)
+        return rows[0] if rows else None
+
+    def _execute_compiled_rows(self, built: _Audited, bind: dict[str, Any],
+                               limit: int | None = None) -> list[dict[str, Any]]:
+        """_execute_compiled(), every row the statement returns (at most ``limit``)."""
         assert built.compiled is not None
         sql, static = built.compiled
         dbapi = self.db.engine.dialect.loaded_dbapi
@@ -196,7 +226,7 @@ class AuditedWrites:
                     try:
                         with contextlib.closing(raw.cursor()) as cursor:
                             cursor.execute(sql, {**static, **bind})
-                            values = cursor.fetchone()
+                            values = cursor.fetchmany(limit) if limit is not None else cursor.fetchall()
                     finally:
                         if not driver.closed:
                             driver.autocommit = False
@@ -206,24 +236,33 @@ class AuditedWrites:
             except dbapi.Error as exc:
                 raise sa.exc.DBAPIError.instance(sql, None, exc, dbapi.Error, hide_parameters=True,
                                                  dialect=self.db.engine.dialect) from exc
-        return None if values is None else dict(zip(built.columns, values, strict=True))
+        return [dict(zip(built.columns, row, strict=True)) for row in values]
 
     def _execute_positional(self, built: _Audited, bind: dict[str, Any]) -> dict[str, Any] | None:
         """SQLite's hot writes: a write's statements, compiled once, in one transaction as begin() opens it
         (writer turn, write lock up front); the first one's row ({} when it returns none), or None.
         SQLAlchemy's execution layer costs more CPU than these writes; an UPDATE ... RETURNING that finds no
         row runs nothing after it."""
+        return self._execute_positional_rows(built, [bind])[0]
+
+    def _execute_positional_rows(self, built: _Audited,
+                                 binds: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
+        """_execute_positional() for each of ``binds``, in one transaction: each one's row or None."""
         assert built.positional is not None
         first, *rest = built.positional
+        rows: list[dict[str, Any] | None] = []
         with self._driver_transaction() as (cursor, running):
-            running[0] = first.sql
-            cursor.execute(first.sql, first.parameters(bind))
-            values = cursor.fetchone() if first.results else ()
-            if values is not None:
-                for then in rest:
-                    running[0] = then.sql
-                    cursor.execute(then.sql, then.parameters(bind))
-        return None if values is None else dict(zip(built.columns, first.row(values), strict=True))
+            for bind in binds:
+                running[0] = first.sql
+                cursor.execute(first.sql, first.parameters(bind))
+                values = cursor.fetchone() if first.results else ()
+                if values is not None:
+                    for then in rest:
+                        running[0] = then.sql
+                        cursor.execute(then.sql, then.parameters(bind))
+                rows.append(None if values is None else dict(zip(built.columns, first.row(values),
+                                                                 strict=True)))
+        return rows
 
     def _execute_positional_many(self, built: _Audited, binds: list[dict[str, Any]]) -> None:
         """SQLite: a write's statements, compiled once, each run for every one of ``binds`` in one

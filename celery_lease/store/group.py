@@ -1,5 +1,5 @@
-"""Writes due at the same moment in one process share one commit (lease_group_commit): completions,
-and the records of publishes made from many threads at once (a web server's).
+"""Writes due at the same moment in one process share one commit (lease_group_commit): first claims,
+completions, and the records of publishes made from many threads at once (a web server's).
 
 A leader/follower group commit, with no tick: the first write that finds none in progress writes
 everything queued in one transaction; writes arriving meanwhile wait for that commit, or lead the
@@ -12,6 +12,12 @@ then written alone through the single-row path, so that it is rejected and audit
 been. A batch the store does not take raises the same exception in each of its callers; one the
 store refuses hands each row back to the single-row path, so that only a row refused alone is
 refused (a kept result too large for its column fails its own job's write, not its neighbours').
+
+A batch of claims takes, in one commit, the rows due for a first claim (pending, never started),
+each under its own token and terms, as the single claim would: on PostgreSQL one UPDATE over the
+arrays of their values, on SQLite the single claim's statement for each in one transaction. Any
+other claim (a duplicate delivery, a finished job, an abandoned lease to take over, a job the
+store does not know) goes alone through JobStatements.claim, which decides it as before.
 
 A batch of publish records is one commit (PublishStatements.record_many). One id the
 store already holds rolls the whole batch back, and each record is then written alone, as it would
@@ -28,18 +34,23 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import ARRAY
 
+from ..config import RECOVERY
 from ..errors import StoreConflict, StoreRejected, StoreUnavailable
 from ..shield import uninterrupted
-from ..vocabulary import Event
-from .audited import AuditedWrites
+from ..vocabulary import ClaimOutcome, Event
+from .audited import AuditedWrites, _Audited
 from .base import RESULT_REVISION, StoreEngine
 from .jobs import JobStatements
 from .publishes import PublishStatements
-from .rows import COMPLETED, RUNNING, NewJob, fenced_status
+from .rows import COMPLETED, PENDING, RUNNING, Claim, ClaimTerms, Job, NewJob, fenced_status
 from .workers import WorkerStatements
 
-__all__ = ["Completion", "Group", "GroupedJobStatements", "GroupedPublishStatements", "Record"]
+__all__ = ["Completion", "FirstClaim", "Group", "GroupedJobStatements", "GroupedPublishStatements", "Record"]
+
+#: The values of a first claim that claim_many() sends as arrays, one element per claim.
+_CLAIM_ARRAYS = ("job_id", "worker", "token", "duration", "grace", *(f"r_{name}" for name in RECOVERY))
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -135,16 +146,108 @@ class Completion:
     result: str | None
 
 
+@dataclasses.dataclass(frozen=True)
+class FirstClaim:
+    """One caller's claim, as JobStatements.claim takes it."""
+
+    job_id: str
+    worker: str
+    token: str
+    terms: ClaimTerms
+    task_name: str
+    queue: str | None
+    payload: Callable[[], str | None]
+
+
 class GroupedJobStatements(JobStatements):
-    """JobStatements whose completions due at once share one commit (lease_group_commit).
+    """JobStatements whose claims, and completions, due at once share one commit (lease_group_commit).
 
     ``complete`` answers as the single-row one does: True once the completion is committed,
-    False (audited ``stale_completion_rejected``) when the token no longer matches.
+    False (audited ``stale_completion_rejected``) when the token no longer matches. ``claim`` too:
+    a batch takes the pending rows due for a first claim, each under its own token, and every other
+    claim (a duplicate, a finished job, an abandoned lease, a job not yet recorded) is decided alone.
     """
 
     def __init__(self, db: StoreEngine, audited: AuditedWrites, workers: WorkerStatements) -> None:
         super().__init__(db, audited, workers)
         self.group: Group[Completion, bool | None] = Group(self._write_batch)
+        self.claims: Group[FirstClaim, Claim | None] = Group(self._claim_batch)
+
+    def claim(self, job_id: str, worker: str, token: str, terms: ClaimTerms, task_name: str,
+              queue: str | None, payload: Callable[[], str | None]) -> Claim:
+        # Shielded as complete() is; the lease counts from before this call, wait for the batch included.
+        with uninterrupted():
+            claim = self.claims.submit(FirstClaim(job_id, worker, token, terms, task_name, queue, payload))
+        if claim is None:
+            return super().claim(job_id, worker, token, terms, task_name, queue, payload)
+        return claim
+
+    def _claim_batch(self, batch: list[FirstClaim]) -> list[Claim | None]:
+        """Each claim's answer: a lone one decided as alone, a batch's first claims taken, None for the
+        rest (their callers claim alone)."""
+        if len(batch) == 1:
+            c = batch[0]
+            return [super().claim(c.job_id, c.worker, c.token, c.terms, c.task_name, c.queue, c.payload)]
+        firsts: dict[str, FirstClaim] = {}
+        for c in batch:
+            firsts.setdefault(c.job_id, c)  # a job twice in one batch: the second is decided alone
+        try:
+            taken = self.claim_many(list(firsts.values()))
+        except StoreRejected:
+            return [None] * len(batch)  # each alone: only a claim refused alone is refused
+        return [Claim(ClaimOutcome.CLAIMED, taken[c.job_id]) if firsts[c.job_id] is c and c.job_id in taken
+                else None for c in batch]
+
+    def claim_many(self, rows: Sequence[FirstClaim]) -> dict[str, Job]:
+        """pending -> running for each first claim under its own token and terms, in one commit: the rows
+        taken, by id. Each row is written as ``claim`` writes it (PostgreSQL: one autocommit UPDATE over
+        the arrays of the claims' values; SQLite: the single claim's statement for each, in one
+        transaction). With lease_audit_every_transition none is taken here: each is claimed alone,
+        its event with it."""
+        if self.db.audit_every_transition or not self.db.dialect.compiled_fast_path:
+            return {}
+        # In id order: two processes' batches over the same rows lock them in one order (PostgreSQL).
+        rows = sorted(rows, key=lambda r: r.job_id)
+        params = [self._first_claim_params(r.job_id, r.worker, r.token, r.terms) for r in rows]
+        if not self.db.dialect.one_statement_writes:
+            stmt, key = self._first_claim()
+            writes = [(r.job_id, p) for r, p in zip(rows, params, strict=True)]
+            jobs = self.audited._unaudited_rows(stmt, key, writes)
+            return {job.id: job for job in jobs or () if job is not None}
+        arrays = {f"many_{name}": [p[name] for p in params] for name in _CLAIM_ARRAYS}
+        found = self.audited._execute_compiled_rows(self._claim_many_statement(),
+                                                     {**arrays, "early": self.db.clock_tolerance})
+        return {row["id"]: Job.from_row(row) for row in found}
+
+    def _claim_many_statement(self) -> _Audited:
+        """claim_many()'s PostgreSQL statement, built once per store: the single claim's UPDATE, each
+        row's values from the rows the parameters' arrays unnest to."""
+        async_commit = self.db.claim_async_commit
+        cache_key = "claim_many" + ("_async" if async_commit else "")
+        built = self.db._built.get(cache_key)
+        if built is not None:
+            return built
+        j = self.db.t.jobs
+        types = {"job_id": sa.String(), "worker": sa.String(), "token": sa.String(), "duration": sa.Double(),
+                 "grace": sa.Double(), **{f"r_{name}": j.c[name].type for name in RECOVERY}}
+        assert set(types) == set(_CLAIM_ARRAYS)
+        v = sa.func.unnest(*(sa.cast(sa.bindparam(f"many_{name}"), ARRAY(t)) for name, t in types.items())
+                           ).table_valued(*(sa.column(name, t) for name, t in types.items())
+                                          ).render_derived(name="v")
+        early: sa.BindParameter[float] = sa.bindparam("early", type_=sa.Double())
+        columns = self.audited._row_columns(True)
+        stmt = sa.update(j).where(
+            j.c.id == v.c.job_id, fenced_status(j.c.status, PENDING), j.c.started_at.is_(None),
+            j.c.available_at <= self.db.now_sql + early,
+            *self.db.dialect.autocommit_settings(self.db.bounds, async_commit),
+        ).values(**self._lease_values(v.c.worker, v.c.token, v.c.duration, v.c.grace),
+                 **{name: sa.func.coalesce(v.c[f"r_{name}"], j.c[name]) for name in RECOVERY},
+                 ).returning(*columns)
+        compiled = stmt.compile(dialect=self.db.engine.dialect)
+        built = _Audited(compiled=(compiled.string, compiled.construct_params(_check=False)),
+                         columns=[c.name for c in columns])
+        self.db._built[cache_key] = built
+        return built
 
     def complete(self, job_id: str, token: str, worker: str | None = None, result: str | None = None) -> bool:
         # Shielded: a lost lease's interruption must not leave a batch without its leader.

@@ -119,14 +119,21 @@ class JobStatements:
 
     def _claim_pending(self, job_id: str, worker: str, token: str, terms: ClaimTerms) -> Job | None:
         """A first claim, pending -> running as ours: the new row or None (the row records the event)."""
-        async_commit = self.db.claim_async_commit
+        stmt, key = self._first_claim()
         return self.audited._audited_row(
-            lambda: self._claim_pending_statement(async_commit), job_id,
-            Event.CLAIMED if self.db.audit_every_transition else None, worker=worker,
-            token=token, key="claim_async" if async_commit else "claim",
-            params={"job_id": job_id, "worker": worker, "token": token, "duration": terms.duration,
-                    "grace": terms.grace, "early": self.db.clock_tolerance,
-                    **{f"r_{name}": (terms.recovery or {}).get(name) for name in RECOVERY}})
+            stmt, job_id, Event.CLAIMED if self.db.audit_every_transition else None, worker=worker,
+            token=token, key=key, params=self._first_claim_params(job_id, worker, token, terms))
+
+    def _first_claim(self) -> tuple[Callable[[], sa.Update], str]:
+        """The first claim's statement (built once per store, under the key returned)."""
+        async_commit = self.db.claim_async_commit
+        key = "claim_async" if async_commit else "claim"
+        return (lambda: self._claim_pending_statement(async_commit)), key
+
+    def _first_claim_params(self, job_id: str, worker: str, token: str, terms: ClaimTerms) -> dict[str, Any]:
+        return {"job_id": job_id, "worker": worker, "token": token, "duration": terms.duration,
+                "grace": terms.grace, "early": self.db.clock_tolerance,
+                **{f"r_{name}": (terms.recovery or {}).get(name) for name in RECOVERY}}
 
     def _take_over(self, c: Connection, current: Job, worker: str, token: str,
                    terms: ClaimTerms) -> Job | None:

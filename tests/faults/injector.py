@@ -44,7 +44,8 @@ VERBS = frozenset(n for cls in STORE_CLASSES for n in dir(cls)
                   if not n.startswith("_") and callable(getattr(cls, n)))
 #: A group commit's batch writes (lease_group_commit): the single verb each is a call of per job, the
 #: argument holding the batch's rows and a row's job id attribute.
-BATCHES = {"complete_many": ("complete", "rows", "job_id"), "record_many": ("record", "jobs", "id")}
+BATCHES = {"claim_many": ("claim", "rows", "job_id"), "complete_many": ("complete", "rows", "job_id"),
+           "record_many": ("record", "jobs", "id")}
 BATCHED = "faults:batched"  # how many calls of a job the matrix's batches made
 _STORE_DIR = os.path.dirname(sys.modules[Store.__module__].__file__ or "")
 _PING = "SELECT 1"

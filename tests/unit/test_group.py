@@ -1,4 +1,4 @@
-"""The group commit of completions and publish records (store/group.py, lease_group_commit): its
+"""The group commit of claims, completions and publish records (store/group.py, lease_group_commit): its
 leader/follower queue, and a lone write that waits for nobody and writes what the single-row path writes.
 
 What a batch writes on each database is in test_store_conformance.py.
@@ -175,6 +175,27 @@ def test_a_lone_completion_waits_for_nobody_and_runs_the_statements_of_the_setti
             assert store.jobs.kept_result("lone") == kept
             if on:
                 assert store.jobs.group.batches == 1 and not store.jobs.group._writing
+        finally:
+            store.engine.dispose()
+    assert written[True] == written[False]
+    assert [s.split()[0] for s in written[True]] == ["BEGIN", "UPDATE", "COMMIT"]
+
+
+def test_a_lone_claim_waits_for_nobody_and_runs_the_statements_of_the_setting_off(tmp_path):
+    written: dict[bool, list[str]] = {}
+    for on in (False, True):
+        store, seen = traced_store(f"sqlite:///{tmp_path / f'c{on}.db'}", "g_", group_commit=on)
+        try:
+            for job in ("warm", "lone"):
+                store.publishes.record(job, "t.task", "q", "{}", 5)
+            # The statements' first build reads the schema: not measured.
+            assert store.jobs.claim("warm", "w1", "tok-warm", TERMS, "t.task", "q", lambda: None).claimed
+            del seen[:]
+            claim = store.jobs.claim("lone", "w1", "tok-lone", TERMS, "t.task", "q", lambda: None)
+            written[on] = list(seen)
+            assert claim.claimed and claim.job is not None and claim.job.lock_token == "tok-lone"
+            if on:
+                assert store.jobs.claims.batches == 2 and not store.jobs.claims._writing
         finally:
             store.engine.dispose()
     assert written[True] == written[False]

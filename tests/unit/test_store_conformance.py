@@ -8,11 +8,13 @@ Each race starts its contenders on a barrier and asserts exactly one winner and 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import secrets
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -20,7 +22,7 @@ import sqlalchemy as sa
 from celery_lease.errors import StoreUnavailable
 from celery_lease.store import COMPLETED, FAILED, PENDING, RUNNING, ClaimTerms, JobStatements, Store
 from celery_lease.store.publishes import PublishStatements
-from celery_lease.vocabulary import EffectOutcome, Event
+from celery_lease.vocabulary import ClaimOutcome, EffectOutcome, Event
 from tests.helpers import wait_for
 
 TERMS = ClaimTerms(duration=30.0, grace=1.0, max_attempts=5, max_expirations=5, takeover=True)
@@ -371,46 +373,57 @@ def grouped(store):
     other.engine.dispose()
 
 
+def behind_a_held_write(group: Any, held_id: str, id_of: Callable[[Any], str], held: Callable[[], object],
+                        calls: list[Callable[[], object]], queued: int) -> tuple[object, list[object]]:
+    """Run ``held``, a lone write that ``group`` (None: the store does not group) holds in its commit,
+    then ``calls`` at once, released once ``queued`` of them wait: where the store groups them, they
+    share the next commit. The held call's answer, and each call's answer or error."""
+    gate, entered = threading.Event(), threading.Event()
+    if group is not None:
+        write = group._write
+
+        def hold(batch: list) -> list:
+            if id_of(batch[0]) == held_id:
+                entered.set()
+                assert gate.wait(30)
+            return write(batch)
+
+        group._write = hold
+    results: list[object] = [None] * (len(calls) + 1)
+
+    def run(n: int, call: Callable[[], object]) -> None:
+        try:
+            results[n] = call()
+        except Exception as exc:  # noqa: BLE001 - the test compares what each caller got
+            results[n] = exc
+
+    first = threading.Thread(target=run, args=(0, held))
+    first.start()
+    if group is not None:
+        assert entered.wait(30)
+    threads = [threading.Thread(target=run, args=(n + 1, call)) for n, call in enumerate(calls)]
+    for t in threads:
+        t.start()
+    if group is not None:
+        wait_for(lambda: len(group._queue) == queued, timeout=30, message="the writes never queued")
+    gate.set()
+    for t in [first, *threads]:
+        t.join(30)
+    return results[0], results[1:]
+
+
 def shared_commit(g: Store, completions: list[tuple[str, str, str | None]]) -> list[object]:
     """Complete ``completions`` (job, token, kept result) at once, queued behind a held lone completion
     so that, where the store groups them, they share the next commit: each caller's answer or error."""
     held_job = f"held-{secrets.token_hex(4)}"
     lone = claimed(g, held_job)
-    group = getattr(g.jobs, "group", None)
-    gate, entered = threading.Event(), threading.Event()
-    if group is not None:
-        write = group._write
-
-        def held(batch: list) -> list:
-            if batch[0].job_id == held_job:
-                entered.set()
-                assert gate.wait(30)
-            return write(batch)
-
-        group._write = held
-    results: list[object] = [None] * (len(completions) + 1)
-
-    def run(n: int, job: str, tok: str, result: str | None) -> None:
-        try:
-            results[n] = g.jobs.complete(job, tok, "w1", result)
-        except Exception as exc:  # noqa: BLE001 - the test compares what each caller got
-            results[n] = exc
-
-    first = threading.Thread(target=run, args=(0, held_job, lone, None))
-    first.start()
-    if group is not None:
-        assert entered.wait(30)
-    threads = [threading.Thread(target=run, args=(n + 1, *c)) for n, c in enumerate(completions)]
-    for t in threads:
-        t.start()
-    if group is not None:
-        wait_for(lambda: len(group._queue) == len(completions), timeout=30,
-                 message="the completions never queued")
-    gate.set()
-    for t in [first, *threads]:
-        t.join(30)
-    assert results[0] is True
-    return results[1:]
+    held, answers = behind_a_held_write(
+        getattr(g.jobs, "group", None), held_job, lambda c: c.job_id,
+        lambda: g.jobs.complete(held_job, lone, "w1", None),
+        [functools.partial(g.jobs.complete, job, tok, "w1", result) for job, tok, result in completions],
+        len(completions))
+    assert held is True
+    return answers
 
 
 def counted(g: Store, marker: str) -> list[str]:
@@ -460,6 +473,107 @@ def test_a_token_rejected_inside_a_batch_rejects_that_job_alone_audited_the_othe
     assert store.jobs.kept_result("r1") is None
     for job in toks:
         assert count(store, job, Event.STALE_COMPLETION_REJECTED) == (job in ("r1", "r2"))
+
+
+# -- first claims sharing one commit (lease_group_commit) -------------------------------------------
+def shared_claims(g: Store, claims: list[tuple[str, str]]) -> list[object]:
+    """Claim ``claims`` (job, token) at once, queued behind a held lone claim so that, where the store
+    groups them, they share the next commit: each caller's Claim or error."""
+    held_job = f"held-{secrets.token_hex(4)}"
+    g.publishes.record(held_job, "t.task", "q", "{}", 5)
+    held, answers = behind_a_held_write(
+        getattr(g.jobs, "claims", None), held_job, lambda c: c.job_id,
+        lambda: g.jobs.claim(held_job, "w1", secrets.token_hex(16), TERMS, "t.task", "q", lambda: None),
+        [functools.partial(g.jobs.claim, job, "w1", tok, TERMS, "t.task", "q", lambda: '{"p": 1}')
+         for job, tok in claims], len(claims))
+    assert held.claimed  # type: ignore[attr-defined]
+    return answers
+
+
+def as_claimed(store: Store, job_id: str) -> tuple[dict[str, object], list[str]]:
+    """What a claim wrote of ``job_id``, its id, token and clock readings aside: the row and its events."""
+    job = store.get(job_id)
+    row = {k: v for k, v in vars(job).items() if k not in (
+        "id", "lock_token", "created_at", "updated_at", "available_at", "started_at", "last_heartbeat_at",
+        "lease_expires_at")}
+    row["lease"] = round(job.lease_expires_at - job.started_at, 3)
+    return row, [e["event"] for e in store.reports.events(job_id)]
+
+
+def test_first_claims_due_at_once_share_one_commit_and_write_what_a_claim_alone_writes(store, grouped):
+    store.publishes.record("alone", "t.task", "q", "{}", 5)
+    assert store.jobs.claim("alone", "w1", secrets.token_hex(16), TERMS, "t.task", "q", lambda: None).claimed
+    toks = {f"clm-{n}": secrets.token_hex(16) for n in range(5)}
+    for job in toks:
+        store.publishes.record(job, "t.task", "q", "{}", 5)
+    updates: list[str] = []
+    if store.dialect.name == "sqlite":
+        @sa.event.listens_for(grouped.engine, "connect")
+        def trace(dbapi_conn, _record) -> None:
+            dbapi_conn.set_trace_callback(updates.append)
+
+        grouped.engine.dispose()  # connections opened from now on are traced
+
+    answers = shared_claims(grouped, list(toks.items()))
+
+    assert [(a.outcome, a.job.lock_token) for a in answers] == [  # type: ignore[attr-defined]
+        (ClaimOutcome.CLAIMED, tok) for tok in toks.values()]
+    for job, tok in toks.items():
+        assert store.get(job).lock_token == tok
+        assert as_claimed(store, job) == as_claimed(store, "alone")
+    if not store.dialect.group_commit:
+        assert type(grouped.jobs) is JobStatements  # MySQL/MariaDB: each claim alone
+        return
+    assert grouped.jobs.claims.batches == 2  # the held lone claim, then the five
+    if store.dialect.name == "postgresql":
+        with store.begin(read=True) as c:  # rows one transaction wrote carry its id: one commit
+            xids = c.execute(sa.text(f"SELECT DISTINCT xmin::text FROM {store.t.jobs.name} "
+                                     "WHERE id LIKE 'clm-%'")).scalars().all()
+        assert len(xids) == 1
+    else:
+        # The transactions that updated: the held lone claim's, then the batch's.
+        words = " ".join(sql.split()[0] for sql in updates)
+        assert sum("UPDATE" in transaction for transaction in words.split("COMMIT")) == 2
+
+
+def test_a_batch_of_claims_answers_every_claim_it_cannot_take_as_that_claim_alone_would(store, grouped):
+    claimed(store, "busy", worker="w2")
+    store.jobs.complete("done", claimed(store, "done"), "w1")
+    claimed(store, "abandoned", worker="w2")
+    expire(store, "abandoned")
+    for job in ("fresh", "twice"):
+        store.publishes.record(job, "t.task", "q", "{}", 5)
+    store.publishes.record("later", "t.task", "q", "{}", 5, delay=600.0)
+    claims = [("busy", "t-busy"), ("done", "t-done"), ("unknown", "t-unknown"), ("abandoned", "t-aband"),
+              ("fresh", "t-fresh"), ("twice", "t-twice-1"), ("twice", "t-twice-2"), ("later", "t-later")]
+
+    answers = shared_claims(grouped, claims)
+
+    outcomes = [a.outcome for a in answers]  # type: ignore[attr-defined]
+    assert outcomes[:5] + outcomes[7:] == [ClaimOutcome.BUSY, ClaimOutcome.DONE, ClaimOutcome.CLAIMED,
+                                           ClaimOutcome.CLAIMED, ClaimOutcome.CLAIMED, ClaimOutcome.EARLY]
+    # The job claimed twice at once: one claim takes it, the other finds it taken.
+    assert sorted(outcomes[5:7]) == sorted([ClaimOutcome.CLAIMED, ClaimOutcome.BUSY])
+    winner = claims[5 + outcomes[5:7].index(ClaimOutcome.CLAIMED)][1]
+    tokens = {job: store.get(job).lock_token for job in ("busy", "unknown", "abandoned", "fresh", "twice")}
+    assert tokens["busy"] != "t-busy" and tokens["unknown"] == "t-unknown"
+    assert (tokens["abandoned"], tokens["fresh"], tokens["twice"]) == ("t-aband", "t-fresh", winner)
+    assert count(store, "abandoned", Event.LEASE_TAKEN_OVER) == 1
+    assert store.get("unknown").payload == '{"p": 1}' and count(store, "unknown", Event.CLAIMED) == 1
+    assert (store.get("later").status, store.get("done").status) == (PENDING, COMPLETED)
+    assert store.get("twice").attempt_count == 1
+
+
+def test_with_every_transition_audited_each_claim_of_a_batch_is_written_alone_with_its_event(store, grouped):
+    grouped.audit_every_transition = True
+    toks = {f"ca{n}": secrets.token_hex(16) for n in range(3)}
+    for job in toks:
+        store.publishes.record(job, "t.task", "q", "{}", 5)
+    assert all(a.claimed for a in shared_claims(grouped, list(toks.items())))  # type: ignore[attr-defined]
+    for job, tok in toks.items():
+        events = store.reports.events(job)
+        assert [e["event"] for e in events] == [Event.PUBLISHED, Event.CLAIMED]
+        assert (events[-1]["worker"], events[-1]["token"]) == ("w1", tok[:8])
 
 
 @contextlib.contextmanager
@@ -546,42 +660,13 @@ def shared_records(g: Store, records: list[dict[str, object]]) -> list[object]:
     that, where the store groups them, those without a key share the next commit: each caller's answer
     or error."""
     held_job = f"held-{secrets.token_hex(4)}"
-    group = getattr(g.publishes, "group", None)
-    gate, entered = threading.Event(), threading.Event()
-    if group is not None:
-        write = group._write
-
-        def held(batch: list) -> list:
-            if batch[0].job.id == held_job:
-                entered.set()
-                assert gate.wait(30)
-            return write(batch)
-
-        group._write = held
-    results: list[object] = [None] * (len(records) + 1)
-
-    def run(n: int, record: dict[str, object]) -> None:
-        try:
-            results[n] = g.publishes.record(**record)  # type: ignore[arg-type]
-        except Exception as exc:  # noqa: BLE001 - the test compares what each caller got
-            results[n] = exc
-
-    first = threading.Thread(target=run, args=(0, publish(held_job)))
-    first.start()
-    if group is not None:
-        assert entered.wait(30)
-    threads = [threading.Thread(target=run, args=(n + 1, r)) for n, r in enumerate(records)]
-    for t in threads:
-        t.start()
-    if group is not None:
-        grouped_records = sum(1 for r in records if r.get("idempotency_key") is None)
-        wait_for(lambda: len(group._queue) == grouped_records, timeout=30,
-                 message="the records never queued")
-    gate.set()
-    for t in [first, *threads]:
-        t.join(30)
-    assert results[0] == (True, held_job)
-    return results[1:]
+    held, answers = behind_a_held_write(
+        getattr(g.publishes, "group", None), held_job, lambda r: r.job.id,
+        lambda: g.publishes.record(**publish(held_job)),  # type: ignore[arg-type]
+        [functools.partial(g.publishes.record, **r) for r in records],  # type: ignore[arg-type]
+        sum(1 for r in records if r.get("idempotency_key") is None))
+    assert held == (True, held_job)
+    return answers
 
 
 def as_recorded(store: Store, job_id: str) -> tuple[dict[str, object], list[tuple[object, ...]]]:
