@@ -227,11 +227,12 @@ SETTINGS: tuple[Setting, ...] = (
        "more rows per job.",
        _bool, "True or False", False),
     _S("lease_group_commit", False,
-       "Completions due at the same moment in one worker process (threads, gevent) share one commit: "
-       "the first writes every completion queued meanwhile in one statement, each row fenced by its "
-       "own token; so do the records of publishes made from many threads at once (a web server's), "
-       "those with an idempotency key excepted. A lone write waits for nobody and is written as with "
-       "False. PostgreSQL and SQLite; MySQL/MariaDB write each alone whatever the setting.",
+       "First claims and completions due at the same moment in one worker process (threads, gevent) "
+       "share one commit: the first writes every one of its kind queued meanwhile, each row fenced by "
+       "its own token (a claim the batch cannot take is decided alone); so do the records of publishes "
+       "made from many threads at once (a web server's), those with an idempotency key excepted. A "
+       "lone write waits for nobody and is written as with False. PostgreSQL and SQLite; "
+       "MySQL/MariaDB write each alone whatever the setting.",
        _bool, "True or False", False),
     _S("lease_clock_tolerance", 1.0,
        "Seconds a delivery may arrive before its job's available_at (countdown, retry ETA, backoff) "
