@@ -136,6 +136,25 @@ class Group(Generic[T, R]):
                 self._writing = False
 
 
+def _answers(batch: Sequence[Any], alone: Callable[[Any], R], many: Callable[[list[Any]], Mapping[str, Any]],
+             answer: Callable[[Any], R]) -> list[R | None]:
+    """A batch's answers: a lone item written ``alone``; else each job's first item answered from what
+    ``many`` wrote of it (by job id), and None for the rest (a job twice in one batch, a row ``many``
+    did not write): their callers write them alone. A batch the store refuses answers None for
+    all, so that only an item refused alone is refused (a kept result too large for its column)."""
+    if len(batch) == 1:
+        return [alone(batch[0])]
+    firsts: dict[str, Any] = {}
+    for item in batch:
+        firsts.setdefault(item.job_id, item)
+    try:
+        written = many(list(firsts.values()))
+    except StoreRejected:
+        return [None] * len(batch)
+    return [answer(written[i.job_id]) if firsts[i.job_id] is i and i.job_id in written else None
+            for i in batch]
+
+
 @dataclasses.dataclass(frozen=True)
 class Completion:
     """One caller's completion: its job, its token, its worker and the result it keeps (encoded)."""
@@ -185,18 +204,10 @@ class GroupedJobStatements(JobStatements):
     def _claim_batch(self, batch: list[FirstClaim]) -> list[Claim | None]:
         """Each claim's answer: a lone one decided as alone, a batch's first claims taken, None for the
         rest (their callers claim alone)."""
-        if len(batch) == 1:
-            c = batch[0]
-            return [super().claim(c.job_id, c.worker, c.token, c.terms, c.task_name, c.queue, c.payload)]
-        firsts: dict[str, FirstClaim] = {}
-        for c in batch:
-            firsts.setdefault(c.job_id, c)  # a job twice in one batch: the second is decided alone
-        try:
-            taken = self.claim_many(list(firsts.values()))
-        except StoreRejected:
-            return [None] * len(batch)  # each alone: only a claim refused alone is refused
-        return [Claim(ClaimOutcome.CLAIMED, taken[c.job_id]) if firsts[c.job_id] is c and c.job_id in taken
-                else None for c in batch]
+        return _answers(
+            batch, lambda c: JobStatements.claim(self, c.job_id, c.worker, c.token, c.terms, c.task_name,
+                                                 c.queue, c.payload),
+            self.claim_many, lambda job: Claim(ClaimOutcome.CLAIMED, job))
 
     def claim_many(self, rows: Sequence[FirstClaim]) -> dict[str, Job]:
         """pending -> running for each first claim under its own token and terms, in one commit: the rows
@@ -261,17 +272,9 @@ class GroupedJobStatements(JobStatements):
     def _write_batch(self, batch: list[Completion]) -> list[bool | None]:
         """Each completion's answer: True or False written alone, True completed by the batch,
         None not completed by it (its caller writes it alone)."""
-        if len(batch) == 1:
-            only = batch[0]
-            return [super().complete(only.job_id, only.token, only.worker, only.result)]
-        firsts: dict[str, Completion] = {}
-        for c in batch:
-            firsts.setdefault(c.job_id, c)  # a job twice in one batch: the second is written alone
-        try:
-            done = self.complete_many(list(firsts.values()))
-        except StoreRejected:
-            return [None] * len(batch)  # each row again alone: only a row refused alone is refused
-        return [True if firsts[c.job_id] is c and c.job_id in done else None for c in batch]
+        return _answers(
+            batch, lambda c: JobStatements.complete(self, c.job_id, c.token, c.worker, c.result),
+            lambda rows: dict.fromkeys(self.complete_many(rows), True), lambda done: done)
 
     def complete_many(self, rows: Sequence[Completion]) -> set[str]:
         """running -> completed for each row under its own token, in one UPDATE and one commit:

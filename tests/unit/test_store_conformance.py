@@ -490,6 +490,18 @@ def shared_claims(g: Store, claims: list[tuple[str, str]]) -> list[object]:
     return answers
 
 
+def sqlite_trace(g: Store) -> list[str]:
+    """Every statement SQLite's driver runs for ``g`` from now on (empty on the other databases)."""
+    statements: list[str] = []
+    if g.dialect.name == "sqlite":
+        @sa.event.listens_for(g.engine, "connect")
+        def trace(dbapi_conn, _record) -> None:
+            dbapi_conn.set_trace_callback(statements.append)
+
+        g.engine.dispose()  # connections opened from now on are traced
+    return statements
+
+
 def as_claimed(store: Store, job_id: str) -> tuple[dict[str, object], list[str]]:
     """What a claim wrote of ``job_id``, its id, token and clock readings aside: the row and its events."""
     job = store.get(job_id)
@@ -506,13 +518,7 @@ def test_first_claims_due_at_once_share_one_commit_and_write_what_a_claim_alone_
     toks = {f"clm-{n}": secrets.token_hex(16) for n in range(5)}
     for job in toks:
         store.publishes.record(job, "t.task", "q", "{}", 5)
-    updates: list[str] = []
-    if store.dialect.name == "sqlite":
-        @sa.event.listens_for(grouped.engine, "connect")
-        def trace(dbapi_conn, _record) -> None:
-            dbapi_conn.set_trace_callback(updates.append)
-
-        grouped.engine.dispose()  # connections opened from now on are traced
+    updates = sqlite_trace(grouped)
 
     answers = shared_claims(grouped, list(toks.items()))
 
@@ -681,13 +687,7 @@ def as_recorded(store: Store, job_id: str) -> tuple[dict[str, object], list[tupl
 def test_publish_records_due_at_once_share_one_commit_and_write_what_each_writes_alone(store, grouped):
     assert store.publishes.record(**publish("alone")) == (True, "alone")
     jobs = [f"pub-{n}" for n in range(5)]
-    commits: list[str] = []
-    if store.dialect.name == "sqlite":
-        @sa.event.listens_for(grouped.engine, "connect")
-        def trace(dbapi_conn, _record) -> None:
-            dbapi_conn.set_trace_callback(commits.append)
-
-        grouped.engine.dispose()  # connections opened from now on are traced
+    commits = sqlite_trace(grouped)
 
     assert shared_records(grouped, [publish(job) for job in jobs]) == [(True, job) for job in jobs]
 
