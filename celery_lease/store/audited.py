@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import ARRAY
 
 from ..vocabulary import Event
 from .base import StoreEngine
@@ -65,6 +66,19 @@ class _Positional:
     def row(self, values: Any) -> list[Any]:
         return [v if convert is None or v is None else convert(v)
                 for convert, v in zip(self.results, values, strict=True)]
+
+
+def _unnested(types: Mapping[str, Any], name: str) -> Any:
+    """PostgreSQL: the rows that the array parameters ``many_<column>`` (one per column of ``types``)
+    unnest to, as table ``name``: a batch's values in one statement compiled once."""
+    return sa.func.unnest(*(sa.cast(sa.bindparam(f"many_{column}"), ARRAY(t)) for column, t in types.items())
+                          ).table_valued(*(sa.column(column, t) for column, t in types.items())
+                                         ).render_derived(name=name)
+
+
+def _arrays(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> dict[str, list[Any]]:
+    """The ``many_<column>`` parameters of _unnested(): each column's values across ``rows``."""
+    return {f"many_{column}": [row[column] for row in rows] for column in columns}
 
 
 def _bind(params: dict[str, Any] | None, job_id: str, reason: str | None, worker: str | None,

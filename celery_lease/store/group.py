@@ -34,13 +34,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import sqlalchemy as sa
-from sqlalchemy.dialects.postgresql import ARRAY
 
 from ..config import RECOVERY
 from ..errors import StoreConflict, StoreRejected, StoreUnavailable
 from ..shield import uninterrupted
 from ..vocabulary import ClaimOutcome, Event
-from .audited import AuditedWrites, _Audited
+from .audited import AuditedWrites, _arrays, _Audited, _unnested
 from .base import RESULT_REVISION, StoreEngine
 from .jobs import JobStatements
 from .publishes import PublishStatements
@@ -225,9 +224,8 @@ class GroupedJobStatements(JobStatements):
             writes = [(r.job_id, p) for r, p in zip(rows, params, strict=True)]
             jobs = self.audited._unaudited_rows(stmt, key, writes)
             return {job.id: job for job in jobs or () if job is not None}
-        arrays = {f"many_{name}": [p[name] for p in params] for name in _CLAIM_ARRAYS}
-        found = self.audited._execute_compiled_rows(self._claim_many_statement(),
-                                                     {**arrays, "early": self.db.clock_tolerance})
+        bind = {**_arrays(params, _CLAIM_ARRAYS), "early": self.db.clock_tolerance}
+        found = self.audited._execute_compiled_rows(self._claim_many_statement(), bind)
         return {row["id"]: Job.from_row(row) for row in found}
 
     def _claim_many_statement(self) -> _Audited:
@@ -242,9 +240,7 @@ class GroupedJobStatements(JobStatements):
         types = {"job_id": sa.String(), "worker": sa.String(), "token": sa.String(), "duration": sa.Double(),
                  "grace": sa.Double(), **{f"r_{name}": j.c[name].type for name in RECOVERY}}
         assert set(types) == set(_CLAIM_ARRAYS)
-        v = sa.func.unnest(*(sa.cast(sa.bindparam(f"many_{name}"), ARRAY(t)) for name, t in types.items())
-                           ).table_valued(*(sa.column(name, t) for name, t in types.items())
-                                          ).render_derived(name="v")
+        v = _unnested(types, "v")
         early: sa.BindParameter[float] = sa.bindparam("early", type_=sa.Double())
         columns = self.audited._row_columns(True)
         stmt = sa.update(j).where(

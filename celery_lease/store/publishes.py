@@ -7,12 +7,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects.postgresql import ARRAY
 
 from ..config import RECOVERY
 from ..errors import StoreConflict
 from ..vocabulary import Event
-from .audited import AuditedWrites, _Audited, _Positional
+from .audited import AuditedWrites, _arrays, _Audited, _Positional, _unnested
 from .base import RESULT_REVISION, RUNS_REVISION, StoreEngine
 from .rows import COMPLETED, FAILED, PENDING, NewJob, fenced_status
 
@@ -95,10 +94,8 @@ class PublishStatements:
         if not self.db.dialect.one_statement_writes:
             self.audited._execute_positional_many(self._record_statements(False), rows)
             return
-        built = self._many_statement()
         # Each parameter of the single record becomes the array of its values across the batch.
-        columns = {f"many_{name}": [row[name] for row in rows] for name in rows[0]}
-        self.audited._execute_compiled(built, columns)
+        self.audited._execute_compiled(self._many_statement(), _arrays(rows, list(rows[0])))
 
     def _many_statement(self) -> _Audited:
         """record_many()'s PostgreSQL statement, built once per store: the single record's CTEs, each
@@ -110,10 +107,7 @@ class PublishStatements:
             return built
         j, e = self.db.t.jobs, self.db.t.events
         types = self._param_types()
-        arrays = sa.func.unnest(*(sa.cast(sa.bindparam(f"many_{name}"), ARRAY(t))
-                                  for name, t in types.items()))
-        rows = sa.select(arrays.table_valued(*(sa.column(name, t) for name, t in types.items()))
-                         .render_derived(name="v")).cte("v")
+        rows = sa.select(_unnested(types, "v")).cte("v")
         row, event = self._record_values(Event.PUBLISHED, {name: rows.c[name] for name in types})
         inserted = sa.insert(j).from_select(
             list(row), sa.select(*row.values()).select_from(rows).where(

@@ -502,6 +502,26 @@ def sqlite_trace(g: Store) -> list[str]:
     return statements
 
 
+def assert_batch_shared_one_commit(store: Store, trace: list[str], prefix: str, verb: str,
+                                   events: bool = False) -> None:
+    """The jobs whose ids begin ``prefix`` (``events``: and their events) were last written by one
+    transaction.
+
+    PostgreSQL: rows one transaction wrote carry its id (``xmin``). SQLite: the driver's trace holds two
+    transactions running ``verb`` (the store's first reads of its schema aside): the held lone write's,
+    then the batch's."""
+    if store.dialect.name == "postgresql":
+        j, e = store.t.jobs.name, store.t.events.name
+        with store.begin(read=True) as c:
+            union = f" UNION SELECT xmin::text FROM {e} WHERE job_id LIKE :p" if events else ""
+            xids = c.execute(sa.text(f"SELECT DISTINCT xmin::text FROM {j} WHERE id LIKE :p{union}"),
+                             {"p": f"{prefix}%"}).scalars().all()
+        assert len(xids) == 1
+    else:
+        words = " ".join(sql.split()[0] for sql in trace)
+        assert sum(verb in transaction for transaction in words.split("COMMIT")) == 2
+
+
 def as_claimed(store: Store, job_id: str) -> tuple[dict[str, object], list[str]]:
     """What a claim wrote of ``job_id``, its id, token and clock readings aside: the row and its events."""
     job = store.get(job_id)
@@ -531,15 +551,7 @@ def test_first_claims_due_at_once_share_one_commit_and_write_what_a_claim_alone_
         assert type(grouped.jobs) is JobStatements  # MySQL/MariaDB: each claim alone
         return
     assert grouped.jobs.claims.batches == 2  # the held lone claim, then the five
-    if store.dialect.name == "postgresql":
-        with store.begin(read=True) as c:  # rows one transaction wrote carry its id: one commit
-            xids = c.execute(sa.text(f"SELECT DISTINCT xmin::text FROM {store.t.jobs.name} "
-                                     "WHERE id LIKE 'clm-%'")).scalars().all()
-        assert len(xids) == 1
-    else:
-        # The transactions that updated: the held lone claim's, then the batch's.
-        words = " ".join(sql.split()[0] for sql in updates)
-        assert sum("UPDATE" in transaction for transaction in words.split("COMMIT")) == 2
+    assert_batch_shared_one_commit(store, updates, "clm-", "UPDATE")
 
 
 def test_a_batch_of_claims_answers_every_claim_it_cannot_take_as_that_claim_alone_would(store, grouped):
@@ -697,19 +709,7 @@ def test_publish_records_due_at_once_share_one_commit_and_write_what_each_writes
         assert type(grouped.publishes) is PublishStatements  # MySQL/MariaDB: each record alone
         return
     assert grouped.publishes.group.batches == 2  # the held lone record, then the five
-    if store.dialect.name == "postgresql":
-        # Rows written by one transaction carry its id: the five jobs and their events, one commit.
-        j, e = store.t.jobs.name, store.t.events.name
-        with store.begin(read=True) as c:
-            xids = c.execute(sa.text(
-                f"SELECT xmin::text FROM {j} WHERE id LIKE 'pub-%' UNION SELECT xmin::text FROM {e} "
-                f"WHERE job_id LIKE 'pub-%'")).scalars().all()
-        assert len(xids) == 1
-    else:
-        # The transactions that inserted (the store's first reads of its schema aside): the held lone
-        # record's, then the batch's.
-        words = " ".join(sql.split()[0] for sql in commits)
-        assert sum("INSERT" in transaction for transaction in words.split("COMMIT")) == 2
+    assert_batch_shared_one_commit(store, commits, "pub-", "INSERT", events=True)
 
 
 def test_a_known_id_in_a_batch_is_answered_as_alone_and_the_batch_records_every_other(store, grouped):
