@@ -218,7 +218,9 @@ def test_the_pages_work_under_the_path_prefix(run, read_only, page):
         page.click(f"header nav a:text-is('{name}')")
         assert page.url.startswith(read_only.base) and page.inner_text("h1").startswith(heading)
     assert page.get_attribute("#live", "data-live") == PREFIX + "/overview/live"
-    # The stylesheet came through the prefix too.
+    # The stylesheet came through the prefix too. The click's navigation may show the heading before
+    # the stylesheet has loaded: the page's load event (which waits for it) comes first.
+    page.wait_for_load_state("load")
     assert page.evaluate("getComputedStyle(document.querySelector('header')).display") == "flex"
     # A proxy that strips the prefix before forwarding gets pages whose links keep it.
     stripped = page.request.get(read_only.base.removesuffix(PREFIX) + "/jobs")
