@@ -7,22 +7,29 @@ are (PostgreSQL waits for the WAL flush; SQLite runs ``synchronous=FULL``). Plai
 these writes added is the best that any design writing **one commit per job** reaches on the same
 machine. ``GroupFloor`` is the second floor: the same statements, but the writes due at the same
 moment in one process share one commit (leader/follower, no tick), which is the best that sharing
-commits allows. The benchmarks print both next to LeaseTask's figures; ``tests/unit/test_bench_floor.py``
-pins their statements.
+commits allows. ``MainFloor`` is the prefork variant's floor: a prefork child runs one job at a time,
+so nothing inside it can share, but the worker's main process sees every delivery and every result;
+there the claims of the deliveries and the completions of the results that arrive in one turn of its
+event loop share one commit, written before a delivery goes to a child and before a result is
+acknowledged. The benchmarks print the floors next to LeaseTask's figures;
+``tests/unit/test_bench_floor.py`` pins their statements.
 """
 
 from __future__ import annotations
 
+import secrets
 import sqlite3
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import sqlalchemy as sa
+from celery.worker.strategy import default
+from kombu.asynchronous import get_event_loop
 
 from celery_lease.store.group import Group
 
-__all__ = ["Floor", "GroupFloor"]
+__all__ = ["Floor", "GroupFloor", "MainFloor"]
 
 
 class Floor:
@@ -83,6 +90,11 @@ class Floor:
     def complete(self, job_id: str, token: str) -> None:
         """A completion: fenced by the token, committed durably."""
         self._run(f"UPDATE {self.table} SET done = 1 WHERE id = %s AND token = %s", (job_id, token))
+
+    def completed(self) -> int:
+        """How many jobs carry a committed completion (the bench checks every run wrote all of its)."""
+        conn = self._connect()
+        return conn.execute(f"SELECT COUNT(*) FROM {self.table} WHERE done = 1").fetchone()[0]
 
     def close(self) -> None:
         conn = getattr(self._local, "conn", None)
@@ -160,3 +172,61 @@ class GroupFloor(Floor):
                 with conn.transaction():
                     for sql, params in self.statements(batch):
                         conn.execute(sql, params)
+
+
+class MainFloor:
+    """Claims and completions written by a prefork worker's main process, one commit per loop turn.
+
+    ``strategy`` is a task's consumer strategy (``Task.Strategy``): each delivery's claim is queued, and
+    the request goes to the pool only after the commit that holds it; its result's callback
+    (acknowledgement, ``task_ready``) runs only after the commit that holds its completion. A batch is
+    written by the first turn of the event loop after its first write was queued (no tick).
+    """
+
+    def __init__(self, floor: GroupFloor) -> None:
+        self.floor = floor
+        self.pending: list[tuple[tuple[str, tuple[Any, ...]], Callable[[], Any]]] = []
+        self.scheduled = False
+
+    def strategy(self, task: Any, app: Any, consumer: Any, **kwargs: Any) -> Callable[..., Any]:
+        """Celery's default strategy, whose requests are claimed and completed through this floor."""
+        to_pool = consumer.on_task_request
+
+        def claimed_first(req: Any) -> None:
+            token = secrets.token_hex(16)
+            succeeded = req.on_success  # the class Celery built for this task; the instance's wins
+
+            def completed_first(result: Any, **more: Any) -> None:
+                self.queue(("complete", (req.id, token)), lambda: succeeded(result, **more))
+
+            req.on_success = completed_first
+            self.queue(("claim", (req.id, token)), lambda: to_pool(req))
+
+        # The default strategy reads the hand-off to the pool once, when it is built.
+        consumer.on_task_request = claimed_first
+        try:
+            return default(task, app, consumer, **kwargs)
+        finally:
+            consumer.on_task_request = to_pool
+
+    def queue(self, write: tuple[str, tuple[Any, ...]], then: Callable[[], Any]) -> None:
+        """Queue ``write``; ``then`` runs once the commit holding it is done."""
+        self.pending.append((write, then))
+        if self.scheduled:
+            return
+        hub = get_event_loop()
+        if hub is None:  # no event loop (a pool without one): every write alone
+            self.flush()
+            return
+        self.scheduled = True
+        hub.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Write every queued claim and completion in one commit, then hand each on."""
+        self.scheduled = False
+        batch, self.pending = self.pending, []
+        if not batch:
+            return
+        self.floor._write([write for write, _ in batch])
+        for _, then in batch:
+            then()

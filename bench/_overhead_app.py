@@ -11,7 +11,7 @@ import time
 import redis
 from celery import Celery
 
-from bench._floor import Floor, GroupFloor
+from bench._floor import Floor, GroupFloor, MainFloor
 from celery_lease import LeaseTask
 
 BROKER = os.environ.get("BENCH_BROKER", "redis://127.0.0.1:6379/15")
@@ -26,6 +26,7 @@ app.conf.update(json.loads(os.environ.get("BENCH_CONF", "{}")))
 counter = redis.Redis.from_url(BROKER)
 floor = Floor(app.conf.lease_store_url, app.conf.lease_table_prefix)
 group_floor = GroupFloor(app.conf.lease_store_url, app.conf.lease_table_prefix)
+main_floor = MainFloor(GroupFloor(app.conf.lease_store_url, app.conf.lease_table_prefix))
 _pause = threading.Event()
 
 
@@ -65,3 +66,13 @@ def group_floored(self, seconds: float) -> None:
     group_floor.claim(self.request.id, token)
     _body(seconds)
     group_floor.complete(self.request.id, token)
+
+
+def main_strategy(task, app, consumer, **kwargs):
+    return main_floor.strategy(task, app, consumer, **kwargs)
+
+
+@app.task(name="bench.mainfloor", Strategy="bench._overhead_app:main_strategy")
+def main_floored(seconds: float) -> None:
+    """A plain task whose claim and completion the main process writes (prefork), shared per loop turn."""
+    _body(seconds)

@@ -6,7 +6,8 @@ the worker's commits, rows written and WAL bytes per job come from the server's 
 statistics (a database of the bench's own). Each round also runs the two floors (bench/_floor.py):
 plain tasks with the least a durable claim and completion cost at one commit per job ("floor"),
 and with the same writes sharing a commit with those due at the same moment in the process
-("group"), to the same plain runs.
+("group"), to the same plain runs; on prefork a third, "main": the same writes made by the worker's main
+process for its children, the claims and completions of one event-loop turn in one commit.
 Usage: python -m bench.overhead [--tasks 5000]
 """
 
@@ -56,9 +57,9 @@ def run(task: str, seconds: float, n: int, store_url: str, prefix: str, pool: st
     bench_app.app.conf.update(lease_store_url=store_url, lease_table_prefix=prefix)
     app_state(bench_app.app).config = None
     app_state(bench_app.app).store = None
-    target = {"leased": bench_app.leased, "floor": bench_app.floored,
-              "groupfloor": bench_app.group_floored}.get(task, bench_app.plain)
-    floor = Floor(store_url, prefix) if task in ("floor", "groupfloor") else None
+    target = {"leased": bench_app.leased, "floor": bench_app.floored, "groupfloor": bench_app.group_floored,
+              "mainfloor": bench_app.main_floored}.get(task, bench_app.plain)
+    floor = Floor(store_url, prefix) if task in ("floor", "groupfloor", "mainfloor") else None
     if floor is not None:
         floor.create()
     if task == "leased":
@@ -87,6 +88,11 @@ def run(task: str, seconds: float, n: int, store_url: str, prefix: str, pool: st
                 raise SystemExit(f"{task}: only {client.get('done')} of {n} tasks ran in 600 s")
             time.sleep(0.2)
         first, last = float(client.get("first")), float(client.get("last"))
+        # A floor counts only if it wrote what it stands for: every job's completion committed.
+        while floor is not None and floor.completed() < n:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{task}: {floor.completed()} of {n} completions committed in 600 s")
+            time.sleep(0.2)
         return (n - 1) / (last - first)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -156,10 +162,10 @@ def main() -> None:
           f" just before and after, so drift of the machine shows and cancels; {args.rounds} rounds,"
           " the median ratio counts")
     print("floor: plain Celery with the least a durable claim and completion cost, one commit each"
-          " (bench/_floor.py); group: the same writes sharing commits within a process; both to the same"
-          " plain runs")
+          " (bench/_floor.py); group: the same writes sharing commits within a process; main (prefork): the"
+          " same writes made by the main process, one commit per event-loop turn; all to the same plain runs")
     print(f"{'pool':<11} {'task body':<10} {'store':<9} {'plain/s':>9} {'lease/s':>9} {'ratios by round':>18}"
-          f" {'median':>7} {'floor':>7} {'group':>7}")
+          f" {'median':>7} {'floor':>7} {'group':>7} {'main':>7}")
     costs: dict[str, dict[str, float]] = {}
     rows: list[dict[str, object]] = []
     for pool, concurrency in pools:
@@ -168,6 +174,7 @@ def main() -> None:
             rates: dict[str, list[tuple[float, float]]] = {name: [] for name in stores}
             floors: dict[str, list[float]] = {name: [] for name in stores}
             groups: dict[str, list[float]] = {name: [] for name in stores}
+            mains: dict[str, list[float]] = {name: [] for name in stores}
             plain = run("plain", seconds, args.tasks, every["sqlite"], "unused_", pool, concurrency)
             for _ in range(args.rounds):
                 for name, url in stores.items():
@@ -181,13 +188,20 @@ def main() -> None:
                     group_cost: dict[str, float] = {}
                     grouped = run("groupfloor", seconds, args.tasks, url, prefix, pool, concurrency,
                                   group_cost)
+                    main_cost: dict[str, float] = {}
+                    main = (run("mainfloor", seconds, args.tasks, url, prefix, pool, concurrency, main_cost)
+                            if pool == "prefork" else None)
                     if floor_cost:
                         costs[f"{pool} -c{concurrency}, {label}, floor"] = floor_cost
                         costs[f"{pool} -c{concurrency}, {label}, group"] = group_cost
+                    if main_cost:
+                        costs[f"{pool} -c{concurrency}, {label}, main"] = main_cost
                     after = run("plain", seconds, args.tasks, every["sqlite"], "unused_", pool, concurrency)
                     ratios[name].append(leased / ((plain + after) / 2))
                     floors[name].append(floored / ((plain + after) / 2))
                     groups[name].append(grouped / ((plain + after) / 2))
+                    if main is not None:
+                        mains[name].append(main / ((plain + after) / 2))
                     rates[name].append(((plain + after) / 2, leased))
                     store = Store(url, prefix)
                     store.drop_schema()
@@ -201,10 +215,14 @@ def main() -> None:
                              "plain": plain_rate, "lease": lease_rate, "ratios": ratios[name],
                              "median": statistics.median(ratios[name]), "floors": floors[name],
                              "floor": statistics.median(floors[name]), "groups": groups[name],
-                             "group": statistics.median(groups[name])})
+                             "group": statistics.median(groups[name]),
+                             **({"mains": mains[name], "main": statistics.median(mains[name])}
+                                if mains[name] else {})})
+                main_median = f"{statistics.median(mains[name]):>7.2f}" if mains[name] else f"{'-':>7}"
                 print(f"{pool + ' -c' + str(concurrency):<11} {label:<10} {name:<9} {plain_rate:>9.0f}"
                       f" {lease_rate:>9.0f} {by_round:>18} {statistics.median(ratios[name]):>7.2f}"
-                      f" {statistics.median(floors[name]):>7.2f} {statistics.median(groups[name]):>7.2f}")
+                      f" {statistics.median(floors[name]):>7.2f} {statistics.median(groups[name]):>7.2f}"
+                      f" {main_median}")
     if costs:
         print("\nthe worker's PostgreSQL writes per job (last round; LeaseTask, then the floors):")
         for label, cost in costs.items():

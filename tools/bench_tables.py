@@ -32,11 +32,11 @@ def _writes(cost: dict[str, float]) -> str:
     return f"{cost['commits']:.2f} | {cost['rows written']:.2f} | {cost['WAL bytes']:,.0f}"
 
 
-def _floor(row: dict[str, Any]) -> str:
-    """The floor's median ratio and its rounds (bench/_floor.py), or a dash for figures saved without it."""
-    if "floor" not in row:
+def _floor(row: dict[str, Any], key: str = "floor") -> str:
+    """A floor's median ratio and its rounds (bench/_floor.py), or a dash for figures saved without it."""
+    if key not in row:
         return "-"
-    return f"{row['floor']:.2f} ({_ratios(row['floors'])})"
+    return f"{row[key]:.2f} ({_ratios(row[key + 's'])})"
 
 
 def overhead(data: dict[str, Any]) -> str:
@@ -45,13 +45,13 @@ def overhead(data: dict[str, Any]) -> str:
         f"run, median of {data['rounds']} rounds:",
         "",
         "| pool | task body | store | plain Celery tasks/s | LeaseTask tasks/s | ratios by round | median "
-        "| floor |",
-        "|---|---|---|---|---|---|---|---|",
+        "| floor | group floor | main-process floor |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in data["rows"]:
         lines.append(f"| {row['pool']} | {row['body']} | {STORES[row['store']]} | {row['plain']:.0f} | "
                      f"{row['lease']:.0f} | {_ratios(row['ratios'])} | {row['median']:.2f} | "
-                     f"{_floor(row)} |")
+                     f"{_floor(row)} | {_floor(row, 'group')} | {_floor(row, 'main')} |")
     costs = data.get("store_writes_per_job") or {}
     if costs:
         lines += ["", "The worker's writes per job on PostgreSQL (claim, completion and heartbeats; the "

@@ -1,13 +1,16 @@
 """The benchmarks' floors (bench/_floor.py): their statements are pinned, so a floor cannot get slower
-unnoticed; the group floor's leader/follower queue is the library's (tests/unit/test_group.py)."""
+unnoticed; the group floor's leader/follower queue is the library's (tests/unit/test_group.py); the
+main-process floor's batches are one event-loop turn's writes."""
 
 from __future__ import annotations
 
 import sqlite3
+from typing import Any
 
 import pytest
+from kombu.asynchronous import get_event_loop, set_event_loop
 
-from bench._floor import Floor, GroupFloor
+from bench._floor import Floor, GroupFloor, MainFloor
 
 
 def traced(floor: Floor) -> list[str]:
@@ -57,3 +60,54 @@ def test_a_group_floor_batch_is_one_statement_per_kind_in_one_commit_fenced_row_
     rows = dict(group._connect().execute("SELECT id, done FROM g_floor").fetchall())
     assert rows == {"a": 1, "b": 0, "c": 0}  # b's write carried another token: b alone is not completed
     group.close()
+
+
+class _Turns:
+    """An event loop's call_soon queue, turned by hand."""
+
+    def __init__(self) -> None:
+        self.soon: list[Any] = []
+
+    def call_soon(self, callback: Any) -> None:
+        self.soon.append(callback)
+
+    def turn(self) -> None:
+        due, self.soon = self.soon, []
+        for callback in due:
+            callback()
+
+
+@pytest.fixture
+def loop():
+    turns = _Turns()
+    before = get_event_loop()
+    set_event_loop(turns)
+    yield turns
+    set_event_loop(before)
+
+
+def test_a_main_process_floor_writes_one_loop_turns_claims_and_completions_in_one_commit_before_handing_on(
+        tmp_path, loop):
+    main = MainFloor(GroupFloor(f"sqlite:///{tmp_path / 'floor.db'}", "m_"))
+    main.floor.create()
+    main.floor.claim("a", "tok-a")
+    seen = traced(main.floor)
+    handed: list[str] = []
+    main.queue(("claim", ("b", "tok-b")), lambda: handed.append("b to the pool"))
+    main.queue(("complete", ("a", "tok-a")), lambda: handed.append("a acknowledged"))
+    main.queue(("claim", ("c", "tok-c")), lambda: handed.append("c to the pool"))
+    # Nothing is written or handed on before the loop turns, and the turn is asked for once
+    assert (seen, handed, len(loop.soon)) == ([], [], 1)
+    loop.turn()
+    assert seen == [
+        "BEGIN IMMEDIATE",
+        "INSERT INTO m_floor (id, token, done) SELECT v.*, 0 FROM (VALUES ('b', 'tok-b'), ('c', 'tok-c'))"
+        " AS v",
+        "UPDATE m_floor SET done = 1 WHERE (id, token) IN (VALUES ('a', 'tok-a'))",
+        "COMMIT",
+    ]
+    assert handed == ["b to the pool", "a acknowledged", "c to the pool"]
+    # The next write asks for a turn of its own
+    main.queue(("complete", ("b", "tok-b")), lambda: handed.append("b acknowledged"))
+    assert len(loop.soon) == 1
+    main.floor.close()
