@@ -9,9 +9,9 @@ machine. ``GroupFloor`` is the second floor: the same statements, but the writes
 moment in one process share one commit (leader/follower, no tick), which is the best that sharing
 commits allows. ``MainFloor`` is the prefork variant's floor: a prefork child runs one job at a time,
 so nothing inside it can share, but the worker's main process sees every delivery and every result;
-there the claims of the deliveries and the completions of the results that arrive in one turn of its
-event loop share one commit, written before a delivery goes to a child and before a result is
-acknowledged. The benchmarks print the floors next to LeaseTask's figures;
+there a writer thread commits the claims of the deliveries and the completions of the results that
+arrived while its last commit was in flight in one commit, before a delivery goes to a child and before
+a result is acknowledged. The benchmarks print the floors next to LeaseTask's figures;
 ``tests/unit/test_bench_floor.py`` pins their statements.
 """
 
@@ -175,18 +175,21 @@ class GroupFloor(Floor):
 
 
 class MainFloor:
-    """Claims and completions written by a prefork worker's main process, one commit per loop turn.
+    """Claims and completions written by a prefork worker's main process for its children, shared commits.
 
     ``strategy`` is a task's consumer strategy (``Task.Strategy``): each delivery's claim is queued, and
     the request goes to the pool only after the commit that holds it; its result's callback
-    (acknowledgement, ``task_ready``) runs only after the commit that holds its completion. A batch is
-    written by the first turn of the event loop after its first write was queued (no tick).
+    (acknowledgement, ``task_ready``) runs only after the commit holding its completion. One writer thread
+    commits: it takes everything queued when it is free, so the writes that arrive while a commit is in
+    flight share the next one (no tick), and the event loop never waits on the database. What a commit
+    held is handed back to the loop (``hub.call_soon``, which wakes it from another thread).
     """
 
     def __init__(self, floor: GroupFloor) -> None:
         self.floor = floor
         self.pending: list[tuple[tuple[str, tuple[Any, ...]], Callable[[], Any]]] = []
-        self.scheduled = False
+        self._ready = threading.Condition()
+        self._writer: threading.Thread | None = None
 
     def strategy(self, task: Any, app: Any, consumer: Any, **kwargs: Any) -> Callable[..., Any]:
         """Celery's default strategy, whose requests are claimed and completed through this floor."""
@@ -210,23 +213,30 @@ class MainFloor:
             consumer.on_task_request = to_pool
 
     def queue(self, write: tuple[str, tuple[Any, ...]], then: Callable[[], Any]) -> None:
-        """Queue ``write``; ``then`` runs once the commit holding it is done."""
-        self.pending.append((write, then))
-        if self.scheduled:
-            return
+        """Queue ``write``; ``then`` runs on the event loop once the commit holding it is done."""
         hub = get_event_loop()
         if hub is None:  # no event loop (a pool without one): every write alone
-            self.flush()
+            self.floor._write([write])
+            then()
             return
-        self.scheduled = True
-        hub.call_soon(self.flush)
+        with self._ready:
+            self.pending.append((write, then))
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._commit_forever, args=(hub,), daemon=True,
+                                                name="main-floor-writer")
+                self._writer.start()
+            self._ready.notify()
 
-    def flush(self) -> None:
-        """Write every queued claim and completion in one commit, then hand each on."""
-        self.scheduled = False
-        batch, self.pending = self.pending, []
-        if not batch:
-            return
-        self.floor._write([write for write, _ in batch])
-        for _, then in batch:
+    def _commit_forever(self, hub: Any) -> None:
+        while True:
+            with self._ready:
+                while not self.pending:
+                    self._ready.wait()
+                batch, self.pending = self.pending, []
+            self.floor._write([write for write, _ in batch])
+            hub.call_soon(self._hand_on, batch)
+
+    @staticmethod
+    def _hand_on(batch: list[tuple[tuple[str, tuple[Any, ...]], Callable[[], Any]]]) -> None:
+        for _, then in batch:  # in the order they were queued: one callback, as call_soon keeps a set
             then()

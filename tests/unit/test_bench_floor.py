@@ -5,6 +5,7 @@ main-process floor's batches are one event-loop turn's writes."""
 from __future__ import annotations
 
 import sqlite3
+import time
 from typing import Any
 
 import pytest
@@ -63,16 +64,24 @@ def test_a_group_floor_batch_is_one_statement_per_kind_in_one_commit_fenced_row_
 
 
 class _Turns:
-    """An event loop's call_soon queue, turned by hand."""
+    """An event loop's call_soon queue, turned by hand (kombu's hub takes call_soon from any thread)."""
 
     def __init__(self) -> None:
         self.soon: list[Any] = []
+        self.look: Any = lambda: None  # what a test reads at each hand-back
+        self.looked: list[Any] = []
 
-    def call_soon(self, callback: Any) -> None:
-        self.soon.append(callback)
+    def call_soon(self, callback: Any, *args: Any) -> None:
+        self.looked.append(self.look())
+        self.soon.append(lambda: callback(*args))
 
-    def turn(self) -> None:
-        due, self.soon = self.soon, []
+    def turn(self, count: int) -> None:
+        """Run the first ``count`` callbacks handed back, waiting for them (the writer is a thread)."""
+        deadline = time.monotonic() + 10
+        while len(self.soon) < count:
+            assert time.monotonic() < deadline, f"{len(self.soon)} of {count} commits handed back in 10 s"
+            time.sleep(0.01)
+        due, self.soon = self.soon[:count], self.soon[count:]
         for callback in due:
             callback()
 
@@ -86,28 +95,43 @@ def loop():
     set_event_loop(before)
 
 
-def test_a_main_process_floor_writes_one_loop_turns_claims_and_completions_in_one_commit_before_handing_on(
+def test_a_main_process_floor_shares_a_commit_among_writes_queued_during_one_and_hands_on_after_it(
         tmp_path, loop):
-    main = MainFloor(GroupFloor(f"sqlite:///{tmp_path / 'floor.db'}", "m_"))
+    url = f"sqlite:///{tmp_path / 'floor.db'}"
+    main = MainFloor(GroupFloor(url, "m_"))
     main.floor.create()
     main.floor.claim("a", "tok-a")
     seen = traced(main.floor)
+    reader = Floor(url, "m_")  # a connection of its own: it sees only what was committed
+    everything = "SELECT id, token, done FROM m_floor ORDER BY id"
+    loop.look = lambda: reader._connect().execute(everything).fetchall()
     handed: list[str] = []
-    main.queue(("claim", ("b", "tok-b")), lambda: handed.append("b to the pool"))
-    main.queue(("complete", ("a", "tok-a")), lambda: handed.append("a acknowledged"))
-    main.queue(("claim", ("c", "tok-c")), lambda: handed.append("c to the pool"))
-    # Nothing is written or handed on before the loop turns, and the turn is asked for once
-    assert (seen, handed, len(loop.soon)) == ([], [], 1)
-    loop.turn()
+
+    with main.floor._conn_lock:  # a commit in flight: the writer holds "d" and waits for the connection
+        main.queue(("claim", ("d", "tok-d")), lambda: handed.append("d to the pool"))
+        deadline = time.monotonic() + 10
+        while main.pending:
+            assert time.monotonic() < deadline, "the writer did not take the first write"
+            time.sleep(0.01)
+        main.queue(("claim", ("b", "tok-b")), lambda: handed.append("b to the pool"))
+        main.queue(("complete", ("a", "tok-a")), lambda: handed.append("a acknowledged"))
+        main.queue(("claim", ("c", "tok-c")), lambda: handed.append("c to the pool"))
+    loop.turn(2)
     assert seen == [
+        "BEGIN IMMEDIATE",
+        "INSERT INTO m_floor (id, token, done) SELECT v.*, 0 FROM (VALUES ('d', 'tok-d')) AS v",
+        "COMMIT",
         "BEGIN IMMEDIATE",
         "INSERT INTO m_floor (id, token, done) SELECT v.*, 0 FROM (VALUES ('b', 'tok-b'), ('c', 'tok-c'))"
         " AS v",
         "UPDATE m_floor SET done = 1 WHERE (id, token) IN (VALUES ('a', 'tok-a'))",
         "COMMIT",
     ]
-    assert handed == ["b to the pool", "a acknowledged", "c to the pool"]
-    # The next write asks for a turn of its own
-    main.queue(("complete", ("b", "tok-b")), lambda: handed.append("b acknowledged"))
-    assert len(loop.soon) == 1
+    # Each commit is handed back to the loop once it is visible to others, then each write in the order queued
+    assert loop.looked == [
+        [("a", "tok-a", 0), ("d", "tok-d", 0)],
+        [("a", "tok-a", 1), ("b", "tok-b", 0), ("c", "tok-c", 0), ("d", "tok-d", 0)],
+    ]
+    assert handed == ["d to the pool", "b to the pool", "a acknowledged", "c to the pool"]
+    reader.close()
     main.floor.close()
