@@ -54,8 +54,8 @@ def overhead(data: dict[str, Any]) -> str:
                      f"{_floor(row)} | {_floor(row, 'group')} | {_floor(row, 'main')} |")
     costs = data.get("store_writes_per_job") or {}
     if costs:
-        lines += ["", "The worker's writes per job on PostgreSQL (claim, completion and heartbeats; the "
-                  "server's own statistics):", "",
+        lines += ["", "The worker's writes per job on PostgreSQL (LeaseTask's claim, completion and "
+                  "heartbeats, then the floors' writes; the server's own statistics):", "",
                   "| worker, body | commits | rows written | WAL bytes |", "|---|---|---|---|"]
         lines += [f"| {label} | {_writes(cost)} |" for label, cost in costs.items()]
     return "\n".join(lines)
