@@ -5,13 +5,13 @@ main-process floor's batches are one event-loop turn's writes."""
 from __future__ import annotations
 
 import sqlite3
-import time
 from typing import Any
 
 import pytest
 from kombu.asynchronous import get_event_loop, set_event_loop
 
 from bench._floor import Floor, GroupFloor, MainFloor
+from tests.helpers import wait_for
 
 
 def traced(floor: Floor) -> list[str]:
@@ -77,10 +77,7 @@ class _Turns:
 
     def turn(self, count: int) -> None:
         """Run the first ``count`` callbacks handed back, waiting for them (the writer is a thread)."""
-        deadline = time.monotonic() + 10
-        while len(self.soon) < count:
-            assert time.monotonic() < deadline, f"{len(self.soon)} of {count} commits handed back in 10 s"
-            time.sleep(0.01)
+        wait_for(lambda: len(self.soon) >= count, message=f"{count} commits handed back")
         due, self.soon = self.soon[:count], self.soon[count:]
         for callback in due:
             callback()
@@ -109,10 +106,7 @@ def test_a_main_process_floor_shares_a_commit_among_writes_queued_during_one_and
 
     with main.floor._conn_lock:  # a commit in flight: the writer holds "d" and waits for the connection
         main.queue(("claim", ("d", "tok-d")), lambda: handed.append("d to the pool"))
-        deadline = time.monotonic() + 10
-        while main.pending:
-            assert time.monotonic() < deadline, "the writer did not take the first write"
-            time.sleep(0.01)
+        wait_for(lambda: not main.pending, message="the writer took the first write")
         main.queue(("claim", ("b", "tok-b")), lambda: handed.append("b to the pool"))
         main.queue(("complete", ("a", "tok-a")), lambda: handed.append("a acknowledged"))
         main.queue(("claim", ("c", "tok-c")), lambda: handed.append("c to the pool"))
