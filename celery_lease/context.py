@@ -10,7 +10,7 @@ from typing import Any
 
 __all__ = ["BODY", "LOCAL", "BATCH", "HANDING", "HANDING_LATER", "RESUMED", "UNRECORDED"]
 
-#: The worker.lease.Lease whose body runs here; set by Lease.body(), read by shield.uninterrupted().
+#: The worker.lease.Lease whose body runs here; set by Lease.body(), read by store.base.uninterrupted().
 BODY: ContextVar[Any] = ContextVar("celery_lease_body", default=None)
 
 #: The worker.local.LocalLease of a body run outside a worker (eager); set by worker.local.running().

@@ -1,6 +1,7 @@
-"""A job's message as stored in ``jobs.payload``, and its re-publication. Version 2 is the message Celery
-sent, as kombu encoded it (publishing.py), so the reaper sends the very same message again; version 1, the
-job's signature, is what a job first seen at its claim holds."""
+"""A job's message as stored in ``jobs.payload`` and its re-publication, the result a completion keeps,
+and the header counting a delivery's re-sends while the store was down (the store cannot count then).
+Version 2 is the message Celery sent, as kombu encoded it (publishing.py), so the reaper sends the very
+same message again; version 1, the job's signature, is what a job first seen at its claim holds."""
 
 from __future__ import annotations
 
@@ -8,9 +9,13 @@ import base64
 import contextlib
 import datetime
 import json
+import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from celery import Task
+from celery.app.task import Context
+from celery.backends.base import DisabledBackend
 from kombu import compression, serialization
 from kombu.utils import json as kombu_json
 
@@ -18,10 +23,17 @@ from ..context import UNRECORDED as _unrecorded
 from ..errors import StoreCorrupt
 
 __all__ = ["encode", "capture", "decode", "encode_result", "decode_result", "republish",
-           "publishing_unrecorded", "recording_disabled", "PAYLOAD_VERSION", "MESSAGE_VERSION"]
+           "publishing_unrecorded", "recording_disabled", "ignores_result", "has_results", "keepable_result",
+           "store_retries", "forget_store_retries", "PAYLOAD_VERSION", "MESSAGE_VERSION",
+           "STORE_RETRIES_HEADER"]
+
+log = logging.getLogger(__name__)
 
 PAYLOAD_VERSION = 1
 MESSAGE_VERSION = 2
+
+#: The message header that counts a delivery's re-sends while the store was unreachable.
+STORE_RETRIES_HEADER = "celery_lease_store_retries"
 
 # Arguments of kombu's publish that say how to send, not what the message is.
 _SENDING_ARGS = frozenset({
@@ -168,6 +180,49 @@ def decode_result(text: str, accept: Any, job_id: str) -> Any:
         return _loads(json.loads(text), accept)
     except Exception as exc:  # noqa: BLE001 - any decoding problem means a corrupt row
         raise StoreCorrupt(f"job {job_id}: kept result cannot be decoded ({exc})", job_id=job_id) from exc
+
+
+def ignores_result(task: Task, request: Any) -> bool:
+    """Whether Celery stores no result for this run: the request's own ``ignore_result`` if set, else the
+    task's (Celery 5.7's rule, which 5.3 does not export)."""
+    explicit = request.__dict__.get("ignore_result") if isinstance(request, Context) else getattr(
+        request, "ignore_result", None)
+    return bool(explicit if explicit is not None else task.ignore_result)
+
+
+def has_results(task: Task) -> bool:
+    """Whether Celery stores a result for the task's current run."""
+    return not (ignores_result(task, task.request) or isinstance(task.backend, DisabledBackend))
+
+
+def keepable_result(task: Task, value: Any) -> str | None:
+    """The return value encoded for the completion to keep; None when Celery stores no result for this run."""
+    if not has_results(task):
+        return None
+    try:
+        return encode_result(value, task.app.conf.result_serializer)
+    except Exception as exc:  # noqa: BLE001 - Celery's own store_result reports it as the task's failure
+        log.warning("job %s: result not kept (%s); a crash before Celery stores it leaves it unstored",
+                    task.request.id, exc)
+        return None
+
+
+def store_retries(request: Any) -> int:
+    """How many times this delivery's message was sent again because the store was unreachable."""
+    value = getattr(request, STORE_RETRIES_HEADER, None)
+    if value is None:
+        value = (getattr(request, "headers", None) or {}).get(STORE_RETRIES_HEADER)
+    try:
+        return max(0, int(value or 0))
+    except (TypeError, ValueError):
+        return 0
+
+
+def forget_store_retries(request: Any) -> None:
+    """The store answered this delivery: a message the run sends again (a retry) counts from zero."""
+    headers = getattr(request, "headers", None)
+    if isinstance(headers, dict):
+        headers.pop(STORE_RETRIES_HEADER, None)
 
 
 def republish(app: Any, job_id: str, payload: str | None, countdown: float = 0.0,

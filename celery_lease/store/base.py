@@ -18,13 +18,13 @@ import celery_lease.config as config
 import celery_lease.store.dialects as dialects
 import celery_lease.store.schema as schema
 
+from ..context import BODY
 from ..errors import StoreUnavailable
 from ..masking import mask_secrets
-from ..shield import uninterrupted
 from ..vocabulary import Event, StoreFailure
 from .rows import RUNNING, Job, fenced_status, status_sql
 
-__all__ = ["StoreEngine", "RUNS_REVISION", "RESULT_REVISION", "where_given"]
+__all__ = ["StoreEngine", "RUNS_REVISION", "RESULT_REVISION", "where_given", "uninterrupted"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,19 @@ def where_given(query: sa.Select, *filters: tuple[Any, Any]) -> sa.Select:
         if value is not None:
             query = query.where(column == value)
     return query
+
+
+@contextlib.contextmanager
+def uninterrupted() -> Iterator[None]:
+    """Store code a lost lease's interruption waits for: it lands, if due, when the code ends, so no
+    lock or pooled connection is left astray (the body's lease shields itself; the store needs
+    nothing of the worker)."""
+    lease = BODY.get()
+    if lease is None:
+        yield
+        return
+    with lease.shielded():
+        yield
 
 
 def _default(setting: str, value: Any) -> Any:
@@ -163,7 +176,7 @@ class StoreEngine:
         """Turn driver and pool errors into the LeaseError they mean (store/failures.py).
 
         Every store call passes here first: a body's lost lease interrupts it only once the
-        call has given back its connection and the writer lock (shield.uninterrupted).
+        call has given back its connection and the writer lock (uninterrupted()).
         """
         with uninterrupted():
             try:

@@ -37,10 +37,9 @@ import sqlalchemy as sa
 
 from ..config import RECOVERY
 from ..errors import StoreConflict, StoreRejected, StoreUnavailable
-from ..shield import uninterrupted
 from ..vocabulary import ClaimOutcome, Event
 from .audited import AuditedWrites, _arrays, _Audited, _unnested
-from .base import RESULT_REVISION, StoreEngine
+from .base import RESULT_REVISION, StoreEngine, uninterrupted
 from .jobs import JobStatements
 from .publishes import PublishStatements
 from .rows import COMPLETED, PENDING, RUNNING, Claim, ClaimTerms, Job, NewJob, fenced_status

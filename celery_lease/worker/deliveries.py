@@ -1,6 +1,6 @@
 """Deliveries whose body must not run now (store down, job not available yet, leased or finished): acked,
-logged and audited, the first two sent again for later. Re-sends for an outage are counted in a header,
-since the store cannot count while down."""
+logged and audited, the first two sent again for later (re-sends for an outage counted in the message's
+header, messaging/messages.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ import random
 from typing import Any, NoReturn
 
 from celery import Task, states
-from celery.app.task import Context
-from celery.backends.base import DisabledBackend
 from celery.backends.rpc import RPCBackend
 from celery.exceptions import Ignore, Reject
 
@@ -25,15 +23,10 @@ from ..store import Job, Store
 from ..vocabulary import ClaimOutcome, Event, Status
 
 __all__ = ["send_again", "fail_closed", "defer_early", "skip_duplicate", "skip_replaced_copy",
-           "send_pending_step", "ignores_result", "keepable_result",
-           "resumed", "resume_post_run", "store_retries", "forget_store_retries", "FailedClosed",
-           "FailedClosedRequeued", "StoreDown", "STORE_RETRIES_HEADER"]
+           "send_pending_step", "resumed", "resume_post_run", "FailedClosed", "FailedClosedRequeued",
+           "StoreDown"]
 
 log = logging.getLogger(__name__)
-
-#: The message header that counts a delivery's re-sends while the store was unreachable.
-STORE_RETRIES_HEADER = "celery_lease_store_retries"
-
 
 class StoreDown:
     """Marks the way out of a delivery that found the store unreachable (see FailedClosed)."""
@@ -45,24 +38,6 @@ class FailedClosed(StoreDown, Ignore):
 
 class FailedClosedRequeued(StoreDown, Reject):
     """The store was unreachable and the broker refused the re-send: the delivery goes back to its queue."""
-
-
-def store_retries(request: Any) -> int:
-    """How many times this delivery's message was sent again because the store was unreachable."""
-    value = getattr(request, STORE_RETRIES_HEADER, None)
-    if value is None:
-        value = (getattr(request, "headers", None) or {}).get(STORE_RETRIES_HEADER)
-    try:
-        return max(0, int(value or 0))
-    except (TypeError, ValueError):
-        return 0
-
-
-def forget_store_retries(request: Any) -> None:
-    """The store answered this delivery: a message the run sends again (a retry) counts from zero."""
-    headers = getattr(request, "headers", None)
-    if isinstance(headers, dict):
-        headers.pop(STORE_RETRIES_HEADER, None)
 
 
 def _send_again(task: Task, countdown: float, why: str, headers: dict[str, Any] | None = None,
@@ -89,11 +64,11 @@ def send_again(task: Task, why: str) -> None:
 def fail_closed(task: Task, base: float, cap: float, exc: StoreUnavailable, rng: Any = random) -> NoReturn:
     """The store is down: send the message again later, each time later, and do not run the body."""
     request = task.request
-    retries = store_retries(request)
+    retries = messages.store_retries(request)
     delay = store_retry_delay(retries, base, cap, rng)
     log.warning("job %s not started, lease store unreachable (%s); delivering again in %.1fs (re-send %d)",
                 request.id, exc, delay, retries + 1, extra={"action": "fail_closed"})
-    headers = {**(getattr(request, "headers", None) or {}), STORE_RETRIES_HEADER: retries + 1}
+    headers = {**(getattr(request, "headers", None) or {}), messages.STORE_RETRIES_HEADER: retries + 1}
     _send_again(task, delay, str(exc), headers, FailedClosedRequeued)
     raise FailedClosed(str(exc))
 
@@ -188,30 +163,6 @@ def _vanished(store: Store, job_id: str) -> bool:
         return False
 
 
-def ignores_result(task: Task, request: Any) -> bool:
-    """Whether Celery stores no result for this run: the request's own ``ignore_result`` if set, else the
-    task's (Celery 5.7's rule, which 5.3 does not export)."""
-    explicit = request.__dict__.get("ignore_result") if isinstance(request, Context) else getattr(
-        request, "ignore_result", None)
-    return bool(explicit if explicit is not None else task.ignore_result)
-
-
-def _has_results(task: Task) -> bool:
-    return not (ignores_result(task, task.request) or isinstance(task.backend, DisabledBackend))
-
-
-def keepable_result(task: Task, value: Any) -> str | None:
-    """The return value encoded for the completion to keep; None when Celery stores no result for this run."""
-    if not _has_results(task):
-        return None
-    try:
-        return messages.encode_result(value, task.app.conf.result_serializer)
-    except Exception as exc:  # noqa: BLE001 - Celery's own store_result reports it as the task's failure
-        log.warning("job %s: result not kept (%s); a crash before Celery stores it leaves it unstored",
-                    task.request.id, exc)
-        return None
-
-
 def resumed(job_id: str) -> bool:
     """Whether this context is finishing ``job_id``'s post-run work (resume_post_run)."""
     return _resumed.get() == job_id
@@ -240,7 +191,7 @@ def resume_post_run(task: Task, store: Store, worker: str, job: Any) -> tuple[bo
     post-run work: Celery's tracer finishes it with the kept result; the body does not run.
     StoreUnavailable when the store or backend cannot answer."""
     request = task.request
-    if not _has_results(task):
+    if not messages.has_results(task):
         return False, None
     unsafe = _why_not_resumable(task, store, job)
     if unsafe is not None:

@@ -10,8 +10,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from ..context import BODY
 from ..errors import LeaseLost
-from ..shield import BODY, uninterrupted
+from ..store.base import uninterrupted
 
 __all__ = ["Interrupter", "ThreadInterrupter", "GreenletInterrupter", "raise_in_thread", "for_process",
            "uninterrupted", "BODY"]

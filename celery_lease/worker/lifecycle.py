@@ -154,7 +154,7 @@ def _reclaim(store: Store, rt: runtime.Runtime, claim: Claim, token: str, terms:
 def _store_started(task: Any, request: Any, lease: Lease) -> None:
     """Celery's task_track_started, once the claim proved this delivery runs the job; a backend that refuses
     it costs the report, not the run. An eager run stores none: its STARTED would stay for ever."""
-    if request.is_eager or not task.lease_tracks_started or deliveries.ignores_result(task, request):
+    if request.is_eager or not task.lease_tracks_started or messages.ignores_result(task, request):
         return
     try:
         results.of(task.app, task.backend).store_result(
@@ -313,7 +313,7 @@ def _complete(task: Any, lease: Lease, value: Any) -> Any:
     if lease.lost:
         # Lost while finishing: the completion below is fenced and will be rejected if it moved on.
         log.warning("job %s [%s] finished after losing its lease", job_id, token[:8])
-    kept = deliveries.keepable_result(task, value)
+    kept = messages.keepable_result(task, value)
     try:
         if kept is None:
             written = _ending(lease, RunEnd.RETURNED, lambda: store.jobs.complete(job_id, token, worker))

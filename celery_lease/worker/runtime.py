@@ -12,6 +12,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import celery_lease.deadline as deadline
+import celery_lease.messaging.messages as messages
 import celery_lease.store as stores
 import celery_lease.worker.interrupt as interrupt
 
@@ -19,7 +20,6 @@ from ..app_state import app_state
 from ..config import TaskPolicy, app_config, task_policy
 from ..errors import StoreRejected, StoreUnavailable
 from ..vocabulary import Event
-from .deliveries import forget_store_retries
 from .effects import Locks
 from .handles import DeferredWrite
 from .lease import Lease
@@ -88,7 +88,7 @@ class Runtime:
     def admit(self, task: Any, request: Any, body_request: Any, job: Job, token: str, policy: TaskPolicy, *,
               sent_at: float, record_again: Callable[[], bool]) -> Lease:
         """The claim succeeded, so the delivery's store retries are forgotten: attach its new lease."""
-        forget_store_retries(request)
+        messages.forget_store_retries(request)
         lease = Lease(self, job.id, token, job.attempt_count, policy,
                       job.idempotency_key or f"{task.name}:{job.id}", job.checkpoint_state(), sent_at=sent_at,
                       app=task.app, acks_late=bool(task.acks_late), record_again=record_again)

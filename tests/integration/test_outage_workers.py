@@ -16,7 +16,7 @@ from datetime import datetime
 import kombu
 import pytest
 
-from celery_lease.worker.deliveries import STORE_RETRIES_HEADER
+from celery_lease.messaging.messages import STORE_RETRIES_HEADER
 from tests.helpers import wait_for
 from tests.owner_env import APP, OwnerEnv
 from tests.workers import celery_processes, worker

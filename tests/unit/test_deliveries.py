@@ -20,8 +20,9 @@ from celery.exceptions import Ignore, Reject
 
 from celery_lease import LeaseTask
 from celery_lease.errors import StoreUnavailable
+from celery_lease.messaging import messages
+from celery_lease.messaging.messages import STORE_RETRIES_HEADER
 from celery_lease.worker import deliveries
-from celery_lease.worker.deliveries import STORE_RETRIES_HEADER
 
 REDIS_DB = 12  # never flushed: each test's queue is its own
 
@@ -128,8 +129,8 @@ def test_a_delivery_the_store_answered_sends_its_retry_without_the_count():
     from celery.app.task import Context
 
     request = Context(id="job-1", tenant="shop-7", **{STORE_RETRIES_HEADER: 6})
-    assert deliveries.store_retries(request) == 6
-    deliveries.forget_store_retries(request)
+    assert messages.store_retries(request) == 6
+    messages.forget_store_retries(request)
     assert request.as_execution_options()["headers"] == {"tenant": "shop-7"}
 
 
@@ -177,12 +178,12 @@ def test_a_result_is_kept_only_when_celery_stores_results(results_app):
     app, task = results_app
     task.push_request(id="job-1")
     try:
-        assert deliveries.keepable_result(task, {"total": 3}) is not None
+        assert messages.keepable_result(task, {"total": 3}) is not None
         task.request.ignore_result = True
-        assert deliveries.keepable_result(task, {"total": 3}) is None
+        assert messages.keepable_result(task, {"total": 3}) is None
         task.request.ignore_result = False
         task.backend = DisabledBackend(app)
-        assert deliveries.keepable_result(task, {"total": 3}) is None
+        assert messages.keepable_result(task, {"total": 3}) is None
     finally:
         task.pop_request()
 
@@ -191,7 +192,7 @@ def test_a_completed_job_without_a_stored_result_resumes_with_the_kept_one(resul
     _, task = results_app
     task.push_request(id="job-1", delivery_info={})
     try:
-        store = KeptStore(deliveries.keepable_result(task, {"total": 3}))
+        store = KeptStore(messages.keepable_result(task, {"total": 3}))
         assert deliveries.resume_post_run(task, store, "me:1", CompletedJob()) == (True, {"total": 3})
         assert store.written == ["post_run_resumed"]
         task.backend.mark_as_done("job-1", {"total": 3})
@@ -209,7 +210,7 @@ def test_a_job_completed_less_than_a_lease_ago_is_looked_at_again_after_it_not_r
     recent = CompletedJob()
     recent.id, recent.completed_at = "job-recent", 990.0  # ten seconds before the store's clock; a 30 s lease
     try:
-        store = KeptStore(deliveries.keepable_result(task, {"total": 3}))
+        store = KeptStore(messages.keepable_result(task, {"total": 3}))
         with pytest.raises(Ignore):
             deliveries.resume_post_run(task, store, "me:1", recent)
         # The owner may still be storing the result: nothing resumed, the delivery sent again.
@@ -242,12 +243,12 @@ def test_a_request_that_sets_ignore_result_overrides_the_task_and_one_that_does_
     from celery.app.task import Context
 
     _, task = results_app
-    assert deliveries.ignores_result(task, Context(id="j")) is False
-    assert deliveries.ignores_result(task, Context(id="j", ignore_result=True)) is True
+    assert messages.ignores_result(task, Context(id="j")) is False
+    assert messages.ignores_result(task, Context(id="j", ignore_result=True)) is True
     task.ignore_result = True
     try:
-        assert deliveries.ignores_result(task, Context(id="j")) is True
-        assert deliveries.ignores_result(task, Context(id="j", ignore_result=False)) is False
+        assert messages.ignores_result(task, Context(id="j")) is True
+        assert messages.ignores_result(task, Context(id="j", ignore_result=False)) is False
     finally:
         task.ignore_result = False
 
@@ -260,7 +261,7 @@ def test_a_completed_job_older_than_result_expires_is_an_ordinary_duplicate(resu
     old.id = "job-old"
     app.conf.result_expires = 30  # CompletedJob completed 60 s before the store's clock
     try:
-        store = KeptStore(deliveries.keepable_result(task, {"total": 3}))
+        store = KeptStore(messages.keepable_result(task, {"total": 3}))
         assert deliveries.resume_post_run(task, store, "me:1", old) == (False, None)
         assert store.written == []
         app.conf.result_expires = 120
