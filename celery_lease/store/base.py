@@ -100,9 +100,9 @@ class StoreEngine:
         self.dialect = dialects.for_url(
             url, busy_timeout=_default("lease_sqlite_busy_timeout", busy_timeout),
             synchronous=_default("lease_sqlite_synchronous", sqlite_synchronous), clock_offset=clock_offset)
-        self.bounds = dialects.Bounds(call_timeout if call_timeout is not None else
-                                      config.CALL_TIMEOUT_SHARE * config.BY_NAME["lease_duration"].default)
-        self.long_bounds = dialects.Bounds(max(config.LONG_CALL_TIMEOUT, self.bounds.call))
+        default_call = config.CALL_TIMEOUT_SHARE * config.BY_NAME["lease_duration"].default
+        self.bounds = self.dialect.bounds(call_timeout if call_timeout is not None else default_call)
+        self.long_bounds = self.dialect.bounds(max(config.LONG_CALL_TIMEOUT, self.bounds.call))
         self.pool_size = pool_size or config.DEFAULT_POOL_SIZE
         self.engine_options = dict(_default("lease_store_engine_options", engine_options))
         self.fault_injector = fault_injector
@@ -198,7 +198,7 @@ class StoreEngine:
             if read:
                 conn.execution_options(**{dialects.READ_ONLY: True})
             elif long:
-                conn.execution_options(**{dialects.LOCK_WAIT: self.dialect.busy_wait(bounds)})
+                conn.execution_options(**{dialects.LOCK_WAIT: bounds.lock_wait})
             with conn.begin(), self.dialect.transaction(conn, bounds, long):
                 yield conn
 
@@ -217,7 +217,7 @@ class StoreEngine:
         if writer is None or read:
             yield
             return
-        wait = self.dialect.busy_wait(bounds)
+        wait = bounds.lock_wait
         if not writer.acquire(timeout=wait):
             raise StoreUnavailable(f"lease store {self.safe_url} unreachable: another thread of this "
                                    f"process held the database's one writer for {wait:g}s; check for "

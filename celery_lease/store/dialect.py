@@ -39,30 +39,26 @@ class Bounds:
     Waiting for a pooled connection and opening one get a quarter each, and each round trip
     half: a call that meets all three still returns within the bound. The server gives up on
     a lock wait at a quarter and on a statement at four tenths, before the client does, so
-    that the error names what was slow and the connection stays usable.
+    that the error names what was slow and the connection stays usable. A write waits for a
+    one-writer database's lock (SQLite's) a round trip at most, and never past ``lock_cap`` (its
+    busy timeout). Each part is worked out once: every store call reads them.
     """
 
     call: float
+    lock_cap: float = math.inf
+    pool: float = dataclasses.field(init=False)
+    connect: float = dataclasses.field(init=False)
+    round_trip: float = dataclasses.field(init=False)
+    server_statement: float = dataclasses.field(init=False)
+    server_lock: float = dataclasses.field(init=False)
+    lock_wait: float = dataclasses.field(init=False)
 
-    @property
-    def pool(self) -> float:
-        return self.call / 4
-
-    @property
-    def connect(self) -> float:
-        return self.call / 4
-
-    @property
-    def round_trip(self) -> float:
-        return self.call / 2
-
-    @property
-    def server_statement(self) -> float:
-        return self.call * 0.4
-
-    @property
-    def server_lock(self) -> float:
-        return self.call / 4
+    def __post_init__(self) -> None:
+        parts = {"pool": self.call / 4, "connect": self.call / 4, "round_trip": self.call / 2,
+                 "server_statement": self.call * 0.4, "server_lock": self.call / 4,
+                 "lock_wait": min(self.lock_cap, self.call / 2)}
+        for name, value in parts.items():
+            object.__setattr__(self, name, value)  # frozen: set once, here
 
 
 def ms(seconds: float) -> str:
@@ -101,9 +97,10 @@ class Dialect:
     def __repr__(self) -> str:
         return f"<{type(self).__name__} dialect>"
 
-    def busy_wait(self, bounds: Bounds) -> float:
-        """How long a write waits for the database's one write lock (single_writer)."""
-        return min(self.busy_timeout, bounds.round_trip)
+    def bounds(self, call: float) -> Bounds:
+        """The bounds of a store call of ``call`` seconds on this database (its busy timeout caps a
+        write's wait for the one write lock)."""
+        return Bounds(call, self.busy_timeout)
 
     def speaks(self, driver_dialect: str) -> bool:
         """Whether a SQLAlchemy connection of this dialect name talks to this family."""

@@ -74,8 +74,8 @@ class SQLite(_OnConflict):
     def connect_args(self, bounds: Bounds) -> dict[str, Any]:
         if self.url.query.get("mode") == "memory":
             # Pooled connections move between threads, as SQLAlchemy lets a file's do.
-            return {"timeout": self.busy_wait(bounds), "check_same_thread": False}
-        return {"timeout": self.busy_wait(bounds)}
+            return {"timeout": bounds.lock_wait, "check_same_thread": False}
+        return {"timeout": bounds.lock_wait}
 
     def create_engine(self, bounds: Bounds, pool_size: int, options: Mapping[str, Any]) -> Engine:
         if self.url.query.get("mode") == "memory" and "poolclass" not in options:
@@ -86,7 +86,7 @@ class SQLite(_OnConflict):
         return super().create_engine(bounds, pool_size, options)
 
     def _listen(self, engine: Engine, bounds: Bounds) -> None:
-        short = self.busy_wait(bounds)
+        short = bounds.lock_wait
 
         def begin(conn: Connection) -> None:
             # A writer takes the write lock up front: two deferred transactions that both read
@@ -111,7 +111,7 @@ class SQLite(_OnConflict):
         execute("BEGIN IMMEDIATE")
 
     def begin_write(self, raw: Any, bounds: Bounds) -> None:
-        short = self.busy_wait(bounds)
+        short = bounds.lock_wait
         cursor = raw.cursor()
         try:
             self._begin_immediate(raw.info, short, short, cursor.execute)
@@ -131,7 +131,7 @@ class SQLite(_OnConflict):
         dbapi_conn.isolation_level = None
         cur = dbapi_conn.cursor()
         cur.execute("PRAGMA journal_mode=WAL")
-        cur.execute(f"PRAGMA busy_timeout={int(self.busy_wait(bounds) * 1000)}")
+        cur.execute(f"PRAGMA busy_timeout={int(bounds.lock_wait * 1000)}")
         # A validated choice of two words (config.py), not input: pragmas take no parameters.
         cur.execute(f"PRAGMA synchronous={self.synchronous}")
         cur.close()

@@ -481,3 +481,13 @@ def test_only_a_deadlock_the_server_broke_is_worth_running_again():
     assert not postgres.retryable(_Wrapped(_Driver("lock timeout", sqlstate="55P03")))
     assert not sqlite.retryable(_Wrapped(_Driver("database is locked")))
     assert not mysql.retryable(None)
+
+
+def test_a_store_calls_bounds_split_its_bound_and_cap_a_write_lock_wait_at_the_busy_timeout():
+    bounds = dialects.for_url("sqlite:///x.db", busy_timeout=2.0).bounds(10.0)
+    assert (bounds.pool, bounds.connect, bounds.round_trip, bounds.server_statement, bounds.server_lock) == (
+        2.5, 2.5, 5.0, 4.0, 2.5)
+    assert bounds.lock_wait == 2.0  # the busy timeout, shorter than a round trip
+    assert dialects.for_url("sqlite:///x.db", busy_timeout=30.0).bounds(10.0).lock_wait == 5.0
+    store = Store("sqlite:///x.db", busy_timeout=1.5, call_timeout=4.0)
+    assert (store.bounds.lock_wait, store.long_bounds.lock_wait) == (1.5, 1.5)

@@ -757,7 +757,7 @@ def test_a_long_sqlite_transaction_waits_for_the_file_lock_with_the_long_bound(s
         waiter.start()
         with pytest.raises(StoreUnavailable, match="database is locked"):
             second.publishes.record("short", "t.x", "celery", None, 3)  # gives up within the call bound
-        short = store.dialect.busy_wait(store.bounds)
+        short = store.bounds.lock_wait
         wait_for(lambda: (began and time.monotonic() - began[0] > 2 * short) or outcome,
                  message="the long transaction waiting past the short bound")
         assert waiter.is_alive() and not outcome  # still waiting, where a short one gave up
@@ -858,7 +858,7 @@ def test_a_sqlite_claim_after_a_long_transaction_gives_up_within_the_short_bound
         other.rollback()
         other.close()
     waited = time.monotonic() - started
-    assert waited < store.dialect.busy_wait(store.long_bounds) / 2, waited
+    assert waited < store.long_bounds.lock_wait / 2, waited
     assert claim(store, "after-long").claimed  # and the connection is usable again
 
 
