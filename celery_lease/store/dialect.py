@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any, ClassVar
 
 import sqlalchemy as sa
@@ -135,6 +135,11 @@ class Dialect:
     def hold_rows(self, query: sa.Select, of: sa.Table) -> sa.Select:
         """``query`` holding its rows of ``of`` until the transaction ends (waiting for them)."""
         return query.with_for_update()
+
+    def in_id_order(self, table: sa.Table, ids: Collection[str]) -> ColumnElement[bool]:
+        """``table``'s rows whose id is one of ``ids``, for a write over many of them: where the plan
+        decides the order its rows are locked in, they are locked in id order first."""
+        return table.c.id.in_(ids)
 
     def autocommit_settings(self, bounds: Bounds, async_commit: bool = False) -> list[ColumnElement[bool]]:
         """Conditions that set a one-statement write's own transaction settings (none here)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any, ClassVar
 
 import sqlalchemy as sa
@@ -174,6 +174,13 @@ class PostgreSQL(_OnConflict):
 
     def hold_rows(self, query: sa.Select, of: sa.Table) -> sa.Select:
         return query.with_for_update(of=of)
+
+    def in_id_order(self, table: sa.Table, ids: Collection[str]) -> ColumnElement[bool]:
+        # A plan over a few ids locks rows in key order, one over many (a bitmap heap scan) in heap
+        # order: a completion batch and the heartbeat over the same running rows could each wait for
+        # the other. Both lock in id order first.
+        locked = sa.select(table.c.id).where(table.c.id.in_(ids)).order_by(table.c.id).with_for_update()
+        return table.c.id.in_(locked.scalar_subquery())
 
     def autocommit_settings(self, bounds: Bounds, async_commit: bool = False) -> list[ColumnElement[bool]]:
         # A write in autocommit is its own transaction, so a transaction-local setting made in

@@ -30,12 +30,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import sqlalchemy as sa
 
 from ..config import RECOVERY
+from ..context import BODY
 from ..errors import StoreConflict, StoreRejected, StoreUnavailable
 from ..vocabulary import ClaimOutcome, Event
 from .audited import AuditedWrites, _arrays, _Audited, _unnested
@@ -75,9 +77,9 @@ class Group(Generic[T, R]):
     def __init__(self, write: Callable[[list[T]], Sequence[R]]) -> None:
         self._write = write
         self._reset()
+        _GROUPS.add(self)
 
     def _reset(self) -> None:
-        self._pid = os.getpid()
         self._mutex = threading.Lock()
         self._queue: list[_Item[T, R]] = []
         self._writing = False
@@ -85,27 +87,49 @@ class Group(Generic[T, R]):
 
     def submit(self, value: T) -> R:
         """Queue ``value``, and return its answer once the commit holding it is over."""
-        if self._pid != os.getpid():
-            self._reset()  # a forked child: the parent's queue and writer are not its own
         item: _Item[T, R] = _Item(value)
         with self._mutex:
             self._queue.append(item)
-            lead = not self._writing
-            self._writing = True
-        if not lead:
-            item.done.wait()
-            lead = item.lead  # leadership handed on: this item is in the next batch
-        if lead:
-            self._lead()
+            if not self._writing:
+                self._writing = item.lead = True
+        try:
+            if not item.lead:
+                item.done.wait()  # its batch written, or the lead handed on: it is in the next batch
+            if item.lead:
+                self._lead()
+        except BaseException:
+            # Stopped while waiting or before its batch was taken (a gevent time limit or kill lands
+            # in a wait, where the shield cannot hold it off): the item leaves, and a lead handed to it
+            # passes on, or every later write of this kind would wait for a leader that never comes.
+            self._leave(item)
+            raise
         if item.error is not None:
             raise item.error
         return item.answer  # type: ignore[return-value]  # set with done, never None when R is not
 
-    def _lead(self) -> None:
+    def _leave(self, item: _Item[T, R]) -> None:
+        """``item``'s caller is gone: out of the queue, and its lead, if it had one and never took its
+        batch, to the next waiter."""
         with self._mutex:
-            batch, self._queue = self._queue, []
+            queued = item in self._queue
+            if queued:
+                self._queue.remove(item)
+        if queued and item.lead:
+            self._hand_on()
+
+    def _lead(self) -> None:
+        batch: list[_Item[T, R]] = []
         try:
-            answers = self._write([i.value for i in batch])
+            with self._mutex:
+                batch, self._queue = self._queue, []
+            # Written for every caller in the batch, not under the leader's lease: a loss of that lease
+            # that its shield deferred must not fail the neighbours' writes (it lands when the
+            # leader's own shielded call ends).
+            outside = BODY.set(None)
+            try:
+                answers = self._write([i.value for i in batch])
+            finally:
+                BODY.reset(outside)
             self.batches += 1
             for i, answer in zip(batch, answers, strict=True):
                 i.answer = answer
@@ -132,6 +156,19 @@ class Group(Generic[T, R]):
                 nxt.done.set()
             else:
                 self._writing = False
+
+
+#: Every Group of this process, reset in a forked child (the parent's queue and writer are not its own),
+#: before any of the child's threads can submit.
+_GROUPS: weakref.WeakSet[Group[Any, Any]] = weakref.WeakSet()
+
+
+def _reset_after_fork() -> None:
+    for group in list(_GROUPS):
+        group._reset()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 def _answers(batch: Sequence[Any], alone: Callable[[Any], R], many: Callable[[list[Any]], Mapping[str, Any]],
@@ -285,7 +322,7 @@ class GroupedJobStatements(JobStatements):
         if kept:
             values["result"] = sa.case(*kept, else_=j.c.result)
         stmt = sa.update(j).where(
-            j.c.id.in_([r.job_id for r in rows]),
+            self.db.dialect.in_id_order(j, [r.job_id for r in rows]),
             sa.tuple_(j.c.id, j.c.lock_token).in_([(r.job_id, r.token) for r in rows]),
             fenced_status(j.c.status, RUNNING),
         ).values(**values).returning(j.c.id)

@@ -90,7 +90,9 @@ class PublishStatements:
         if not self.db.dialect.compiled_fast_path:
             self.record_batch(jobs)
             return
-        rows = [_record_params(job) for job in jobs]
+        # In id order: two processes recording the same ids (a frozen group applied twice) wait for each
+        # other's unique-index entries in one order, and the second gets the conflict, not a deadlock.
+        rows = [_record_params(job) for job in sorted(jobs, key=lambda job: job.id)]
         if not self.db.dialect.one_statement_writes:
             self.audited._execute_positional_many(self._record_statements(False), rows)
             return

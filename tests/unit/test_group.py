@@ -144,6 +144,218 @@ def test_an_interrupted_leader_raises_its_interrupt_and_its_followers_get_an_unk
     assert calls == [["lead"], ["after"]] and not group._writing
 
 
+
+
+def test_a_forked_child_writes_at_once_though_its_parent_was_writing_when_it_forked():
+    # The child has no leader thread: a queue copied from the parent mid-commit would wait for ever.
+    import os
+    import signal
+
+    release, started = threading.Event(), threading.Event()
+
+    def write(batch: list[str]) -> list[str]:
+        if batch == ["parent"]:
+            started.set()
+            assert release.wait(60)
+        return [f"ok {v}" for v in batch]
+
+    group: Group[str, str] = Group(write)
+    leader = threading.Thread(target=group.submit, args=("parent",))
+    leader.start()
+    try:
+        assert started.wait(10) and group._writing
+        pid = os.fork()
+        if pid == 0:  # the child: answered at once, or killed by the alarm
+            signal.alarm(10)
+            os._exit(0 if group.submit("child") == "ok child" and not group._writing else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        release.set()
+        leader.join(10)
+    assert group.batches == 1 and not group._writing
+
+
+_GEVENT_CALLER_STOPPED = """
+from gevent import monkey; monkey.patch_all()
+import json, sys
+import gevent, gevent.event
+from celery_lease.store.group import Group
+
+release = gevent.event.Event()
+
+def write(batch):
+    if batch == ["lead"]:
+        release.wait()  # the leader's round trip, held until the follower is gone
+    return [f"ok {v}" for v in batch]
+
+group = Group(write)
+answers = {}
+
+def submit(name, limit=None):
+    try:
+        with gevent.Timeout(limit):
+            answers[name] = group.submit(name)
+    except BaseException as exc:
+        answers[name] = type(exc).__name__
+
+leader = gevent.spawn(submit, "lead")
+while not group._writing:
+    gevent.sleep(0)
+stopped = gevent.spawn(submit, "stopped", 0.05 if sys.argv[1] == "timeout" else None)
+while not group._queue:
+    gevent.sleep(0)
+if sys.argv[1] == "kill":
+    gevent.kill(stopped)  # revoke(terminate=True) on a gevent pool
+stopped.join()
+release.set()
+leader.join()
+later = gevent.spawn(submit, "later", 10)
+later.join()
+print(json.dumps({"answers": answers, "writing": group._writing, "queued": len(group._queue)}))
+"""
+
+
+@pytest.mark.parametrize("how", ["timeout", "kill"])
+def test_a_gevent_caller_stopped_while_it_waits_leaves_the_queue_and_later_writes_still_run(how):
+    # Celery's hard time limit on a gevent pool is a gevent.Timeout raised where the greenlet waits, and a
+    # terminating revoke kills it there: no shield holds either off. A lead handed to the gone caller
+    # would be taken by nobody, and every later write of the process would wait for ever.
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _GEVENT_CALLER_STOPPED, how], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    outcome = json.loads(done.stdout.strip().splitlines()[-1])
+    stopped = {"timeout": "Timeout", "kill": "GreenletExit"}[how]
+    assert outcome == {"answers": {"lead": "ok lead", "stopped": stopped, "later": "ok later"},
+                       "writing": False, "queued": 0}
+
+
+def test_a_leader_whose_lease_was_lost_while_it_waited_writes_its_neighbours_records(tmp_path):
+    # The leader writes the batch in its own thread: a loss of its lease, deferred by the shield around
+    # its record, lands on its own call when that ends, never on the neighbours' writes.
+    import time
+    import types
+    import uuid
+
+    from celery_lease.errors import LeaseLost
+    from celery_lease.vocabulary import OnLost
+    from celery_lease.worker.interrupt import ThreadInterrupter
+    from celery_lease.worker.lease import Lease
+
+    store = Store(f"sqlite:///{tmp_path / 'l.db'}", "gl_", group_commit=True)
+    store.migrate()
+    runtime = types.SimpleNamespace(store=store, worker="w1", interrupter=ThreadInterrupter)
+    policy = types.SimpleNamespace(duration=60.0, on_lost=OnLost.RAISE)
+    leases = {n: Lease(runtime, f"job-{n}", uuid.uuid4().hex, 1, policy, "", None, sent_at=time.monotonic())
+              for n in "AB"}
+    group = store.publishes.group
+    write, release, started = group._write, threading.Event(), threading.Event()
+
+    def held_first(batch: list) -> list:
+        if not started.is_set():
+            started.set()
+            assert release.wait(10)
+        return write(batch)
+
+    group._write = held_first
+    out: dict[str, object] = {}
+
+    def record(name: str, lease: Lease | None) -> None:
+        try:
+            if lease is None:
+                out[name] = store.publishes.record(f"pub-{name}", "t", None, None, 3)
+            else:
+                with lease.body():
+                    out[name] = store.publishes.record(f"pub-{name}", "t", None, None, 3)
+        except BaseException as exc:  # noqa: BLE001 - the test records what each caller got
+            out[name] = exc
+
+    try:
+        callers = [threading.Thread(target=record, args=("first", None))]
+        callers[0].start()
+        assert started.wait(10)
+        for n, (name, lease) in enumerate([("A", leases["A"]), ("B", leases["B"])], start=1):
+            callers.append(threading.Thread(target=record, args=(name, lease)))
+            callers[-1].start()
+            wait_for(lambda n=n: len(group._queue) == n, timeout=10, message=f"{name} never queued")
+        leases["A"].mark_lost("lost while its record waited for a shared commit")
+        release.set()
+        for t in callers:
+            t.join(10)
+        assert out["first"] == (True, "pub-first")
+        assert out["B"] == (True, "pub-B"), out["B"]  # not job-A's LeaseLost
+        assert isinstance(out["A"], LeaseLost) and out["A"].job_id == "job-A"
+        assert {store.get(f"pub-{n}") is not None for n in ("first", "A", "B")} == {True}
+    finally:
+        store.engine.dispose()
+
+
+def test_a_completion_batch_and_the_heartbeat_over_the_same_rows_lock_them_in_one_order(postgres_url):
+    # Planners pick their own row order: an index scan locks in key order, a sequential or bitmap scan in
+    # heap order. Two stores with opposite plans make both happen on a small table: the completion batch
+    # holds X and waits for Z, while the heartbeat, in heap order, holds Y and would wait for Z as well;
+    # once Z is free the batch needs Y. Locked in id order first, one simply waits for the other.
+    from celery_lease.store.group import Completion
+
+    prefix = f"g{secrets.token_hex(3)}_"
+    plans = {"index": "-c enable_seqscan=off -c enable_bitmapscan=off",
+             "heap": "-c enable_indexscan=off -c enable_bitmapscan=off -c enable_indexonlyscan=off"}
+    url = sa.engine.make_url(postgres_url)
+    batch_store = Store(url.update_query_dict({"options": plans["index"]}).render_as_string(False), prefix,
+                        group_commit=True)
+    beat_store = Store(url.update_query_dict({"options": plans["heap"]}).render_as_string(False), prefix)
+    batch_store.migrate()
+    j = batch_store.t.jobs
+    ids = [f"job-{n:03d}" for n in range(40)]
+    tokens = {job: secrets.token_hex(8) for job in ids}
+    try:
+        with batch_store.engine.begin() as c:
+            for job in reversed(ids):  # heap order is the reverse of key order
+                c.execute(sa.insert(j).values(
+                    id=job, task_name="t", status="running", attempt_count=1, expired_count=0,
+                    dispatch_count=0, max_attempts=3, available_at=0, created_at=0, updated_at=0,
+                    started_at=0, lock_token=tokens[job], locked_by="w1", lease_duration=60.0,
+                    lease_expires_at=10**10))
+        x, z, y = ids[10], ids[20], ids[30]
+        results: dict[str, object] = {}
+
+        def run(name: str, call: object) -> None:
+            try:
+                results[name] = call()  # type: ignore[operator]
+            except Exception as exc:  # noqa: BLE001 - the test records what each call got
+                results[name] = exc
+
+        def waiting() -> int:
+            with batch_store.engine.connect() as c:
+                return c.execute(sa.text("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = "
+                                         "'Lock' AND query LIKE :q"), {"q": f"%{prefix}jobs%"}).scalar_one()
+
+        holder = batch_store.engine.connect()
+        holder.execute(sa.select(j.c.id).where(j.c.id == z).with_for_update())
+        batch = threading.Thread(target=run, args=("batch", lambda: batch_store.jobs.complete_many(
+            [Completion(job, tokens[job], "w1", None) for job in (x, z, y)])))
+        beat = threading.Thread(target=run, args=("beat", lambda: beat_store.jobs.beat(
+            "w1", "h", 1, {tokens[job]: job for job in ids})))
+        batch.start()
+        wait_for(lambda: waiting() == 1, timeout=10, message="the completion batch never waited for Z")
+        beat.start()
+        wait_for(lambda: waiting() == 2, timeout=10, message="the heartbeat never waited")
+        holder.rollback()
+        holder.close()
+        batch.join(30)
+        beat.join(30)
+        assert results["batch"] == {x, z, y}, results["batch"]
+        assert isinstance(results["beat"], set), results["beat"]  # no deadlock on either side
+    finally:
+        batch_store.drop_schema()
+        batch_store.dispose()
+        beat_store.dispose()
+
+
 # -- the store's completions ---------------------------------------------------------------
 def traced_store(url: str, prefix: str, **settings: object) -> tuple[Store, list[str]]:
     """A store on SQLite and every statement its connections run, as the driver sees them."""
