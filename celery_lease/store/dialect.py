@@ -136,10 +136,11 @@ class Dialect:
         """``query`` holding its rows of ``of`` until the transaction ends (waiting for them)."""
         return query.with_for_update()
 
-    def in_id_order(self, table: sa.Table, ids: Collection[str]) -> ColumnElement[bool]:
-        """``table``'s rows whose id is one of ``ids``, for a write over many of them: where the plan
-        decides the order its rows are locked in, they are locked in id order first."""
-        return table.c.id.in_(ids)
+    def in_id_order(self, table: sa.Table, ids: Collection[str],
+                    *where: ColumnElement[bool]) -> ColumnElement[bool]:
+        """``table``'s rows whose id is one of ``ids`` (and that meet ``where``), for a write over many of
+        them: where the plan decides the order its rows are locked in, they are locked in id order first."""
+        return sa.and_(table.c.id.in_(ids), *where)
 
     def autocommit_settings(self, bounds: Bounds, async_commit: bool = False) -> list[ColumnElement[bool]]:
         """Conditions that set a one-statement write's own transaction settings (none here)."""

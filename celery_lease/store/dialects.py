@@ -175,12 +175,14 @@ class PostgreSQL(_OnConflict):
     def hold_rows(self, query: sa.Select, of: sa.Table) -> sa.Select:
         return query.with_for_update(of=of)
 
-    def in_id_order(self, table: sa.Table, ids: Collection[str]) -> ColumnElement[bool]:
+    def in_id_order(self, table: sa.Table, ids: Collection[str],
+                    *where: ColumnElement[bool]) -> ColumnElement[bool]:
         # A plan over a few ids locks rows in key order, one over many (a bitmap heap scan) in heap
         # order: a completion batch and the heartbeat over the same running rows could each wait for
         # the other. Both lock in id order first.
-        locked = sa.select(table.c.id).where(table.c.id.in_(ids)).order_by(table.c.id).with_for_update()
-        return table.c.id.in_(locked.scalar_subquery())
+        # The outer statement keeps ``where`` too: what it writes is checked where it writes it.
+        locked = sa.select(table.c.id).where(table.c.id.in_(ids), *where).order_by(table.c.id)
+        return sa.and_(table.c.id.in_(locked.with_for_update().scalar_subquery()), *where)
 
     def autocommit_settings(self, bounds: Bounds, async_commit: bool = False) -> list[ColumnElement[bool]]:
         # A write in autocommit is its own transaction, so a transaction-local setting made in

@@ -321,11 +321,10 @@ class GroupedJobStatements(JobStatements):
             updated_at=self.db.now_sql)
         if kept:
             values["result"] = sa.case(*kept, else_=j.c.result)
-        stmt = sa.update(j).where(
-            self.db.dialect.in_id_order(j, [r.job_id for r in rows]),
-            sa.tuple_(j.c.id, j.c.lock_token).in_([(r.job_id, r.token) for r in rows]),
-            fenced_status(j.c.status, RUNNING),
-        ).values(**values).returning(j.c.id)
+        fenced = sa.tuple_(j.c.id, j.c.lock_token).in_([(r.job_id, r.token) for r in rows])
+        stmt = sa.update(j).where(self.db.dialect.in_id_order(
+            j, [r.job_id for r in rows], fenced, fenced_status(j.c.status, RUNNING),
+        )).values(**values).returning(j.c.id)
         if self.db.dialect.one_statement_writes and not self.db.audit_every_transition:
             # PostgreSQL: one statement in autocommit, its own transaction (one round trip, as the
             # single-row completion), its settings made in its WHERE.

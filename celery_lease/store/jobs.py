@@ -311,8 +311,8 @@ class JobStatements:
     def _still_held(self, leases: Mapping[str, str]) -> sa.ColumnElement[bool]:
         # By id too: there is no index on the token, and a heartbeat must not scan the table.
         j = self.db.t.jobs
-        return sa.and_(self.db.dialect.in_id_order(j, set(leases.values())), j.c.lock_token.in_(list(leases)),
-                       fenced_status(j.c.status, RUNNING))
+        return self.db.dialect.in_id_order(j, set(leases.values()), j.c.lock_token.in_(list(leases)),
+                                           fenced_status(j.c.status, RUNNING))
 
     def _renewal(self, leases: Mapping[str, str], extend: Mapping[str, float] | None,
                  *where: sa.ColumnElement[bool]) -> sa.Update:
