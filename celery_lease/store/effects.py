@@ -183,6 +183,13 @@ class EffectStatements:
             cols = ["resource", "token", "job_id", "owner", "expires_at"]
             if c.execute(self.db.dialect.insert_ignore(lk).from_select(cols, source)).rowcount == 1:
                 return FIRST
+            # This acquisition's own row (an earlier try committed and its answer was lost): ours, its
+            # expiry counted again from this statement, which the caller's local deadline counts from.
+            again = sa.update(lk).where(lk.c.resource == resource, lk.c.token == token)
+            if fence is not None:
+                again = again.where(sa.exists().where(fence))
+            if c.execute(again.values(expires_at=self.db.now_sql + ttl)).rowcount == 1:
+                return FIRST
             take = sa.update(lk).where(lk.c.resource == resource, lk.c.expires_at < self.db.now_sql)
             if fence is not None:
                 take = take.where(sa.exists().where(fence))

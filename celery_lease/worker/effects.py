@@ -18,7 +18,9 @@ from sqlalchemy.engine import Connection
 import celery_lease.deadline as deadline
 import celery_lease.store.schema as schema
 
+from ..context import BODY
 from ..errors import LeaseConfigError, LeaseError, LeaseLost, LockUnavailable, StoreRejected, StoreUnavailable
+from ..store.base import uninterrupted
 from ..store.effects import advance_statement
 from ..vocabulary import EffectOutcome, Event
 from .handles import LeaseHandle
@@ -54,11 +56,25 @@ def effect(lease: LeaseHandle, key: str, connection: Connection | None = None) -
     lease.check()
     store = lease.store
     if connection is None:
-        # An unreachable store is waited for until the local deadline, then LeaseLost.
-        outcome = lease.patiently(lambda: store.effects.record_effect(key, lease.job_id, lease.token,
-                                                                      lease.worker))
-        if outcome == EffectOutcome.LOST and lease.vanished_and_recorded_again():
-            outcome = store.effects.record_effect(key, lease.job_id, lease.token, lease.worker)
+        def record() -> EffectOutcome:
+            return store.effects.record_effect(key, lease.job_id, lease.token, lease.worker)
+
+        # Shielded across the record and what follows it: a loss held back during the call lands once
+        # the key it wrote is given back (its block will not run), not in place of the call's answer.
+        with uninterrupted():
+            # An unreachable store is waited for until the local deadline, then LeaseLost.
+            outcome = lease.patiently(record)
+            if outcome == EffectOutcome.LOST and lease.vanished_and_recorded_again():
+                outcome = lease.patiently(record)
+            if outcome == EffectOutcome.FIRST and lease.lost:
+                # Written for a lease known lost (the outer shield still holds the interruption off):
+                # the lease's own shield would refuse the call at its start.
+                outside = BODY.set(None)
+                try:
+                    _release(lease, key, "lease lost while the key was recorded; the block did not run")
+                finally:
+                    BODY.reset(outside)
+                lease.check()
     else:
         outcome = store.effects.record_effect_in(connection, key, lease.job_id, lease.token, lease.worker)
     if outcome == EffectOutcome.LOST:
@@ -76,7 +92,9 @@ def effect(lease: LeaseHandle, key: str, connection: Connection | None = None) -
 
 
 def _take_back(lease: LeaseHandle, key: str, connection: Connection | None, exc: BaseException) -> None:
-    """The block failed: free its key so the effect is not lost; never mask the block's error."""
+    """The block failed: free its key so the effect is not lost; never mask the block's error. A block
+    ended by its lost lease keeps the key: the interruption lands wherever the block is, after the effect
+    as well as before it, and a key given back then would let the next attempt do the effect again."""
     reason = f"{type(exc).__name__}: {exc}"[:200]
     if connection is not None:
         try:
@@ -86,6 +104,28 @@ def _take_back(lease: LeaseHandle, key: str, connection: Connection | None, exc:
             log.info("job %s [%s]: effect %r left to the transaction's rollback (%s)", lease.job_id,
                      lease.token[:8], key, error, extra={"action": "effect_released"})
         return
+    if isinstance(exc, LeaseLost) or lease.lost:
+        _unconfirmed(lease, key, reason)
+        return
+    _release(lease, key, reason)
+
+
+def _unconfirmed(lease: LeaseHandle, key: str, reason: str) -> None:
+    """Keep the key of a block its lost lease ended, audited ``effect_unconfirmed``."""
+    log.warning("job %s [%s]: effect %r ended by the lost lease (%s); key kept, the effect may or may not "
+                "have happened", lease.job_id, lease.token[:8], key, reason,
+                extra={"action": "effect_unconfirmed"})
+    try:
+        lease.store.event(lease.job_id, Event.EFFECT_UNCONFIRMED, "block ended by the lost lease; key kept",
+                          worker=lease.worker, token=lease.token, detail={"key": key, "error": reason})
+    except (StoreUnavailable, StoreRejected, LeaseLost) as error:
+        # LeaseLost: the interruption still due lands on this call; the block's own error is the one raised.
+        log.error("job %s [%s]: effect_unconfirmed for %r not audited (%s)", lease.job_id, lease.token[:8],
+                  key, error, extra={"action": "effect_unconfirmed"})
+
+
+def _release(lease: LeaseHandle, key: str, reason: str) -> None:
+    """Free a key whose block did not do its effect, fenced by the job's token."""
     try:
         released = lease.store.effects.release_effect(key, lease.job_id, lease.token, lease.worker, reason)
     except (StoreUnavailable, StoreRejected) as error:
@@ -271,12 +311,18 @@ def lock(lease: LeaseHandle, resource: str, ttl: float | None = None,
         raise LeaseError(f"job {lease.job_id} already holds the lock on {resource!r}; "
                          "locks are not re-entrant")
     held = ResourceLock(resource, secrets.token_hex(16), ttl, lease)
-    _acquire(lease, held, timeout)
-    locks.add(held)
+    taken = False
     try:
+        # Shielded until the lock is listed: a loss held back during the acquisition lands after it, and
+        # the finally releases the row it took rather than leave it held for its whole ttl.
+        with uninterrupted():
+            _acquire(lease, held, timeout)
+            locks.add(held)
+            taken = True
         yield held
     finally:
-        locks.release(held)
+        if taken:
+            locks.release(held)
 
 
 def _acquire(lease: LeaseHandle, held: ResourceLock, timeout: float) -> None:

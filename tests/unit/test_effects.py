@@ -12,7 +12,7 @@ import sqlalchemy as sa
 
 from celery_lease import deadline
 from celery_lease.config import load
-from celery_lease.errors import LeaseConfigError, LeaseError, LeaseLost, LockUnavailable
+from celery_lease.errors import LeaseConfigError, LeaseError, LeaseLost, LockUnavailable, StoreUnavailable
 from celery_lease.store import ClaimTerms, Store
 from celery_lease.worker.effects import advance, effect, lock
 from celery_lease.worker.lease import Lease
@@ -274,9 +274,10 @@ def test_a_failing_block_releases_its_key_for_the_next_attempt(store, hb):
         assert not first
 
 
-def test_a_block_interrupted_by_its_lost_lease_still_gives_its_key_back(store, hb):
-    # The deadline passed (the store did not take the job over): the token still matches, so the
-    # interrupted block's key goes back and a later attempt performs the effect.
+def test_a_block_interrupted_by_its_lost_lease_keeps_its_key_and_is_audited(store, hb):
+    # The interruption lands wherever the block is: after a payment call returned as well as before it.
+    # A key given back then would let the next attempt charge again, so it stays (at most once) and
+    # effect_unconfirmed names it for an operator, although the store still carries the token.
     lease = claim(store, hb, "job-1", lease_on_lost="raise")
     inside, caught = threading.Event(), []
 
@@ -297,8 +298,48 @@ def test_a_block_interrupted_by_its_lost_lease_still_gives_its_key_back(store, h
     lease.mark_lost("local deadline passed")
     worker.join(10)
     assert caught == ["local deadline passed"]
+    assert keys(store) == {"capture:p1": "job-1"}
+    assert events(store, "effect_released") == []
+    unconfirmed = events(store, "effect_unconfirmed")
+    assert len(unconfirmed) == 1 and "capture:p1" in unconfirmed[0]["detail"]
+    with effect(claim(store, hb, "job-2"), "capture:p1") as first:
+        assert not first  # nobody performs it again
+
+
+def _lost_during(store, lease: Lease, verb: str) -> None:
+    """The lease is marked lost while the store call ``verb`` is out (it commits, then the loss is due)."""
+    real = getattr(store.effects, verb)
+
+    def call(*args, **kwargs):
+        answer = real(*args, **kwargs)
+        # From another thread, as the deadline timer or the heartbeat finds it.
+        timer = threading.Thread(target=lease.mark_lost, args=("local deadline passed during the call",))
+        timer.start()
+        timer.join(10)
+        return answer
+
+    setattr(store.effects, verb, call)
+
+
+def test_a_loss_held_back_while_an_effects_key_is_recorded_gives_the_key_back(store, hb):
+    # The block never runs, so the key it recorded goes back: a later attempt performs the effect.
+    lease = claim(store, hb, "job-1", lease_on_lost="raise")
+    _lost_during(store, lease, "record_effect")
+    ran, caught = [], []
+
+    def body() -> None:
+        try:
+            with lease.body(), effect(lease, "mail:1") as first:
+                ran.append(first)
+        except LeaseLost as exc:
+            caught.append(exc.reason)
+
+    worker = threading.Thread(target=body)
+    worker.start()
+    worker.join(10)
+    assert ran == [] and caught == ["local deadline passed during the call"]
     assert keys(store) == {}
-    assert [e["detail"] for e in events(store, "effect_released")] == ['{"key": "capture:p1"}']
+    assert [e["detail"] for e in events(store, "effect_released")] == ['{"key": "mail:1"}']
 
 
 def test_a_block_failing_after_the_lease_moved_on_keeps_its_key_and_is_audited(store, hb):
@@ -465,6 +506,47 @@ def test_locks_of_a_lost_lease_are_released_by_the_heartbeat(store, hb):
         hb.beat()
         assert lease.lost
         assert holder(store, "account:42") is None
+
+
+def test_a_loss_held_back_while_a_lock_is_taken_releases_the_lock(store, hb):
+    # The row was committed before the loss landed: released at once, not left held for its ttl.
+    lease = claim(store, hb, "job-1", lease_on_lost="raise")
+    hb.runtime.attach(object(), lease)
+    _lost_during(store, lease, "acquire_lock")
+    caught = []
+
+    def body() -> None:
+        try:
+            with lease.body(), lock(lease, "account:42", ttl=30.0):
+                caught.append("ran")
+        except LeaseLost as exc:
+            caught.append(exc.reason)
+
+    worker = threading.Thread(target=body)
+    worker.start()
+    worker.join(10)
+    assert caught == ["local deadline passed during the call"]
+    assert holder(store, "account:42") is None
+    assert not hb.runtime.locks.holds("job-1", "account:42")
+
+
+def test_a_lock_taken_by_a_try_whose_answer_was_lost_is_the_retrys(store, hb):
+    # The first try committed but its answer never came (a dropped connection): the retry finds its own
+    # row and holds it, instead of waiting for itself until LockUnavailable.
+    lease = claim(store, hb, "job-1")
+    real, tries = store.effects._acquire_lock_once, []
+
+    def answer_lost(*args, **kwargs):
+        outcome = real(*args, **kwargs)
+        tries.append(outcome)
+        if len(tries) == 1:
+            raise StoreUnavailable("connection dropped before the answer")
+        return outcome
+
+    store.effects._acquire_lock_once = answer_lost
+    with lock(lease, "account:42", ttl=3.0, timeout=1.0) as held:
+        assert holder(store, "account:42")["token"] == held.token
+    assert len(tries) == 2 and holder(store, "account:42") is None
 
 
 def test_a_lock_lost_to_another_owner_marks_the_lease_lost(store, hb):
