@@ -246,8 +246,20 @@ def republish(app: Any, job_id: str, payload: str | None, countdown: float = 0.0
 
 
 def _send_again(app: Any, job_id: str, envelope: dict[str, Any], countdown: float, queue: str | None) -> Any:
-    """Publish a recorded message's bytes again, as they were sent (a new ETA for a countdown)."""
-    headers = dict(envelope.get("headers") or {})
+    """Publish a recorded message's bytes again, as they were sent (a new ETA for a countdown); a message
+    that cannot be read back raises StoreCorrupt before anything is sent (that job's fault, not the
+    broker's: the reaper fails that job and goes on with the others)."""
+    try:
+        headers = dict(envelope.get("headers") or {})
+        names = [str(name) for name in envelope.get("declare") or ()]
+        body = envelope["body"]
+        if envelope.get("b64"):
+            body = base64.b64decode(body, validate=True)
+        content_type, content_encoding = str(envelope["content_type"]), str(envelope["content_encoding"])
+        properties = {str(k): v for k, v in dict(envelope.get("properties") or {}).items()}
+    except (KeyError, TypeError, ValueError) as exc:  # binascii.Error is a ValueError
+        raise StoreCorrupt(f"job {job_id}: stored message unreadable ({type(exc).__name__}: {exc})",
+                           job_id=job_id) from exc
     if headers.get("id") != job_id or "task" not in headers:
         raise StoreCorrupt(f"job {job_id}: stored message belongs to task id {headers.get('id')!r}",
                            job_id=job_id)
@@ -255,21 +267,17 @@ def _send_again(app: Any, job_id: str, envelope: dict[str, Any], countdown: floa
         headers["eta"] = (datetime.datetime.now(datetime.timezone.utc)
                           + datetime.timedelta(seconds=countdown)).isoformat()
     exchange, routing_key = envelope.get("exchange") or "", envelope.get("routing_key")
-    names = list(envelope.get("declare") or ())
     if queue is not None:
         # The default exchange, for the reason republish() gives.
         exchange, routing_key, names = "", queue, [queue]
-    body = envelope["body"]
-    if envelope.get("b64"):
-        body = base64.b64decode(body)
     conf = app.conf
     with app.producer_or_acquire() as producer:
         producer.publish(
             body, exchange=exchange, routing_key=routing_key, headers=headers,
-            content_type=envelope["content_type"], content_encoding=envelope["content_encoding"],
+            content_type=content_type, content_encoding=content_encoding,
             compression="", declare=_queues(app, names),
             retry=conf.task_publish_retry, retry_policy=conf.task_publish_retry_policy,
-            **(envelope.get("properties") or {}),
+            **properties,
         )
     return app.AsyncResult(job_id)
 

@@ -274,6 +274,32 @@ def test_an_unreadable_stored_message_fails_the_job_instead_of_leaving_it_pendin
     assert "message unreadable" in store.get("j1").last_error
 
 
+@pytest.mark.parametrize("corrupt", [{"body": None}, {"b64": True, "body": "not base64!"},
+                                     {"content_type": None}, {"headers": ["not", "a", "mapping"]},
+                                     {"properties": "not a mapping"}], ids=["no body", "bad base64",
+                                                                            "no content type", "bad headers",
+                                                                            "bad properties"])
+def test_a_corrupt_recorded_message_fails_its_job_and_the_run_goes_on_with_the_others(app, store, broker,
+                                                                                       corrupt):
+    # The corrupt job expired longest ago, so the oldest-first scan meets it first in every run: read as a
+    # broker failure, it would stop every run there and no later expired lease would ever come back.
+    running(store, "bad", age=60.0)
+    running(store, "good", age=5.0)
+    j = store.t.jobs
+    envelope = {"v": 2, "body": "W1tdLCB7fSwge31d", "b64": True, "content_type": "application/json",
+                "content_encoding": "utf-8", "headers": {"id": "bad", "task": "t.work"}, "properties": {}}
+    envelope.update({k: v for k, v in corrupt.items() if v is not None})
+    for key in (k for k, v in corrupt.items() if v is None):
+        envelope.pop(key)
+    with store.begin() as c:
+        c.execute(sa.update(j).where(j.c.id == "bad").values(payload=json.dumps(envelope)))
+    result = Reaper(app).run_once()
+    assert (result.failed, result.reaped, result.publish_errors) == (1, 1, 0)
+    assert store.get("bad").status == FAILED and "message unreadable" in store.get("bad").last_error
+    assert store.get("good").status == PENDING
+    assert [m["headers"]["id"] for m in queued(broker)] == ["good"]
+
+
 def test_the_scan_takes_at_most_a_batch_per_run_oldest_first(app, store):
     for n in range(7):
         running(store, f"j{n}", age=10.0 + n)  # j6 expired longest ago
