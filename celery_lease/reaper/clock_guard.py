@@ -79,7 +79,11 @@ class ClockGuard:
         since = now if reason else state.get("calm_since")
         interval = state.get("interval")
         if step is None and "at" in state and now > float(state["at"]):
-            interval = now - float(state["at"])  # the usual gap between runs; a step is no gap
+            # The usual gap between runs (a step is no gap). A gap that held this run back is an outage as
+            # likely as a longer schedule: learnt at most twice the usual one at a time, so that an outage
+            # does not become the usual gap that lets the next, shorter one pass unheld.
+            gap, usual = now - float(state["at"]), float(interval or 0.0)
+            interval = min(gap, 2 * usual) if reason and usual else gap
         hold = Hold(since, reason, step is not None and step < 0)
         if record:
             new = {"at": now, "mono": at, "mono_err": err, "host": host_clock(), "interval": interval,

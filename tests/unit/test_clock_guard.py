@@ -54,6 +54,20 @@ def test_a_reaper_scheduled_less_often_than_the_registry_silence_holds_back_once
     assert reasons[0] is not None and reasons[1:] == [None, None, None]
 
 
+def test_a_second_outage_right_after_a_first_is_held_back_too(store):
+    # Runs 5 s apart, then the store is away 10 minutes, back for one run, away again 15 minutes: the first
+    # outage must not become the usual gap that lets the second pass.
+    guard, now = ClockGuard(1.0), store.now()
+    previous_run(store, now - 5.0, interval=5.0)
+    reasons = []
+    for at in (now, now + 600.0, now + 1500.0):
+        reasons.append(guard.judge(store, at, "r", STALE).reason)
+        recorded = store.reaping.reaper_clock()
+        previous_run(store, at, interval=recorded["interval"], since=recorded["calm_since"])
+    assert reasons[0] is None
+    assert "no reaper run for 600" in reasons[1] and "no reaper run for 900" in reasons[2]
+
+
 def test_a_failed_call_of_this_reaper_holds_its_next_run_back_however_short(store):
     guard = ClockGuard(1.0)
     guard.judge(store, store.now(), "r", STALE)
