@@ -218,10 +218,16 @@ class Locks:
             self._lost(lk, "expired and moved on before release")
 
     def _lost(self, lk: ResourceLock, why: str) -> None:
+        """Audit a lost lock; an audit the store does not take is logged, never raised (the heartbeat's round
+        goes on with the other locks, and a block's own error is not replaced)."""
         lease = lk.lease
         log.warning("job %s [%s]: resource lock %r [%s] lost: %s", lease.job_id, lease.token[:8],
                     lk.resource, lk.token[:8], why, extra={"action": "lock_lost"})
-        self.store.event(lease.job_id, Event.LOCK_LOST, f"{lk.resource}: {why}", lease.worker, lk.token)
+        try:
+            self.store.event(lease.job_id, Event.LOCK_LOST, f"{lk.resource}: {why}", lease.worker, lk.token)
+        except (StoreUnavailable, StoreRejected, LeaseLost) as exc:
+            log.error("job %s [%s]: lock_lost of %r not audited (%s)", lease.job_id, lease.token[:8],
+                      lk.resource, exc, extra={"action": "lock_lost"})
 
     def expire(self, lk: ResourceLock, now: float | None = None) -> None:
         """The lock passed its local deadline: lost, and its job's lease with it; no store call."""
@@ -284,8 +290,8 @@ class Locks:
             lk.lost = lk.done = True
             with self._mutex:
                 self.held.pop(lk.token, None)
-            self._lost(lk, "taken by another owner after it expired")
             lk.lease.mark_lost(f"resource lock {lk.resource!r} lost")
+            self._lost(lk, "taken by another owner after it expired")
 
 
 @contextlib.contextmanager

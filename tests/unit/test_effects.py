@@ -549,14 +549,22 @@ def test_a_lock_taken_by_a_try_whose_answer_was_lost_is_the_retrys(store, hb):
     assert len(tries) == 2 and holder(store, "account:42") is None
 
 
-def test_a_lock_lost_to_another_owner_marks_the_lease_lost(store, hb):
+@pytest.mark.parametrize("audit", ["written", "refused"])
+def test_a_lock_lost_to_another_owner_marks_the_lease_lost(store, hb, monkeypatch, audit):
+    # Refused: the store does not take the lock_lost audit; the lease is marked lost all the same.
     a, b = claim(store, hb, "job-a"), claim(store, hb, "job-b")
     with lock(a, "account:42", ttl=3.0) as held:
         lk = store.t.locks
         with store.begin() as c:
             c.execute(sa.update(lk).values(expires_at=store.now_sql - 0.1))
         with lock(b, "account:42", timeout=0):
+            if audit == "refused":
+                def refused(*args, **kwargs):
+                    raise StoreUnavailable("store unreachable for the audit")
+
+                monkeypatch.setattr(store, "event", refused)
             hb.beat()
+            monkeypatch.undo()
             assert held.lost and a.lost
             with pytest.raises(LeaseLost, match="account:42"):
                 held.check()
