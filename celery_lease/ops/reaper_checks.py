@@ -8,7 +8,7 @@ import importlib.util
 from collections.abc import Iterator
 from typing import Any
 
-from ..config import REAPER_OVERDUE_INTERVALS
+from ..config import REAPER_OVERDUE_INTERVALS, worker_stale_after
 from ..errors import StoreUnavailable
 from .check_context import ERROR, OK, WARNING, Context, Finding
 
@@ -127,6 +127,27 @@ def _routing(ctx: Context, entries: list[ReaperEntry]) -> Iterator[Finding]:
                       "the reaper has a queue of its own and its runs expire before the next one")
 
 
+def _interval(ctx: Context, entries: list[ReaperEntry]) -> Iterator[Finding]:
+    """The reaper's clock guard tells a step of the store's clock from a gap between runs on two hosts only
+    by the gap's length: runs further apart than lease_worker_stale_after let a forward step hide in one."""
+    fixed = [e.interval for e in entries if e.interval]
+    if not fixed:
+        return
+    every, stale = min(fixed), worker_stale_after(ctx.app)
+    values = {"interval": every, "lease_worker_stale_after": stale}
+    if every > stale:
+        yield Finding(WARNING, "reaper_interval", ("beat_schedule", "lease_worker_stale_after"), values,
+                      f"the reaper runs every {every:g}s, further apart than lease_worker_stale_after "
+                      f"({stale:g}s): a forward step of the store's clock between two runs on different "
+                      "hosts looks like the usual gap, and a live owner's job can be taken back",
+                      f"run the reaper at least every {stale:g}s (its schedule entry), or raise "
+                      "lease_worker_stale_after")
+    else:
+        yield Finding(OK, "reaper_interval", ("beat_schedule",), values,
+                      "the reaper runs at least every lease_worker_stale_after: a step of the store's "
+                      "clock between two runs is told from the usual gap")
+
+
 def _routing_fix(sources: set[str]) -> str:
     fixes = []
     if "beat_schedule" in sources:
@@ -195,6 +216,7 @@ def reaper_rules(ctx: Context) -> Iterator[Finding]:
                        "sources": sorted({e.source for e in entries})},
                       "celery beat runs the reaper that takes back abandoned leases")
         yield from _routing(ctx, entries)
+        yield from _interval(ctx, entries)
     else:
         values: dict[str, Any] = {"beat_schedule": sorted(ctx.conf.beat_schedule or {})}
         if problem:

@@ -59,22 +59,27 @@ def effect(lease: LeaseHandle, key: str, connection: Connection | None = None) -
         def record() -> EffectOutcome:
             return store.effects.record_effect(key, lease.job_id, lease.token, lease.worker)
 
-        # Shielded across the record and what follows it: a loss held back during the call lands once
-        # the key it wrote is given back (its block will not run), not in place of the call's answer.
-        with uninterrupted():
-            # An unreachable store is waited for until the local deadline, then LeaseLost.
-            outcome = lease.patiently(record)
-            if outcome == EffectOutcome.LOST and lease.vanished_and_recorded_again():
+        # Shielded across the record: a loss held back during the call, or landing as the shield ends,
+        # comes after the key it wrote is given back (its block will not run), never in place of the
+        # call's answer with the key left recorded.
+        outcome: EffectOutcome | None = None
+        try:
+            with uninterrupted():
+                # An unreachable store is waited for until the local deadline, then LeaseLost.
                 outcome = lease.patiently(record)
-            if outcome == EffectOutcome.FIRST and lease.lost:
-                # Written for a lease known lost (the outer shield still holds the interruption off):
-                # the lease's own shield would refuse the call at its start.
+                if outcome == EffectOutcome.LOST and lease.vanished_and_recorded_again():
+                    outcome = lease.patiently(record)
+                if outcome == EffectOutcome.FIRST:
+                    lease.check()
+        except LeaseLost:
+            if outcome == EffectOutcome.FIRST:
+                # Written for a lease known lost, whose own shield would refuse the call at its start.
                 outside = BODY.set(None)
                 try:
                     _release(lease, key, "lease lost while the key was recorded; the block did not run")
                 finally:
                     BODY.reset(outside)
-                lease.check()
+            raise
     else:
         outcome = store.effects.record_effect_in(connection, key, lease.job_id, lease.token, lease.worker)
     if outcome == EffectOutcome.LOST:

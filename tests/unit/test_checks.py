@@ -373,6 +373,18 @@ def test_a_reaper_on_a_work_queue_or_without_expires_is_flagged(sqlite_store, op
     assert "lease-maintenance" in finding.fix and "expires" in finding.fix
 
 
+@pytest.mark.parametrize(("schedule", "level"), [(15.0, "ok"), (90.0, "warning")])
+def test_a_reaper_running_further_apart_than_the_registry_silence_is_flagged(sqlite_store, schedule, level):
+    beat = {"lease-reaper": {"task": "celery_lease.reap", "schedule": schedule,
+                             "options": {"queue": "lease-maintenance", "expires": 10.0}}}
+    findings = run_checks(make_app(beat_schedule=beat), baseline_store(sqlite_store))
+    (finding,) = [f for f in findings if f.code == "reaper_interval"]
+    assert finding.level == level and finding.values["interval"] == schedule
+    if level == "warning":
+        assert finding.values["lease_worker_stale_after"] < schedule
+        assert "lease_worker_stale_after" in finding.fix
+
+
 def test_reaper_and_scrape_features_need_migrate_on_the_revision_before_them(tmp_path):
     store = Store(f"sqlite:///{tmp_path / 'old.sqlite3'}", unique_prefix())
     store.migrate(to="0003")
