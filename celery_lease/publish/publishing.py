@@ -76,7 +76,8 @@ def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id
                     task_id, "refused its record" if refused else "is unreachable", exc,
                     extra={"action": "published_unrecorded"})
                 return
-            if holder != task_id:
+            if holder != task_id or (idempotency_key is not None and not created):
+                # Not created under its key: the key's job, this very id when it was reused, is sent already.
                 raise _KeyTaken(holder)
 
         if batch is not None and idempotency_key is None and task.app.conf.task_protocol != 1:
@@ -118,9 +119,9 @@ def record_eager(task: Any, task_id: str, idempotency_key: str, options: dict[st
     queue = options.get("queue")
     queue = getattr(queue, "name", queue)
     policy = task_policy(task, queue)
-    _, holder = for_app(task.app).publishes.record(task_id, task.name, queue, None, policy.max_attempts,
-                                               idempotency_key, 0.0, recovery=policy.recovery())
-    if holder != task_id:
+    created, holder = for_app(task.app).publishes.record(task_id, task.name, queue, None, policy.max_attempts,
+                                                         idempotency_key, 0.0, recovery=policy.recovery())
+    if not created:
         log.info("task %s not run again: idempotency key %r belongs to job %s", task.name, idempotency_key,
                  holder, extra={"action": "idempotent_publish"})
         return False, holder

@@ -231,12 +231,18 @@ class PublishStatements:
         return row, event
 
     def forget_unpublished(self, job_id: str) -> bool:
-        """Delete a pending job whose message never reached the broker."""
-        j = self.db.t.jobs
+        """Delete a pending job whose message never reached the broker, and the idempotency key it holds:
+        a key left naming a deleted job would answer every later publish under it with a job nobody runs."""
+        j, k = self.db.t.jobs, self.db.t.idempotency_keys
         with self.db.begin() as c:
+            key = c.execute(sa.select(j.c.idempotency_key).where(j.c.id == job_id)).scalar()
             res = c.execute(sa.delete(j).where(j.c.id == job_id, fenced_status(j.c.status, PENDING),
                                                j.c.attempt_count == 0, j.c.dispatch_count == 0))
-            return res.rowcount == 1
+            if res.rowcount != 1:
+                return False
+            if key is not None:
+                c.execute(sa.delete(k).where(k.c.key == key, k.c.job_id == job_id))
+            return True
 
 
 def _record_params(job: NewJob, idempotency_key: str | None = None) -> dict[str, Any]:

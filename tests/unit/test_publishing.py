@@ -135,6 +135,37 @@ def test_a_taken_idempotency_key_sends_nothing_and_names_the_first_job(app):
     assert sent == ["pub.work"]
 
 
+def test_a_key_published_again_under_the_same_task_id_sends_nothing_more(app):
+    # A caller that reuses its task id with its key (a retried request) gets the first publish, not a second
+    # message for the same job.
+    first = app.tasks["pub.work"].apply_async((1,), task_id="job-A", idempotency_key="order-2")
+    again = app.tasks["pub.work"].apply_async((1,), task_id="job-A", idempotency_key="order-2")
+    assert first.id == again.id == "job-A"
+    assert len(received(app, 1)) == 1
+
+
+def test_a_keyed_publish_whose_send_failed_leaves_its_key_free_for_the_retry(app, monkeypatch):
+    # The record is taken back when the message cannot be sent: its key too, or the retry would be
+    # answered with a job that no longer exists and nobody would ever run it.
+    import kombu.exceptions
+    import kombu.messaging
+
+    real = kombu.messaging.Producer.publish
+
+    def broker_down(self, *args, **kwargs):
+        raise ConnectionError("broker unreachable")
+
+    monkeypatch.setattr(kombu.messaging.Producer, "publish", broker_down)
+    app.conf.task_publish_retry = False
+    with pytest.raises((ConnectionError, kombu.exceptions.OperationalError)):
+        app.tasks["pub.work"].apply_async((1,), task_id="job-B", idempotency_key="order-3")
+    monkeypatch.setattr(kombu.messaging.Producer, "publish", real)
+    retried = app.tasks["pub.work"].apply_async((1,), task_id="job-C", idempotency_key="order-3")
+    assert retried.id == "job-C"
+    assert stored(app, "job-C") is not None
+    assert len(received(app, 1)) == 1
+
+
 def test_the_task_sent_event_passes_through_unrecorded(app):
     app.conf.task_send_sent_event = True
     result = app.tasks["pub.work"].apply_async((5,))
