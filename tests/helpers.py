@@ -73,3 +73,11 @@ def transaction_held(store, work: Callable = lambda conn: None) -> Iterator[None
     finally:
         release.set()
         holder.join(10)
+
+
+def text_result_column(store) -> None:
+    """Migrate a MySQL/MariaDB store, then give its jobs' result column the 64 KB ``TEXT`` the schema had
+    before revision 0007 (test-only DDL): a store that cannot keep a large return value."""
+    store.migrate()
+    with store.begin(long=True) as conn:
+        conn.exec_driver_sql(f"ALTER TABLE {store.t.jobs.name} MODIFY result TEXT NULL")

@@ -24,7 +24,8 @@ from ..masking import mask_secrets
 from ..vocabulary import Event, StoreFailure
 from .rows import RUNNING, Job, fenced_status, status_sql
 
-__all__ = ["StoreEngine", "RUNS_REVISION", "RESULT_REVISION", "where_given", "uninterrupted"]
+__all__ = ["StoreEngine", "RUNS_REVISION", "RESULT_REVISION", "NONCE_REVISION", "where_given",
+           "uninterrupted"]
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,8 @@ log = logging.getLogger(__name__)
 RUNS_REVISION = "0004"
 # The first schema revision whose jobs keep a completed job's result.
 RESULT_REVISION = "0005"
+# The first schema revision whose effect keys carry the recording call's nonce.
+NONCE_REVISION = "0008"
 
 
 STALE_REASON = "lock token no longer matches"  # the reason of every write a fence refused

@@ -14,7 +14,7 @@ from sqlalchemy.engine import Connection
 
 from ..errors import StoreUnavailable
 from ..vocabulary import EffectOutcome, Event
-from .base import StoreEngine
+from .base import NONCE_REVISION, StoreEngine
 from .caller import for_caller, is_django
 
 __all__ = ["EffectStatements", "advance_statement"]
@@ -46,20 +46,35 @@ class EffectStatements:
         j = self.db.t.jobs
         return c.execute(sa.select(j.c.id).where(self.db._fenced(job_id, token))).first() is not None
 
-    def _effect_insert(self, key: str, job_id: str, token: str, fenced: bool = True) -> Any:
+    def _effect_insert(self, key: str, job_id: str, token: str, fenced: bool = True,
+                       nonce: str | None = None) -> Any:
+        """The key's insert; ``nonce`` (on a schema that has the column) marks the row as this call's."""
         e, j = self.db.t.effects, self.db.t.jobs
+        mark = {"nonce": nonce} if nonce is not None else {}
         if not fenced:
-            return self.db.dialect.insert_ignore(e).values(key=key, job_id=job_id, at=self.db.now_sql)
-        source = (sa.select(sa.literal(key, sa.String()), j.c.id, self.db.now_sql)
+            return self.db.dialect.insert_ignore(e).values(key=key, job_id=job_id, at=self.db.now_sql, **mark)
+        source = (sa.select(sa.literal(key, sa.String()), j.c.id, self.db.now_sql,
+                            *(sa.literal(v, sa.String()) for v in mark.values()))
                   .where(self.db._fenced(job_id, token)))
-        return self.db.dialect.insert_ignore(e).from_select(["key", "job_id", "at"], source)
+        return self.db.dialect.insert_ignore(e).from_select(["key", "job_id", "at", *mark], source)
 
-    def record_effect(self, key: str, job_id: str, token: str, worker: str | None = None) -> EffectOutcome:
-        """Insert ``key`` for the job while ``token`` holds it: FIRST, DUPLICATE or LOST (audited)."""
+    def record_effect(self, key: str, job_id: str, token: str, worker: str | None = None,
+                      nonce: str | None = None) -> EffectOutcome:
+        """Insert ``key`` for the job while ``token`` holds it: FIRST, DUPLICATE or LOST (audited).
+
+        ``nonce`` is the call's own mark, the same on each of its tries: a try that finds the key with
+        it is told FIRST, as the try whose commit went through and whose answer was lost would have been.
+        """
+        if nonce is not None and not self.db.at_least(NONCE_REVISION):
+            nonce = None  # the previous revision's schema has no column for it (a rolling deploy)
+        e = self.db.t.effects
         with self.db.begin() as c:
-            if c.execute(self._effect_insert(key, job_id, token)).rowcount == 1:
+            if c.execute(self._effect_insert(key, job_id, token, nonce=nonce)).rowcount == 1:
                 return FIRST
             if self._lease_held(c, job_id, token):
+                if nonce is not None and c.execute(sa.select(e.c.nonce).where(
+                        e.c.key == key, e.c.job_id == job_id)).scalar() == nonce:
+                    return FIRST
                 return DUPLICATE
             self.db._stale(c, job_id, Event.STALE_EFFECT_REJECTED, worker, token, {"key": key})
             return LOST

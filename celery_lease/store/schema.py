@@ -147,6 +147,9 @@ def tables(prefix: str = "celery_lease_") -> Tables:
         sa.Column("key", _key(), primary_key=True),
         sa.Column("job_id", sa.String(ID), nullable=False),
         _time("at", nullable=False),
+        # The recording call's own mark (revision 0008): a call whose commit's answer was lost finds the
+        # key it wrote itself on its next try, and is not told another attempt did the effect.
+        sa.Column("nonce", sa.String(32), nullable=True),
     )
     sa.Index(f"{p}effects_job_ix", effects.c.job_id)
     locks = sa.Table(

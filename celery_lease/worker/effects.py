@@ -56,8 +56,12 @@ def effect(lease: LeaseHandle, key: str, connection: Connection | None = None) -
     lease.check()
     store = lease.store
     if connection is None:
+        # One mark for every try of this call: a try that finds the key under it knows the key is its own
+        # (an earlier try's commit went through, its answer lost) and not another attempt's.
+        nonce = secrets.token_hex(16)
+
         def record() -> EffectOutcome:
-            return store.effects.record_effect(key, lease.job_id, lease.token, lease.worker)
+            return store.effects.record_effect(key, lease.job_id, lease.token, lease.worker, nonce)
 
         # Shielded across the record: a loss held back during the call, or landing as the shield ends,
         # comes after the key it wrote is given back (its block will not run), never in place of the

@@ -75,7 +75,8 @@ def _body(self: Any, scenario: dict[str, Any]) -> str:
                                      run.si({**scenario, "replaced": True})))
         if kind == "effects":
             lease.checkpoint({"step": 1})
-            with lease.effect("k1") as first:
+            # Keys are global: one per job, so each job's effect is counted on its own.
+            with lease.effect(f"k1:{job_id}") as first:
                 if first:
                     log.incr(f"faults:effect:{job_id}:k1")
             with lease.lock(f"r-{job_id}"):

@@ -138,6 +138,9 @@ class Outcome:
     effects: int
     linked: int
     fired: str | None
+    #: Whether the audit says an effect block ended by its lost lease kept its key (effect_unconfirmed):
+    #: the one case where a finished job may not have done its effect.
+    unconfirmed: bool = False
 
     @classmethod
     def read(cls, job_id: str, store: Any, app: Any, r: Any) -> Outcome:
@@ -149,9 +152,10 @@ class Outcome:
             result = type(result).__name__
         bodies = [json.loads(b) for b in r.lrange(f"faults:body:{job_id}", 0, -1)]
         fired = r.get(f"faults:fired:{job_id}")
+        unconfirmed = bool(store.reports.events(job_id, "effect_unconfirmed"))
         return cls(job.status if job else None, state, result, bodies,
                    int(r.get(f"faults:effect:{job_id}:k1") or 0), int(r.get(f"faults:linked:{job_id}") or 0),
-                   fired.decode() if fired else None)
+                   fired.decode() if fired else None, unconfirmed)
 
 
 def forgotten(point: Point | None, mode: str) -> bool:
@@ -183,6 +187,8 @@ def broken(outcome: Outcome, clean: Outcome, mode: str, point: Point | None = No
         faults.append(f"the body reached its end {sum(b['done'] for b in outcome.bodies)} times")
     if outcome.effects > 1:
         faults.append(f"effect k1 ran {outcome.effects} times")
+    elif outcome.effects < clean.effects and outcome.status == "completed" and not outcome.unconfirmed:
+        faults.append("effect k1 never ran, yet its job completed and nothing audited it unconfirmed")
     if outcome.linked > runs:
         faults.append(f"the link callback ran {outcome.linked} times")
     return faults

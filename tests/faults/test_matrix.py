@@ -5,7 +5,8 @@ the workers' store and result-backend calls pass tests/faults/injector.py, which
 that call as the driver would. A clean job of every kind runs beside them: each faulted job
 must end as the clean one of its kind did (store status, Celery state and result; ``failed``
 also allowed for a rejection), with no two bodies overlapping, the body's end reached at most
-once, each effect and link callback at most once. Pairs listed in known_failing.txt must fail
+once, each effect and link callback at most once, and a completed job's effect done (or its
+key audited unconfirmed). Pairs listed in known_failing.txt must fail
 (strictly: one that passes fails the run, so the list only shrinks as fixes land).
 
 ``FAULTS_SEED`` replays a run's lane; ``FAULTS_RECORD=1`` writes its failing pairs to

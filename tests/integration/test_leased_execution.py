@@ -18,7 +18,7 @@ from celery_lease.config import app_config
 from celery_lease.messaging import messages
 from celery_lease.store import ClaimTerms, Store, for_app
 from tests.conftest import drop_app_store, flushed_redis, migrated_store, unique_prefix
-from tests.helpers import EMPTY_POLL, wait_for
+from tests.helpers import EMPTY_POLL, text_result_column, wait_for
 from tests.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.integration
@@ -331,14 +331,14 @@ def test_concurrent_publishers_of_one_key_make_one_job(app, broker):
 
 
 def test_a_result_the_store_cannot_keep_is_not_kept_and_the_job_still_completes(broker, mysql_url):
-    """A MySQL/MariaDB schema of revision 0006 (TEXT, 64 KB) refuses a 70 KB return value: the
-    completion is written without it (the kept result only serves a crash's post-run work), never
+    """A MySQL/MariaDB result column of TEXT (64 KB, as before revision 0007) refuses a 70 KB return
+    value: the completion is written without it (the kept result only serves a crash's post-run work), never
     deferred and retried at every beat, and Celery stores the result as plain Celery does."""
     from celery_lease.worker import runtime
 
     app = make_app(broker[0], mysql_url, result_extended=True)
     store = for_app(app, check=False)
-    store.migrate(to="0006")
+    text_result_column(store)
 
     @app.task(base=LeaseTask, bind=True, shared=False, name="t.big_result")
     def big_result(self):

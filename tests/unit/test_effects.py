@@ -14,6 +14,7 @@ from celery_lease import deadline
 from celery_lease.config import load
 from celery_lease.errors import LeaseConfigError, LeaseError, LeaseLost, LockUnavailable, StoreUnavailable
 from celery_lease.store import ClaimTerms, Store
+from celery_lease.vocabulary import EffectOutcome
 from celery_lease.worker.effects import advance, effect, lock
 from celery_lease.worker.lease import Lease
 from celery_lease.worker.runtime import Runtime
@@ -87,6 +88,22 @@ def ledger(store):
     md.create_all(store.engine)
     yield table
     md.drop_all(store.engine)
+
+
+def first_answer_lost(statements, name: str) -> list:
+    """Make the first call of ``statements.name`` commit and then raise as a dropped connection would;
+    returns the list of the calls' outcomes."""
+    real, tries = getattr(statements, name), []
+
+    def answer_lost(*args, **kwargs):
+        outcome = real(*args, **kwargs)
+        tries.append(outcome)
+        if len(tries) == 1:
+            raise StoreUnavailable("connection dropped before the answer")
+        return outcome
+
+    setattr(statements, name, answer_lost)
+    return tries
 
 
 def race(n: int, fn) -> list:
@@ -354,6 +371,43 @@ def test_a_block_failing_after_the_lease_moved_on_keeps_its_key_and_is_audited(s
     assert len(unconfirmed) == 1 and "capture:p1" in unconfirmed[0]["detail"]
 
 
+def test_an_effect_recorded_by_a_try_whose_answer_was_lost_runs_once(store, hb):
+    # The first try committed the key but its answer never came (a dropped connection): the retry finds
+    # the key under its own call's nonce and runs the block, instead of skipping an effect never done.
+    lease = claim(store, hb, "job-1")
+    tries = first_answer_lost(store.effects, "record_effect")
+    with effect(lease, "mail:1") as first:
+        assert first
+    del store.effects.record_effect
+    with effect(lease, "mail:1") as again:  # a second call in the same run is another call: a duplicate
+        assert not again
+    assert len(tries) == 2 and keys(store) == {"mail:1": "job-1"}
+
+
+def test_a_later_attempt_does_not_take_an_earlier_attempts_key_for_its_own(store, hb):
+    first_owner = claim(store, hb, "job-1")
+    with effect(first_owner, "mail:1") as first:
+        assert first
+    lapse(store, "job-1")
+    second_owner = claim(store, hb, "job-1")
+    with effect(second_owner, "mail:1") as first:
+        assert not first
+
+
+def test_a_store_on_the_previous_revision_records_effect_keys_without_their_nonce(store_factory):
+    # A rolling deploy runs this release on revision 0007's schema (no nonce column) until `lease migrate`.
+    old = store_factory(migrate=False, reuse=False)
+    old.migrate(to="0007")
+    old.publishes.record("job-1", "t.pay", "q", "{}", 5)
+    token = secrets.token_hex(16)
+    assert old.jobs.claim("job-1", "host:1", token, ClaimTerms(duration=3.0, grace=0.0, max_attempts=5,
+                                                              max_expirations=5, takeover=True),
+                          task_name="t.pay", queue="q", payload=lambda: None).claimed
+    assert old.effects.record_effect("mail:1", "job-1", token, "host:1", "a" * 32) == EffectOutcome.FIRST
+    assert old.effects.record_effect("mail:1", "job-1", token, "host:1", "a" * 32) == EffectOutcome.DUPLICATE
+    assert old.reports.effect_record("mail:1")["job_id"] == "job-1"
+
+
 def test_keys_differing_only_in_case_are_distinct_effects(store, hb):
     lease = claim(store, hb, "job-1")
     for key in ("ch_1Ab", "ch_1aB"):
@@ -534,16 +588,7 @@ def test_a_lock_taken_by_a_try_whose_answer_was_lost_is_the_retrys(store, hb):
     # The first try committed but its answer never came (a dropped connection): the retry finds its own
     # row and holds it, instead of waiting for itself until LockUnavailable.
     lease = claim(store, hb, "job-1")
-    real, tries = store.effects._acquire_lock_once, []
-
-    def answer_lost(*args, **kwargs):
-        outcome = real(*args, **kwargs)
-        tries.append(outcome)
-        if len(tries) == 1:
-            raise StoreUnavailable("connection dropped before the answer")
-        return outcome
-
-    store.effects._acquire_lock_once = answer_lost
+    tries = first_answer_lost(store.effects, "_acquire_lock_once")
     with lock(lease, "account:42", ttl=3.0, timeout=1.0) as held:
         assert holder(store, "account:42")["token"] == held.token
     assert len(tries) == 2 and holder(store, "account:42") is None

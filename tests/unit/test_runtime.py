@@ -20,7 +20,7 @@ from celery_lease.worker import interrupt, runtime
 from celery_lease.worker.effects import ResourceLock, lock
 from celery_lease.worker.lease import DeferredWrite, Lease
 from celery_lease.worker.runtime import Runtime
-from tests.helpers import wait_for
+from tests.helpers import text_result_column, wait_for
 
 
 def policy(**overrides):
@@ -486,10 +486,10 @@ def test_the_kept_cancels_thread_ends_once_none_is_left_and_the_next_outage_star
 @pytest.mark.parametrize("store_url", ["mysql"], indirect=True)
 def test_a_deferred_completion_the_store_refuses_for_good_is_not_retried_every_round(store_factory, caplog):
     """A completion deferred in an outage and then refused (a 70 KB result on a MySQL/MariaDB
-    schema of revision 0006, whose result column is TEXT) is reported once and given up: never
+    result column of TEXT, as before revision 0007) is reported once and given up: never
     the same write again at every heartbeat."""
     store = store_factory(migrate=False, reuse=False)
-    store.migrate(to="0006")
+    text_result_column(store)
     rt = Runtime(store, "host", default_interval=0.2, worker="host:1")
     rt.start = lambda: None
     try:
