@@ -86,13 +86,23 @@ class SQSExtender:
             queue = self.channel.canonical_queue_name(routing_key) if routing_key else None
             batches.setdefault((queue, url), []).append(sqs_message["ReceiptHandle"])
         changed, refused = 0, set[str]()
+        failure: Exception | None = None
         for (queue, url), handles in batches.items():
             for start in range(0, len(handles), SQS_BATCH):
                 seconds = int(self.visibility_timeout)
                 entries = [{"Id": str(i), "ReceiptHandle": handle, "VisibilityTimeout": seconds}
                            for i, handle in enumerate(handles[start:start + SQS_BATCH])]
-                reply = self.channel.sqs(queue=queue).change_message_visibility_batch(
-                    QueueUrl=url, Entries=entries)
+                try:
+                    reply = self.channel.sqs(queue=queue).change_message_visibility_batch(
+                        QueueUrl=url, Entries=entries)
+                except Exception as exc:  # noqa: BLE001 - raised once the other queues' batches are sent
+                    # One queue's error (throttled, deleted, its region unreachable) must not leave the
+                    # messages of every other queue to become visible again this round.
+                    if failure is not None:
+                        log.warning("visibility of %d messages on %s not extended: %s", len(entries), url,
+                                    exc, extra={"action": "visibility_refused"})
+                    failure = failure or exc
+                    continue
                 changed += len(reply.get("Successful", ()))
                 for failed in reply.get("Failed", ()):
                     handle = str(entries[int(failed["Id"])]["ReceiptHandle"])
@@ -102,6 +112,8 @@ class SQSExtender:
                             failed.get("Message") or failed.get("Code"),
                             extra={"action": "visibility_refused"})
         self._refused = refused  # only the handles still held and still refused
+        if failure is not None:
+            raise failure
         return changed
 
 

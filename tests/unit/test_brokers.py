@@ -120,9 +120,10 @@ class FakeSQSChannel:
 
     visibility_timeout = 1800
 
-    def __init__(self, fail_ids=()):
+    def __init__(self, fail_ids=(), fail_urls=()):
         self.calls = []
         self.fail_ids = set(fail_ids)
+        self.fail_urls = set(fail_urls)
 
     def canonical_queue_name(self, name):
         return name.replace(".", "-")
@@ -133,6 +134,8 @@ class FakeSQSChannel:
         class Client:
             def change_message_visibility_batch(self, QueueUrl, Entries):  # noqa: N803 - boto3's names
                 channel.calls.append((queue, QueueUrl, Entries))
+                if QueueUrl in channel.fail_urls:
+                    raise ConnectionError(f"{QueueUrl}: throttled")
                 failed = [{"Id": e["Id"], "Code": "ReceiptHandleIsInvalid"} for e in Entries
                           if e["ReceiptHandle"] in channel.fail_ids]
                 ok = [{"Id": e["Id"]} for e in Entries if e["ReceiptHandle"] not in channel.fail_ids]
@@ -162,6 +165,14 @@ def test_sqs_extender_changes_visibility_in_batches_of_ten_per_queue(caplog, mon
     first = channel.calls[0][2][0]
     assert first == {"Id": "0", "ReceiptHandle": "rh0", "VisibilityTimeout": 1800}
     assert "ReceiptHandleIsInvalid" in caplog.text
+
+
+def test_a_queue_whose_batch_fails_does_not_keep_the_other_queues_messages_from_being_extended():
+    channel = FakeSQSChannel(fail_urls={"https://sqs/q1"})
+    held = [sqs_held(1), sqs_held(2, url="https://sqs/q2", routing_key="jobs.slow")]
+    with pytest.raises(ConnectionError, match="q1: throttled"):
+        SQSExtender(channel).extend(held)  # the round still fails: the keeper reconnects, as before
+    assert [url for _, url, _ in channel.calls] == ["https://sqs/q1", "https://sqs/q2"]
 
 
 def test_sqs_extender_changes_held_messages_on_moto_and_reports_a_gone_one_once(sqs_url, caplog, monkeypatch):
