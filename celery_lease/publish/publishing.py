@@ -80,7 +80,10 @@ def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id
                 # Not created under its key: the key's job, this very id when it was reused, is sent already.
                 raise _KeyTaken(holder)
 
-        if batch is not None and idempotency_key is None and task.app.conf.task_protocol != 1:
+        # After a body (Celery's post-run work, a plain task) each job is recorded alone: an outage then
+        # sends it unrecorded, as above, where a batch's failure would drop the whole group.
+        if batch is not None and idempotency_key is None and task.app.conf.task_protocol != 1 and not (
+                _after_a_body()):
             reopen = _reopens(task_id)
 
             def keep(payload: str, send_message: Callable[[Any], Any]) -> None:

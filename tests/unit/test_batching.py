@@ -19,6 +19,7 @@ import kombu
 import pytest
 import sqlalchemy as sa
 from celery import Celery, chain, chord, group, signals
+from celery._state import pop_current_task, push_current_task
 
 from celery_lease import LeaseTask
 from celery_lease.errors import StoreUnavailable
@@ -194,6 +195,27 @@ def test_a_group_whose_store_cannot_record_it_raises_and_sends_none_of_its_messa
         holder.rollback()
         holder.close()
     assert queued_ids(app, 0) == []
+    assert for_app(app).reports.list_jobs() == []
+
+
+@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
+def test_a_group_sent_after_a_body_while_the_store_cannot_record_it_is_sent_whole(app):
+    # Celery's post-run work (a chain's next step that is a group) or a plain task's body: plain Celery
+    # would send the group, so each job goes out unrecorded and its claim records it.
+    work, plain = app.tasks["batch.work"], app.tasks["batch.total"]
+    path = sa.engine.make_url(app.conf.lease_store_url).database
+    holder = sqlite3.connect(path, timeout=0)
+    holder.execute("BEGIN IMMEDIATE")  # another writer holds the file past the store's bound
+    plain.push_request(id="the-plain-task", called_directly=False)
+    push_current_task(plain)
+    try:
+        result = group([work.s(i) for i in range(2)]).apply_async()
+    finally:
+        pop_current_task()
+        plain.pop_request()
+        holder.rollback()
+        holder.close()
+    assert queued_ids(app, 2) == [r.id for r in result.results]
     assert for_app(app).reports.list_jobs() == []
 
 
