@@ -5,6 +5,7 @@ another one ran. Anything less sure goes on to Celery's path and the claim."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,11 @@ from ..worker.threads import worker_id
 __all__ = ["lease_strategy", "sure_duplicate", "owner_node"]
 
 log = logging.getLogger(__name__)
+
+#: Seconds the strategy reads nothing after the store did not answer. The read runs in the consumer's event
+#: loop: in an outage each one would hold every delivery (and the broker connection's heartbeats) for the
+#: store's call bound, where the claim waits in the pool, as plain Celery would have run on.
+QUIET = 10.0
 
 
 def owner_node(locked_by: str | None) -> str | None:
@@ -65,15 +71,19 @@ def lease_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Callabl
     if not (eventer and eventer.enabled and task.send_events and leased(task)):
         return handler
     node, errors = consumer.hostname, consumer.connection_errors
+    quiet_until = 0.0
 
     def lease_message_handler(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any,
                               **more: Any) -> Any:
+        nonlocal quiet_until
         job_id = (message.headers or {}).get("id")
-        if job_id:
+        if job_id and time.monotonic() >= quiet_until:
             try:
                 store = for_app(app)
                 glance = store.deliveries.glance(job_id)
             except (StoreUnavailable, StoreRejected) as exc:
+                if isinstance(exc, StoreUnavailable):
+                    quiet_until = time.monotonic() + QUIET
                 log.debug("job %s: not read before task-received (%s)", job_id, exc)
             else:
                 if sure_duplicate(glance, node, lambda: _result_held(task, job_id)):

@@ -56,3 +56,52 @@ def test_glance_reads_status_owner_live_lease_and_kept_result(store):
     assert store.deliveries.glance("j1") == Glance(Status.RUNNING, "w2@host:41", True, False)
     assert store.jobs.complete("j1", token, "w2@host:41", result='{"v": 1}')
     assert store.deliveries.glance("j1") == Glance(Status.COMPLETED, "w2@host:41", False, True)
+
+
+class _Message:
+    def __init__(self, job_id: str) -> None:
+        self.headers, self.delivery_info = {"id": job_id}, {}
+
+
+def test_after_the_store_did_not_answer_the_strategy_passes_deliveries_on_unread(monkeypatch):
+    # The read runs in the consumer's event loop: in an outage it would hold every delivery for the
+    # store's call bound. After one unanswered read the next deliveries go straight to Celery's path.
+    from celery import Celery
+
+    import celery_lease.integration.strategy as strategy
+    from celery_lease import LeaseTask
+
+    app = Celery("strategy_quiet", broker="memory://", set_as_current=False)
+    app.conf.lease_store_url = "postgresql+psycopg://postgres@127.0.0.1:1/test"  # nothing listens there
+
+    @app.task(base=LeaseTask, shared=False, name="quiet.work")
+    def work():
+        return None
+
+    app.finalize()
+    work = app.tasks["quiet.work"]
+    passed_on: list[str] = []
+    reads: list[str] = []
+    real_for_app = strategy.for_app
+
+    def counted_for_app(app_):
+        reads.append("read")
+        return real_for_app(app_)
+
+    class Consumer:
+        hostname, connection_errors = NODE, ()
+        event_dispatcher = type("Events", (), {"enabled": True})()
+
+    monkeypatch.setattr(strategy, "for_app", counted_for_app)
+    monkeypatch.setattr(strategy, "default", lambda *a, **kw: lambda message, *rest, **more: passed_on.append(
+        message.headers["id"]))
+    handler = strategy.lease_strategy(work, app, Consumer())
+    for job_id in ("a", "b", "c"):
+        handler(_Message(job_id), None, None, None, None)
+    assert passed_on == ["a", "b", "c"] and len(reads) == 1
+
+    monkeypatch.setattr(strategy, "QUIET", 0.0)  # no quiet spell: each delivery reads (and fails) again
+    handler = strategy.lease_strategy(work, app, Consumer())
+    for job_id in ("d", "e"):
+        handler(_Message(job_id), None, None, None, None)
+    assert passed_on[-2:] == ["d", "e"] and len(reads) == 3
