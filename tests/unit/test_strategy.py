@@ -74,7 +74,10 @@ def test_after_the_store_did_not_answer_the_strategy_passes_deliveries_on_unread
     app = Celery("strategy_quiet", broker="memory://", set_as_current=False)
     app.conf.lease_store_url = "postgresql+psycopg://postgres@127.0.0.1:1/test"  # nothing listens there
 
-    app.task(base=LeaseTask, shared=False, name="quiet.work")(lambda: None)
+    @app.task(base=LeaseTask, shared=False, name="quiet.work")
+    def quiet_work():
+        return None
+
     app.finalize()
     work = app.tasks["quiet.work"]  # the task itself: the decorator's proxy is not a LeaseTask instance
     passed_on: list[str] = []
