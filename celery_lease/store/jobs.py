@@ -237,6 +237,13 @@ class JobStatements:
         self.db._stale(None, job_id, Event.STALE_COMPLETION_REJECTED, worker, token)
         return False
 
+    def wrote(self, job_id: str, token: str, event: Event) -> bool:
+        """Whether a write under ``token`` audited as ``event`` landed (its answer may have been lost)."""
+        e = self.db.t.events
+        with self.db.begin(read=True) as c:
+            return c.execute(sa.select(e.c.id).where(e.c.job_id == job_id, e.c.event == event.value,
+                                                     e.c.token == token[:8]).limit(1)).first() is not None
+
     def kept_result(self, job_id: str) -> str | None:
         """The encoded result a completed job kept (None: not completed, or nothing kept)."""
         if not self.db.at_least(RESULT_REVISION):

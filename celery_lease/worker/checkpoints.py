@@ -74,11 +74,16 @@ def recorded_again(lease: Checkpointed, record_again: Callable[[], bool] | None)
 
 
 def send_if_pending(lease: Checkpointed) -> bool:
-    """After a deferred write refused as stale: send a pending job's message again (extras are harmless)."""
-    job = lease.store.get(lease.job_id)
-    if job is None or job.status != Status.PENDING or lease.app is None:
+    """After a write refused as stale: send a pending job's message again (extras are harmless); an error is
+    logged, the reaper's dispatch scan sends it later."""
+    try:
+        job = lease.store.get(lease.job_id)
+        if job is None or job.status != Status.PENDING or lease.app is None:
+            return False
+        messages.republish(lease.app, lease.job_id, job.payload)
+    except Exception as exc:  # noqa: BLE001 - the dispatch scan sends it later
+        log.warning("job %s: not sent again (%s); the reaper's dispatch scan will", lease.job_id, exc)
         return False
-    messages.republish(lease.app, lease.job_id, job.payload)
     log.info("job %s [%s]: pending after a write whose answer was lost; its message sent again",
              lease.job_id, lease.token[:8], extra={"action": "pending_job_sent_again"})
     return True

@@ -24,6 +24,9 @@ class DeferredWrite:
     end: RunEnd
     write: Callable[[], bool]
     then: Callable[[], None] | None = None
+    #: Whether the first try's commit went through although its answer was lost: asked before the write is
+    #: tried again, which would find the row moved on (by itself) and skip ``then``.
+    landed: Callable[[], bool] | None = None
 
 
 class RuntimeHandle(Protocol):

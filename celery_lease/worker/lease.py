@@ -43,6 +43,7 @@ class Lease:
         self.store = runtime.store
         self.worker = runtime.worker
         self.app = app
+        self._release_sent = False
         self.acks_late = acks_late
         self.job_id = job_id
         self.token = token
@@ -207,8 +208,12 @@ class Lease:
     def give_back(self, reason: Event = Event.RELEASED_ON_SHUTDOWN, republish: bool | None = None) -> bool:
         """Release the lease so the job runs again soon, re-sending its message when the broker forgot it
         (``republish`` defaults to acks_late off)."""
-        if not self.store.jobs.release(self.job_id, self.token, self.worker, reason):
-            return False
+        # A try whose answer was lost may have released the job: asked before a second release would
+        # find the row moved on (by itself) and leave it pending with no message.
+        if not (self._release_sent and self.store.jobs.wrote(self.job_id, self.token, reason)):
+            self._release_sent = True
+            if not self.store.jobs.release(self.job_id, self.token, self.worker, reason):
+                return False
         if reason == Event.RELEASED_ON_SHUTDOWN:
             events.send(self.app, self.runtime.hostname,
                         [events.retried(self.job_id, events.RELEASED_ON_SHUTDOWN, self.attempt)])

@@ -228,7 +228,7 @@ def _body(task: Any, lease: Lease, body_request: Any, args: tuple[Any, ...],
     return RunEnd.RETURNED, result, None
 
 def _write(lease: Lease, end: RunEnd, write: Callable[[], bool], then: Callable[[], None] | None = None,
-           later: Callable[[], bool] | None = None) -> bool | None:
+           later: Callable[[], bool] | None = None, landed: Callable[[], bool] | None = None) -> bool | None:
     """One settle write: True (written, ``then`` followed), False (stale), None (``later`` deferred)."""
     try:
         written = write()
@@ -239,14 +239,11 @@ def _write(lease: Lease, end: RunEnd, write: Callable[[], bool], then: Callable[
     except StoreUnavailable as exc:
         log.error("job %s [%s]: %s not written, the store is unreachable (%s); kept until it answers",
                   lease.job_id, lease.token[:8], end, exc, extra={"action": "settle_deferred"})
-        lease.runtime.defer(lease, DeferredWrite(end, later or write, then))
+        lease.runtime.defer(lease, DeferredWrite(end, later or write, then, landed))
         return None
     if not written:
         # Stale, or this write committed once unanswered: a job left pending gets its message again.
-        try:
-            lease.send_if_pending()
-        except Exception as error:  # noqa: BLE001 - the reaper's dispatch scan sends it later
-            log.warning("job %s: not sent again (%s); the dispatch scan will", lease.job_id, error)
+        lease.send_if_pending()
     elif then is not None:
         try:
             then()
@@ -371,12 +368,20 @@ def _retry(task: Any, lease: Lease, exc: BaseException) -> None:
     raise exc
 
 
-def _dead_letter(task: Any, store: Store, job_id: str, policy: TaskPolicy) -> None:
-    if not policy.dead_letter_queue:
+def _dead_letter(task: Any, lease: Lease) -> None:
+    """Send a failed job's stored message to its dead-letter queue, once; its audit is best effort."""
+    queue, store, job_id = lease.policy.dead_letter_queue, lease.store, lease.job_id
+    if not queue:
         return
-    job = store.get(job_id)
-    messages.republish(task.app, job_id, job.payload if job else None, queue=policy.dead_letter_queue)
-    store.event(job_id, Event.DEAD_LETTER_PUBLISHED, policy.dead_letter_queue)
+    # The failure has landed: a store that does not answer the read is waited for as a body's call is,
+    # or the dead letter would be lost.
+    job = lease.patiently(lambda: store.get(job_id))
+    messages.republish(task.app, job_id, job.payload if job else None, queue=queue)
+    try:
+        store.event(job_id, Event.DEAD_LETTER_PUBLISHED, queue)
+    except (StoreUnavailable, StoreRejected) as exc:
+        log.warning("job %s: dead letter sent to %s, its audit not written (%s)", job_id, queue, exc,
+                    extra={"action": Event.DEAD_LETTER_PUBLISHED})
 
 
 def _fail(task: Any, lease: Lease, exc: BaseException) -> None:
@@ -385,6 +390,7 @@ def _fail(task: Any, lease: Lease, exc: BaseException) -> None:
     error = f"{type(exc).__name__}: {exc}"
     store, job_id = lease.store, lease.job_id
     written = _write(lease, RunEnd.FAILED, lambda: store.jobs.fail(job_id, lease.token, error, lease.worker),
-                     then=lambda: _dead_letter(task, store, job_id, lease.policy))
+                     then=lambda: _dead_letter(task, lease),
+                     landed=lambda: store.jobs.wrote(job_id, lease.token, Event.FAILED))
     if written is False:
         raise Ignore() from exc

@@ -226,7 +226,7 @@ class Runtime:
             if write is None:
                 continue
             try:
-                written = write.write()
+                written = (write.landed is not None and write.landed()) or write.write()
                 if not written and lease.vanished_and_recorded_again():
                     written = write.write()  # the row vanished while the store was away (a restore)
             except StoreRejected as exc:
@@ -242,11 +242,7 @@ class Runtime:
                 # The first try may have committed unanswered: a job left pending gets its message again.
                 log.warning("job %s [%s]: deferred %s rejected, the lease moved on", lease.job_id,
                             lease.token[:8], write.end, extra={"action": "stale_deferred_write_rejected"})
-                try:
-                    lease.send_if_pending()
-                except Exception as exc:  # noqa: BLE001 - the dispatch scan sends it later
-                    log.warning("job %s: not sent again (%s); the reaper's dispatch scan will",
-                                lease.job_id, exc)
+                lease.send_if_pending()
                 continue
             log.info("job %s [%s]: %s written after the store came back", lease.job_id, lease.token[:8],
                      write.end, extra={"action": "deferred_write_landed"})

@@ -31,6 +31,8 @@ app.conf.update(
     lease_backoff_base=0.2, lease_backoff_max=1.0,
     task_acks_late=True, worker_prefetch_multiplier=1,
     task_default_queue=os.environ.get("FAULTS_QUEUE", "faults"),
+    # Nobody consumes it: the matrix counts each job's dead letters there.
+    lease_dead_letter_queue=os.environ.get("FAULTS_QUEUE", "faults") + "_dlq",
     broker_connection_retry_on_startup=True,
     beat_schedule={"lease-reaper": {"task": "celery_lease.reap", "schedule": 1.0}},
 )

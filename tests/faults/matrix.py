@@ -42,6 +42,9 @@ BACKEND_VERBS = frozenset({"store_result", "get_state", "mark_as_retry", "mark_a
 #: SUCCESS, its link callback again (at-least-once: nothing is left to tell it from a first one).
 FORGOTTEN = frozenset({"duplicate claim#2", "duplicate now#1", "duplicate get#1", "duplicate event#1",
                        "duplicate kept_result#1"})
+#: Points after a job's end where a vanished row is the store forgetting a finished job: nothing brings the
+#: row back (its message is acknowledged), Celery's state stands, and a dead letter read from it is not sent.
+FORGOTTEN_AFTER_END = frozenset({"raise get#1", "raise event#1"})
 POOLS = ("prefork", "threads")
 STORES = ("postgres", "sqlite")
 #: Seconds every job of the run has, after the last was published, to reach its final state.
@@ -141,6 +144,8 @@ class Outcome:
     #: Whether the audit says an effect block ended by its lost lease kept its key (effect_unconfirmed):
     #: the one case where a finished job may not have done its effect.
     unconfirmed: bool = False
+    #: Messages of the job in the lane's dead-letter queue.
+    dead_letters: int = 0
 
     @classmethod
     def read(cls, job_id: str, store: Any, app: Any, r: Any) -> Outcome:
@@ -153,14 +158,21 @@ class Outcome:
         bodies = [json.loads(b) for b in r.lrange(f"faults:body:{job_id}", 0, -1)]
         fired = r.get(f"faults:fired:{job_id}")
         unconfirmed = bool(store.reports.events(job_id, "effect_unconfirmed"))
+        dead_letters = sum(json.loads(m)["headers"]["id"] == job_id
+                           for m in r.lrange(app.conf.lease_dead_letter_queue, 0, -1))
         return cls(job.status if job else None, state, result, bodies,
                    int(r.get(f"faults:effect:{job_id}:k1") or 0), int(r.get(f"faults:linked:{job_id}") or 0),
-                   fired.decode() if fired else None, unconfirmed)
+                   fired.decode() if fired else None, unconfirmed, dead_letters)
 
 
 def forgotten(point: Point | None, mode: str) -> bool:
     """Whether the pair's fault makes the store forget a finished job (see FORGOTTEN)."""
     return mode == "vanished" and point is not None and str(point) in FORGOTTEN
+
+
+def forgotten_after_end(point: Point | None, mode: str) -> bool:
+    """Whether the pair's fault deletes the row of a job already finished (see FORGOTTEN_AFTER_END)."""
+    return mode == "vanished" and point is not None and str(point) in FORGOTTEN_AFTER_END
 
 
 def broken(outcome: Outcome, clean: Outcome, mode: str, point: Point | None = None) -> list[str]:
@@ -173,6 +185,8 @@ def broken(outcome: Outcome, clean: Outcome, mode: str, point: Point | None = No
         clean, runs = dataclasses.replace(clean, state="SUCCESS", result=f"ok:{point.kind}"), 2
     if outcome.status in ("running", "pending"):
         faults.append(f"not settled: store status {outcome.status}")
+    elif outcome.status is None and forgotten_after_end(point, mode):
+        pass  # the fault deleted the finished job's row: Celery's state and the runs are still judged
     elif outcome.status is None and clean.status is not None:
         faults.append("the job's row is gone")
     elif outcome.status != clean.status and not (rejected and outcome.status == "failed"):
@@ -189,6 +203,8 @@ def broken(outcome: Outcome, clean: Outcome, mode: str, point: Point | None = No
         faults.append(f"effect k1 ran {outcome.effects} times")
     elif outcome.effects < clean.effects and outcome.status == "completed" and not outcome.unconfirmed:
         faults.append("effect k1 never ran, yet its job completed and nothing audited it unconfirmed")
+    if outcome.status == clean.status and outcome.dead_letters != clean.dead_letters:
+        faults.append(f"{outcome.dead_letters} dead letters, clean run {clean.dead_letters}")
     if outcome.linked > runs:
         faults.append(f"the link callback ran {outcome.linked} times")
     return faults

@@ -5,9 +5,10 @@ the workers' store and result-backend calls pass tests/faults/injector.py, which
 that call as the driver would. A clean job of every kind runs beside them: each faulted job
 must end as the clean one of its kind did (store status, Celery state and result; ``failed``
 also allowed for a rejection), with no two bodies overlapping, the body's end reached at most
-once, each effect and link callback at most once, and a completed job's effect done (or its
-key audited unconfirmed). Pairs listed in known_failing.txt must fail
-(strictly: one that passes fails the run, so the list only shrinks as fixes land).
+once, each effect and link callback at most once, a completed job's effect done (or its
+key audited unconfirmed), and as many dead letters as the clean run sent. Pairs listed in
+known_failing.txt must fail (strictly: one that passes fails the run, so the list only shrinks as
+fixes land).
 
 ``FAULTS_SEED`` replays a run's lane; ``FAULTS_RECORD=1`` writes its failing pairs to
 known_failing.<store>.txt (merged by hand into known_failing.txt: tagged by store, and flaky
@@ -124,9 +125,11 @@ class Lane:
 
     def _final(self, r: redis.Redis, job: str, status: str | None, meta: bytes | None) -> bool:
         kind = self.jobs[job][0]
+        state = json.loads(meta)["status"] if meta else "PENDING"
+        if status is None and matrix.forgotten_after_end(*self.jobs[job][1:]):
+            return state in ("SUCCESS", "FAILURE")  # the fault deleted the finished job's row
         if status not in ("completed", "failed"):
             return False
-        state = json.loads(meta)["status"] if meta else "PENDING"
         if kind == "duplicate" and job in self.duplicated:  # its result was deleted: see below
             fired = r.get(f"faults:fired:{job}")
             if fired and matrix.forgotten(*self.jobs[job][1:]):  # the duplicate runs as a first delivery
@@ -164,6 +167,7 @@ class Lane:
                      f"celery-task-meta-{job}")
         with kombu.Connection(redis_url) as conn:
             kombu.Queue(self.queue, channel=conn.default_channel).delete()
+            kombu.Queue(f"{self.queue}_dlq", channel=conn.default_channel).delete()
         self.store.drop_schema()
         self.store.engine.dispose()
         self.mod.app.close()

@@ -669,3 +669,25 @@ def test_a_delivery_reads_its_store_and_terms_once_until_the_settings_are_reload
         for lease in rt.leases():
             rt.forget(lease)
         runtime.retire(app)
+
+
+def test_a_lost_lease_whose_release_landed_unanswered_is_given_back_once_the_store_answers(store, rt):
+    # The release committed but its answer was lost: the next round finds the release its own token
+    # wrote and counts the job given back (its message re-sent), neither a lease that moved on nor a
+    # second, stale, release.
+    lease = claim(store, rt, "job-1")
+    rt.attach(Request(), lease)
+    real, tries = store.jobs.release, []
+
+    def answer_lost(*args, **kwargs):
+        tries.append(real(*args, **kwargs))
+        if len(tries) == 1:
+            raise StoreUnavailable("connection dropped before the answer")
+        return tries[-1]
+
+    store.jobs.release = answer_lost
+    rt.lost_locally(lease, give_back=True)
+    assert rt.give_back_lost() == 0  # the store did not answer
+    assert rt.give_back_lost() == 1
+    assert tries == [True] and store.get("job-1").status == "pending"
+    assert "stale_release_rejected" not in [e["event"] for e in store.reports.events("job-1")]

@@ -17,7 +17,7 @@ from celery_lease import deadline
 from celery_lease.config import load
 from celery_lease.errors import LeaseLost, StoreUnavailable
 from celery_lease.store import ClaimTerms
-from celery_lease.vocabulary import RunEnd
+from celery_lease.vocabulary import Event, RunEnd
 from celery_lease.worker.lease import DeferredWrite, Lease
 from celery_lease.worker.runtime import Runtime
 from celery_lease.worker.threads import Loop
@@ -357,6 +357,21 @@ def test_a_deferred_failure_lands_when_the_store_answers_and_its_dead_letter_fol
     assert followed == ["deferred-failure"] and lease not in hb.runtime.leases()
     hb.beat()
     assert followed == ["deferred-failure"]
+
+
+def test_a_deferred_failure_whose_first_try_landed_unanswered_is_followed_by_its_dead_letter(store, hb):
+    # The failure committed but its answer was lost: the flush finds the failure its own token wrote
+    # (the audit) and sends the dead letter, instead of reading the row as moved on and sending nothing.
+    lease = held_lease(store, hb.runtime, "landed-failure")
+    assert store.jobs.fail(lease.job_id, lease.token, "ValueError: boom", lease.worker)
+    followed: list[str] = []
+    lease.runtime.defer(lease, DeferredWrite(
+        RunEnd.FAILED, lambda: store.jobs.fail(lease.job_id, lease.token, "ValueError: boom", lease.worker),
+        lambda: followed.append(lease.job_id),
+        landed=lambda: store.jobs.wrote(lease.job_id, lease.token, Event.FAILED)))
+    hb.beat()
+    assert followed == ["landed-failure"] and lease not in hb.runtime.leases()
+    assert [e["event"] for e in store.reports.events("landed-failure")][-1] == "failed"  # no stale audit
 
 
 def test_a_deferred_failure_of_a_lease_that_moved_on_writes_and_dead_letters_nothing(store, hb):
