@@ -4,9 +4,11 @@ header, messaging/messages.py)."""
 
 from __future__ import annotations
 
+import collections
 import datetime
 import logging
 import random
+import threading
 from typing import Any, NoReturn
 
 from celery import Task, states
@@ -219,3 +221,66 @@ def resume_post_run(task: Task, store: Store, worker: str, job: Any) -> tuple[bo
     _audit(store, job.id, Event.POST_RUN_RESUMED, f"result backend state was {state}", worker,
            {"redelivered": bool((request.delivery_info or {}).get("redelivered"))})
     return True, value
+
+
+UNANSWERED_KEPT = 1000  # unanswered claim tokens a process remembers
+
+
+class UnansweredClaims:
+    """The claims a process sent and gave up on unanswered (the newest UNANSWERED_KEPT), by token: the
+    server may have committed one that no body runs."""
+
+    def __init__(self) -> None:
+        self._claims: collections.OrderedDict[str, tuple[str, Any]] = collections.OrderedDict()
+        self._mutex = threading.Lock()
+
+    def remember(self, job_id: str, token: str, app: Any) -> None:
+        with self._mutex:
+            self._claims[token] = (job_id, app)
+            while len(self._claims) > UNANSWERED_KEPT:
+                self._claims.popitem(last=False)
+
+    def orphaned(self, job_id: str, token: str | None) -> bool:
+        """Whether ``token`` on ``job_id`` is a claim of ours whose answer was lost (no body runs it)."""
+        with self._mutex:
+            return token is not None and self._claims.get(token, ("",))[0] == job_id
+
+    def forget(self, token: str) -> None:
+        with self._mutex:
+            self._claims.pop(token, None)
+
+    def release(self, store: Store, worker: str) -> None:
+        """The heartbeat's part: give back those the store did commit (release_unanswered)."""
+        with self._mutex:
+            claims = [(token, job_id, app) for token, (job_id, app) in self._claims.items()]
+        for token in release_unanswered(store, worker, claims) if claims else ():
+            self.forget(token)
+
+
+def release_unanswered(store: Store, worker: str, claims: list[tuple[str, str, Any]]) -> list[str]:
+    """Give back, fenced on their tokens, the claims (token, job id, app) this process gave up on unanswered
+    that the store did commit, and send each such job's message again: no body runs it, and the copy sent
+    when the claim failed may have been skipped elsewhere as a duplicate of this very claim. Returns the
+    tokens settled (released, or never committed); the rest wait for the store to answer."""
+    settled: list[str] = []
+    for token, job_id, app in claims:
+        try:
+            job = store.get(job_id)
+            released = (job is not None and job.status == Status.RUNNING and job.lock_token == token
+                        and store.jobs.release(job_id, token, worker, Event.RELEASED_AFTER_OUTAGE))
+        except StoreUnavailable:
+            break
+        except StoreRejected as exc:
+            log.error("job %s [%s]: the claim whose answer was lost could not be given back (%s); left to "
+                      "the reaper", job_id, token[:8], exc, extra={"action": "give_back_rejected"})
+            released = False
+        settled.append(token)
+        if not released or job is None:
+            continue
+        log.warning("job %s [%s]: a claim whose answer was lost had committed; given back and sent again",
+                    job_id, token[:8], extra={"action": Event.RELEASED_AFTER_OUTAGE})
+        try:
+            messages.republish(app, job_id, job.payload)
+        except Exception as exc:  # noqa: BLE001 - the reaper's dispatch scan sends it later
+            log.warning("job %s: not sent again (%s); the reaper's dispatch scan will", job_id, exc)
+    return settled

@@ -104,13 +104,13 @@ def _claim(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Claimed
         if request.is_eager:
             raise  # no message to deliver again: the caller sees the outage
         if rt is not None:
-            rt.claim_unanswered(job_id, token)  # the server may still commit it
+            rt.unanswered.remember(job_id, token, task.app)  # the server may still commit it
         _fail_closed(task, queue, exc)
     if claim.outcome == ClaimOutcome.EARLY:
         deliveries.defer_early(task, store, rt.worker, claim.wait)
     if claim.outcome == ClaimOutcome.REPLACED:
         deliveries.skip_replaced_copy(task, store, rt.worker, claim.step)
-    if not claim.claimed and claim.job is not None and rt.orphaned_claim(job_id, claim.job.lock_token):
+    if not claim.claimed and claim.job is not None and rt.unanswered.orphaned(job_id, claim.job.lock_token):
         claim = _reclaim(store, rt, claim, token, terms)
     if not claim.claimed:
         if claim.job is not None and claim.job.status == Status.COMPLETED:
@@ -145,7 +145,7 @@ def _reclaim(store: Store, rt: runtime.Runtime, claim: Claim, token: str, terms:
         return claim
     if job is None:
         return claim
-    rt.forget_unanswered(lost)
+    rt.unanswered.forget(lost)
     log.info("job %s [%s]: took back this process's claim [%s] whose answer was lost", job.id, token[:8],
              lost[:8], extra={"action": "lost_claim_taken_back"})
     return Claim(ClaimOutcome.CLAIMED, job)

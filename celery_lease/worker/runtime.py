@@ -3,7 +3,6 @@ stale and a new claim of one job never share a lease), its heartbeat, deadline t
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import socket
@@ -14,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import celery_lease.deadline as deadline
 import celery_lease.messaging.messages as messages
 import celery_lease.store as stores
+import celery_lease.worker.deliveries as deliveries
 import celery_lease.worker.interrupt as interrupt
 
 from ..app_state import app_state
@@ -31,13 +31,12 @@ if TYPE_CHECKING:
     from ..store import Job, Store
     from .pause import ConsumerPause
 
-__all__ = ["Runtime", "DeadlineTimer", "PendingCancels", "MAX_TIMER_SLEEP", "CANCELS_KEPT", "UNANSWERED_KEPT",
+__all__ = ["Runtime", "DeadlineTimer", "PendingCancels", "MAX_TIMER_SLEEP", "CANCELS_KEPT",
            "Process", "PROCESS", "for_app", "for_delivery", "current", "retire", "in_process",
            "release_all_in_process"]
 
 log = logging.getLogger(__name__)
 
-UNANSWERED_KEPT = 1000  # unanswered claim tokens a process remembers
 
 
 class Runtime:
@@ -63,27 +62,11 @@ class Runtime:
         # A worker's main process stops its consumer here while the store is down (outage.py).
         self.pause: ConsumerPause | None = None
         # Claims sent and given up on unanswered: the server may have committed one that no body runs.
-        self._unanswered: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self.unanswered = deliveries.UnansweredClaims()
         # What for_delivery resolved per (task, queue, nesting): its store (None when the app's store
         # follows a Django database, checked on every delivery), policy and claim terms.
         self.deliveries: dict[tuple[str, str | None, int],
                               tuple[Store | None, TaskPolicy, stores.ClaimTerms]] = {}
-
-    def claim_unanswered(self, job_id: str, token: str) -> None:
-        """A claim of ``job_id`` with ``token`` got no answer: remember it (the newest 1,000)."""
-        with self._mutex:
-            self._unanswered[token] = job_id
-            while len(self._unanswered) > UNANSWERED_KEPT:
-                self._unanswered.popitem(last=False)
-
-    def orphaned_claim(self, job_id: str, token: str | None) -> bool:
-        """Whether ``token`` on ``job_id`` is a claim of ours whose answer was lost (no body runs it)."""
-        with self._mutex:
-            return token is not None and self._unanswered.get(token) == job_id
-
-    def forget_unanswered(self, token: str) -> None:
-        with self._mutex:
-            self._unanswered.pop(token, None)
 
     def admit(self, task: Any, request: Any, body_request: Any, job: Job, token: str, policy: TaskPolicy, *,
               sent_at: float, record_again: Callable[[], bool]) -> Lease:

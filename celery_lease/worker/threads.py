@@ -182,6 +182,7 @@ class Heartbeat:
                 rt.forget(lease)
                 counts["lost"] += 1
         rt.give_back_lost()
+        rt.unanswered.release(self.store, self.worker)
         rt.flush_deferred()
         rt.flush_checkpoints()
         try:

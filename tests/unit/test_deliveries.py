@@ -268,3 +268,48 @@ def test_a_completed_job_older_than_result_expires_is_an_ordinary_duplicate(resu
         assert deliveries.resume_post_run(task, store, "me:1", old) == (True, {"total": 3})
     finally:
         task.pop_request()
+
+
+def test_a_claim_given_up_is_remembered_for_its_job_only_and_the_oldest_are_forgotten(monkeypatch):
+    monkeypatch.setattr(deliveries, "UNANSWERED_KEPT", 3)
+    claims = deliveries.UnansweredClaims()
+    claims.remember("job-1", "tok-1", None)
+    assert claims.orphaned("job-1", "tok-1")
+    assert not claims.orphaned("job-2", "tok-1") and not claims.orphaned("job-1", None)
+    for n in range(2, 5):
+        claims.remember(f"job-{n}", f"tok-{n}", None)
+    assert not claims.orphaned("job-1", "tok-1")  # the oldest of four, with room for three
+    assert claims.orphaned("job-4", "tok-4")
+    claims.forget("tok-4")
+    assert not claims.orphaned("job-4", "tok-4")
+
+
+def test_a_claim_whose_answer_was_lost_but_committed_is_given_back_and_its_message_sent_again(store,
+                                                                                                resending):
+    # Its first re-sent copy may reach another process, which finds the job running under this claim and
+    # skips it as a duplicate: nobody would run the job until its lease lapsed past the reaper's grace.
+    import secrets
+
+    from celery_lease.store import ClaimTerms
+
+    task, client, queue = resending
+    store.publishes.record("job-1", "d.work", queue, messages.encode("d.work", (7,), {}, {}, "json"), 3)
+    store.publishes.record("job-2", "d.work", queue, messages.encode("d.work", (8,), {}, {}, "json"), 3)
+    committed, never = secrets.token_hex(16), secrets.token_hex(16)
+    terms = ClaimTerms(duration=30.0, grace=1.0, max_attempts=3, max_expirations=3, takeover=True)
+    assert store.jobs.claim("job-1", "host:1", committed, terms, task_name="d.work", queue=queue,
+                            payload=lambda: None).claimed
+    claims = deliveries.UnansweredClaims()
+    claims.remember("job-1", committed, task.app)
+    claims.remember("job-2", never, task.app)  # its claim never reached the store
+
+    claims.release(store, "host:1")
+
+    job = store.get("job-1")
+    assert (job.status, job.attempt_count, job.lock_token) == ("pending", 0, None)
+    assert [e["event"] for e in store.reports.events("job-1")][-1] == "released_after_outage"
+    sent = [json.loads(m)["headers"]["id"] for m in client.lrange(queue, 0, -1)]
+    assert sent == ["job-1"]
+    assert store.get("job-2").status == "pending"
+    assert not store.reports.events("job-2", "stale_release_rejected")
+    assert not claims.orphaned("job-1", committed) and not claims.orphaned("job-2", never)

@@ -398,20 +398,6 @@ def test_release_all_in_process_gives_back_every_lease_and_stops_the_threads(sto
     assert not rt.timer._loop.thread.is_alive() and not rt.heartbeat._loop.thread.is_alive()
 
 
-def test_a_claim_given_up_is_remembered_for_its_job_only_and_the_oldest_are_forgotten(store, monkeypatch):
-    monkeypatch.setattr(runtime, "UNANSWERED_KEPT", 3)
-    rt = Runtime(store, "host", default_interval=0.2, worker="host:4")
-    rt.claim_unanswered("job-1", "tok-1")
-    assert rt.orphaned_claim("job-1", "tok-1")
-    assert not rt.orphaned_claim("job-2", "tok-1") and not rt.orphaned_claim("job-1", None)
-    for n in range(2, 5):
-        rt.claim_unanswered(f"job-{n}", f"tok-{n}")
-    assert not rt.orphaned_claim("job-1", "tok-1")  # the oldest of four, with room for three
-    assert rt.orphaned_claim("job-4", "tok-4")
-    rt.forget_unanswered("tok-4")
-    assert not rt.orphaned_claim("job-4", "tok-4")
-
-
 # -- cancels the store did not take ----------------------------------------------------------
 @pytest.fixture
 def cut_store(postgres_url):
