@@ -17,6 +17,7 @@ import celery_lease.worker.deliveries as deliveries
 import celery_lease.worker.runtime as runtime
 
 from ..config import task_policy
+from ..context import BODY
 from ..deadline import seconds_until
 from ..errors import LeaseError, StoreRejected, StoreUnavailable
 from ..store import NewJob, for_app
@@ -68,6 +69,10 @@ def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id
                                                         policy.recovery(), _reopens(task_id))
             except (StoreUnavailable, StoreRejected) as exc:
                 if idempotency_key is not None or not _after_a_body():
+                    if isinstance(exc, StoreUnavailable) and (parent := BODY.get()) is not None:
+                        # The record may have committed unanswered: once the body ends by this outage,
+                        # its give-back deletes the job it never sent (its next run publishes anew).
+                        parent.unsent.append(task_id)
                     raise
                 # Raising would drop the rest of the canvas (maybe a replaced job): its claim records it.
                 refused = isinstance(exc, StoreRejected)

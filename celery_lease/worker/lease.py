@@ -44,6 +44,8 @@ class Lease:
         self.worker = runtime.worker
         self.app = app
         self._release_sent = False
+        # Jobs the body published whose record the store did not answer (publishing.py).
+        self.unsent: list[str] = []
         self.acks_late = acks_late
         self.job_id = job_id
         self.token = token
@@ -228,6 +230,15 @@ class Lease:
                 log.warning("job %s released but not re-sent (%s); the reaper will re-dispatch it",
                             self.job_id, exc, extra={"action": "release_republish_failed"})
         return True
+
+    def forget_unsent(self) -> None:
+        """After the body's outage give-back: delete the jobs it published unanswered, whose records may
+        have committed with their messages never sent (the body's next run publishes them anew)."""
+        for job_id in self.unsent:
+            if self.store.publishes.forget_unpublished(job_id):
+                log.info("job %s: published by job %s's body unanswered and never sent; deleted, its next "
+                         "run publishes it again", job_id, self.job_id,
+                         extra={"action": "unsent_job_forgotten"})
 
     def mark_lost(self, reason: str, owner: str | None = None) -> None:
         """Flag the lease lost; with ``lease_on_lost='raise'`` interrupt the body too."""

@@ -279,7 +279,8 @@ def settle(task: Any, lease: Lease, end: RunEnd, value: Any, exc: BaseException 
     elif end == RunEnd.OUTAGE:
         log.warning("job %s [%s] stopped: the store is unreachable (%s); it runs again once the store "
                     "answers", job_id, token[:8], exc, extra={"action": "run_ended_by_outage"})
-        _write(lease, end, lambda: lease.give_back(Event.RELEASED_AFTER_OUTAGE, republish=True))
+        _write(lease, end, lambda: lease.give_back(Event.RELEASED_AFTER_OUTAGE, republish=True),
+               then=lease.forget_unsent)
         raise Ignore() from exc
     elif end == RunEnd.SHUTDOWN:
         # An unreachable store leaves the lease to expire, and the reaper requeues it.

@@ -197,3 +197,39 @@ def test_task_protocol_1_records_the_signature(app):
     assert payload["v"] == messages.PAYLOAD_VERSION
     assert messages.decode(for_app(app).get(result.id).payload, None, result.id)["args"] == [4]
     assert len(received(app, 1)) == 1
+
+
+def test_a_job_published_by_a_body_the_outage_ended_is_deleted_if_its_record_landed_unanswered(app):
+    # The body's outage gives it back and its next run publishes the child anew: the first child, whose
+    # record committed while its answer was lost and whose message was never sent, must not also run
+    # (the dispatch scan would have sent it ten minutes later).
+    from celery.app.trace import build_tracer
+
+    from celery_lease.errors import StoreUnavailable
+
+    work = app.tasks["pub.work"]
+    store = for_app(app)
+
+    @app.task(base=LeaseTask, bind=True, shared=False, name="pub.parent", acks_late=True)
+    def parent(self):
+        work.apply_async()
+
+    real = store.publishes.record
+
+    def child_answer_lost(job_id, *args, **kwargs):
+        outcome = real(job_id, *args, **kwargs)
+        if job_id != parent_id:
+            raise StoreUnavailable("connection dropped before the answer")
+        return outcome
+
+    parent_id = parent.apply_async().id
+    store.publishes.record = child_answer_lost
+    tracer = build_tracer(parent.name, parent, app=app, eager=False, propagate=False)
+    tracer(parent_id, (), {}, {"id": parent_id, "task": parent.name, "hostname": "pub@test", "headers": {},
+                               "is_eager": False, "delivery_info": {"routing_key": "pub", "exchange": "",
+                                                                    "redelivered": False}})
+    store.publishes.record = real
+
+    assert store.get(parent_id).status == "pending"  # given back by its outage, to run again
+    child = [job.id for job in store.reports.list_jobs() if job.id != parent_id]
+    assert child == [], f"the unsent child {child} would run besides the one the next run publishes"
