@@ -17,6 +17,7 @@ import celery_lease.messaging.events as events
 import celery_lease.messaging.messages as messages
 
 from ..errors import JobNotFound, LeaseError
+from ..reaper.decisions import policy_for
 from ..store import COMPLETED, FAILED, PENDING, Job, Store
 from ..vocabulary import DeadLetterAction, RecoveryAction
 
@@ -106,7 +107,8 @@ def requeue_plan(app: Any, store: Store, job_id: str | None = None, expired: boo
     if job_id is None:
         if not expired:
             raise RecoveryRefused("", "name a job with --job ID or take expired leases with --expired")
-        return store.recovery.requeue_candidates(force, batch)
+        found = store.recovery.requeue_candidates(force, batch)
+        return found if force else [job for job in found if _held_for(app, store, job) is None]
     job_id = resolve_job_id(store, job_id)
     job = store.reports.require(job_id)
     if job.status == COMPLETED:
@@ -125,7 +127,24 @@ def requeue_plan(app: Any, store: Store, job_id: str | None = None, expired: boo
             f"job {job_id} holds a live lease: {_lease_state(store, job)}. Requeueing it may run it "
             "twice while its worker still works on it. Wait for the reaper, check the owner "
             f"(`celery lease inspect {job_id}`), or use --force if you know the owner is gone"))
+    held = _held_for(app, store, job)
+    if held is not None:
+        raise RecoveryRefused(job_id, (
+            f"job {job_id}'s lease looks expired, but the store was away or its clock stepped (the reaper "
+            f"holds back too): its owner may still run it for {held:.0f}s. Wait, or use --force if you "
+            "know the owner is gone"))
     return [job]
+
+
+def _held_for(app: Any, store: Store, job: Job) -> float | None:
+    """Seconds the reaper's hold still covers the job's owner (the reaper's rule: a lease and a heartbeat
+    since the hold began), or None when it does not."""
+    since = (store.reaping.reaper_clock() or {}).get("calm_since")
+    if not isinstance(since, (int, float)):
+        return None
+    policy = policy_for(app, job)
+    left = since + (job.lease_duration or policy.duration) + policy.heartbeat_interval - store.now()
+    return left if left > 0 else None
 
 
 def _announce(app: Any, job: Job, reason: str, who: str) -> None:

@@ -15,6 +15,7 @@ from ..vocabulary import ClaimOutcome, Event, LossReason
 from .attempts import attempt_detail, previous_attempt, reclaim_pending
 from .audited import AuditedWrites
 from .base import RESULT_REVISION, StoreEngine
+from .reaping import ReaperStatements
 from .rows import COMPLETED, FAILED, PENDING, RUNNING, Claim, ClaimTerms, Job, fenced_status
 from .workers import WorkerStatements
 
@@ -139,6 +140,8 @@ class JobStatements:
                    terms: ClaimTerms) -> Job | None:
         """An abandoned running lease -> ours (CAS on the token seen), audited ``lease_taken_over``."""
         j = self.db.t.jobs
+        if self._held(c, current, terms):
+            return None
         res = c.execute(sa.update(j).where(
             j.c.id == current.id, j.c.lock_token == current.lock_token, self.db._claimable_expired(),
             j.c.attempt_count < j.c.max_attempts, j.c.expired_count < terms.max_expirations,
@@ -150,6 +153,15 @@ class JobStatements:
                        worker=worker, token=token,
                        detail=attempt_detail(current.locked_by, current.lock_token, current.started_at))
         return self._job(c, current.id)
+
+    def _held(self, c: Connection, current: Job, terms: ClaimTerms) -> bool:
+        """Whether the reaper's hold still covers the lease's owner (the store was away or its clock stepped,
+        so every lease looks expired): until it had its lease and a heartbeat to renew, it may still run."""
+        since = ReaperStatements(self.db).hold_since(c)
+        if since is None:
+            return False
+        now = float(c.execute(sa.select(self.db.now_sql)).scalar_one())
+        return now < since + (current.lease_duration or terms.duration) + terms.heartbeat
 
     def reclaim(self, job_id: str, lost_token: str, worker: str, token: str, terms: ClaimTerms) -> Job | None:
         """A running lease of ``worker``'s own claim whose answer it never got (committed after the call

@@ -220,6 +220,16 @@ class ReaperStatements:
                             .where(k.c.resource == REAPER_LOCK, k.c.expires_at >= self.db.now_sql)).first()
         return None if row is None else (row.owner, float(row.left))
 
+    def hold_since(self, c: Connection) -> float | None:
+        """On ``c``: when the reaper last began a hold (the store away or its clock stepped), or None."""
+        m = self.db.t.meta
+        value = c.execute(sa.select(m.c.value).where(m.c.key == REAPER_CLOCK)).scalar()
+        try:
+            since = json.loads(value).get("calm_since") if value else None
+        except (ValueError, AttributeError):
+            return None  # unreadable: the reaper's next run overwrites it
+        return float(since) if isinstance(since, (int, float)) else None
+
     def reaper_clock(self) -> dict[str, Any] | None:
         """What the last reaper run recorded of the store's clock (``ClockGuard``), or None."""
         if not self.db.at_least(RUNS_REVISION):

@@ -127,10 +127,12 @@ class ClaimTerms:
     recovery: Mapping[str, Any] | None = None
     # replaced_task_nesting: a copy of a replaced run's message has the replaced run's, not one more.
     nesting: int = 0
+    # The task's heartbeat interval: a takeover waits out the reaper's hold for a lease and a heartbeat.
+    heartbeat: float = 0.0
 
     @classmethod
     def of(cls, policy: TaskPolicy, nesting: int = 0) -> ClaimTerms:
         """The terms a task's policy (on one queue) asks of a claim."""
         return cls(duration=policy.duration, grace=policy.grace_period, max_attempts=policy.max_attempts,
                    max_expirations=policy.max_expirations, takeover=policy.on_expired == Decision.REQUEUE,
-                   recovery=policy.recovery(), nesting=nesting)
+                   recovery=policy.recovery(), nesting=nesting, heartbeat=policy.heartbeat_interval)

@@ -398,6 +398,19 @@ def test_requeue_expired_takes_only_abandoned_leases_a_batch_at_a_time(rw, broke
         assert rw.store.get(job_id).status == "running"
 
 
+def test_requeue_refuses_an_abandoned_lease_while_the_reapers_hold_covers_its_owner(rw, broker):
+    # The store was away or its clock stepped: every lease looks expired, every owner gone; the reaper
+    # waits a lease and a heartbeat, and so does requeue without --force.
+    now = rw.store.now()
+    rw.store.reaping.record_reaper_clock({"at": now, "calm_since": now}, held_back="the clock stepped")
+    result = rw.run("requeue", "--yes", "--job", "abandoned-0")
+    assert result.exit_code == 1 and "the store was away or its clock stepped" in result.output
+    assert "nothing to do" in rw.run("requeue", "--yes", "--expired").output
+    assert {rw.store.get(job_id).status for job_id in rw.ids["abandoned"]} == {"running"}
+    assert rw.run("requeue", "--yes", "--force", "--job", "abandoned-0").exit_code == 0
+    assert rw.store.get("abandoned-0").status == "pending"
+
+
 def test_requeue_force_takes_a_live_lease_and_fences_its_old_owner(rw, broker):
     old = rw.store.get("live-0")
     result = rw.run("requeue", "--yes", "--job", "live-0", "--force")

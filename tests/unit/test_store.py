@@ -38,7 +38,7 @@ def store(store):
 
 
 TERMS = {"duration": 30.0, "grace": 1.0, "max_attempts": 3, "max_expirations": 3, "takeover": True,
-         "nesting": 0}
+         "nesting": 0, "heartbeat": 0.0}
 
 
 def claim(store: Store, job_id: str, worker: str = "w1", tok: str | None = None, **overrides):
@@ -207,6 +207,21 @@ def test_claim_leaves_a_live_owner_alone_until_the_hard_grace(store):
     assert claim(store, "j1", "w2").outcome == "busy"  # within the 60 s hard grace
     store.hard_grace = 2.0
     assert claim(store, "j1", "w2").claimed
+
+
+def test_claim_does_not_take_over_while_the_reapers_hold_covers_the_owner(store):
+    # After the store was away or its clock stepped forward, every lease looks expired and every owner
+    # gone; an owner still running has its lease and a heartbeat to renew before a copy of its message
+    # may take the job over, as the reaper waits.
+    store.publishes.record("j1", "t.task", "q", "{}", 3)
+    claim(store, "j1", "owner", grace=0.0, duration=3.0)
+    age_lease(store, "j1", 5.0)
+    now = store.now()
+    store.reaping.record_reaper_clock({"at": now, "calm_since": now - 3.0}, held_back="the clock stepped")
+    assert claim(store, "j1", "w2", heartbeat=2.0).outcome == "busy"  # 3 s ago < 3 s lease + 2 s heartbeat
+    assert "lease_taken_over" not in events(store, "j1")
+    store.reaping.record_reaper_clock({"at": now, "calm_since": now - 6.0})  # the hold is over
+    assert claim(store, "j1", "w2", heartbeat=2.0).claimed
 
 
 def test_claim_does_not_take_over_when_attempts_are_exhausted(store):
