@@ -169,6 +169,7 @@ class ResourceLock:
     lost: bool = False
     done: bool = False  # the block ended (or the lock was lost): release, never renew
     released: bool = False
+    release_sent: bool = False  # a release was tried: one whose answer was lost may have deleted the row
     _mutex: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     def confirm(self, sent_at: float) -> None:
@@ -213,6 +214,7 @@ class Locks:
         with lk._mutex:
             if lk.released:
                 return
+            tried_before, lk.release_sent = lk.release_sent, True
             try:
                 deleted = self.store.effects.release_lock(lk.resource, lk.token)
             except (StoreUnavailable, StoreRejected) as exc:
@@ -222,7 +224,8 @@ class Locks:
             lk.released = True
         with self._mutex:
             self.held.pop(lk.token, None)
-        if not deleted and not lk.lost:
+        if not deleted and not lk.lost and not tried_before:
+            # (After a try whose answer was lost, the row missing is most likely that try's own delete.)
             lk.lost = True
             self._lost(lk, "expired and moved on before release")
 

@@ -594,6 +594,19 @@ def test_a_lock_taken_by_a_try_whose_answer_was_lost_is_the_retrys(store, hb):
     assert len(tries) == 2 and holder(store, "account:42") is None
 
 
+def test_a_lock_release_whose_answer_was_lost_is_not_audited_as_a_lost_lock(store, hb):
+    # The release committed but its answer never came: the heartbeat's next try deletes nothing, the
+    # first try's own delete, not a lock that expired and moved on.
+    lease = claim(store, hb, "job-1")
+    tries = first_answer_lost(store.effects, "release_lock")
+    with lock(lease, "account:42", ttl=3.0):
+        pass
+    assert holder(store, "account:42") is None and len(tries) == 1
+    hb.beat()
+    assert tries == [True, False]
+    assert not events(store, "lock_lost") and not lease.lost
+
+
 @pytest.mark.parametrize("audit", ["written", "refused"])
 def test_a_lock_lost_to_another_owner_marks_the_lease_lost(store, hb, monkeypatch, audit):
     # Refused: the store does not take the lock_lost audit; the lease is marked lost all the same.
