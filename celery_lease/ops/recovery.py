@@ -17,6 +17,7 @@ import celery_lease.messaging.events as events
 import celery_lease.messaging.messages as messages
 
 from ..errors import JobNotFound, LeaseError
+from ..reaper.clock_guard import Hold
 from ..reaper.decisions import policy_for
 from ..store import COMPLETED, FAILED, PENDING, Job, Store
 from ..vocabulary import DeadLetterAction, RecoveryAction
@@ -143,8 +144,8 @@ def _held_for(app: Any, store: Store, job: Job) -> float | None:
     if not isinstance(since, (int, float)):
         return None
     policy = policy_for(app, job)
-    left = since + (job.lease_duration or policy.duration) + policy.heartbeat_interval - store.now()
-    return left if left > 0 else None
+    left = Hold(since).left(store.now(), job.lease_duration or policy.duration, policy.heartbeat_interval)
+    return left or None
 
 
 def _announce(app: Any, job: Job, reason: str, who: str) -> None:

@@ -44,7 +44,11 @@ class Hold:
 
     def holds(self, now: float, lease: float, heartbeat: float) -> bool:
         """Whether an owner of a ``lease``-second lease has not yet had its time to renew."""
-        return self.since is not None and now < self.since + lease + heartbeat
+        return self.left(now, lease, heartbeat) > 0
+
+    def left(self, now: float, lease: float, heartbeat: float) -> float:
+        """Seconds the hold still covers an owner of a ``lease``-second lease (0 when it does not)."""
+        return 0.0 if self.since is None else max(0.0, self.since + lease + heartbeat - now)
 
 
 class ClockGuard:

@@ -222,25 +222,23 @@ class ReaperStatements:
 
     def hold_since(self, c: Connection) -> float | None:
         """On ``c``: when the reaper last began a hold (the store away or its clock stepped), or None."""
-        m = self.db.t.meta
-        value = c.execute(sa.select(m.c.value).where(m.c.key == REAPER_CLOCK)).scalar()
-        try:
-            since = json.loads(value).get("calm_since") if value else None
-        except (ValueError, AttributeError):
-            return None  # unreadable: the reaper's next run overwrites it
+        since = (self._clock_in(c) or {}).get("calm_since")
         return float(since) if isinstance(since, (int, float)) else None
 
     def reaper_clock(self) -> dict[str, Any] | None:
         """What the last reaper run recorded of the store's clock (``ClockGuard``), or None."""
         if not self.db.at_least(RUNS_REVISION):
             return None
-        m = self.db.t.meta
         with self.db.begin(read=True) as c:
-            value = c.execute(sa.select(m.c.value).where(m.c.key == REAPER_CLOCK)).scalar()
+            return self._clock_in(c)
+
+    def _clock_in(self, c: Connection) -> dict[str, Any] | None:
+        m = self.db.t.meta
+        value = c.execute(sa.select(m.c.value).where(m.c.key == REAPER_CLOCK)).scalar()
         try:
             state = json.loads(value) if value else None
         except ValueError:
-            return None  # unreadable: judged as no history, and overwritten by this run
+            return None  # unreadable: judged as no history, and overwritten by the reaper's next run
         return state if isinstance(state, dict) else None
 
     def record_reaper_clock(self, state: dict[str, Any], *, held_back: str | None = None,
