@@ -42,8 +42,10 @@ class LeaseRequest(Request):
         if self.worker_pid and isinstance(exc, TimeLimitExceeded):
             # acks_on_timeout=False: Celery requeues the message, so the lease requeues without sending.
             again = bool(self.task.acks_late) and not acks_on_timeout(self.task)
-            self._lease_settled = _settle_dead_child(self, type(exc).__name__, final=not again,
-                                                     resend=not again) != WorkerLostOutcome.NONE
+            # Billiard kills the child only after these handlers return: a requeue waits it out.
+            outcome = _settle_dead_child(self, type(exc).__name__, final=not again, resend=not again,
+                                         child_alive=True)
+            self._lease_settled = outcome != WorkerLostOutcome.NONE
             # Billiard's on_timeout, called next, stores FAILURE and fires the errbacks: not twice.
             return super().on_failure(exc_info, send_failed_event=False, return_ok=True)
         if self.worker_pid and exc is not None and self._child_lost(exc):
@@ -126,12 +128,13 @@ def acks_on_timeout(task: Any) -> bool:
 
 
 def _settle_dead_child(request: LeaseRequest, reason: str, final: bool,
-                       resend: bool = True) -> WorkerLostOutcome:
+                       resend: bool = True, child_alive: bool = False) -> WorkerLostOutcome:
     owner = worker_id(request.hostname, request.worker_pid)
     try:
         from ..reaper.worker_lost import recover_worker_lost
 
-        return recover_worker_lost(request.task.app, request.id, owner, reason, final=final, resend=resend)
+        return recover_worker_lost(request.task.app, request.id, owner, reason, final=final, resend=resend,
+                                   child_alive=child_alive)
     except LeaseError as error:
         log.warning("job %s: could not settle the lease of dead child %s: %s", request.id, owner, error)
         # The lease expires and the reaper settles it (a final failure is then a re-run).

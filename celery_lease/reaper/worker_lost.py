@@ -15,15 +15,21 @@ from ..store import RUNNING, Job, Store, for_app
 from ..vocabulary import Decision, WorkerLostOutcome
 from .decisions import ReapDecision, ReapResult, decide, policy_for, publish_decision, settle
 
-__all__ = ["recover_worker_lost"]
+__all__ = ["KILL_WINDOW", "recover_worker_lost"]
 
 log = logging.getLogger(__name__)
 
+# A hard time limit's recovery runs in the worker's main process before billiard kills the child (SIGTERM,
+# 0.1 s, then SIGKILL), and Celery requeues the message in between: the job waits this long past the clock
+# tolerance, so a copy arriving while the child may still run its body is sent again for later.
+KILL_WINDOW = 1.0
+
 
 def recover_worker_lost(app: Any, job_id: str, owner: str, reason: str, final: bool = False,
-                        resend: bool = True) -> WorkerLostOutcome:
+                        resend: bool = True, child_alive: bool = False) -> WorkerLostOutcome:
     """Recover a job whose child died, if still running under ``owner``: ``final`` (a hard time limit)
-    fails it; ``resend=False`` when Celery requeued the message itself, so only the row moves."""
+    fails it; ``resend=False`` when Celery requeued the message itself, so only the row moves;
+    ``child_alive`` when the child is killed only after this returns (a requeue then waits it out)."""
     store = for_app(app)
     job = store.get(job_id)
     if job is None or job.status != RUNNING or job.locked_by != owner or not job.lock_token:
@@ -37,6 +43,9 @@ def recover_worker_lost(app: Any, job_id: str, owner: str, reason: str, final: b
     else:
         decision = decide(job, policy, f"worker process lost: {reason}")
     if decision.decision == Decision.REQUEUE:
+        if child_alive:
+            hold = store.clock_tolerance + KILL_WINDOW
+            decision = dataclasses.replace(decision, delay=max(decision.delay, hold))
         return _requeue_lost(app, store, job, decision, owner, reason, resend)
     try:
         decision = publish_decision(app, job, decision)

@@ -720,6 +720,20 @@ def test_recover_worker_lost_requeues_the_job_of_that_owner_at_once(app, store, 
     assert recover_worker_lost(app, "j1", "node@h:42", "WorkerLostError") == "none"
 
 
+def test_a_hard_time_limit_requeue_lets_no_copy_run_while_billiard_may_still_be_killing_the_child(app, store):
+    # Celery requeues the message before billiard kills the timed-out child (SIGTERM, 0.1 s, SIGKILL);
+    # a copy that comes that early must not start a second run beside the dying one.
+    app.conf.lease_backoff_base = 0.0  # the backoff alone would let the copy run at once
+    running(store, "j1", owner="node@h:42", age=-25.0)
+    assert recover_worker_lost(app, "j1", "node@h:42", "TimeLimitExceeded", resend=False,
+                               child_alive=True) is WorkerLostOutcome.REQUEUE
+    terms = ClaimTerms(duration=30.0, grace=1.0, max_attempts=3, max_expirations=3, takeover=True)
+    copy = store.jobs.claim("j1", "node@h:43", secrets.token_hex(16), terms, task_name="t.work",
+                            queue="celery", payload=lambda: None)
+    assert not copy.claimed and copy.outcome == "early"
+    assert store.get("j1").status == PENDING and store.get("j1").lock_token is None
+
+
 def test_recover_worker_lost_dead_letters_at_max_attempts(app, store):
     running(store, "j1", owner="node@h:42", age=-25.0, attempts=3, max_attempts=3)
     assert recover_worker_lost(app, "j1", "node@h:42", "TimeLimitExceeded") == "dead_letter"
