@@ -10,7 +10,7 @@ import dataclasses
 import getpass
 import logging
 import socket
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import celery_lease.messaging.events as events
@@ -24,7 +24,7 @@ from ..vocabulary import DeadLetterAction, RecoveryAction
 
 __all__ = ["RecoveryRefused", "AmbiguousJobId", "Outcome", "operator", "resolve_job_id", "requeue_plan",
            "requeue", "redrive_plan", "redrive", "discard_plan", "discard", "dead_letter_plan",
-           "recover_dead_letters", "forget_plan", "forget"]
+           "recover_dead_letters", "stamp", "forget_plan", "forget"]
 
 log = logging.getLogger(__name__)
 
@@ -246,11 +246,26 @@ def dead_letter_plan(store: Store, action: DeadLetterAction, job_ids: list[str] 
     return jobs, refused
 
 
+def stamp(job: Job) -> str:
+    """The job as a plan showed it, carried by the confirmation: one changed since is not moved on it."""
+    return repr(job.updated_at)
+
+
 def recover_dead_letters(app: Any, store: Store, action: DeadLetterAction, jobs: Iterable[Job],
-                         who: str) -> Iterator[Outcome]:
+                         who: str, stamps: Mapping[str, str] | None = None) -> Iterator[Outcome]:
+    """Redrive or discard planned dead letters; with a confirmation's ``stamps``, a job changed since its
+    plan was shown (or not in it) is skipped."""
+    jobs = list(jobs)
+    if stamps is not None:
+        changed = [job for job in jobs if stamp(job) != stamps.get(job.id)]
+        for job in changed:
+            yield Outcome(job.id, job.task_name, job.queue_name, RecoveryAction.SKIPPED,
+                          "changed since the plan was shown")
+        jobs = [job for job in jobs if job not in changed]
     if action == DeadLetterAction.REDRIVE:
-        return redrive(app, store, jobs, who=who)
-    return discard(store, jobs, who=who)
+        yield from redrive(app, store, jobs, who=who)
+    else:
+        yield from discard(store, jobs, who=who)
 
 
 def forget_plan(store: Store, key: str) -> dict[str, Any]:

@@ -49,7 +49,7 @@ def register(web: Flask) -> None:
         jobs, refused = recovery.dead_letter_plan(c.store, action, ids or None, task, BATCH)
         return render_template("plan.html", page="dead_letters", action=action, verb=ACTIONS[action],
                                jobs=jobs, rows=job_plan(c.store, jobs), refused=refused, task=task,
-                               batch=BATCH, stamps={j.id: repr(j.updated_at) for j in jobs})
+                               batch=BATCH, stamps={j.id: recovery.stamp(j) for j in jobs})
 
     @web.post("/dead-letters/apply", endpoint="apply")
     def apply() -> Any:
@@ -58,12 +58,8 @@ def register(web: Flask) -> None:
             abort(400, "nothing confirmed: plan the action first and confirm it")
         stamps = dict(zip(ids, request.form.getlist("stamp"), strict=False))
         jobs, refused = recovery.dead_letter_plan(c.store, action, ids, batch=BATCH)
-        changed = [j for j in jobs if repr(j.updated_at) != stamps.get(j.id)]
-        jobs = [j for j in jobs if j not in changed]
         who = recovery.operator("web", g.get("user") or "anonymous", request.remote_addr or "unknown")
-        outcomes = [recovery.Outcome(j.id, j.task_name, j.queue_name, RecoveryAction.SKIPPED,
-                                     "changed since the plan was shown") for j in changed]
-        outcomes += list(recovery.recover_dead_letters(c.app, c.store, action, jobs, who))
+        outcomes = list(recovery.recover_dead_letters(c.app, c.store, action, jobs, who, stamps))
         status = 200 if not any(o.action == RecoveryAction.PUBLISH_FAILED for o in outcomes) else 502
         return render_template("done.html", page="dead_letters", action=action, verb=ACTIONS[action],
                                outcomes=outcomes, refused=refused, who=who,

@@ -66,10 +66,14 @@ class AdminCase(TransactionTestCase):
             return [dict(r._mapping) for r in conn.execute(
                 t.select().where(t.c.job_id == job_id, t.c.event == name))]
 
-    def act(self, url, action, *job_ids, confirm=True):
+    def act(self, url, action, *job_ids, confirm=True, plan=None):
+        """Post the action; to confirm it, post the confirmation its plan page (``plan``, or one asked for
+        now) holds, as a browser would."""
         form = {"action": action, "_selected_action": list(job_ids), "index": 0}
-        if confirm:
-            form.update(post="yes", confirm="yes")
+        if not confirm:
+            return self.client.post(url, form, follow=True)
+        plan = plan if plan is not None else self.client.post(url, form, follow=True).content.decode()
+        form.update(post="yes", confirm="yes", stamp=re.findall(r'name="stamp" value="([^"]*)"', plan))
         return self.client.post(url, form, follow=True)
 
 
@@ -141,6 +145,23 @@ class TheActions(AdminCase):
         assert (job.status, job.attempt_count) == ("pending", 0)
         [event] = self.events(job_id, "dlq_redriven")
         assert event["worker"] == "admin:alice@127.0.0.1"
+
+    def test_a_dead_letter_changed_since_its_plan_was_shown_is_skipped_not_moved(self):
+        job_id = self.dead_letter()
+        plan = self.act(DEAD_LETTERS, "discard", job_id, confirm=False).content.decode()
+        # Meanwhile someone redrives it and it fails again: the plan no longer describes it.
+        self.act(DEAD_LETTERS, "redrive", job_id)
+        token = uuid.uuid4().hex
+        assert self.store.jobs.claim(job_id, "worker-2", token, TERMS, charge.name, "celery",
+                                     lambda: None).claimed
+        assert self.store.jobs.fail(job_id, token, "ValueError: card declined again")
+        page = self.act(DEAD_LETTERS, "discard", job_id, plan=plan).content.decode()
+        assert "changed since the plan was shown" in page
+        job = self.store.get(job_id)
+        assert (job.status, job.last_error) == ("failed", "ValueError: card declined again")
+        assert self.events(job_id, "dlq_discarded") == []
+        self.act(DEAD_LETTERS, "discard", job_id)  # planned again, the move goes ahead
+        assert self.store.get(job_id) is None
 
     def test_discard_deletes_a_dead_letter_audited_with_the_admin_user(self):
         job_id = self.dead_letter()

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.integration
 pytest.importorskip("django")
 
 ROOT = Path(__file__).resolve().parents[2]
-CASES = 12
+CASES = 13
 
 
 def run_cases(tmp_path: Path, database: dict) -> subprocess.CompletedProcess:

@@ -57,11 +57,14 @@ def recover(model_admin: Any, request: HttpRequest, queryset: Any,
         context = {**model_admin.admin_site.each_context(request),
                    "title": f"{VERBS[action][0].capitalize()} dead letters?",
                    "opts": model_admin.model._meta, "action": action, "verb": VERBS[action],
-                   "jobs": jobs, "refused": refused, "batch": BATCH,
-                   "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME}
+                   "jobs": jobs, "stamped": [(job, recovery.stamp(job)) for job in jobs], "refused": refused,
+                   "batch": BATCH, "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME}
         return TemplateResponse(request, CONFIRM_TEMPLATE, context)
     done = VERBS[action][2]
-    for outcome in recovery.recover_dead_letters(app, store, action, jobs, operator(request)):
+    # The confirmation carries each job as its plan showed it: one changed in between is skipped.
+    stamps = dict(zip(request.POST.getlist(helpers.ACTION_CHECKBOX_NAME), request.POST.getlist("stamp"),
+                      strict=False))
+    for outcome in recovery.recover_dead_letters(app, store, action, jobs, operator(request), stamps):
         level = messages.SUCCESS if outcome.action == done else messages.WARNING
         model_admin.message_user(request, f"{outcome.job_id} ({outcome.task}): {outcome.action}, "
                                  f"{outcome.reason}", level)
