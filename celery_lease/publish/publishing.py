@@ -81,6 +81,8 @@ def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id
                     task_id, "refused its record" if refused else "is unreachable", exc,
                     extra={"action": "published_unrecorded"})
                 return
+            if (parent := BODY.get()) is not None and task_id in parent.unsent:
+                parent.unsent.remove(task_id)  # published again under its id, answered: not to be forgotten
             if holder != task_id or (idempotency_key is not None and not created):
                 # Not created under its key: the key's job, this very id when it was reused, is sent already.
                 raise _KeyTaken(holder)

@@ -232,13 +232,24 @@ class Lease:
         return True
 
     def forget_unsent(self) -> None:
-        """After the body's outage give-back: delete the jobs it published unanswered, whose records may
-        have committed with their messages never sent (the body's next run publishes them anew)."""
-        for job_id in self.unsent:
+        """Delete the jobs the body published unanswered, whose records may have committed with their
+        messages never sent: the body was told they were not published (after an outage give-back, its
+        next run publishes them anew), as a failed send deletes its record."""
+        while self.unsent:
+            job_id = self.unsent[0]
             if self.store.publishes.forget_unpublished(job_id):
-                log.info("job %s: published by job %s's body unanswered and never sent; deleted, its next "
-                         "run publishes it again", job_id, self.job_id,
-                         extra={"action": "unsent_job_forgotten"})
+                log.info("job %s: published by job %s's body unanswered and never sent; deleted", job_id,
+                         self.job_id, extra={"action": "unsent_job_forgotten"})
+            self.unsent.pop(0)
+
+    def settle_unsent(self) -> None:
+        """A body that went on past an unanswered publish has ended: forget what it was told is unsent; a
+        store still away leaves those jobs to the dispatch scan."""
+        try:
+            self.forget_unsent()
+        except (StoreUnavailable, StoreRejected) as exc:
+            log.warning("job %s: jobs its body was told are unpublished (%s) left to the dispatch scan: %s",
+                        self.job_id, ", ".join(self.unsent), exc, extra={"action": "unsent_job_kept"})
 
     def mark_lost(self, reason: str, owner: str | None = None) -> None:
         """Flag the lease lost; with ``lease_on_lost='raise'`` interrupt the body too."""

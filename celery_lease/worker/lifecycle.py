@@ -256,6 +256,8 @@ def _write(lease: Lease, end: RunEnd, write: Callable[[], bool], then: Callable[
 def settle(task: Any, lease: Lease, end: RunEnd, value: Any, exc: BaseException | None) -> Any:
     """Write how the body ended, then end the delivery as plain Celery would for that end."""
     store, job_id, token, worker = lease.store, lease.job_id, lease.token, lease.worker
+    if lease.unsent and end != RunEnd.OUTAGE:  # an outage's give-back forgets them once it lands
+        lease.settle_unsent()
     if end == RunEnd.RETURNED:
         return _complete(task, lease, value)
     assert exc is not None

@@ -199,10 +199,9 @@ def test_task_protocol_1_records_the_signature(app):
     assert len(received(app, 1)) == 1
 
 
-def test_a_job_published_by_a_body_the_outage_ended_is_deleted_if_its_record_landed_unanswered(app):
-    # The body's outage gives it back and its next run publishes the child anew: the first child, whose
-    # record committed while its answer was lost and whose message was never sent, must not also run
-    # (the dispatch scan would have sent it ten minutes later).
+def _run_parent(app, body):
+    """Run a LeaseTask whose body is ``body(work)`` through Celery's tracer, the store losing the answer
+    of its first child's record (committed, an error raised); returns the parent's id and the children's."""
     from celery.app.trace import build_tracer
 
     from celery_lease.errors import StoreUnavailable
@@ -212,24 +211,64 @@ def test_a_job_published_by_a_body_the_outage_ended_is_deleted_if_its_record_lan
 
     @app.task(base=LeaseTask, bind=True, shared=False, name="pub.parent", acks_late=True)
     def parent(self):
-        work.apply_async()
+        return body(work)
 
     real = store.publishes.record
+    lost: list[str] = []
 
     def child_answer_lost(job_id, *args, **kwargs):
         outcome = real(job_id, *args, **kwargs)
-        if job_id != parent_id:
+        if job_id != parent_id and not lost:
+            lost.append(job_id)
             raise StoreUnavailable("connection dropped before the answer")
         return outcome
 
     parent_id = parent.apply_async().id
     store.publishes.record = child_answer_lost
     tracer = build_tracer(parent.name, parent, app=app, eager=False, propagate=False)
-    tracer(parent_id, (), {}, {"id": parent_id, "task": parent.name, "hostname": "pub@test", "headers": {},
-                               "is_eager": False, "delivery_info": {"routing_key": "pub", "exchange": "",
-                                                                    "redelivered": False}})
-    store.publishes.record = real
+    request = {"id": parent_id, "task": parent.name, "hostname": "pub@test", "headers": {}, "is_eager": False,
+               "delivery_info": {"routing_key": "pub", "exchange": "", "redelivered": False}}
+    try:
+        tracer(parent_id, (), {}, request)
+    finally:
+        store.publishes.record = real
+    return parent_id, [job.id for job in store.reports.list_jobs() if job.id != parent_id]
 
-    assert store.get(parent_id).status == "pending"  # given back by its outage, to run again
-    child = [job.id for job in store.reports.list_jobs() if job.id != parent_id]
+
+def test_a_job_published_by_a_body_the_outage_ended_is_deleted_if_its_record_landed_unanswered(app):
+    # The body's outage gives it back and its next run publishes the child anew: the first child, whose
+    # record committed while its answer was lost and whose message was never sent, must not also run
+    # (the dispatch scan would have sent it ten minutes later).
+    parent_id, child = _run_parent(app, lambda work: work.apply_async())
+    assert for_app(app).get(parent_id).status == "pending"  # given back by its outage, to run again
     assert child == [], f"the unsent child {child} would run besides the one the next run publishes"
+
+
+def test_a_job_a_body_was_told_is_unpublished_is_deleted_when_that_body_goes_on_and_ends(app):
+    from celery_lease.errors import StoreUnavailable
+
+    def body(work):
+        try:
+            work.apply_async()
+        except StoreUnavailable:
+            return "told it was not published"
+
+    parent_id, child = _run_parent(app, body)
+    assert for_app(app).get(parent_id).status == "completed"
+    assert child == [], f"the child {child}, whose publish raised, would run ten minutes later"
+    assert [m.headers["id"] for m in received(app, 1)] == [parent_id]  # the parent's own message only
+
+
+def test_a_job_the_body_publishes_again_under_its_id_after_an_unanswered_record_runs_once(app):
+    from celery_lease.errors import StoreUnavailable
+
+    def body(work):
+        try:
+            work.apply_async(task_id="child-1")
+        except StoreUnavailable:
+            work.apply_async(task_id="child-1")
+
+    parent_id, child = _run_parent(app, body)
+    assert for_app(app).get(parent_id).status == "completed"
+    assert child == ["child-1"]
+    assert sorted(m.headers["id"] for m in received(app, 2)) == sorted([parent_id, "child-1"])
