@@ -16,6 +16,7 @@ from ..errors import StoreUnavailable
 from ..vocabulary import EffectOutcome, Event
 from .base import NONCE_REVISION, StoreEngine
 from .caller import for_caller, is_django
+from .reaping import ReaperStatements
 
 __all__ = ["EffectStatements", "advance_statement"]
 
@@ -171,12 +172,13 @@ class EffectStatements:
             return conn.execute(sa.delete(e).where(e.c.key == key, e.c.job_id == job_id)).rowcount == 1
 
     def acquire_lock(self, resource: str, token: str, ttl: float, owner: str | None = None,
-                     job_id: str | None = None, job_token: str | None = None) -> EffectOutcome:
+                     job_id: str | None = None, job_token: str | None = None,
+                     heartbeat: float = 0.0) -> EffectOutcome:
         """Take ``resource`` if it is free or expired: FIRST, DUPLICATE (held) or LOST (with ``job_token``,
-        that job's lease is gone; audited)."""
+        that job's lease is gone; audited). ``heartbeat``: the taker's interval, for the reaper's hold."""
         for attempt in range(3):
             try:
-                return self._acquire_lock_once(resource, token, ttl, owner, job_id, job_token)
+                return self._acquire_lock_once(resource, token, ttl, owner, job_id, job_token, heartbeat)
             except StoreUnavailable as exc:
                 # Racing takers can deadlock on MySQL; the loser was rolled back whole: safe to rerun.
                 if attempt == 2 or not self.db.dialect.retryable(exc.__cause__):
@@ -184,7 +186,7 @@ class EffectStatements:
         raise AssertionError("unreachable")
 
     def _acquire_lock_once(self, resource: str, token: str, ttl: float, owner: str | None,
-                           job_id: str | None, job_token: str | None) -> EffectOutcome:
+                           job_id: str | None, job_token: str | None, heartbeat: float) -> EffectOutcome:
         lk, j = self.db.t.locks, self.db.t.jobs
         fence = self.db._fenced(job_id, job_token) if job_token is not None and job_id is not None else None
         with self.db.begin() as c:
@@ -208,9 +210,9 @@ class EffectStatements:
             take = sa.update(lk).where(lk.c.resource == resource, lk.c.expires_at < self.db.now_sql)
             if fence is not None:
                 take = take.where(sa.exists().where(fence))
-            res = c.execute(take.values(token=token, job_id=job_id, owner=owner,
-                                        expires_at=self.db.now_sql + ttl))
-            if res.rowcount == 1:
+            res = None if self._held(c, resource, ttl, heartbeat) else c.execute(
+                take.values(token=token, job_id=job_id, owner=owner, expires_at=self.db.now_sql + ttl))
+            if res is not None and res.rowcount == 1:
                 self.db._event(c, job_id, Event.LOCK_TAKEN_AFTER_EXPIRY, resource, owner, token)
                 return FIRST
             if fence is not None and job_id is not None and job_token is not None \
@@ -218,6 +220,20 @@ class EffectStatements:
                 self.db._stale(c, job_id, Event.STALE_LOCK_REJECTED, owner, job_token, {"resource": resource})
                 return LOST
             return DUPLICATE
+
+    def _held(self, c: Connection, resource: str, ttl: float, heartbeat: float) -> bool:
+        """Whether the reaper's hold still covers the holder of an expired-looking lock (the store was away or
+        its clock stepped): a holder trusts its lock no longer than its job's lease, which the hold covers
+        for that lease and a heartbeat, as it covers a takeover claim."""
+        lk, j = self.db.t.locks, self.db.t.jobs
+        holder = lk.outerjoin(j, j.c.id == lk.c.job_id)
+        row = c.execute(sa.select(j.c.lease_duration, self.db.now_sql).select_from(holder).where(
+            lk.c.resource == resource, lk.c.expires_at < self.db.now_sql)).first()
+        since = ReaperStatements(self.db).hold_since(c) if row is not None else None
+        if row is None or since is None:
+            return False  # not expired (nothing to take), or no hold
+        lease, now = row
+        return float(now) < since + (lease or ttl) + heartbeat
 
     def renew_locks(self, ttls: Mapping[str, float]) -> set[str]:
         """Extend every lock whose token is given (token -> ttl) in one statement; returns renewed tokens."""

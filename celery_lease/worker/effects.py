@@ -304,6 +304,8 @@ class Locks:
                 self.held.pop(lk.token, None)
             lk.lease.mark_lost(f"resource lock {lk.resource!r} lost")
             self._lost(lk, "taken by another owner after it expired")
+            # The job's own lease is still this process's in the store: give it back, as a local loss is.
+            lk.lease.runtime.lost_locally(lk.lease, give_back=True)
 
 
 @contextlib.contextmanager
@@ -352,16 +354,21 @@ def _acquire(lease: LeaseHandle, held: ResourceLock, timeout: float) -> None:
         # The send time of the statement that answers: the one whose expiry the row carries.
         sent.append(deadline.monotonic())
         return lease.store.effects.acquire_lock(held.resource, held.token, held.ttl, lease.worker,
-                                                lease.job_id, lease.token)
+                                                lease.job_id, lease.token, lease.policy.heartbeat_interval)
 
     while True:
         lease.check()
         outcome = lease.patiently(attempt)
         if outcome == EffectOutcome.FIRST:
             held.confirm(sent[-1])
-            log.debug("job %s [%s]: lock %r [%s] taken", lease.job_id, lease.token[:8], held.resource,
-                      held.token[:8], extra={"action": "lock_acquired"})
-            return
+            if deadline.monotonic() < held.deadline:
+                log.debug("job %s [%s]: lock %r [%s] taken", lease.job_id, lease.token[:8], held.resource,
+                          held.token[:8], extra={"action": "lock_acquired"})
+                return
+            # Answered past the lock's local deadline: another job may hold it by now. Give the row back
+            # (if still ours) and ask again, trusting nothing of this answer.
+            lease.patiently(lambda: lease.store.effects.release_lock(held.resource, held.token))
+            held.deadline = held.confirmed_at = float("-inf")
         if outcome == EffectOutcome.LOST and lease.vanished_and_recorded_again():
             continue  # the job's row is back under this lease: ask again
         if outcome == EffectOutcome.LOST:

@@ -530,6 +530,60 @@ def test_an_expired_lock_is_taken_and_audited(store, hb):
     assert len(events(store, "lock_lost")) == 1
 
 
+def test_an_expired_looking_lock_is_not_taken_while_the_reapers_hold_covers_its_holder(store, hb):
+    # After the store's clock stepped forward every lock looks expired, its holder not yet renewed: the
+    # hold the reaper recorded covers it, as it covers a takeover claim of its job's lease.
+    a, b = claim(store, hb, "job-a"), claim(store, hb, "job-b")
+    with lock(a, "account:42", ttl=3.0) as held_a:
+        lk = store.t.locks
+        with store.begin() as c:
+            c.execute(sa.update(lk).values(expires_at=store.now_sql - 0.1))  # as the stepped clock shows it
+        store.reaping.record_reaper_clock({"calm_since": store.now()}, held_back="clock stepped forward")
+        with pytest.raises(LockUnavailable, match="account:42"), lock(b, "account:42", timeout=0):
+            pytest.fail("two holders: the step made a held lock look expired")
+        assert holder(store, "account:42")["token"] == held_a.token
+        # Once the hold has covered job-a's lease and a heartbeat, the expired lock is taken as before.
+        store.reaping.record_reaper_clock({"calm_since": store.now() - 3600.0})
+        with lock(b, "account:42", timeout=0) as held_b:
+            assert holder(store, "account:42")["token"] == held_b.token
+
+
+def test_a_lock_whose_acquisition_answered_past_its_local_deadline_is_taken_again_before_the_block(
+        store, hb, monkeypatch):
+    # The first try's answer comes after the lock's TTL: by then another job may hold the row, so that
+    # answer is not trusted and the block starts only under a lock with time left.
+    lease = claim(store, hb, "job-a")
+    real, late = store.effects.acquire_lock, []
+
+    def slow_answer(*args, **kwargs):
+        outcome = real(*args, **kwargs)
+        if not late:
+            late.append(outcome)
+            time.sleep(0.6)  # the answer's delay: longer than the lock's 0.4 s TTL
+        return outcome
+
+    monkeypatch.setattr(store.effects, "acquire_lock", slow_answer)
+    with lock(lease, "account:42", ttl=0.4, timeout=5.0) as held:
+        assert deadline.monotonic() < held.deadline, "the block started under a lock past its deadline"
+        held.check()
+    assert late == [EffectOutcome.FIRST]
+
+
+def test_a_lock_lost_to_another_owner_gives_its_jobs_lease_back(store, hb):
+    a, b = claim(store, hb, "job-a"), claim(store, hb, "job-b")
+    with lock(a, "account:42", ttl=3.0):
+        lk = store.t.locks
+        with store.begin() as c:
+            c.execute(sa.update(lk).values(expires_at=store.now_sql - 0.1))
+        with lock(b, "account:42", timeout=0):
+            hb.beat()  # finds the lock taken: job-a's lease is lost here
+            assert a.lost
+            hb.beat()
+            job = store.get("job-a")
+            # Nobody else runs job-a: it is given back now, not left running for the reaper's hard grace.
+            assert (job.status, job.lock_token) == ("pending", None)
+
+
 def test_one_heartbeat_statement_renews_every_held_lock(store, hb):
     leases = [claim(store, hb, f"job-{i}") for i in range(3)]
     statements: list[str] = []
