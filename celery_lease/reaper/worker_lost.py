@@ -50,10 +50,16 @@ def recover_worker_lost(app: Any, job_id: str, owner: str, reason: str, final: b
     try:
         decision = publish_decision(app, job, decision)
     except Exception as exc:  # noqa: BLE001 - broker down: the reaper recovers it after expiry
-        log.error("job %s [%s]: child %s lost but its message could not be re-sent (%s); the reaper will "
-                  "recover it after the lease expires", job_id, job.lock_token[:8], owner, exc,
+        if not final:
+            log.error("job %s [%s]: child %s lost but its message could not be re-sent (%s); the reaper "
+                      "will recover it after the lease expires", job_id, job.lock_token[:8], owner, exc,
+                      extra={"action": "worker_lost_publish_failed"})
+            return WorkerLostOutcome.ERROR
+        # A final failure stays final: left running, the reaper would later requeue a job Celery failed.
+        log.error("job %s [%s]: its dead letter could not be sent (%s); failed in the store, where "
+                  "`lease dlq` lists it", job_id, job.lock_token[:8], exc,
                   extra={"action": "worker_lost_publish_failed"})
-        return WorkerLostOutcome.ERROR
+        decision = dataclasses.replace(decision, reason=f"{decision.reason}; dead letter not sent: {exc}")
     if not settle(store, job, decision, ReapResult(), expired=False):
         return WorkerLostOutcome.LOST_RACE
     log.info("job %s [%s]: worker process %s lost (%s): %s", job_id, job.lock_token[:8], owner, reason,

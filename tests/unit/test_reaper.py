@@ -734,6 +734,24 @@ def test_a_hard_time_limit_requeue_lets_no_copy_run_while_billiard_may_still_be_
     assert store.get("j1").status == PENDING and store.get("j1").lock_token is None
 
 
+def test_a_hard_time_limits_final_failure_whose_dead_letter_cannot_be_sent_never_runs_again(
+        app, store, broker, monkeypatch):
+    app.conf.lease_dead_letter_queue = broker.dlq
+    running(store, "j1", owner="node@h:42", age=-25.0)  # attempts left: only the time limit makes it final
+
+    def broker_down(*args, **kwargs):
+        raise ConnectionError("broker unreachable")
+
+    monkeypatch.setattr(messages, "republish", broker_down)
+    recover_worker_lost(app, "j1", "node@h:42", "TimeLimitExceeded", final=True, child_alive=True)
+    monkeypatch.undo()
+    assert store.get("j1").status == FAILED  # Celery stored FAILURE for the time limit
+    Reaper(app).run_once(now=store.now() + 3600.0)  # long after: the lease expired, its owner gone
+    job = store.get("j1")
+    assert (job.status, job.attempt_count) == (FAILED, 1)
+    assert queued(broker) == []
+
+
 def test_recover_worker_lost_dead_letters_at_max_attempts(app, store):
     running(store, "j1", owner="node@h:42", age=-25.0, attempts=3, max_attempts=3)
     assert recover_worker_lost(app, "j1", "node@h:42", "TimeLimitExceeded") == "dead_letter"
