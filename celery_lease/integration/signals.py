@@ -3,7 +3,10 @@ in one is logged and contained, except at start-up, where a bad setting must sto
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
 from typing import Any
 
 from celery import bootsteps, signals
@@ -42,9 +45,12 @@ class LeaseRequest(Request):
         if self.worker_pid and isinstance(exc, TimeLimitExceeded):
             # acks_on_timeout=False: Celery requeues the message, so the lease requeues without sending.
             again = bool(self.task.acks_late) and not acks_on_timeout(self.task)
-            # Billiard kills the child only after these handlers return: a requeue waits it out.
-            outcome = _settle_dead_child(self, type(exc).__name__, final=not again, resend=not again,
-                                         child_alive=True)
+            if again:
+                # Billiard kills the child only after every failure handler (the result backend, errbacks,
+                # task_failure receivers), and Celery requeues the message before that: killed first, the
+                # child cannot run beside a copy another process claims once the job is pending.
+                _kill_child(self.worker_pid)
+            outcome = _settle_dead_child(self, type(exc).__name__, final=not again, resend=not again)
             self._lease_settled = outcome != WorkerLostOutcome.NONE
             # Billiard's on_timeout, called next, stores FAILURE and fires the errbacks: not twice.
             return super().on_failure(exc_info, send_failed_event=False, return_ok=True)
@@ -127,14 +133,21 @@ def acks_on_timeout(task: Any) -> bool:
     return True if value is None else bool(value)
 
 
+def _kill_child(pid: int) -> None:
+    """SIGKILL a timed-out pool child now rather than after Celery's handlers (billiard's own SIGTERM, then
+    SIGKILL 0.1 s later, finds it dead and reaps it)."""
+    if pid and pid != os.getpid():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def _settle_dead_child(request: LeaseRequest, reason: str, final: bool,
-                       resend: bool = True, child_alive: bool = False) -> WorkerLostOutcome:
+                       resend: bool = True) -> WorkerLostOutcome:
     owner = worker_id(request.hostname, request.worker_pid)
     try:
         from ..reaper.worker_lost import recover_worker_lost
 
-        return recover_worker_lost(request.task.app, request.id, owner, reason, final=final, resend=resend,
-                                   child_alive=child_alive)
+        return recover_worker_lost(request.task.app, request.id, owner, reason, final=final, resend=resend)
     except LeaseError as error:
         log.warning("job %s: could not settle the lease of dead child %s: %s", request.id, owner, error)
         # The lease expires and the reaper settles it (a final failure is then a re-run).

@@ -15,21 +15,15 @@ from ..store import RUNNING, Job, Store, for_app
 from ..vocabulary import Decision, WorkerLostOutcome
 from .decisions import ReapDecision, ReapResult, decide, policy_for, publish_decision, settle
 
-__all__ = ["KILL_WINDOW", "recover_worker_lost"]
+__all__ = ["recover_worker_lost"]
 
 log = logging.getLogger(__name__)
 
-# A hard time limit's recovery runs in the worker's main process before billiard kills the child (SIGTERM,
-# 0.1 s, then SIGKILL), and Celery requeues the message in between: the job waits this long past the clock
-# tolerance, so a copy arriving while the child may still run its body is sent again for later.
-KILL_WINDOW = 1.0
-
 
 def recover_worker_lost(app: Any, job_id: str, owner: str, reason: str, final: bool = False,
-                        resend: bool = True, child_alive: bool = False) -> WorkerLostOutcome:
+                        resend: bool = True) -> WorkerLostOutcome:
     """Recover a job whose child died, if still running under ``owner``: ``final`` (a hard time limit)
-    fails it; ``resend=False`` when Celery requeued the message itself, so only the row moves;
-    ``child_alive`` when the child is killed only after this returns (a requeue then waits it out)."""
+    fails it; ``resend=False`` when Celery requeued the message itself, so only the row moves."""
     store = for_app(app)
     job = store.get(job_id)
     if job is None or job.status != RUNNING or job.locked_by != owner or not job.lock_token:
@@ -43,9 +37,6 @@ def recover_worker_lost(app: Any, job_id: str, owner: str, reason: str, final: b
     else:
         decision = decide(job, policy, f"worker process lost: {reason}")
     if decision.decision == Decision.REQUEUE:
-        if child_alive:
-            hold = store.clock_tolerance + KILL_WINDOW
-            decision = dataclasses.replace(decision, delay=max(decision.delay, hold))
         return _requeue_lost(app, store, job, decision, owner, reason, resend)
     try:
         decision = publish_decision(app, job, decision)
@@ -59,7 +50,8 @@ def recover_worker_lost(app: Any, job_id: str, owner: str, reason: str, final: b
         log.error("job %s [%s]: its dead letter could not be sent (%s); failed in the store, where "
                   "`lease dlq` lists it", job_id, job.lock_token[:8], exc,
                   extra={"action": "worker_lost_publish_failed"})
-        decision = dataclasses.replace(decision, reason=f"{decision.reason}; dead letter not sent: {exc}")
+        decision = dataclasses.replace(decision, queue=None,
+                                       reason=f"{decision.reason}; dead letter not sent: {exc}")
     if not settle(store, job, decision, ReapResult(), expired=False):
         return WorkerLostOutcome.LOST_RACE
     log.info("job %s [%s]: worker process %s lost (%s): %s", job_id, job.lock_token[:8], owner, reason,

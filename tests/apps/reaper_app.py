@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import sqlalchemy as sa
-from celery import Celery
+from celery import Celery, signals
 
 from celery_lease import LeaseTask
 from celery_lease.app_state import app_state
@@ -101,7 +101,28 @@ def make_app(env: Mapping[str, str]) -> Celery:
         note(self, "started")
         raise ValueError("boom")
 
+    def timed_out(sender: Any = None, task_id: str | None = None, exception: Any = None, **_: Any) -> None:
+        """In the worker's main process, once the lease has settled a hard time limit (Celery's failure
+        handlers run after it, before billiard's kill): record whether the timed-out child still runs."""
+        if getattr(sender, "app", None) is not app or type(exception).__name__ != "TimeLimitExceeded":
+            return
+        with engine.begin() as c:
+            pids = c.execute(sa.select(runs.c.pid).where(runs.c.job_id == task_id,
+                                                         runs.c.phase == "started")).scalars().all()
+            phase = "timeout_alive" if any(map(_runs, pids)) else "timeout_dead"
+            c.execute(sa.insert(runs).values(job_id=task_id, phase=phase, attempt=0, pid=os.getpid()))
+
+    signals.task_failure.connect(timed_out, weak=False)
     return app
+
+
+def _runs(pid: int) -> bool:
+    """Whether process ``pid`` still runs code (a zombie awaiting its parent's wait does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
 
 
 app = make_app(os.environ)

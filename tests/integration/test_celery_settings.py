@@ -86,6 +86,9 @@ def test_acks_on_timeout_off_requeues_a_timed_out_job_through_the_lease_once(lea
              message=f"timed-out job not run again: {renv.store.reports.events(result.id)}")
     assert (renv.count(result.id, "started"), renv.count(result.id, "finished")) == (2, 1)
     assert renv.attempts(result.id) == [1, 2]
+    # The job went back to pending only once the timed-out child could no longer run beside its copy.
+    seen = renv.count(result.id, "timeout_alive"), renv.count(result.id, "timeout_dead")
+    assert seen == (0, 1), f"(alive, dead) when the lease settled the time limit: {seen}"
     reaped = renv.store.reports.events(result.id, "reaped_expired_lease")
     assert len(reaped) == 1 and "TimeLimitExceeded" in reaped[0]["reason"]
     assert renv.store.reports.events(result.id, "duplicate_delivery_skipped") == []

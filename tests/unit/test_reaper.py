@@ -720,20 +720,6 @@ def test_recover_worker_lost_requeues_the_job_of_that_owner_at_once(app, store, 
     assert recover_worker_lost(app, "j1", "node@h:42", "WorkerLostError") == "none"
 
 
-def test_a_hard_time_limit_requeue_lets_no_copy_run_while_billiard_may_still_be_killing_the_child(app, store):
-    # Celery requeues the message before billiard kills the timed-out child (SIGTERM, 0.1 s, SIGKILL);
-    # a copy that comes that early must not start a second run beside the dying one.
-    app.conf.lease_backoff_base = 0.0  # the backoff alone would let the copy run at once
-    running(store, "j1", owner="node@h:42", age=-25.0)
-    assert recover_worker_lost(app, "j1", "node@h:42", "TimeLimitExceeded", resend=False,
-                               child_alive=True) is WorkerLostOutcome.REQUEUE
-    terms = ClaimTerms(duration=30.0, grace=1.0, max_attempts=3, max_expirations=3, takeover=True)
-    copy = store.jobs.claim("j1", "node@h:43", secrets.token_hex(16), terms, task_name="t.work",
-                            queue="celery", payload=lambda: None)
-    assert not copy.claimed and copy.outcome == "early"
-    assert store.get("j1").status == PENDING and store.get("j1").lock_token is None
-
-
 def test_a_hard_time_limits_final_failure_whose_dead_letter_cannot_be_sent_never_runs_again(
         app, store, broker, monkeypatch):
     app.conf.lease_dead_letter_queue = broker.dlq
@@ -743,9 +729,11 @@ def test_a_hard_time_limits_final_failure_whose_dead_letter_cannot_be_sent_never
         raise ConnectionError("broker unreachable")
 
     monkeypatch.setattr(messages, "republish", broker_down)
-    recover_worker_lost(app, "j1", "node@h:42", "TimeLimitExceeded", final=True, child_alive=True)
+    recover_worker_lost(app, "j1", "node@h:42", "TimeLimitExceeded", final=True)
     monkeypatch.undo()
     assert store.get("j1").status == FAILED  # Celery stored FAILURE for the time limit
+    [event] = events(store, "j1", "dead_lettered")
+    assert "dead letter not sent" in event["reason"] and "published_to" not in (event["detail"] or "")
     Reaper(app).run_once(now=store.now() + 3600.0)  # long after: the lease expired, its owner gone
     job = store.get("j1")
     assert (job.status, job.attempt_count) == (FAILED, 1)
