@@ -69,9 +69,11 @@ def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id
                                                         policy.recovery(), _reopens(task_id))
             except (StoreUnavailable, StoreRejected) as exc:
                 if idempotency_key is not None or not _after_a_body():
-                    if isinstance(exc, StoreUnavailable) and (parent := BODY.get()) is not None:
-                        # The record may have committed unanswered: once the body ends by this outage,
-                        # its give-back deletes the job it never sent (its next run publishes anew).
+                    # The record may have committed unanswered: once the body ends, the job it was told is
+                    # unpublished is deleted if never sent. Not a keyed one: its key may have answered
+                    # another publish with it by then, and it answers the body's next run.
+                    if isinstance(exc, StoreUnavailable) and idempotency_key is None and (
+                            parent := BODY.get()) is not None:
                         parent.unsent.append(task_id)
                     raise
                 # Raising would drop the rest of the canvas (maybe a replaced job): its claim records it.
@@ -81,8 +83,6 @@ def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id
                     task_id, "refused its record" if refused else "is unreachable", exc,
                     extra={"action": "published_unrecorded"})
                 return
-            if (parent := BODY.get()) is not None and task_id in parent.unsent:
-                parent.unsent.remove(task_id)  # published again under its id, answered: not to be forgotten
             if holder != task_id or (idempotency_key is not None and not created):
                 # Not created under its key: the key's job, this very id when it was reused, is sent already.
                 raise _KeyTaken(holder)
@@ -111,8 +111,11 @@ def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id
                 return task.AsyncResult(task_id)  # held back: sent once the store answers
             return send(args, kwargs, task_id, producer, link, link_error, shadow, **options)
         with task.app.producer_or_acquire(producer) as sender:
-            return send(args, kwargs, task_id, RecordingProducer(sender, task_id, record, keep), link,
-                        link_error, shadow, **options)
+            result = send(args, kwargs, task_id, RecordingProducer(sender, task_id, record, keep), link,
+                          link_error, shadow, **options)
+        if keep is None and (parent := BODY.get()) is not None and task_id in parent.unsent:
+            parent.unsent.remove(task_id)  # published again under its id and sent: not to be forgotten
+        return result
     except _KeyTaken as taken:
         log.info("task %s not published again: idempotency key %r belongs to job %s",
                  task.name, idempotency_key, taken.holder, extra={"action": "idempotent_publish"})

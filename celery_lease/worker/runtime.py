@@ -148,6 +148,8 @@ class Runtime:
             lease.deferred = write
             self._deferred[key] = lease
             self._held[key] = lease
+            # A give-back queued by a loss (a lock taken, a deadline) would run the finished body again.
+            self._to_give_back.pop(key, None)
 
     def extend(self, lease: Lease, seconds: float) -> bool:
         """Renew one lease now with a new duration; False when it is no longer ours. While the statement is

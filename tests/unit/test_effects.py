@@ -14,8 +14,9 @@ from celery_lease import deadline
 from celery_lease.config import load
 from celery_lease.errors import LeaseConfigError, LeaseError, LeaseLost, LockUnavailable, StoreUnavailable
 from celery_lease.store import ClaimTerms, Store
-from celery_lease.vocabulary import EffectOutcome
+from celery_lease.vocabulary import EffectOutcome, RunEnd
 from celery_lease.worker.effects import advance, effect, lock
+from celery_lease.worker.handles import DeferredWrite
 from celery_lease.worker.lease import Lease
 from celery_lease.worker.runtime import Runtime
 from celery_lease.worker.threads import Heartbeat
@@ -582,6 +583,22 @@ def test_a_lock_lost_to_another_owner_gives_its_jobs_lease_back(store, hb):
             job = store.get("job-a")
             # Nobody else runs job-a: it is given back now, not left running for the reaper's hard grace.
             assert (job.status, job.lock_token) == ("pending", None)
+
+
+def test_a_body_that_finished_after_its_lock_was_lost_is_not_given_back_when_its_completion_is_deferred(
+        store, hb):
+    a, b = claim(store, hb, "job-a"), claim(store, hb, "job-b")  # lease_on_lost="flag": the body goes on
+    with lock(a, "account:42", ttl=3.0):
+        with store.begin() as c:
+            c.execute(sa.update(store.t.locks).values(expires_at=store.now_sql - 0.1))
+        with lock(b, "account:42", timeout=0):
+            hb.beat()  # the lock is found taken: job-a's lease lost, its give-back queued
+            assert a.lost
+    # The body returns; the store does not answer its completion, which is deferred to the heartbeat.
+    completion = DeferredWrite(RunEnd.RETURNED, lambda: store.jobs.complete("job-a", a.token, hb.worker))
+    hb.runtime.defer(a, completion)
+    hb.beat()
+    assert store.get("job-a").status == "completed", "the finished body was given back to run again"
 
 
 def test_one_heartbeat_statement_renews_every_held_lock(store, hb):

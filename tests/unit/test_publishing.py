@@ -259,6 +259,55 @@ def test_a_job_a_body_was_told_is_unpublished_is_deleted_when_that_body_goes_on_
     assert [m.headers["id"] for m in received(app, 1)] == [parent_id]  # the parent's own message only
 
 
+def test_a_keyed_job_a_body_is_handed_after_an_unanswered_record_is_kept_and_runs(app):
+    # The key answers the body's second publish with the first job: that job must not be deleted.
+    from celery_lease.errors import StoreUnavailable
+
+    handed: list[str] = []
+
+    def body(work):
+        for _ in range(2):
+            try:
+                handed.append(work.apply_async(idempotency_key="order-7:child").id)
+                return
+            except StoreUnavailable:
+                continue
+
+    parent_id, child = _run_parent(app, body)
+    assert for_app(app).get(parent_id).status == "completed"
+    assert child == handed and len(handed) == 1, (child, handed)
+
+
+def test_a_job_published_again_under_its_id_whose_send_fails_is_deleted_when_the_body_ends(app, monkeypatch):
+    import kombu.messaging
+
+    from celery_lease.errors import StoreUnavailable
+
+    real = kombu.messaging.Producer.publish
+
+    def child_not_sent(self, body, *args, **kwargs):
+        if (kwargs.get("headers") or {}).get("id") == "child-1":
+            raise ConnectionError("broker unreachable")
+        return real(self, body, *args, **kwargs)
+
+    def body(work):
+        try:
+            work.apply_async(task_id="child-1")
+        except StoreUnavailable:
+            monkeypatch.setattr(kombu.messaging.Producer, "publish", child_not_sent)
+            try:
+                work.apply_async(task_id="child-1")
+            except Exception:  # noqa: BLE001 - told a second time that it is not published
+                return
+            finally:
+                monkeypatch.setattr(kombu.messaging.Producer, "publish", real)
+
+    app.conf.task_publish_retry = False
+    parent_id, child = _run_parent(app, body)
+    assert for_app(app).get(parent_id).status == "completed"
+    assert child == [], f"{child}, never sent by either publish, would run ten minutes later"
+
+
 def test_a_job_the_body_publishes_again_under_its_id_after_an_unanswered_record_runs_once(app):
     from celery_lease.errors import StoreUnavailable
 
