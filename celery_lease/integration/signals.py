@@ -45,10 +45,11 @@ class LeaseRequest(Request):
         if self.worker_pid and isinstance(exc, TimeLimitExceeded):
             # acks_on_timeout=False: Celery requeues the message, so the lease requeues without sending.
             again = bool(self.task.acks_late) and not acks_on_timeout(self.task)
-            if again:
-                # Billiard kills the child only after every failure handler (the result backend, errbacks,
-                # task_failure receivers), and Celery requeues the message before that: killed first, the
-                # child cannot run beside a copy another process claims once the job is pending.
+            if again and not return_ok:
+                # Billiard's hard time limit (a body that raises TimeLimitExceeded itself comes through
+                # on_success, return_ok). Billiard kills the child only after every failure handler (the
+                # result backend, errbacks, task_failure receivers), and Celery requeues the message
+                # before that: killed first, the child cannot run beside a copy another process claims.
                 _kill_child(self.worker_pid)
             outcome = _settle_dead_child(self, type(exc).__name__, final=not again, resend=not again)
             self._lease_settled = outcome != WorkerLostOutcome.NONE
@@ -135,8 +136,14 @@ def acks_on_timeout(task: Any) -> bool:
 
 def _kill_child(pid: int) -> None:
     """SIGKILL a timed-out pool child now rather than after Celery's handlers (billiard's own SIGTERM, then
-    SIGKILL 0.1 s later, finds it dead and reaps it)."""
-    if pid and pid != os.getpid():
+    SIGKILL 0.1 s later, finds it dead and reaps it). Only a live child of this process: a pid billiard
+    already reaped may name another process by now (and without /proc nothing is killed here)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            state, parent = stat.read().rsplit(")", 1)[1].split()[:2]
+    except (OSError, ValueError):
+        return
+    if state not in ("Z", "X") and int(parent) == os.getpid():
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 

@@ -95,6 +95,14 @@ def make_app(env: Mapping[str, str]) -> Celery:
         note(self, "started")
         threading.Event().wait(30)
 
+    @app.task(base=LeaseTask, bind=True, shared=False, name="reaper_app.raises_time_limit")
+    def raises_time_limit(self: Any) -> None:
+        """Raises TimeLimitExceeded itself (a sub-result's timeout passed on): a failure, not a time limit."""
+        from celery.exceptions import TimeLimitExceeded
+
+        note(self, "started")
+        raise TimeLimitExceeded(5.0)
+
     @app.task(base=LeaseTask, bind=True, shared=False, name="reaper_app.boom")
     def boom(self: Any) -> None:
         """Raises on every attempt: a plain task failure."""

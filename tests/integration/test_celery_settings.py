@@ -95,6 +95,17 @@ def test_acks_on_timeout_off_requeues_a_timed_out_job_through_the_lease_once(lea
     wait_for(lambda: result.state == "SUCCESS", timeout=10, message="re-run's result not stored")
 
 
+def test_a_body_raising_time_limit_exceeded_itself_fails_and_its_pool_process_lives_on(leased):
+    # Only billiard's own hard time limit kills the child early; this is the body's failure.
+    renv, app = leased
+    result = app.tasks["reaper_app.raises_time_limit"].delay()
+    wait_for(lambda: result.state == "FAILURE", timeout=30, message="the body's failure was not stored")
+    later = app.tasks["reaper_app.work"].delay(0.0)
+    later.get(timeout=30)
+    assert renv.pids(later.id) == renv.pids(result.id), "the pool process that ran the failed body was killed"
+    assert renv.status(result.id) == FAILED and renv.count(result.id, "started") == 1
+
+
 def test_acks_on_failure_off_rejects_a_failed_job_and_the_lease_keeps_it_failed(leased):
     renv, app = leased
     result = app.tasks["reaper_app.boom"].delay()
