@@ -55,7 +55,7 @@ ADMIN = "alice"
 # Run by ``manage.py shell -c``: signs in through the admin's login form, opens the pages and
 # redrives the dead letter (plan, then confirmation), and writes what each request returned.
 ADMIN_VISIT = """
-import json, os
+import json, os, re
 from django.test import Client
 from django.test.utils import setup_test_environment
 
@@ -72,7 +72,10 @@ pages["jobs"] = client.get(jobs)
 pages["recovered job"] = client.get(f"{jobs}{recovered}/change/")
 pages["dead letters"] = client.get(dead_letters)
 pages["plan"] = client.post(dead_letters, redrive)
-pages["redriven"] = client.post(dead_letters, {**redrive, "post": "yes", "confirm": "yes"}, follow=True)
+# The confirmation carries what the plan page holds: each job as the plan showed it.
+stamps = re.findall(r'name="stamp" value="([^"]*)"', pages["plan"].content.decode())
+pages["redriven"] = client.post(dead_letters, {**redrive, "post": "yes", "confirm": "yes", "stamp": stamps},
+                                follow=True)
 with open(os.environ["ADMIN_PAGES"], "w") as out:
     json.dump({name: [page.status_code, page.content.decode()] for name, page in pages.items()}, out)
 """
