@@ -70,7 +70,11 @@ def recorded_again(lease: Checkpointed, record_again: Callable[[], bool] | None)
     if again:
         log.error("job %s [%s]: its row vanished from the store; recorded again from the message it runs",
                   lease.job_id, lease.token[:8], extra={"action": "job_recorded_again"})
-    return again
+        return True
+    # Refused because the row is back: the heartbeat and the body's write both find a vanished row, and the
+    # one that records it second is told the job is running. Running under this token, it is ours.
+    job = lease.store.get(lease.job_id)
+    return job is not None and job.lock_token == lease.token and job.status == Status.RUNNING
 
 
 def send_if_pending(lease: Checkpointed) -> bool:

@@ -421,6 +421,25 @@ def test_a_deferred_completion_whose_row_vanished_meanwhile_records_the_job_agai
     assert lease not in hb.runtime.leases()
 
 
+def test_a_completion_whose_vanished_row_the_heartbeat_recorded_again_first_completes_the_job(store, hb):
+    # The completion and the heartbeat both find the row gone; the heartbeat records it again first, under
+    # this lease's token, so the completion's own record-again is told the job is running.
+    from celery_lease.worker.lifecycle import _write
+
+    lease = held_lease(store, hb.runtime, "raced")
+    recording_again(store, lease)
+    record_again = lease._record_again
+
+    def heartbeat_first() -> bool:
+        assert record_again()  # the heartbeat's record-again lands first
+        return record_again()  # the completion's: refused, the row running again
+
+    lease._record_again = heartbeat_first
+    vanish(store, "raced")
+    assert _write(lease, RunEnd.RETURNED, lambda: store.jobs.complete("raced", lease.token, lease.worker))
+    assert store.get("raced").status == "completed"  # not left running for the reaper to run again
+
+
 def test_a_completion_whose_row_vanished_and_whose_record_again_meets_an_outage_waits_for_the_store(
         store, hb):
     from celery_lease.worker.lifecycle import _write
