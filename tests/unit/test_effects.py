@@ -555,12 +555,14 @@ def test_a_lock_whose_acquisition_answered_past_its_local_deadline_is_taken_agai
     # answer is not trusted and the block starts only under a lock with time left.
     lease = claim(store, hb, "job-a")
     real, late = store.effects.acquire_lock, []
+    clock = {"skew": 0.0}  # the local clock, moved on by the answer's delay instead of waiting it out
+    monkeypatch.setattr(deadline, "monotonic", lambda: time.monotonic() + clock["skew"])
 
     def slow_answer(*args, **kwargs):
         outcome = real(*args, **kwargs)
         if not late:
             late.append(outcome)
-            time.sleep(0.6)  # the answer's delay: longer than the lock's 0.4 s TTL
+            clock["skew"] += 0.6  # the answer's delay: longer than the lock's 0.4 s TTL
         return outcome
 
     monkeypatch.setattr(store.effects, "acquire_lock", slow_answer)
