@@ -229,11 +229,10 @@ class EffectStatements:
         holder = lk.outerjoin(j, j.c.id == lk.c.job_id)
         row = c.execute(sa.select(j.c.lease_duration, self.db.now_sql).select_from(holder).where(
             lk.c.resource == resource, lk.c.expires_at < self.db.now_sql)).first()
-        since = ReaperStatements(self.db).hold_since(c) if row is not None else None
-        if row is None or since is None:
-            return False  # not expired (nothing to take), or no hold
+        if row is None:
+            return False  # not expired: nothing to take
         lease, now = row
-        return float(now) < since + (lease or ttl) + heartbeat
+        return ReaperStatements(self.db).holds(c, lease or ttl, heartbeat, float(now))
 
     def renew_locks(self, ttls: Mapping[str, float]) -> set[str]:
         """Extend every lock whose token is given (token -> ttl) in one statement; returns renewed tokens."""

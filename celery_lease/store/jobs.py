@@ -157,11 +157,7 @@ class JobStatements:
     def _held(self, c: Connection, current: Job, terms: ClaimTerms) -> bool:
         """Whether the reaper's hold still covers the lease's owner (the store was away or its clock stepped,
         so every lease looks expired): until it had its lease and a heartbeat to renew, it may still run."""
-        since = ReaperStatements(self.db).hold_since(c)
-        if since is None:
-            return False
-        now = float(c.execute(sa.select(self.db.now_sql)).scalar_one())
-        return now < since + (current.lease_duration or terms.duration) + terms.heartbeat
+        return ReaperStatements(self.db).holds(c, current.lease_duration or terms.duration, terms.heartbeat)
 
     def reclaim(self, job_id: str, lost_token: str, worker: str, token: str, terms: ClaimTerms) -> Job | None:
         """A running lease of ``worker``'s own claim whose answer it never got (committed after the call

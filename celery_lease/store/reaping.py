@@ -225,6 +225,16 @@ class ReaperStatements:
         since = (self._clock_in(c) or {}).get("calm_since")
         return float(since) if isinstance(since, (int, float)) else None
 
+    def holds(self, c: Connection, lease: float, heartbeat: float, now: float | None = None) -> bool:
+        """On ``c``: whether the reaper's hold still covers an owner of a ``lease``-second lease (it had not
+        yet its lease and a heartbeat to renew since the hold began); the reaper's ``Hold`` rule."""
+        since = self.hold_since(c)
+        if since is None:
+            return False
+        if now is None:
+            now = float(c.execute(sa.select(self.db.now_sql)).scalar_one())
+        return now < since + lease + heartbeat
+
     def reaper_clock(self) -> dict[str, Any] | None:
         """What the last reaper run recorded of the store's clock (``ClockGuard``), or None."""
         if not self.db.at_least(RUNS_REVISION):
