@@ -9,7 +9,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from celery import states
 from celery.backends.base import DisabledBackend
 from celery.backends.rpc import RPCBackend
 from celery.worker.strategy import default
@@ -58,7 +57,7 @@ def _result_held(task: Any, job_id: str) -> bool:
     if isinstance(backend, (DisabledBackend, RPCBackend)) or not getattr(backend, "persistent", True):
         return True
     try:
-        return results.of(task.app, backend).get_state(job_id) in states.READY_STATES
+        return results.post_run_finished(results.of(task.app, backend).get_state(job_id))
     except Exception as exc:  # noqa: BLE001 - unreadable: the task's path asks again
         log.debug("job %s: result backend unreadable before task-received (%s)", job_id, exc)
         return False

@@ -5,14 +5,22 @@ from __future__ import annotations
 
 from typing import Any
 
+from celery import states
 from kombu.utils.imports import symbol_by_name
 
 from ..config import app_config
 
-__all__ = ["of", "VERBS", "Injected"]
+__all__ = ["of", "VERBS", "Injected", "post_run_finished"]
 
 #: The backend methods the library calls (the verbs of the fault matrix).
 VERBS = ("store_result", "get_state", "mark_as_retry", "mark_as_failure")
+
+
+def post_run_finished(state: str) -> bool:
+    """Whether the backend's state for a job the store has completed shows Celery's post-run work done. A
+    FAILURE does not: the body returned, so it is that work failing (Celery 5.7 stores it when the next
+    step's publish fails), and plain Celery, with acks_late, runs the delivered copy again."""
+    return state in states.READY_STATES and state != states.FAILURE
 
 
 class Injected:

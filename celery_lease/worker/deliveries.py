@@ -11,7 +11,7 @@ import random
 import threading
 from typing import Any, NoReturn
 
-from celery import Task, states
+from celery import Task
 from celery.backends.rpc import RPCBackend
 from celery.exceptions import Ignore, Reject
 
@@ -189,8 +189,9 @@ def _why_not_resumable(task: Task, store: Store, job: Any) -> str | None:
 
 
 def resume_post_run(task: Task, store: Store, worker: str, job: Any) -> tuple[bool, Any]:
-    """(True, result) when a completed job's result is missing from the backend, so a crash interrupted its
-    post-run work: Celery's tracer finishes it with the kept result; the body does not run.
+    """(True, result) when a completed job's result is missing from the backend (or is a FAILURE), so a crash
+    or a failure interrupted its post-run work: Celery's tracer finishes it with the kept result; the body
+    does not run.
     StoreUnavailable when the store or backend cannot answer."""
     request = task.request
     if not messages.has_results(task):
@@ -206,7 +207,7 @@ def resume_post_run(task: Task, store: Store, worker: str, job: Any) -> tuple[bo
         # Skipped now, a crash's unfinished post-run work would never be done: send it again.
         raise StoreUnavailable(f"job {job.id}: result backend unreadable ({exc}); the duplicate is checked "
                                "again later", job_id=job.id) from exc
-    if state in states.READY_STATES:
+    if results.post_run_finished(state):
         return False, None
     kept = store.jobs.kept_result(job.id)
     if kept is None:

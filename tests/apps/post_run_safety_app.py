@@ -1,10 +1,12 @@
 """The app of the post-run safety tests: a duplicate of a finished job, a replaced chain, a revoke.
 
-Configured from the environment: SAFETY_BROKER (Redis db 13, also the reports), SAFETY_BACKEND
-(``rpc://`` or a Redis URL), SAFETY_STORE (the lease store, possibly through a proxy the test can
-cut), SAFETY_PREFIX (table prefix and report key prefix) and SAFETY_QUEUE. 2 s leases.
+Configured from the environment: SAFETY_BROKER (Redis db 13, or RabbitMQ), SAFETY_REPORTS (Redis, the
+reports: SAFETY_BROKER unless told), SAFETY_BACKEND (``rpc://`` or a Redis URL), SAFETY_STORE (the
+lease store, possibly through a proxy the test can cut), SAFETY_PREFIX (table prefix and report key
+prefix) and SAFETY_QUEUE. 2 s leases.
 
-Reports, under ``<prefix>:``: ``callback`` (link-callback calls), ``runs:<task>:<id>`` (bodies).
+Reports, under ``<prefix>:``: ``callback`` (link-callback calls), ``runs:<task>:<id>`` (bodies);
+``safety.gate`` (acks_late) returns once ``open:<id>`` is set.
 With SAFETY_KILL_BEFORE_STEP set, a worker SIGKILLs its whole process group the first time it
 is about to publish ``safety.add`` (the first step of ``safety.replacer``'s chain), once per test.
 """
@@ -43,7 +45,7 @@ def make_app(env: Mapping[str, str]) -> Celery:
         lease_dispatch_timeout=2.0, task_default_queue=conf["SAFETY_QUEUE"],
         worker_prefetch_multiplier=1, broker_connection_retry_on_startup=True,
     )
-    reports = redis.Redis.from_url(conf["SAFETY_BROKER"])
+    reports = redis.Redis.from_url(env.get("SAFETY_REPORTS") or conf["SAFETY_BROKER"])
     prefix = conf["SAFETY_PREFIX"]
 
     def ran(task: Any) -> None:
@@ -67,6 +69,14 @@ def make_app(env: Mapping[str, str]) -> Celery:
     def sleeper(self: Any, seconds: float) -> None:
         ran(self)
         time.sleep(seconds)
+
+    @app.task(base=LeaseTask, bind=True, shared=False, name="safety.gate", acks_late=True)
+    def gate(self: Any, value: int) -> int:
+        ran(self)
+        give_up = time.monotonic() + 60
+        while not reports.get(f"{prefix}:open:{self.request.id}") and time.monotonic() < give_up:
+            time.sleep(0.05)
+        return value
 
     @app.task(base=LeaseTask, bind=True, shared=False, name="safety.replacer")
     def replacer(self: Any, x: int) -> Any:

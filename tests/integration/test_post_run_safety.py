@@ -1,7 +1,8 @@
 """Duplicates, replacements and revokes that lose nothing and redo nothing, against real workers.
 
-A Redis broker (db 13, shared; each test its own queue and key prefix), a PostgreSQL store
-(reached through a proxy the test can cut where the point needs an outage), real ``celery
+A Redis broker (db 13, shared; each test its own queue and key prefix; RabbitMQ, through a proxy the
+test can cut, where the point needs a broker outage), a PostgreSQL store (reached through a proxy the
+test can cut where the point needs an outage), real ``celery
 worker`` subprocesses (tests/apps/post_run_safety_app.py).
 """
 
@@ -13,6 +14,7 @@ from urllib.parse import urlsplit
 
 import pytest
 import redis
+from celery import chain
 
 from celery_lease.messaging import messages
 from celery_lease.reaper.run import Reaper
@@ -43,14 +45,14 @@ class Scene:
         self.proxies: list[TcpProxy] = []
         self.apps: list = []
 
-    def env(self, backend: str, store_url: str | None = None) -> dict[str, str]:
-        return {"SAFETY_BROKER": self.broker, "SAFETY_BACKEND": backend,
-                "SAFETY_STORE": store_url or self.postgres_url, "SAFETY_PREFIX": self.prefix,
-                "SAFETY_QUEUE": self.queue}
+    def env(self, backend: str, store_url: str | None = None, broker: str | None = None) -> dict[str, str]:
+        return {"SAFETY_BROKER": broker or self.broker, "SAFETY_REPORTS": self.broker,
+                "SAFETY_BACKEND": backend, "SAFETY_STORE": store_url or self.postgres_url,
+                "SAFETY_PREFIX": self.prefix, "SAFETY_QUEUE": self.queue}
 
-    def app(self, backend: str):
-        """The test process's twin of the workers' app, reaching PostgreSQL directly."""
-        app = make_app(self.env(backend))
+    def app(self, backend: str, broker: str | None = None):
+        """The test process's twin of the workers' app, reaching PostgreSQL (and the broker) directly."""
+        app = make_app(self.env(backend, broker=broker))
         self.apps.append(app)
         return app
 
@@ -59,6 +61,13 @@ class Scene:
         proxy = TcpProxy(pg.hostname or "127.0.0.1", pg.port or 5432).start()
         self.proxies.append(proxy)
         return proxy, self.postgres_url.replace(pg.netloc, f"{pg.username}@127.0.0.1:{proxy.port}")
+
+    def proxied_broker(self, url: str) -> tuple[TcpProxy, str]:
+        parts = urlsplit(url)
+        proxy = TcpProxy(parts.hostname or "127.0.0.1", parts.port or 5672).start()
+        self.proxies.append(proxy)
+        netloc = parts.netloc.replace(f"{parts.hostname}:{parts.port}", f"127.0.0.1:{proxy.port}")
+        return proxy, parts._replace(netloc=netloc).geturl()
 
     def events(self, job_id: str) -> list[str]:
         return [str(e["event"]) for e in self.store.reports.events(job_id)]
@@ -141,6 +150,42 @@ def test_a_revoke_during_a_store_outage_cancels_the_job_once_the_store_answers(s
                        timeout=20, interval=0.1, message="the revoke's cancel never reached the store")
     assert job.last_error == "revoked (revoked)"
     assert scene.reports.get(f"{scene.prefix}:runs:safety.add:{job_id}") is None
+
+
+def test_a_chains_next_step_is_sent_when_the_broker_failed_after_the_body_returned(scene, tmp_path, amqp_url):
+    # Given chain(gate(5), add(1)) on RabbitMQ, the gate acks_late, the worker reaching the broker through
+    # a proxy, and the gate's body running
+    backend = scene.broker
+    proxy, proxied = scene.proxied_broker(amqp_url)
+    app = scene.app(backend, broker=amqp_url)
+    try:
+        with celery_processes(tmp_path) as procs:
+            procs.append(worker(APP, scene.env(backend, broker=proxied), tmp_path, concurrency=2,
+                                queues=scene.queue))
+            result = chain(app.tasks["safety.gate"].si(5), app.tasks["safety.add"].s(1)).apply_async()
+            first = result.parent.id
+            wait_for(lambda: scene.reports.get(f"{scene.prefix}:runs:safety.gate:{first}") == "1", timeout=30,
+                     message="the gate never started")
+            # When the broker goes away and the body returns: the job completes in the store, its next
+            # step's publish and its ack fail (Celery stores FAILURE for the step it could not send)
+            proxy.cut()
+            scene.reports.set(f"{scene.prefix}:open:{first}", 1)
+            wait_for(lambda: app.AsyncResult(first).state == "FAILURE", timeout=60,
+                     message="the failed publish of the next step was never reported")
+            assert scene.store.get(first).status == "completed"
+            # ... and comes back: RabbitMQ delivers the unacknowledged message again
+            proxy.start()
+            # Then the chain goes on as with plain Celery: the gate's result stored, the next step run,
+            # the gate's body once
+            wait_for(lambda: app.AsyncResult(first).state == "SUCCESS", timeout=60,
+                     message="the redelivered gate never finished its post-run work")
+            assert app.AsyncResult(result.id).get(timeout=60) == 6
+        assert scene.reports.get(f"{scene.prefix}:runs:safety.gate:{first}") == "1"
+        assert scene.reports.get(f"{scene.prefix}:runs:safety.add:{result.id}") == "1"
+        assert scene.events(first).count("post_run_resumed") == 1
+    finally:
+        with app.connection_for_write() as conn:
+            conn.default_channel.queue_delete(scene.queue)
 
 
 def test_a_worker_killed_while_a_job_replaces_itself_with_a_chain_loses_nothing(scene, tmp_path):

@@ -202,6 +202,23 @@ def test_a_completed_job_without_a_stored_result_resumes_with_the_kept_one(resul
         task.pop_request()
 
 
+def test_a_completed_job_whose_post_run_work_failed_resumes_with_the_kept_result(results_app):
+    from kombu.exceptions import OperationalError
+
+    _, task = results_app
+    job = CompletedJob()
+    job.id = "job-post-run-failed"  # the memory backend is shared by the tests
+    task.push_request(id=job.id, delivery_info={"redelivered": True})
+    try:
+        # Celery stored FAILURE after the body returned: the next step's publish failed (the broker away)
+        task.backend.mark_as_failure(job.id, OperationalError("[Errno 111] Connection refused"))
+        store = KeptStore(messages.keepable_result(task, {"total": 3}))
+        assert deliveries.resume_post_run(task, store, "me:1", job) == (True, {"total": 3})
+        assert store.written == ["post_run_resumed"]
+    finally:
+        task.pop_request()
+
+
 def test_a_job_completed_less_than_a_lease_ago_is_looked_at_again_after_it_not_resumed(results_app):
     from celery.exceptions import Ignore
 

@@ -10,7 +10,7 @@ import secrets
 
 import pytest
 
-from celery_lease.integration.strategy import sure_duplicate
+from celery_lease.integration.strategy import _result_held, sure_duplicate
 from celery_lease.store import ClaimTerms, Glance
 from celery_lease.vocabulary import Status
 
@@ -45,6 +45,27 @@ def not_asked() -> bool:
         "completed-unkept", "completed-held", "completed-unstored"])
 def test_only_a_finished_job_or_a_live_lease_of_another_node_is_a_sure_duplicate(glance, backend, sure):
     assert sure_duplicate(glance, NODE, backend) is sure
+
+
+def test_a_completed_jobs_result_is_held_once_stored_but_not_while_celery_holds_a_failure_of_its_post_run():
+    from celery import Celery
+    from kombu.exceptions import OperationalError
+
+    app = Celery("held", broker="memory://", backend="cache+memory://", set_as_current=False)
+
+    @app.task(name="held.t", shared=False)
+    def task() -> None:
+        return None
+
+    try:
+        assert not _result_held(task, "j-missing")
+        # After the body returned, the next step's publish failed: FAILURE, the copy resumes the post-run work
+        task.backend.mark_as_failure("j-failed", OperationalError("[Errno 111] Connection refused"))
+        assert not _result_held(task, "j-failed")
+        task.backend.mark_as_done("j-done", 3)
+        assert _result_held(task, "j-done")
+    finally:
+        app.close()
 
 
 def test_glance_reads_status_owner_live_lease_and_kept_result(store):
