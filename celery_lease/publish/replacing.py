@@ -6,6 +6,7 @@ records the first step, so one of them is always in the store; an unleased carri
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -14,14 +15,19 @@ from celery.exceptions import Ignore
 
 from ..context import HANDING as _handing
 from ..context import HANDING_LATER as _later
+from ..errors import StoreUnavailable
 from ..kinds import leased
 from ..store import NewJob
+from ..vocabulary import RunEnd
+from ..worker.handles import DeferredWrite
 
 if TYPE_CHECKING:
     from ..store import Store
     from ..worker.lease import Lease
 
 __all__ = ["hand_over", "hands_over_to", "claim_on_publish", "record_step"]
+
+log = logging.getLogger(__name__)
 
 
 def carrier(sig: Signature, job_id: str, first: bool = True) -> tuple[Signature | None, bool]:
@@ -64,9 +70,10 @@ def hand_over(task: Any, lease: Lease, sig: Signature, send: Callable[[Signature
         try:
             return send(sig)
         except Ignore:
-            with lease.turn:  # the first step was not recorded here (its publish took another way)
-                if not lease.handed_over:
-                    lease.handed_over = store.replacing.hand_over(job_id, token, worker, None, name, nesting)
+            # The first step was not recorded here (its publish took another way).
+            if not lease.handed_over:
+                _after_sent(lease, lambda: store.replacing.hand_over(job_id, token, worker, None, name,
+                                                                     nesting))
             raise
         finally:
             _later.reset(later)
@@ -76,9 +83,23 @@ def hand_over(task: Any, lease: Lease, sig: Signature, send: Callable[[Signature
     try:
         return send(sig)
     except Ignore:
-        with lease.turn:
-            lease.handed_over = store.replacing.replaced(job_id, token, worker, name)
+        _after_sent(lease, lambda: store.replacing.replaced(job_id, token, worker, name))
         raise
+
+
+def _after_sent(lease: Lease, write: Callable[[], bool]) -> None:
+    """Record a hand-over whose replacement Celery has sent. A store that does not answer defers the write
+    to the heartbeat, as a completion's is: given back, the body would run again and send the replacement
+    twice."""
+    with lease.turn:
+        try:
+            lease.handed_over = write()
+        except StoreUnavailable as exc:
+            log.error("job %s [%s]: replaced, but the hand-over is not written, the store is unreachable "
+                      "(%s); kept until it answers", lease.job_id, lease.token[:8], exc,
+                      extra={"action": "settle_deferred"})
+            lease.handed_over = True
+            lease.runtime.defer(lease, DeferredWrite(RunEnd.REPLACED, write))
 
 
 def _first_sent(sig: Signature) -> Signature | None:

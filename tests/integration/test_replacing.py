@@ -182,6 +182,34 @@ def test_a_group_replacement_whose_record_meets_an_outage_runs_the_replaced_body
     assert unexplained(app, runs(client)) == {}
 
 
+def test_a_replacement_sent_before_the_store_stopped_answering_runs_once_and_its_body_once(
+        counted, monkeypatch):
+    """Celery has sent the group (its carrier unleased) when the hand-over's write finds the store away: the
+    write waits for the store, as a completion's does; the job is not given back to run and replace again."""
+    app, client = counted
+    statements = type(for_app(app).replacing)
+    replaced, calls = statements.replaced, []
+
+    def unanswered_once(self, *args, **kwargs):
+        calls.append(args[0])
+        if len(calls) == 1:
+            raise StoreUnavailable("no answer within the call bound (injected)")
+        return replaced(self, *args, **kwargs)
+
+    monkeypatch.setattr(statements, "replaced", unanswered_once)
+    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+        result = app.tasks["r.by_group"].delay(3)
+        assert result.get(timeout=30) == [0, 2, 4]
+        wait_for(lambda: for_app(app).get(result.id).status == "completed", timeout=20,
+                 message="the deferred hand-over never landed")
+    counts = runs(client)
+    assert calls == [result.id, result.id]
+    assert counts.pop(f"runs:r.by_group:{result.id}") == 1
+    assert sorted(counts.values()) == [1, 1, 1]
+    assert Event.RELEASED_AFTER_OUTAGE not in events(app, result.id)
+    assert events(app, result.id)[-1] == Event.REPLACED
+
+
 def test_a_copy_of_the_replaced_message_delivered_mid_chain_does_not_replace_the_job_again(counted):
     """While the chain's first step runs, the job has no row (its carrier is recorded when it is
     sent): a broker's copy of the replaced task's message is skipped, not run as a new job."""
