@@ -118,6 +118,8 @@ class WorkerLostOutcome(Name):
     LOST_RACE = "lost_race"
     # The message could not be re-sent: the reaper (or its dispatch scan) recovers the job.
     ERROR = "error"
+    # Celery had stored the run's SUCCESS before the child died: the job completed, not run again.
+    COMPLETED = "completed"
     # The store could not be asked: the lease expires and the reaper settles it.
     STORE_UNAVAILABLE = "store_unavailable"
     # Not this owner's running job (finished, taken over, never claimed): nothing to settle.

@@ -56,6 +56,12 @@ class LeaseRequest(Request):
             # Billiard's on_timeout, called next, stores FAILURE and fires the errbacks: not twice.
             return super().on_failure(exc_info, send_failed_event=False, return_ok=True)
         if self.worker_pid and exc is not None and self._child_lost(exc):
+            if isinstance(exc, WorkerLostError) and self._stored_success():
+                # The child died after its run (a task_postrun receiver, process_cleanup): Celery 5.7 acks
+                # and reports the success; the lease completes the job rather than run it again.
+                self._lease_settled = True
+                _settle_dead_child(self, type(exc).__name__, final=False, succeeded=True)
+                return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
             outcome = _settle_dead_child(self, type(exc).__name__, final=False)
             if outcome in RERUN:
                 return self._rerun_by_lease(exc, exc_info, outcome)
@@ -68,6 +74,17 @@ class LeaseRequest(Request):
         if getattr(self, "_lease_settled", False):
             return False
         return bool(super()._retry_worker_lost(exc, exc_info))
+
+    def _stored_success(self) -> bool:
+        """Celery 5.7's check that the run stored SUCCESS before its child was lost (False before 5.7, which
+        has none: the child's job is settled as lost, as Celery fails it)."""
+        check = getattr(super(), "_success_was_stored", None)
+        try:
+            return bool(check and check())
+        except Exception as exc:  # noqa: BLE001 - an unreadable backend: settled as a lost child
+            log.warning("job %s: could not ask the result backend whether the lost child's run "
+                        "succeeded (%s)", self.id, exc)
+            return False
 
     def terminate(self, pool: Any, signal: Any = None) -> Any:
         """``revoke(terminate=True)``: cancel the job, fenced by the terminated process's owner (the main
@@ -148,12 +165,14 @@ def _kill_child(pid: int) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def _settle_dead_child(request: LeaseRequest, reason: str, final: bool,
-                       resend: bool = True) -> WorkerLostOutcome:
+def _settle_dead_child(request: LeaseRequest, reason: str, final: bool, resend: bool = True,
+                       succeeded: bool = False) -> WorkerLostOutcome:
     owner = worker_id(request.hostname, request.worker_pid)
     try:
-        from ..reaper.worker_lost import recover_worker_lost
+        from ..reaper.worker_lost import complete_worker_lost, recover_worker_lost
 
+        if succeeded:
+            return complete_worker_lost(request.task.app, request.id, owner, reason)
         return recover_worker_lost(request.task.app, request.id, owner, reason, final=final, resend=resend)
     except LeaseError as error:
         log.warning("job %s: could not settle the lease of dead child %s: %s", request.id, owner, error)

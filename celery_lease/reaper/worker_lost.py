@@ -15,7 +15,7 @@ from ..store import RUNNING, Job, Store, for_app
 from ..vocabulary import Decision, WorkerLostOutcome
 from .decisions import ReapDecision, ReapResult, decide, policy_for, publish_decision, settle
 
-__all__ = ["recover_worker_lost"]
+__all__ = ["recover_worker_lost", "complete_worker_lost"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,21 @@ def recover_worker_lost(app: Any, job_id: str, owner: str, reason: str, final: b
     log.info("job %s [%s]: worker process %s lost (%s): %s", job_id, job.lock_token[:8], owner, reason,
              decision.decision, extra={"action": "worker_lost_recovered"})
     return WorkerLostOutcome(decision.decision)
+
+
+def complete_worker_lost(app: Any, job_id: str, owner: str, reason: str) -> WorkerLostOutcome:
+    """Complete a job whose child died after Celery stored its SUCCESS, if still running under ``owner``: the
+    body returned, but its completion waited for the store (deferred) when the child died."""
+    store = for_app(app)
+    job = store.get(job_id)
+    if job is None or job.status != RUNNING or job.locked_by != owner or not job.lock_token:
+        return WorkerLostOutcome.NONE
+    if not store.jobs.complete(job_id, job.lock_token, owner):
+        return WorkerLostOutcome.LOST_RACE
+    log.warning("job %s [%s]: worker process %s lost (%s) after Celery stored its SUCCESS: completed, not "
+                "run again", job_id, job.lock_token[:8], owner, reason,
+                extra={"action": "worker_lost_recovered"})
+    return WorkerLostOutcome.COMPLETED
 
 
 def _requeue_lost(app: Any, store: Store, job: Job, decision: ReapDecision, owner: str,

@@ -109,6 +109,29 @@ def make_app(env: Mapping[str, str]) -> Celery:
         note(self, "started")
         raise ValueError("boom")
 
+    @app.task(base=LeaseTask, bind=True, shared=False, name="reaper_app.dies_after_success")
+    def dies_after_success(self: Any) -> str:
+        """Returns while its completion finds the store away (deferred to the heartbeat); its process dies in
+        task_postrun, after Celery stored SUCCESS and before that heartbeat."""
+        from celery_lease.errors import StoreUnavailable
+        from celery_lease.store import for_app
+
+        note(self, "started")
+        jobs = for_app(self.app).jobs
+
+        def unanswered(*args: Any, **kwargs: Any) -> bool:
+            del jobs.complete  # once
+            raise StoreUnavailable("no answer within the call bound (injected)")
+
+        jobs.complete = unanswered
+        return "done"
+
+    def die_after_success(sender: Any = None, state: str | None = None, **_: Any) -> None:
+        if getattr(sender, "name", None) == "reaper_app.dies_after_success" and state == "SUCCESS":
+            os._exit(1)
+
+    signals.task_postrun.connect(die_after_success, weak=False)
+
     def timed_out(sender: Any = None, task_id: str | None = None, exception: Any = None, **_: Any) -> None:
         """In the worker's main process, once the lease has settled a hard time limit (Celery's failure
         handlers run after it, before billiard's kill): record whether the timed-out child still runs."""

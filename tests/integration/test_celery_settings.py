@@ -78,6 +78,19 @@ def test_retry_on_worker_lost_leaves_a_job_dead_lettered_at_lease_max_attempts_f
     assert result.state == "FAILURE"
 
 
+def test_a_child_lost_after_celery_stored_its_success_completes_its_job_without_running_it_again(leased):
+    renv, app = leased
+    # Its completion deferred (the store did not answer), the child dies once SUCCESS is stored.
+    result = app.tasks["reaper_app.dies_after_success"].delay()
+    wait_for(lambda: renv.count(result.id, "started") and renv.status(result.id) in (COMPLETED, "pending"),
+             timeout=30,
+             message=f"the lost child's job was never settled: {renv.store.reports.events(result.id)}")
+    job = renv.store.get(result.id)
+    assert (job.status, job.attempt_count) == (COMPLETED, 1)
+    assert renv.count(result.id, "started") == 1
+    assert result.state == "SUCCESS"  # as Celery 5.7 keeps it, not RETRY
+
+
 def test_acks_on_timeout_off_requeues_a_timed_out_job_through_the_lease_once(leased):
     renv, app = leased
     # 60 s on its first run, killed at its 1.5 s hard limit; 0.1 s on the next.

@@ -98,7 +98,8 @@ def test_every_other_pool_and_policy_starts(on_lost, pool):
 def test_a_lost_child_is_rerun_by_the_lease_unless_its_job_was_settled_for_good_or_not_ours():
     assert all(isinstance(outcome, WorkerLostOutcome) for outcome in RERUN)
     assert set(WorkerLostOutcome) - set(RERUN) == {
-        WorkerLostOutcome.DEAD_LETTER, WorkerLostOutcome.FAIL, WorkerLostOutcome.NONE}
+        WorkerLostOutcome.DEAD_LETTER, WorkerLostOutcome.FAIL, WorkerLostOutcome.COMPLETED,
+        WorkerLostOutcome.NONE}
 
 
 def test_the_pool_is_named_from_the_worker_setting_or_its_class():
