@@ -363,7 +363,7 @@ def _retry(task: Any, lease: Lease, exc: BaseException) -> None:
     if exc.sig is not None:
         payload = messages.encode(exc.sig.task, exc.sig.args, exc.sig.kwargs, dict(exc.sig.options),
                                   task.serializer)
-    delay = deadline.seconds_until(exc.when)
+    delay = 0.0 if task.request.is_eager else deadline.seconds_until(exc.when)  # apply() retries at once
     if _write(lease, RunEnd.RETRIED,
               lambda: store.jobs.retry_later(job_id, token, delay, payload, str(exc.exc or exc),
                                              worker)) is False:

@@ -1,5 +1,6 @@
-"""How far one delivery travels through the library: the modules it enters and how often control
-leaves the lifecycle module (celery_lease/worker/lifecycle.py), measured under ``sys.setprofile``.
+"""The run lifecycle (an eager run's retry), and how far one delivery travels through the library: the
+modules it enters and how often control leaves the lifecycle module (celery_lease/worker/lifecycle.py),
+measured under ``sys.setprofile``.
 
 The path measured is a prefork child's: the claim succeeds and the body returns. The bounds are the
 figures of today's code (13 modules, 6 departures: the settle step is part of the lifecycle module, so its
@@ -92,3 +93,21 @@ def test_one_delivery_enters_no_more_library_modules_and_leaves_the_lifecycle_no
     assert LIFECYCLE in entered, "the delivery did not run through the lifecycle module"
     assert len(entered) <= MAX_MODULES, f"{len(entered)} modules entered: {sorted(entered)}"
     assert len(departures) <= MAX_DEPARTURES, f"{len(departures)} departures from the lifecycle: {departures}"
+
+
+def test_an_eager_run_with_a_store_retries_at_once_as_celerys_apply_does(tmp_path):
+    app = Celery(f"eager_{unique_prefix()}", broker="memory://", set_as_current=False)
+    app.conf.update(lease_eager_store=True, lease_store_url=f"sqlite:///{tmp_path / 'store.db'}")
+    attempts: list[int] = []
+
+    @app.task(base=LeaseTask, bind=True, name="path.flaky", shared=False, max_retries=2)
+    def flaky(self: Any) -> str:
+        attempts.append(self.request.retries)
+        if self.request.retries < 1:
+            raise self.retry(countdown=60)  # the countdown an eager apply() does not wait for
+        return "ok"
+
+    Store(app.conf.lease_store_url).migrate()
+    result = flaky.apply(task_id="eager-retry")
+    assert (result.state, result.result, attempts) == ("SUCCESS", "ok", [0, 1])
+    assert Store(app.conf.lease_store_url).get("eager-retry").status == Status.COMPLETED
