@@ -1,7 +1,8 @@
 """The reaper: takes back leases nobody renews, re-sends lost messages, prunes old rows.
 
 The message is published *before* the CAS, so a reaper that dies in between leaves an expired
-lease (reaped next run), never a pending job without a message.
+lease (reaped next run), never a pending job without a message; and between the transaction that
+reads a page and the one that writes it, so no transaction waits on the broker.
 """
 
 from __future__ import annotations
@@ -136,67 +137,80 @@ class Reaper:
                          token: str = "") -> bool:
         budget, after, dry = self.batch_size, None, mode is RunMode.DRY_RUN
         for _ in range(MAX_PAGES):
-            finals: list[tuple[Job, str]] = []
-            moved: list[tuple[TaskEvent, dict[str, Any]]] = []
-            with self.store.begin(long=True, read=dry) as c:  # a dry run only reads
+            # Read, publish, then write: no transaction is open while the broker is asked (on SQLite one
+            # would hold the file's write lock, and every worker's heartbeat, through a silent broker).
+            with self.store.begin(long=True, read=True) as c:
                 page = self.store.reaping.scan_expired(c, limit=self.batch_size, after=after, now=now,
-                                                       lock=not dry)
-                for item in page:
-                    if budget == 0:
-                        break
-                    job = item.job
-                    after = item.keyset
-                    result.seen += 1
-                    if not item.reapable:
-                        result.skipped_owner_alive += 1
-                        why = f"lease expired but owner {job.locked_by} is alive; waiting for the hard grace"
-                        if dry:
-                            result.planned.append(ReapDecision(job.id, job.task_name,
-                                                               Decision.SKIP_OWNER_ALIVE, why, job.locked_by))
-                        else:
-                            self.store.reaping.note_skipped_owner_alive(c, job, why)
-                        continue
-                    policy = policy_for(self.app, job)
-                    if hold.holds(now, job.lease_duration or policy.duration, policy.heartbeat_interval):
-                        result.held_back += 1
-                        if dry:
-                            why = (f"lease expired, but the store was away or its clock stepped: owner "
-                                   f"{job.locked_by} gets a lease's time to renew")
-                            result.planned.append(ReapDecision(job.id, job.task_name, Decision.HOLD_BACK,
-                                                               why, job.locked_by))
-                        continue
-                    budget -= 1
-                    why = ("lease expired past the hard grace, owner still registered" if item.owner_alive
-                           else f"lease expired, owner {job.locked_by} gone")
-                    decision = decide(job, policy, why, self.rng)
+                                                       lock=False)
+            alive: list[tuple[Job, str]] = []
+            taken: list[tuple[Job, ReapDecision]] = []
+            for item in page:
+                if budget == 0:
+                    break
+                job = item.job
+                after = item.keyset
+                result.seen += 1
+                if not item.reapable:
+                    result.skipped_owner_alive += 1
+                    why = f"lease expired but owner {job.locked_by} is alive; waiting for the hard grace"
                     if dry:
-                        result.planned.append(decision)
-                        continue
-                    try:
-                        decision = publish_decision(self.app, job, decision)
-                    except Exception as exc:  # noqa: BLE001 - broker down: stop publishing this run
-                        result.publish_errors += 1
-                        log.error("job %s [%s]: could not publish its message (%s); left expired for "
-                                  "the next run", job.id, (job.lock_token or "")[:8], exc,
-                                  extra={"action": "reap_publish_failed"})
-                        break
-                    if not settle(self.store, job, decision, result, now=now, c=c):
-                        continue
-                    if decision.decision == Decision.REQUEUE:
-                        moved.append(events.retried(job.id, decision.reason, job.attempt_count))
+                        result.planned.append(ReapDecision(job.id, job.task_name, Decision.SKIP_OWNER_ALIVE,
+                                                           why, job.locked_by))
                     else:
-                        finals.append((job, decision.reason))
-                        moved.append(events.failed(job.id, job.task_name, decision.reason,
-                                                   job.attempt_count))
-            # Only after the page committed: a rolled-back page tells Celery and monitors nothing.
-            for job, reason in finals:
-                report_failure(self.app, job, reason)
-            events.send(self.app, self.node, moved)
+                        alive.append((job, why))
+                    continue
+                policy = policy_for(self.app, job)
+                if hold.holds(now, job.lease_duration or policy.duration, policy.heartbeat_interval):
+                    result.held_back += 1
+                    if dry:
+                        why = (f"lease expired, but the store was away or its clock stepped: owner "
+                               f"{job.locked_by} gets a lease's time to renew")
+                        result.planned.append(ReapDecision(job.id, job.task_name, Decision.HOLD_BACK,
+                                                           why, job.locked_by))
+                    continue
+                budget -= 1
+                why = ("lease expired past the hard grace, owner still registered" if item.owner_alive
+                       else f"lease expired, owner {job.locked_by} gone")
+                decision = decide(job, policy, why, self.rng)
+                if dry:
+                    result.planned.append(decision)
+                    continue
+                try:
+                    taken.append((job, publish_decision(self.app, job, decision)))
+                except Exception as exc:  # noqa: BLE001 - broker down: stop publishing this run
+                    result.publish_errors += 1
+                    log.error("job %s [%s]: could not publish its message (%s); left expired for "
+                              "the next run", job.id, (job.lock_token or "")[:8], exc,
+                              extra={"action": "reap_publish_failed"})
+                    break
+            if alive or taken:
+                self._take_back(result, now, alive, taken)
             if len(page) < self.batch_size or budget == 0 or result.publish_errors:
                 return not result.publish_errors
             if not self._still_ours(mode, token):
                 return False
         return True
+
+    def _take_back(self, result: ReapResult, now: float, alive: list[tuple[Job, str]],
+                   taken: list[tuple[Job, ReapDecision]]) -> None:
+        """One page's writes in one transaction: each take-back a CAS on the token and expiry the scan read
+        (a lease renewed meanwhile is a lost race), then Celery and monitors are told what committed."""
+        finals: list[tuple[Job, str]] = []
+        moved: list[tuple[TaskEvent, dict[str, Any]]] = []
+        with self.store.begin(long=True) as c:
+            for job, why in alive:
+                self.store.reaping.note_skipped_owner_alive(c, job, why)
+            for job, decision in taken:
+                if not settle(self.store, job, decision, result, now=now, c=c):
+                    continue
+                if decision.decision == Decision.REQUEUE:
+                    moved.append(events.retried(job.id, decision.reason, job.attempt_count))
+                else:
+                    finals.append((job, decision.reason))
+                    moved.append(events.failed(job.id, job.task_name, decision.reason, job.attempt_count))
+        for job, reason in finals:
+            report_failure(self.app, job, reason)
+        events.send(self.app, self.node, moved)
 
     def _dispatch_floor(self) -> float:
         """The shortest lease_dispatch_timeout any job may have: the scan's bound."""
@@ -211,42 +225,52 @@ class Reaper:
         budget, after, dry = self.batch_size, None, mode is RunMode.DRY_RUN
         floor, cap = self._dispatch_floor(), self.cfg.dispatch_backoff_max
         for _ in range(MAX_PAGES):
-            with self.store.begin(long=True, read=dry) as c:  # a dry run only reads
+            with self.store.begin(long=True, read=True) as c:  # no transaction open while the broker is asked
                 page = self.store.reaping.scan_lost_dispatches(c, older_than=floor, limit=self.batch_size,
-                                                               after=after, now=now, lock=not dry,
+                                                               after=after, now=now, lock=False,
                                                                backoff_max=cap)
-                for job, waited in page:
-                    if budget == 0:
-                        break
-                    after = (job.available_at, job.id)
-                    timeout = policy_for(self.app, job).dispatch_timeout
-                    wait = dispatch_wait(timeout, job.dispatch_count, cap)
-                    if waited <= wait:
-                        continue
-                    budget -= 1
-                    why = f"pending {waited:.1f}s past available_at (lease_dispatch_timeout {timeout:g}s"
-                    if job.dispatch_count:
-                        why += f", doubled per re-send: {job.dispatch_count} so far, so {wait:g}s"
-                    why += ")"
-                    if dry:
-                        result.planned.append(ReapDecision(job.id, job.task_name, Decision.REDISPATCH, why))
-                        continue
-                    try:
-                        messages.republish(self.app, job.id, job.payload)
-                    except StoreCorrupt as exc:
-                        log.error("job %s: lost dispatch cannot be re-sent: %s", job.id, exc)
-                        result.publish_errors += 1
-                        continue
-                    except Exception as exc:  # noqa: BLE001 - broker down: stop publishing this run
-                        result.publish_errors += 1
-                        log.error("job %s: could not re-send its lost message (%s)", job.id, exc,
-                                  extra={"action": "redispatch_failed"})
-                        return False
-                    decisions.after_publish(self.app, job.id)
-                    if self.store.reaping.redispatched(job, why, c=c):
-                        result.redispatched += 1
-                    else:
-                        result.lost_races += 1
+            sent: list[tuple[Job, str]] = []
+            broker_down = False
+            for job, waited in page:
+                if budget == 0:
+                    break
+                after = (job.available_at, job.id)
+                timeout = policy_for(self.app, job).dispatch_timeout
+                wait = dispatch_wait(timeout, job.dispatch_count, cap)
+                if waited <= wait:
+                    continue
+                budget -= 1
+                why = f"pending {waited:.1f}s past available_at (lease_dispatch_timeout {timeout:g}s"
+                if job.dispatch_count:
+                    why += f", doubled per re-send: {job.dispatch_count} so far, so {wait:g}s"
+                why += ")"
+                if dry:
+                    result.planned.append(ReapDecision(job.id, job.task_name, Decision.REDISPATCH, why))
+                    continue
+                try:
+                    messages.republish(self.app, job.id, job.payload)
+                except StoreCorrupt as exc:
+                    log.error("job %s: lost dispatch cannot be re-sent: %s", job.id, exc)
+                    result.publish_errors += 1
+                    continue
+                except Exception as exc:  # noqa: BLE001 - broker down: stop publishing this run
+                    result.publish_errors += 1
+                    log.error("job %s: could not re-send its lost message (%s)", job.id, exc,
+                              extra={"action": "redispatch_failed"})
+                    broker_down = True
+                    break
+                decisions.after_publish(self.app, job.id)
+                sent.append((job, why))
+            if sent:
+                # Each a CAS on what the scan read: one reaper counts a re-send.
+                with self.store.begin(long=True) as c:
+                    for job, why in sent:
+                        if self.store.reaping.redispatched(job, why, c=c):
+                            result.redispatched += 1
+                        else:
+                            result.lost_races += 1
+            if broker_down:
+                return False
             if len(page) < self.batch_size or budget == 0:
                 return True
             if not self._still_ours(mode, token):

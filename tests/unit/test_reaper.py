@@ -770,6 +770,22 @@ def test_the_pause_seam_runs_between_publish_and_cas(app, store, broker, monkeyp
         assert seen[0][1] == RUNNING
 
 
+def test_a_workers_heartbeat_answers_while_the_reaper_waits_on_the_broker(app, store, broker, monkeypatch):
+    """No transaction is open while the reaper publishes: on SQLite one would hold the store's write lock,
+    and every heartbeat, for as long as the broker takes to answer."""
+    running(store, "expired")
+    live = running(store, "live", owner=ALIVE, age=-20.0)  # expires in 20 s, renewed by its owner
+    renewed: list[set[str]] = []
+
+    def heartbeat(job_id: str) -> None:
+        renewed.append(store.jobs.renew({live: "live"}, ALIVE, {live: 30.0}))
+
+    monkeypatch.setattr(app_state(app), "after_publish", heartbeat)
+    assert Reaper(app).run_once().reaped == 1
+    assert renewed == [{"live"}]
+    assert store.get("expired").status == PENDING
+
+
 def test_an_idempotency_key_outlives_its_pruned_job_until_its_own_retention(app, store):
     cfg = app_config(app)
     store.publishes.record("keyed", "t.work", "celery", payload(), 3, idempotency_key="order-7")
