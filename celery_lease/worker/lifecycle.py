@@ -184,13 +184,12 @@ def _worker_terminating() -> bool:
 
 def _worker_leaving(exc: BaseException) -> bool:
     """True when a BaseException means the worker is shutting down, not that the body failed."""
+    from billiard import common
     from celery.worker import state
 
     if isinstance(exc, (WorkerShutdown, WorkerTerminate)) or state.should_stop or state.should_terminate:
         return True
     # A prefork child's terminate handler raises SystemExit in whatever runs; billiard flags it.
-    from billiard import common
-
     fired = getattr(common, "terminate_handler_fired", None)
     return bool(fired is not None and fired())
 
@@ -295,36 +294,38 @@ def settle(task: Any, lease: Lease, end: RunEnd, value: Any, exc: BaseException 
 
 
 def _ending(lease: Lease, end: RunEnd, write: Callable[[], bool]) -> bool | None:
-    """A settle write that ends a finished job; one the store refuses fails the job instead, or the reaper
-    would run the finished body again."""
-    try:
-        return _write(lease, end, write)
-    except StoreRejected as exc:
-        log.error("job %s [%s]: the store refused its %s (%s); the job is recorded as failed so that its "
-                  "finished body does not run again", lease.job_id, lease.token[:8], end, exc,
-                  extra={"action": "settle_refused"})
-        reason = f"the store refused the write of its end ({end}): {exc}"
-        return _write(lease, end, lambda: lease.store.jobs.fail(lease.job_id, lease.token, reason,
-                                                                lease.worker))
+    """A settle write that ends a finished job; one the store refuses (now, or when deferred) fails the job
+    instead, or the reaper would run the finished body again."""
+    def or_fail() -> bool:
+        try:
+            return write()
+        except StoreRejected as exc:
+            log.error("job %s [%s]: the store refused its %s (%s); the job is recorded as failed so that its "
+                      "finished body does not run again", lease.job_id, lease.token[:8], end, exc,
+                      extra={"action": "settle_refused"})
+            reason = f"the store refused the write of its end ({end}): {exc}"
+            return lease.store.jobs.fail(lease.job_id, lease.token, reason, lease.worker)
+
+    return _write(lease, end, or_fail)
 
 
 def _complete(task: Any, lease: Lease, value: Any) -> Any:
     store, job_id, token, worker = lease.store, lease.job_id, lease.token, lease.worker
-    if lease.lost:
-        # Lost while finishing: the completion below is fenced and will be rejected if it moved on.
+    if lease.lost:  # the completion below is fenced: rejected if the lease moved on
         log.warning("job %s [%s] finished after losing its lease", job_id, token[:8])
     kept = messages.keepable_result(task, value)
-    try:
-        if kept is None:
-            written = _ending(lease, RunEnd.RETURNED, lambda: store.jobs.complete(job_id, token, worker))
-        else:
-            written = _write(lease, RunEnd.RETURNED, lambda: store.jobs.complete(job_id, token, worker, kept))
-    except StoreRejected as exc:
-        # The kept result only serves a crash's post-run work: one too large is dropped, the job completes.
-        log.error("job %s [%s]: result not kept, the store refused it (%s)", job_id, token[:8], exc,
-                  extra={"action": "result_not_kept"})
-        written = _ending(lease, RunEnd.RETURNED, lambda: store.jobs.complete(job_id, token, worker))
-    if written is False:
+
+    def complete() -> bool:
+        if kept is not None:
+            try:
+                return store.jobs.complete(job_id, token, worker, kept)
+            except StoreRejected as exc:
+                # The kept result only serves a crash's post-run work: one too large is dropped.
+                log.error("job %s [%s]: result not kept, the store refused it (%s)", job_id, token[:8], exc,
+                          extra={"action": "result_not_kept"})
+        return store.jobs.complete(job_id, token, worker)
+
+    if _ending(lease, RunEnd.RETURNED, complete) is False:
         log.warning("job %s [%s]: completion rejected, the lease moved on", job_id, token[:8],
                     extra={"action": "stale_completion_rejected"})
         raise Ignore()

@@ -497,6 +497,46 @@ def test_a_deferred_completion_the_store_refuses_for_good_is_not_retried_every_r
         rt.stop()
 
 
+@pytest.mark.parametrize("store_url", ["mysql"], indirect=True)
+def test_a_deferred_completion_whose_kept_result_is_refused_completes_without_it(store_factory, monkeypatch):
+    """As at once, so when deferred: the kept result only serves a crash's post-run work, and a job left
+    running after its body returned would be run again by the reaper."""
+    from celery_lease.worker import lifecycle
+
+    store = store_factory(migrate=False, reuse=False)
+    text_result_column(store)  # the kept result is too long for this store's column
+    rt = Runtime(store, "host", default_interval=0.2, worker="host:1")
+    rt.start = lambda: None
+    app = Celery("kept_refused", broker="memory://", backend="cache+memory://", set_as_current=False)
+
+    @app.task(name="t.big", shared=False)
+    def big() -> str:
+        return "r" * 70_000
+
+    try:
+        lease = claim(store, rt, "too-big")
+        rt.attach(Request(), lease)
+        complete = store.jobs.complete
+
+        def unanswered_once(*args, **kwargs) -> bool:
+            monkeypatch.setattr(store.jobs, "complete", complete)
+            raise StoreUnavailable("no answer within the call bound (injected)")
+
+        monkeypatch.setattr(store.jobs, "complete", unanswered_once)
+        big.push_request(id="too-big")
+        try:
+            assert lifecycle.settle(big, lease, RunEnd.RETURNED, "r" * 70_000, None) == "r" * 70_000
+        finally:
+            big.pop_request()
+        assert rt.is_deferred(lease)
+        rt.flush_deferred()
+        job = store.get("too-big")
+        assert (job.status, store.jobs.kept_result("too-big")) == ("completed", None)
+    finally:
+        rt.stop()
+        app.close()
+
+
 def _clocks(store, lease: Lease) -> tuple[float, float]:
     """(seconds the store keeps the lease, seconds the worker still trusts it), read together."""
     local_left = lease.deadline - deadline.monotonic()
