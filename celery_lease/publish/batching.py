@@ -21,7 +21,8 @@ import celery
 from celery.canvas import Signature, group, maybe_signature
 
 from ..context import BATCH as _current
-from ..errors import StoreConflict
+from ..context import BODY
+from ..errors import StoreConflict, StoreUnavailable
 from ..kinds import leased
 from ..store import NewJob, Store
 
@@ -44,6 +45,7 @@ class _Kept:
     job: NewJob
     reopen: bool
     send: Callable[[Any], Any]
+    parent: Any = None  # the lease of the body that publishes it (the timer's thread has no context)
 
 
 class Batch:
@@ -60,7 +62,7 @@ class Batch:
              send: Callable[[Any], Any]) -> None:
         with self._lock:
             self._raise_failure()
-            self._kept.append(_Kept(app, store, job, reopen, send))
+            self._kept.append(_Kept(app, store, job, reopen, send, BODY.get()))
             if self._timer is None:
                 # A generator may wait for the tasks already sent (celery#3021).
                 self._timer = threading.Timer(BATCH_WAIT, self._flush_in_background)
@@ -114,7 +116,15 @@ def _record_and_send(kept: list[_Kept]) -> None:
         by_store.setdefault(id(item.store), []).append(item)
     created: set[int] = set()
     for items in by_store.values():
-        created.update(id(item) for item in _record(items))
+        try:
+            created.update(id(item) for item in _record(items))
+        except StoreUnavailable:
+            # The batch may have committed unanswered: a body told so forgets its jobs when it ends, as it
+            # does a single publish's.
+            for item in kept:
+                if item.parent is not None:
+                    item.parent.unsent.append(item.job.id)
+            raise
     unsent = list(kept)
     try:
         while unsent:

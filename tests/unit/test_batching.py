@@ -219,6 +219,41 @@ def test_a_group_sent_after_a_body_while_the_store_cannot_record_it_is_sent_whol
     assert for_app(app).reports.list_jobs() == []
 
 
+def test_a_group_a_body_published_whose_record_landed_unanswered_is_deleted_when_the_outage_ends_it(app):
+    # The body's outage gives it back and its next run publishes the group anew: the first group, whose
+    # batch committed while its answer was lost and whose messages were never sent, must not also run (the
+    # dispatch scan would send it ten minutes later), as a single publish's job does not.
+    from celery.app.trace import build_tracer
+
+    work, store = app.tasks["batch.work"], for_app(app)
+
+    @app.task(base=LeaseTask, bind=True, shared=False, name="batch.parent", acks_late=True)
+    def parent(self):
+        group(work.s(i) for i in range(3)).apply_async()
+
+    parent_id = parent.apply_async().id
+    real, lost = store.publishes.record_batch, []
+
+    def answer_lost(jobs):
+        real(jobs)
+        lost.append([job.id for job in jobs])
+        raise StoreUnavailable("connection dropped before the answer")
+
+    store.publishes.record_batch = answer_lost
+    tracer = build_tracer(parent.name, parent, app=app, eager=False, propagate=False)
+    request = {"id": parent_id, "task": parent.name, "hostname": "batch@test", "headers": {},
+               "is_eager": False,
+               "delivery_info": {"routing_key": "batch", "exchange": "", "redelivered": False}}
+    try:
+        tracer(parent_id, (), {}, request)
+    finally:
+        store.publishes.record_batch = real
+    assert len(lost) == 1 and len(lost[0]) == 3, lost
+    assert store.get(parent_id).status == PENDING  # given back by its outage, to run again
+    left = [job.id for job in store.reports.list_jobs() if job.id != parent_id]
+    assert left == [], f"the unsent group members {left} would run besides the group the next run publishes"
+
+
 def run_python(script: str) -> None:
     """Run ``script`` in a fresh interpreter (nothing imported or installed yet); it must exit 0."""
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT,
