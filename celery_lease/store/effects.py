@@ -207,7 +207,7 @@ class EffectStatements:
                 again = again.where(sa.exists().where(fence))
             if c.execute(again.values(expires_at=self.db.now_sql + ttl)).rowcount == 1:
                 return FIRST
-            take = sa.update(lk).where(lk.c.resource == resource, lk.c.expires_at < self.db.now_sql)
+            take = sa.update(lk).where(lk.c.resource == resource, self._lapsed())
             if fence is not None:
                 take = take.where(sa.exists().where(fence))
             res = None if self._held(c, resource, ttl, heartbeat) else c.execute(
@@ -221,6 +221,11 @@ class EffectStatements:
                 return LOST
             return DUPLICATE
 
+    def _lapsed(self) -> sa.ColumnElement[bool]:
+        """A lock another job may take: expired by more than lease_clock_tolerance, since its holder's local
+        margin (1% of the TTL) does not cover a step of the store's clock within that tolerance."""
+        return self.db.t.locks.c.expires_at + self.db.clock_tolerance < self.db.now_sql
+
     def _held(self, c: Connection, resource: str, ttl: float, heartbeat: float) -> bool:
         """Whether the reaper's hold still covers the holder of an expired-looking lock (the store was away or
         its clock stepped): a holder trusts its lock no longer than its job's lease, which the hold covers
@@ -228,7 +233,7 @@ class EffectStatements:
         lk, j = self.db.t.locks, self.db.t.jobs
         holder = lk.outerjoin(j, j.c.id == lk.c.job_id)
         row = c.execute(sa.select(j.c.lease_duration, self.db.now_sql).select_from(holder).where(
-            lk.c.resource == resource, lk.c.expires_at < self.db.now_sql)).first()
+            lk.c.resource == resource, self._lapsed())).first()
         if row is None:
             return False  # not expired: nothing to take
         lease, now = row

@@ -523,12 +523,30 @@ def test_an_expired_lock_is_taken_and_audited(store, hb):
     with lock(a, "account:42", ttl=3.0) as held_a:
         lk = store.t.locks
         with store.begin() as c:
-            c.execute(sa.update(lk).values(expires_at=store.now_sql - 0.1))
+            c.execute(sa.update(lk).values(expires_at=store.now_sql - store.clock_tolerance - 0.1))
         with lock(b, "account:42", timeout=0) as held_b:
             assert holder(store, "account:42")["token"] == held_b.token
         assert [e["reason"] for e in events(store, "lock_taken_after_expiry")] == ["account:42"]
     assert held_a.lost, "releasing a lock that moved on tells its holder"
     assert len(events(store, "lock_lost")) == 1
+
+
+def test_a_lock_expired_by_less_than_the_clock_tolerance_is_not_taken(store, hb):
+    # The holder's local margin is 1% of the TTL: a forward step of the store's clock within
+    # lease_clock_tolerance must not hand its lock to another job while it still trusts it.
+    a, b = claim(store, hb, "job-a"), claim(store, hb, "job-b")
+    with lock(a, "account:42", ttl=3.0) as held:
+        lk = store.t.locks
+        with store.begin() as c:
+            c.execute(sa.update(lk).values(expires_at=store.now_sql - store.clock_tolerance / 2))
+        with pytest.raises(LockUnavailable):
+            with lock(b, "account:42", timeout=0):
+                pass
+        assert holder(store, "account:42")["token"] == held.token
+        with store.begin() as c:
+            c.execute(sa.update(lk).values(expires_at=store.now_sql - store.clock_tolerance - 0.1))
+        with lock(b, "account:42", timeout=0) as taken:
+            assert holder(store, "account:42")["token"] == taken.token
 
 
 def test_an_expired_looking_lock_is_not_taken_while_the_reapers_hold_covers_its_holder(store, hb):
@@ -538,7 +556,8 @@ def test_an_expired_looking_lock_is_not_taken_while_the_reapers_hold_covers_its_
     with lock(a, "account:42", ttl=3.0) as held_a:
         lk = store.t.locks
         with store.begin() as c:
-            c.execute(sa.update(lk).values(expires_at=store.now_sql - 0.1))  # as the stepped clock shows it
+            # as the stepped clock shows it
+            c.execute(sa.update(lk).values(expires_at=store.now_sql - store.clock_tolerance - 0.1))
         store.reaping.record_reaper_clock({"calm_since": store.now()}, held_back="clock stepped forward")
         with pytest.raises(LockUnavailable, match="account:42"), lock(b, "account:42", timeout=0):
             pytest.fail("two holders: the step made a held lock look expired")
@@ -577,7 +596,7 @@ def test_a_lock_lost_to_another_owner_gives_its_jobs_lease_back(store, hb):
     with lock(a, "account:42", ttl=3.0):
         lk = store.t.locks
         with store.begin() as c:
-            c.execute(sa.update(lk).values(expires_at=store.now_sql - 0.1))
+            c.execute(sa.update(lk).values(expires_at=store.now_sql - store.clock_tolerance - 0.1))
         with lock(b, "account:42", timeout=0):
             hb.beat()  # finds the lock taken: job-a's lease is lost here
             assert a.lost
@@ -592,7 +611,7 @@ def test_a_body_that_finished_after_its_lock_was_lost_is_not_given_back_when_its
     a, b = claim(store, hb, "job-a"), claim(store, hb, "job-b")  # lease_on_lost="flag": the body goes on
     with lock(a, "account:42", ttl=3.0):
         with store.begin() as c:
-            c.execute(sa.update(store.t.locks).values(expires_at=store.now_sql - 0.1))
+            c.execute(sa.update(store.t.locks).values(expires_at=store.now_sql - store.clock_tolerance - 0.1))
         with lock(b, "account:42", timeout=0):
             hb.beat()  # the lock is found taken: job-a's lease lost, its give-back queued
             assert a.lost
@@ -687,7 +706,7 @@ def test_a_lock_lost_to_another_owner_marks_the_lease_lost(store, hb, monkeypatc
     with lock(a, "account:42", ttl=3.0) as held:
         lk = store.t.locks
         with store.begin() as c:
-            c.execute(sa.update(lk).values(expires_at=store.now_sql - 0.1))
+            c.execute(sa.update(lk).values(expires_at=store.now_sql - store.clock_tolerance - 0.1))
         with lock(b, "account:42", timeout=0):
             if audit == "refused":
                 def refused(*args, **kwargs):
