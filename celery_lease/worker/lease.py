@@ -121,8 +121,9 @@ class Lease:
             self.runtime.locks.expire_due(now, self)
         return self.lost
 
-    def confirm(self, sent_at: float, duration: float | None = None) -> bool:
-        """The store renewed the lease with a statement sent at ``sent_at``; False if already lost."""
+    def confirm(self, sent_at: float, duration: float | None = None, cap: float | None = None) -> bool:
+        """The store renewed the lease with a statement sent at ``sent_at`` (for at most ``cap`` seconds, the
+        duration that statement wrote); False if already lost."""
         with self._guard:
             if self.lost:
                 return False  # never revived: the runtime gives it back instead
@@ -131,7 +132,8 @@ class Lease:
                 self.duration = duration
                 self.deadline = deadline.local_deadline(sent_at, duration)
             else:
-                self.deadline = max(self.deadline, deadline.local_deadline(sent_at, self.duration))
+                held = self.duration if cap is None else min(self.duration, cap)
+                self.deadline = max(self.deadline, deadline.local_deadline(sent_at, held))
             return True
 
     def extending(self, sent_at: float, duration: float) -> None:
@@ -165,8 +167,16 @@ class Lease:
         checkpoints.checkpoint(self, state)
 
     def recorded_again(self) -> bool:
-        """The job's row vanished: record it again under this lease's token; True when it is ours again."""
-        return checkpoints.recorded_again(self, self._record_again)
+        """The job's row vanished: record it again under this lease's token; True when it is ours again. The
+        vanished row's renewals then count no more: the new row holds the claim's duration (an extend is
+        written again by the next heartbeat), counted from no earlier than this record's send."""
+        sent = deadline.monotonic()
+        if not checkpoints.recorded_again(self, self._record_again):
+            return False
+        with self._guard:
+            held = min(self.duration, self.policy.duration)
+            self.deadline = min(self.deadline, deadline.local_deadline(sent, held))
+        return True
 
     def send_if_pending(self) -> bool:
         """After a deferred write the store refused as stale: send a pending job's message again."""

@@ -144,10 +144,15 @@ class Heartbeat:
         renewable = [lease for lease in held if lease.renewable(now)]
         counts = {"held": len(held), "renewed": 0, "lost": 0,
                   "past_max_runtime": sum(1 for lease in held if lease.past_max_runtime(now))}
+        # An extended lease's duration goes with each renewal: a row that lost its extend (a failover, a row
+        # recorded again) gets it back, and a lease trusts no longer than the duration its renewal wrote.
+        durations = {lease.token: lease.duration for lease in renewable}
+        extended = {lease.token: durations[lease.token] for lease in renewable
+                    if durations[lease.token] != lease.policy.duration}
         sent = deadline.monotonic()
         try:
-            renewed = self.store.jobs.beat(self.worker, rt.hostname, os.getpid(),
-                                           {lease.token: lease.job_id for lease in renewable})
+            leases = {lease.token: lease.job_id for lease in renewable}
+            renewed = self.store.jobs.beat(self.worker, rt.hostname, os.getpid(), leases, extended or None)
         except StoreUnavailable as exc:
             log.warning("heartbeat of %s could not reach the lease store: %s", self.worker, exc,
                         extra={"action": "heartbeat_store_unavailable"})
@@ -160,7 +165,7 @@ class Heartbeat:
         self.beats += 1
         for lease in renewable:
             if self._renewed(lease, renewed, renewable):
-                if lease.confirm(sent):
+                if lease.confirm(sent, cap=durations[lease.token]):
                     counts["renewed"] += 1
                 # else: lost locally while the statement was out; the runtime gives it back.
             elif (lease.finishing or lease.handed_over) and not rt.is_deferred(lease):
@@ -173,10 +178,8 @@ class Heartbeat:
                 with lease.turn:
                     if lease.handed_over or lease.retried:
                         continue  # the body handed the job on while this round was out
-                    again = deadline.monotonic()
                     reason, owner = self.store.jobs.describe_loss(lease.job_id, lease.token, self.worker)
                     if reason == LossReason.VANISHED and lease.recorded_again():
-                        lease.confirm(again)
                         continue
                     lease.mark_lost(reason, owner)
                 rt.forget(lease)

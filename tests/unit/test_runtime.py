@@ -561,6 +561,34 @@ def test_extend_moves_the_stores_expiry_and_the_local_deadline_together(store, r
     assert local_left < store_left <= seconds and store_left > seconds - 1.0
 
 
+def test_an_extend_the_store_lost_is_written_again_by_the_heartbeat_and_never_trusted_beyond_the_store(
+        store, rt):
+    # Given a 30 s lease extended to 300 s
+    lease = claim(store, rt, "job-1", duration=30.0)
+    rt.attach(Request(), lease)
+    lease.extend(300.0)
+    # When the store loses the extend (a failover to a standby without its commit)
+    with store.begin() as c:
+        c.execute(sa.update(store.t.jobs).where(store.t.jobs.c.id == "job-1").values(lease_duration=30.0))
+    # Then the next heartbeat renews it for 300 s again, and the worker trusts no more than that
+    rt.heartbeat.beat()
+    store_left, local_left = _clocks(store, lease)
+    assert local_left < store_left <= 300.0 and store_left > 299.0
+    # When the row vanishes (a restore) and the heartbeat records it again with its claim's 30 s
+    terms = ClaimTerms(duration=30.0, grace=0.0, max_attempts=5, max_expirations=5, takeover=True)
+    lease._record_again = lambda: store.jobs.claim("job-1", rt.worker, lease.token, terms, task_name="t.task",
+                                                   queue="q", payload=lambda: None).claimed
+    with store.begin() as c:
+        c.execute(sa.delete(store.t.jobs).where(store.t.jobs.c.id == "job-1"))
+    rt.heartbeat.beat()
+    store_left, local_left = _clocks(store, lease)
+    assert not lease.lost and local_left < store_left <= 30.0
+    # Then the heartbeat after writes the extend again
+    rt.heartbeat.beat()
+    store_left, local_left = _clocks(store, lease)
+    assert local_left < store_left <= 300.0 and store_left > 299.0
+
+
 def test_an_extend_the_store_does_not_answer_is_trusted_only_for_the_shorter_lease(store, rt, monkeypatch):
     # Given a 30 s lease whose store stops answering
     lease = claim(store, rt, "job-1", duration=30.0)
