@@ -221,6 +221,8 @@ class StoreFailure(Name):
     PERMISSION = "permission"
     SYNTAX = "syntax"
     DATA = "data"
+    # The caller's own transaction holds the SQLite file the store shares: waiting would wait on itself.
+    LOCKED_BY_CALLER = "locked_by_caller"
     # Outages: the caller fails closed and retries.
     TIMEOUT = "timeout"
     POOL = "pool"

@@ -21,6 +21,7 @@ from ..context import BODY
 from ..deadline import seconds_until
 from ..errors import LeaseError, StoreRejected, StoreUnavailable
 from ..store import NewJob, for_app
+from ..vocabulary import StoreFailure
 from ..worker.lease import Lease
 
 __all__ = ["RecordingProducer", "publish", "record_eager", "seconds_until"]
@@ -63,11 +64,26 @@ def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id
 
         def record(payload: str) -> None:
             nonlocal created
+            # This thread's own transaction.atomic() on the SQLite file the store shares: a record would wait
+            # on that transaction, which waits on this publish. Sent unrecorded at once, as plain Celery sends
+            # it (its claim records it); a key needs its record, which may still go through.
+            own = _own_transaction_holds(store)
+            if own and idempotency_key is None:
+                log.warning("task %s [%s] sent unrecorded: this thread's transaction.atomic() holds the "
+                            "SQLite file the lease store shares (delay_on_commit() records it first); its "
+                            "claim records it", task.name, task_id, extra={"action": "published_unrecorded"})
+                return
             try:
                 created, holder = replacing.record_step(store, task_id, task.name, queue, payload,
                                                         policy.max_attempts, idempotency_key, delay,
                                                         policy.recovery(), _reopens(task_id))
             except (StoreUnavailable, StoreRejected) as exc:
+                if own and isinstance(exc, StoreUnavailable):
+                    raise StoreRejected(
+                        f"task {task.name}: its idempotency key cannot be recorded inside this thread's "
+                        "transaction.atomic(), which holds the SQLite file the lease store shares; publish "
+                        "with apply_async_on_commit() (recorded once the transaction commits)",
+                        kind=StoreFailure.LOCKED_BY_CALLER) from exc
                 if idempotency_key is not None or not _after_a_body():
                     # The record may have committed unanswered: once the body ends, the job it was told is
                     # unpublished is deleted if never sent. Not a keyed one: its key may have answered
@@ -162,6 +178,14 @@ def retry_first(lease: Lease, delay: float, payload: str) -> bool:
             lease.check()
         lease.retried = True
     return True
+
+
+def _own_transaction_holds(store: Any) -> bool:
+    """Whether the store is a SQLite file this thread's own Django transaction holds: its record waits on
+    itself, which is no outage."""
+    from ..store.django_database import in_own_transaction
+
+    return bool(store.dialect.single_writer) and in_own_transaction(store.engine.url.database)
 
 
 def _after_a_body() -> bool:

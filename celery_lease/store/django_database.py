@@ -5,6 +5,8 @@ own connections, so a heartbeat never waits on (or commits) a request's transact
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,7 +14,7 @@ import sqlalchemy as sa
 
 from ..errors import LeaseConfigError
 
-__all__ = ["store_url", "url_from_settings"]
+__all__ = ["store_url", "url_from_settings", "in_own_transaction"]
 
 SETTING = "lease_database"
 # OPTIONS keys that are Django's own, not the driver's connection parameters.
@@ -102,3 +104,19 @@ def _importable(module: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(module) is not None
+
+
+def in_own_transaction(database: str | None) -> bool:
+    """Whether a Django connection of this thread to the SQLite file ``database`` is inside a transaction (a
+    ``transaction.atomic()``): the store's own connections to that file wait for it to end before they write,
+    and this thread would wait on itself."""
+    db = sys.modules.get("django.db")
+    if db is None or not database or database.startswith("file:"):
+        return False
+    target = os.path.realpath(database)
+    for conn in db.connections.all(initialized_only=True):
+        raw = conn.connection
+        if (conn.vendor == "sqlite" and raw is not None and getattr(raw, "in_transaction", False)
+                and os.path.realpath(str(conn.settings_dict.get("NAME") or "")) == target):
+            return True
+    return False

@@ -278,3 +278,30 @@ def test_base_lease_task_keeps_delay_on_commit_where_djangos_fixup_set_the_task_
         assert len(jobs(store)) == 2
     finally:
         drop_app_store(app)
+
+
+def test_a_publish_inside_an_atomic_block_holding_the_sqlite_file_the_store_shares_is_sent_and_runs(
+        orm, order_model):
+    from celery.contrib.testing.worker import start_worker
+    from django.db import transaction
+
+    from celery_lease.errors import StoreRejected
+    from celery_lease.vocabulary import StoreFailure
+
+    app, store, alias = orm
+    if alias != "default":
+        pytest.skip("only a SQLite file has one writer: a server database locks rows, not the store's tables")
+    place = app.tasks["orm.place"]
+    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+        with transaction.atomic(using=alias):
+            order_model.objects.using(alias).create(number="a-0")  # the file's write lock is this thread's
+            # Plain Celery sends it: so does the lease, unrecorded (its claim records it), not waiting on
+            # itself
+            result = place.delay("a-1")
+            # A key needs its record: a clear refusal naming the fix, not an outage
+            with pytest.raises(StoreRejected, match="apply_async_on_commit") as refused:
+                place.apply_async(("a-2",), idempotency_key="order-a-2")
+            assert refused.value.kind == StoreFailure.LOCKED_BY_CALLER
+        wait_for(lambda: settled(store, result.id), timeout=30, message="the job sent unrecorded never ran")
+    assert store.get(result.id).status == "completed", store.get(result.id).last_error
+    assert orders(alias, order_model, "a-1") == 1
