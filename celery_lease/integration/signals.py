@@ -56,7 +56,7 @@ class LeaseRequest(Request):
             # Billiard's on_timeout, called next, stores FAILURE and fires the errbacks: not twice.
             return super().on_failure(exc_info, send_failed_event=False, return_ok=True)
         if self.worker_pid and exc is not None and self._child_lost(exc):
-            if isinstance(exc, WorkerLostError) and self._stored_success():
+            if self._stored_success():
                 # The child died after its run (a task_postrun receiver, process_cleanup): Celery 5.7 acks
                 # and reports the success; the lease completes the job rather than run it again.
                 self._lease_settled = True

@@ -103,10 +103,11 @@ def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id
                 # Not created under its key: the key's job, this very id when it was reused, is sent already.
                 raise _KeyTaken(holder)
 
-        # After a body (Celery's post-run work, a plain task) each job is recorded alone: an outage then
-        # sends it unrecorded, as above, where a batch's failure would drop the whole group.
+        # After a body (Celery's post-run work, a plain task), or inside a transaction holding the store's
+        # SQLite file, each job is recorded alone: sent unrecorded as above, where a batch would drop the
+        # whole group.
         if batch is not None and idempotency_key is None and task.app.conf.task_protocol != 1 and not (
-                _after_a_body()):
+                _after_a_body() or _own_transaction_holds(store)):
             reopen = _reopens(task_id)
 
             def keep(payload: str, send_message: Callable[[Any], Any]) -> None:

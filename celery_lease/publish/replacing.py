@@ -70,10 +70,12 @@ def hand_over(task: Any, lease: Lease, sig: Signature, send: Callable[[Signature
         try:
             return send(sig)
         except Ignore:
-            # The first step was not recorded here (its publish took another way).
-            if not lease.handed_over:
-                _after_sent(lease, lambda: store.replacing.hand_over(job_id, token, worker, None, name,
-                                                                     nesting))
+            # The first step was not recorded here (its publish took another way). Not deferred if the store
+            # is away: the carrier, sent later, would find the row still running and be skipped, and then
+            # the deferred write would remove the row: given back, the body runs again instead.
+            with lease.turn:
+                if not lease.handed_over:
+                    lease.handed_over = store.replacing.hand_over(job_id, token, worker, None, name, nesting)
             raise
         finally:
             _later.reset(later)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -110,9 +111,10 @@ def make_app(env: Mapping[str, str]) -> Celery:
         raise ValueError("boom")
 
     @app.task(base=LeaseTask, bind=True, shared=False, name="reaper_app.dies_after_success")
-    def dies_after_success(self: Any) -> str:
+    def dies_after_success(self: Any, how: str = "_exit") -> str:
         """Returns while its completion finds the store away (deferred to the heartbeat); its process dies in
-        task_postrun, after Celery stored SUCCESS and before that heartbeat."""
+        task_postrun (``os._exit``, or ``sys.exit``, which billiard reports as SystemExit), after Celery
+        stored SUCCESS and before that heartbeat."""
         from celery_lease.errors import StoreUnavailable
         from celery_lease.store import for_app
 
@@ -126,8 +128,10 @@ def make_app(env: Mapping[str, str]) -> Celery:
         jobs.complete = unanswered
         return "done"
 
-    def die_after_success(sender: Any = None, state: str | None = None, **_: Any) -> None:
+    def die_after_success(sender: Any = None, state: str | None = None, args: Any = (), **_: Any) -> None:
         if getattr(sender, "name", None) == "reaper_app.dies_after_success" and state == "SUCCESS":
+            if args and args[0] == "sys.exit":
+                sys.exit(1)
             os._exit(1)
 
     signals.task_postrun.connect(die_after_success, weak=False)

@@ -78,10 +78,11 @@ def test_retry_on_worker_lost_leaves_a_job_dead_lettered_at_lease_max_attempts_f
     assert result.state == "FAILURE"
 
 
-def test_a_child_lost_after_celery_stored_its_success_completes_its_job_without_running_it_again(leased):
+@pytest.mark.parametrize("how", ["_exit", "sys.exit"])
+def test_a_child_lost_after_celery_stored_its_success_completes_its_job_without_running_it_again(leased, how):
     renv, app = leased
     # Its completion deferred (the store did not answer), the child dies once SUCCESS is stored.
-    result = app.tasks["reaper_app.dies_after_success"].delay()
+    result = app.tasks["reaper_app.dies_after_success"].delay(how)
     wait_for(lambda: renv.count(result.id, "started") and renv.status(result.id) in (COMPLETED, "pending"),
              timeout=30,
              message=f"the lost child's job was never settled: {renv.store.reports.events(result.id)}")

@@ -13,7 +13,7 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
-from celery import Celery
+from celery import Celery, group
 
 from celery_lease import LeaseTask
 from tests.conftest import drop_app_store, migrated_store, service_url, unique_prefix
@@ -298,10 +298,13 @@ def test_a_publish_inside_an_atomic_block_holding_the_sqlite_file_the_store_shar
             # Plain Celery sends it: so does the lease, unrecorded (its claim records it), not waiting on
             # itself
             result = place.delay("a-1")
+            members = group(place.s("a-3"), place.s("a-4")).delay()  # a group too, not batched on the lock
             # A key needs its record: a clear refusal naming the fix, not an outage
             with pytest.raises(StoreRejected, match="apply_async_on_commit") as refused:
                 place.apply_async(("a-2",), idempotency_key="order-a-2")
             assert refused.value.kind == StoreFailure.LOCKED_BY_CALLER
-        wait_for(lambda: settled(store, result.id), timeout=30, message="the job sent unrecorded never ran")
-    assert store.get(result.id).status == "completed", store.get(result.id).last_error
-    assert orders(alias, order_model, "a-1") == 1
+        jobs = [result.id, *(member.id for member in members.results)]
+        wait_for(lambda: all(settled(store, job_id) for job_id in jobs), timeout=30,
+                 message="a job sent unrecorded never ran")
+    assert [store.get(job_id).status for job_id in jobs] == ["completed"] * 3
+    assert [orders(alias, order_model, number) for number in ("a-1", "a-3", "a-4")] == [1, 1, 1]
