@@ -6,7 +6,7 @@ lease store, possibly through a proxy the test can cut), SAFETY_PREFIX (table pr
 prefix) and SAFETY_QUEUE. 2 s leases.
 
 Reports, under ``<prefix>:``: ``callback`` (link-callback calls), ``runs:<task>:<id>`` (bodies);
-``safety.gate`` (acks_late) returns once ``open:<id>`` is set.
+``safety.gate`` (acks_late) returns once ``open:<id>`` is pushed.
 With SAFETY_KILL_BEFORE_STEP set, a worker SIGKILLs its whole process group the first time it
 is about to publish ``safety.add`` (the first step of ``safety.replacer``'s chain), once per test.
 """
@@ -73,9 +73,7 @@ def make_app(env: Mapping[str, str]) -> Celery:
     @app.task(base=LeaseTask, bind=True, shared=False, name="safety.gate", acks_late=True)
     def gate(self: Any, value: int) -> int:
         ran(self)
-        give_up = time.monotonic() + 60
-        while not reports.get(f"{prefix}:open:{self.request.id}") and time.monotonic() < give_up:
-            time.sleep(0.05)
+        reports.blpop(f"{prefix}:open:{self.request.id}", timeout=60)  # the test's go, or give up after 60 s
         return value
 
     @app.task(base=LeaseTask, bind=True, shared=False, name="safety.replacer")

@@ -169,7 +169,7 @@ def test_a_chains_next_step_is_sent_when_the_broker_failed_after_the_body_return
             # When the broker goes away and the body returns: the job completes in the store, its next
             # step's publish and its ack fail (Celery stores FAILURE for the step it could not send)
             proxy.cut()
-            scene.reports.set(f"{scene.prefix}:open:{first}", 1)
+            scene.reports.rpush(f"{scene.prefix}:open:{first}", 1)
             wait_for(lambda: app.AsyncResult(first).state == "FAILURE", timeout=60,
                      message="the failed publish of the next step was never reported")
             assert scene.store.get(first).status == "completed"
