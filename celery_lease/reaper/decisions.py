@@ -131,8 +131,9 @@ def publish_decision(app: Any, job: Job, decision: ReapDecision) -> ReapDecision
 
 
 def settle(store: Store, job: Job, decision: ReapDecision, result: ReapResult, *, expired: bool = True,
-           now: float | None = None, c: Any = None) -> bool:
-    """The CAS on the token read with the row; a lost race writes nothing and is only counted."""
+           now: float | None = None, c: Any = None, claim: str | None = None) -> bool:
+    """The CAS on the token read with the row, or on the reaper's ``claim`` of it (a dead letter's); a lost
+    race writes nothing and is only counted."""
     kind, token = decision.decision, job.lock_token or ""
     detail: dict[str, Any] = {"attempt": job.attempt_count, "expired_count": job.expired_count + 1}
     if kind == Decision.REQUEUE:
@@ -142,8 +143,9 @@ def settle(store: Store, job: Job, decision: ReapDecision, result: ReapResult, *
     else:
         if decision.queue:
             detail["published_to"] = decision.queue
-        won = store.reaping.dead_letter_abandoned(job.id, token, job.locked_by, error=decision.reason,
-                                                  expired=expired, now=now, detail=detail, c=c)
+        won = store.reaping.dead_letter_abandoned(job.id, claim or token, job.locked_by,
+                                                  error=decision.reason, expired=expired, now=now,
+                                                  detail=detail, c=c, shown=token if claim else None)
     if not won:
         result.lost_races += 1
         log.debug("job %s [%s]: %s lost the race, the row moved on", job.id, token[:8], kind)

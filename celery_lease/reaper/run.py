@@ -2,7 +2,9 @@
 
 The message is published *before* the CAS, so a reaper that dies in between leaves an expired
 lease (reaped next run), never a pending job without a message; and between the transaction that
-reads a page and the one that writes it, so no transaction waits on the broker.
+reads a page and the one that writes it, so no transaction waits on the broker. A dead letter's row is
+claimed (its token swapped for the reaper's) before the dead letter is sent, so none goes out for a job
+its owner completes meanwhile.
 """
 
 from __future__ import annotations
@@ -143,7 +145,7 @@ class Reaper:
                 page = self.store.reaping.scan_expired(c, limit=self.batch_size, after=after, now=now,
                                                        lock=False)
             alive: list[tuple[Job, str]] = []
-            taken: list[tuple[Job, ReapDecision]] = []
+            taken: list[tuple[Job, ReapDecision, str | None]] = []
             for item in page:
                 if budget == 0:
                     break
@@ -175,8 +177,15 @@ class Reaper:
                 if dry:
                     result.planned.append(decision)
                     continue
+                # A dead letter's row is claimed first: its owner cannot complete it while the dead letter
+                # is out, and a second reaper's claim finds the token moved on.
+                sends_dead_letter = decision.decision == Decision.DEAD_LETTER and decision.queue
+                claim = secrets.token_hex(16) if sends_dead_letter else None
+                if claim and not self.store.reaping.claim_abandoned(job.id, job.lock_token or "", claim, now):
+                    result.lost_races += 1
+                    continue
                 try:
-                    taken.append((job, publish_decision(self.app, job, decision)))
+                    taken.append((job, publish_decision(self.app, job, decision), claim))
                 except Exception as exc:  # noqa: BLE001 - broker down: stop publishing this run
                     result.publish_errors += 1
                     log.error("job %s [%s]: could not publish its message (%s); left expired for "
@@ -192,7 +201,7 @@ class Reaper:
         return True
 
     def _take_back(self, result: ReapResult, now: float, alive: list[tuple[Job, str]],
-                   taken: list[tuple[Job, ReapDecision]]) -> None:
+                   taken: list[tuple[Job, ReapDecision, str | None]]) -> None:
         """One page's writes in one transaction: each take-back a CAS on the token and expiry the scan read
         (a lease renewed meanwhile is a lost race), then Celery and monitors are told what committed."""
         finals: list[tuple[Job, str]] = []
@@ -200,8 +209,8 @@ class Reaper:
         with self.store.begin(long=True) as c:
             for job, why in alive:
                 self.store.reaping.note_skipped_owner_alive(c, job, why)
-            for job, decision in taken:
-                if not settle(self.store, job, decision, result, now=now, c=c):
+            for job, decision, claim in taken:
+                if not settle(self.store, job, decision, result, now=now, c=c, claim=claim):
                     continue
                 if decision.decision == Decision.REQUEUE:
                     moved.append(events.retried(job.id, decision.reason, job.attempt_count))

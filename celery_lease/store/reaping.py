@@ -1,8 +1,8 @@
 """Statements of the reaper: scans of abandoned leases and lost dispatches, recovery CAS, pruning.
 
-Scans hold a batch's rows (``FOR UPDATE SKIP LOCKED`` where the database has it) while the reaper publishes
-and writes the CAS, so a second reaper skips them; each write re-checks what the scan saw. ``now`` replaces
-the store's clock in predicates only; written times use the real clock."""
+The reaper reads a page, publishes, then writes each decision as a CAS that re-checks what the scan saw (the
+token, the expiry); a dead letter's row is claimed before its message goes out. ``now`` replaces the store's
+clock in predicates only; written times use the real clock."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from sqlalchemy.engine import Connection
 
 from ..errors import StoreConflict
 from ..vocabulary import Event
-from .attempts import previous_attempt
+from .attempts import PREVIOUS_TOKEN, previous_attempt
 from .base import RUNS_REVISION, StoreEngine
 from .rows import COMPLETED, FAILED, PENDING, RUNNING, Job, fenced_status, status_sql
 
@@ -94,9 +94,18 @@ class ReaperStatements:
         fence = self._past_grace(clock) if expired else (self.db.t.jobs.c.locked_by == owner)
         return sa.and_(self.db._fenced(job_id, token), fence)
 
+    def claim_abandoned(self, job_id: str, token: str, claim: str, now: float | None = None) -> bool:
+        """Swap an abandoned lease's token for the reaper's ``claim`` before its dead letter is sent: the
+        owner's writes are stale from here on, so no dead letter goes out for a job its owner completes
+        meanwhile. False when the row moved on (a lost race). The row stays expired: a reaper that dies
+        before its CAS leaves it to the next run."""
+        with self._tx(None) as tx:
+            fence = self._abandoned(job_id, token, None, True, self._clock(now))
+            return tx.execute(sa.update(self.db.t.jobs).where(fence).values(lock_token=claim)).rowcount == 1
+
     def _take_back(self, job_id: str, token: str, owner: str | None, expired: bool, now: float | None,
                    c: Connection | None, values: dict[str, Any], event: Event, reason: str,
-                   detail: Any) -> bool:
+                   detail: Any, shown: str | None = None) -> bool:
         """One fenced recovery write and its event; the losing side writes nothing."""
         j = self.db.t.jobs
         with self._tx(c) as tx:
@@ -105,12 +114,14 @@ class ReaperStatements:
             previous = previous_attempt(self.db, tx, fence)
             if previous is None:
                 return False
+            if shown is not None:  # the row holds the reaper's claim; the attempt ended is the owner's
+                previous[PREVIOUS_TOKEN] = shown[:8]
             res = tx.execute(sa.update(j).where(fence).values(
                 lock_token=None, lease_expires_at=None, expired_count=j.c.expired_count + 1,
                 updated_at=self.db.now_sql, **values))
             if res.rowcount != 1:
                 return False
-            self.db._event(tx, job_id, event, reason, owner, token, {**(detail or {}), **previous})
+            self.db._event(tx, job_id, event, reason, owner, shown or token, {**(detail or {}), **previous})
             return True
 
     def requeue_abandoned(self, job_id: str, token: str, owner: str | None, *, delay: float, reason: str,
@@ -124,11 +135,12 @@ class ReaperStatements:
 
     def dead_letter_abandoned(self, job_id: str, token: str, owner: str | None, *, error: str,
                               expired: bool = True, now: float | None = None, detail: Any = None,
-                              c: Connection | None = None) -> bool:
-        """running -> failed (the dead letter), token cleared, one more expiration counted."""
+                              c: Connection | None = None, shown: str | None = None) -> bool:
+        """running -> failed (the dead letter), token cleared, one more expiration counted; the event names
+        ``shown``, the owner's token, where ``token`` is the reaper's claim."""
         values = dict(status=FAILED, failed_at=self.db.now_sql, last_error=error[:4000])
         return self._take_back(job_id, token, owner, expired, now, c, values, Event.DEAD_LETTERED,
-                               error[:200], detail)
+                               error[:200], detail, shown)
 
     def note_skipped_owner_alive(self, c: Connection, job: Job, reason: str) -> bool:
         """Audit a lease left to its live owner, once per lease (not once per run)."""

@@ -27,7 +27,8 @@ KINDS = ("return", "retry0", "retry_later", "ignore", "reject_requeue", "reject_
 #: Verbs the heartbeat and the reaper call on their own clocks: only their first call is a point.
 PERIODIC_VERBS = frozenset({"beat", "renew", "renew_locks", "touch_worker", "describe_loss",
                             "note_skipped_owner_alive",
-                            "requeue_abandoned", "dead_letter_abandoned", "redispatched", "leases_alive"})
+                            "requeue_abandoned", "claim_abandoned", "dead_letter_abandoned", "redispatched",
+                            "leases_alive"})
 POINTS_HEADER = """\
 # The fault matrix's points: <run kind> <verb>#<ordinal>, the n-th call of a store method (or of a
 # library result-backend call) in one job of that kind. The matrix fails when a clean run makes a

@@ -1183,3 +1183,40 @@ def test_a_page_whose_transaction_rolls_back_sends_no_task_event(app, store, mon
     monkeypatch.setattr(store.reaping, "requeue_abandoned", requeue)
     Reaper(app).run_once(now=store.now())  # a simulated clock: no hold after the outage
     assert sorted(sent) == [("task-retried", "j1"), ("task-retried", "j2")]
+
+
+def test_an_owner_completing_while_its_dead_letter_is_sent_is_stale_and_the_job_stays_dead_lettered(
+        app, store, broker, monkeypatch):
+    """The store and the dead-letter queue agree: no dead letter is sent for a job the store completes."""
+    token = running(store, "j1", task="t.once", max_attempts=1)
+    completed: list[bool] = []
+
+    def owner_completes(job_id: str) -> None:
+        completed.append(store.jobs.complete(job_id, token, DEAD))
+
+    monkeypatch.setattr(app_state(app), "after_publish", owner_completes)
+    result = Reaper(app).run_once()
+
+    assert completed == [False] and (result.dead_lettered, result.lost_races) == (1, 0)
+    job = store.get("j1")
+    assert job.status == FAILED and job.lock_token is None
+    assert [m["headers"]["id"] for m in queued(broker, dlq=True)] == ["j1"]
+    [event] = events(store, "j1", "dead_lettered")
+    assert event["token"] == token[:8] and json.loads(event["detail"])["previous_token"] == token[:8]
+    assert events(store, "j1", "stale_completion_rejected")
+
+
+def test_a_dead_letter_whose_row_moved_on_before_its_claim_is_not_sent(app, store, broker, monkeypatch):
+    running(store, "j1", task="t.once", max_attempts=1)
+    scan = store.reaping.scan_expired
+
+    def owner_completes_after_the_scan(c, **kwargs):
+        page = scan(c, **kwargs)
+        for item in page:
+            assert store.jobs.complete(item.job.id, item.job.lock_token, DEAD)
+        return page
+
+    monkeypatch.setattr(store.reaping, "scan_expired", owner_completes_after_the_scan)
+    result = Reaper(app).run_once()
+    assert (result.dead_lettered, result.lost_races) == (0, 1)
+    assert store.get("j1").status == COMPLETED and queued(broker, dlq=True) == []
