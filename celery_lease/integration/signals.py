@@ -20,7 +20,7 @@ import celery_lease.worker.runtime as runtime
 
 from ..app_state import app_state
 from ..config import app_config, check_recovery_bound, task_policy
-from ..errors import LeaseConfigError, LeaseError
+from ..errors import LeaseConfigError, LeaseError, StoreUnavailable
 from ..kinds import is_lease_task
 from ..vocabulary import CancelReason, Event, OnLost, WorkerLostOutcome
 from ..worker.deliveries import StoreDown
@@ -137,7 +137,7 @@ def _cancel(app: Any, job_id: str, reason: CancelReason, owner: str | None = Non
         from ..store import for_app
 
         store = for_app(app, check=False)
-        runtime.for_app(app, store).cancels.cancel(job_id, reason, owner, task_name, queue)
+        runtime.for_app(app, store).kept_writes.cancel(job_id, reason, owner, task_name, queue)
     except Exception as error:  # noqa: BLE001 - a hook never raises into Celery's revoke
         log.warning("job %s: could not cancel it (%s): %s", job_id, reason, error)
 
@@ -168,12 +168,24 @@ def _kill_child(pid: int) -> None:
 def _settle_dead_child(request: LeaseRequest, reason: str, final: bool, resend: bool = True,
                        succeeded: bool = False) -> WorkerLostOutcome:
     owner = worker_id(request.hostname, request.worker_pid)
-    try:
-        from ..reaper.worker_lost import complete_worker_lost, recover_worker_lost
+    from ..reaper.worker_lost import complete_worker_lost, recover_worker_lost
 
+    app, job_id = request.task.app, request.id
+    try:
         if succeeded:
-            return complete_worker_lost(request.task.app, request.id, owner, reason)
-        return recover_worker_lost(request.task.app, request.id, owner, reason, final=final, resend=resend)
+            return complete_worker_lost(app, job_id, owner, reason)
+        return recover_worker_lost(app, job_id, owner, reason, final=final, resend=resend)
+    except StoreUnavailable as error:
+        if not succeeded:
+            log.warning("job %s: could not settle the lease of dead child %s: %s", job_id, owner, error)
+            return WorkerLostOutcome.STORE_UNAVAILABLE
+        # Celery acks the message and keeps SUCCESS: the completion is kept and written once the store
+        # answers (the reaper holds back for a lease's time after an outage), never left to a re-run.
+        from ..store import for_app
+
+        runtime.for_app(app, for_app(app, check=False)).kept_writes.keep(
+            job_id, "completion", lambda: complete_worker_lost(app, job_id, owner, reason))
+        return WorkerLostOutcome.STORE_UNAVAILABLE
     except LeaseError as error:
         log.warning("job %s: could not settle the lease of dead child %s: %s", request.id, owner, error)
         # The lease expires and the reaper settles it (a final failure is then a re-run).

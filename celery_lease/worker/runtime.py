@@ -23,7 +23,7 @@ from ..vocabulary import Event
 from .effects import Locks
 from .handles import DeferredWrite
 from .lease import Lease
-from .threads import CANCELS_KEPT, MAX_TIMER_SLEEP, DeadlineTimer, Heartbeat, PendingCancels, worker_id
+from .threads import MAX_TIMER_SLEEP, WRITES_KEPT, DeadlineTimer, Heartbeat, PendingWrites, worker_id
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from ..store import Job, Store
     from .pause import ConsumerPause
 
-__all__ = ["Runtime", "DeadlineTimer", "PendingCancels", "MAX_TIMER_SLEEP", "CANCELS_KEPT",
+__all__ = ["Runtime", "DeadlineTimer", "PendingWrites", "MAX_TIMER_SLEEP", "WRITES_KEPT",
            "Process", "PROCESS", "for_app", "for_delivery", "current", "retire", "in_process",
            "release_all_in_process"]
 
@@ -269,12 +269,12 @@ class Runtime:
         return released
 
     @property
-    def cancels(self) -> PendingCancels:
-        """This process's kept cancels (PendingCancels), made on first use."""
+    def kept_writes(self) -> PendingWrites:
+        """This process's writes kept for when the store answers (PendingWrites), made on first use."""
         with self._mutex:
-            kept: PendingCancels | None = self.__dict__.get("_cancels")
+            kept: PendingWrites | None = self.__dict__.get("_kept_writes")
             if kept is None:
-                kept = self.__dict__["_cancels"] = PendingCancels(self.store, self.default_interval)
+                kept = self.__dict__["_kept_writes"] = PendingWrites(self.store, self.default_interval)
             return kept
 
     def start(self) -> None:

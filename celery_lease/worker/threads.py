@@ -2,7 +2,7 @@
 stopped (the visibility refresher and the store probe use it too), and the two every runtime starts: the
 heartbeat (one statement renews all the process's leases, confirmed from when it was sent, deadline.py)
 and the deadline timer (leases and locks lost at their local deadlines however long a store call takes),
-with the cancels the store did not take.
+with the writes (cancels, a lost child's completion) the store did not take.
 
 A step that raises goes to ``failed`` inside the ``except`` (so it can log the traceback): one bad round
 never ends the thread. A forked child sees the parent's thread dead, so its first start starts its own;
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from ..store import Store
     from .lease import Lease
 
-__all__ = ["CANCELS_KEPT", "MAX_TIMER_SLEEP", "DeadlineTimer", "Heartbeat", "Loop", "PendingCancels", "Step",
+__all__ = ["WRITES_KEPT", "MAX_TIMER_SLEEP", "DeadlineTimer", "Heartbeat", "Loop", "PendingWrites", "Step",
            "worker_id"]
 
 # Each keeps the logger name its records had before the three modules became one: log filters go on working.
@@ -227,7 +227,7 @@ class Heartbeat:
         return max(0.0, self._last_beat + self._planned_interval - deadline.monotonic())
 
 MAX_TIMER_SLEEP = 5.0  # seconds the timer sleeps with no deadline in sight
-CANCELS_KEPT = 10_000  # cancels the store did not take that a process remembers (the newest)
+WRITES_KEPT = 10_000  # writes the store did not take that a process remembers (the newest)
 
 
 class DeadlineTimer:
@@ -278,18 +278,20 @@ class DeadlineTimer:
         return pause
 
 
-class PendingCancels:
-    """Cancels the store did not take because it was unreachable, written once it answers. Celery acks a
-    revoked delivery whatever the store said: a lost cancel would leave the job pending for the dispatch
-    scan to run."""
+class PendingWrites:
+    """Writes the store did not take because it was unreachable, made once it answers: the cancels of
+    revoked jobs (Celery acks a revoked delivery whatever the store said: a lost cancel would leave the
+    job pending for the dispatch scan to run), and the completions of jobs whose pool child died after
+    Celery stored their SUCCESS (Celery acks those too: a lost completion would let the reaper run the
+    body again)."""
 
     def __init__(self, store: Store, interval: float) -> None:
         self.store = store
         self.interval = interval
         self._mutex = threading.Lock()
-        # job id -> store.jobs.cancel's keywords for it
-        self._kept: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
-        self._loop = Loop("celery-lease-cancels", self._retry, self._retry_failed)
+        # job id -> (what the write is, the write)
+        self._kept: collections.OrderedDict[str, tuple[str, Callable[[], object]]] = collections.OrderedDict()
+        self._loop = Loop("celery-lease-kept-writes", self._retry, self._retry_failed)
 
     def __len__(self) -> int:
         with self._mutex:
@@ -297,53 +299,65 @@ class PendingCancels:
 
     def cancel(self, job_id: str, reason: str, owner: str | None = None, task_name: str | None = None,
                queue: str | None = None) -> bool:
-        """Cancel ``job_id`` now, or keep it for when the store answers; True when written now. While cancels
-        are kept a new one joins them without a call, so an outage costs a revoke one call bound."""
+        """Cancel ``job_id`` now, or keep it for when the store answers; True when written now."""
         order: dict[str, Any] = {"reason": reason, "owner": owner, "task_name": task_name, "queue": queue}
+        return self.write(job_id, "cancel", lambda: self.store.jobs.cancel(job_id, **order))
+
+    def write(self, job_id: str, what: str, write: Callable[[], object]) -> bool:
+        """Make ``write``, the store call named ``what`` ("cancel", "completion") for ``job_id``, now, or keep
+        it for when the store answers; True when made now. While writes are kept a new one joins them
+        without a call, so an outage costs a revoke one call bound."""
         self.flush()
         if len(self):
-            self._keep(job_id, order)
+            self._keep(job_id, what, write)
             return False
         try:
-            self.store.jobs.cancel(job_id, **order)
+            write()
         except StoreRejected as exc:
-            timer_log.error("job %s: the store rejected its cancel (%s); not retried", job_id, exc)
+            timer_log.error("job %s: the store rejected its %s (%s); not retried", job_id, what, exc)
             return False
         except StoreUnavailable as exc:
-            self._keep(job_id, order)
-            timer_log.warning("job %s: lease store unreachable (%s); its cancel (%s) is kept and written "
-                              "when the store answers", job_id, exc, reason,
-                              extra={"action": "cancel_deferred"})
+            self._keep(job_id, what, write)
+            timer_log.warning("job %s: lease store unreachable (%s); its %s is kept and made when the store "
+                              "answers", job_id, exc, what, extra={"action": f"{what}_deferred"})
             return False
         return True
 
-    def _keep(self, job_id: str, order: dict[str, Any]) -> None:
+    def keep(self, job_id: str, what: str, write: Callable[[], object]) -> None:
+        """Keep ``write``, which just found the store down, for when it answers (retried every interval)."""
+        self._keep(job_id, what, write)
+        timer_log.warning("job %s: lease store unreachable; its %s is kept and written when the store "
+                          "answers", job_id, what, extra={"action": f"{what}_deferred"})
+
+    def _keep(self, job_id: str, what: str, write: Callable[[], object]) -> None:
         with self._mutex:
-            self._kept[job_id] = order
+            self._kept[job_id] = (what, write)
             self._kept.move_to_end(job_id)
-            while len(self._kept) > CANCELS_KEPT:
-                dropped, _ = self._kept.popitem(last=False)
-                timer_log.error("job %s: too many cancels kept while the store is down; dropped", dropped)
+            while len(self._kept) > WRITES_KEPT:
+                dropped, (lost, _) = self._kept.popitem(last=False)
+                timer_log.error("job %s: too many writes kept while the store is down; its %s is dropped",
+                                dropped, lost)
             self._loop.start(delay=self.interval)
 
     def flush(self) -> int:
-        """Write the kept cancels, oldest first; stops at the first that finds the store down."""
+        """Make the kept writes, oldest first; stops at the first that finds the store down."""
         with self._mutex:
             kept = list(self._kept.items())
         written = 0
-        for job_id, order in kept:
+        for job_id, entry in kept:
+            what, write = entry
             try:
-                self.store.jobs.cancel(job_id, **order)
+                write()
             except StoreRejected as exc:
-                timer_log.error("job %s: the store rejected its kept cancel (%s); dropped", job_id, exc)
+                timer_log.error("job %s: the store rejected its kept %s (%s); dropped", job_id, what, exc)
             except StoreUnavailable:
                 return written
             else:
                 written += 1
-                timer_log.info("job %s: kept cancel (%s) written after the store came back", job_id,
-                               order["reason"], extra={"action": "cancel_written"})
+                timer_log.info("job %s: kept %s written after the store came back", job_id, what,
+                                extra={"action": f"{what}_written"})
             with self._mutex:
-                if self._kept.get(job_id) == order:
+                if self._kept.get(job_id) is entry:
                     del self._kept[job_id]
         return written
 
@@ -352,7 +366,7 @@ class PendingCancels:
         return self._again()
 
     def _retry_failed(self) -> float:
-        timer_log.exception("kept cancels: flush failed")
+        timer_log.exception("kept writes: flush failed")
         return self._again()
 
     def _again(self) -> float:

@@ -35,6 +35,7 @@ DEFAULTS = {
     "REAPER_PREFIX": "reaper_",
     "REAPER_CONF": "{}",
 }
+MAIN_OUTAGE = "main_outage"  # a runs row's phase: the main process's completion of that job fails once
 SETTINGS = dict(
     lease_duration=2.0, lease_heartbeat_interval=0.4, lease_grace_period=0.5, lease_worker_stale_after=2.0,
     lease_reaper_hard_grace=5.0, lease_backoff_base=0.2, lease_backoff_max=1.0, lease_reaper_lock_ttl=3.0,
@@ -111,14 +112,17 @@ def make_app(env: Mapping[str, str]) -> Celery:
         raise ValueError("boom")
 
     @app.task(base=LeaseTask, bind=True, shared=False, name="reaper_app.dies_after_success")
-    def dies_after_success(self: Any, how: str = "_exit") -> str:
+    def dies_after_success(self: Any, how: str = "_exit", main_outage: bool = False) -> str:
         """Returns while its completion finds the store away (deferred to the heartbeat); its process dies in
         task_postrun (``os._exit``, or ``sys.exit``, which billiard reports as SystemExit), after Celery
-        stored SUCCESS and before that heartbeat."""
+        stored SUCCESS and before that heartbeat. ``main_outage``: the main process's first completion of
+        the job finds the store away too."""
         from celery_lease.errors import StoreUnavailable
         from celery_lease.store import for_app
 
         note(self, "started")
+        if main_outage:
+            note(self, MAIN_OUTAGE)
         jobs = for_app(self.app).jobs
 
         def unanswered(*args: Any, **kwargs: Any) -> bool:
@@ -135,6 +139,26 @@ def make_app(env: Mapping[str, str]) -> Celery:
             os._exit(1)
 
     signals.task_postrun.connect(die_after_success, weak=False)
+
+    def outage_in_main(**_: Any) -> None:
+        """In the worker's main process: a job's completion fails once while its MAIN_OUTAGE row exists
+        (the row taken by that failure), as a store that did not answer."""
+        from celery_lease.errors import StoreUnavailable
+        from celery_lease.store import for_app
+
+        jobs = for_app(app, check=False).jobs
+        complete = jobs.complete
+
+        def once_unanswered(job_id: str, *args: Any, **kwargs: Any) -> bool:
+            with engine.begin() as c:
+                taken = c.execute(sa.delete(runs).where(runs.c.job_id == job_id, runs.c.phase == MAIN_OUTAGE))
+            if taken.rowcount:
+                raise StoreUnavailable("no answer within the call bound (injected in the main process)")
+            return complete(job_id, *args, **kwargs)
+
+        jobs.complete = once_unanswered
+
+    signals.worker_ready.connect(outage_in_main, weak=False)
 
     def timed_out(sender: Any = None, task_id: str | None = None, exception: Any = None, **_: Any) -> None:
         """In the worker's main process, once the lease has settled a hard time limit (Celery's failure

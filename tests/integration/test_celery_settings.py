@@ -92,6 +92,19 @@ def test_a_child_lost_after_celery_stored_its_success_completes_its_job_without_
     assert result.state == "SUCCESS"  # as Celery 5.7 keeps it, not RETRY
 
 
+def test_a_lost_childs_completion_that_meets_a_store_outage_in_the_main_process_is_kept_until_written(leased):
+    renv, app = leased
+    # The child's completion and the main process's first one both find the store away.
+    result = app.tasks["reaper_app.dies_after_success"].delay("_exit", True)
+    wait_for(lambda: renv.count(result.id, "started") and renv.count(result.id, "main_outage") == 0
+             and renv.status(result.id) != "running", timeout=30,
+             message=f"the lost child's job was never settled: {renv.store.reports.events(result.id)}")
+    job = renv.store.get(result.id)
+    assert (job.status, job.attempt_count) == (COMPLETED, 1)
+    assert renv.count(result.id, "started") == 1
+    assert result.state == "SUCCESS"
+
+
 def test_acks_on_timeout_off_requeues_a_timed_out_job_through_the_lease_once(leased):
     renv, app = leased
     # 60 s on its first run, killed at its 1.5 s hard limit; 0.1 s on the next.

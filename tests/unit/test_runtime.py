@@ -424,7 +424,7 @@ def test_a_cancel_that_meets_an_outage_is_kept_and_written_once_the_store_answer
     proxy, store, direct = cut_store
     for job_id in ("j1", "j2"):
         direct.publishes.record(job_id, "t.task", "q", "{}", 3)
-    cancels = runtime.PendingCancels(store, interval=0.1)
+    cancels = runtime.PendingWrites(store, interval=0.1)
     # Given a store that does not answer, when two jobs are revoked
     proxy.cut()
     assert cancels.cancel("j1", "revoked") is False
@@ -454,7 +454,7 @@ class FlakyCancels:
 
 def test_the_kept_cancels_thread_ends_once_none_is_left_and_the_next_outage_starts_another():
     store = FlakyCancels()
-    cancels = runtime.PendingCancels(store, interval=0.05)
+    cancels = runtime.PendingWrites(store, interval=0.05)
     assert cancels.cancel("j1", "revoked") is False
     first = cancels._loop.thread
     assert first is not None

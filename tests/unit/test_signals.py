@@ -137,7 +137,7 @@ def test_a_revoke_whose_cancel_meets_an_outage_does_not_raise_and_keeps_the_canc
                                     signum=None, expired=False)
         assert not [r for _, r in replies if isinstance(r, BaseException)]
         rt = runtime.current(app)
-        assert rt is not None and len(rt.cancels) == 1
+        assert rt is not None and len(rt.kept_writes) == 1
     finally:
         app.close()
 
