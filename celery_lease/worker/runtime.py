@@ -154,17 +154,19 @@ class Runtime:
     def extend(self, lease: Lease, seconds: float) -> bool:
         """Renew one lease now with a new duration; False when it is no longer ours. While the statement is
         out the lease trusts the shorter of the old and new durations."""
-        sent: list[float] = []
+        def attempt() -> bool | None:
+            # Not beside a heartbeat round (Heartbeat.renewing says why); None: the row is not ours.
+            with self.heartbeat.renewing:
+                sent = deadline.monotonic()
+                lease.extending(sent, seconds)
+                held = {lease.token: lease.job_id}
+                renewed = self.store.jobs.renew(held, self.worker, {lease.token: seconds})
+                return lease.confirm(sent, seconds) if lease.job_id in renewed else None
 
-        def attempt() -> set[str]:
-            sent.append(deadline.monotonic())
-            lease.extending(sent[-1], seconds)
-            return self.store.jobs.renew({lease.token: lease.job_id}, self.worker, {lease.token: seconds})
-
-        renewed = lease.patiently(attempt)
-        if lease.job_id in renewed and lease.confirm(sent[-1], seconds):
+        confirmed = lease.patiently(attempt)
+        if confirmed:
             return True
-        if lease.job_id not in renewed:
+        if confirmed is None:
             reason, owner = self.store.jobs.describe_loss(lease.job_id, lease.token, self.worker)
             lease.mark_lost(reason, owner)
             self.forget(lease)

@@ -130,6 +130,10 @@ class Heartbeat:
         self._planned_interval = runtime.default_interval
         self._last_beat = float("-inf")  # when the loop's last round ended (monotonic)
         self._loop = Loop("celery-lease-heartbeat", self._round, self._round_failed)
+        # Held from a round's snapshot of the durations to its confirms, and by an extend() from its statement
+        # to its confirm: a round whose statement wrote the duration from before an extend, committed after
+        # it, would leave the lease trusting the extend's longer lease while the row holds the shorter one.
+        self.renewing = threading.Lock()
 
     def joined(self, lease: Lease) -> None:
         """A lease joined: wake the thread if it needs beats sooner than planned."""
@@ -144,46 +148,49 @@ class Heartbeat:
         renewable = [lease for lease in held if lease.renewable(now)]
         counts = {"held": len(held), "renewed": 0, "lost": 0,
                   "past_max_runtime": sum(1 for lease in held if lease.past_max_runtime(now))}
-        # An extended lease's duration goes with each renewal: a row that lost its extend (a failover, a row
-        # recorded again) gets it back, and a lease trusts no longer than the duration its renewal wrote.
-        durations = {lease.token: lease.duration for lease in renewable}
-        extended = {lease.token: durations[lease.token] for lease in renewable
-                    if durations[lease.token] != lease.policy.duration}
-        sent = deadline.monotonic()
-        try:
-            leases = {lease.token: lease.job_id for lease in renewable}
-            renewed = self.store.jobs.beat(self.worker, rt.hostname, os.getpid(), leases, extended or None)
-        except StoreUnavailable as exc:
-            log.warning("heartbeat of %s could not reach the lease store: %s", self.worker, exc,
-                        extra={"action": "heartbeat_store_unavailable"})
-            return counts
-        except StoreRejected as exc:
-            # Unrenewed, each lease lapses at its local deadline, as in an outage.
-            log.error("heartbeat of %s refused by the lease store: %s", self.worker, exc,
-                      extra={"action": "heartbeat_store_rejected"})
-            return counts
-        self.beats += 1
-        for lease in renewable:
-            if self._renewed(lease, renewed, renewable):
-                if lease.confirm(sent, cap=durations[lease.token]):
-                    counts["renewed"] += 1
-                # else: lost locally while the statement was out; the runtime gives it back.
-            elif (lease.finishing or lease.handed_over) and not rt.is_deferred(lease):
-                # The body's end or hand-over cleared the token between snapshot and renewal: no loss.
-                continue
-            elif rt.is_deferred(lease) and self.store.get(lease.job_id) is not None:
-                # A deferred write's first try may have committed unanswered: flush_deferred decides.
-                continue
-            else:
-                with lease.turn:
-                    if lease.handed_over or lease.retried:
-                        continue  # the body handed the job on while this round was out
-                    reason, owner = self.store.jobs.describe_loss(lease.job_id, lease.token, self.worker)
-                    if reason == LossReason.VANISHED and lease.recorded_again():
-                        continue
-                    lease.mark_lost(reason, owner)
-                rt.forget(lease)
-                counts["lost"] += 1
+        with self.renewing:
+            # An extended lease's duration goes with each renewal: a row that lost its extend (a failover, a
+            # row recorded again) gets it back, and a lease trusts no longer than the duration its renewal
+            # wrote.
+            durations = {lease.token: lease.duration for lease in renewable}
+            extended = {lease.token: durations[lease.token] for lease in renewable
+                        if durations[lease.token] != lease.policy.duration}
+            sent = deadline.monotonic()
+            try:
+                leases = {lease.token: lease.job_id for lease in renewable}
+                renewed = self.store.jobs.beat(self.worker, rt.hostname, os.getpid(), leases,
+                                               extended or None)
+            except StoreUnavailable as exc:
+                log.warning("heartbeat of %s could not reach the lease store: %s", self.worker, exc,
+                            extra={"action": "heartbeat_store_unavailable"})
+                return counts
+            except StoreRejected as exc:
+                # Unrenewed, each lease lapses at its local deadline, as in an outage.
+                log.error("heartbeat of %s refused by the lease store: %s", self.worker, exc,
+                          extra={"action": "heartbeat_store_rejected"})
+                return counts
+            self.beats += 1
+            for lease in renewable:
+                if self._renewed(lease, renewed, renewable):
+                    if lease.confirm(sent, cap=durations[lease.token]):
+                        counts["renewed"] += 1
+                    # else: lost locally while the statement was out; the runtime gives it back.
+                elif (lease.finishing or lease.handed_over) and not rt.is_deferred(lease):
+                    # The body's end or hand-over cleared the token between snapshot and renewal: no loss.
+                    continue
+                elif rt.is_deferred(lease) and self.store.get(lease.job_id) is not None:
+                    # A deferred write's first try may have committed unanswered: flush_deferred decides.
+                    continue
+                else:
+                    with lease.turn:
+                        if lease.handed_over or lease.retried:
+                            continue  # the body handed the job on while this round was out
+                        reason, owner = self.store.jobs.describe_loss(lease.job_id, lease.token, self.worker)
+                        if reason == LossReason.VANISHED and lease.recorded_again():
+                            continue
+                        lease.mark_lost(reason, owner)
+                    rt.forget(lease)
+                    counts["lost"] += 1
         rt.give_back_lost()
         rt.unanswered.release(self.store, self.worker)
         rt.flush_deferred()

@@ -607,6 +607,32 @@ def test_an_extend_the_store_does_not_answer_is_trusted_only_for_the_shorter_lea
     assert lease.deadline <= deadline.local_deadline(deadline.monotonic(), 1.0)
 
 
+def test_an_extend_beside_a_heartbeat_round_never_leaves_the_worker_trusting_more_than_the_store(
+        store, rt, monkeypatch):
+    # Given a 30 s lease extended to 60 s, whose heartbeat round has read that duration and is about to
+    # write it again (an extended lease's renewals carry its duration)
+    lease = claim(store, rt, "job-1", duration=30.0)
+    rt.attach(Request(), lease)
+    lease.extend(60.0)
+    beat = store.jobs.beat
+    extended = threading.Event()
+    extender = threading.Thread(target=lambda: (lease.extend(300.0), extended.set()), daemon=True)
+
+    def extend_meanwhile(*args, **kwargs):
+        # When the body extends the lease to 300 s while that round's statement is on its way
+        extender.start()
+        extended.wait(2.0)  # an extend that must wait for the round does not end here
+        return beat(*args, **kwargs)
+
+    monkeypatch.setattr(store.jobs, "beat", extend_meanwhile)
+    rt.heartbeat.beat()
+    extender.join(30)
+    assert extended.is_set(), "the extend never ended"
+    # Then the worker trusts the lease no longer than the store keeps it, whichever statement came last
+    store_left, local_left = _clocks(store, lease)
+    assert local_left < store_left, f"worker trusts {local_left:.1f}s, the store keeps {store_left:.1f}s"
+
+
 @pytest.mark.parametrize("seconds", [0, -1, float("nan"), float("inf")])
 def test_extend_refuses_a_duration_that_is_not_a_positive_number(store, rt, seconds):
     lease = claim(store, rt, "job-1")
