@@ -181,9 +181,16 @@ class Reaper:
                 # is out, and a second reaper's claim finds the token moved on.
                 sends_dead_letter = decision.decision == Decision.DEAD_LETTER and decision.queue
                 claim = secrets.token_hex(16) if sends_dead_letter else None
-                if claim and not self.store.reaping.claim_abandoned(job.id, job.lock_token or "", claim, now):
-                    result.lost_races += 1
-                    continue
+                try:
+                    if claim and not self.store.reaping.claim_abandoned(job.id, job.lock_token or "", claim,
+                                                                        self.owner, now):
+                        result.lost_races += 1
+                        continue
+                except StoreUnavailable as exc:  # the page's messages already sent still get their writes
+                    result.publish_errors += 1
+                    log.error("job %s: could not claim it for its dead letter (%s); left for the next run",
+                              job.id, exc, extra={"action": "reap_publish_failed"})
+                    break
                 try:
                     taken.append((job, publish_decision(self.app, job, decision), claim))
                 except Exception as exc:  # noqa: BLE001 - broker down: stop publishing this run
@@ -191,6 +198,8 @@ class Reaper:
                     log.error("job %s [%s]: could not publish its message (%s); left expired for "
                               "the next run", job.id, (job.lock_token or "")[:8], exc,
                               extra={"action": "reap_publish_failed"})
+                    if claim:
+                        self._unclaim(job, claim)
                     break
             if alive or taken:
                 self._take_back(result, now, alive, taken)
@@ -199,6 +208,14 @@ class Reaper:
             if not self._still_ours(mode, token):
                 return False
         return True
+
+    def _unclaim(self, job: Job, claim: str) -> None:
+        """The dead letter was not sent: the row goes back to its owner's token and name, for the next run."""
+        try:
+            self.store.reaping.unclaim_abandoned(job.id, claim, job.lock_token or "", job.locked_by)
+        except StoreUnavailable as exc:
+            log.warning("job %s: could not give its row back after its dead letter was not sent (%s); the "
+                        "next run dead-letters it under this reaper's claim", job.id, exc)
 
     def _take_back(self, result: ReapResult, now: float, alive: list[tuple[Job, str]],
                    taken: list[tuple[Job, ReapDecision, str | None]]) -> None:

@@ -18,7 +18,7 @@ from sqlalchemy.engine import Connection
 
 from ..errors import StoreConflict
 from ..vocabulary import Event
-from .attempts import PREVIOUS_TOKEN, previous_attempt
+from .attempts import PREVIOUS_OWNER, PREVIOUS_TOKEN, previous_attempt
 from .base import RUNS_REVISION, StoreEngine
 from .rows import COMPLETED, FAILED, PENDING, RUNNING, Job, fenced_status, status_sql
 
@@ -94,14 +94,24 @@ class ReaperStatements:
         fence = self._past_grace(clock) if expired else (self.db.t.jobs.c.locked_by == owner)
         return sa.and_(self.db._fenced(job_id, token), fence)
 
-    def claim_abandoned(self, job_id: str, token: str, claim: str, now: float | None = None) -> bool:
-        """Swap an abandoned lease's token for the reaper's ``claim`` before its dead letter is sent: the
-        owner's writes are stale from here on, so no dead letter goes out for a job its owner completes
-        meanwhile. False when the row moved on (a lost race). The row stays expired: a reaper that dies
-        before its CAS leaves it to the next run."""
+    def claim_abandoned(self, job_id: str, token: str, claim: str, reaper: str,
+                        now: float | None = None) -> bool:
+        """Hold an abandoned lease under the reaper's ``claim`` and name before its dead letter is sent: the
+        owner's writes (and its main process's, fenced by its name) are stale from here on, so no dead
+        letter goes out for a job someone completes meanwhile. False when the row moved on (a lost race).
+        The row stays expired: a reaper that dies before its CAS leaves it to the next run."""
         with self._tx(None) as tx:
             fence = self._abandoned(job_id, token, None, True, self._clock(now))
-            return tx.execute(sa.update(self.db.t.jobs).where(fence).values(lock_token=claim)).rowcount == 1
+            held = sa.update(self.db.t.jobs).where(fence).values(lock_token=claim, locked_by=reaper)
+            return tx.execute(held).rowcount == 1
+
+    def unclaim_abandoned(self, job_id: str, claim: str, token: str, owner: str | None) -> bool:
+        """Give a claimed row back to its owner's token and name (the dead letter was not sent): the next
+        run decides again, and its audit names the owner, not the claim."""
+        with self._tx(None) as tx:
+            res = tx.execute(sa.update(self.db.t.jobs).where(self.db._fenced(job_id, claim))
+                             .values(lock_token=token, locked_by=owner))
+            return res.rowcount == 1
 
     def _take_back(self, job_id: str, token: str, owner: str | None, expired: bool, now: float | None,
                    c: Connection | None, values: dict[str, Any], event: Event, reason: str,
@@ -115,7 +125,7 @@ class ReaperStatements:
             if previous is None:
                 return False
             if shown is not None:  # the row holds the reaper's claim; the attempt ended is the owner's
-                previous[PREVIOUS_TOKEN] = shown[:8]
+                previous.update({PREVIOUS_OWNER: owner, PREVIOUS_TOKEN: shown[:8]})
             res = tx.execute(sa.update(j).where(fence).values(
                 lock_token=None, lease_expires_at=None, expired_count=j.c.expired_count + 1,
                 updated_at=self.db.now_sql, **values))

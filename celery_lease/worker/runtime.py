@@ -268,6 +268,12 @@ class Runtime:
                 log.warning("could not release job %s [%s] on shutdown: %s", lease.job_id,
                             lease.token[:8], exc)
         self.flush_deferred()
+        kept: PendingWrites | None = self.__dict__.get("_kept_writes")
+        if kept is not None and len(kept):
+            kept.flush()
+            if len(kept):
+                log.error("%d write(s) kept while the store was down are lost with this process: %s",
+                          len(kept), self.worker, extra={"action": "kept_writes_lost"})
         return released
 
     @property

@@ -296,8 +296,8 @@ class PendingWrites:
         self.store = store
         self.interval = interval
         self._mutex = threading.Lock()
-        # job id -> (what the write is, the write)
-        self._kept: collections.OrderedDict[str, tuple[str, Callable[[], object]]] = collections.OrderedDict()
+        # (job id, what the write is) -> the write
+        self._kept: collections.OrderedDict[tuple[str, str], Callable[[], object]] = collections.OrderedDict()
         self._loop = Loop("celery-lease-kept-writes", self._retry, self._retry_failed)
 
     def __len__(self) -> int:
@@ -338,10 +338,11 @@ class PendingWrites:
 
     def _keep(self, job_id: str, what: str, write: Callable[[], object]) -> None:
         with self._mutex:
-            self._kept[job_id] = (what, write)
-            self._kept.move_to_end(job_id)
+            # By job and kind: a revoke's cancel kept after a lost child's completion must not replace it.
+            self._kept[(job_id, what)] = write
+            self._kept.move_to_end((job_id, what))
             while len(self._kept) > WRITES_KEPT:
-                dropped, (lost, _) = self._kept.popitem(last=False)
+                (dropped, lost), _ = self._kept.popitem(last=False)
                 timer_log.error("job %s: too many writes kept while the store is down; its %s is dropped",
                                 dropped, lost)
             self._loop.start(delay=self.interval)
@@ -351,8 +352,7 @@ class PendingWrites:
         with self._mutex:
             kept = list(self._kept.items())
         written = 0
-        for job_id, entry in kept:
-            what, write = entry
+        for (job_id, what), write in kept:
             try:
                 write()
             except StoreRejected as exc:
@@ -361,11 +361,11 @@ class PendingWrites:
                 return written
             else:
                 written += 1
-                timer_log.info("job %s: kept %s written after the store came back", job_id, what,
-                                extra={"action": f"{what}_written"})
+                timer_log.info("job %s: kept %s made after the store came back", job_id, what,
+                               extra={"action": f"{what}_written"})
             with self._mutex:
-                if self._kept.get(job_id) is entry:
-                    del self._kept[job_id]
+                if self._kept.get((job_id, what)) is write:
+                    del self._kept[(job_id, what)]
         return written
 
     def _retry(self) -> float:

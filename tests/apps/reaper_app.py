@@ -147,9 +147,11 @@ def make_app(env: Mapping[str, str]) -> Celery:
         from celery_lease.store import for_app
 
         jobs = for_app(app, check=False).jobs
-        complete = jobs.complete
+        complete, main = jobs.complete, os.getpid()
 
         def once_unanswered(job_id: str, *args: Any, **kwargs: Any) -> bool:
+            if os.getpid() != main:  # a pool child forked later inherits this wrapper
+                return complete(job_id, *args, **kwargs)
             with engine.begin() as c:
                 taken = c.execute(sa.delete(runs).where(runs.c.job_id == job_id, runs.c.phase == MAIN_OUTAGE))
             if taken.rowcount:

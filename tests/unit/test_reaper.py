@@ -30,7 +30,7 @@ from celery_lease.reaper import run as reaper
 from celery_lease.reaper.clock_guard import Hold
 from celery_lease.reaper.decisions import ReapDecision, ReapResult
 from celery_lease.reaper.run import Reaper, backoff
-from celery_lease.reaper.worker_lost import recover_worker_lost
+from celery_lease.reaper.worker_lost import complete_worker_lost, recover_worker_lost
 from celery_lease.store import COMPLETED, FAILED, PENDING, RUNNING, ClaimTerms, Store
 from celery_lease.vocabulary import Decision, RunMode, WorkerLostOutcome
 from tests.conftest import unique_prefix
@@ -1220,3 +1220,49 @@ def test_a_dead_letter_whose_row_moved_on_before_its_claim_is_not_sent(app, stor
     result = Reaper(app).run_once()
     assert (result.dead_lettered, result.lost_races) == (0, 1)
     assert store.get("j1").status == COMPLETED and queued(broker, dlq=True) == []
+
+
+def test_a_lost_childs_completion_after_the_reapers_claim_leaves_the_dead_letter_standing(
+        app, store, broker, monkeypatch):
+    running(store, "j1", task="t.once", owner="node@h:42", max_attempts=1)
+    outcomes: list[WorkerLostOutcome] = []
+    monkeypatch.setattr(app_state(app), "after_publish", lambda job_id: outcomes.append(
+        complete_worker_lost(app, job_id, "node@h:42", "WorkerLostError")))
+    result = Reaper(app).run_once()
+    assert outcomes == [WorkerLostOutcome.NONE] and result.dead_lettered == 1
+    assert store.get("j1").status == FAILED
+    assert [m["headers"]["id"] for m in queued(broker, dlq=True)] == ["j1"]
+
+
+def test_a_dead_letter_that_could_not_be_sent_gives_the_row_back_and_the_next_run_names_its_owner(
+        app, store, broker, monkeypatch):
+    token = running(store, "j1", task="t.once", max_attempts=1)
+
+    def broker_down(*args, **kwargs):
+        raise ConnectionError("broker unreachable")
+
+    monkeypatch.setattr(messages, "republish", broker_down)
+    assert Reaper(app).run_once().publish_errors == 1
+    job = store.get("j1")
+    assert (job.status, job.lock_token, job.locked_by) == (RUNNING, token, DEAD)
+    monkeypatch.undo()
+    assert Reaper(app).run_once().dead_lettered == 1
+    [event] = events(store, "j1", "dead_lettered")
+    detail = json.loads(event["detail"])
+    assert (event["worker"], event["token"]) == (DEAD, token[:8])
+    assert (detail["previous_owner"], detail["previous_token"]) == (DEAD, token[:8])
+
+
+def test_a_claim_that_finds_the_store_away_still_writes_the_take_backs_whose_messages_went_out(
+        app, store, broker, monkeypatch):
+    running(store, "a1", age=20.0)  # expired first: requeued, its message sent
+    running(store, "j1", task="t.once", max_attempts=1, age=5.0)  # then a dead letter to claim
+
+    def away(*args, **kwargs):
+        raise StoreUnavailable("no answer within the call bound (injected)")
+
+    monkeypatch.setattr(store.reaping, "claim_abandoned", away)
+    result = Reaper(app).run_once()
+    assert (result.reaped, result.publish_errors) == (1, 1)
+    assert store.get("a1").status == PENDING and [m["headers"]["id"] for m in queued(broker)] == ["a1"]
+    assert store.get("j1").status == RUNNING and queued(broker, dlq=True) == []

@@ -469,6 +469,33 @@ def test_the_kept_cancels_thread_ends_once_none_is_left_and_the_next_outage_star
     wait_for(lambda: store.written == ["j1", "j2"], timeout=5, message="the second outage's cancel was lost")
 
 
+def test_a_kept_cancel_does_not_replace_a_kept_completion_of_the_same_job():
+    store = FlakyCancels()
+    kept = runtime.PendingWrites(store, interval=60.0)
+    completed: list[str] = []
+
+    def complete() -> None:
+        if store.down:
+            raise StoreUnavailable("down")
+        completed.append("j1")
+
+    kept.keep("j1", "completion", complete)
+    assert kept.cancel("j1", "expired") is False
+    assert len(kept) == 2
+    store.down = False
+    assert kept.flush() == 2
+    assert (completed, store.written, len(kept)) == (["j1"], ["j1"], 0)
+
+
+def test_a_write_kept_through_an_outage_is_made_at_shutdown_when_the_store_answers_again(store, rt):
+    # Given a cancel that found the store away and was kept (the store answers again)
+    store.publishes.record("j1", "t.task", "q", "{}", 3)
+    rt.kept_writes.keep("j1", "cancel", lambda: store.jobs.cancel("j1", reason="revoked"))
+    rt.kept_writes._loop.stop()  # no retry round before the shutdown: the shutdown must make it
+    rt.release_all()
+    assert store.get("j1").status == "failed" and len(rt.kept_writes) == 0
+
+
 @pytest.mark.parametrize("store_url", ["mysql"], indirect=True)
 def test_a_deferred_completion_the_store_refuses_for_good_is_not_retried_every_round(store_factory, caplog):
     """A completion deferred in an outage and then refused (a 70 KB result on a MySQL/MariaDB
