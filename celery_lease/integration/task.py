@@ -146,8 +146,11 @@ class LeaseTask(Task):
         if request.is_eager and not request.called_directly and app_config(self.app).eager_store:
             return lifecycle.run(self, args, kwargs)
         if request.called_directly or request.is_eager:
+            # Under apply()'s tracer the body runs under the tracer's request, as a plain task's body does
+            # (Celery's __call__ would push a copy, and what the body sets there would not reach the tracer).
+            call = super().__call__ if request.called_directly else self.run
             if self.lease is not None:
-                return super().__call__(*args, **kwargs)  # inside a leased or local run: share it
+                return call(*args, **kwargs)  # inside a leased or local run: share it
             with local.running(self.app, request.id, self.name):
-                return super().__call__(*args, **kwargs)
+                return call(*args, **kwargs)
         return lifecycle.run(self, args, kwargs)

@@ -75,6 +75,16 @@ class Batch:
         with self._lock:
             self._raise_failure()
 
+    def send_kept(self, failure: Exception) -> None:
+        """The group's loop failed on a later member (a message that cannot be encoded): the jobs kept before
+        it go out, as plain Celery's loop had sent them; one the store or broker refuses too is logged with
+        the loop's failure, which the caller raises."""
+        try:
+            self.flush()
+        except Exception as exc:  # noqa: BLE001 - logged; the loop's own failure is the one raised
+            log.error("a group failed (%s); its jobs kept before the failure were not sent either: %s",
+                      failure, exc, extra={"action": "group_partly_unsent"})
+
     def discard(self) -> None:
         """The group's loop failed: drop what is kept (a batch already on its way completes)."""
         with self._lock:
@@ -217,6 +227,10 @@ def _batched(original: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[A
         # Consumed here, so the batch's context is not shared with the caller between items.
         try:
             results = list(original(self, loop.watch(tasks), producer, app, *args, **kwargs))
+        except Exception as exc:
+            if loop.batch is not None:
+                loop.batch.send_kept(exc)
+            raise
         except BaseException:
             if loop.batch is not None:
                 loop.batch.discard()

@@ -12,8 +12,6 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from celery import Task, states
-from celery._state import _task_stack
-from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry, WorkerShutdown, WorkerTerminate
 
 import celery_lease.deadline as deadline
@@ -52,16 +50,16 @@ def run(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if isinstance(claimed, _Resumed):
         return claimed.value  # Celery's tracer stores it and sends the chain's next step
     rt, job, token, policy, sent, record_again = claimed
+    # The body runs under the tracer's own request, as a plain task's does: what it sets there (children,
+    # chain, callbacks, its own attributes) is what Celery's tracer and signals then read.
     request = task.request
-    # Celery < 5.5's push_request starts blank: the body would see no id, hostname or delivery_info.
-    body_request = Context(**{**request.__dict__, "args": args, "kwargs": kwargs})
-    lease = rt.admit(task, request, body_request, job, token, policy, sent_at=sent, record_again=record_again)
+    lease = rt.admit(task, request, job, token, policy, sent_at=sent, record_again=record_again)
     try:
         _store_started(task, request, lease)
-        end, value, exc = _body(task, lease, body_request, args, kwargs)
+        end, value, exc = _body(task, lease, args, kwargs)
         return settle(task, lease, end, value, exc)
     finally:
-        rt.detach(request, lease, body_request)
+        rt.detach(request, lease)
 
 
 def _fail_closed(task: Any, queue: str | None, exc: StoreUnavailable) -> NoReturn:
@@ -164,17 +162,6 @@ def _store_started(task: Any, request: Any, lease: Lease) -> None:
                     extra={"action": "started_not_stored"})
 
 
-def _call(task: Any, body_request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Celery's ``Task.__call__``, under the body's own request context (attached to its lease)."""
-    _task_stack.push(task)
-    task.request_stack.push(body_request)
-    try:
-        return task.run(*args, **kwargs)
-    finally:
-        task.pop_request()
-        _task_stack.pop()
-
-
 def _worker_terminating() -> bool:
     """True once a cold shutdown began in this worker (Celery's own flag)."""
     from celery.worker import state
@@ -194,11 +181,12 @@ def _worker_leaving(exc: BaseException) -> bool:
     return bool(fired is not None and fired())
 
 
-def _body(task: Any, lease: Lease, body_request: Any, args: tuple[Any, ...],
+def _body(task: Any, lease: Lease, args: tuple[Any, ...],
           kwargs: dict[str, Any]) -> tuple[RunEnd, Any, BaseException | None]:
     try:
         with lease.body():
-            result = _call(task, body_request, args, kwargs)
+            # As Celery's tracer calls a plain task's body: under the task and request it pushed.
+            result = task.run(*args, **kwargs)
     except LeaseLost as exc:
         return RunEnd.LOST, None, exc
     except Retry as exc:
@@ -257,6 +245,13 @@ def settle(task: Any, lease: Lease, end: RunEnd, value: Any, exc: BaseException 
     store, job_id, token, worker = lease.store, lease.job_id, lease.token, lease.worker
     if lease.unsent and end != RunEnd.OUTAGE:  # an outage's give-back forgets them once it lands
         lease.settle_unsent()
+    if (lease.retried or lease.deferred_retry is not None) and end in (RunEnd.RETURNED, RunEnd.FAILED):
+        # retry(throw=False), or a caught Retry, then the body ended by itself: the row is the retry's, and
+        # Celery stores this run's end as it does a plain task's.
+        _send_deferred_retry(lease, f"retried, then {end}")
+        if exc is not None:
+            raise exc
+        return value
     if end == RunEnd.RETURNED:
         return _complete(task, lease, value)
     assert exc is not None
@@ -349,17 +344,10 @@ def _retry(task: Any, lease: Lease, exc: BaseException) -> None:
     """Celery's Retry: the row goes back to pending (once) before or with the retry's message."""
     assert isinstance(exc, Retry)
     store, job_id, token, worker = lease.store, lease.job_id, lease.token, lease.worker
-    if lease.deferred_retry is not None:
-        due, message = lease.deferred_retry
-
-        def write() -> bool:
-            return store.jobs.retry_later(job_id, token, max(0.0, due - deadline.monotonic()), message,
-                                          str(exc.exc or exc), worker)
-
-        _write(lease, RunEnd.RETRIED, write, then=lambda: messages.republish(lease.app, job_id, message))
+    if lease.deferred_retry is not None or lease.retried:
+        # The row became pending before the retry's message was sent, or does with it now.
+        _send_deferred_retry(lease, str(exc.exc or exc))
         raise exc
-    if lease.retried:
-        raise exc  # the row became pending before the retry's message was sent
     payload = None
     if exc.sig is not None:
         payload = messages.encode(exc.sig.task, exc.sig.args, exc.sig.kwargs, dict(exc.sig.options),
@@ -370,6 +358,16 @@ def _retry(task: Any, lease: Lease, exc: BaseException) -> None:
                                              worker)) is False:
         raise Ignore() from exc
     raise exc
+
+
+def _send_deferred_retry(lease: Lease, reason: str) -> None:
+    """A retry() the store held back: the row goes pending, then its message is sent (nothing when sent)."""
+    if lease.deferred_retry is None:
+        return
+    due, message = lease.deferred_retry
+    _write(lease, RunEnd.RETRIED, lambda: lease.store.jobs.retry_later(
+        lease.job_id, lease.token, max(0.0, due - deadline.monotonic()), message, reason, lease.worker),
+        then=lambda: messages.republish(lease.app, lease.job_id, message))
 
 
 def _dead_letter(task: Any, lease: Lease) -> None:

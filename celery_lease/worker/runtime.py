@@ -68,7 +68,7 @@ class Runtime:
         self.deliveries: dict[tuple[str, str | None, int],
                               tuple[Store | None, TaskPolicy, stores.ClaimTerms]] = {}
 
-    def admit(self, task: Any, request: Any, body_request: Any, job: Job, token: str, policy: TaskPolicy, *,
+    def admit(self, task: Any, request: Any, job: Job, token: str, policy: TaskPolicy, *,
               sent_at: float, record_again: Callable[[], bool]) -> Lease:
         """The claim succeeded, so the delivery's store retries are forgotten: attach its new lease."""
         messages.forget_store_retries(request)
@@ -76,29 +76,25 @@ class Runtime:
                       job.idempotency_key or f"{task.name}:{job.id}", job.checkpoint_state(), sent_at=sent_at,
                       app=task.app, acks_late=bool(task.acks_late), record_again=record_again)
         try:
-            self.attach(request, lease, body_request)
+            self.attach(request, lease)
         except BaseException:
-            self.detach(request, lease, body_request)
+            self.detach(request, lease)
             raise
         return lease
 
-    def attach(self, request: Any, lease: Lease, body_request: Any = None) -> None:
+    def attach(self, request: Any, lease: Lease) -> None:
         """A body is about to run under ``lease``: renew it and watch its deadline."""
         with self._mutex:
             self._by_request[id(request)] = lease
             self._held[(lease.job_id, lease.token)] = lease
-        if body_request is not None:
-            self.bind(body_request, lease)
         self.start()
         self.heartbeat.joined(lease)
         self.timer.watch(lease.deadline)
 
-    def detach(self, request: Any, lease: Lease, body_request: Any = None) -> None:
+    def detach(self, request: Any, lease: Lease) -> None:
         """The body is over; a deferred completion or a pending give-back keeps the lease listed."""
         key = (lease.job_id, lease.token)
         self.unbind(request, lease)
-        if body_request is not None:
-            self.unbind(body_request, lease)
         with self._mutex:
             if key not in self._deferred:
                 self._held.pop(key, None)

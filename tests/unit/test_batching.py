@@ -387,3 +387,14 @@ def test_with_an_unknown_group_loop_a_group_publishes_each_job_alone(app, batche
     for job_id in ids:
         assert store.get(job_id).status == PENDING
         assert [e["event"] for e in store.reports.events(job_id)] == ["published"]
+
+
+@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
+def test_a_group_that_fails_on_a_member_sends_the_members_before_it_as_celery_does(app):
+    work = app.tasks["batch.work"]
+    signature = group([work.s(1), work.s(2), work.s(object()), work.s(3)])  # the third cannot be encoded
+    ids = [r.id for r in signature.freeze().results]
+    with pytest.raises(kombu.exceptions.EncodeError):
+        signature.apply_async()
+    assert queued_ids(app, 2) == ids[:2]
+    assert [for_app(app).get(job_id) is not None for job_id in ids] == [True, True, False, False]

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 from celery import Celery
 from celery.app.trace import build_tracer
+from celery.signals import before_task_publish, task_postrun
 
 from celery_lease import LeaseTask
 from celery_lease.store import Store
@@ -111,3 +112,82 @@ def test_an_eager_run_with_a_store_retries_at_once_as_celerys_apply_does(tmp_pat
     result = flaky.apply(task_id="eager-retry")
     assert (result.state, result.result, attempts) == ("SUCCESS", "ok", [0, 1])
     assert Store(app.conf.lease_store_url).get("eager-retry").status == Status.COMPLETED
+
+
+def test_what_a_body_sets_on_its_request_reaches_celerys_tracer_as_a_plain_tasks_does(leased_add):
+    """A body that stops its chain and its callbacks, starts a child and marks its request: Celery's tracer
+    and its signals read the same request (the body does not run under a copy)."""
+    app, add = leased_add.app, leased_add
+
+    @app.task(base=LeaseTask, bind=True, name="path.steers", shared=False)
+    def steers(self: Any, a: int) -> int:
+        self.request.spawned = add.delay(a, 1).id
+        self.request.chain = None
+        self.request.callbacks = None
+        self.request.marked = "by the body"
+        return a
+
+    sent: list[str] = []
+    seen: list[Any] = []
+
+    def on_publish(headers: Any = None, **_: Any) -> None:
+        sent.append(headers["id"])
+
+    def on_postrun(task: Any = None, **_: Any) -> None:
+        if task is steers:
+            seen.append(getattr(task.request, "marked", None))
+
+    before_task_publish.connect(on_publish, weak=False)
+    task_postrun.connect(on_postrun, weak=False)
+    try:
+        job_id = steers.apply_async((5,)).id
+        step, link = add.s(10).set(task_id="step-after"), add.s(20).set(task_id="linked-after")
+        tracer = build_tracer(steers.name, steers, app=app, eager=False, propagate=True)
+        request = {"id": job_id, "task": steers.name, "hostname": "path@test", "headers": {},
+                   "is_eager": False, "chain": [dict(step)], "callbacks": [dict(link)],
+                   "delivery_info": {"routing_key": "celery", "exchange": "", "redelivered": False}}
+        assert tracer(job_id, (5,), {}, request)[0] == 5
+    finally:
+        before_task_publish.disconnect(on_publish)
+        task_postrun.disconnect(on_postrun)
+    assert "step-after" not in sent and "linked-after" not in sent, sent
+    assert seen == ["by the body"]
+    [child] = [c.id for c in steers.AsyncResult(job_id).children or []]
+    assert child in sent
+    eager = steers.apply((6,))
+    assert eager.get() == 6 and seen[-1] == "by the body"
+
+
+@pytest.mark.parametrize("then", ["returns", "raises"])
+def test_a_body_that_retries_without_raising_ends_as_a_plain_tasks_and_its_retry_goes_once(leased_add, then):
+    """``retry(throw=False)`` then the body's own end: Celery stores that end (SUCCESS, or the body's
+    error), the job waits for its retry's message, and no other copy of the message is sent."""
+    app = leased_add.app
+
+    @app.task(base=LeaseTask, bind=True, name=f"path.retries_{then}", shared=False, max_retries=3)
+    def retries(self: Any) -> str:
+        self.retry(countdown=60, throw=False)
+        if then == "raises":
+            raise ValueError("after the retry")
+        return "first"
+
+    sent: list[str] = []
+
+    def on_publish(headers: Any = None, **_: Any) -> None:
+        sent.append(headers["id"])
+
+    before_task_publish.connect(on_publish, weak=False)
+    try:
+        job_id = retries.apply_async().id
+        tracer = build_tracer(retries.name, retries, app=app, eager=False, propagate=False)
+        request = {"id": job_id, "task": retries.name, "hostname": "path@test", "headers": {},
+                   "is_eager": False, "delivery_info": {"routing_key": "celery", "exchange": "",
+                                                        "redelivered": False}}
+        outcome = tracer(job_id, (), {}, request)
+    finally:
+        before_task_publish.disconnect(on_publish)
+    state = retries.AsyncResult(job_id).state
+    assert (state, outcome[0] if then == "returns" else type(outcome[0].exception).__name__) == (
+        ("SUCCESS", "first") if then == "returns" else ("FAILURE", "ValueError"))
+    assert sent.count(job_id) == 2  # its publish and its retry's
+    assert Store(app.conf.lease_store_url).get(job_id).status == Status.PENDING
