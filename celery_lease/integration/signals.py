@@ -9,7 +9,7 @@ import os
 import signal
 from typing import Any
 
-from celery import bootsteps, signals
+from celery import bootsteps, platforms, signals
 from celery.concurrency.base import BasePool
 from celery.exceptions import TimeLimitExceeded, WorkerLostError
 from celery.worker.request import Request
@@ -89,8 +89,10 @@ class LeaseRequest(Request):
     def terminate(self, pool: Any, signal: Any = None) -> Any:
         """``revoke(terminate=True)``: cancel the job, fenced by the terminated process's owner (the main
         process never sees a child's token), then let Celery kill the run."""
-        # Threads and solo cannot terminate a run (Celery raises NotImplementedError): it goes on.
-        if self.time_start and self.worker_pid and _can_terminate(pool):
+        # Threads and solo cannot terminate a run (Celery raises NotImplementedError): it goes on. SIGUSR1
+        # raises SoftTimeLimitExceeded in the body, which may clean up and return: its run ends as it ends,
+        # as in Celery, so nothing is cancelled before it.
+        if self.time_start and self.worker_pid and _can_terminate(pool) and not _soft_signal(signal):
             _cancel_terminated(self)
         return super().terminate(pool, signal)
 
@@ -122,6 +124,14 @@ RERUN = (WorkerLostOutcome.REQUEUE, WorkerLostOutcome.LOST_RACE, WorkerLostOutco
 def _can_terminate(pool: Any) -> bool:
     # Prefork binds billiard's terminate_job on the instance; threads and solo keep BasePool's.
     return getattr(pool.terminate_job, "__func__", None) is not BasePool.terminate_job
+
+
+def _soft_signal(sig: Any) -> bool:
+    """Whether a terminate signal is billiard's soft time limit (SIGUSR1): the child lives on."""
+    try:
+        return platforms.signals.signum(sig or "TERM") == signal.SIGUSR1
+    except (TypeError, ValueError):
+        return False
 
 
 def _cancel_terminated(request: LeaseRequest) -> None:
@@ -302,6 +312,9 @@ def install(app: Any) -> None:
     if state.installed:
         return
     state.installed = True
+    from ..reaper.run import register
+
+    register(app)
     app.steps["worker"].add(WorkerStep)
     app.steps["consumer"].add(PauseStep)
     try:

@@ -184,9 +184,9 @@ def retry_first(lease: Lease, delay: float, payload: str) -> bool:
 def _own_transaction_holds(store: Any) -> bool:
     """Whether the store is a SQLite file this thread's own Django transaction holds: its record waits on
     itself, which is no outage."""
-    from ..store.django_database import in_own_transaction
+    from ..store.django_database import holds_store_file
 
-    return bool(store.dialect.single_writer) and in_own_transaction(store.engine.url.database)
+    return holds_store_file(store)
 
 
 def _after_a_body() -> bool:

@@ -18,7 +18,8 @@ import threading
 import time
 from typing import Any
 
-from celery import Task, shared_task
+from celery import Task
+from celery._state import connect_on_app_finalize
 
 import celery_lease.messaging.events as events
 import celery_lease.messaging.messages as messages
@@ -27,6 +28,7 @@ import celery_lease.reaper.decisions as decisions
 from ..backoff import backoff, dispatch_wait
 from ..config import REAPER_RUNS_KEPT, app_config, worker_stale_after
 from ..errors import StoreCorrupt, StoreRejected, StoreUnavailable
+from ..kinds import is_lease_task
 from ..store import Job, Store, for_app
 from ..vocabulary import Decision, RunMode, TaskEvent
 from .clock_guard import ClockGuard, Hold
@@ -34,7 +36,7 @@ from .decisions import ReapDecision, ReapResult, decide, policy_for, publish_dec
 from .outcomes import report_failure
 
 __all__ = ["Reaper", "ReapResult", "ReapDecision", "backoff", "decide", "policy_for", "publish_decision",
-           "settle", "reap"]
+           "settle", "reap", "register", "REAP"]
 
 log = logging.getLogger("celery_lease.reaper")
 
@@ -330,7 +332,24 @@ class Reaper:
             stop.wait(0 if full else interval)
 
 
-@shared_task(name="celery_lease.reap", base=Task, bind=True, ignore_result=True)
+REAP = "celery_lease.reap"
+
+
 def reap(self: Task, dry_run: bool = False) -> dict[str, Any]:
     """One reaper round (schedule it with celery beat); its result is ignored: each run records itself."""
     return Reaper(self.app).run_once(dry_run=dry_run).as_dict()
+
+
+def register(app: Any) -> None:
+    """Register ``celery_lease.reap`` on an app that uses leases (once); a plain app never lists it."""
+    # The registry itself, not app.tasks: this runs inside the app's finalize and a task's bind.
+    if REAP not in app._tasks:
+        app._task_from_fun(reap, name=REAP, base=Task, bind=True, ignore_result=True, shared=False)
+
+
+@connect_on_app_finalize
+def _register_on_finalize(app: Any) -> None:
+    # An app whose default task class is LeaseTask, or that sets lease_* settings; an app whose LeaseTasks
+    # name the class as their base registers it when they are bound (LeaseTask.on_bound).
+    if is_lease_task(app.Task) or any(str(key).startswith("lease_") for key in app.conf.keys()):
+        register(app)

@@ -11,8 +11,8 @@ import celery_lease.messaging.messages as messages
 import celery_lease.reaper.decisions as decisions
 
 from ..errors import StoreCorrupt
-from ..store import RUNNING, Job, Store, for_app
-from ..vocabulary import Decision, WorkerLostOutcome
+from ..store import PENDING, RUNNING, Job, Store, for_app
+from ..vocabulary import Decision, Event, WorkerLostOutcome
 from .decisions import ReapDecision, ReapResult, decide, policy_for, publish_decision, settle
 
 __all__ = ["recover_worker_lost", "complete_worker_lost"]
@@ -26,6 +26,8 @@ def recover_worker_lost(app: Any, job_id: str, owner: str, reason: str, final: b
     fails it; ``resend=False`` when Celery requeued the message itself, so only the row moves."""
     store = for_app(app)
     job = store.get(job_id)
+    if not final and job is not None and job.status == PENDING and _given_back_by(store, job_id, owner):
+        return _resend_given_back(app, job, owner, reason, resend)
     if job is None or job.status != RUNNING or job.locked_by != owner or not job.lock_token:
         return WorkerLostOutcome.NONE
     policy = policy_for(app, job)
@@ -57,6 +59,28 @@ def recover_worker_lost(app: Any, job_id: str, owner: str, reason: str, final: b
     log.info("job %s [%s]: worker process %s lost (%s): %s", job_id, job.lock_token[:8], owner, reason,
              decision.decision, extra={"action": "worker_lost_recovered"})
     return WorkerLostOutcome(decision.decision)
+
+
+def _given_back_by(store: Store, job_id: str, owner: str) -> bool:
+    """Whether the job's last give-back on shutdown was ``owner``'s (its row is pending since)."""
+    released = store.reports.events(job_id, Event.RELEASED_ON_SHUTDOWN)
+    return bool(released) and released[-1]["worker"] == owner
+
+
+def _resend_given_back(app: Any, job: Job, owner: str, reason: str, resend: bool) -> WorkerLostOutcome:
+    """A child that shut down on its own (a SIGTERM to it, or to the worker's process group) gave its job
+    back for the broker to deliver again; Celery acks that delivery as lost, so the lease sends it again."""
+    if resend:
+        try:
+            messages.republish(app, job.id, job.payload)
+        except Exception as exc:  # noqa: BLE001 - broker down: the dispatch scan re-sends it
+            log.error("job %s: child %s shut down and gave it back, its message could not be sent (%s); the "
+                      "reaper re-dispatches it after lease_dispatch_timeout", job.id, owner, exc,
+                      extra={"action": "worker_lost_publish_failed"})
+            return WorkerLostOutcome.ERROR
+    log.info("job %s: worker process %s shut down (%s) after giving it back: sent again", job.id, owner,
+             reason, extra={"action": "worker_lost_recovered"})
+    return WorkerLostOutcome.REQUEUE
 
 
 def complete_worker_lost(app: Any, job_id: str, owner: str, reason: str) -> WorkerLostOutcome:

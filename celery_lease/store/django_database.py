@@ -120,3 +120,9 @@ def in_own_transaction(database: str | None) -> bool:
                 and os.path.realpath(str(conn.settings_dict.get("NAME") or "")) == target):
             return True
     return False
+
+
+def holds_store_file(store: Any) -> bool:
+    """Whether ``store`` is a SQLite file this thread's own Django transaction holds: a write of the store's
+    own would wait on that transaction, which waits on the write (no outage: the caller's own lock)."""
+    return bool(store.dialect.single_writer) and in_own_transaction(store.engine.url.database)

@@ -21,8 +21,9 @@ import celery_lease.store.schema as schema
 from ..context import BODY
 from ..errors import LeaseConfigError, LeaseError, LeaseLost, LockUnavailable, StoreRejected, StoreUnavailable
 from ..store.base import uninterrupted
+from ..store.django_database import holds_store_file
 from ..store.effects import advance_statement
-from ..vocabulary import EffectOutcome, Event
+from ..vocabulary import EffectOutcome, Event, StoreFailure
 from .handles import LeaseHandle
 
 __all__ = ["effect", "lock", "advance", "ResourceLock", "Locks", "connection_for"]
@@ -48,6 +49,15 @@ def connection_for(using: str) -> Any:
     return connections[using]
 
 
+def _refuse_in_own_transaction(store: Any, call: str, instead: str) -> None:
+    """A store call inside this thread's transaction.atomic() on the SQLite file the store shares would wait
+    on that transaction, which waits on the call: a clear error now, not a lease lost after a wait."""
+    if holds_store_file(store):
+        raise StoreRejected(f"{call} cannot write the lease store inside this thread's transaction.atomic(), "
+                            f"which holds the SQLite file the store shares: {instead}",
+                            kind=StoreFailure.LOCKED_BY_CALLER)
+
+
 @contextlib.contextmanager
 def effect(lease: LeaseHandle, key: str, connection: Connection | None = None) -> Iterator[bool]:
     """``with effect(lease, key) as first:`` do the side effect only when ``first``; a block that raises frees
@@ -56,6 +66,8 @@ def effect(lease: LeaseHandle, key: str, connection: Connection | None = None) -
     lease.check()
     store = lease.store
     if connection is None:
+        _refuse_in_own_transaction(store, f"effect({key!r})", "effect(key, using=<alias>) records the key in "
+                                   "that transaction; or call it outside transaction.atomic()")
         # One mark for every try of this call: a try that finds the key under it knows the key is its own
         # (an earlier try's commit went through, its answer lost) and not another attempt's.
         nonce = secrets.token_hex(16)
@@ -326,6 +338,8 @@ def lock(lease: LeaseHandle, resource: str, ttl: float | None = None,
         raise LeaseConfigError("lease_lock_ttl", ttl, f"must be at least two heartbeat intervals "
                                f"({2 * interval:g}s): renewed every interval, a shorter lock would pass "
                                "its deadline before its next renewal lands")
+    _refuse_in_own_transaction(lease.store, f"lock({resource!r})", "take the lock before "
+                               "transaction.atomic() and write inside it")
     locks = lease.runtime.locks
     if locks.holds(lease.job_id, resource):
         raise LeaseError(f"job {lease.job_id} already holds the lock on {resource!r}; "

@@ -40,3 +40,16 @@ def limited(self) -> None:
     """Outlives its soft time limit."""
     counter.incr(f"runs:{self.request.id}")
     threading.Event().wait(10)
+
+
+@app.task(base=LeaseTask, bind=True, name="core.cleans_up")
+def cleans_up(self) -> str:
+    """Waits 30 s; a soft time limit (``revoke(..., terminate=True, signal="SIGUSR1")``) makes it return."""
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    counter.incr(f"runs:{self.request.id}")
+    try:
+        threading.Event().wait(30)
+    except SoftTimeLimitExceeded:
+        return "cleaned-up"
+    return "ran out"

@@ -105,3 +105,23 @@ def test_revoke_with_terminate_cancels_the_running_job_and_never_requeues_it(env
     assert job.last_error == "revoked (terminated)" and job.attempt_count == 1
     assert int(client.get(f"runs:{result.id}")) == 1
     assert [e["event"] for e in store.reports.events(result.id)].count("claimed") == 1
+
+
+def test_revoke_with_the_soft_signal_lets_a_body_that_cleans_up_end_as_celery_ends_it(env, tmp_path):
+    """``revoke(terminate=True, signal="SIGUSR1")`` raises SoftTimeLimitExceeded in the body; one that
+    catches it and returns succeeds, as in Celery, and is never run again."""
+    env_vars, store, client = env
+    app = client_app(env_vars)
+    with celery_processes(tmp_path) as procs:
+        procs.append(worker("tests.apps.core_app", env_vars, tmp_path, pool="prefork"))
+        result = app.send_task("core.cleans_up")
+        wait_for(lambda: (store.get(result.id) or None) and store.get(result.id).status == "running",
+                 timeout=30, message="job never claimed")
+        app.control.revoke(result.id, terminate=True, signal="SIGUSR1")
+        wait_for(lambda: store.get(result.id).status != "running", timeout=15,
+                 message=f"job never ended: {store.reports.events(result.id)}")
+        wait_for(lambda: result.state == "SUCCESS", timeout=15, message=f"Celery shows {result.state}")
+        assert result.result == "cleaned-up"
+        app.send_task("core.work", (0.0,)).get(timeout=30)  # after anything requeued would have run
+    assert store.get(result.id).status == "completed"
+    assert int(client.get(f"runs:{result.id}")) == 1

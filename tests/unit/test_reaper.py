@@ -696,11 +696,18 @@ def test_the_reaper_logs_one_summary_line_only_when_it_changed_something(app, st
     assert line.levelno == logging.INFO and "reaped=1" in line.getMessage() and line.action == "reap"
 
 
-def test_the_reap_task_is_registered_in_every_app_and_is_not_a_lease_task(app, store):
+def test_the_reap_task_is_registered_in_apps_that_use_leases_only_and_is_not_a_lease_task(app, store):
     task = app.tasks["celery_lease.reap"]
     assert isinstance(task, Task) and not isinstance(task, LeaseTask)
     other = Celery("another", set_as_current=False, task_cls=LeaseTask)
     assert not isinstance(other.tasks["celery_lease.reap"], LeaseTask)
+    based = Celery("based", set_as_current=False)
+    based.task(base=LeaseTask, shared=False, name="based.work")(payload)
+    assert "celery_lease.reap" in based.tasks
+    # An app with no LeaseTask and no lease setting is left as it was: celery_lease is only installed.
+    plain = Celery("plain", set_as_current=False)
+    plain.task(shared=False, name="plain.work")(payload)
+    assert "celery_lease.reap" not in plain.tasks
     running(store, "j1")
     counts = task.apply().get()
     assert counts["reaped"] == 1 and counts["skipped"] is False
@@ -1266,3 +1273,16 @@ def test_a_claim_that_finds_the_store_away_still_writes_the_take_backs_whose_mes
     assert (result.reaped, result.publish_errors) == (1, 1)
     assert store.get("a1").status == PENDING and [m["headers"]["id"] for m in queued(broker)] == ["a1"]
     assert store.get("j1").status == RUNNING and queued(broker, dlq=True) == []
+
+
+def test_a_child_that_gave_its_job_back_as_it_shut_down_has_it_sent_again_not_failed(app, store, broker):
+    """A SIGTERM to a pool child alone (or to the worker's process group): the child gives the job back for
+    the broker to deliver again, and Celery acks that delivery as a lost child's."""
+    token = running(store, "j1", owner="node@h:42", age=-25.0)
+    assert store.jobs.release("j1", token, "node@h:42")  # the child's shutdown
+    assert recover_worker_lost(app, "j1", "node@h:42", "WorkerLostError") is WorkerLostOutcome.REQUEUE
+    assert store.get("j1").status == PENDING and [m["headers"]["id"] for m in queued(broker)] == ["j1"]
+    # Another process's give-back is not this child's to answer for.
+    token = running(store, "j2", owner="node@h:43", age=-25.0)
+    assert store.jobs.release("j2", token, "node@h:43")
+    assert recover_worker_lost(app, "j2", "node@h:42", "WorkerLostError") is WorkerLostOutcome.NONE
