@@ -146,11 +146,13 @@ class LeaseTask(Task):
         if request.is_eager and not request.called_directly and app_config(self.app).eager_store:
             return lifecycle.run(self, args, kwargs)
         if request.called_directly or request.is_eager:
-            # Under apply()'s tracer the body runs under the tracer's request, as a plain task's body does
-            # (Celery's __call__ would push a copy, and what the body sets there would not reach the tracer).
-            call = super().__call__ if request.called_directly else self.run
             if self.lease is not None:
-                return call(*args, **kwargs)  # inside a leased or local run: share it
+                return super().__call__(*args, **kwargs)  # called inside a leased or local run: share it
+            # Under apply()'s tracer the body runs under the tracer's request, as a plain task's body does
+            # (Celery's own __call__ would push a copy the tracer never reads); a __call__ of a mixin runs.
+            call = self.run
+            if request.called_directly or getattr(super().__call__, "__func__", None) is not Task.__call__:
+                call = super().__call__
             with local.running(self.app, request.id, self.name):
                 return call(*args, **kwargs)
         return lifecycle.run(self, args, kwargs)

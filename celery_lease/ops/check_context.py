@@ -62,7 +62,9 @@ class Context:
         self.app, self.conf, self.cfg, self.store = app, app.conf, cfg, store
         self._pool = pool
         named = sorted(app.tasks.items())
-        self.tasks = [t for _, t in named if isinstance(t, LeaseTask)]
+        # Celery's own tasks (chord_unlock, backend_cleanup, map...) are LeaseTasks in an app whose task_cls
+        # is LeaseTask: not the app's to measure or bound.
+        self.tasks = [t for name, t in named if isinstance(t, LeaseTask) and not name.startswith("celery.")]
         self.plain = [t for name, t in named if not isinstance(t, LeaseTask)
                       and not name.startswith(("celery.", "celery_lease."))]
         self.policies: dict[str, TaskPolicy] = {}

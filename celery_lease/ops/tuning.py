@@ -124,7 +124,7 @@ def tune(app: Any, store: Store, task: str | None = None,
     from ..integration.task import LeaseTask
 
     names = [task] if task else sorted(set(store.reports.finished_tasks(limit)) | {
-        name for name, t in app.tasks.items() if isinstance(t, LeaseTask)})
+        name for name, t in app.tasks.items() if isinstance(t, LeaseTask) and not name.startswith("celery.")})
     _, running = store.reports.running_rows()
     alive = store.reports.alive_workers()
     results = []

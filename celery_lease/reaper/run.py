@@ -343,13 +343,30 @@ def reap(self: Task, dry_run: bool = False) -> dict[str, Any]:
 def register(app: Any) -> None:
     """Register ``celery_lease.reap`` on an app that uses leases (once); a plain app never lists it."""
     # The registry itself, not app.tasks: this runs inside the app's finalize and a task's bind.
+    if REAP in app._tasks:
+        return
+    if getattr(app._finalize_mutex, "_is_owned", lambda: False)():
+        # Inside finalize, which may be iterating over the registry binding its tasks: once it is done.
+        app.on_after_finalize.connect(_register_after_finalize, weak=False)
+        return
+    _register_now(app)
+
+
+def _register_now(app: Any) -> None:
     if REAP not in app._tasks:
-        app._task_from_fun(reap, name=REAP, base=Task, bind=True, ignore_result=True, shared=False)
+        app._task_from_fun(reap, name=REAP, base=Task, bind=True, ignore_result=True)
+
+
+def _register_after_finalize(sender: Any = None, **_: Any) -> None:
+    if sender is not None:
+        _register_now(sender)
 
 
 @connect_on_app_finalize
 def _register_on_finalize(app: Any) -> None:
-    # An app whose default task class is LeaseTask, or that sets lease_* settings; an app whose LeaseTasks
-    # name the class as their base registers it when they are bound (LeaseTask.on_bound).
-    if is_lease_task(app.Task) or any(str(key).startswith("lease_") for key in app.conf.keys()):
+    # An app whose default task class is LeaseTask, or that sets lease_* settings (CELERY_LEASE_* under
+    # Django's namespace); an app whose LeaseTasks name the class as their base registers it when they are
+    # bound (LeaseTask.on_bound).
+    if is_lease_task(app.Task) or any(str(key).lower().removeprefix("celery_").startswith("lease_")
+                                      for key in app.conf.keys()):
         register(app)

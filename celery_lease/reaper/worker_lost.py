@@ -69,8 +69,10 @@ def _given_back_by(store: Store, job_id: str, owner: str) -> bool:
 
 def _resend_given_back(app: Any, job: Job, owner: str, reason: str, resend: bool) -> WorkerLostOutcome:
     """A child that shut down on its own (a SIGTERM to it, or to the worker's process group) gave its job
-    back for the broker to deliver again; Celery acks that delivery as lost, so the lease sends it again."""
-    if resend:
+    back for the broker to deliver again; Celery acks that delivery as lost, so the lease sends it again. A
+    task without acks_late had its message sent again by the child's give-back already."""
+    task = app.tasks.get(job.task_name)
+    if resend and task is not None and task.acks_late:
         try:
             messages.republish(app, job.id, job.payload)
         except Exception as exc:  # noqa: BLE001 - broker down: the dispatch scan re-sends it

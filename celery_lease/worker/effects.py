@@ -49,13 +49,13 @@ def connection_for(using: str) -> Any:
     return connections[using]
 
 
-def _refuse_in_own_transaction(store: Any, call: str, instead: str) -> None:
-    """A store call inside this thread's transaction.atomic() on the SQLite file the store shares would wait
-    on that transaction, which waits on the call: a clear error now, not a lease lost after a wait."""
+def _refuse_in_own_transaction(store: Any, exc: StoreUnavailable, call: str, instead: str) -> None:
+    """A write that timed out inside this thread's atomic block holding the store's SQLite file waited on
+    itself: a clear error, not an outage to wait out until the lease is lost."""
     if holds_store_file(store):
         raise StoreRejected(f"{call} cannot write the lease store inside this thread's transaction.atomic(), "
-                            f"which holds the SQLite file the store shares: {instead}",
-                            kind=StoreFailure.LOCKED_BY_CALLER)
+                            f"which holds the SQLite file the store shares once it has written: {instead}, "
+                            "or call it before the block writes", kind=StoreFailure.LOCKED_BY_CALLER) from exc
 
 
 @contextlib.contextmanager
@@ -66,14 +66,16 @@ def effect(lease: LeaseHandle, key: str, connection: Connection | None = None) -
     lease.check()
     store = lease.store
     if connection is None:
-        _refuse_in_own_transaction(store, f"effect({key!r})", "effect(key, using=<alias>) records the key in "
-                                   "that transaction; or call it outside transaction.atomic()")
         # One mark for every try of this call: a try that finds the key under it knows the key is its own
         # (an earlier try's commit went through, its answer lost) and not another attempt's.
         nonce = secrets.token_hex(16)
 
         def record() -> EffectOutcome:
-            return store.effects.record_effect(key, lease.job_id, lease.token, lease.worker, nonce)
+            try:
+                return store.effects.record_effect(key, lease.job_id, lease.token, lease.worker, nonce)
+            except StoreUnavailable as exc:
+                _refuse_in_own_transaction(store, exc, f"effect({key!r})", "use effect(key, using=<alias>)")
+                raise
 
         # Shielded across the record: a loss held back during the call, or landing as the shield ends,
         # comes after the key it wrote is given back (its block will not run), never in place of the
@@ -338,8 +340,6 @@ def lock(lease: LeaseHandle, resource: str, ttl: float | None = None,
         raise LeaseConfigError("lease_lock_ttl", ttl, f"must be at least two heartbeat intervals "
                                f"({2 * interval:g}s): renewed every interval, a shorter lock would pass "
                                "its deadline before its next renewal lands")
-    _refuse_in_own_transaction(lease.store, f"lock({resource!r})", "take the lock before "
-                               "transaction.atomic() and write inside it")
     locks = lease.runtime.locks
     if locks.holds(lease.job_id, resource):
         raise LeaseError(f"job {lease.job_id} already holds the lock on {resource!r}; "
@@ -363,12 +363,17 @@ def _acquire(lease: LeaseHandle, held: ResourceLock, timeout: float) -> None:
     give_up = time.monotonic() + timeout
     delay = 0.02
     sent: list[float] = []
+    interval = lease.policy.heartbeat_interval
 
     def attempt() -> EffectOutcome:
         # The send time of the statement that answers: the one whose expiry the row carries.
         sent.append(deadline.monotonic())
-        return lease.store.effects.acquire_lock(held.resource, held.token, held.ttl, lease.worker,
-                                                lease.job_id, lease.token, lease.policy.heartbeat_interval)
+        try:
+            return lease.store.effects.acquire_lock(held.resource, held.token, held.ttl, lease.worker,
+                                                    lease.job_id, lease.token, interval)
+        except StoreUnavailable as exc:
+            _refuse_in_own_transaction(lease.store, exc, f"lock({held.resource!r})", "take it before")
+            raise
 
     while True:
         lease.check()

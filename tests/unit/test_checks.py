@@ -615,3 +615,17 @@ def test_the_pool_live_workers_record_is_judged_not_the_apps_setting(sqlite_stor
 
     assert finding.level == "warning" and finding.values["worker_pool"] == "threads"
     assert not [f for f in run_checks(app, store, pool="prefork") if f.code == "runtime_limit_unenforced"]
+
+
+def test_an_app_whose_task_class_is_lease_task_is_not_asked_to_measure_celerys_own_tasks(sqlite_store):
+    # Celery's built-ins are LeaseTasks too in such an app, and never leased.
+    app = Celery(f"checks_{unique_prefix()}", broker=REDIS, set_as_current=False,
+                 task_cls="celery_lease:LeaseTask")
+    app.conf.update({**BASE_CONF, "lease_store_url": "sqlite://"})
+    app.task(shared=False, name="c.by_default")(plain_body)
+    ctx = Context(app, app_config(app), baseline_store(sqlite_store))
+    builtins = [name for name, task in app.tasks.items() if name.startswith("celery.")
+                and isinstance(task, LeaseTask)]
+    assert builtins and sorted(task.name for task in ctx.tasks) == ["c.by_default"]
+    tuned = [t.task for t in tune(app, baseline_store(sqlite_store))]
+    assert "c.by_default" in tuned and not [name for name in tuned if name.startswith("celery.")]

@@ -175,12 +175,13 @@ def orm(request, order_model, redis_url):
     Order = order_model
 
     @app.task(base=LeaseTask, bind=True, shared=False, name="orm.place")
-    def place(self, number, fail=False, by_alias=False, store_own=False):
+    def place(self, number, fail=False, by_alias=False, store_own=False, written=True):
         from django.db import transaction
 
         try:
             with transaction.atomic(using=alias):
-                Order.objects.using(alias).create(number=number)
+                if written:
+                    Order.objects.using(alias).create(number=number)
                 where = {"using": alias} if by_alias else {"connection": connections[alias]}
                 if store_own:  # the key in the store's own transaction, not the ORM's
                     where = {}
@@ -188,6 +189,8 @@ def orm(request, order_model, redis_url):
                     pass
                 if fail:
                     raise RuntimeError("the body fails after its effect block")
+                if not written:
+                    Order.objects.using(alias).create(number=number)
             return first
         finally:
             if self.request.is_eager is False:
@@ -284,7 +287,7 @@ def test_base_lease_task_keeps_delay_on_commit_where_djangos_fixup_set_the_task_
         drop_app_store(app)
 
 
-def test_an_effect_in_the_stores_own_transaction_inside_an_atomic_block_on_its_sqlite_file_is_refused_at_once(
+def test_an_effect_in_the_stores_own_transaction_inside_an_atomic_block_holding_its_sqlite_file_is_refused(
         orm, order_model):
     from celery.contrib.testing.worker import start_worker
 
@@ -294,9 +297,13 @@ def test_an_effect_in_the_stores_own_transaction_inside_an_atomic_block_on_its_s
     with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
         result = app.tasks["orm.place"].delay("w-3", store_own=True)
         wait_for(lambda: settled(store, result.id), timeout=30, message="the job did not end")
+        # Before the block writes, it holds nothing: the key commits on the store's own connection.
+        first = app.tasks["orm.place"].delay("w-4", store_own=True, written=False)
+        wait_for(lambda: settled(store, first.id), timeout=30, message="the job did not end")
     job = store.get(result.id)
     assert job.status == "failed" and "using=<alias>" in (job.last_error or ""), job.last_error
     assert job.attempt_count == 1 and orders(alias, order_model, "w-3") == 0
+    assert store.get(first.id).status == "completed" and orders(alias, order_model, "w-4") == 1
 
 
 def test_a_publish_inside_an_atomic_block_holding_the_sqlite_file_the_store_shares_is_sent_and_runs(

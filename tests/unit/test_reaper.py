@@ -1275,9 +1275,11 @@ def test_a_claim_that_finds_the_store_away_still_writes_the_take_backs_whose_mes
     assert store.get("j1").status == RUNNING and queued(broker, dlq=True) == []
 
 
-def test_a_child_that_gave_its_job_back_as_it_shut_down_has_it_sent_again_not_failed(app, store, broker):
-    """A SIGTERM to a pool child alone (or to the worker's process group): the child gives the job back for
-    the broker to deliver again, and Celery acks that delivery as a lost child's."""
+def test_a_child_that_gave_its_job_back_as_it_shut_down_has_it_sent_again_not_failed(
+        app, store, broker, monkeypatch):
+    """A SIGTERM to a pool child alone (or to the worker's process group): the child gives an acks_late job
+    back for the broker to deliver again, and Celery acks that delivery as a lost child's."""
+    monkeypatch.setattr(app.tasks["t.work"], "acks_late", True)
     token = running(store, "j1", owner="node@h:42", age=-25.0)
     assert store.jobs.release("j1", token, "node@h:42")  # the child's shutdown
     assert recover_worker_lost(app, "j1", "node@h:42", "WorkerLostError") is WorkerLostOutcome.REQUEUE
@@ -1286,3 +1288,9 @@ def test_a_child_that_gave_its_job_back_as_it_shut_down_has_it_sent_again_not_fa
     token = running(store, "j2", owner="node@h:43", age=-25.0)
     assert store.jobs.release("j2", token, "node@h:43")
     assert recover_worker_lost(app, "j2", "node@h:42", "WorkerLostError") is WorkerLostOutcome.NONE
+    # Without acks_late the child's give-back sent the message itself: not sent twice.
+    monkeypatch.setattr(app.tasks["t.work"], "acks_late", False)
+    token = running(store, "j3", owner="node@h:42", age=-25.0)
+    assert store.jobs.release("j3", token, "node@h:42")
+    assert recover_worker_lost(app, "j3", "node@h:42", "WorkerLostError") is WorkerLostOutcome.REQUEUE
+    assert [m["headers"]["id"] for m in queued(broker)] == ["j1"]  # j1's from above, none for j3
