@@ -285,6 +285,11 @@ class DeadlineTimer:
         return pause
 
 
+# The log's action of a kept write, by kind: kept while the store is away, then written.
+_DEFERRED = {"cancel": {"action": "cancel_deferred"}, "completion": {"action": "completion_deferred"}}
+_WRITTEN = {"cancel": {"action": "cancel_written"}, "completion": {"action": "completion_written"}}
+
+
 class PendingWrites:
     """Writes the store did not take because it was unreachable, made once it answers: the cancels of
     revoked jobs (Celery acks a revoked delivery whatever the store said: a lost cancel would leave the
@@ -326,7 +331,7 @@ class PendingWrites:
         except StoreUnavailable as exc:
             self._keep(job_id, what, write)
             timer_log.warning("job %s: lease store unreachable (%s); its %s is kept and made when the store "
-                              "answers", job_id, exc, what, extra={"action": f"{what}_deferred"})
+                              "answers", job_id, exc, what, extra=_DEFERRED[what])
             return False
         return True
 
@@ -334,7 +339,7 @@ class PendingWrites:
         """Keep ``write``, which just found the store down, for when it answers (retried every interval)."""
         self._keep(job_id, what, write)
         timer_log.warning("job %s: lease store unreachable; its %s is kept and written when the store "
-                          "answers", job_id, what, extra={"action": f"{what}_deferred"})
+                          "answers", job_id, what, extra=_DEFERRED[what])
 
     def _keep(self, job_id: str, what: str, write: Callable[[], object]) -> None:
         with self._mutex:
@@ -362,7 +367,7 @@ class PendingWrites:
             else:
                 written += 1
                 timer_log.info("job %s: kept %s made after the store came back", job_id, what,
-                               extra={"action": f"{what}_written"})
+                               extra=_WRITTEN[what])
             with self._mutex:
                 if self._kept.get((job_id, what)) is write:
                     del self._kept[(job_id, what)]
