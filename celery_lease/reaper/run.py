@@ -367,6 +367,6 @@ def _register_on_finalize(app: Any) -> None:
     # An app whose default task class is LeaseTask, or that sets lease_* settings (CELERY_LEASE_* under
     # Django's namespace); an app whose LeaseTasks name the class as their base registers it when they are
     # bound (LeaseTask.on_bound).
-    if is_lease_task(app.Task) or any(str(key).lower().removeprefix("celery_").startswith("lease_")
-                                      for key in app.conf.keys()):
+    settings = (str(key) for key in app.conf.keys())
+    if is_lease_task(app.Task) or any(key.startswith(("lease_", "CELERY_LEASE_")) for key in settings):
         register(app)

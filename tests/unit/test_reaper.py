@@ -706,8 +706,12 @@ def test_the_reap_task_is_registered_in_apps_that_use_leases_only_and_is_not_a_l
     assert "celery_lease.reap" in based.tasks
     # An app with no LeaseTask and no lease setting is left as it was: celery_lease is only installed.
     plain = Celery("plain", set_as_current=False)
+    plain.conf.LEASE_TIMEOUT = 30  # another library's setting, not celery_lease's
     plain.task(shared=False, name="plain.work")(payload)
     assert "celery_lease.reap" not in plain.tasks
+    django = Celery("django", set_as_current=False)
+    django.conf.CELERY_LEASE_DURATION = 30.0  # Django's CELERY namespace
+    assert "celery_lease.reap" in django.tasks
     running(store, "j1")
     counts = task.apply().get()
     assert counts["reaped"] == 1 and counts["skipped"] is False
