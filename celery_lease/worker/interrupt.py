@@ -4,18 +4,25 @@ defers it to the call's end, so no lock or pooled connection is left astray."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import logging
+import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+
+from billiard.pool import SIG_SOFT_TIMEOUT, soft_timeout_sighandler
 
 from ..context import BODY
 from ..errors import LeaseLost
 from ..store.base import uninterrupted
 
 __all__ = ["Interrupter", "ThreadInterrupter", "GreenletInterrupter", "raise_in_thread", "for_process",
-           "uninterrupted", "BODY"]
+           "uninterrupted", "BODY", "SoftLimit", "soft_limit_held"]
+
+log = logging.getLogger(__name__)
 
 
 def raise_in_thread(thread_id: int, exc_type: type[BaseException] | None) -> bool:
@@ -137,3 +144,65 @@ def greenlets_in_use() -> bool:
 
 def for_process() -> type[Interrupter]:
     return GreenletInterrupter if greenlets_in_use() else ThreadInterrupter
+
+
+class SoftLimit:
+    """Celery's soft time limit in a prefork child (billiard's SIGUSR1 handler, which raises
+    SoftTimeLimitExceeded in whatever code runs), held back while a run is outside its body. Landing in a
+    committed claim or before a finished body's completion, it would leave a row running that nobody
+    renews, and the reaper would run the job again; held, it lands as the body starts, or is logged
+    when the body had already ended. Anywhere else (threads, gevent, solo, eager) it does nothing."""
+
+    def __init__(self, job_id: str | None = None) -> None:
+        self.job_id = job_id
+        self._handler: Any = None  # billiard's handler while held
+        self._arrived = False
+        self._released = False  # the body started
+
+    def hold(self) -> None:
+        if self._handler is not None or SIG_SOFT_TIMEOUT is None:
+            return
+        if signal.getsignal(SIG_SOFT_TIMEOUT) is not soft_timeout_sighandler:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self._handler = soft_timeout_sighandler
+        signal.signal(SIG_SOFT_TIMEOUT, self._arrive)
+
+    def _arrive(self, signum: int, frame: Any) -> None:
+        self._arrived = True
+
+    def _restore(self) -> bool:
+        """Give the signal back to billiard's handler; True when one arrived while held."""
+        if self._handler is None:
+            return False
+        # Restored first: a signal arriving from here on goes to billiard's handler itself.
+        signal.signal(SIG_SOFT_TIMEOUT, self._handler)
+        self._handler, arrived, self._arrived = None, self._arrived, False
+        return arrived
+
+    def release(self) -> None:
+        """The body starts: a soft time limit that arrived while held is raised here, in the body."""
+        self._released = True
+        if self._restore():
+            soft_timeout_sighandler(SIG_SOFT_TIMEOUT, None)
+
+    def end(self) -> None:
+        """The run is over: a soft time limit that arrived after its body ended had nothing left to stop, and
+        one that arrived before a delivery the claim did not let run had no body to stop."""
+        if self._restore():
+            when = "after the body ended; the run ends as its body did" if self._released else (
+                "before a body started; the delivery ends as its claim decided")
+            log.warning("job %s: a soft time limit (or a SIGUSR1 revoke) came %s", self.job_id, when,
+                        extra={"action": "soft_limit_held"})
+
+
+@contextlib.contextmanager
+def soft_limit_held(job_id: str | None) -> Iterator[SoftLimit]:
+    """Hold Celery's soft time limit for one run; its lease's body lets it through while the body runs."""
+    soft = SoftLimit(job_id)
+    soft.hold()
+    try:
+        yield soft
+    finally:
+        soft.end()

@@ -36,8 +36,11 @@ class Lease:
 
     def __init__(self, runtime: RuntimeHandle, job_id: str, token: str, attempt: int, policy: TaskPolicy,
                  idempotency_key: str, checkpoint_state: Any, *, sent_at: float, app: Any = None,
-                 acks_late: bool = True, record_again: Callable[[], bool] | None = None) -> None:
+                 acks_late: bool = True, record_again: Callable[[], bool] | None = None,
+                 soft_limit: interrupt.SoftLimit | None = None) -> None:
         self.runtime = runtime
+        # Celery's soft time limit, held outside the body (the run's, from lifecycle.py).
+        self.soft_limit = soft_limit or interrupt.SoftLimit(job_id)
         # Records the job anew under this lease's token when its row vanished (lifecycle.py).
         self._record_again = record_again
         self.store = runtime.store
@@ -324,8 +327,10 @@ class Lease:
             with self._guard:
                 self._interrupter.bind()
                 self._in_body = True
+            self.soft_limit.release()
             yield
         finally:
+            self.soft_limit.hold()  # first: from the body's end on, the settle's writes are not cut short
             interrupt.BODY.reset(body)
             with self._guard:
                 self._in_body = False

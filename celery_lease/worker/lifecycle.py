@@ -18,6 +18,7 @@ import celery_lease.deadline as deadline
 import celery_lease.messaging.backend as results
 import celery_lease.messaging.messages as messages
 import celery_lease.worker.deliveries as deliveries
+import celery_lease.worker.interrupt as interrupt
 import celery_lease.worker.runtime as runtime
 
 from ..config import TaskPolicy, task_policy
@@ -45,21 +46,22 @@ class _Resumed:
 
 
 def run(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Run one delivery of a leased task: claim, attach, body, settle."""
-    claimed = _claim(task, args, kwargs)
-    if isinstance(claimed, _Resumed):
-        return claimed.value  # Celery's tracer stores it and sends the chain's next step
-    rt, job, token, policy, sent, record_again = claimed
-    # The body runs under the tracer's own request, as a plain task's does: what it sets there (children,
-    # chain, callbacks, its own attributes) is what Celery's tracer and signals then read.
-    request = task.request
-    lease = rt.admit(task, request, job, token, policy, sent_at=sent, record_again=record_again)
-    try:
-        _store_started(task, request, lease)
-        end, value, exc = _body(task, lease, args, kwargs)
-        return settle(task, lease, end, value, exc)
-    finally:
-        rt.detach(request, lease)
+    """Run one delivery of a leased task: claim, attach, body, settle; a soft time limit lands in the body."""
+    with interrupt.soft_limit_held(task.request.id) as soft:
+        claimed = _claim(task, args, kwargs)
+        if isinstance(claimed, _Resumed):
+            return claimed.value  # Celery's tracer stores it and sends the chain's next step
+        rt, job, token, policy, sent, record_again = claimed
+        # The body runs under the tracer's own request, as a plain task's: Celery reads what it sets there.
+        request = task.request
+        lease = rt.admit(task, request, job, token, policy, sent_at=sent, record_again=record_again,
+                         soft=soft)
+        try:
+            _store_started(task, request, lease)
+            end, value, exc = _body(task, lease, args, kwargs)
+            return settle(task, lease, end, value, exc)
+        finally:
+            rt.detach(request, lease)
 
 
 def _fail_closed(task: Any, queue: str | None, exc: StoreUnavailable) -> NoReturn:

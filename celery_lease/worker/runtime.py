@@ -69,12 +69,14 @@ class Runtime:
                               tuple[Store | None, TaskPolicy, stores.ClaimTerms]] = {}
 
     def admit(self, task: Any, request: Any, job: Job, token: str, policy: TaskPolicy, *,
-              sent_at: float, record_again: Callable[[], bool]) -> Lease:
+              sent_at: float, record_again: Callable[[], bool],
+              soft: interrupt.SoftLimit | None = None) -> Lease:
         """The claim succeeded, so the delivery's store retries are forgotten: attach its new lease."""
         messages.forget_store_retries(request)
         lease = Lease(self, job.id, token, job.attempt_count, policy,
                       job.idempotency_key or f"{task.name}:{job.id}", job.checkpoint_state(), sent_at=sent_at,
-                      app=task.app, acks_late=bool(task.acks_late), record_again=record_again)
+                      app=task.app, acks_late=bool(task.acks_late), record_again=record_again,
+                      soft_limit=soft)
         try:
             self.attach(request, lease)
         except BaseException:

@@ -126,3 +126,35 @@ def test_revoke_with_the_soft_signal_lets_a_body_that_cleans_up_end_as_celery_en
     assert store.get(result.id).status == "completed", store.reports.events(result.id)
     assert result.state in ("SUCCESS", "REVOKED")
     assert int(client.get(f"runs:{result.id}")) == 1
+
+
+@pytest.mark.parametrize("call", ["claim:checkin", "complete:checkout"])
+def test_a_soft_time_limit_landing_in_the_claim_or_the_completion_leaves_no_job_running(env, tmp_path, call):
+    """The soft time limit (billiard's SIGUSR1, as a soft_time_limit or a SIGUSR1 revoke sends it) arriving in
+    a store call outside the body: after the claim committed it lands as the body starts (FAILURE, as in a
+    plain task's body); before a finished body's completion it waits for the write (SUCCESS). Either way the
+    job ends in the store and is never run again."""
+    env_vars, store, client = env
+    env_vars = {**env_vars, "CORE_CONF": '{"lease_fault_injector": "tests.apps.soft_signal:INJECTOR"}'}
+    app = client_app(env_vars)
+    job_id = f"soft-{unique_prefix()}"
+    client.set(f"soft_signal:{job_id}", call)
+    with celery_processes(tmp_path) as procs:
+        procs.append(worker("tests.apps.core_app", env_vars, tmp_path, pool="prefork"))
+        # The child's first delivery checks the schema, a connection of its own: the job's calls come after.
+        app.send_task("core.work", (0.0,)).get(timeout=30)
+        # Recorded as published: its claim is one write, the one the signal follows or precedes.
+        store.publishes.record(job_id, "core.work", "celery", None, max_attempts=3)
+        result = app.send_task("core.work", (0.0,), task_id=job_id)
+        wait_for(lambda: result.state in ("SUCCESS", "FAILURE"), timeout=30, message="the run never ended")
+        assert client.get(f"soft_signal:fired:{job_id}") is not None, "the signal was never sent"
+        wait_for(lambda: store.get(job_id).status != "running", timeout=15,
+                 message=f"job left running: {store.reports.events(job_id)}")
+        app.send_task("core.work", (0.0,)).get(timeout=30)  # after anything requeued would have run
+    job = store.get(job_id)
+    if call.startswith("claim"):
+        assert isinstance(result.result, SoftTimeLimitExceeded), result.result
+        assert job.status == "failed" and client.get(f"runs:{job_id}") is None
+    else:
+        assert result.state == "SUCCESS" and job.status == "completed"
+        assert int(client.get(f"runs:{job_id}")) == 1

@@ -1,7 +1,10 @@
-"""Raising LeaseLost into a running body: an OS thread, or a gevent greenlet from another thread."""
+"""Raising LeaseLost into a running body (an OS thread, or a gevent greenlet from another thread), and
+Celery's soft time limit held while a run is outside its body."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -9,9 +12,10 @@ import threading
 import time
 
 import pytest
+from celery.exceptions import SoftTimeLimitExceeded
 
 from celery_lease.errors import LeaseLost
-from celery_lease.worker.interrupt import GreenletInterrupter, ThreadInterrupter
+from celery_lease.worker.interrupt import GreenletInterrupter, ThreadInterrupter, soft_limit_held
 
 
 def test_a_thread_is_interrupted_at_its_next_bytecode():
@@ -120,3 +124,50 @@ def test_a_greenlet_whose_body_is_over_is_left_alone():
     interrupter.interrupt(LeaseLost("job-1", "late"), lambda: False)  # the body already left
     greenlet.join(timeout=5)
     assert finished == [True]
+
+
+@pytest.fixture
+def billiard_soft_limit():
+    """SIGUSR1 handled as in a prefork child: billiard's handler raises SoftTimeLimitExceeded."""
+    from billiard.pool import soft_timeout_sighandler
+
+    before = signal.signal(signal.SIGUSR1, soft_timeout_sighandler)
+    yield
+    signal.signal(signal.SIGUSR1, before)
+
+
+def _signal_self() -> None:
+    os.kill(os.getpid(), signal.SIGUSR1)
+    for _ in range(10_000):  # bytecode for the Python handler to run in
+        pass
+
+
+def test_a_soft_time_limit_held_outside_the_body_lands_as_the_body_starts(billiard_soft_limit):
+    with soft_limit_held("job-1") as soft:
+        _signal_self()  # in the claim: held
+        with pytest.raises(SoftTimeLimitExceeded):
+            soft.release()  # the body starts
+        soft.hold()  # the body ended: the settle's writes are held again
+        _signal_self()
+    with pytest.raises(SoftTimeLimitExceeded):  # billiard's handler is back
+        _signal_self()
+
+
+def test_a_soft_time_limit_after_the_body_ended_is_logged_not_raised(billiard_soft_limit, caplog):
+    with soft_limit_held("job-2") as soft:
+        soft.release()
+        soft.hold()
+        _signal_self()
+    assert [r.action for r in caplog.records if hasattr(r, "action")] == ["soft_limit_held"]
+    assert "after the body ended" in caplog.text
+
+
+def test_a_soft_limit_hold_leaves_a_signal_that_is_not_billiards_alone():
+    seen: list[int] = []
+    before = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    try:
+        with soft_limit_held("job-3"):
+            _signal_self()
+            assert seen == [signal.SIGUSR1]  # a gevent or threads worker's own SIGUSR1 handler still runs
+    finally:
+        signal.signal(signal.SIGUSR1, before)
