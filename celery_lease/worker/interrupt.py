@@ -148,19 +148,22 @@ def for_process() -> type[Interrupter]:
 
 class SoftLimit:
     """Celery's soft time limit in a prefork child (billiard's SIGUSR1 handler, which raises
-    SoftTimeLimitExceeded in whatever code runs), held back while a run is outside its body. Landing in a
-    committed claim or before a finished body's completion, it would leave a row running that nobody
-    renews, and the reaper would run the job again; held, it lands as the body starts, or is logged
-    when the body had already ended. Anywhere else (threads, gevent, solo, eager) it does nothing."""
+    SoftTimeLimitExceeded in whatever code runs), held back while a worker's delivery is outside its body.
+    Landing in a committed claim or before a finished body's completion, it would leave a row running that
+    nobody renews, and the reaper would run the job again; held, it lands as the body starts, or is logged
+    when the body had already ended. It does nothing unless ``enabled`` (an eager run is inside its
+    caller's time limit, which it must not swallow), nor where billiard's handler is not installed
+    (threads, gevent, solo) or off the main thread."""
 
-    def __init__(self, job_id: str | None = None) -> None:
+    def __init__(self, job_id: str | None = None, enabled: bool = False) -> None:
         self.job_id = job_id
+        self._enabled = enabled
         self._handler: Any = None  # billiard's handler while held
         self._arrived = False
         self._released = False  # the body started
 
     def hold(self) -> None:
-        if self._handler is not None or SIG_SOFT_TIMEOUT is None:
+        if not self._enabled or self._handler is not None or SIG_SOFT_TIMEOUT is None:
             return
         if signal.getsignal(SIG_SOFT_TIMEOUT) is not soft_timeout_sighandler:
             return
@@ -182,14 +185,17 @@ class SoftLimit:
         return arrived
 
     def release(self) -> None:
-        """The body starts: a soft time limit that arrived while held is raised here, in the body."""
+        """The body starts: a soft time limit that arrived while held is raised here, before the body's own
+        code, as Celery's tracer raises one that lands before a plain task's body."""
         self._released = True
         if self._restore():
             soft_timeout_sighandler(SIG_SOFT_TIMEOUT, None)
 
     def end(self) -> None:
         """The run is over: a soft time limit that arrived after its body ended had nothing left to stop, and
-        one that arrived before a delivery the claim did not let run had no body to stop."""
+        one that arrived before a delivery the claim did not let run had no body to stop. Nothing holds it
+        again (a body's context closed late, by the garbage collector, must not)."""
+        self._enabled = False
         if self._restore():
             when = "after the body ended; the run ends as its body did" if self._released else (
                 "before a body started; the delivery ends as its claim decided")
@@ -198,9 +204,9 @@ class SoftLimit:
 
 
 @contextlib.contextmanager
-def soft_limit_held(job_id: str | None) -> Iterator[SoftLimit]:
-    """Hold Celery's soft time limit for one run; its lease's body lets it through while the body runs."""
-    soft = SoftLimit(job_id)
+def soft_limit_held(job_id: str | None, enabled: bool) -> Iterator[SoftLimit]:
+    """Hold Celery's soft time limit for one delivery; its lease's body lets it through while it runs."""
+    soft = SoftLimit(job_id, enabled)
     soft.hold()
     try:
         yield soft

@@ -330,7 +330,6 @@ class Lease:
             self.soft_limit.release()
             yield
         finally:
-            self.soft_limit.hold()  # first: from the body's end on, the settle's writes are not cut short
             interrupt.BODY.reset(body)
             with self._guard:
                 self._in_body = False
@@ -338,3 +337,6 @@ class Lease:
                 if self.lost and self.policy.on_lost == OnLost.RAISE:
                     # An interruption queued as the body returned must not land in the bookkeeping.
                     self._interrupter.cancel()
+            # Last, once no interruption can land here; inside the body's try, so a soft time limit
+            # arriving before it fails the run rather than cut its settle short.
+            self.soft_limit.hold()

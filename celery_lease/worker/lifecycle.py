@@ -47,7 +47,7 @@ class _Resumed:
 
 def run(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run one delivery of a leased task: claim, attach, body, settle; a soft time limit lands in the body."""
-    with interrupt.soft_limit_held(task.request.id) as soft:
+    with interrupt.soft_limit_held(task.request.id, enabled=not task.request.is_eager) as soft:
         claimed = _claim(task, args, kwargs)
         if isinstance(claimed, _Resumed):
             return claimed.value  # Celery's tracer stores it and sends the chain's next step

@@ -143,7 +143,7 @@ def _signal_self() -> None:
 
 
 def test_a_soft_time_limit_held_outside_the_body_lands_as_the_body_starts(billiard_soft_limit):
-    with soft_limit_held("job-1") as soft:
+    with soft_limit_held("job-1", enabled=True) as soft:
         _signal_self()  # in the claim: held
         with pytest.raises(SoftTimeLimitExceeded):
             soft.release()  # the body starts
@@ -154,7 +154,7 @@ def test_a_soft_time_limit_held_outside_the_body_lands_as_the_body_starts(billia
 
 
 def test_a_soft_time_limit_after_the_body_ended_is_logged_not_raised(billiard_soft_limit, caplog):
-    with soft_limit_held("job-2") as soft:
+    with soft_limit_held("job-2", enabled=True) as soft:
         soft.release()
         soft.hold()
         _signal_self()
@@ -166,8 +166,26 @@ def test_a_soft_limit_hold_leaves_a_signal_that_is_not_billiards_alone():
     seen: list[int] = []
     before = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
     try:
-        with soft_limit_held("job-3"):
+        with soft_limit_held("job-3", enabled=True):
             _signal_self()
             assert seen == [signal.SIGUSR1]  # a gevent or threads worker's own SIGUSR1 handler still runs
     finally:
         signal.signal(signal.SIGUSR1, before)
+
+
+def test_a_soft_limit_held_again_after_its_run_ended_leaves_billiards_handler_in_place(billiard_soft_limit):
+    """A body's context closed late by the garbage collector holds again after the run: nothing is held, or
+    every later task in the child would ignore its soft time limit."""
+    from billiard.pool import soft_timeout_sighandler
+
+    with soft_limit_held("job-4", enabled=True) as soft:
+        soft.release()
+    soft.hold()
+    assert signal.getsignal(signal.SIGUSR1) is soft_timeout_sighandler
+    with pytest.raises(SoftTimeLimitExceeded):
+        _signal_self()
+
+
+def test_an_eager_runs_soft_limit_is_not_held_so_its_callers_time_limit_still_lands(billiard_soft_limit):
+    with pytest.raises(SoftTimeLimitExceeded), soft_limit_held("job-5", enabled=False):
+        _signal_self()
