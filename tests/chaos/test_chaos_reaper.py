@@ -159,7 +159,8 @@ def test_jobs_whose_messages_vanished_from_the_broker_are_redispatched_and_compl
             wait_for(lambda: all(renv.status(j) == COMPLETED for j in jobs), timeout=40,
                      message="jobs with lost messages not all completed")
     for job_id in jobs:
-        assert len(renv.store.reports.events(job_id, "redispatched")) == 1
+        # Sent again at least once; a slow worker may see a second copy (skipped as a duplicate).
+        dispatched = renv.store.get(job_id).dispatch_count
+        assert dispatched >= 1 and len(renv.store.reports.events(job_id, "redispatched")) == dispatched
         assert (renv.count(job_id, "started"), renv.count(job_id, "finished")) == (1, 1)
-        assert renv.store.get(job_id).dispatch_count == 1
     assert unfinished(renv) == 0
