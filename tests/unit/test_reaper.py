@@ -1065,8 +1065,9 @@ def test_a_step_of_the_store_clock_reaps_no_healthy_lease_and_still_recovers_a_d
         logging.getLogger(__name__).info("step %+gs: dead owner's job recovered %.2fs after it (bound %gs)",
                                          step, at - step_at, bound)
         assert at - step_at <= bound + RUN_SLACK
-    [held] = store.reports.events(None, "reaper_held_back")
-    assert "stepped" in held["reason"]
+    # Held back at least once for the step; a loaded machine's uneven runs may hold it again (safe).
+    held = store.reports.events(None, "reaper_held_back")
+    assert any("stepped" in e["reason"] for e in held), held
     twin.engine.dispose()
 
 
