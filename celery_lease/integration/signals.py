@@ -209,9 +209,13 @@ class WorkerStep(bootsteps.StartStopStep):
     label = "celery_lease"
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
+        from ..reaper.run import register
         from ..store import for_app
 
         app_config(worker.app)
+        # A LeaseTask first bound inside finalize's on_after_finalize, whose receivers Celery has already
+        # listed, deferred the reaper task to a signal that never comes: register it before consuming.
+        register(worker.app)
         if getattr(worker, "task_events", False):
             # `-E`: the lease's task events go out wherever this worker's events do.
             worker.app.conf.worker_send_task_events = True

@@ -195,3 +195,41 @@ def test_an_idle_worker_is_alive_in_the_registry_before_its_first_task(tmp_path,
         assert len(alive) == processes and all(a.startswith(f"{node}@") for a in alive), alive
         assert store.reports.worker_counts()["alive"] == processes
         assert "Task core." not in proc.output()  # it ran nothing
+
+
+
+# Built in a process of its own: a WorkController sets process-wide state (the pool's join guard, the
+# current app) that later tests in this process would inherit.
+LATE_WORKER = """
+import sys
+from celery import Celery
+from celery_lease import LeaseTask
+
+app = Celery("late", broker="memory://", set_as_current=False)
+
+def late_work():
+    pass
+
+@app.on_after_finalize.connect(weak=False)
+def define(sender, **_):
+    sender.task(base=LeaseTask, shared=False, name="late.work")(late_work)
+
+app.finalize()  # no lease_* setting yet: only the task tells that the app uses leases
+app.conf.lease_store_url = sys.argv[1]
+assert "late.work" in app.tasks
+worker = app.WorkController(pool_cls="solo", hostname="late@test", without_heartbeat=True,
+                            without_mingle=True, without_gossip=True, concurrency=1)
+worker.consumer.update_strategies()
+print("reap registered:", "celery_lease.reap" in app.tasks, "celery_lease.reap" in worker.consumer.strategies)
+"""
+
+
+def test_a_worker_whose_lease_task_is_defined_after_finalize_still_runs_the_reaper_task(tmp_path):
+    """A LeaseTask first defined in an ``on_after_finalize`` receiver is bound inside Celery's finalize,
+    after that signal's receivers were listed: the worker still registers ``celery_lease.reap``, or the
+    beat entry's messages would be refused as unknown tasks and no lease would ever be reaped."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", LATE_WORKER, f"sqlite:///{tmp_path / 'lease.sqlite3'}"],
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "reap registered: True True" in result.stdout, result.stdout + result.stderr
