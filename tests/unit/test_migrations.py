@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import sqlalchemy as sa
 
@@ -150,6 +152,24 @@ def test_worker_start_creates_an_empty_store_at_the_newest_revision(store_factor
 
     with store.begin() as c:
         assert migrations.current(c, store.prefix) == migrations.head()
+
+
+def test_a_worker_start_against_a_current_store_logs_nothing_from_alembic(store_factory, caplog):
+    """Reading the revision is not a migration: alembic's INFO lines would repeat at every worker start.
+    An app that sets alembic's level itself still gets them."""
+    store = store_factory()
+    alembic = logging.getLogger("alembic.runtime.migration")
+    with caplog.at_level(logging.INFO, logger="alembic"):
+        store.ensure_schema(create=True)
+        assert [r.getMessage() for r in caplog.records if r.name.startswith("alembic")] == []
+        alembic.setLevel(logging.INFO)
+        try:
+            with store.begin() as c:
+                assert migrations.current(c, store.prefix) == migrations.head()
+        finally:
+            alembic.setLevel(logging.NOTSET)
+    assert any(r.name == alembic.name for r in caplog.records)
+    assert alembic.level == logging.NOTSET
 
 
 def test_a_publisher_never_creates_tables(store_factory):

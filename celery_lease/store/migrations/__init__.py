@@ -5,8 +5,10 @@ The version table carries the store's table prefix, so it never meets the applic
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -64,9 +66,25 @@ def supported() -> tuple[str, str]:
     return all_revisions[max(0, len(all_revisions) - 2)], all_revisions[-1]
 
 
+@contextlib.contextmanager
+def _quiet_read() -> Any:
+    """Alembic logs two INFO lines for every context it configures, a read of the revision included: every
+    worker start would print them. Held at WARNING for the read, unless the app set alembic's level."""
+    logger = logging.getLogger("alembic.runtime.migration")
+    if logger.level != logging.NOTSET:
+        yield
+        return
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(logging.NOTSET)
+
+
 def current(conn: Connection, table_prefix: str) -> str | None:
     """The revision a store's version table names, or None when it has none."""
-    context = MigrationContext.configure(conn, opts={"version_table": version_table(table_prefix)})
+    with _quiet_read():
+        context = MigrationContext.configure(conn, opts={"version_table": version_table(table_prefix)})
     return context.get_current_revision()
 
 
