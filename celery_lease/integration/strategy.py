@@ -86,15 +86,18 @@ def lease_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Callabl
                 log.debug("job %s: not read before task-received (%s)", job_id, exc)
             else:
                 if sure_duplicate(glance, node, lambda: _result_held(task, job_id)):
-                    _skip(store, message, job_id, glance, node, errors)
+                    _skip(store, message, job_id, glance, node)
+                    # Celery's ack promise, not the message's own ack: on Celery 5.7 it also restores the
+                    # prefetch count a reconnect reduced, which a run of skipped duplicates would hold low.
+                    ack(log, errors)
                     return None
         return handler(message, body, ack, reject, callbacks, **more)
 
     return lease_message_handler
 
 
-def _skip(store: Any, message: Any, job_id: str, glance: Any, node: str, errors: Any) -> None:
-    """Acknowledge a sure duplicate unannounced, audited as the claim's skip is."""
+def _skip(store: Any, message: Any, job_id: str, glance: Any, node: str) -> None:
+    """Log and audit a sure duplicate that is acknowledged unannounced, as the claim's skip is."""
     log.info("job %s delivered again but is %s (owner %s): acknowledged before task-received", job_id,
              glance.status, glance.locked_by, extra={"action": "duplicate_delivery_skipped"})
     redelivered = bool((getattr(message, "delivery_info", None) or {}).get("redelivered"))
@@ -103,4 +106,3 @@ def _skip(store: Any, message: Any, job_id: str, glance: Any, node: str, errors:
                     detail={"owner": glance.locked_by, "redelivered": redelivered, "before": "task-received"})
     except (StoreUnavailable, StoreRejected) as exc:
         log.warning("job %s: audit event %s not written (%s)", job_id, Event.DUPLICATE_DELIVERY_SKIPPED, exc)
-    message.ack_log_error(log, errors)

@@ -126,3 +126,46 @@ def test_after_the_store_did_not_answer_the_strategy_passes_deliveries_on_unread
     for job_id in ("d", "e"):
         handler(_Message(job_id), None, None, None, None)
     assert passed_on[-2:] == ["d", "e"] and len(reads) == 3
+
+
+def test_a_sure_duplicate_is_acknowledged_through_the_ack_celery_hands_the_strategy(store, monkeypatch):
+    # Celery 5.7's ack promise also restores the prefetch count a reconnect reduced: a skip that acked the
+    # message itself would leave a worker fed only duplicates at the reduced count.
+    from celery import Celery
+
+    import celery_lease.integration.strategy as strategy
+    from celery_lease import LeaseTask
+
+    app = Celery("strategy_ack", broker="memory://", set_as_current=False)
+    app.conf.update(lease_store_url=store.url, lease_table_prefix=store.prefix)
+
+    @app.task(base=LeaseTask, shared=False, name="ack.work")
+    def ack_work():
+        return None
+
+    app.finalize()
+    store.publishes.record("done-1", "ack.work", "celery", None, 3)
+    token = secrets.token_hex(16)
+    assert store.jobs.claim("done-1", "w2@host:41", token, TERMS, "ack.work", "celery", lambda: None).claimed
+    assert store.jobs.complete("done-1", token, "w2@host:41")
+
+    class Consumer:
+        hostname, connection_errors = NODE, (ConnectionError,)
+        event_dispatcher = type("Events", (), {"enabled": True})()
+
+    class Message(_Message):
+        def ack_log_error(self, *args):
+            raise AssertionError("acknowledged behind Celery's ack promise")
+
+    passed_on: list[str] = []
+    acks: list[tuple] = []
+    monkeypatch.setattr(strategy, "default", lambda *a, **kw: lambda message, *rest, **more: passed_on.append(
+        message.headers["id"]))
+    handler = strategy.lease_strategy(app.tasks["ack.work"], app, Consumer())
+    try:
+        handler(Message("done-1"), None, lambda *args: acks.append(args), None, None)
+        handler(Message("never-recorded"), None, lambda *args: acks.append(args), None, None)
+    finally:
+        app.close()
+    assert passed_on == ["never-recorded"]
+    assert acks == [(strategy.log, (ConnectionError,))]
