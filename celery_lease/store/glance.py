@@ -52,7 +52,9 @@ class DeliveryStatements:
         if not job_ids:
             return {}
         j = self.db.t.jobs
-        with self.db.begin(long=True, read=True) as c:
+        # The lease-call bound, not the operators' one: a round waiting minutes here would let a short
+        # broker visibility timeout hand the messages of running jobs out again.
+        with self.db.begin(read=True) as c:
             rows = c.execute(sa.select(j.c.id, j.c.locked_by).where(
                 j.c.id.in_(list(job_ids)), fenced_status(j.c.status, RUNNING),
                 j.c.lease_expires_at > self.db.now_sql,

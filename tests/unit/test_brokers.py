@@ -320,6 +320,38 @@ def test_while_the_store_is_down_a_lease_seen_healthy_is_trusted_for_its_duratio
     wait_for(lambda: keeper.run_once().extended == 0, timeout=10, message="outage trust never ended")
 
 
+def test_a_store_that_holds_the_read_costs_a_round_the_lease_call_bound_not_the_operators_one(postgres_url):
+    """The visibility timeout may be short (SQS's is 30 s by default): a round whose store read waited the
+    5-minute bound of operators' reads would let the broker hand a running job's message out again. The
+    read gets the lease-call bound, and the round goes on trusting leases seen healthy."""
+    import sqlalchemy as sa
+
+    store = Store(postgres_url, unique_prefix(), call_timeout=1.0)
+    store.migrate()
+    recorder = Recorder()
+    store.publishes.record("held", "b.leased", "celery", None, 5)
+    terms = ClaimTerms(duration=60.0, grace=0.0, max_attempts=5, max_expirations=5, takeover=False)
+    assert store.jobs.claim("held", "w1@host:42", "tok-held", terms, task_name="b.leased", queue="celery",
+                            payload=lambda: None).claimed
+    keeper = VisibilityKeeper(None, lambda: recorder, collect=lambda: [leased("held")], store=store)
+    keeper.run_once()  # seen healthy once
+    locker = sa.create_engine(postgres_url)
+    rounds: list[int] = []
+    try:
+        with locker.connect() as other, other.begin():
+            other.execute(sa.text(f'LOCK TABLE "{store.t.jobs.name}" IN ACCESS EXCLUSIVE MODE'))
+            runner = threading.Thread(target=lambda: rounds.append(keeper.run_once().extended), daemon=True)
+            runner.start()
+            # The lock is held until the round is over or this wait gives up, far short of 5 minutes.
+            runner.join(60)
+            assert rounds == [1], "the round waited on the store past the lease-call bound"
+        assert recorder.calls == [["t-held"], ["t-held"]]
+    finally:
+        locker.dispose()
+        store.t.metadata.drop_all(store.engine)
+        store.engine.dispose()
+
+
 def test_the_keeper_loop_reconnects_after_a_failed_round_and_stops():
     recorder, connects = Recorder(), []
 
