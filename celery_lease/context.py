@@ -19,8 +19,8 @@ LOCAL: ContextVar[Any] = ContextVar("celery_lease_local", default=None)
 #: The publish.batching.Batch of the group being published here; set by publish.batching's wrapper.
 BATCH: ContextVar[Any] = ContextVar("celery_lease_batch", default=None)
 
-#: The worker.lease.Lease whose job a Task.replace() hands over to the carrier it publishes now;
-#: set by publish.replacing.hand_over().
+#: The worker.lease.Lease whose job a Task.replace() hands over to the carrier it publishes now, and the
+#: replaced run's replaced_task_nesting: (lease, nesting); set by publish.replacing.hand_over().
 HANDING: ContextVar[Any] = ContextVar("celery_lease_handing", default=None)
 
 #: A hand-over whose carrier is sent later: (the Lease, the carrier's name, the replaced run's

@@ -8,12 +8,14 @@ from __future__ import annotations
 import base64
 import contextlib
 import datetime
+import inspect
 import json
 import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from celery import Task
+from celery.app.amqp import AMQP
 from celery.app.task import Context
 from celery.backends.base import DisabledBackend
 from kombu import compression, serialization
@@ -205,6 +207,11 @@ def keepable_result(task: Task, value: Any) -> str | None:
         log.warning("job %s: result not kept (%s); a crash before Celery stores it leaves it unstored",
                     task.request.id, exc)
         return None
+
+
+#: Whether this Celery's messages carry a replacement's replaced_task_nesting (5.3.5 on). Before, every
+#: delivery reads 0, and the carrier of a replaced job cannot be told from a copy of the run it replaced.
+NESTING_CARRIED = "replaced_task_nesting" in inspect.signature(AMQP.as_task_v2).parameters
 
 
 def store_retries(request: Any) -> int:

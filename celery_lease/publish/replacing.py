@@ -17,6 +17,7 @@ from ..context import HANDING as _handing
 from ..context import HANDING_LATER as _later
 from ..errors import StoreUnavailable
 from ..kinds import leased
+from ..messaging import messages
 from ..store import NewJob
 from ..vocabulary import RunEnd
 from ..worker.handles import DeferredWrite
@@ -57,7 +58,9 @@ def hand_over(task: Any, lease: Lease, sig: Signature, send: Callable[[Signature
     target = task.app.tasks.get(found.task) if found is not None else None
     name = found.task if found is not None else type(sig).__name__
     store, job_id, token, worker = lease.store, lease.job_id, lease.token, lease.worker
-    nesting = int(getattr(task.request, "replaced_task_nesting", 0) or 0)
+    # Recorded only where the carrier's message carries its own (one deeper): the claim compares the two.
+    nesting = (int(getattr(task.request, "replaced_task_nesting", 0) or 0) if messages.NESTING_CARRIED
+               else None)
     if target is not None and leased(target) and not now:
         first = _first_sent(sig)
         if first is None or not leased(task.app.tasks.get(first.task)):
@@ -80,7 +83,7 @@ def hand_over(task: Any, lease: Lease, sig: Signature, send: Callable[[Signature
         finally:
             _later.reset(later)
     if target is not None and leased(target):
-        with _handing_over(lease):
+        with _handing_over(lease, nesting):
             return send(sig)
     try:
         return send(sig)
@@ -117,7 +120,7 @@ def record_step(store: Store, job_id: str, task_name: str, queue: str | None, pa
     """A leased publish's record; while a job hands over to a carrier sent later, its first step is recorded
     in the transaction that removes the replaced row. Ignore when the replaced lease moved on."""
     later = _later.get()
-    lease, carrier_name, nesting = later if later is not None else (None, "", 0)
+    lease, carrier_name, nesting = later if later is not None else (None, "", None)
     if lease is not None and idempotency_key is None and job_id != lease.job_id and not lease.handed_over:
         step = NewJob(job_id, task_name, queue, payload, max_attempts, delay, recovery)
 
@@ -144,8 +147,8 @@ def record_step(store: Store, job_id: str, task_name: str, queue: str | None, pa
 
 
 @contextlib.contextmanager
-def _handing_over(lease: Lease) -> Iterator[None]:
-    token = _handing.set(lease)
+def _handing_over(lease: Lease, nesting: int | None) -> Iterator[None]:
+    token = _handing.set((lease, nesting))
     try:
         yield
     finally:
@@ -154,18 +157,19 @@ def _handing_over(lease: Lease) -> Iterator[None]:
 
 def hands_over_to(task_id: str) -> bool:
     """Whether a publish of ``task_id`` now is the carrier of a running job's replacement."""
-    lease = _handing.get()
+    lease, _ = _handing.get() or (None, None)
     return lease is not None and lease.job_id == task_id and not lease.handed_over
 
 
 def claim_on_publish(task: Any, task_id: str, payload: str) -> bool:
     """Just before the carrier's message is published, the row goes back to pending, so its delivery finds it
     claimable; True when it did, Ignore when the replaced lease moved on."""
-    lease = _handing.get()
+    lease, nesting = _handing.get() or (None, None)
     if lease is None or lease.job_id != task_id or lease.handed_over:
         return False
     def write() -> bool:
-        return lease.store.replacing.hand_over(lease.job_id, lease.token, lease.worker, payload, task.name)
+        return lease.store.replacing.hand_over(lease.job_id, lease.token, lease.worker, payload, task.name,
+                                               nesting)
 
     with lease.turn:
         if not write() and not (lease.vanished_and_recorded_again() and write()):

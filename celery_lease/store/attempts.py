@@ -39,11 +39,14 @@ def previous_attempt(db: StoreEngine, c: Connection, *where: sa.ColumnElement[bo
 
 
 def reclaim_pending(db: StoreEngine, c: Connection, job_id: str, worker: str, token: str,
-                    lease: Mapping[str, Any], recovery: Mapping[str, Any] | None) -> bool:
-    """A pending, available job that ran before -> ours, audited ``claimed`` with the attempt before;
-    False when it is no longer such a job (a first claim is the one-statement claim)."""
+                    lease: Mapping[str, Any], recovery: Mapping[str, Any] | None,
+                    started: bool = True) -> bool:
+    """A pending, available job that ran before -> ours, audited ``claimed`` with the attempt before; False
+    when it is no longer such a job. Not ``started``: the first claim of a row the one-statement claim leaves
+    to the caller (a replaced job's carrier), audited as that claim is."""
     j = db.t.jobs
-    where = [j.c.id == job_id, fenced_status(j.c.status, PENDING), j.c.started_at.is_not(None),
+    where = [j.c.id == job_id, fenced_status(j.c.status, PENDING),
+             j.c.started_at.is_not(None) if started else j.c.started_at.is_(None),
              j.c.available_at <= db.now_sql + db.clock_tolerance]
     previous = previous_attempt(db, c, *where)
     if previous is None:
@@ -53,5 +56,8 @@ def reclaim_pending(db: StoreEngine, c: Connection, job_id: str, worker: str, to
     policy = {name: given[name] for name in RECOVERY if given.get(name) is not None}
     if c.execute(sa.update(j).where(*where).values(**lease, **policy)).rowcount != 1:
         return False
-    db._event(c, job_id, Event.CLAIMED, "claimed again after an earlier attempt", worker, token, previous)
+    if started:
+        db._event(c, job_id, Event.CLAIMED, "claimed again after an earlier attempt", worker, token, previous)
+    elif db.audit_every_transition:  # the carrier's first claim is audited as a first claim is
+        db._event(c, job_id, Event.CLAIMED, None, worker, token)
     return True

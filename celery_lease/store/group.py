@@ -281,7 +281,7 @@ class GroupedJobStatements(JobStatements):
         columns = self.audited._row_columns(True)
         stmt = sa.update(j).where(
             j.c.id == v.c.job_id, fenced_status(j.c.status, PENDING), j.c.started_at.is_(None),
-            j.c.available_at <= self.db.now_sql + early,
+            j.c.available_at <= self.db.now_sql + early, self.never_handed_over(),
             *self.db.dialect.autocommit_settings(self.db.bounds, async_commit),
         ).values(**self._lease_values(v.c.worker, v.c.token, v.c.duration, v.c.grace),
                  **{name: sa.func.coalesce(v.c[f"r_{name}"], j.c[name]) for name in RECOVERY},

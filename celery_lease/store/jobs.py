@@ -57,9 +57,10 @@ class JobStatements:
         j = self.db.t.jobs
         duration: sa.BindParameter[float] = sa.bindparam("duration", type_=sa.Double())
         early: sa.BindParameter[float] = sa.bindparam("early", type_=sa.Double())
-        # A first claim only (no attempt before): a re-claim records the attempt it follows.
+        # A first claim only (no attempt before, no hand-over): a re-claim records the attempt it follows.
         conditions = [j.c.id == sa.bindparam("job_id"), fenced_status(j.c.status, PENDING),
                       j.c.started_at.is_(None), j.c.available_at <= self.db.now_sql + early,
+                      self.never_handed_over(),
                       *self.db.dialect.autocommit_settings(self.db.bounds, async_commit)]
         grace: sa.BindParameter[float] = sa.bindparam("grace", type_=sa.Double())
         # The running code's recovery policy replaces the recorded one; NULL keeps it.
@@ -67,6 +68,12 @@ class JobStatements:
                     for name in RECOVERY}
         return sa.update(j).where(*conditions).values(
             **self._lease_values(sa.bindparam("worker"), sa.bindparam("token"), duration, grace), **recovery)
+
+    def never_handed_over(self) -> sa.ColumnElement[bool]:
+        """The row was never replaced: only claim() may decide whether a delivery of a replaced job is its
+        carrier or a copy of the replaced run's message (one index probe, on the events of that job)."""
+        e, j = self.db.t.events, self.db.t.jobs
+        return ~sa.exists().where(e.c.job_id == j.c.id, e.c.event == Event.HANDED_OVER)
 
     def _complete_running(self, keep: bool = False) -> sa.Update:
         """running -> completed under the token (``keep``: with the result), of bind parameters."""
@@ -89,6 +96,10 @@ class JobStatements:
                 return Claim(ClaimOutcome.CLAIMED, claimed)
             with self.db.begin() as c:
                 current = self._job(c, job_id)
+                if current is not None and self._replaced_copy(c, current, terms):
+                    # The row carries the replacement now: this run would replace the job a second time.
+                    waiting = current if current.status == PENDING else None  # its message can go again
+                    return Claim(ClaimOutcome.REPLACED, None, step=waiting)
                 if current is not None and current.status == RUNNING and terms.takeover:
                     taken = self._take_over(c, current, worker, token, terms)
                     if taken is not None:
@@ -98,8 +109,8 @@ class JobStatements:
                     if wait > self.db.clock_tolerance:
                         return Claim(ClaimOutcome.EARLY, current, wait)
                     lease = self._lease_values(worker, token, terms.duration, terms.grace)
-                    if current.started_at is not None and reclaim_pending(
-                            self.db, c, job_id, worker, token, lease, terms.recovery):
+                    if reclaim_pending(self.db, c, job_id, worker, token, lease, terms.recovery,
+                                       started=current.started_at is not None):
                         return Claim(ClaimOutcome.CLAIMED, self._job(c, job_id))
                     continue  # requeued between our two statements: claim it on the next pass
                 if current is not None and not (current.status == RUNNING and terms.takeover):
@@ -202,9 +213,22 @@ class JobStatements:
         """The first step's id when the job's last hand-on is a recorded hand-over to a chain's first
         step, by a run nested at least as deep as this delivery; an unrecorded one leaves the copy
         of the message as the job's only way on."""
+        detail = self._hand_over(c, job_id, nesting, (Event.PUBLISHED, Event.CLAIMED))
+        return str(detail["first_step"]) if detail and detail.get("first_step") else None
+
+    def _replaced_copy(self, c: Connection, current: Job, terms: ClaimTerms) -> bool:
+        """Whether this delivery, which could claim the row, is a copy of a replaced run's message: the job
+        was handed over by a run nested at least as deep, and not published again on purpose since."""
+        if not (current.status == PENDING or (current.status == RUNNING and terms.takeover)):
+            return False
+        return self._hand_over(c, current.id, terms.nesting, (Event.REPUBLISHED,)) is not None
+
+    def _hand_over(self, c: Connection, job_id: str, nesting: int, since: tuple[Event, ...]) -> dict | None:
+        """The detail of the job's last hand-over when no event of ``since`` followed it and the run it
+        replaced was nested at least ``nesting`` deep (a hand-over from before nesting was recorded: None)."""
         e = self.db.t.events
         last = c.execute(sa.select(e.c.event, e.c.detail).where(
-            e.c.job_id == job_id, e.c.event.in_((Event.HANDED_OVER, Event.PUBLISHED, Event.CLAIMED)),
+            e.c.job_id == job_id, e.c.event.in_((Event.HANDED_OVER, *since)),
         ).order_by(e.c.id.desc()).limit(1)).first()
         if last is None or last.event != Event.HANDED_OVER or not last.detail:
             return None
@@ -212,9 +236,9 @@ class JobStatements:
             detail = json.loads(last.detail)
         except ValueError:
             return None
-        if not isinstance(detail, dict) or not detail.get("first_step") or "nesting" not in detail:
+        if not isinstance(detail, dict) or "nesting" not in detail:
             return None
-        return str(detail["first_step"]) if int(detail["nesting"] or 0) >= nesting else None
+        return detail if int(detail["nesting"] or 0) >= nesting else None
 
     def _job(self, c: Connection, job_id: str) -> Job | None:
         row = c.execute(sa.select(*self.db._job_columns()).where(self.db.t.jobs.c.id == job_id)).first()

@@ -142,18 +142,18 @@ def skip_replaced_copy(task: Task, store: Store, worker: str, step: Job | None) 
 
 
 def send_pending_step(app: Any, job_id: str, step: Job | None) -> bool:
-    """Send the stored message of a replaced job's pending first step again: after a hand-over whose answer
-    was lost, that row is all that carries the job."""
+    """Send the stored message of the pending row that carries a replaced job on again (its chain's first
+    step, or its own row holding the replacement's message): after a hand-over whose answer was lost, that
+    row is all that carries the job."""
     if step is None or step.status != Status.PENDING:
         return False
+    what = "its replacement" if step.id == job_id else f"its chain's first step {step.id}"
     try:
         messages.republish(app, step.id, step.payload)
     except Exception as exc:  # noqa: BLE001 - the step stays pending: the dispatch scan sends it
-        log.warning("job %s: its chain's first step %s not sent again (%s); the dispatch scan will",
-                    job_id, step.id, exc)
+        log.warning("job %s: %s not sent again (%s); the dispatch scan will", job_id, what, exc)
         return False
-    log.info("job %s: its chain's pending first step %s sent again", job_id, step.id,
-             extra={"action": "replaced_step_sent_again"})
+    log.info("job %s: %s, pending, sent again", job_id, what, extra={"action": "replaced_step_sent_again"})
     return True
 
 

@@ -25,6 +25,7 @@ from celery.app.trace import build_tracer
 from celery.signals import before_task_publish, task_postrun
 
 from celery_lease import LeaseTask
+from celery_lease.messaging import messages
 from celery_lease.store import Store
 from celery_lease.vocabulary import Status
 from tests.conftest import unique_prefix
@@ -191,3 +192,51 @@ def test_a_body_that_retries_without_raising_ends_as_a_plain_tasks_and_its_retry
         ("SUCCESS", "first") if then == "returns" else ("FAILURE", "ValueError"))
     assert sent.count(job_id) == 2  # its publish and its retry's
     assert Store(app.conf.lease_store_url).get(job_id).status == Status.PENDING
+
+
+def queued(app: Celery) -> list[tuple[str, str, int]]:
+    """Take every message waiting in the app's default queue: (id, task, replaced_task_nesting) each."""
+    found = []
+    with app.connection_for_read() as conn:
+        queue = conn.SimpleQueue("celery", no_ack=True)
+        while True:
+            try:
+                headers = queue.get(timeout=0.1).headers
+            except queue.Empty:
+                return found
+            found.append((headers["id"], headers["task"], headers.get("replaced_task_nesting") or 0))
+
+
+@pytest.mark.skipif(not messages.NESTING_CARRIED,
+                    reason="this Celery's messages do not carry replaced_task_nesting")
+def test_a_copy_of_a_replaced_runs_message_never_runs_its_body_again_nor_strands_its_replacement(leased_add):
+    """A second copy of a replaced job's message (an outage's re-send, a give-back's) delivered after the
+    replacement took the row: the replaced body does not run again, the replacement's message goes out once
+    more (its first may have been lost with the hand-over's answer), and the replacement runs."""
+    app, add = leased_add.app, leased_add
+    ran: list[str] = []
+
+    @app.task(base=LeaseTask, bind=True, name="path.replaced", shared=False, acks_late=True)
+    def replaced(self: Any) -> int:
+        ran.append(self.request.id)
+        raise self.replace(add.si(2, 3))
+
+    def deliver(task: Any, job_id: str, args: tuple, nesting: int) -> Any:
+        tracer = build_tracer(task.name, task, app=app, eager=False, propagate=False)
+        request = {"id": job_id, "task": task.name, "hostname": "path@test", "headers": {}, "is_eager": False,
+                   "replaced_task_nesting": nesting,
+                   "delivery_info": {"routing_key": "celery", "exchange": "", "redelivered": False}}
+        return tracer(job_id, args, {}, request)[0]
+
+    queued(app)  # what earlier tests of this process left in the in-memory broker
+    job_id = replaced.apply_async().id
+    assert queued(app) == [(job_id, replaced.name, 0)]
+    deliver(replaced, job_id, (), 0)  # replaced: the row now waits for the carrier
+    assert queued(app) == [(job_id, add.name, 1)]
+    deliver(replaced, job_id, (), 0)  # the copy
+    store = Store(app.conf.lease_store_url)
+    assert ran == [job_id]
+    assert queued(app) == [(job_id, add.name, 1)]
+    assert store.get(job_id).status == Status.PENDING
+    assert deliver(add, job_id, (2, 3), 1) == 5
+    assert store.get(job_id).status == Status.COMPLETED

@@ -429,6 +429,38 @@ def test_a_copy_after_a_hand_over_to_an_unleased_first_step_runs_as_a_first_sigh
     assert copy.claimed and store.get("j1").status == RUNNING
 
 
+def test_a_copy_of_a_replaced_runs_message_never_claims_the_row_its_carrier_was_recorded_on(store):
+    """A copy of the replaced run's message (an outage's re-send, a give-back's) that arrives after the
+    chain's last step recorded the job's row again must not claim that row: it would run the replaced body
+    a second time and replace the job again. The carrier (one deeper) claims it; a copy skipped is told the
+    row, so its message can be sent again. The same holds for a single replacement's pending row."""
+    from celery_lease.store import NewJob
+    from celery_lease.vocabulary import ClaimOutcome
+
+    store.publishes.record("j1", "t.task", "q", '{"v": "original"}', 3)
+    assert store.replacing.hand_over_to_step("j1", claim(store, "j1").job.lock_token, "w1", "t.last",
+                                             NewJob("s1", "t.step", "q", "{}", 3), 0) is True
+    store.publishes.record("j1", "t.task", "q", '{"v": "last step"}', 3, reopen=True)  # the first step ran
+    copy = claim(store, "j1", nesting=0)
+    assert copy.outcome == ClaimOutcome.REPLACED and not copy.claimed
+    assert (copy.step.id, copy.step.status, copy.step.payload) == ("j1", PENDING, '{"v": "last step"}')
+    carrier = claim(store, "j1", nesting=1)
+    assert carrier.claimed and store.get("j1").status == RUNNING
+    age_lease(store, "j1", 3600)  # the carrier's lease abandoned: a copy does not take it over
+    assert claim(store, "j1", nesting=0).outcome == ClaimOutcome.REPLACED
+    assert store.get("j1").lock_token == carrier.job.lock_token
+
+    store.publishes.record("j2", "t.task", "q", '{"v": "original"}', 3)
+    assert store.replacing.hand_over("j2", claim(store, "j2").job.lock_token, "w1", '{"v": "carrier"}',
+                                     "t.next", 0) is True
+    assert claim(store, "j2", nesting=0).outcome == ClaimOutcome.REPLACED
+    assert claim(store, "j2", nesting=1).claimed
+    # The same id published again on purpose once it finished runs as any reopened job does.
+    assert store.jobs.complete("j2", store.get("j2").lock_token, "w1")
+    store.publishes.record("j2", "t.task", "q", '{"v": "again"}', 3, reopen=True)
+    assert claim(store, "j2", nesting=0).claimed
+
+
 def test_a_hand_over_to_a_first_step_removes_the_row_and_records_the_step_in_one_write(store):
     from celery_lease.store import NewJob
 
