@@ -214,6 +214,28 @@ def keepable_result(task: Task, value: Any) -> str | None:
 NESTING_CARRIED = "replaced_task_nesting" in inspect.signature(AMQP.as_task_v2).parameters
 
 
+def carries_nesting(app: Any) -> bool:
+    """Whether the app's messages carry replaced_task_nesting: a Celery that sends it, task protocol 2
+    (protocol 1 messages drop it)."""
+    return NESTING_CARRIED and int(app.conf.task_protocol or 2) != 1
+
+
+def nesting_of(payload: str | None) -> int | None:
+    """The replaced_task_nesting a stored message carries (0 when it names none); None: it cannot be read."""
+    if not payload:
+        return None
+    try:
+        envelope = _message(payload)
+        if envelope is not None:
+            value = (envelope.get("headers") or {}).get("replaced_task_nesting")
+        else:
+            # JSON only: a claim never unpickles what it merely compares.
+            value = (decode(payload, ("json",)).get("options") or {}).get("replaced_task_nesting")
+        return int(value or 0)
+    except (StoreCorrupt, TypeError, ValueError):
+        return None
+
+
 def store_retries(request: Any) -> int:
     """How many times this delivery's message was sent again because the store was unreachable."""
     value = getattr(request, STORE_RETRIES_HEADER, None)

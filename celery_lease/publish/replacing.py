@@ -59,8 +59,8 @@ def hand_over(task: Any, lease: Lease, sig: Signature, send: Callable[[Signature
     name = found.task if found is not None else type(sig).__name__
     store, job_id, token, worker = lease.store, lease.job_id, lease.token, lease.worker
     # Recorded only where the carrier's message carries its own (one deeper): the claim compares the two.
-    nesting = (int(getattr(task.request, "replaced_task_nesting", 0) or 0) if messages.NESTING_CARRIED
-               else None)
+    carried = messages.carries_nesting(task.app)
+    nesting = int(getattr(task.request, "replaced_task_nesting", 0) or 0) if carried else None
     if target is not None and leased(target) and not now:
         first = _first_sent(sig)
         if first is None or not leased(task.app.tasks.get(first.task)):

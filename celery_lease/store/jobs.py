@@ -218,10 +218,19 @@ class JobStatements:
 
     def _replaced_copy(self, c: Connection, current: Job, terms: ClaimTerms) -> bool:
         """Whether this delivery, which could claim the row, is a copy of a replaced run's message: the job
-        was handed over by a run nested at least as deep, and not published again on purpose since."""
-        if not (current.status == PENDING or (current.status == RUNNING and terms.takeover)):
+        was handed over by a run nested at least as deep, not published again on purpose since, and the row
+        holds a deeper message (the replacement's). Only then: that message, sent again, is never refused
+        here, and a row that holds no replacement (its id published anew after its row went, a message
+        that carries no nesting: task_protocol 1, Celery before 5.3.5) compares nothing."""
+        if terms.carried is None or not (
+                current.status == PENDING or (current.status == RUNNING and terms.takeover)):
             return False
-        return self._hand_over(c, current.id, terms.nesting, (Event.REPUBLISHED,)) is not None
+        detail = self._hand_over(c, current.id, terms.nesting, (Event.REPUBLISHED,))
+        if detail is None:
+            return False
+        j = self.db.t.jobs
+        deeper = terms.carried(c.execute(sa.select(j.c.payload).where(j.c.id == current.id)).scalar())
+        return deeper is not None and deeper > int(detail["nesting"] or 0)
 
     def _hand_over(self, c: Connection, job_id: str, nesting: int, since: tuple[Event, ...]) -> dict | None:
         """The detail of the job's last hand-over when no event of ``since`` followed it and the run it

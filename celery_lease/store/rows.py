@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import sqlalchemy as sa
@@ -129,10 +129,14 @@ class ClaimTerms:
     nesting: int = 0
     # The task's heartbeat interval: a takeover waits out the reaper's hold for a lease and a heartbeat.
     heartbeat: float = 0.0
+    # Reads the replaced_task_nesting of a stored message (None: unreadable); None compares nothing.
+    carried: Callable[[str | None], int | None] | None = None
 
     @classmethod
-    def of(cls, policy: TaskPolicy, nesting: int = 0) -> ClaimTerms:
+    def of(cls, policy: TaskPolicy, nesting: int = 0,
+           carried: Callable[[str | None], int | None] | None = None) -> ClaimTerms:
         """The terms a task's policy (on one queue) asks of a claim."""
         return cls(duration=policy.duration, grace=policy.grace_period, max_attempts=policy.max_attempts,
                    max_expirations=policy.max_expirations, takeover=policy.on_expired == Decision.REQUEUE,
-                   recovery=policy.recovery(), nesting=nesting, heartbeat=policy.heartbeat_interval)
+                   recovery=policy.recovery(), nesting=nesting, heartbeat=policy.heartbeat_interval,
+                   carried=carried)

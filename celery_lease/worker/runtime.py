@@ -336,7 +336,9 @@ def for_delivery(task: Any, queue: str | None,
         # A store that follows a Django database is looked up on every delivery: a test database
         # switched under a running worker names another URL.
         fixed = store if app_config(task.app).database is None else None
-        known = runtime.deliveries[key] = (fixed, policy, stores.ClaimTerms.of(policy, nesting))
+        carried = messages.nesting_of if messages.carries_nesting(task.app) else None
+        terms = stores.ClaimTerms.of(policy, nesting, carried=carried)
+        known = runtime.deliveries[key] = (fixed, policy, terms)
     return runtime, store, known[1], known[2]
 
 

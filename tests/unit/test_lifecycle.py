@@ -240,3 +240,26 @@ def test_a_copy_of_a_replaced_runs_message_never_runs_its_body_again_nor_strands
     assert store.get(job_id).status == Status.PENDING
     assert deliver(add, job_id, (2, 3), 1) == 5
     assert store.get(job_id).status == Status.COMPLETED
+
+
+def test_with_task_protocol_1_a_replacement_runs_though_its_message_carries_no_nesting(leased_add):
+    """Protocol 1 messages drop replaced_task_nesting: the replacement's delivery reads 0, as a copy of the
+    replaced run's would, and must still run (it is the job's only way on)."""
+    app, add = leased_add.app, leased_add
+    app.conf.task_protocol = 1
+
+    @app.task(base=LeaseTask, bind=True, name="path.replaced_v1", shared=False, acks_late=True)
+    def replaced(self: Any) -> int:
+        raise self.replace(add.si(2, 3))
+
+    def deliver(task: Any, job_id: str, args: tuple) -> Any:
+        tracer = build_tracer(task.name, task, app=app, eager=False, propagate=False)
+        request = {"id": job_id, "task": task.name, "hostname": "path@test", "headers": {}, "is_eager": False,
+                   "delivery_info": {"routing_key": "celery", "exchange": "", "redelivered": False}}
+        return tracer(job_id, args, {}, request)[0]
+
+    queued(app)  # what earlier tests of this process left in the in-memory broker
+    job_id = replaced.apply_async().id
+    deliver(replaced, job_id, ())
+    assert deliver(add, job_id, (2, 3)) == 5
+    assert Store(app.conf.lease_store_url).get(job_id).status == Status.COMPLETED

@@ -321,3 +321,17 @@ def test_a_job_the_body_publishes_again_under_its_id_after_an_unanswered_record_
     assert for_app(app).get(parent_id).status == "completed"
     assert child == ["child-1"]
     assert sorted(m.headers["id"] for m in received(app, 2)) == sorted([parent_id, "child-1"])
+
+
+def test_the_nesting_a_stored_message_carries_is_read_from_either_payload_format_and_never_unpickled():
+    sent = messages.capture('[[], {}, {}]', "application/json", "utf-8",
+                            {"headers": {"id": "j1", "task": "t.add", "replaced_task_nesting": 2},
+                             "routing_key": "celery"})
+    assert messages.nesting_of(sent) == 2
+    assert messages.nesting_of(messages.capture('[[], {}, {}]', "application/json", "utf-8",
+                                                {"headers": {"id": "j1", "task": "t.add"}})) == 0
+    signature = messages.encode("t.add", (1,), {}, {"replaced_task_nesting": 1})
+    assert messages.nesting_of(signature) == 1
+    pickled = messages.encode("t.add", (1,), {}, {"replaced_task_nesting": 1}, serializer="pickle")
+    assert messages.nesting_of(pickled) is None  # a claim compares; it does not unpickle
+    assert messages.nesting_of(None) is None and messages.nesting_of("not json") is None

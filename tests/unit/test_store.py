@@ -38,7 +38,7 @@ def store(store):
 
 
 TERMS = {"duration": 30.0, "grace": 1.0, "max_attempts": 3, "max_expirations": 3, "takeover": True,
-         "nesting": 0, "heartbeat": 0.0}
+         "nesting": 0, "heartbeat": 0.0, "carried": None}
 
 
 def claim(store: Store, job_id: str, worker: str = "w1", tok: str | None = None, **overrides):
@@ -429,6 +429,11 @@ def test_a_copy_after_a_hand_over_to_an_unleased_first_step_runs_as_a_first_sigh
     assert copy.claimed and store.get("j1").status == RUNNING
 
 
+def carried(payload: str | None) -> int | None:
+    """The nesting a test's stored message names (the worker reads Celery's message: messages.nesting_of)."""
+    return json.loads(payload).get("nesting", 0) if payload else None
+
+
 def test_a_copy_of_a_replaced_runs_message_never_claims_the_row_its_carrier_was_recorded_on(store):
     """A copy of the replaced run's message (an outage's re-send, a give-back's) that arrives after the
     chain's last step recorded the job's row again must not claim that row: it would run the replaced body
@@ -437,28 +442,45 @@ def test_a_copy_of_a_replaced_runs_message_never_claims_the_row_its_carrier_was_
     from celery_lease.store import NewJob
     from celery_lease.vocabulary import ClaimOutcome
 
-    store.publishes.record("j1", "t.task", "q", '{"v": "original"}', 3)
+    store.publishes.record("j1", "t.task", "q", '{"nesting": 0}', 3)
     assert store.replacing.hand_over_to_step("j1", claim(store, "j1").job.lock_token, "w1", "t.last",
                                              NewJob("s1", "t.step", "q", "{}", 3), 0) is True
-    store.publishes.record("j1", "t.task", "q", '{"v": "last step"}', 3, reopen=True)  # the first step ran
-    copy = claim(store, "j1", nesting=0)
+    store.publishes.record("j1", "t.task", "q", '{"nesting": 1}', 3, reopen=True)  # the first step ran
+    copy = claim(store, "j1", nesting=0, carried=carried)
     assert copy.outcome == ClaimOutcome.REPLACED and not copy.claimed
-    assert (copy.step.id, copy.step.status, copy.step.payload) == ("j1", PENDING, '{"v": "last step"}')
-    carrier = claim(store, "j1", nesting=1)
+    assert (copy.step.id, copy.step.status, copy.step.payload) == ("j1", PENDING, '{"nesting": 1}')
+    carrier = claim(store, "j1", nesting=1, carried=carried)
     assert carrier.claimed and store.get("j1").status == RUNNING
     age_lease(store, "j1", 3600)  # the carrier's lease abandoned: a copy does not take it over
-    assert claim(store, "j1", nesting=0).outcome == ClaimOutcome.REPLACED
+    assert claim(store, "j1", nesting=0, carried=carried).outcome == ClaimOutcome.REPLACED
     assert store.get("j1").lock_token == carrier.job.lock_token
 
-    store.publishes.record("j2", "t.task", "q", '{"v": "original"}', 3)
-    assert store.replacing.hand_over("j2", claim(store, "j2").job.lock_token, "w1", '{"v": "carrier"}',
+    store.publishes.record("j2", "t.task", "q", '{"nesting": 0}', 3)
+    assert store.replacing.hand_over("j2", claim(store, "j2").job.lock_token, "w1", '{"nesting": 1}',
                                      "t.next", 0) is True
-    assert claim(store, "j2", nesting=0).outcome == ClaimOutcome.REPLACED
-    assert claim(store, "j2", nesting=1).claimed
+    assert claim(store, "j2", nesting=0, carried=carried).outcome == ClaimOutcome.REPLACED
+    assert claim(store, "j2", nesting=1, carried=carried).claimed
     # The same id published again on purpose once it finished runs as any reopened job does.
     assert store.jobs.complete("j2", store.get("j2").lock_token, "w1")
-    store.publishes.record("j2", "t.task", "q", '{"v": "again"}', 3, reopen=True)
-    assert claim(store, "j2", nesting=0).claimed
+    store.publishes.record("j2", "t.task", "q", '{"nesting": 0}', 3, reopen=True)
+    assert claim(store, "j2", nesting=0, carried=carried).claimed
+
+
+def test_a_replaced_jobs_row_that_holds_no_deeper_message_is_claimed_as_any_row(store):
+    """Only a row holding the replacement's own (deeper) message refuses a delivery, so that message, sent
+    again, is never refused: a job published anew under the id of one whose row went (its events stayed),
+    and a replacement whose message carries no nesting (task_protocol 1, Celery before 5.3.5), are claimed."""
+    store.publishes.record("j1", "t.task", "q", '{"nesting": 0}', 3)
+    assert store.replacing.hand_over("j1", claim(store, "j1").job.lock_token, "w1", '{"nesting": 1}',
+                                     "t.next", 0) is True
+    with store.begin() as c:  # the row went (a discarded dead letter, a pruned job); its events stay
+        c.execute(sa.delete(store.t.jobs).where(store.t.jobs.c.id == "j1"))
+    store.publishes.record("j1", "t.task", "q", '{"nesting": 0}', 3)
+    assert claim(store, "j1", nesting=0, carried=carried).claimed
+
+    store.publishes.record("j2", "t.task", "q", '{"nesting": 0}', 3)
+    assert store.replacing.hand_over("j2", claim(store, "j2").job.lock_token, "w1", "{}", "t.next", 0) is True
+    assert claim(store, "j2", nesting=0, carried=carried).claimed  # the carrier, nesting 0 as its message
 
 
 def test_a_hand_over_to_a_first_step_removes_the_row_and_records_the_step_in_one_write(store):
