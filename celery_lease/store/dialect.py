@@ -78,7 +78,9 @@ class Dialect:
     # transaction (store/group.py).
     group_commit: ClassVar[bool] = True
     single_writer: ClassVar[bool] = False  # one writer at a time for the whole database
-    fence_locks_rows: ClassVar[bool] = False  # INSERT ... SELECT from jobs share-locks the row
+    # A write's subquery share-locks the rows it reads (InnoDB): INSERT ... SELECT from jobs holds the job's
+    # row, a claim's NOT EXISTS over events the gap where other jobs' events go.
+    fence_locks_rows: ClassVar[bool] = False
     local_file: ClassVar[bool] = False  # the store lives on one host's disk
     minimums: ClassVar[Mapping[str, tuple[tuple[int, ...], str]]]  # server -> (version, why)
 

@@ -42,6 +42,7 @@ from ..errors import StoreConflict, StoreRejected, StoreUnavailable
 from ..vocabulary import ClaimOutcome, Event
 from .audited import AuditedWrites, _arrays, _Audited, _unnested
 from .base import RESULT_REVISION, StoreEngine, uninterrupted
+from .handovers import never_handed_over
 from .jobs import JobStatements
 from .publishes import PublishStatements
 from .rows import COMPLETED, PENDING, RUNNING, Claim, ClaimTerms, Job, NewJob, fenced_status
@@ -281,7 +282,7 @@ class GroupedJobStatements(JobStatements):
         columns = self.audited._row_columns(True)
         stmt = sa.update(j).where(
             j.c.id == v.c.job_id, fenced_status(j.c.status, PENDING), j.c.started_at.is_(None),
-            j.c.available_at <= self.db.now_sql + early, self.never_handed_over(),
+            j.c.available_at <= self.db.now_sql + early, never_handed_over(self.db),
             *self.db.dialect.autocommit_settings(self.db.bounds, async_commit),
         ).values(**self._lease_values(v.c.worker, v.c.token, v.c.duration, v.c.grace),
                  **{name: sa.func.coalesce(v.c[f"r_{name}"], j.c[name]) for name in RECOVERY},

@@ -15,6 +15,7 @@ from ..vocabulary import ClaimOutcome, Event, LossReason
 from .attempts import attempt_detail, previous_attempt, reclaim_pending
 from .audited import AuditedWrites
 from .base import RESULT_REVISION, StoreEngine
+from .handovers import never_handed_over, replaced_by_step, replaced_copy, was_handed_over
 from .reaping import ReaperStatements
 from .rows import COMPLETED, FAILED, PENDING, RUNNING, Claim, ClaimTerms, Job, fenced_status
 from .workers import WorkerStatements
@@ -60,7 +61,7 @@ class JobStatements:
         # A first claim only (no attempt before, no hand-over): a re-claim records the attempt it follows.
         conditions = [j.c.id == sa.bindparam("job_id"), fenced_status(j.c.status, PENDING),
                       j.c.started_at.is_(None), j.c.available_at <= self.db.now_sql + early,
-                      self.never_handed_over(),
+                      *([] if self.db.dialect.fence_locks_rows else [never_handed_over(self.db)]),
                       *self.db.dialect.autocommit_settings(self.db.bounds, async_commit)]
         grace: sa.BindParameter[float] = sa.bindparam("grace", type_=sa.Double())
         # The running code's recovery policy replaces the recorded one; NULL keeps it.
@@ -68,12 +69,6 @@ class JobStatements:
                     for name in RECOVERY}
         return sa.update(j).where(*conditions).values(
             **self._lease_values(sa.bindparam("worker"), sa.bindparam("token"), duration, grace), **recovery)
-
-    def never_handed_over(self) -> sa.ColumnElement[bool]:
-        """The row was never replaced: only claim() may decide whether a delivery of a replaced job is its
-        carrier or a copy of the replaced run's message (one index probe, on the events of that job)."""
-        e, j = self.db.t.events, self.db.t.jobs
-        return ~sa.exists().where(e.c.job_id == j.c.id, e.c.event == Event.HANDED_OVER)
 
     def _complete_running(self, keep: bool = False) -> sa.Update:
         """running -> completed under the token (``keep``: with the result), of bind parameters."""
@@ -96,7 +91,7 @@ class JobStatements:
                 return Claim(ClaimOutcome.CLAIMED, claimed)
             with self.db.begin() as c:
                 current = self._job(c, job_id)
-                if current is not None and self._replaced_copy(c, current, terms):
+                if current is not None and replaced_copy(self.db, c, current, terms):
                     # The row carries the replacement now: this run would replace the job a second time.
                     waiting = current if current.status == PENDING else None  # its message can go again
                     return Claim(ClaimOutcome.REPLACED, None, step=waiting)
@@ -131,6 +126,8 @@ class JobStatements:
 
     def _claim_pending(self, job_id: str, worker: str, token: str, terms: ClaimTerms) -> Job | None:
         """A first claim, pending -> running as ours: the new row or None (the row records the event)."""
+        if self.db.dialect.fence_locks_rows and was_handed_over(self.db, job_id):
+            return None
         stmt, key = self._first_claim()
         return self.audited._audited_row(
             stmt, job_id, Event.CLAIMED if self.db.audit_every_transition else None, worker=worker,
@@ -194,7 +191,7 @@ class JobStatements:
         lease = self._lease_values(worker, token, terms.duration, terms.grace, count=False)
         try:
             with self.db.begin() as c:
-                step = self._replaced_by_step(c, job_id, terms.nesting)
+                step = replaced_by_step(self.db, c, job_id, terms.nesting)
                 if step is not None:
                     return _Replaced(step)
                 c.execute(sa.insert(j).values(
@@ -208,46 +205,6 @@ class JobStatements:
                 return self._job(c, job_id)
         except StoreConflict:
             return None
-
-    def _replaced_by_step(self, c: Connection, job_id: str, nesting: int) -> str | None:
-        """The first step's id when the job's last hand-on is a recorded hand-over to a chain's first
-        step, by a run nested at least as deep as this delivery; an unrecorded one leaves the copy
-        of the message as the job's only way on."""
-        detail = self._hand_over(c, job_id, nesting, (Event.PUBLISHED, Event.CLAIMED))
-        return str(detail["first_step"]) if detail and detail.get("first_step") else None
-
-    def _replaced_copy(self, c: Connection, current: Job, terms: ClaimTerms) -> bool:
-        """Whether this delivery, which could claim the row, is a copy of a replaced run's message: the job
-        was handed over by a run nested at least as deep, not published again on purpose since, and the row
-        holds a deeper message (the replacement's). Only then: that message, sent again, is never refused
-        here, and a row that holds no replacement (its id published anew after its row went, a message
-        that carries no nesting: task_protocol 1, Celery before 5.3.5) compares nothing."""
-        if terms.carried is None or not (
-                current.status == PENDING or (current.status == RUNNING and terms.takeover)):
-            return False
-        detail = self._hand_over(c, current.id, terms.nesting, (Event.REPUBLISHED,))
-        if detail is None:
-            return False
-        j = self.db.t.jobs
-        deeper = terms.carried(c.execute(sa.select(j.c.payload).where(j.c.id == current.id)).scalar())
-        return deeper is not None and deeper > int(detail["nesting"] or 0)
-
-    def _hand_over(self, c: Connection, job_id: str, nesting: int, since: tuple[Event, ...]) -> dict | None:
-        """The detail of the job's last hand-over when no event of ``since`` followed it and the run it
-        replaced was nested at least ``nesting`` deep (a hand-over from before nesting was recorded: None)."""
-        e = self.db.t.events
-        last = c.execute(sa.select(e.c.event, e.c.detail).where(
-            e.c.job_id == job_id, e.c.event.in_((Event.HANDED_OVER, *since)),
-        ).order_by(e.c.id.desc()).limit(1)).first()
-        if last is None or last.event != Event.HANDED_OVER or not last.detail:
-            return None
-        try:
-            detail = json.loads(last.detail)
-        except ValueError:
-            return None
-        if not isinstance(detail, dict) or "nesting" not in detail:
-            return None
-        return detail if int(detail["nesting"] or 0) >= nesting else None
 
     def _job(self, c: Connection, job_id: str) -> Job | None:
         row = c.execute(sa.select(*self.db._job_columns()).where(self.db.t.jobs.c.id == job_id)).first()
