@@ -17,7 +17,6 @@ from ..context import HANDING as _handing
 from ..context import HANDING_LATER as _later
 from ..errors import StoreUnavailable
 from ..kinds import leased
-from ..messaging import messages
 from ..store import NewJob
 from ..vocabulary import RunEnd
 from ..worker.handles import DeferredWrite
@@ -58,9 +57,7 @@ def hand_over(task: Any, lease: Lease, sig: Signature, send: Callable[[Signature
     target = task.app.tasks.get(found.task) if found is not None else None
     name = found.task if found is not None else type(sig).__name__
     store, job_id, token, worker = lease.store, lease.job_id, lease.token, lease.worker
-    # Recorded only where the carrier's message carries its own (one deeper): the claim compares the two.
-    carried = messages.carries_nesting(task.app)
-    nesting = int(getattr(task.request, "replaced_task_nesting", 0) or 0) if carried else None
+    nesting = int(getattr(task.request, "replaced_task_nesting", 0) or 0)
     if target is not None and leased(target) and not now:
         first = _first_sent(sig)
         if first is None or not leased(task.app.tasks.get(first.task)):
@@ -120,7 +117,7 @@ def record_step(store: Store, job_id: str, task_name: str, queue: str | None, pa
     """A leased publish's record; while a job hands over to a carrier sent later, its first step is recorded
     in the transaction that removes the replaced row. Ignore when the replaced lease moved on."""
     later = _later.get()
-    lease, carrier_name, nesting = later if later is not None else (None, "", None)
+    lease, carrier_name, nesting = later if later is not None else (None, "", 0)
     if lease is not None and idempotency_key is None and job_id != lease.job_id and not lease.handed_over:
         step = NewJob(job_id, task_name, queue, payload, max_attempts, delay, recovery)
 
@@ -147,7 +144,7 @@ def record_step(store: Store, job_id: str, task_name: str, queue: str | None, pa
 
 
 @contextlib.contextmanager
-def _handing_over(lease: Lease, nesting: int | None) -> Iterator[None]:
+def _handing_over(lease: Lease, nesting: int) -> Iterator[None]:
     token = _handing.set((lease, nesting))
     try:
         yield

@@ -42,20 +42,20 @@ def replaced_by_step(db: StoreEngine, c: Connection, job_id: str, nesting: int) 
 
 
 def replaced_copy(db: StoreEngine, c: Connection, current: Job, terms: ClaimTerms) -> bool:
-    """Whether this delivery, which could claim the row, is a copy of a replaced run's message: the job
-    was handed over by a run nested at least as deep, not published again on purpose since, and the row
-    holds a deeper message (the replacement's). Only then: that message, sent again, is never refused
-    here, and a row that holds no replacement (its id published anew after its row went, a message
-    that carries no nesting: task_protocol 1, Celery before 5.3.5) compares nothing."""
+    """Whether this delivery, which could claim the row, is a copy of a replaced run's message: the row
+    holds a deeper message (the replacement's), the job was handed over by a run nested at least as deep
+    as this delivery and shallower than that message, and it was not published again on purpose since.
+    Only then: the row's message, sent again, is never refused here, and a row that holds no replacement
+    (its id published anew after its row went) or a worker whose messages carry no nesting (task_protocol
+    1, Celery before 5.3.5: ``terms.carried`` None) compares nothing."""
     if terms.carried is None or not (
             current.status == PENDING or (current.status == RUNNING and terms.takeover)):
         return False
-    detail = _last_hand_over(db, c, current.id, terms.nesting, (Event.REPUBLISHED,))
-    if detail is None:
+    deeper = terms.carried(current.payload)
+    if deeper is None or deeper <= terms.nesting:  # no copy is as deep as the row's message: no read
         return False
-    j = db.t.jobs
-    deeper = terms.carried(c.execute(sa.select(j.c.payload).where(j.c.id == current.id)).scalar())
-    return deeper is not None and deeper > int(detail["nesting"] or 0)
+    detail = _last_hand_over(db, c, current.id, terms.nesting, (Event.REPUBLISHED,))
+    return detail is not None and deeper > int(detail["nesting"] or 0)
 
 
 def _last_hand_over(db: StoreEngine, c: Connection, job_id: str, nesting: int,

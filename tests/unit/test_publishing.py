@@ -335,3 +335,5 @@ def test_the_nesting_a_stored_message_carries_is_read_from_either_payload_format
     pickled = messages.encode("t.add", (1,), {}, {"replaced_task_nesting": 1}, serializer="pickle")
     assert messages.nesting_of(pickled) is None  # a claim compares; it does not unpickle
     assert messages.nesting_of(None) is None and messages.nesting_of("not json") is None
+    corrupt = json.dumps({"v": messages.MESSAGE_VERSION, "headers": ["not", "a", "mapping"]})
+    assert messages.nesting_of(corrupt) is None
