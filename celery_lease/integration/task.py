@@ -132,8 +132,10 @@ class LeaseTask(Task):
     def on_replace(self, sig: Any) -> Any:
         """``Task.replace()``: hand the job's id over to the replacement, then let Celery send it."""
         lease = runtime.own_lease(self)
-        if self.request.is_eager or lease is None or lease.job_id != self.request.id:
+        if lease is None or lease.job_id != self.request.id:
             return super().on_replace(sig)
+        if self.request.is_eager:  # Celery applies the replacement here, under this job's id
+            return replacing.hand_over_eager(self, lease, sig, super().on_replace)
         return replacing.hand_over(self, lease, sig, super().on_replace)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

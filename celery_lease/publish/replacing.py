@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from ..store import Store
     from ..worker.lease import Lease
 
-__all__ = ["hand_over", "hands_over_to", "claim_on_publish", "record_step"]
+__all__ = ["hand_over", "hand_over_eager", "hands_over_to", "claim_on_publish", "record_step"]
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +87,24 @@ def hand_over(task: Any, lease: Lease, sig: Signature, send: Callable[[Signature
     except Ignore:
         _after_sent(lease, lambda: store.replacing.replaced(job_id, token, worker, name))
         raise
+
+
+def hand_over_eager(task: Any, lease: Lease, sig: Signature, apply: Callable[[Signature], Any]) -> Any:
+    """An eager ``replace()`` (a store-backed ``apply()``): Celery applies the replacement in this body and
+    returns its value. A leased carrier's own claim would meet this run's lease, so the row is handed over
+    first (removed; the carrier's claim records the job again) and this run writes nothing more."""
+    found, now = carrier(sig, lease.job_id)
+    if found is None or not now or not leased(task.app.tasks.get(found.task)):
+        # Nothing claims the id (this run completes the job), or an eager chain, whose steps Celery applies
+        # all under this id: each would meet the one before it as a duplicate.
+        return apply(sig)
+    nesting = int(getattr(task.request, "replaced_task_nesting", 0) or 0)
+    with lease.turn:
+        if not lease.store.replacing.hand_over(lease.job_id, lease.token, lease.worker, None, found.task,
+                                               nesting):
+            raise Ignore()
+        lease.handed_over = True
+    return apply(sig)
 
 
 def _after_sent(lease: Lease, write: Callable[[], bool]) -> None:

@@ -214,7 +214,7 @@ def _body(task: Any, lease: Lease, args: tuple[Any, ...],
             return RunEnd.SHUTDOWN, None, exc
         # The body's own SystemExit, KeyboardInterrupt or gevent.Timeout: final, as in plain Celery.
         return RunEnd.FAILED, None, exc
-    return RunEnd.RETURNED, result, None
+    return (RunEnd.REPLACED if lease.handed_over else RunEnd.RETURNED), result, None  # eager replace()
 
 def _write(lease: Lease, end: RunEnd, write: Callable[[], bool], then: Callable[[], None] | None = None,
            later: Callable[[], bool] | None = None, landed: Callable[[], bool] | None = None) -> bool | None:
@@ -248,15 +248,15 @@ def settle(task: Any, lease: Lease, end: RunEnd, value: Any, exc: BaseException 
     if lease.unsent and end != RunEnd.OUTAGE:  # an outage's give-back forgets them once it lands
         lease.settle_unsent()
     if (lease.retried or lease.deferred_retry is not None) and end in (RunEnd.RETURNED, RunEnd.FAILED):
-        # retry(throw=False), or a caught Retry, then the body ended by itself: the row is the retry's, and
-        # Celery stores this run's end as it does a plain task's.
+        # retry(throw=False) or a caught Retry, then the body's own end: the row is the retry's.
         _send_deferred_retry(lease, f"retried, then {end}")
         if exc is not None:
             raise exc
         return value
     if end == RunEnd.RETURNED:
         return _complete(task, lease, value)
-    assert exc is not None
+    if exc is None:  # an eager replace() returned its replacement's value: that run wrote the job
+        return value
     if end == RunEnd.LOST:
         _lost(task, lease, exc)
     if end == RunEnd.RETRIED:

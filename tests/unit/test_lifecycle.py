@@ -266,3 +266,23 @@ def test_with_task_protocol_1_a_replacement_runs_though_its_message_carries_no_n
         assert Store(app.conf.lease_store_url).get(job_id).status == Status.COMPLETED
     finally:
         queued(app)  # protocol 1 messages (no id header) are not for the next test of this process
+
+
+def test_an_eager_run_with_a_store_returns_what_its_replacement_returns(tmp_path):
+    """Celery's eager replace() applies the replacement in the replaced body and returns its value: with the
+    store on, the replacement (same id) runs rather than meeting the replaced run's own lease."""
+    app = Celery(f"eager_{unique_prefix()}", broker="memory://", set_as_current=False)
+    app.conf.update(lease_eager_store=True, lease_store_url=f"sqlite:///{tmp_path / 'store.db'}")
+
+    @app.task(base=LeaseTask, shared=False, name="eager.add")
+    def add(a: int, b: int) -> int:
+        return a + b
+
+    @app.task(base=LeaseTask, bind=True, shared=False, name="eager.replaced")
+    def replaced(self: Any) -> int:
+        return self.replace(add.si(2, 3))  # eager: Celery returns the replacement's value
+
+    Store(app.conf.lease_store_url).migrate()
+    result = replaced.apply(task_id="eager-replaced")
+    assert (result.state, result.result) == ("SUCCESS", 5)
+    assert Store(app.conf.lease_store_url).get("eager-replaced").status == Status.COMPLETED
