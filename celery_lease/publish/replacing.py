@@ -172,14 +172,14 @@ def _handing_over(lease: Lease, nesting: int) -> Iterator[None]:
 
 def hands_over_to(task_id: str) -> bool:
     """Whether a publish of ``task_id`` now is the carrier of a running job's replacement."""
-    lease, _ = _handing.get() or (None, None)
+    lease, _ = _handing.get() or (None, 0)
     return lease is not None and lease.job_id == task_id and not lease.handed_over
 
 
 def claim_on_publish(task: Any, task_id: str, payload: str) -> bool:
     """Just before the carrier's message is published, the row goes back to pending, so its delivery finds it
     claimable; True when it did, Ignore when the replaced lease moved on."""
-    lease, nesting = _handing.get() or (None, None)
+    lease, nesting = _handing.get() or (None, 0)
     if lease is None or lease.job_id != task_id or lease.handed_over:
         return False
     def write() -> bool:

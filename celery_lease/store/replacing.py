@@ -17,12 +17,6 @@ from .rows import COMPLETED, PENDING, NewJob
 __all__ = ["ReplaceStatements"]
 
 
-def _nesting(nesting: int | None) -> dict[str, int]:
-    """The replaced run's replaced_task_nesting for the hand-over's event, which the claim reads to refuse a
-    copy of that run's message; None (a Celery whose messages do not carry it) records nothing to compare."""
-    return {} if nesting is None else {"nesting": nesting}
-
-
 class ReplaceStatements:
     """The three ways a replaced job's lease ends: claimed by its carrier, recorded by it, or over."""
 
@@ -32,7 +26,7 @@ class ReplaceStatements:
         self.publishes = publishes
 
     def hand_over(self, job_id: str, token: str, worker: str | None, payload: str | None,
-                  carrier: str, nesting: int | None = None) -> bool:
+                  carrier: str, nesting: int = 0) -> bool:
         """running -> pending, available now, with the carrier's message; the attempt is given back.
         With ``payload`` None (a chain's last step carries it later) the row is removed, so the dispatch scan
         never re-sends a step before the steps in front of it ran."""
@@ -53,11 +47,11 @@ class ReplaceStatements:
                 self.db._stale(c, job_id, Event.STALE_RELEASE_REJECTED, worker, token)
                 return False
             self.db._event(c, job_id, Event.HANDED_OVER, f"replaced by {carrier}", worker, token,
-                           {**detail, **_nesting(nesting), **previous})
+                           {**detail, "nesting": nesting, **previous})
             return True
 
     def hand_over_to_step(self, job_id: str, token: str, worker: str | None, carrier: str,
-                          step: NewJob, nesting: int | None = None) -> bool | None:
+                          step: NewJob, nesting: int = 0) -> bool | None:
         """The replaced row removed and the replacement's first step recorded in one transaction, so one
         of them is always in the store; False when the lease moved on, None when the step's id is taken."""
         j, e = self.db.t.jobs, self.db.t.events
@@ -74,7 +68,7 @@ class ReplaceStatements:
                 c.execute(sa.insert(e).values(job_id=row["id"], **event), params)
                 self.db._event(c, job_id, Event.HANDED_OVER, f"replaced by {carrier}", worker, token, {
                     "carrier": carrier, "row": "recorded again when the carrier is published",
-                    "first_step": step.id, **_nesting(nesting), **previous})
+                    "first_step": step.id, "nesting": nesting, **previous})
         except StoreConflict:
             return None
         return True
