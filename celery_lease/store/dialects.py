@@ -23,6 +23,7 @@ from sqlalchemy.sql.elements import ColumnElement
 
 import celery_lease.store.bounded as bounded
 
+from ..config import LONG_CALL_TIMEOUT
 from ..errors import LeaseConfigError
 from ..masking import mask_secrets
 from ..vocabulary import StoreFailure
@@ -228,13 +229,15 @@ class PostgreSQL(_OnConflict):
         # cut off: its kernel still answers keepalives) would hold its row locks until the server
         # noticed, so that nobody could write the job or lock it holds: the server ends it once idle
         # for the whole call bound, when its client has given up anyway. The reaper's long
-        # transactions publish while open and keep the server's default, and so does a read: it
-        # holds no row lock, and a reader merely descheduled on a loaded host between its SELECT
-        # and its COMMIT for longer than the bound would otherwise lose an answer it already has.
+        # transactions publish while open and keep the server's default. A read holds no row lock:
+        # a reader merely descheduled on a loaded host between its SELECT and its COMMIT for longer
+        # than the call bound keeps the answer it has, and only a frozen one is ended, after the
+        # long bound (its table locks would hold up a migration, and every call queued behind it).
         settings = [sa.func.set_config("statement_timeout", ms(bounds.server_statement), True),
                     sa.func.set_config("lock_timeout", ms(bounds.server_lock), True)]
-        if not long and not conn.get_execution_options().get(READ_ONLY):
-            settings.append(sa.func.set_config("idle_in_transaction_session_timeout", ms(bounds.call), True))
+        if not long:
+            idle = LONG_CALL_TIMEOUT if conn.get_execution_options().get(READ_ONLY) else bounds.call
+            settings.append(sa.func.set_config("idle_in_transaction_session_timeout", ms(idle), True))
         with bounded.waiting(conn, bounds.round_trip if long else None):
             conn.execute(sa.select(*settings))
             yield
