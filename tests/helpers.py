@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from typing import TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
-__all__ = ["wait_for", "with_password"]
+__all__ = ["client_store", "wait_for", "with_password"]
 
 T = TypeVar("T")
 
@@ -37,6 +37,24 @@ def wait_for(
         if time.monotonic() >= deadline:
             raise AssertionError(f"{message} (waited {timeout:g}s; last value: {value!r})")
         time.sleep(interval)
+
+
+def client_store(app):
+    """Give this test process's own calls for ``app`` (its publishes, its reads) the default call bound.
+
+    An app's store calls get a third of its shortest lease, which a test process descheduled on a
+    loaded machine can outlast in setup and polling that are no part of what the test proves. The
+    worker processes under test build their own store, with the app's bound; do not use this where
+    a worker runs in the test's own process.
+    """
+    from celery_lease import config
+    from celery_lease.app_state import app_state
+    from celery_lease.store import Store
+
+    default_bound = config.CALL_TIMEOUT_SHARE * config.BY_NAME["lease_duration"].default
+    store = Store.from_config(config.app_config(app), call_timeout=default_bound)
+    app_state(app).store = store
+    return store
 
 
 def with_password(url: str, password: str = "s3cret") -> tuple[str, str]:

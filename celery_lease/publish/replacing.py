@@ -61,10 +61,7 @@ def hand_over(task: Any, lease: Lease, sig: Signature, send: Callable[[Signature
     if target is not None and leased(target) and not now:
         first = _first_sent(sig)
         if first is None or not leased(task.app.tasks.get(first.task)):
-            with lease.turn:
-                if not store.replacing.hand_over(job_id, token, worker, None, name, nesting):
-                    raise Ignore()
-                lease.handed_over = True
+            _hand_over_first(lease, name, nesting)
             return send(sig)
         later = _later.set((lease, name, nesting))
         try:
@@ -98,13 +95,16 @@ def hand_over_eager(task: Any, lease: Lease, sig: Signature, apply: Callable[[Si
         # Nothing claims the id (this run completes the job), or an eager chain, whose steps Celery applies
         # all under this id: each would meet the one before it as a duplicate.
         return apply(sig)
-    nesting = int(getattr(task.request, "replaced_task_nesting", 0) or 0)
+    _hand_over_first(lease, found.task, int(getattr(task.request, "replaced_task_nesting", 0) or 0))
+    return apply(sig)
+
+
+def _hand_over_first(lease: Lease, name: str, nesting: int) -> None:
+    """Hand the job over before its replacement goes (which claims the id); a refused write ends the run."""
     with lease.turn:
-        if not lease.store.replacing.hand_over(lease.job_id, lease.token, lease.worker, None, found.task,
-                                               nesting):
+        if not lease.store.replacing.hand_over(lease.job_id, lease.token, lease.worker, None, name, nesting):
             raise Ignore()
         lease.handed_over = True
-    return apply(sig)
 
 
 def _after_sent(lease: Lease, write: Callable[[], bool]) -> None:

@@ -23,6 +23,7 @@ from celery_lease.store import Store
 from tests.apps.payment_app import ledger_table, make_app
 from tests.conftest import unique_prefix
 from tests.helpers import wait_for
+from tests.reaper_env import reap_round
 from tests.workers import celery_processes, worker
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
@@ -53,7 +54,7 @@ def reap_until(reaper: Reaper, done, timeout: float, message: str) -> None:
     """Run reaper rounds (as beat would) until ``done()`` holds."""
 
     def round_then_check():
-        reaper.run_once()
+        reap_round(reaper)
         return done()
 
     wait_for(round_then_check, timeout=timeout, interval=0.25, message=message)

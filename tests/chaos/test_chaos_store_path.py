@@ -23,7 +23,7 @@ import pytest
 import sqlalchemy as sa
 from celery.result import AsyncResult
 
-from tests.helpers import wait_for
+from tests.helpers import client_store, wait_for
 from tests.owner_env import APP, OwnerEnv
 from tests.reaper_env import reaper_loop
 from tests.tcp_proxy import TcpProxy
@@ -168,6 +168,7 @@ def final_state(app, job_id: str) -> str | None:
 def test_a_threads_pool_larger_than_the_connection_pool_rides_out_a_slow_store_without_failures(
         oenv, tmp_path, hold):
     app = oenv.app()
+    client_store(app)  # this process publishes only; the worker keeps the app's bound
     jobs_table = oenv.store.t.jobs.name
     locker = sa.create_engine(oenv.postgres_url, poolclass=sa.pool.NullPool)
     with celery_processes(tmp_path) as procs:

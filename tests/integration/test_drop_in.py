@@ -86,7 +86,7 @@ def app(redis_url, postgres_url):
 
 def statuses(app):
     store = for_app(app)
-    with store.begin() as c:
+    with store.begin(read=True) as c:
         return sorted(r[0] for r in c.execute(store.t.jobs.select().with_only_columns(store.t.jobs.c.status)))
 
 
@@ -181,7 +181,7 @@ def test_celery_builtins_are_never_leased_and_map_items_share_one_lease(redis_ur
                 assert mapped.get(timeout=20) == [[1, mapped.id], [2, mapped.id]]
                 replaced = by_group.delay(2)
                 assert [x for x, _ in replaced.get(timeout=20)] == [0, 1]
-            with store.begin() as c:
+            with store.begin(read=True) as c:
                 names = sorted(r[0] for r in c.execute(
                     store.t.jobs.select().with_only_columns(store.t.jobs.c.task_name)))
             assert names == ["celery.map", "d.by_group", "d.lease_of", "d.lease_of"]

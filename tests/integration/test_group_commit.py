@@ -12,7 +12,7 @@ import pytest
 import sqlalchemy as sa
 
 from celery_lease.store import COMPLETED
-from tests.helpers import wait_for
+from tests.helpers import client_store, wait_for
 from tests.owner_env import APP, OwnerEnv
 from tests.workers import celery_processes, worker
 
@@ -40,6 +40,7 @@ def count_completing_statements(oenv: OwnerEnv) -> str:
 def run_jobs(oenv: OwnerEnv, tmp_path, probe: str, group_commit: bool) -> tuple[int, int]:
     """Run JOBS 10 ms jobs on a threads -c8 worker: (completing statements, rows they completed)."""
     app = oenv.app()
+    client_store(app)  # this process publishes only; the worker keeps the app's bound
     j = oenv.store.t.jobs
     with celery_processes(tmp_path) as procs:
         procs.append(worker(APP, oenv.env(lease_group_commit=group_commit), tmp_path, pool="threads",

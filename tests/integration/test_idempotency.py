@@ -81,7 +81,7 @@ def test_sixteen_publishers_of_one_key_make_one_job_and_one_message(app, broker)
     assert published and all(isinstance(i, StoreUnavailable) for i in ids if not isinstance(i, str)), ids
     assert len(set(published)) == 1
     store = for_app(app)
-    with store.begin() as c:
+    with store.begin(read=True) as c:
         jobs = c.execute(sa.select(store.t.jobs.c.id, store.t.jobs.c.idempotency_key)).all()
     assert jobs == [(published[0], "order-42:invoice")]
     assert broker[1].llen("celery") == 1, "the broker holds exactly one message"

@@ -22,6 +22,7 @@ from celery_lease.store import Store
 from tests.apps.post_run_safety_app import make_app
 from tests.conftest import unique_prefix
 from tests.helpers import wait_for
+from tests.reaper_env import reap_round
 from tests.tcp_proxy import TcpProxy
 from tests.workers import celery_processes, worker
 
@@ -210,7 +211,7 @@ def test_a_worker_killed_while_a_job_replaces_itself_with_a_chain_loses_nothing(
         reaper = Reaper(app)
 
         def finished() -> bool:
-            reaper.run_once()
+            reap_round(reaper)
             job = scene.store.get(job_id)
             return job is not None and job.status == "completed"
 
@@ -243,7 +244,7 @@ def test_a_terminating_revoke_during_a_store_outage_cancels_the_running_job_once
         reaper = Reaper(app)
 
         def settled():
-            reaper.run_once()
+            reap_round(reaper)
             job = scene.store.get(job_id)
             return job.status == "failed" and job
 

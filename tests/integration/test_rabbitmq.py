@@ -22,11 +22,10 @@ import pytest
 import redis
 
 from celery_lease.ops.checks import run_checks
-from celery_lease.store import for_app
 from tests import workers
 from tests.apps.broker_app import make_app
 from tests.conftest import drop_app_store, migrated_store, unique_prefix
-from tests.helpers import wait_for
+from tests.helpers import client_store, wait_for
 from tests.reaper_env import reaper_loop
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -62,7 +61,7 @@ def env(amqp_url, counters, postgres_url):
 
 def test_a_long_leased_job_completes_once_on_rabbitmq(env, tmp_path):
     app, counters = make_app(env)
-    work, store = app.tasks["broker_app.work"], for_app(app)
+    work, store = app.tasks["broker_app.work"], client_store(app)
     with workers.celery_processes(tmp_path) as procs:
         proc = workers.worker(APP, env, tmp_path, name="r")
         procs.append(proc)
@@ -114,7 +113,7 @@ def test_a_worker_killed_on_a_quorum_queue_that_drops_the_redelivery_runs_the_jo
     # so only the lease brings the job back (the reaper, once the dead owner's lease expired).
     quorum = {**env, "BROKER_APP_QUEUE_ARGS": json.dumps({"x-queue-type": "quorum", "x-delivery-limit": 0})}
     app, counters = make_app(quorum)
-    work, store = app.tasks["broker_app.work"], for_app(app)
+    work, store = app.tasks["broker_app.work"], client_store(app)
     [finding] = [f for f in run_checks(app) if f.code == "quorum_delivery_limit"]
     assert finding.level == "warning" and finding.values["x-delivery-limit"] == 0
     with workers.celery_processes(tmp_path) as procs:

@@ -28,6 +28,7 @@ from tests.conftest import (
     unique_prefix,
 )
 from tests.helpers import wait_for
+from tests.reaper_env import reap_round
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -171,8 +172,8 @@ def test_a_killed_workers_job_is_reaped_comes_back_and_completes_once_with_the_d
         # runs: the other worker skips that copy. The reaper then takes the lease back and sends
         # the job again.
         wait_for(lambda: skipped(store) == 1, timeout=LEASE + 10, message="the returned copy was not skipped")
-        wait_for(lambda: reaper.run_once().reaped, timeout=LEASE + 20, interval=0.25,
-                 message="the reaper did not take the dead worker's lease back")
+        wait_for(lambda: (done := reap_round(reaper)) is not None and done.reaped, timeout=LEASE + 20,
+                 interval=0.25, message="the reaper did not take the dead worker's lease back")
         wait_for(lambda: completed(store, job_id), timeout=60, message="the reaped job did not complete")
     survivor = next(p.name for p in procs if p is not a)
     assert counters.names(f"ran_on:{job_id}") == [a.name, survivor]
