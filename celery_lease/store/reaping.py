@@ -192,14 +192,21 @@ class ReaperStatements:
         return [(Job.from_row(r), float(r.waited)) for r in rows]
 
     def redispatched(self, job: Job, reason: str, *, detail: Any = None, c: Connection | None = None) -> bool:
-        """Count a re-published message: CAS on what the scan saw, so one reaper wins per dispatch."""
+        """Count a re-published message: CAS on the count the scan saw, so one reaper wins per dispatch.
+
+        The message is out before this runs, so a worker may have claimed (even finished) the job
+        already: the re-send is still counted and audited, and only a row still as the scan saw it
+        starts its next dispatch wait now.
+        """
         j = self.db.t.jobs
+        as_seen = sa.and_(fenced_status(j.c.status, PENDING), j.c.updated_at == job.updated_at)
         with self._tx(c) as tx:
+            # In this order: MySQL/MariaDB evaluate SET left to right, each seeing the columns set before it.
             res = tx.execute(sa.update(j).where(
-                j.c.id == job.id, fenced_status(j.c.status, PENDING),
-                j.c.dispatch_count == job.dispatch_count, j.c.updated_at == job.updated_at,
-            ).values(dispatch_count=j.c.dispatch_count + 1, available_at=self.db.now_sql,
-                     updated_at=self.db.now_sql))
+                j.c.id == job.id, j.c.dispatch_count == job.dispatch_count,
+            ).ordered_values((j.c.available_at, sa.case((as_seen, self.db.now_sql), else_=j.c.available_at)),
+                             (j.c.updated_at, sa.case((as_seen, self.db.now_sql), else_=j.c.updated_at)),
+                             (j.c.dispatch_count, j.c.dispatch_count + 1)))
             if res.rowcount != 1:
                 return False
             self.db._event(tx, job.id, Event.REDISPATCHED, reason,

@@ -555,6 +555,30 @@ def test_lost_dispatches_are_re_sent_at_most_a_batch_per_run_oldest_first(app, s
     assert Reaper(app, batch_size=2).run_once().redispatched == 1
 
 
+def test_a_re_sent_message_a_worker_claims_before_the_count_is_still_counted_and_audited(
+        app, store, broker, monkeypatch):
+    """The re-send is out before it is counted: a fast worker may claim the job first (the re-sent copy, or
+    a late one). The row then records the re-send anyway, and its lease is left as the claim wrote it."""
+    store.publishes.record("p1", "t.work", "celery", payload(), 3, delay=-700.0)
+    tokens: list[str] = []
+
+    def worker_claims(job_id: str) -> None:
+        tokens.append(secrets.token_hex(16))
+        assert store.jobs.claim(job_id, "w:1", tokens[-1], ClaimTerms(
+            duration=30.0, grace=0.0, max_attempts=3, max_expirations=3, takeover=False),
+            task_name="t.work", queue="celery", payload=lambda: None).claimed
+
+    monkeypatch.setattr(app_state(app), "after_publish", worker_claims)
+    claimed = store.now()
+    result = Reaper(app).run_once()
+
+    assert (result.redispatched, result.lost_races) == (1, 0)
+    job = store.get("p1")
+    assert (job.status, job.lock_token, job.dispatch_count) == (RUNNING, tokens[0], 1)
+    assert job.available_at < claimed  # not moved: the claim came after the scan saw it waiting
+    assert len(events(store, "p1", "redispatched")) == 1
+
+
 def test_two_reapers_do_not_both_count_one_redispatch(store):
     store.publishes.record("p1", "t.work", "celery", payload(), 3, delay=-700.0)
     with store.begin() as c:
