@@ -20,12 +20,13 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
+
+from tests.helpers import poll
 
 DEFAULT_URLS = {
     "postgres": ("CELERY_LEASE_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/test"),
@@ -178,16 +179,16 @@ def sqs_url() -> Iterator[str]:
     saved = {key: os.environ.get(key) for key in SQS_CREDENTIALS}
     os.environ.update(SQS_CREDENTIALS)
     try:
-        deadline = time.monotonic() + SQS_START_TIMEOUT
-        while True:
+        def state() -> str | None:
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
+                return "up"
             except OSError:
-                if proc.poll() is not None or time.monotonic() >= deadline:
-                    _missing("SQS (moto's server)", f"did not answer on 127.0.0.1:{port} "
-                             f"within {SQS_START_TIMEOUT}s (exit code {proc.poll()})")
-                time.sleep(0.1)
+                return "exited" if proc.poll() is not None else None
+
+        if poll(state, SQS_START_TIMEOUT, 0.1) != "up":
+            _missing("SQS (moto's server)", f"did not answer on 127.0.0.1:{port} "
+                     f"within {SQS_START_TIMEOUT}s (exit code {proc.poll()})")
         yield f"sqs://AKID:secret@127.0.0.1:{port}"
     finally:
         proc.terminate()

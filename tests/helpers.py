@@ -9,13 +9,24 @@ from collections.abc import Callable, Iterator
 from typing import TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
-__all__ = ["client_store", "wait_for", "with_password"]
+__all__ = ["client_store", "poll", "wait_for", "with_password"]
 
 T = TypeVar("T")
 
 #: An embedded worker's stop waits for its pending Redis BRPOP to come back empty: one second by
 #: kombu's default, this long with ``broker_transport_options={"polling_interval": EMPTY_POLL}``.
 EMPTY_POLL = 0.1
+
+
+def poll(predicate: Callable[[], T], timeout: float, interval: float = 0.05) -> T:
+    """Call ``predicate`` every ``interval`` until it returns something truthy or ``timeout`` passes;
+    the last value it returned (falsy when the deadline came first: the caller says what that means)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() >= deadline:
+            return value
+        time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
 
 
 def wait_for(
@@ -29,14 +40,10 @@ def wait_for(
     Raises AssertionError naming ``message``, the timeout and the last value seen
     when the deadline passes first.
     """
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"{message} (waited {timeout:g}s; last value: {value!r})")
-        time.sleep(interval)
+    value = poll(predicate, timeout, interval)
+    if not value:
+        raise AssertionError(f"{message} (waited {timeout:g}s; last value: {value!r})")
+    return value
 
 
 def client_store(app):

@@ -28,6 +28,8 @@ from typing import NoReturn
 
 import pytest
 
+from tests.helpers import poll
+
 PR_SET_CHILD_SUBREAPER = 36
 PG_USER = "postgres"
 # A killed server loses nothing that reached the kernel, fsync or not: the tests kill processes,
@@ -133,10 +135,7 @@ class PostgresServer:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while any(_alive(pid) or _zombie_child(pid) for pid in pids) and time.monotonic() < deadline:
-            reap(pids)
-            time.sleep(0.01)
+        poll(lambda: reap(pids) or not any(_alive(pid) or _zombie_child(pid) for pid in pids), 10, 0.01)
         return pids
 
     def pids(self) -> list[int]:
@@ -239,16 +238,16 @@ class RedisServer:
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         client = redis.Redis(port=self.port, socket_connect_timeout=1)
         try:
-            deadline = time.monotonic() + 10
-            while True:
+            def state() -> str | None:
                 try:
                     client.ping()
-                    break
+                    return "up"
                 except redis.ConnectionError:
-                    if time.monotonic() > deadline or self.popen.poll() is not None:
-                        raise RuntimeError(f"redis-server on {self.port} did not answer: "
-                                           f"{self.log.read_text(errors='replace')[-1000:]}") from None
-                    time.sleep(0.02)
+                    return "exited" if self.popen.poll() is not None else None
+
+            if poll(state, 10, 0.02) != "up":
+                raise RuntimeError(f"redis-server on {self.port} did not answer: "
+                                   f"{self.log.read_text(errors='replace')[-1000:]}")
         finally:
             client.close()
         return time.monotonic() - began

@@ -37,7 +37,7 @@ from tests.conftest import unique_prefix
 from tests.faults import injector, matrix
 from tests.faults.injector import REJECT_MODES
 from tests.faults.matrix import KINDS, Outcome, Point
-from tests.helpers import wait_for
+from tests.helpers import poll, wait_for
 from tests.workers import beat, celery_processes, worker
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos, pytest.mark.slow]
@@ -225,16 +225,18 @@ def test_every_fault_point_leaves_each_job_as_its_clean_run_left_it(
             published = time.monotonic()
             pending = {name: set(lane.jobs) for name, lane in lanes.items()}
             dead: list[str] = []
-            while any(pending.values()) and time.monotonic() - published < matrix.SETTLE_BOUND:
+
+            def settled_or_dead() -> bool:
+                nonlocal pending, dead
                 pending = {name: lanes[name].settle(r, jobs) if jobs else jobs
                            for name, jobs in pending.items()}
                 # A worker or beat that exited leaves jobs unsettled for reasons of the harness,
                 # not of the library: say so instead of listing them as failing pairs.
                 dead = [f"{p.name} exited with {p.exited()} (log {p.log})" for p in procs
                         if p.exited() is not None]
-                if dead:
-                    break
-                time.sleep(0.5)
+                return not any(pending.values()) or bool(dead)
+
+            poll(settled_or_dead, matrix.SETTLE_BOUND, 0.5)
             assert not dead, "a process of the fault matrix ended early:\n" + "\n".join(dead)
             settle = time.monotonic() - published
             unsettled = sorted(f"{point or kind + ' clean_run#0'} {mode} [job {job}]"

@@ -34,7 +34,7 @@ from celery_lease.reaper.worker_lost import complete_worker_lost, recover_worker
 from celery_lease.store import COMPLETED, FAILED, PENDING, RUNNING, ClaimTerms, Store
 from celery_lease.vocabulary import Decision, RunMode, WorkerLostOutcome
 from tests.conftest import unique_prefix
-from tests.helpers import transaction_held, wait_for
+from tests.helpers import poll, transaction_held, wait_for
 
 REDIS_DB = 12
 DEAD = "dead@host:1"
@@ -1041,12 +1041,11 @@ def reaped_at(app, clock: list[Store], job_id: str, until: float) -> float | Non
     is taken back or ``until`` (monotonic) passes; the monotonic time it was taken back."""
     import time
 
-    while time.monotonic() < until:
+    def taken() -> float | None:
         Reaper(app, store=clock[0]).run_once()
-        if clock[0].get(job_id).status != RUNNING:
-            return time.monotonic()
-        time.sleep(INTERVAL)
-    return None
+        return time.monotonic() if clock[0].get(job_id).status != RUNNING else None
+
+    return poll(taken, until - time.monotonic(), INTERVAL)
 
 
 def outage_outlasted(store: Store, job_ids: list[str]) -> bool:
@@ -1085,10 +1084,10 @@ def test_a_step_of_the_store_clock_reaps_no_healthy_lease_and_still_recovers_a_d
         owner.paused.clear()
         bound = LEASE + GRACE + INTERVAL + BEAT
         at = reaped_at(quick_app, clock, "dead", step_at + bound + RUN_SLACK)
-        # Healthy leases stay theirs for a whole lease past the end of any hold.
-        while time.monotonic() < step_at + 2 * (LEASE + BEAT) + GRACE:
-            Reaper(quick_app, store=twin).run_once()
-            time.sleep(INTERVAL)
+        # Healthy leases stay theirs for a whole lease past the end of any hold (a run that took one back
+        # ends the watch early; the assertion below names it).
+        poll(lambda: Reaper(quick_app, store=twin).run_once() and taken_back(store, alive),
+             step_at + 2 * (LEASE + BEAT) + GRACE - time.monotonic(), INTERVAL)
         assert taken_back(store, alive) == {}
         assert at is not None, f"the dead owner's job was not recovered within {bound + RUN_SLACK:g}s"
         logging.getLogger(__name__).info("step %+gs: dead owner's job recovered %.2fs after it (bound %gs)",
@@ -1170,11 +1169,8 @@ def test_a_reaper_whose_own_calls_failed_through_an_outage_takes_back_nothing_re
             first = keeper.run_once()
             time.sleep(LATE)  # the owner's renewals held as late as the guarantee allows, less a beat
             owner.paused.clear()
-            while time.monotonic() < back + LEASE + BEAT + GRACE + INTERVAL + BEAT + RUN_SLACK:
-                keeper.run_once()
-                if store.get("dead").status != RUNNING:
-                    break
-                time.sleep(INTERVAL)
+            poll(lambda: keeper.run_once() and store.get("dead").status != RUNNING,
+                 back + LEASE + BEAT + GRACE + INTERVAL + BEAT + RUN_SLACK - time.monotonic(), INTERVAL)
             done = time.monotonic()
         assert failures > 0
         assert taken_back(store, alive) == {}
