@@ -236,7 +236,8 @@ class PostgreSQL(_OnConflict):
         settings = [sa.func.set_config("statement_timeout", ms(bounds.server_statement), True),
                     sa.func.set_config("lock_timeout", ms(bounds.server_lock), True)]
         if not long:
-            idle = LONG_CALL_TIMEOUT if conn.get_execution_options().get(READ_ONLY) else bounds.call
+            reading = conn.get_execution_options().get(READ_ONLY)
+            idle = max(LONG_CALL_TIMEOUT, bounds.call) if reading else bounds.call
             settings.append(sa.func.set_config("idle_in_transaction_session_timeout", ms(idle), True))
         with bounded.waiting(conn, bounds.round_trip if long else None):
             conn.execute(sa.select(*settings))

@@ -196,7 +196,9 @@ class ReaperStatements:
 
         The message is out before this runs, so a worker may have claimed (even finished) the job
         already: the re-send is still counted and audited, and only a row still as the scan saw it
-        starts its next dispatch wait now.
+        starts its next dispatch wait now. A row made pending again since the scan (reopened, handed
+        over, retried, given back: each sets ``available_at``, a claim or completion never does) holds
+        another message than the one re-sent, so nothing is counted on it.
         """
         j = self.db.t.jobs
         as_seen = sa.and_(fenced_status(j.c.status, PENDING), j.c.updated_at == job.updated_at)
@@ -204,6 +206,7 @@ class ReaperStatements:
             # In this order: MySQL/MariaDB evaluate SET left to right, each seeing the columns set before it.
             res = tx.execute(sa.update(j).where(
                 j.c.id == job.id, j.c.dispatch_count == job.dispatch_count,
+                j.c.available_at == job.available_at,
             ).ordered_values((j.c.available_at, sa.case((as_seen, self.db.now_sql), else_=j.c.available_at)),
                              (j.c.updated_at, sa.case((as_seen, self.db.now_sql), else_=j.c.updated_at)),
                              (j.c.dispatch_count, j.c.dispatch_count + 1)))

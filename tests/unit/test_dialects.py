@@ -396,6 +396,28 @@ def test_only_a_writing_transaction_idle_past_the_call_bound_is_ended_by_the_ser
         owner.engine.dispose()
 
 
+@pytest.mark.parametrize("call", [1.0, 900.0])
+def test_a_reads_idle_bound_on_the_server_is_never_shorter_than_a_writes(postgres_url, call):
+    # A lease of an hour gives a call bound past the long bound: a read must not be ended sooner.
+    owner = Store(postgres_url, unique_prefix())
+    owner.migrate()
+    store = Store(postgres_url, owner.prefix, call_timeout=call)
+    try:
+        def idle_limit(read: bool) -> float:
+            with store.begin(read=read) as c:  # pg_settings gives the value in its unit, ms
+                return int(c.execute(sa.text("SELECT setting FROM pg_settings "
+                                             "WHERE name = 'idle_in_transaction_session_timeout'")
+                                     ).scalar_one()) / 1000
+
+        seconds = {read: idle_limit(read) for read in (True, False)}
+        assert seconds[False] == pytest.approx(store.bounds.call, rel=0.01)
+        assert seconds[True] >= seconds[False] and seconds[True] >= 300.0, seconds
+    finally:
+        store.engine.dispose()
+        owner.drop_schema()
+        owner.engine.dispose()
+
+
 def _claims(store: Store, job_id: str) -> bool:
     try:
         return claim(store, job_id, secrets.token_hex(16))

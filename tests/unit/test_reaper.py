@@ -579,6 +579,29 @@ def test_a_re_sent_message_a_worker_claims_before_the_count_is_still_counted_and
     assert len(events(store, "p1", "redispatched")) == 1
 
 
+@pytest.mark.parametrize("again", ["reopened", "handed_over"])
+def test_a_re_send_is_not_counted_on_a_row_made_pending_again_since_the_scan(store, again):
+    """Between the scan and the count a worker may claim the job and the row become pending again with
+    another message (its task id applied again, or a replacement's carrier): the re-send was of a message
+    the row no longer holds, so the new one's count and dispatch wait start from nothing."""
+    store.publishes.record("p1", "t.work", "celery", payload(), 3, delay=-700.0)
+    with store.begin(read=True) as c:
+        [(seen, _)] = store.reaping.scan_lost_dispatches(c, older_than=600.0, limit=10, lock=False)
+    token = secrets.token_hex(16)
+    assert store.jobs.claim("p1", "w:1", token, ClaimTerms(
+        duration=30.0, grace=0.0, max_attempts=3, max_expirations=3, takeover=False),
+        task_name="t.work", queue="celery", payload=lambda: None).claimed
+    if again == "reopened":
+        assert store.jobs.complete("p1", token)
+        assert store.publishes.reopen("p1", "t.work", payload())
+    else:
+        assert store.replacing.hand_over("p1", token, "w:1", payload("t.carrier"), "carrier-1")
+
+    assert not store.reaping.redispatched(seen, "late")
+    assert (store.get("p1").status, store.get("p1").dispatch_count) == (PENDING, 0)
+    assert events(store, "p1", "redispatched") == []
+
+
 def test_two_reapers_do_not_both_count_one_redispatch(store):
     store.publishes.record("p1", "t.work", "celery", payload(), 3, delay=-700.0)
     with store.begin() as c:
