@@ -182,25 +182,40 @@ def effects() -> None:
 
 @effects.command("forget")
 @click.argument("key")
+@click.option("--force", is_flag=True,
+              help="Forget it even while its job holds a live lease (you know the effect did not happen).")
 @dry_run_option
 @yes_option
 @json_option
 @click.pass_context
-def effects_forget(ctx: click.Context, key: str, dry_run: bool, yes: bool, as_json: bool) -> None:
+def effects_forget(ctx: click.Context, key: str, force: bool, dry_run: bool, yes: bool,
+                   as_json: bool) -> None:
     """Delete an effect key, so that the next run of its effect block does the effect again.
 
     For an effect known not to have happened (the call failed after the key was recorded).
-    Audited effect_forgotten under the job that recorded it.
+    Refused while its job holds a live lease, unless --force. Audited effect_forgotten under the
+    job that recorded it.
     """
     store = store_of(ctx)
-    found = recovery.forget_plan(store, key)
+    found = recovery.forget_plan(app_of(ctx), store, key, force)
     row = {"key": found["key"], "job_id": found["job_id"], "recorded": when(found["at"])}
     if not go_ahead([row], [("key", "key"), ("job_id", "job"), ("recorded", "recorded at")],
                     f"forget effect key {key!r} (its effect may then happen again)", dry_run, yes, as_json):
         return
-    done = recovery.forget(store, key)
-    if as_json:
-        emit_json({"key": key, "job_id": found["job_id"], "forgotten": done})
+    done = recovery.forget(store, key, recorded=(found["job_id"], found["at"]), force=force)
+    now = None if done else store.reports.effect_record(key)
+    if now is None:
+        why = "forgotten" if done else "already gone"
+    elif (now["job_id"], now["at"]) != (found["job_id"], found["at"]):
+        why = f"recorded again by job {now['job_id']} since the plan"
     else:
-        echo(f"effect key {key!r} of job {found['job_id']} forgotten" if done
-             else f"effect key {key!r} was already gone; nothing changed")
+        why = f"its job {found['job_id']} took a live lease since the plan"
+    if as_json:
+        emit_json({"key": key, "job_id": found["job_id"], "forgotten": done, "outcome": why})
+    elif done:
+        echo(f"effect key {key!r} of job {found['job_id']} forgotten")
+    elif now is None:
+        echo(f"effect key {key!r} was already gone; nothing changed")
+    if now is not None:
+        raise CommandError(f"effect key {key!r} was not forgotten: {why}. Nothing changed; run the command "
+                           "again to see the plan as it is now")

@@ -19,7 +19,7 @@ import celery_lease.messaging.messages as messages
 from ..errors import JobNotFound, LeaseError
 from ..reaper.clock_guard import Hold
 from ..reaper.decisions import policy_for
-from ..store import COMPLETED, FAILED, PENDING, Job, Store
+from ..store import COMPLETED, FAILED, PENDING, RUNNING, Job, Store
 from ..vocabulary import DeadLetterAction, RecoveryAction
 
 __all__ = ["RecoveryRefused", "AmbiguousJobId", "Outcome", "operator", "resolve_job_id", "requeue_plan",
@@ -268,19 +268,35 @@ def recover_dead_letters(app: Any, store: Store, action: DeadLetterAction, jobs:
         yield from discard(store, jobs, who=who)
 
 
-def forget_plan(store: Store, key: str) -> dict[str, Any]:
-    """The effect key an ``effects forget`` would delete: its job and when it was recorded."""
+def forget_plan(app: Any, store: Store, key: str, force: bool = False) -> dict[str, Any]:
+    """The effect key an ``effects forget`` would delete: its job and when it was recorded. Refused, unless
+    ``force``, while that job holds a live lease: its worker may be inside the effect block."""
     found = store.reports.effect_record(key)
     if found is None:
         raise RecoveryRefused("", f"no effect key {key!r} in the lease store; a job's keys show with "
                                   "`celery lease inspect JOB`")
-    return found
+    job = store.get(found["job_id"])
+    if force or job is None or job.status != RUNNING:
+        return found
+    if not store.recovery.is_claimable_expired(job.id):
+        state = f"holds a live lease: {_lease_state(store, job)}"
+    elif (held := _held_for(app, store, job)) is not None:
+        state = (f"has a lease that looks expired, but the store was away or its clock stepped: its owner "
+                 f"may still run it for {held:.0f}s")
+    else:
+        return found
+    raise RecoveryRefused(job.id, (
+        f"effect key {key!r} belongs to job {job.id}, which {state}. Its worker may be inside the effect "
+        "block now, and with the key gone the effect could happen twice. Wait for the job to end or the "
+        "reaper to take its lease, or use --force if you know the effect did not happen"))
 
 
-def forget(store: Store, key: str, who: str | None = None) -> bool:
-    """Delete an effect key, so that the next run of its effect happens again (audited effect_forgotten)."""
+def forget(store: Store, key: str, who: str | None = None, *, recorded: tuple[str, float] | None = None,
+           force: bool = False) -> bool:
+    """Delete an effect key, so that the next run of its effect happens again (audited effect_forgotten):
+    only as ``recorded`` (the plan's job and time) and, unless ``force``, not under a live lease."""
     who = who or operator()
-    done = store.recovery.forget_effect(key, reason=f"forgotten by {who}")
+    done = store.recovery.forget_effect(key, reason=f"forgotten by {who}", recorded=recorded, live=force)
     if done:
         log.info("effect key %r forgotten by %s", key, who, extra={"action": "effect_forgotten"})
     return done

@@ -116,14 +116,23 @@ class RecoveryStatements:
             })
         return True
 
-    def forget_effect(self, key: str, reason: str = "released by an operator") -> bool:
-        """Delete an effect key unconditionally (an operator's decision), audited."""
-        e = self.db.t.effects
+    def forget_effect(self, key: str, reason: str = "released by an operator", *,
+                      recorded: tuple[str, float] | None = None, live: bool = True) -> bool:
+        """Delete an effect key (an operator's decision), audited. ``recorded``: only the record the
+        operator was shown (its job and time); ``live`` False: not while its job holds a live lease (its
+        worker may be inside the effect block), decided by the DELETE itself."""
+        e, j = self.db.t.effects, self.db.t.jobs
         with self.db.begin() as c:
             job_id = c.execute(sa.select(e.c.job_id).where(e.c.key == key)).scalar()
             if job_id is None:
                 return False
-            res = c.execute(sa.delete(e).where(e.c.key == key, e.c.job_id == job_id))
+            where = [e.c.key == key, e.c.job_id == job_id]
+            if recorded is not None:
+                where += [e.c.job_id == recorded[0], e.c.at == recorded[1]]
+            if not live:
+                where.append(~sa.exists().where(j.c.id == job_id, fenced_status(j.c.status, RUNNING),
+                                                ~self.db._claimable_expired()))
+            res = c.execute(sa.delete(e).where(*where))
             if res.rowcount == 1:
                 self.db._event(c, job_id, Event.EFFECT_FORGOTTEN, reason, detail={"key": key})
             return res.rowcount == 1

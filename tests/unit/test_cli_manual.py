@@ -39,7 +39,7 @@ def statuses(s: Scene, ids: list[str]) -> dict[str, str | None]:
     ("requeue", "--expired"), ("dlq", "redrive"), ("dlq", "discard"), ("effects", "forget", "paid:1"),
 ])
 def test_a_dry_run_prints_the_plan_and_changes_nothing(fresh, args):
-    fresh.store.effects.record_effect("paid:1", "live-0", fresh.store.get("live-0").lock_token)
+    fresh.store.effects.record_effect("paid:1", "abandoned-0", fresh.store.get("abandoned-0").lock_token)
     before = fresh.store.reports.list_jobs(limit=1000)
     result = fresh.run(*args, "--dry-run")
     assert result.exit_code == 0, result.output
@@ -128,12 +128,38 @@ def test_a_dead_letter_redriven_meanwhile_is_skipped_by_discard(fresh):
 def test_effects_forget_deletes_the_key_and_audits_it_under_its_job(fresh):
     live = fresh.store.get("live-1")
     fresh.store.effects.record_effect("mail:7", "live-1", live.lock_token)
-    result = fresh.run("effects", "forget", "mail:7", "--yes")
+    result = fresh.run("effects", "forget", "mail:7", "--yes", "--force")
     assert result.exit_code == 0, result.output
     assert "effect key 'mail:7' of job live-1 forgotten" in result.stdout
     assert fresh.store.reports.effect_record("mail:7") is None
     event = fresh.store.reports.list_events(job_id="live-1", event="effect_forgotten")
     assert len(event) == 1 and event[0]["reason"].startswith("forgotten by cli:")
+
+
+def test_effects_forget_refuses_a_key_whose_job_holds_a_live_lease_unless_forced(fresh):
+    fresh.store.effects.record_effect("mail:7", "live-1", fresh.store.get("live-1").lock_token)
+    fresh.store.effects.record_effect("mail:8", "abandoned-1", fresh.store.get("abandoned-1").lock_token)
+    result = fresh.run("effects", "forget", "mail:7", "--yes")
+    assert result.exit_code == 1 and "holds a live lease" in result.output and "--force" in result.output
+    assert fresh.store.reports.effect_record("mail:7")["job_id"] == "live-1"
+    assert fresh.run("effects", "forget", "mail:8", "--yes").exit_code == 0  # its owner is gone
+    assert fresh.store.reports.effect_record("mail:8") is None
+
+
+def test_effects_forget_deletes_only_the_record_its_plan_showed(fresh, terminal, monkeypatch):
+    fresh.store.effects.record_effect("mail:7", "abandoned-1", fresh.store.get("abandoned-1").lock_token)
+
+    def meanwhile(*args, **kwargs) -> bool:  # while the operator reads the plan, another job takes the key
+        assert fresh.store.recovery.forget_effect("mail:7", "someone else")
+        assert fresh.store.effects.record_effect("mail:7", "abandoned-2",
+                                                 fresh.store.get("abandoned-2").lock_token)
+        return True
+
+    monkeypatch.setattr("click.confirm", meanwhile)
+    result = fresh.run("effects", "forget", "mail:7")
+    assert result.exit_code == 1 and "recorded again by job abandoned-2" in result.output
+    assert fresh.store.reports.effect_record("mail:7")["job_id"] == "abandoned-2"
+    assert fresh.store.reports.list_events(job_id="abandoned-2", event="effect_forgotten") == []
 
 
 def test_effects_forget_of_an_unknown_key_is_a_clear_error(fresh):

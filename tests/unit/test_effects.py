@@ -433,6 +433,17 @@ def test_an_operator_can_forget_an_unconfirmed_effect(store, hb):
     assert store.reports.effect_keys("job-1") == [] and len(events(store, "effect_forgotten")) == 1
 
 
+def test_a_forget_that_spares_live_leases_leaves_the_key_of_a_job_whose_lease_is_live(store, hb):
+    lease = claim(store, hb, "job-1")
+    with effect(lease, "capture:p1"):
+        pass
+    at = store.reports.effect_record("capture:p1")["at"]
+    assert not store.recovery.forget_effect("capture:p1", live=False)
+    assert not store.recovery.forget_effect("capture:p1", recorded=("job-2", at))  # not the record shown
+    assert store.reports.effect_keys("job-1") == ["capture:p1"] and events(store, "effect_forgotten") == []
+    assert store.recovery.forget_effect("capture:p1", recorded=("job-1", at))
+
+
 # -- idempotent publish, redrive, checkpoints -----------------------------------------------
 def test_sixteen_threads_recording_one_idempotency_key_make_one_job(store):
     results = race(RACERS, lambda i: store.publishes.record(f"job-{i}", "t.pay", "q", "{}", 5,
