@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import sqlalchemy as sa
+from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 from sqlalchemy.engine import Connection
 
 import celery_lease.deadline as deadline
@@ -31,6 +32,7 @@ __all__ = ["effect", "lock", "advance", "ResourceLock", "Locks", "connection_for
 log = logging.getLogger(__name__)
 
 MAX_POLL = 0.5  # seconds between two tries of a held lock, at most
+INTERRUPTIONS = (SoftTimeLimitExceeded, TimeLimitExceeded)  # land in a block from outside (so does SIGUSR1)
 RESERVED = "celery_lease."  # lock names of the library itself (store.reaping.REAPER_LOCK)
 
 
@@ -115,9 +117,8 @@ def effect(lease: LeaseHandle, key: str, connection: Connection | None = None) -
 
 
 def _take_back(lease: LeaseHandle, key: str, connection: Connection | None, exc: BaseException) -> None:
-    """The block failed: free its key so the effect is not lost; never mask the block's error. A block
-    ended by its lost lease keeps the key: the interruption lands wherever the block is, after the effect
-    as well as before it, and a key given back then would let the next attempt do the effect again."""
+    """The block failed: free its key so the effect is not lost, never masking its error. A block ended from
+    outside (its lost lease, a time limit, not an ``Exception``) keeps it: that lands after the effect too."""
     reason = f"{type(exc).__name__}: {exc}"[:200]
     if connection is not None:
         try:
@@ -128,18 +129,19 @@ def _take_back(lease: LeaseHandle, key: str, connection: Connection | None, exc:
                      lease.token[:8], key, error, extra={"action": "effect_released"})
         return
     if isinstance(exc, LeaseLost) or lease.lost:
-        _unconfirmed(lease, key, reason)
-        return
-    _release(lease, key, reason)
+        _unconfirmed(lease, key, reason, "the lost lease")
+    elif isinstance(exc, INTERRUPTIONS) or not isinstance(exc, Exception):
+        _unconfirmed(lease, key, reason, f"an interruption ({type(exc).__name__})")
+    else:
+        _release(lease, key, reason)
 
 
-def _unconfirmed(lease: LeaseHandle, key: str, reason: str) -> None:
-    """Keep the key of a block its lost lease ended, audited ``effect_unconfirmed``."""
-    log.warning("job %s [%s]: effect %r ended by the lost lease (%s); key kept, the effect may or may not "
-                "have happened", lease.job_id, lease.token[:8], key, reason,
-                extra={"action": "effect_unconfirmed"})
+def _unconfirmed(lease: LeaseHandle, key: str, reason: str, ended_by: str) -> None:
+    """Keep the key of a block ended from outside, audited ``effect_unconfirmed``."""
+    log.warning("job %s [%s]: effect %r ended by %s (%s); key kept, the effect may or may not have happened",
+                lease.job_id, lease.token[:8], key, ended_by, reason, extra={"action": "effect_unconfirmed"})
     try:
-        lease.store.event(lease.job_id, Event.EFFECT_UNCONFIRMED, "block ended by the lost lease; key kept",
+        lease.store.event(lease.job_id, Event.EFFECT_UNCONFIRMED, f"block ended by {ended_by}; key kept",
                           worker=lease.worker, token=lease.token, detail={"key": key, "error": reason})
     except (StoreUnavailable, StoreRejected, LeaseLost) as error:
         # LeaseLost: the interruption still due lands on this call; the block's own error is the one raised.
@@ -244,8 +246,7 @@ class Locks:
             self._lost(lk, "expired and moved on before release")
 
     def _lost(self, lk: ResourceLock, why: str) -> None:
-        """Audit a lost lock; an audit the store does not take is logged, never raised (the heartbeat's round
-        goes on with the other locks, and a block's own error is not replaced)."""
+        """Audit a lost lock; an audit the store does not take is logged, never raised."""
         lease = lk.lease
         log.warning("job %s [%s]: resource lock %r [%s] lost: %s", lease.job_id, lease.token[:8],
                     lk.resource, lk.token[:8], why, extra={"action": "lock_lost"})
@@ -331,8 +332,7 @@ def lock(lease: LeaseHandle, resource: str, ttl: float | None = None,
     if resource.startswith(RESERVED):
         raise ValueError(f"lock resource {resource!r}: names starting with {RESERVED!r} are reserved "
                          "(the reaper's own lock lives there)")
-    if ttl is None:
-        ttl = lease.policy.lock_ttl
+    ttl = lease.policy.lock_ttl if ttl is None else ttl
     ttl = lease.duration if ttl is None else float(ttl)
     timeout = lease.policy.lock_timeout if timeout is None else float(timeout)
     interval = lease.policy.heartbeat_interval

@@ -9,6 +9,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 import sqlalchemy as sa
+from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 
 from celery_lease import deadline
 from celery_lease.config import load
@@ -290,6 +291,25 @@ def test_a_failing_block_releases_its_key_for_the_next_attempt(store, hb):
         assert first
     with effect(lease, "capture:p1") as first:
         assert not first
+
+
+@pytest.mark.parametrize("interruption", [SoftTimeLimitExceeded, TimeLimitExceeded, KeyboardInterrupt])
+def test_a_block_ended_from_outside_keeps_its_key_and_is_audited(store, hb, interruption):
+    # Celery's soft limit (and a SIGUSR1 revoke), a gevent pool's hard limit, a greenlet's kill or a
+    # shutdown land after the effect as well as before it: given back, the next attempt would do it again.
+    lease = claim(store, hb, "job-1")
+    done: list[str] = []
+    with pytest.raises(interruption), effect(lease, "mail:1") as first:
+        assert first
+        done.append("mail sent")
+        raise interruption()
+    assert keys(store) == {"mail:1": "job-1"} and events(store, "effect_released") == []
+    unconfirmed = events(store, "effect_unconfirmed")
+    assert len(unconfirmed) == 1 and interruption.__name__ in unconfirmed[0]["reason"]
+    with effect(claim(store, hb, "job-2"), "mail:1") as first:  # another run of the same effect
+        if first:
+            done.append("mail sent")
+    assert done == ["mail sent"]
 
 
 def test_a_block_interrupted_by_its_lost_lease_keeps_its_key_and_is_audited(store, hb):
