@@ -254,13 +254,26 @@ def forget_store_retries(request: Any) -> None:
         headers.pop(STORE_RETRIES_HEADER, None)
 
 
+def _envelope_of(payload: str | None) -> dict[str, Any] | None:
+    with contextlib.suppress(ValueError):
+        return _message(payload) if payload else None
+    return None
+
+
+def check_sendable(app: Any, job_id: str, payload: str | None) -> None:
+    """Raise StoreCorrupt, sending nothing, when republish() could not send this stored message: a recovery
+    checks it before it moves the row, so a corrupt message leaves the job where it was."""
+    envelope = _envelope_of(payload)
+    if envelope is not None:
+        _read(job_id, envelope)
+    else:
+        decode(payload, app.conf.accept_content, job_id)
+
+
 def republish(app: Any, job_id: str, payload: str | None, countdown: float = 0.0,
               queue: str | None = None) -> Any:
     """Send the stored message again under the same task id; returns its AsyncResult."""
-    envelope = None
-    if payload:
-        with contextlib.suppress(ValueError):
-            envelope = _message(payload)
+    envelope = _envelope_of(payload)
     if envelope is not None:
         return _send_again(app, job_id, envelope, countdown, queue)
     sig = app.signature(decode(payload, app.conf.accept_content, job_id))
@@ -274,10 +287,11 @@ def republish(app: Any, job_id: str, payload: str | None, countdown: float = 0.0
         return sig.apply_async(**options)
 
 
-def _send_again(app: Any, job_id: str, envelope: dict[str, Any], countdown: float, queue: str | None) -> Any:
-    """Publish a recorded message's bytes again, as they were sent (a new ETA for a countdown); a message
-    that cannot be read back raises StoreCorrupt before anything is sent (that job's fault, not the
-    broker's: the reaper fails that job and goes on with the others)."""
+def _read(job_id: str, envelope: dict[str, Any]) -> tuple[dict[str, Any], list[str], Any, str, str,
+                                                          dict[str, Any]]:
+    """A recorded message's parts (headers, queues to declare, body, content type and encoding, properties);
+    StoreCorrupt when they cannot be read back (that job's fault, not the broker's: the reaper fails that
+    job and goes on with the others)."""
     try:
         headers = dict(envelope.get("headers") or {})
         names = [str(name) for name in envelope.get("declare") or ()]
@@ -292,6 +306,12 @@ def _send_again(app: Any, job_id: str, envelope: dict[str, Any], countdown: floa
     if headers.get("id") != job_id or "task" not in headers:
         raise StoreCorrupt(f"job {job_id}: stored message belongs to task id {headers.get('id')!r}",
                            job_id=job_id)
+    return headers, names, body, content_type, content_encoding, properties
+
+
+def _send_again(app: Any, job_id: str, envelope: dict[str, Any], countdown: float, queue: str | None) -> Any:
+    """Publish a recorded message's bytes again, as they were sent (a new ETA for a countdown)."""
+    headers, names, body, content_type, content_encoding, properties = _read(job_id, envelope)
     if countdown > 0:
         headers["eta"] = (datetime.datetime.now(datetime.timezone.utc)
                           + datetime.timedelta(seconds=countdown)).isoformat()

@@ -16,7 +16,7 @@ from typing import Any
 import celery_lease.messaging.events as events
 import celery_lease.messaging.messages as messages
 
-from ..errors import JobNotFound, LeaseError
+from ..errors import JobNotFound, LeaseError, StoreCorrupt
 from ..reaper.clock_guard import Hold
 from ..reaper.decisions import policy_for
 from ..store import COMPLETED, FAILED, PENDING, RUNNING, Job, Store
@@ -154,6 +154,18 @@ def _announce(app: Any, job: Job, reason: str, who: str) -> None:
     events.send(app, events.node(f"celery_lease.{via}"), [events.retried(job.id, reason, job.attempt_count)])
 
 
+def _unsendable(app: Any, job: Job) -> Outcome | None:
+    """A job whose stored message cannot be sent again stays as it is: moved to pending, it would wait for
+    a message nobody can send, and a dead letter would leave the list that shows it."""
+    try:
+        messages.check_sendable(app, job.id, job.payload)
+    except StoreCorrupt as exc:
+        fix = f"; discard it with `celery lease dlq discard --job {job.id}`" if job.status == FAILED else ""
+        return Outcome(job.id, job.task_name, job.queue_name, RecoveryAction.SKIPPED,
+                       f"nothing changed: {exc}{fix}")
+    return None
+
+
 def _publish(app: Any, job: Job, done: RecoveryAction) -> Outcome:
     try:
         messages.republish(app, job.id, job.payload)
@@ -171,6 +183,9 @@ def requeue(app: Any, store: Store, jobs: Iterable[Job], force: bool = False,
     """Requeue each job (CAS on its token), then re-publish its stored message."""
     who = who or operator()
     for job in jobs:
+        if (unsendable := _unsendable(app, job)) is not None:
+            yield unsendable
+            continue
         if not store.recovery.manual_requeue(job, who, force):
             yield Outcome(job.id, job.task_name, job.queue_name, RecoveryAction.SKIPPED,
                           "changed since it was read (renewed, finished or taken by someone else)")
@@ -201,6 +216,9 @@ def redrive(app: Any, store: Store, jobs: Iterable[Job], who: str | None = None)
     """Set each dead letter back to pending with fresh attempts, then re-publish its message."""
     who = who or operator()
     for job in jobs:
+        if (unsendable := _unsendable(app, job)) is not None:
+            yield unsendable
+            continue
         if not store.recovery.redrive(job, who):
             yield Outcome(job.id, job.task_name, job.queue_name, RecoveryAction.SKIPPED,
                           "changed since it was read")

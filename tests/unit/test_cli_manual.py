@@ -124,6 +124,19 @@ def test_a_dead_letter_redriven_meanwhile_is_skipped_by_discard(fresh):
     assert outcome.action == "skipped" and fresh.store.get("failed-1").status == "pending"
 
 
+@pytest.mark.parametrize("payload", ["{not json", '{"v": 2, "body": "!!", "b64": true}'])
+def test_a_job_whose_stored_message_cannot_be_sent_again_is_left_where_it_was(fresh, payload):
+    # Moved first, a dead letter would leave the list and wait as pending for a message nobody can send.
+    for job_id in ("failed-0", "abandoned-0"):
+        ops_app._set(fresh.store, job_id, payload=payload)
+    before = {job_id: fresh.store.get(job_id) for job_id in ("failed-0", "abandoned-0")}
+    for args in (("dlq", "redrive", "--job", "failed-0"), ("requeue", "--job", "abandoned-0")):
+        result = fresh.run(*args, "--yes")
+        assert "nothing changed: job" in result.output and "skipped 1" in result.output, result.output
+    assert {job_id: fresh.store.get(job_id) for job_id in before} == before
+    assert "dlq discard --job failed-0" in fresh.run("dlq", "redrive", "--job", "failed-0", "--yes").output
+
+
 # -- effects forget -----------------------------------------------------------------------
 def test_effects_forget_deletes_the_key_and_audits_it_under_its_job(fresh):
     live = fresh.store.get("live-1")
