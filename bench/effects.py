@@ -24,8 +24,9 @@ import sqlalchemy as sa
 from celery_lease import deadline
 from celery_lease.config import load
 from celery_lease.store import ClaimTerms, Store
-from celery_lease.worker.effects import effect, lock
+from celery_lease.worker.effects import effect
 from celery_lease.worker.lease import Lease
+from celery_lease.worker.locks import lock
 from celery_lease.worker.runtime import Runtime
 
 POSTGRES = os.environ.get("CELERY_LEASE_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/test")

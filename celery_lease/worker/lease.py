@@ -17,6 +17,7 @@ import celery_lease.messaging.messages as messages
 import celery_lease.worker.checkpoints as checkpoints
 import celery_lease.worker.effects as effects
 import celery_lease.worker.interrupt as interrupt
+import celery_lease.worker.locks as locks
 
 from ..config import TaskPolicy
 from ..errors import LeaseLost, StoreRejected, StoreUnavailable
@@ -218,7 +219,7 @@ class Lease:
 
     def lock(self, resource: str, ttl: float | None = None, timeout: float | None = None) -> Any:
         """``with lease.lock(resource):`` a lease on a business resource."""
-        return effects.lock(self, resource, ttl, timeout)
+        return locks.lock(self, resource, ttl, timeout)
 
     def give_back(self, reason: Event = Event.RELEASED_ON_SHUTDOWN, republish: bool | None = None) -> bool:
         """Release the lease so the job runs again soon, re-sending its message when the broker forgot it

@@ -20,9 +20,9 @@ from ..app_state import app_state
 from ..config import TaskPolicy, app_config, task_policy
 from ..errors import StoreRejected, StoreUnavailable
 from ..vocabulary import Event
-from .effects import Locks
 from .handles import DeferredWrite
 from .lease import Lease
+from .locks import Locks
 from .threads import MAX_TIMER_SLEEP, WRITES_KEPT, DeadlineTimer, Heartbeat, PendingWrites, worker_id
 
 if TYPE_CHECKING:

@@ -13,8 +13,8 @@ import threading
 from celery_lease import deadline
 from celery_lease.config import load
 from celery_lease.store import ClaimTerms, Store
-from celery_lease.worker.effects import lock
 from celery_lease.worker.lease import Lease
+from celery_lease.worker.locks import lock
 from celery_lease.worker.runtime import Runtime
 
 

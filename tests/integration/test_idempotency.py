@@ -20,8 +20,8 @@ from celery_lease import LeaseTask, LockUnavailable, deadline
 from celery_lease.config import load
 from celery_lease.errors import StoreUnavailable
 from celery_lease.store import ClaimTerms, for_app
-from celery_lease.worker.effects import lock
 from celery_lease.worker.lease import Lease
+from celery_lease.worker.locks import lock
 from celery_lease.worker.runtime import Runtime, current
 from tests.conftest import drop_app_store, flushed_redis, migrated_store, unique_prefix
 from tests.helpers import EMPTY_POLL, wait_for

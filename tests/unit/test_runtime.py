@@ -17,8 +17,8 @@ from celery_lease.errors import LeaseLost, StoreUnavailable
 from celery_lease.store import ClaimTerms
 from celery_lease.vocabulary import RunEnd
 from celery_lease.worker import interrupt, runtime
-from celery_lease.worker.effects import ResourceLock, lock
 from celery_lease.worker.lease import DeferredWrite, Lease
+from celery_lease.worker.locks import ResourceLock, lock
 from celery_lease.worker.runtime import Runtime
 from tests.helpers import text_result_column, wait_for
 
@@ -159,7 +159,7 @@ def test_a_body_that_raises_lease_lost_itself_is_not_interrupted_again_in_its_ha
     def flag_the_loss() -> None:
         in_body.wait(10)
         if found_by == "resource lock":
-            held.lost = True  # the heartbeat flags the lock, then the lease (effects.Locks.renew)
+            held.lost = True  # the heartbeat flags the lock, then the lease (locks.Locks.renew)
         lease.mark_lost("taken_over")
 
     def body() -> None:
