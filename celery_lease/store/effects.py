@@ -147,18 +147,22 @@ class EffectStatements:
                        {"key": key, "in_transaction": True})
 
     def release_effect(self, key: str, job_id: str, token: str, worker: str | None = None,
-                       reason: str | None = None) -> bool:
+                       reason: str | None = None, nonce: str | None = None) -> bool:
         """Delete a key whose block failed while ``token`` holds the job; else keep it, audited
-        ``effect_unconfirmed`` (the effect may not have happened)."""
+        ``effect_unconfirmed`` (the effect may not have happened). With ``nonce``, the recording call's
+        mark, a key that call recorded is deleted whoever holds the job now (a try whose answer was lost
+        wrote it, and its block never ran); none recorded, nothing is written."""
         e = self.db.t.effects
+        if nonce is not None and not self.db.at_least(NONCE_REVISION):
+            return False  # the previous revision's schema recorded no nonce (a rolling deploy)
+        mine = e.c.nonce == nonce if nonce is not None else sa.exists().where(self.db._fenced(job_id, token))
         with self.db.begin() as c:
-            res = c.execute(sa.delete(e).where(
-                e.c.key == key, e.c.job_id == job_id,
-                sa.exists().where(self.db._fenced(job_id, token)),
-            ))
+            res = c.execute(sa.delete(e).where(e.c.key == key, e.c.job_id == job_id, mine))
             if res.rowcount == 1:
                 self.db._event(c, job_id, Event.EFFECT_RELEASED, reason, worker, token, {"key": key})
                 return True
+            if nonce is not None:
+                return False
             self.db._event(c, job_id, Event.EFFECT_UNCONFIRMED,
                            "block failed after the lease was lost; key kept", worker, token,
                            {"key": key, "error": reason})

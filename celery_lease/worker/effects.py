@@ -65,11 +65,14 @@ def effect(lease: LeaseHandle, key: str, connection: Connection | None = None) -
         # One mark for every try of this call: a try that finds the key under it knows the key is its own
         # (an earlier try's commit went through, its answer lost) and not another attempt's.
         nonce = secrets.token_hex(16)
+        unanswered = False
 
         def record() -> EffectOutcome:
+            nonlocal unanswered
             try:
                 return store.effects.record_effect(key, lease.job_id, lease.token, lease.worker, nonce)
             except StoreUnavailable as exc:
+                unanswered = True  # its commit may have gone through: the key may be this call's
                 refuse_in_own_transaction(store, exc, f"effect({key!r})", "use effect(key, using=<alias>)")
                 raise
 
@@ -83,14 +86,18 @@ def effect(lease: LeaseHandle, key: str, connection: Connection | None = None) -
                 outcome = lease.patiently(record)
                 if outcome == EffectOutcome.LOST and lease.vanished_and_recorded_again():
                     outcome = lease.patiently(record)
+                if outcome == EffectOutcome.LOST and unanswered:
+                    _release(lease, key, "lease moved on after a try whose answer was lost", nonce)
                 if outcome == EffectOutcome.FIRST:
                     lease.check()
         except LeaseLost:
-            if outcome == EffectOutcome.FIRST:
-                # Written for a lease known lost, whose own shield would refuse the call at its start.
+            if outcome == EffectOutcome.FIRST or unanswered:
+                # Written for a lease known lost, whose own shield would refuse the call at its start. A
+                # key left by a try whose answer was lost would keep every later attempt from the effect.
                 outside = BODY.set(None)
                 try:
-                    _release(lease, key, "lease lost while the key was recorded; the block did not run")
+                    _release(lease, key, "lease lost while the key was recorded; the block did not run",
+                             None if outcome == EffectOutcome.FIRST else nonce)
                 finally:
                     BODY.reset(outside)
             raise
@@ -143,16 +150,18 @@ def _unconfirmed(lease: LeaseHandle, key: str, reason: str, ended_by: str) -> No
                   key, error, extra={"action": "effect_unconfirmed"})
 
 
-def _release(lease: LeaseHandle, key: str, reason: str) -> None:
-    """Free a key whose block did not do its effect, fenced by the job's token."""
+def _release(lease: LeaseHandle, key: str, reason: str, nonce: str | None = None) -> None:
+    """Free a key whose block did not do its effect, fenced by the job's token (or by the recording call's
+    ``nonce``: a key that call may have recorded, when its lease is gone)."""
     try:
-        released = lease.store.effects.release_effect(key, lease.job_id, lease.token, lease.worker, reason)
+        released = lease.store.effects.release_effect(key, lease.job_id, lease.token, lease.worker, reason,
+                                                      nonce)
     except (StoreUnavailable, StoreRejected) as error:
         log.error("job %s [%s]: effect %r failed (%s) and its key could not be released (%s); "
                   "the effect may not have happened", lease.job_id, lease.token[:8], key, reason, error,
                   extra={"action": "effect_unconfirmed"})
         return
-    if not released:
+    if not released and nonce is None:
         log.warning("job %s [%s]: effect %r failed after the lease was lost; key kept, the effect may "
                     "not have happened", lease.job_id, lease.token[:8], key,
                     extra={"action": "effect_unconfirmed"})

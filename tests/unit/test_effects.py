@@ -400,6 +400,51 @@ def test_an_effect_recorded_by_a_try_whose_answer_was_lost_runs_once(store, hb):
     assert len(tries) == 2 and keys(store) == {"mail:1": "job-1"}
 
 
+def test_a_key_a_lost_answer_recorded_is_given_back_when_the_lease_ends_before_any_answer(store, hb):
+    # The first try committed the key but its answer was lost, and no later try was answered before the
+    # local deadline: the block never ran, so the key (this call's, by its nonce) must not stop the next
+    # attempt from doing the effect.
+    lease = claim(store, hb, "job-1", lease_duration=1.0)
+    real, tries = store.effects.record_effect, []
+
+    def unanswered(*args, **kwargs):
+        tries.append(1)
+        if len(tries) == 1:
+            real(*args, **kwargs)
+        raise StoreUnavailable("connection dropped before the answer")
+
+    store.effects.record_effect = unanswered
+    with pytest.raises(LeaseLost), effect(lease, "mail:1"):
+        pytest.fail("the block ran without an answer")
+    del store.effects.record_effect
+    assert len(tries) > 1 and keys(store) == {}
+    assert [e["detail"] for e in events(store, "effect_released")] == ['{"key": "mail:1"}']
+    lapse(store, "job-1")
+    with effect(claim(store, hb, "job-1"), "mail:1") as first:
+        assert first
+
+
+def test_a_key_a_lost_answer_recorded_is_given_back_when_the_next_try_finds_the_lease_moved_on(store, hb):
+    lease = claim(store, hb, "job-1")
+    real, owners = store.effects.record_effect, []
+
+    def answer_lost_then_lease_moved_on(*args, **kwargs):
+        outcome = real(*args, **kwargs)
+        if not owners:
+            lapse(store, "job-1")
+            owners.append(claim(store, hb, "job-1"))
+            raise StoreUnavailable("connection dropped before the answer")
+        return outcome
+
+    store.effects.record_effect = answer_lost_then_lease_moved_on
+    with pytest.raises(LeaseLost), effect(lease, "mail:1"):
+        pytest.fail("the block ran under a lease that moved on")
+    del store.effects.record_effect
+    assert keys(store) == {}
+    with effect(owners[0], "mail:1") as first:
+        assert first
+
+
 def test_a_later_attempt_does_not_take_an_earlier_attempts_key_for_its_own(store, hb):
     first_owner = claim(store, hb, "job-1")
     with effect(first_owner, "mail:1") as first:
