@@ -92,6 +92,7 @@ class Reaper:
             hold = self._judge(now, mono, record=False)
             self._recover_expired(result, now, hold, RunMode.DRY_RUN)
             self._redispatch(result, now, RunMode.DRY_RUN)
+            self._prune(result, now, dry=True)
             return result
         token, ttl = secrets.token_hex(16), self.cfg.reaper_lock_ttl
         if not self.store.reaping.acquire_reaper_lock(token, self.owner, ttl):
@@ -305,7 +306,8 @@ class Reaper:
                 return False
         return True
 
-    def _prune(self, result: ReapResult, now: float | None) -> None:
+    def _prune(self, result: ReapResult, now: float | None, dry: bool = False) -> None:
+        """Delete what outlived its retention, in chunks; ``dry``: count what this run would delete."""
         retention, store = self.cfg.retention, self.store
         stale = WORKER_PRUNE_FACTOR * worker_stale_after(self.app)
         for field, prune, age in (("pruned_jobs", store.reaping.prune_completed, retention),
@@ -313,6 +315,9 @@ class Reaper:
                                   ("pruned_workers", store.reaping.prune_workers, stale),
                                   ("pruned_keys", store.reaping.prune_idempotency_keys,
                                    self.cfg.idempotency_retention)):
+            if dry:
+                setattr(result, field, prune(age, PRUNE_CHUNK * PRUNE_CHUNKS, now, dry=True))
+                continue
             for _ in range(PRUNE_CHUNKS):
                 deleted = prune(age, PRUNE_CHUNK, now)
                 setattr(result, field, getattr(result, field) + deleted)

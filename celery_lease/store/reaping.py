@@ -306,32 +306,38 @@ class ReaperStatements:
                 self.db._event(c, None, Event.REAPER_HELD_BACK, held_back, owner, detail=state)
         return True
 
-    def _delete_ids(self, table: sa.Table, key: sa.Column, where: sa.ColumnElement[bool], limit: int) -> int:
-        # Select then delete: MySQL rejects LIMIT inside an IN subquery.
-        with self.db.begin(long=True) as c:
+    def _delete_ids(self, table: sa.Table, key: sa.Column, where: sa.ColumnElement[bool], limit: int,
+                    dry: bool) -> int:
+        # Select then delete: MySQL rejects LIMIT inside an IN subquery. ``dry``: only count them.
+        with self.db.begin(long=True, read=dry) as c:
             ids = [r[0] for r in c.execute(sa.select(key).where(where).limit(limit))]
-            if not ids:
-                return 0
+            if not ids or dry:
+                return len(ids)
             return c.execute(sa.delete(table).where(key.in_(ids), where)).rowcount
 
-    def prune_completed(self, older_than: float, limit: int, now: float | None = None) -> int:
-        """Delete up to ``limit`` completed jobs finished more than ``older_than`` seconds ago."""
+    def prune_completed(self, older_than: float, limit: int, now: float | None = None,
+                        dry: bool = False) -> int:
+        """Delete up to ``limit`` completed jobs finished more than ``older_than`` seconds ago (``dry``: count
+        them; so for each prune)."""
         j = self.db.t.jobs
         return self._delete_ids(j, j.c.id, sa.and_(
-            j.c.status == status_sql(COMPLETED), j.c.updated_at < self._clock(now) - older_than), limit)
+            j.c.status == status_sql(COMPLETED), j.c.updated_at < self._clock(now) - older_than), limit, dry)
 
-    def prune_events(self, older_than: float, limit: int, now: float | None = None) -> int:
+    def prune_events(self, older_than: float, limit: int, now: float | None = None, dry: bool = False) -> int:
         """Delete up to ``limit`` old events, except a dead letter's: its history lasts as long as it."""
         e, j = self.db.t.events, self.db.t.jobs
         dead_letter = sa.exists().where(j.c.id == e.c.job_id, fenced_status(j.c.status, FAILED))
         old = e.c.at < self._clock(now) - older_than
-        return self._delete_ids(e, e.c.id, sa.and_(old, ~dead_letter), limit)
+        return self._delete_ids(e, e.c.id, sa.and_(old, ~dead_letter), limit, dry)
 
-    def prune_idempotency_keys(self, older_than: float, limit: int, now: float | None = None) -> int:
+    def prune_idempotency_keys(self, older_than: float, limit: int, now: float | None = None,
+                               dry: bool = False) -> int:
         """Delete up to ``limit`` keys older than ``older_than`` (lease_idempotency_retention)."""
         k = self.db.t.idempotency_keys
-        return self._delete_ids(k, k.c.key, k.c.created_at < self._clock(now) - older_than, limit)
+        return self._delete_ids(k, k.c.key, k.c.created_at < self._clock(now) - older_than, limit, dry)
 
-    def prune_workers(self, older_than: float, limit: int, now: float | None = None) -> int:
+    def prune_workers(self, older_than: float, limit: int, now: float | None = None,
+                      dry: bool = False) -> int:
         w = self.db.t.workers
-        return self._delete_ids(w, w.c.worker_id, w.c.last_seen_at < self._clock(now) - older_than, limit)
+        stale = w.c.last_seen_at < self._clock(now) - older_than
+        return self._delete_ids(w, w.c.worker_id, stale, limit, dry)

@@ -726,6 +726,22 @@ def test_pruning_removes_old_completed_jobs_events_and_stale_workers_only(app, s
         assert [r[0] for r in c.execute(sa.select(w.c.worker_id))] == [ALIVE]
 
 
+def test_a_dry_run_counts_what_the_run_would_prune_and_deletes_nothing(app, store, monkeypatch):
+    monkeypatch.setattr(reaper, "PRUNE_CHUNK", 2)
+    monkeypatch.setattr(reaper, "PRUNE_CHUNKS", 2)
+    j, w = store.t.jobs, store.t.workers
+    for n in range(5):
+        store.publishes.record(f"done{n}", "t.work", "celery", payload(), 3)
+    store.workers.touch_worker("gone@host:9", "host", 9)
+    with store.begin() as c:
+        c.execute(sa.update(j).values(status=COMPLETED, updated_at=store.now_sql - 30 * 24 * 3600.0))
+        c.execute(sa.update(w).where(w.c.worker_id == "gone@host:9").values(last_seen_at=store.now_sql - 101))
+    dry = Reaper(app).run_once(dry_run=True)
+    assert all(store.get(f"done{n}") is not None for n in range(5))
+    real = Reaper(app).run_once()
+    assert (dry.pruned_jobs, dry.pruned_workers) == (real.pruned_jobs, real.pruned_workers) == (4, 1)
+
+
 def test_pruning_deletes_in_bounded_chunks(app, store, monkeypatch):
     monkeypatch.setattr(reaper, "PRUNE_CHUNK", 2)
     monkeypatch.setattr(reaper, "PRUNE_CHUNKS", 2)
