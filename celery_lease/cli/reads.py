@@ -14,7 +14,7 @@ from ..errors import StoreCorrupt
 from ..ops.tuning import percentile
 from ..ops.views import LAST_HOUR, STATUSES, event_dict, job_dict, job_row, job_timeline, reaper_status
 from ..vocabulary import STALE_WRITES, Status
-from .base import app_of, json_option, lease, store_of
+from .base import CommandError, app_of, json_option, lease, store_of
 from .output import Duration, age, echo, emit_json, table, when
 
 __all__ = ["reaper_status", "status", "jobs", "inspect", "events", "tune"]
@@ -164,6 +164,10 @@ def events(ctx: click.Context, job_id: str | None, since: float | None, event: s
     store = store_of(ctx)
     if job_id is not None and store.get(job_id) is None and store.reports.job_ids_starting(job_id, 1):
         job_id = recovery.resolve_job_id(store, job_id)  # a prefix; a discarded job's id stays exact
+    if job_id is not None and store.get(job_id) is None and not store.reports.list_events(job_id=job_id,
+                                                                                          limit=1):
+        raise CommandError(f"no job {job_id!r} in the lease store, and no events of it (a deleted job's "
+                           "events stay until pruned); list jobs with `celery lease jobs`")
     found = store.reports.list_events(job_id=job_id, since=since, event=event, limit=limit)
     columns = EVENT_COLUMNS
     if job_id is not None:

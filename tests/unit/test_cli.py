@@ -288,6 +288,13 @@ def test_events_filter_by_job_name_and_age(ro):
     assert "ValueError: boom" in out
 
 
+def test_events_of_an_unknown_job_is_a_clear_error_and_of_a_deleted_one_its_history(rw):
+    result = rw.run("events", "--job", "nope")
+    assert result.exit_code == 1 and "no job 'nope'" in result.output and "lease jobs`" in result.output
+    rw.store.event("deleted-7", "dlq_discarded", "discarded by an operator")
+    assert [e["event"] for e in rw.json("events", "--job", "deleted-7")] == ["dlq_discarded"]
+
+
 def test_events_rejects_a_bad_duration(ro):
     result = ro.run("events", "--since", "soon")
     assert result.exit_code == 2 and "not a duration" in result.output
