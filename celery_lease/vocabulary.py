@@ -148,6 +148,7 @@ class RecoveryAction(Name):
     DISCARDED = "discarded"
     SKIPPED = "skipped"
     PUBLISH_FAILED = "publish_failed"
+    UNSENDABLE = "unsendable"  # left as it was: its stored message cannot be read back
 
 
 class Event(Name):

@@ -67,16 +67,22 @@ def _recover(store: Any, jobs: list[Any], question: str, label: str,
         outcomes = list(run(items))
     counts = Counter(o.action for o in outcomes)
     skipped, failed = counts[RecoveryAction.SKIPPED], counts[RecoveryAction.PUBLISH_FAILED]
+    unsendable = counts[RecoveryAction.UNSENDABLE]
     if as_json:
         emit_json({"batch": batch, "outcomes": [o.as_dict() for o in outcomes], done.value: counts[done],
-                   RecoveryAction.SKIPPED.value: skipped, RecoveryAction.PUBLISH_FAILED.value: failed})
+                   RecoveryAction.SKIPPED.value: skipped, RecoveryAction.PUBLISH_FAILED.value: failed,
+                   RecoveryAction.UNSENDABLE.value: unsendable})
     else:
         echo(table([o.as_dict() for o in outcomes], OUTCOME_COLUMNS, empty="nothing to do"))
         full = len(outcomes) >= batch
         more = " (the batch was full: watch the effects, then run again for more)" if full else ""
-        echo(f"{done} {counts[done]}, skipped {skipped}, publish failed {failed}; batch {batch}{more}")
+        echo(f"{done} {counts[done]}, skipped {skipped}, publish failed {failed}, unsendable {unsendable}; "
+             f"batch {batch}{more}")
     if failed:
         raise CommandError(f"{failed} job(s) are pending without a message; see the reasons above")
+    if unsendable:
+        raise CommandError(f"{unsendable} job(s) left as they were: their stored message cannot be read "
+                           "back; see the reasons above")
 
 
 @lease.command()

@@ -161,7 +161,7 @@ def _unsendable(app: Any, job: Job) -> Outcome | None:
         messages.check_sendable(app, job.id, job.payload)
     except StoreCorrupt as exc:
         fix = f"; discard it with `celery lease dlq discard --job {job.id}`" if job.status == FAILED else ""
-        return Outcome(job.id, job.task_name, job.queue_name, RecoveryAction.SKIPPED,
+        return Outcome(job.id, job.task_name, job.queue_name, RecoveryAction.UNSENDABLE,
                        f"nothing changed: {exc}{fix}")
     return None
 

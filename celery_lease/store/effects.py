@@ -154,7 +154,7 @@ class EffectStatements:
         wrote it, and its block never ran); none recorded, nothing is written."""
         e = self.db.t.effects
         if nonce is not None and not self.db.at_least(NONCE_REVISION):
-            return False  # the previous revision's schema recorded no nonce (a rolling deploy)
+            nonce = None  # the previous revision's schema records none (a rolling deploy): the token fences
         mine = e.c.nonce == nonce if nonce is not None else sa.exists().where(self.db._fenced(job_id, token))
         with self.db.begin() as c:
             res = c.execute(sa.delete(e).where(e.c.key == key, e.c.job_id == job_id, mine))

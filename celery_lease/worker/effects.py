@@ -71,9 +71,14 @@ def effect(lease: LeaseHandle, key: str, connection: Connection | None = None) -
             nonlocal unanswered
             try:
                 return store.effects.record_effect(key, lease.job_id, lease.token, lease.worker, nonce)
+            except StoreRejected:
+                raise  # refused: nothing was written
             except StoreUnavailable as exc:
-                unanswered = True  # its commit may have gone through: the key may be this call's
                 refuse_in_own_transaction(store, exc, f"effect({key!r})", "use effect(key, using=<alias>)")
+                unanswered = True  # its commit may have gone through: the key may be this call's
+                raise
+            except BaseException:
+                unanswered = True  # a time limit or a kill landed in the call, after its commit perhaps
                 raise
 
         # Shielded across the record: a loss held back during the call, or landing as the shield ends,
@@ -90,14 +95,15 @@ def effect(lease: LeaseHandle, key: str, connection: Connection | None = None) -
                     _release(lease, key, "lease moved on after a try whose answer was lost", nonce)
                 if outcome == EffectOutcome.FIRST:
                     lease.check()
-        except LeaseLost:
+        except BaseException as exc:
             if outcome == EffectOutcome.FIRST or unanswered:
-                # Written for a lease known lost, whose own shield would refuse the call at its start. A
-                # key left by a try whose answer was lost would keep every later attempt from the effect.
+                # The block never ran: the key this call may have written is given back, by its nonce
+                # (whoever holds the job now), or it would keep every later attempt from the effect.
+                # Written outside the body's lease: a lost one's shield would refuse the call at its start.
                 outside = BODY.set(None)
                 try:
-                    _release(lease, key, "lease lost while the key was recorded; the block did not run",
-                             None if outcome == EffectOutcome.FIRST else nonce)
+                    _release(lease, key, f"{type(exc).__name__} while the key was recorded; the block did "
+                             "not run", nonce)
                 finally:
                     BODY.reset(outside)
             raise

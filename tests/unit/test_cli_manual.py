@@ -132,7 +132,8 @@ def test_a_job_whose_stored_message_cannot_be_sent_again_is_left_where_it_was(fr
     before = {job_id: fresh.store.get(job_id) for job_id in ("failed-0", "abandoned-0")}
     for args in (("dlq", "redrive", "--job", "failed-0"), ("requeue", "--job", "abandoned-0")):
         result = fresh.run(*args, "--yes")
-        assert "nothing changed: job" in result.output and "skipped 1" in result.output, result.output
+        assert result.exit_code == 1 and "nothing changed: job" in result.output, result.output
+        assert "unsendable 1" in result.output and "cannot be read back" in result.output
     assert {job_id: fresh.store.get(job_id) for job_id in before} == before
     assert "dlq discard --job failed-0" in fresh.run("dlq", "redrive", "--job", "failed-0", "--yes").output
 

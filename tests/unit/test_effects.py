@@ -375,6 +375,32 @@ def test_a_loss_held_back_while_an_effects_key_is_recorded_gives_the_key_back(st
     assert [e["detail"] for e in events(store, "effect_released")] == ['{"key": "mail:1"}']
 
 
+@pytest.mark.parametrize("landing", ["soft time limit", "lease taken over"])
+def test_a_key_recorded_by_a_call_ended_before_its_block_goes_back_to_later_attempts(store, hb, landing):
+    # The key committed; then, before the block: Celery's soft limit lands in the call, or the lease is
+    # taken over (the token no longer fences a release). Either way the block never ran.
+    lease = claim(store, hb, "job-1")
+    real, owners = store.effects.record_effect, []
+
+    def recorded_then(*args, **kwargs):
+        outcome = real(*args, **kwargs)
+        if landing == "soft time limit":
+            raise SoftTimeLimitExceeded()
+        lapse(store, "job-1")
+        owners.append(claim(store, hb, "job-1"))
+        lease.mark_lost("taken over")
+        return outcome
+
+    store.effects.record_effect = recorded_then
+    with pytest.raises(SoftTimeLimitExceeded if landing == "soft time limit" else LeaseLost), \
+            effect(lease, "mail:1"):
+        pytest.fail("the block ran")
+    del store.effects.record_effect
+    assert keys(store) == {} and events(store, "effect_unconfirmed") == []
+    with effect(owners[0] if owners else lease, "mail:1") as first:
+        assert first
+
+
 def test_a_block_failing_after_the_lease_moved_on_keeps_its_key_and_is_audited(store, hb):
     lease = claim(store, hb, "job-1")
     with pytest.raises(ConnectionError), effect(lease, "capture:p1") as first:
