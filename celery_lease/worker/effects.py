@@ -163,6 +163,13 @@ def _release(lease: LeaseHandle, key: str, reason: str, nonce: str | None = None
         released = lease.store.effects.release_effect(key, lease.job_id, lease.token, lease.worker, reason,
                                                       nonce)
     except (StoreUnavailable, StoreRejected) as error:
+        if nonce is not None:  # most often nothing was written: say what to do if the key is there
+            log.error("job %s [%s]: effect %r did not run (%s) and the key its call may have recorded could "
+                      "not be given back (%s); if later attempts skip the effect, check the key with "
+                      "`celery lease inspect %s` and free it with `celery lease effects forget`",
+                      lease.job_id, lease.token[:8], key, reason, error, lease.job_id,
+                      extra={"action": "effect_unconfirmed"})
+            return
         log.error("job %s [%s]: effect %r failed (%s) and its key could not be released (%s); "
                   "the effect may not have happened", lease.job_id, lease.token[:8], key, reason, error,
                   extra={"action": "effect_unconfirmed"})
