@@ -123,18 +123,25 @@ def requeue_plan(app: Any, store: Store, job_id: str | None = None, expired: boo
         raise RecoveryRefused(job_id, (
             f"job {job_id} is pending and waits for a worker; the reaper re-publishes it after "
             f"lease_dispatch_timeout. Use --force to re-publish its message now"))
-    if not store.recovery.is_claimable_expired(job_id):
+    owned = _still_owned(app, store, job)
+    if owned is not None:
         raise RecoveryRefused(job_id, (
-            f"job {job_id} holds a live lease: {_lease_state(store, job)}. Requeueing it may run it "
-            "twice while its worker still works on it. Wait for the reaper, check the owner "
-            f"(`celery lease inspect {job_id}`), or use --force if you know the owner is gone"))
+            f"job {job_id} {owned}. Requeueing it may run it twice while its worker still works on it. Wait "
+            f"for the reaper, check the owner (`celery lease inspect {job_id}`), or use --force if you know "
+            "the owner is gone"))
+    return [job]
+
+
+def _still_owned(app: Any, store: Store, job: Job) -> str | None:
+    """Why a running job's lease still counts as its owner's (live, or covered by the reaper's hold), or None
+    when the reaper would take it now."""
+    if not store.recovery.is_claimable_expired(job.id):
+        return f"holds a live lease: {_lease_state(store, job)}"
     held = _held_for(app, store, job)
     if held is not None:
-        raise RecoveryRefused(job_id, (
-            f"job {job_id}'s lease looks expired, but the store was away or its clock stepped (the reaper "
-            f"holds back too): its owner may still run it for {held:.0f}s. Wait, or use --force if you "
-            "know the owner is gone"))
-    return [job]
+        return (f"has a lease that looks expired, but the store was away or its clock stepped (the reaper "
+                f"holds back too): its owner may still run it for {held:.0f}s")
+    return None
 
 
 def _held_for(app: Any, store: Store, job: Job) -> float | None:
@@ -294,14 +301,7 @@ def forget_plan(app: Any, store: Store, key: str, force: bool = False) -> dict[s
         raise RecoveryRefused("", f"no effect key {key!r} in the lease store; a job's keys show with "
                                   "`celery lease inspect JOB`")
     job = store.get(found["job_id"])
-    if force or job is None or job.status != RUNNING:
-        return found
-    if not store.recovery.is_claimable_expired(job.id):
-        state = f"holds a live lease: {_lease_state(store, job)}"
-    elif (held := _held_for(app, store, job)) is not None:
-        state = (f"has a lease that looks expired, but the store was away or its clock stepped: its owner "
-                 f"may still run it for {held:.0f}s")
-    else:
+    if force or job is None or job.status != RUNNING or (state := _still_owned(app, store, job)) is None:
         return found
     raise RecoveryRefused(job.id, (
         f"effect key {key!r} belongs to job {job.id}, which {state}. Its worker may be inside the effect "
