@@ -264,8 +264,11 @@ def consumed_queues(app: Any) -> list[str]:
 
 def routed_queue(app: Any, task: Any) -> str | None:
     """The queue the app's routes (or the task's ``queue`` option) send a task to by default."""
-    queue = getattr(task, "queue", None)
-    route = app.amqp.router.route({"queue": queue} if queue else {}, task.name)
+    try:
+        route = app.amqp.router.route(dict(task._get_exec_options()), task.name, (), {}, task)
+    except Exception:  # noqa: BLE001 - a router that reads a real call's arguments: its own queue
+        # A routing function may index the arguments of the publish it routes; none exist at start-up.
+        route = {"queue": getattr(task, "queue", None) or app.conf.task_default_queue}
     queue = route.get("queue")
     return getattr(queue, "name", queue)
 

@@ -220,7 +220,9 @@ def _batched(original: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[A
     @functools.wraps(original)
     def _apply_tasks(self: Any, tasks: Iterable[Any], producer: Any = None, app: Any = None,
                      *args: Any, **kwargs: Any) -> Iterator[Any]:
-        if _current.get() is not None:  # a group inside a group's loop joins its batch
+        # A group inside a group's loop joins its batch. A producer the caller passed is where Celery sends
+        # every member: a batch would send through the app's own.
+        if _current.get() is not None or producer is not None:
             yield from original(self, tasks, producer, app, *args, **kwargs)
             return
         loop = _Loop(app or self.app)

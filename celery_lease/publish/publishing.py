@@ -43,7 +43,9 @@ def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id
             options: dict[str, Any]) -> Any:
     """Publish through Celery's ``apply_async`` (``send``), recording the job (a hand-over, the running job's
     own retry, or a new job once per key) with the message it sends."""
-    delay = seconds_until(options.get("eta")) or seconds_until(options.get("countdown"))
+    # As Celery's message: a countdown, when given, overrides the eta.
+    countdown = options.get("countdown")
+    delay = seconds_until(countdown) if countdown else seconds_until(options.get("eta"))
     record: Callable[[str], bool | None]
     keep: Callable[[str, Callable[[Any], Any]], None] | None = None
     created = False
@@ -57,7 +59,9 @@ def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id
         def record(payload: str) -> bool:
             return retry_first(lease, delay, payload)
     else:
-        route = task.app.amqp.router.route(dict(options), task.name, args, kwargs)
+        # Routed as Celery's send_task routes it: the task's own options under the call's, the task passed.
+        route = task.app.amqp.router.route(dict(task._get_exec_options(), **options), task.name, args, kwargs,
+                                           task)
         queue = getattr(route.get("queue"), "name", None)
         policy = task_policy(task, queue)
         store = for_app(task.app)
@@ -115,6 +119,7 @@ def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id
                                                    delay, policy.recovery()), reopen, send_message)
     if batch is not None and keep is None:
         batch.flush()  # the group's order: the jobs kept so far go out before this one
+    recording: RecordingProducer | None = None
     connection = options.pop("connection", None)
     if connection and producer is None:
         producer = task.app.amqp.Producer(connection, auto_declare=False)
@@ -128,8 +133,8 @@ def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id
                 return task.AsyncResult(task_id)  # held back: sent once the store answers
             return send(args, kwargs, task_id, producer, link, link_error, shadow, **options)
         with task.app.producer_or_acquire(producer) as sender:
-            result = send(args, kwargs, task_id, RecordingProducer(sender, task_id, record, keep), link,
-                          link_error, shadow, **options)
+            recording = RecordingProducer(sender, task_id, record, keep)
+            result = send(args, kwargs, task_id, recording, link, link_error, shadow, **options)
         if keep is None and (parent := BODY.get()) is not None and task_id in parent.unsent:
             parent.unsent.remove(task_id)  # published again under its id and sent: not to be forgotten
         return result
@@ -138,7 +143,9 @@ def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id
                  task.name, idempotency_key, taken.holder, extra={"action": "idempotent_publish"})
         return task.AsyncResult(taken.holder)
     except BaseException:
-        if created:
+        # Not once the message went out: Celery's task-sent event, published after it, may be what failed,
+        # and the job then runs (under its key, which a caller's retry must find).
+        if created and not (recording is not None and recording.sent):
             for_app(task.app).publishes.forget_unpublished(task_id)
         raise
 
@@ -216,6 +223,8 @@ class RecordingProducer:
         self._record = record
         self._keep = keep  # a group's batch: it records the job and sends the message later
         self._recorded = False
+        #: Whether the task's own message reached the broker (a batch's is sent later, by the batch).
+        self.sent = False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._producer, name)
@@ -243,4 +252,6 @@ class RecordingProducer:
             return None
         if self._record(payload) is False:
             return None  # held back: the record's owner sends it later
-        return send_message(producer)
+        result = send_message(producer)
+        self.sent = True
+        return result

@@ -124,6 +124,16 @@ def test_a_group_records_its_jobs_with_one_insert_per_table_per_batch_and_sends_
     assert (signature["task"], list(signature["args"])) == ("batch.work", [7])
 
 
+def test_a_group_given_a_producer_sends_every_job_through_it_as_celery_does(app, redis_url):
+    with prefixed_redis(redis_url, REDIS_DB + 1) as (url, client, keyprefix), kombu.Connection(
+            url, transport_options={"global_keyprefix": keyprefix}) as other:
+        result = group([app.tasks["batch.work"].s(i) for i in range(3)]).apply_async(
+            producer=app.amqp.Producer(other))
+        assert app.queued() == 0
+        assert client.llen(f"{keyprefix}batch") == 3
+        assert all(for_app(app).get(r.id).status == PENDING for r in result.results)
+
+
 def test_a_chord_header_is_recorded_as_one_batch_and_its_body_waits(app, inserts):
     work, total = app.tasks["batch.work"], app.tasks["batch.total"]
     result = chord([work.s(i) for i in range(5)])(total.s())

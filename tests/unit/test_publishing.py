@@ -13,6 +13,7 @@ import pickle
 
 import kombu
 import kombu.compression
+import kombu.exceptions
 import pytest
 from celery import Celery, signals
 from kombu import serialization
@@ -164,6 +165,78 @@ def test_a_keyed_publish_whose_send_failed_leaves_its_key_free_for_the_retry(app
     assert retried.id == "job-C"
     assert stored(app, "job-C") is not None
     assert len(received(app, 1)) == 1
+
+
+def test_a_keyed_job_whose_message_went_out_keeps_its_key_when_the_task_sent_event_fails(app, monkeypatch):
+    # Celery publishes the task-sent event after the task's message: a broker lost between the two fails
+    # apply_async with the job already on its way. Its record and key stay, so the caller's retry under the
+    # key is answered with that job instead of recording (and running) a second one.
+    from celery.events.dispatcher import EventDispatcher
+
+    def event_fails(self, type, *args, **kwargs):
+        raise ConnectionResetError(f"broker lost before the {type} event")
+
+    app.conf.task_send_sent_event = True
+    with monkeypatch.context() as patched:
+        patched.setattr(EventDispatcher, "publish", event_fails)
+        with pytest.raises((ConnectionResetError, kombu.exceptions.OperationalError)):
+            app.tasks["pub.work"].apply_async((1,), task_id="job-E", idempotency_key="order-5")
+    retried = app.tasks["pub.work"].apply_async((1,), task_id="job-F", idempotency_key="order-5")
+    assert retried.id == "job-E"
+    assert for_app(app).get("job-F") is None
+    assert [m.headers["id"] for m in received(app, 1)] == ["job-E"]
+
+
+def test_a_countdown_overrides_an_eta_in_the_record_as_in_the_message(app):
+    eta = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(hours=1)
+    result = app.tasks["pub.work"].signature((1,)).set(eta=eta).apply_async(countdown=2)
+    [message] = received(app, 1)
+    sent_eta = datetime.datetime.fromisoformat(message.headers["eta"])
+    store = for_app(app)
+    wait = store.get(result.id).available_at - store.now()
+    assert (sent_eta - datetime.datetime.now(datetime.timezone.utc)).total_seconds() < 60
+    assert wait < 60, f"recorded {wait:.0f}s away; the message is due in 2 s"
+
+
+# Celery 5.7 deprecates the task's queue attribute (task_routes instead); it still routes by it.
+@pytest.mark.filterwarnings("ignore::celery.exceptions.CDeprecationWarning")
+def test_a_task_declared_on_a_queue_is_recorded_on_that_queue_with_its_policy(broker, sqlite_url):
+    url, keyprefix = broker
+    app = Celery(f"pub_{unique_prefix()}", broker=url, set_as_current=False)
+    app.conf.update(lease_store_url=sqlite_url, broker_transport_options={"global_keyprefix": keyprefix},
+                    lease_queue_policies={"reports": {"lease_max_attempts": 9}})
+
+    @app.task(base=LeaseTask, shared=False, name="pub.report", queue="reports")
+    def report():
+        return 1
+
+    migrated_store(app)
+    try:
+        job = for_app(app).get(report.delay().id)
+        assert (job.queue_name, job.max_attempts) == ("reports", 9)
+        assert len(received(app, 1, "reports")) == 1
+    finally:
+        drop_app_store(app)
+
+
+def test_a_routing_function_is_given_the_task_as_celery_gives_it(app):
+    seen = []
+
+    def route(name, args, kwargs, options, task=None, **kw):
+        seen.append(task)
+        return {"queue": task.lane}
+
+    app.conf.task_routes = (route,)
+
+    @app.task(base=LeaseTask, shared=False, name="pub.laned")
+    def laned():
+        return 1
+
+    laned.lane = "lane"
+    job = for_app(app).get(laned.delay().id)
+    assert job.queue_name == "lane"
+    assert laned in seen
+    assert len(received(app, 1, "lane")) == 1
 
 
 def test_the_task_sent_event_passes_through_unrecorded(app):

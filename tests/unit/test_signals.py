@@ -61,6 +61,32 @@ def test_a_queue_policy_can_make_a_task_option_valid_on_that_queue():
         validate_tasks(app, ["reports", "celery"])
 
 
+# Celery 5.7 deprecates the task's queue attribute (task_routes instead); it still routes by it.
+@pytest.mark.filterwarnings("ignore::celery.exceptions.CDeprecationWarning")
+def test_a_task_declared_on_a_queue_is_resolved_on_that_queue():
+    app = app_with(reports={"lease_duration": 600.0})
+
+    @app.task(base=LeaseTask, name="steps.declared", shared=False, queue="reports",
+              lease_heartbeat_interval=60.0)
+    def declared() -> None: ...
+
+    validate_tasks(app, [])  # its routed queue is its own: 60 s beats within the queue's 600 s lease
+
+
+def test_a_routing_function_that_needs_a_publishs_arguments_does_not_stop_the_worker():
+    app = app_with()
+
+    def by_tenant(name, args, kwargs, options, task=None, **kw):
+        return {"queue": f"tenant-{args[0]}"}  # no arguments at start-up: IndexError
+
+    app.conf.task_routes = (by_tenant,)
+
+    @app.task(base=LeaseTask, name="steps.tenant", shared=False)
+    def tenant(who: int) -> None: ...
+
+    validate_tasks(app, ["celery"])
+
+
 def test_plain_tasks_are_left_alone():
     app = app_with()
 
