@@ -3,6 +3,7 @@
 import celery_lease.reaper.run as _reaper  # registers celery_lease.reap  # noqa: F401
 
 from .errors import (
+    IdempotencyKeyTaken,
     JobDeadLettered,
     JobNotFound,
     LeaseConfigError,
@@ -29,6 +30,7 @@ __all__ = [
     "JobDeadLettered",
     "LockUnavailable",
     "JobNotFound",
+    "IdempotencyKeyTaken",
     "StoreCorrupt",
     "StoreUnavailable",
     "SchemaMismatch",
