@@ -29,6 +29,10 @@ def recover_worker_lost(app: Any, job_id: str, owner: str, reason: str, final: b
     if not final and job is not None and job.status == PENDING and _given_back_by(store, job_id, owner):
         return _resend_given_back(app, job, owner, reason, resend)
     if job is None or job.status != RUNNING or job.locked_by != owner or not job.lock_token:
+        if not final and job is not None and job.status in (PENDING, RUNNING):
+            # Taken back already (the reaper, another worker's takeover) or never claimed by this child: the
+            # lease runs it, so Celery is told of no failure, as when the take-back comes a moment later.
+            return WorkerLostOutcome.LOST_RACE
         return WorkerLostOutcome.NONE
     policy = policy_for(app, job)
     if final:

@@ -25,6 +25,7 @@ from celery_lease import LeaseTask
 from celery_lease.app_state import app_state
 from celery_lease.config import app_config
 from celery_lease.errors import StoreUnavailable
+from celery_lease.integration.signals import RERUN
 from celery_lease.messaging import messages
 from celery_lease.reaper import run as reaper
 from celery_lease.reaper.clock_guard import Hold
@@ -788,7 +789,7 @@ def test_the_reap_task_is_registered_in_apps_that_use_leases_only_and_is_not_a_l
 # -- a child lost under a job (worker_lost.py) ------------------------------------------------
 def test_recover_worker_lost_requeues_the_job_of_that_owner_at_once(app, store, broker):
     token = running(store, "j1", owner="node@h:42", age=-25.0)  # lease still valid for 25 s
-    assert recover_worker_lost(app, "j1", "node@h:99", "WorkerLostError") == "none"
+    assert recover_worker_lost(app, "j1", "node@h:99", "WorkerLostError") == "lost_race"  # another's
     assert store.get("j1").lock_token == token
     assert recover_worker_lost(app, "j1", "node@h:42", "WorkerLostError") == "requeue"
     job = store.get("j1")
@@ -796,7 +797,26 @@ def test_recover_worker_lost_requeues_the_job_of_that_owner_at_once(app, store, 
     [event] = events(store, "j1", "reaped_expired_lease")
     assert "worker process lost: WorkerLostError" in event["reason"] and event["token"] == token[:8]
     assert [m["headers"]["id"] for m in queued(broker)] == ["j1"]
+
+
+@pytest.mark.parametrize("taken_back_by", ["the reaper", "another worker's takeover"])
+def test_a_child_lost_after_its_job_was_taken_back_is_no_failure_for_celery(app, store, taken_back_by):
+    """A body hung past its lease: the job was requeued (or claimed by another worker) before the child
+    died. The lease runs it again, so Celery must store no FAILURE and fire no errback (RERUN)."""
+    running(store, "j1", owner="node@h:42", age=5.0)
+    Reaper(app).run_once()
+    if taken_back_by != "the reaper":
+        running(store, "j1", owner="other@h:7", age=-25.0)
+    outcome = recover_worker_lost(app, "j1", "node@h:42", "WorkerLostError")
+    assert outcome in RERUN and outcome == "lost_race"
+    assert store.get("j1").status == (PENDING if taken_back_by == "the reaper" else RUNNING)
+
+
+def test_a_child_lost_under_a_finished_or_forgotten_job_is_left_to_celery(app, store):
+    running(store, "j1", owner="node@h:42", age=-25.0)
+    assert store.jobs.complete("j1", store.get("j1").lock_token, "node@h:42")
     assert recover_worker_lost(app, "j1", "node@h:42", "WorkerLostError") == "none"
+    assert recover_worker_lost(app, "gone", "node@h:42", "WorkerLostError") == "none"
 
 
 def test_a_hard_time_limits_final_failure_whose_dead_letter_cannot_be_sent_never_runs_again(
@@ -829,7 +849,7 @@ def test_recover_worker_lost_dead_letters_at_max_attempts(app, store):
 def test_recover_worker_lost_answers_with_worker_lost_outcome_members(app, store, broker):
     running(store, "j1", owner="node@h:42", age=-25.0)
     running(store, "j2", owner="node@h:42", age=-25.0, attempts=3, max_attempts=3)
-    assert recover_worker_lost(app, "j1", "node@h:99", "WorkerLostError") is WorkerLostOutcome.NONE
+    assert recover_worker_lost(app, "j1", "node@h:99", "WorkerLostError") is WorkerLostOutcome.LOST_RACE
     assert recover_worker_lost(app, "j1", "node@h:42", "WorkerLostError") is WorkerLostOutcome.REQUEUE
     assert recover_worker_lost(app, "j2", "node@h:42", "WorkerLostError") is WorkerLostOutcome.DEAD_LETTER
 
@@ -1353,10 +1373,10 @@ def test_a_child_that_gave_its_job_back_as_it_shut_down_has_it_sent_again_not_fa
     assert store.jobs.release("j1", token, "node@h:42")  # the child's shutdown
     assert recover_worker_lost(app, "j1", "node@h:42", "WorkerLostError") is WorkerLostOutcome.REQUEUE
     assert store.get("j1").status == PENDING and [m["headers"]["id"] for m in queued(broker)] == ["j1"]
-    # Another process's give-back is not this child's to answer for.
+    # Another process's give-back is not this child's to send again; the job runs again, so no failure.
     token = running(store, "j2", owner="node@h:43", age=-25.0)
     assert store.jobs.release("j2", token, "node@h:43")
-    assert recover_worker_lost(app, "j2", "node@h:42", "WorkerLostError") is WorkerLostOutcome.NONE
+    assert recover_worker_lost(app, "j2", "node@h:42", "WorkerLostError") is WorkerLostOutcome.LOST_RACE
     # Without acks_late the child's give-back sent the message itself: not sent twice.
     monkeypatch.setattr(app.tasks["t.work"], "acks_late", False)
     token = running(store, "j3", owner="node@h:42", age=-25.0)
