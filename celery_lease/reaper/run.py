@@ -279,8 +279,15 @@ class Reaper:
                 try:
                     messages.republish(self.app, job.id, job.payload)
                 except StoreCorrupt as exc:
-                    log.error("job %s: lost dispatch cannot be re-sent: %s", job.id, exc)
-                    result.publish_errors += 1
+                    # Failed, as an expired lease's unreadable message is: left pending, it would head every
+                    # scan and spend the budget of the lost dispatches that can be sent.
+                    reason = f"lost dispatch cannot be re-sent: message unreadable: {exc}"
+                    log.error("job %s: %s; failed", job.id, reason, extra={"action": "dead_lettered"})
+                    if self.store.reaping.fail_undispatchable(job, reason):
+                        result.failed += 1
+                        report_failure(self.app, job, reason)
+                    else:
+                        result.lost_races += 1
                     continue
                 except Exception as exc:  # noqa: BLE001 - broker down: stop publishing this run
                     result.publish_errors += 1

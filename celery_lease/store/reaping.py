@@ -216,6 +216,22 @@ class ReaperStatements:
                            detail={"dispatch_count": job.dispatch_count + 1, **(detail or {})})
             return True
 
+    def fail_undispatchable(self, job: Job, error: str) -> bool:
+        """pending -> failed for a lost dispatch whose stored message cannot be sent again, fenced on the row
+        as the scan saw it (one claimed or made pending again since holds another message)."""
+        j = self.db.t.jobs
+        with self._tx(None) as tx:
+            res = tx.execute(sa.update(j).where(
+                j.c.id == job.id, fenced_status(j.c.status, PENDING), j.c.updated_at == job.updated_at,
+                j.c.dispatch_count == job.dispatch_count, j.c.available_at == job.available_at,
+            ).values(status=FAILED, failed_at=self.db.now_sql, last_error=error[:4000],
+                     updated_at=self.db.now_sql))
+            if res.rowcount != 1:
+                return False
+            self.db._event(tx, job.id, Event.DEAD_LETTERED, error[:200],
+                           detail={"attempt": job.attempt_count})
+            return True
+
     # Not effects.py's lock statements: their INSERT IGNORE + UPDATE in one transaction
     # deadlocks on MySQL when two reapers start together (gap locks).
     def acquire_reaper_lock(self, token: str, owner: str, ttl: float) -> bool:

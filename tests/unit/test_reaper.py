@@ -539,6 +539,26 @@ def test_a_lost_dispatch_is_republished_once_and_counted(app, store, broker):
     assert Reaper(app).run_once().redispatched == 0
 
 
+def test_a_lost_dispatch_whose_stored_message_is_unreadable_fails_and_leaves_the_scan_to_the_others(
+        app, store, broker):
+    # The unreadable ones are the oldest, so the oldest-first scan meets them first in every run: left pending
+    # they would fill each run's budget, and the one that can be sent would never be.
+    j = store.t.jobs
+    for n in range(3):
+        store.publishes.record(f"bad{n}", "t.work", "celery", payload(), 3, delay=-800.0 - n)
+        with store.begin() as c:
+            c.execute(sa.update(j).where(j.c.id == f"bad{n}").values(payload="not json"))
+    store.publishes.record("good", "t.work", "celery", payload(), 3, delay=-700.0)
+    results = [Reaper(app, batch_size=3).run_once() for _ in range(2)]
+    assert sum(r.failed for r in results) == 3 and sum(r.redispatched for r in results) == 1
+    for n in range(3):
+        bad = store.get(f"bad{n}")
+        assert bad.status == FAILED and "message unreadable" in bad.last_error
+        assert [e["event"] for e in events(store, f"bad{n}")][-1] == "dead_lettered"
+    assert store.get("good").dispatch_count == 1
+    assert [m["headers"]["id"] for m in queued(broker)] == ["good"]
+
+
 def test_the_dispatch_timeout_is_per_task(app, store):
     store.publishes.record("quick", "t.quick_dispatch", "celery", payload("t.quick_dispatch"), 3, delay=-10.0)
     store.publishes.record("slow", "t.work", "celery", payload(), 3, delay=-10.0)
