@@ -161,7 +161,7 @@ class Lane:
         of those, and it fired in the duplicate delivery. With lease_group_commit a neighbour's fault can send
         a job's first run down its outage path, whose heartbeat reads the row: the point's call then comes in
         the first run, where a vanished row is recorded again and the duplicate is skipped as usual."""
-        kind, point, mode = self.jobs[job]
+        _, point, mode = self.jobs[job]
         return matrix.forgotten(point, mode) and job in self.duplicated and self.duplicated[job] is None
 
     @staticmethod
