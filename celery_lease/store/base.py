@@ -249,7 +249,8 @@ class StoreEngine:
             return migrating.migrate(self, to)
 
     def drop_schema(self) -> list[str]:
-        """Drop every table of this store (its prefix), the version table too; the tables dropped."""
+        """Drop this store's own tables (not others that share its prefix), the version table too; the tables
+        dropped."""
         import celery_lease.store.migrating as migrating
 
         with self._schema_lock:

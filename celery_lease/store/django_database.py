@@ -1,7 +1,9 @@
 """The lease store on a Django database: ``CELERY_LEASE_DATABASE = "default"`` (store.database_url).
 
 The URL follows the alias's settings_dict (the test database under Django's test runner); the store opens its
-own connections, so a heartbeat never waits on (or commits) a request's transaction."""
+own connections, so a heartbeat never waits on (or commits) a request's transaction. A ``HOST`` that starts
+with ``/`` is a Unix socket, as Django takes it; every driver ``OPTIONS`` entry reaches the URL or is refused,
+never dropped."""
 
 from __future__ import annotations
 
@@ -21,46 +23,101 @@ SETTING = "lease_database"
 DJANGO_OPTIONS = frozenset({"isolation_level", "pool", "server_side_binding", "assume_role", "cursor_factory",
                             "context", "init_command", "transaction_mode", "timeout", "check_same_thread",
                             "detect_types", "uri", "cached_statements", "factory"})
+# The last part of each ENGINE the store runs on, by database family.
+FAMILIES = {"postgresql": ("postgresql", "postgis", "postgresql_psycopg2"), "mysql": ("mysql",),
+            "sqlite": ("sqlite3", "spatialite")}
+# The keys of MySQL's OPTIONS["ssl"] (Django's documented form) that SQLAlchemy's MySQL drivers take in a URL,
+# as ``ssl_<key>``; check_hostname is a bool.
+MYSQL_SSL_KEYS = ("ca", "cert", "key", "capath", "cipher", "check_hostname")
 
 
 def store_url(alias: str) -> str:
     """The store URL of Django database ``alias`` as it is configured now (the test database in tests)."""
     from django.db import connections
-    from django.utils.connection import ConnectionDoesNotExist
 
-    try:
-        settings_dict = connections[alias].settings_dict
-    except ConnectionDoesNotExist:
+    if alias not in connections.settings:
         raise LeaseConfigError(SETTING, alias, "names no database of settings.DATABASES",
-                               "Set it to one of: " + ", ".join(connections)) from None
-    return url_from_settings(alias, settings_dict)
+                               "Set it to one of: " + ", ".join(connections))
+    # Another kind of database is named before connections[alias] loads Django's backend for it (whose
+    # driver may not even be installed: `manage.py check` would end in an ImportError).
+    _family(alias, connections.settings[alias])
+    return url_from_settings(alias, connections[alias].settings_dict)
 
 
 def url_from_settings(alias: str, settings_dict: Mapping[str, Any]) -> str:
     """The SQLAlchemy URL of one ``DATABASES`` entry (PostgreSQL, MySQL/MariaDB or SQLite)."""
+    family = _family(alias, settings_dict)
+    if family == "postgresql":
+        return _server_url(_postgres_driver(), settings_dict, _driver_options(alias, settings_dict), "host")
+    if family == "mysql":
+        query = _driver_options(alias, settings_dict, ssl=True)
+        return _server_url(_mysql_driver(), settings_dict, query, "unix_socket")
+    return _sqlite_url(alias, str(settings_dict.get("NAME") or ""))
+
+
+def _family(alias: str, settings_dict: Mapping[str, Any]) -> str:
+    """"postgresql", "mysql" or "sqlite" for an entry's ENGINE; LeaseConfigError for any other."""
     engine = str(settings_dict.get("ENGINE") or "")
     vendor = engine.rsplit(".", 1)[-1]
-    if vendor in ("postgresql", "postgis", "postgresql_psycopg2"):
-        return _server_url(_postgres_driver(), settings_dict)
-    if vendor == "mysql":
-        return _server_url(_mysql_driver(), settings_dict)
-    if vendor in ("sqlite3", "spatialite"):
-        return _sqlite_url(alias, str(settings_dict.get("NAME") or ""))
+    for family, vendors in FAMILIES.items():
+        if vendor in vendors:
+            return family
     raise LeaseConfigError(SETTING, alias, f"is a {engine or 'ENGINE-less'} database",
                            "The store runs on PostgreSQL, MySQL/MariaDB or SQLite: name such an alias, "
                            "or set lease_store_url instead.")
 
 
-def _server_url(drivername: str, settings_dict: Mapping[str, Any]) -> str:
-    options = settings_dict.get("OPTIONS") or {}
-    query = {key: str(value) for key, value in options.items()
-             if key not in DJANGO_OPTIONS and isinstance(value, (str, int)) and not isinstance(value, bool)}
+def _server_url(drivername: str, settings_dict: Mapping[str, Any], query: dict[str, str], socket: str) -> str:
+    """``socket``: the driver's URL parameter for a Unix socket ``HOST`` (PostgreSQL's directory, MySQL's
+    socket file), which as the URL's host would be read as a host name and a database path."""
+    host = str(settings_dict.get("HOST") or "") or None
+    if host is not None and host.startswith("/"):
+        query[socket], host = host, None
     port = settings_dict.get("PORT")
     url = sa.engine.URL.create(drivername, username=settings_dict.get("USER") or None,
                                password=settings_dict.get("PASSWORD") or None,
-                               host=settings_dict.get("HOST") or None, port=int(port) if port else None,
+                               host=host, port=int(port) if port else None,
                                database=str(settings_dict.get("NAME") or "") or None, query=query)
     return url.render_as_string(hide_password=False)
+
+
+def _driver_options(alias: str, settings_dict: Mapping[str, Any], ssl: bool = False) -> dict[str, str]:
+    """The driver's ``OPTIONS`` as URL query parameters (Django's own left out, an unset one too), with
+    ``ssl``: MySQL's ``OPTIONS["ssl"]`` dict as its ``ssl_*`` parameters. One that a URL cannot carry is a
+    LeaseConfigError naming it, never dropped: the store would connect without it (without TLS)."""
+    query: dict[str, str] = {}
+    for key, value in (settings_dict.get("OPTIONS") or {}).items():
+        if key in DJANGO_OPTIONS or value is None:
+            continue
+        if ssl and key == "ssl" and isinstance(value, Mapping):
+            query.update(_mysql_ssl(alias, value))
+        elif isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            query[key] = str(value)
+        else:
+            # A bool too: the driver would read "False" as a true string. The value is not shown (a secret?).
+            kind = type(value).__name__
+            raise LeaseConfigError(SETTING, alias, f"has OPTIONS[{key!r}], a {kind}, which the store's own "
+                                   "connections cannot take: their URL carries strings and numbers",
+                                   "Give the driver that option as a string or a number, remove it, or put "
+                                   "the store on CELERY_LEASE_STORE_URL (a URL of its own) instead of "
+                                   "CELERY_LEASE_DATABASE.")
+    return query
+
+
+def _mysql_ssl(alias: str, ssl: Mapping[str, Any]) -> dict[str, str]:
+    """MySQL's ``OPTIONS["ssl"]`` dict as the ``ssl_*`` URL parameters SQLAlchemy's MySQL drivers take."""
+    query = {}
+    for key, value in ssl.items():
+        valid = isinstance(value, bool) if key == "check_hostname" else isinstance(value, (str, os.PathLike))
+        if key not in MYSQL_SSL_KEYS or not valid:
+            what = f"a {type(value).__name__}" if key in MYSQL_SSL_KEYS else "a key"
+            raise LeaseConfigError(SETTING, alias, f"has OPTIONS['ssl'][{key!r}], {what} the store's own "
+                                   "connections cannot take",
+                                   f"They take the keys {', '.join(MYSQL_SSL_KEYS)} (check_hostname True or "
+                                   "False, the others a path or a name): write the TLS settings so, or put "
+                                   "the store on CELERY_LEASE_STORE_URL instead of CELERY_LEASE_DATABASE.")
+        query[f"ssl_{key}"] = ("true" if value else "false") if key == "check_hostname" else str(value)
+    return query
 
 
 def _sqlite_url(alias: str, name: str) -> str:

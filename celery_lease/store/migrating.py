@@ -70,7 +70,7 @@ def _target(to: str) -> str:
     return target
 
 
-def _migrate(conn: Connection, store: object, to: str) -> list[str]:
+def _migrate(conn: Connection, store: object, to: str, downgrade: bool) -> list[str]:
     prefix = store.prefix  # type: ignore[attr-defined]
     target = _target(to)
     revision = migrations.current(conn, prefix)
@@ -87,6 +87,8 @@ def _migrate(conn: Connection, store: object, to: str) -> list[str]:
         done += _recognise_first_release(conn, prefix)
         revision = migrations.FIRST
     order = migrations.revisions()
+    if not downgrade and (revision not in order or order.index(revision) >= order.index(target)):
+        return done  # already at or past ``to`` (a newer release's revision is past every one known here)
     if order.index(target) > order.index(revision):
         migrations.upgrade(conn, prefix, target)
         done.append(f"upgraded revision {revision} -> {target}")
@@ -96,13 +98,16 @@ def _migrate(conn: Connection, store: object, to: str) -> list[str]:
     return done
 
 
-def migrate(store: object, to: str = "head") -> list[str]:
-    """Bring the store to revision ``to``; returns what was done (empty: already there)."""
+def migrate(store: object, to: str = "head", *, downgrade: bool = True) -> list[str]:
+    """Bring the store to revision ``to``; returns what was done (empty: already there).
+
+    ``downgrade=False`` only upgrades: a store already at or past ``to`` is left as it is (a Django
+    forwards migration, run after a worker start or `lease migrate` brought the store further)."""
     for attempt in (1, 2):
         try:
             # DDL is no lease's business: it gets the long bound of operators' calls.
             with store.begin(long=True) as conn:  # type: ignore[attr-defined]
-                done = _migrate(conn, store, to)
+                done = _migrate(conn, store, to, downgrade)
             break
         except (SchemaMismatch, LeaseConfigError):
             raise
@@ -167,11 +172,16 @@ def ensure(store: object, create: bool = False) -> str:
 
 
 def drop(store: object) -> list[str]:
-    """Drop every table under the store's prefix, its version table included; the tables dropped."""
-    prefix = store.prefix  # type: ignore[attr-defined]
+    """Drop the store's own tables, its version table included; the tables dropped.
+
+    Its own: the newest schema's tables (every revision only added tables) and the version table, as
+    they exist now. An application's table that merely starts with the prefix (``shop_order`` beside
+    the store's ``shop_jobs``) is not the store's and stays."""
+    own = {table.name for table in store.t.metadata.tables.values()}  # type: ignore[attr-defined]
+    own.add(migrations.version_table(store.prefix))  # type: ignore[attr-defined]
     tables = sa.MetaData()
     with store.begin(long=True) as conn:  # type: ignore[attr-defined]
-        tables.reflect(conn, only=lambda name, _: name.startswith(prefix))
+        tables.reflect(conn, only=lambda name, _: name in own)
         tables.drop_all(conn)
     store.revision = None  # type: ignore[attr-defined]
     return sorted(tables.tables)

@@ -18,12 +18,13 @@ import celery_lease.store.schema as schema
 from ..context import BODY
 from ..errors import LeaseLost, StoreRejected, StoreUnavailable
 from ..store.base import uninterrupted
+from ..store.caller import is_django
 from ..store.django_database import holds_store_file
 from ..store.effects import advance_statement
 from ..vocabulary import EffectOutcome, Event, StoreFailure
 from .handles import LeaseHandle
 
-__all__ = ["effect", "advance", "connection_for"]
+__all__ = ["effect", "advance", "connection_for", "refuse_autocommit"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,17 @@ def connection_for(using: str) -> Any:
     return connections[using]
 
 
+def refuse_autocommit(connection: Any, key: str) -> None:
+    """A Django connection outside ``transaction.atomic()`` commits each statement alone: the key would commit
+    before the block runs, and a crash before the block's own writes would lose the effect for good."""
+    if is_django(connection) and connection.get_autocommit():
+        alias = connection.alias
+        raise ValueError(f"effect({key!r}) on Django database {alias!r} outside transaction.atomic(using="
+                         f"{alias!r}): that connection is in autocommit, so the key would commit alone before"
+                         " the block runs and a crash before the block's writes would lose the effect for"
+                         f" good; wrap the block in transaction.atomic(using={alias!r})")
+
+
 def refuse_in_own_transaction(store: Any, exc: StoreUnavailable, call: str, instead: str) -> None:
     """A write that timed out inside this thread's atomic block holding the store's SQLite file waited on
     itself: a clear error, not an outage to wait out until the lease is lost."""
@@ -59,6 +71,8 @@ def effect(lease: LeaseHandle, key: str, connection: Connection | None = None) -
     """``with effect(lease, key) as first:`` do the side effect only when ``first``; a block that raises frees
     the key (in ``connection``'s transaction when given) so a later attempt performs it."""
     check_key("effect key", key)
+    if connection is not None:
+        refuse_autocommit(connection, key)
     lease.check()
     store = lease.store
     if connection is None:

@@ -144,9 +144,10 @@ class LocalLease:
     def _effect_in(self, key: str, connection: Any, using: str | None) -> Iterator[bool]:
         from ..errors import StoreUnavailable
         from ..store import for_app
-        from .effects import connection_for
+        from .effects import connection_for, refuse_autocommit
 
         connection = connection_for(using) if using is not None else connection
+        refuse_autocommit(connection, key)
         store = for_app(self.app, check=False)
         first = store.effects.record_unfenced_effect_in(connection, key, self.job_id) == EffectOutcome.FIRST
         try:

@@ -175,11 +175,11 @@ def orm(request, order_model, redis_url):
     Order = order_model
 
     @app.task(base=LeaseTask, bind=True, shared=False, name="orm.place")
-    def place(self, number, fail=False, by_alias=False, store_own=False, written=True):
+    def place(self, number, fail=False, by_alias=False, store_own=False, written=True, atomic=True):
         from django.db import transaction
 
         try:
-            with transaction.atomic(using=alias):
+            with transaction.atomic(using=alias) if atomic else contextlib.nullcontext():
                 if written:
                     Order.objects.using(alias).create(number=number)
                 where = {"using": alias} if by_alias else {"connection": connections[alias]}
@@ -259,6 +259,31 @@ def test_an_eager_body_failing_after_the_effect_block_rolls_back_key_and_row(orm
     assert orders(alias, order_model, "e-2") == 0
     assert store.reports.effect_record("order-placed:e-2") is None
     assert place.apply(("e-2",)).get() is True  # the effect was not lost
+
+
+def test_an_eager_effect_on_a_django_connection_in_autocommit_is_refused_naming_the_fix(orm, order_model):
+    app, store, alias = orm
+    place = app.tasks["orm.place"]
+    # The key would commit alone, before the block's ORM write: a crash in between loses the effect.
+    with pytest.raises(ValueError, match=rf"wrap the block in transaction\.atomic\(using='{alias}'\)"):
+        place.apply(("e-3",), {"by_alias": True, "atomic": False, "written": False}).get()
+    assert store.reports.effect_record("order-placed:e-3") is None
+    assert orders(alias, order_model, "e-3") == 0
+
+
+def test_an_effect_on_a_django_connection_in_autocommit_fails_the_job_naming_the_fix_in_a_worker(
+        orm, order_model):
+    from celery.contrib.testing.worker import start_worker
+
+    app, store, alias = orm
+    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+        result = app.tasks["orm.place"].delay("w-5", atomic=False, written=False)
+        wait_for(lambda: settled(store, result.id), timeout=30, message="the job did not end")
+    job = store.get(result.id)
+    assert job.status == "failed", job
+    assert f"wrap the block in transaction.atomic(using='{alias}')" in (job.last_error or ""), job.last_error
+    assert store.reports.effect_record("order-placed:w-5") is None
+    assert orders(alias, order_model, "w-5") == 0
 
 
 def test_base_lease_task_keeps_delay_on_commit_where_djangos_fixup_set_the_task_class(tmp_path, transaction):

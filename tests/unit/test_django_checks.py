@@ -44,3 +44,29 @@ def test_every_lease_setting_problem_is_a_django_error_named_as_written_with_its
     assert "HINT: rename CELERY_LEASE_HEARTBEAT_INTERVL to CELERY_LEASE_HEARTBEAT_INTERVAL" in out
     assert "CELERY_LEASE_MAX_ATTEMPTS: (celery_lease.E002) lease_max_attempts=0 is invalid" in out
     assert "System check identified 3 issues" in out
+
+
+@pytest.mark.parametrize(("lease", "named"), [
+    ({"CELERY_LEASE_DATABASE": "defualt"},
+     "lease_database='defualt' is invalid: names no database of settings.DATABASES. Set it to one of: "
+     "default"),
+    ({"CELERY_LEASE_DATABASE": "default",
+      "DATABASES": {"default": {"ENGINE": "django.db.backends.oracle", "NAME": "shop"}}},
+     "lease_database='default' is invalid: is a django.db.backends.oracle database"),
+    ({"CELERY_LEASE_DATABASE": "default"},  # the project's database is SQLite's private :memory:
+     "lease_database='default' is invalid: is a private in-memory SQLite database (:memory:)"),
+], ids=["unknown-alias", "unsupported-engine", "private-memory-sqlite"])
+def test_a_database_the_store_cannot_open_is_a_django_error_naming_it_and_the_fix(tmp_path, lease, named):
+    result = manage_check(tmp_path, **lease)
+    assert result.returncode == 1, result.stdout
+    assert f"CELERY_LEASE_DATABASE: (celery_lease.E003) {named}" in result.stderr
+    assert ("HINT: point CELERY_LEASE_DATABASE at a PostgreSQL, MySQL/MariaDB or SQLite-file entry of "
+            "settings.DATABASES that the store can open, or put the store on CELERY_LEASE_STORE_URL "
+            "instead") in result.stderr
+
+
+def test_a_database_the_store_can_open_passes_the_check(tmp_path):
+    result = manage_check(tmp_path, CELERY_LEASE_DATABASE="default", DATABASES={"default": {
+        "ENGINE": "django.db.backends.sqlite3", "NAME": str(tmp_path / "db.sqlite3")}})
+    assert result.returncode == 0, result.stderr
+    assert "no issues" in result.stdout

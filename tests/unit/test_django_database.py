@@ -2,7 +2,8 @@
 
 Pure unit tests of the URL each backend's settings give (the drivers of this venv: psycopg 3 and
 PyMySQL), and ``manage.py check`` refusing the store on both a database alias and a URL. The
-store opening those databases for real is shown by test_django_testing.py and test_django_schema.py.
+store opening those databases for real is shown by test_django_testing.py and test_django_schema.py;
+here only through a Unix socket ``HOST``, where this machine has one.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import pytest
 import sqlalchemy as sa
 
 from celery_lease.errors import LeaseConfigError
+from celery_lease.store import Store
+from tests.conftest import service_url, unique_prefix
 
 pytest.importorskip("django")
 
@@ -81,3 +84,71 @@ def test_manage_check_refuses_a_store_on_both_a_database_alias_and_a_url(tmp_pat
     assert result.returncode == 1
     assert ("CELERY_LEASE_DATABASE: (celery_lease.E002) lease_database='default' is invalid: is set together "
             "with CELERY_LEASE_STORE_URL") in result.stderr
+
+
+def test_a_socket_host_reaches_the_driver_as_its_socket_parameter_not_as_a_host_name():
+    postgres = sa.engine.make_url(url_from_settings("default", {
+        "ENGINE": "django.db.backends.postgresql", "NAME": "app", "USER": "shop",
+        "HOST": "/cloudsql/proj:region:inst", "PORT": "5432"}))
+    assert (postgres.host, postgres.port, postgres.database) == (None, 5432, "app")
+    assert dict(postgres.query) == {"host": "/cloudsql/proj:region:inst"}
+    mysql = sa.engine.make_url(url_from_settings("default", {
+        "ENGINE": "django.db.backends.mysql", "NAME": "app", "USER": "root", "HOST": "/run/mysqld/db.sock"}))
+    assert (mysql.host, mysql.database) == (None, "app")
+    assert dict(mysql.query) == {"unix_socket": "/run/mysqld/db.sock"}
+
+
+# Where this machine's servers listen on a Unix socket (the Debian packages' places).
+SOCKETS = {"postgres": ("/var/run/postgresql", ".s.PGSQL.5432", "postgresql"),
+           "mysql": ("/run/mysqld/mysqld.sock", "", "mysql")}
+
+
+@pytest.mark.parametrize("service", ["postgres", "mysql"])
+def test_the_store_on_a_socket_host_connects_through_that_socket(service):
+    path, socket_file, engine = SOCKETS[service]
+    socket = os.path.join(path, socket_file) if socket_file else path
+    if not os.path.exists(socket):
+        pytest.skip(f"no {service} Unix socket at {socket} on this machine")
+    server = sa.engine.make_url(service_url(service))
+    if service == "mysql":
+        pytest.importorskip("pymysql")
+    url = url_from_settings("default", {"ENGINE": f"django.db.backends.{engine}", "NAME": server.database,
+                                        "USER": server.username, "PASSWORD": server.password or "",
+                                        "HOST": path, "PORT": ""})
+    store = Store(url, unique_prefix())
+    try:
+        with store.engine.connect() as conn:
+            if service == "postgres":  # no server address: the session came through the socket
+                assert conn.exec_driver_sql("SELECT inet_server_addr() IS NULL").scalar() is True
+            else:  # a TCP session's host is "address:port"
+                assert conn.exec_driver_sql("SELECT host FROM information_schema.processlist "
+                                            "WHERE id = CONNECTION_ID()").scalar() == "localhost"
+    finally:
+        store.dispose()
+
+
+def test_mysql_ssl_options_reach_the_url_as_the_drivers_ssl_parameters():
+    url = sa.engine.make_url(url_from_settings("default", {
+        "ENGINE": "django.db.backends.mysql", "NAME": "app", "USER": "root", "HOST": "db",
+        "OPTIONS": {"charset": "utf8mb4", "ssl": {"ca": "/etc/ca.pem", "cert": "/etc/client.pem",
+                                                  "key": Path("/etc/client.key"), "check_hostname": False}}}))
+    assert dict(url.query) == {"charset": "utf8mb4", "ssl_ca": "/etc/ca.pem", "ssl_cert": "/etc/client.pem",
+                               "ssl_key": "/etc/client.key", "ssl_check_hostname": "false"}
+    # What the driver is given: TLS, not a connection without it.
+    engine = sa.create_engine(url)
+    try:
+        assert engine.dialect.create_connect_args(engine.url)[1]["ssl"] == {
+            "ca": "/etc/ca.pem", "cert": "/etc/client.pem", "key": "/etc/client.key", "check_hostname": False}
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize(("options", "named"), [
+    ({"ssl": {"ca": "/etc/ca.pem", "verify_mode": 2}}, r"OPTIONS\['ssl'\]\['verify_mode'\], a key"),
+    ({"conv": {1: str}}, r"OPTIONS\['conv'\], a dict,"),
+    ({"autocommit": False}, r"OPTIONS\['autocommit'\], a bool,"),
+], ids=["ssl-key", "dict", "bool"])
+def test_an_option_the_stores_url_cannot_carry_is_refused_naming_it_and_the_fix(options, named):
+    with pytest.raises(LeaseConfigError, match=named + r".*CELERY_LEASE_STORE_URL"):
+        url_from_settings("default", {"ENGINE": "django.db.backends.mysql", "NAME": "app", "HOST": "db",
+                                      "OPTIONS": options})

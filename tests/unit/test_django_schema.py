@@ -78,23 +78,76 @@ def migrate_back_and_forth(database: dict, url: str) -> None:
         store.dispose()
 
 
-def test_migrate_creates_an_older_revision_then_upgrades_the_store_to_head_on_sqlite(tmp_path):
-    path = tmp_path / "db.sqlite3"
-    migrate_back_and_forth({"ENGINE": "django.db.backends.sqlite3", "NAME": str(path)}, f"sqlite:///{path}")
-
-
-def test_migrate_creates_an_older_revision_then_upgrades_the_store_to_head_on_postgresql(postgres_url):
+@pytest.fixture(params=["sqlite", "postgres"])
+def project_database(request, tmp_path):
+    """(the Django DATABASES entry, the store's URL) of a database of this test's own."""
+    if request.param == "sqlite":
+        path = tmp_path / "db.sqlite3"
+        yield {"ENGINE": "django.db.backends.sqlite3", "NAME": str(path)}, f"sqlite:///{path}"
+        return
+    postgres_url = request.getfixturevalue("postgres_url")
     name = f"lease_dj_{uuid.uuid4().hex[:8]}"
     server = sa.create_engine(postgres_url, isolation_level="AUTOCOMMIT")
     with server.connect() as conn:
         conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
     try:
         parts = urlsplit(postgres_url)
-        database = {"ENGINE": "django.db.backends.postgresql", "NAME": name, "USER": parts.username,
-                    "PASSWORD": parts.password or "", "HOST": parts.hostname, "PORT": str(parts.port or 5432)}
-        migrate_back_and_forth(database, sa.engine.make_url(postgres_url).set(database=name)
-                               .render_as_string(hide_password=False))
+        yield ({"ENGINE": "django.db.backends.postgresql", "NAME": name, "USER": parts.username,
+                "PASSWORD": parts.password or "", "HOST": parts.hostname, "PORT": str(parts.port or 5432)},
+               sa.engine.make_url(postgres_url).set(database=name).render_as_string(hide_password=False))
     finally:
         with server.connect() as conn:
             conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}"')
         server.dispose()
+
+
+def test_migrate_creates_an_older_revision_then_upgrades_the_store_to_head(project_database):
+    migrate_back_and_forth(*project_database)
+
+
+def test_migrate_leaves_a_store_a_worker_already_brought_to_head_with_its_rows(project_database):
+    database, url = project_database
+    # Given a store created at head by a worker start (or `lease migrate`), with a kept result
+    store = Store(url, PREFIX)
+    try:
+        migrating.migrate(store)
+        with store.begin() as c:
+            c.execute(store.t.jobs.insert().values(
+                id="j-1", task_name="shop.pay", status="completed", attempt_count=1, max_attempts=3,
+                expired_count=0, dispatch_count=0, available_at=0, created_at=0, updated_at=0,
+                result="KEPT-RESULT"))
+    finally:
+        store.dispose()
+
+    # When the project runs Django's migrations (0001 first, as on a new project)
+    manage(database, "migrate", "celery_lease")
+
+    # Then no step took the store down: it stays at head and keeps its rows
+    assert revision(url) == store_migrations.head()
+    store = Store(url, PREFIX)
+    try:
+        with store.begin() as c:
+            assert c.execute(sa.select(store.t.jobs.c.result)).scalars().all() == ["KEPT-RESULT"]
+    finally:
+        store.dispose()
+
+
+def test_migrate_zero_drops_the_store_and_leaves_a_project_table_that_shares_its_prefix(tmp_path):
+    path = tmp_path / "db.sqlite3"
+    database, url = {"ENGINE": "django.db.backends.sqlite3", "NAME": str(path)}, f"sqlite:///{path}"
+    manage(database, "migrate", "celery_lease")
+    engine = sa.create_engine(url)
+    try:
+        order = sa.Table(f"{PREFIX}order", sa.MetaData(), sa.Column("id", sa.Integer, primary_key=True))
+        with engine.begin() as c:
+            order.create(c)
+            c.execute(order.insert().values(id=1))
+
+        manage(database, "migrate", "celery_lease", "zero")
+
+        names = [n for n in sa.inspect(engine).get_table_names() if n.startswith(PREFIX)]
+        assert names == [f"{PREFIX}order"]
+        with engine.begin() as c:
+            assert c.execute(sa.select(order.c.id)).scalars().all() == [1]
+    finally:
+        engine.dispose()

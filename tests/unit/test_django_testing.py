@@ -19,6 +19,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+import sqlalchemy as sa
 
 pytest.importorskip("django")
 
@@ -53,6 +54,56 @@ def test_eager_leases_go_to_each_parallel_clone_of_the_postgresql_test_database(
     assert f"Ran {CASES} tests" in result.stderr and "\nOK" in result.stderr
     assert "Cloning test database" in result.stderr
     assert f"Destroying test database for alias 'default' ('{database['TEST']['NAME']}_2')" in result.stderr
+
+
+def store_rows(postgres_url: str, names: list[str]) -> int:
+    """The store rows (jobs and effect keys) left in each of these databases that exists."""
+    from celery_lease.store import Store
+
+    server = sa.create_engine(postgres_url)
+    try:
+        with server.connect() as conn:
+            existing = set(conn.execute(sa.text("SELECT datname FROM pg_database")).scalars())
+    finally:
+        server.dispose()
+    rows = 0
+    for name in [n for n in names if n in existing]:
+        database_url = sa.engine.make_url(postgres_url).set(database=name)
+        store = Store(database_url.render_as_string(hide_password=False))
+        try:
+            with store.begin() as conn:
+                for table in (store.t.jobs, store.t.effects):
+                    rows += conn.execute(sa.select(sa.func.count()).select_from(table)).scalar_one()
+        finally:
+            store.dispose()
+    return rows
+
+
+@pytest.mark.parametrize("parallel", [1, 2], ids=["test-database", "parallel-clones"])
+def test_a_kept_test_database_starts_each_run_with_an_empty_store(tmp_path, postgres_url, parallel):
+    url = urlsplit(postgres_url)
+    name = f"test_lease_{uuid.uuid4().hex[:8]}"
+    names = [name, *(f"{name}_{n}" for n in range(1, parallel + 1) if parallel > 1)]
+    database = {"ENGINE": "django.db.backends.postgresql", "NAME": url.path.lstrip("/"), "USER": url.username,
+                "PASSWORD": url.password or "", "HOST": url.hostname, "PORT": str(url.port or 5432),
+                "TEST": {"NAME": name}}
+    try:
+        left = []
+        for run in (1, 2):
+            # The cases take effect keys and an idempotency key whose first run they assert.
+            result = run_cases(tmp_path, database, "--keepdb", "--parallel", str(parallel))
+            assert result.returncode == 0, f"run {run}: {result.stderr}"
+            assert f"Ran {CASES} tests" in result.stderr and "\nOK" in result.stderr
+            left.append(store_rows(postgres_url, names))
+        assert left[0] > 0 and left[1] == left[0]  # the second run's rows only, not both runs'
+    finally:
+        server = sa.create_engine(postgres_url, isolation_level="AUTOCOMMIT")
+        try:
+            with server.connect() as conn:
+                for kept in names:
+                    conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{kept}"')
+        finally:
+            server.dispose()
 
 
 def test_the_runner_refuses_a_store_that_follows_no_database(tmp_path):

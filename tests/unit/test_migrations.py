@@ -236,6 +236,36 @@ def test_drop_schema_removes_every_table_of_the_store_and_only_those(store_facto
     assert f"{other.prefix}jobs" in names
 
 
+def test_drop_schema_leaves_an_application_table_that_shares_the_prefix(store_factory):
+    store = store_factory(reuse=False)
+    order = sa.Table(f"{store.prefix}order", sa.MetaData(),
+                     sa.Column("id", sa.Integer, primary_key=True, autoincrement=False))
+    with store.engine.begin() as c:
+        order.create(c)
+        c.execute(order.insert().values(id=1))
+    try:
+        dropped = store.drop_schema()
+
+        assert f"{store.prefix}jobs" in dropped and order.name not in dropped
+        assert [n for n in sa.inspect(store.engine).get_table_names() if n.startswith(store.prefix)] == [
+            order.name]
+        with store.engine.begin() as c:
+            assert c.execute(sa.select(order.c.id)).scalars().all() == [1]
+    finally:
+        order.drop(store.engine, checkfirst=True)
+
+
+def test_migrate_without_downgrade_only_ever_upgrades(store_factory):
+    from celery_lease.store import migrating
+
+    store = store_factory(migrate=False)
+    store.migrate(to="0003")
+
+    assert migrating.migrate(store, "0005", downgrade=False) == ["upgraded revision 0003 -> 0005"]
+    assert migrating.migrate(store, "0002", downgrade=False) == []
+    assert migrating.describe(store) == ("0005", True)
+
+
 def test_a_worker_refuses_to_start_against_an_old_schema(tmp_path):
     import os
     import subprocess

@@ -8,11 +8,13 @@ from django.core.checks import CheckMessage, Error
 
 from ...config import BY_NAME, UNKNOWN, fix_for, load, problems_of, written_as
 from ...errors import LeaseConfigError
+from ...store import database_url
 
-__all__ = ["check_lease_settings", "UNKNOWN_SETTING", "INVALID_SETTING"]
+__all__ = ["check_lease_settings", "UNKNOWN_SETTING", "INVALID_SETTING", "UNUSABLE_DATABASE"]
 
 UNKNOWN_SETTING = "celery_lease.E001"  # a CELERY_LEASE_* name that is no setting (a typo)
 INVALID_SETTING = "celery_lease.E002"  # a setting whose value breaks its rule or another's
+UNUSABLE_DATABASE = "celery_lease.E003"  # CELERY_LEASE_DATABASE names a database the store cannot open
 
 
 def check_lease_settings(app_configs: Any = None, **_: Any) -> list[CheckMessage]:
@@ -22,11 +24,21 @@ def check_lease_settings(app_configs: Any = None, **_: Any) -> list[CheckMessage
     app = current_app._get_current_object()
     namespace = getattr(app, "namespace", None)
     try:
-        load(app.conf, namespace)
+        cfg = load(app.conf, namespace)
     except LeaseConfigError as exc:
         return [Error(str(problem), hint=fix_for(problem), obj=_as_written(problem.setting, namespace),
                       id=UNKNOWN_SETTING if problem.rule == UNKNOWN else INVALID_SETTING)
                 for problem in problems_of(exc)]
+    try:
+        # The alias's settings as Django has them now: under the test runner, which checks once its test
+        # databases exist, the test database (a shared in-memory one for an in-memory SQLite database).
+        database_url(cfg)
+    except LeaseConfigError as exc:
+        setting = _as_written("lease_database", namespace)
+        return [Error(str(exc), obj=setting, id=UNUSABLE_DATABASE,
+                      hint=f"point {setting} at a PostgreSQL, MySQL/MariaDB or SQLite-file entry of "
+                           "settings.DATABASES that the store can open, or put the store on "
+                           f"{_as_written('lease_store_url', namespace)} instead")]
     return []
 
 

@@ -1,7 +1,8 @@
 """The store's schema revisions as Django migrations: ``manage.py migrate`` creates and upgrades the store.
 
-Alembic's version table stays the truth; on a database other than ``CELERY_LEASE_DATABASE``'s a
-migration does nothing.
+Alembic's version table stays the truth: a forwards step only upgrades (a store a worker start or `lease
+migrate` already brought further is left there), only a backwards step downgrades. On a database other
+than ``CELERY_LEASE_DATABASE``'s a migration does nothing.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def _lease_store(alias: str) -> Any:
 
 
 class RunStoreRevision(migrations.RunPython):
-    """Bring the lease store to ``revision`` (forwards), or to the revision before it (backwards)."""
+    """Bring the lease store up to ``revision`` (forwards: never down), or to the revision before it
+    (backwards)."""
 
     reduces_to_sql = False
 
@@ -48,7 +50,7 @@ class RunStoreRevision(migrations.RunPython):
         store = _lease_store(schema_editor.connection.alias)
         if store is not None:
             try:
-                migrating.migrate(store, self.revision)
+                migrating.migrate(store, self.revision, downgrade=False)
             finally:
                 store.dispose()  # a test database is cloned (or dropped) next: no session may stay
 

@@ -1,5 +1,8 @@
 """Eager leases on Django's test database with Django's runner
-(``TEST_RUNNER = "celery_lease.contrib.django.testing.LeaseTestRunner"``)."""
+(``TEST_RUNNER = "celery_lease.contrib.django.testing.LeaseTestRunner"``).
+
+The store commits on connections of its own, so a test database kept by ``--keepdb`` (and its kept
+``--parallel`` clones) keeps the last run's store rows: the runner deletes them before the tests run."""
 
 from __future__ import annotations
 
@@ -8,12 +11,14 @@ from typing import Any
 from django.test.runner import DiscoverRunner
 
 import celery_lease.store as stores
+import celery_lease.store.migrating as migrating
 
 from ...config import app_config
 from ...errors import LeaseConfigError
+from ...store.django_database import url_from_settings
 from .reload import reload
 
-__all__ = ["LeaseTestRunner", "eager_leases_on_test_database"]
+__all__ = ["LeaseTestRunner", "eager_leases_on_test_database", "clear_kept_stores"]
 
 
 def current_celery_app() -> Any:
@@ -34,12 +39,37 @@ def eager_leases_on_test_database(app: Any) -> None:
     reload(app)
 
 
+def clear_kept_stores(app: Any, parallel: int = 0) -> int:
+    """Delete the rows of ``app``'s store on the test database and, with ``parallel`` > 1, on each of its
+    clones (Django keeps an existing clone under ``--keepdb``); the rows deleted. A previous run's effect
+    and idempotency keys would otherwise make this run's first effects and keyed jobs seconds."""
+    from django.db import connections
+
+    cfg = app_config(app)
+    connection = connections[cfg.database]
+    databases = [connection.settings_dict]
+    if parallel > 1:
+        databases += [connection.creation.get_test_db_clone_settings(str(n)) for n in range(1, parallel + 1)]
+    deleted = 0
+    for settings_dict in databases:
+        store = stores.Store.from_config(cfg, url=url_from_settings(cfg.database, settings_dict))
+        try:
+            if migrating.describe(store)[1]:  # a clone of an in-memory database is a new, empty one
+                deleted += migrating.clear(store)
+        finally:
+            store.dispose()
+    return deleted
+
+
 class LeaseTestRunner(DiscoverRunner):
     """Django's test runner; eager leases go to the lease store on the test database."""
 
     def setup_databases(self, **kwargs: Any) -> Any:
         old_config = super().setup_databases(**kwargs)
-        eager_leases_on_test_database(current_celery_app())
+        app = current_celery_app()
+        eager_leases_on_test_database(app)
+        if self.keepdb:
+            clear_kept_stores(app, self.parallel)
         return old_config
 
     def teardown_databases(self, old_config: Any, **kwargs: Any) -> None:
