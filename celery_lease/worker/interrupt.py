@@ -20,7 +20,7 @@ from ..errors import LeaseLost
 from ..store.base import uninterrupted
 
 __all__ = ["Interrupter", "ThreadInterrupter", "GreenletInterrupter", "raise_in_thread", "for_process",
-           "uninterrupted", "BODY", "SoftLimit", "soft_limit_held"]
+           "uninterrupted", "BODY", "SoftLimit", "soft_limit_held", "worker_terminating", "worker_leaving"]
 
 log = logging.getLogger(__name__)
 
@@ -212,3 +212,23 @@ def soft_limit_held(job_id: str | None, enabled: bool) -> Iterator[SoftLimit]:
         yield soft
     finally:
         soft.end()
+
+
+def worker_terminating() -> bool:
+    """True once a cold shutdown began in this worker (Celery's own flag)."""
+    from celery.worker import state
+
+    return bool(state.should_terminate)
+
+
+def worker_leaving(exc: BaseException) -> bool:
+    """True when a BaseException means the worker is shutting down, not that the body failed."""
+    from billiard import common
+    from celery.exceptions import WorkerShutdown, WorkerTerminate
+    from celery.worker import state
+
+    if isinstance(exc, (WorkerShutdown, WorkerTerminate)) or state.should_stop or state.should_terminate:
+        return True
+    # A prefork child's terminate handler raises SystemExit in whatever runs; billiard flags it.
+    fired = getattr(common, "terminate_handler_fired", None)
+    return bool(fired is not None and fired())

@@ -5,6 +5,7 @@ store is unreachable and never looping on a rejection, then end the delivery as 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import secrets
@@ -12,7 +13,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from celery import Task, states
-from celery.exceptions import Ignore, Reject, Retry, WorkerShutdown, WorkerTerminate
+from celery.exceptions import Ignore, Reject, Retry
 
 import celery_lease.deadline as deadline
 import celery_lease.messaging.backend as results
@@ -164,25 +165,6 @@ def _store_started(task: Any, request: Any, lease: Lease) -> None:
                     extra={"action": "started_not_stored"})
 
 
-def _worker_terminating() -> bool:
-    """True once a cold shutdown began in this worker (Celery's own flag)."""
-    from celery.worker import state
-
-    return bool(state.should_terminate)
-
-
-def _worker_leaving(exc: BaseException) -> bool:
-    """True when a BaseException means the worker is shutting down, not that the body failed."""
-    from billiard import common
-    from celery.worker import state
-
-    if isinstance(exc, (WorkerShutdown, WorkerTerminate)) or state.should_stop or state.should_terminate:
-        return True
-    # A prefork child's terminate handler raises SystemExit in whatever runs; billiard flags it.
-    fired = getattr(common, "terminate_handler_fired", None)
-    return bool(fired is not None and fired())
-
-
 def _body(task: Any, lease: Lease, args: tuple[Any, ...],
           kwargs: dict[str, Any]) -> tuple[RunEnd, Any, BaseException | None]:
     try:
@@ -205,16 +187,17 @@ def _body(task: Any, lease: Lease, args: tuple[Any, ...],
         # A library call in the body that cannot wait for the store (a publish, a hand-over).
         return RunEnd.OUTAGE, None, exc
     except Exception as exc:  # noqa: BLE001 - named here, raised again by the settle step
-        if _worker_terminating():
+        if interrupt.worker_terminating():
             return RunEnd.SHUTDOWN, None, exc
         # Raised after the loss (the interruption, or a LeaseLost turned into another error): no failure.
         return (RunEnd.LOST if lease.lost else RunEnd.FAILED), None, exc
     except BaseException as exc:  # noqa: BLE001 - named here, raised again by the settle step
-        if _worker_leaving(exc):
+        if interrupt.worker_leaving(exc):
             return RunEnd.SHUTDOWN, None, exc
         # The body's own SystemExit, KeyboardInterrupt or gevent.Timeout: final, as in plain Celery.
         return RunEnd.FAILED, None, exc
     return (RunEnd.REPLACED if lease.handed_over else RunEnd.RETURNED), result, None  # eager replace()
+
 
 def _write(lease: Lease, end: RunEnd, write: Callable[[], bool], then: Callable[[], None] | None = None,
            later: Callable[[], bool] | None = None, landed: Callable[[], bool] | None = None) -> bool | None:
@@ -373,14 +356,18 @@ def _send_deferred_retry(lease: Lease, reason: str) -> None:
 
 
 def _dead_letter(task: Any, lease: Lease) -> None:
-    """Send a failed job's stored message to its dead-letter queue, once; its audit is best effort."""
-    queue, store, job_id = lease.policy.dead_letter_queue, lease.store, lease.job_id
+    """Send a failed job's stored message to its dead-letter queue, once (its audit best effort). The failure
+    has landed, so the lease's state no longer matters: a store that does not answer keeps it for later."""
+    store, job_id, queue = lease.store, lease.job_id, lease.policy.dead_letter_queue
     if not queue:
         return
-    # The failure has landed: a store that does not answer the read is waited for as a body's call is,
-    # or the dead letter would be lost.
-    job = lease.patiently(lambda: store.get(job_id))
-    messages.republish(task.app, job_id, job.payload if job else None, queue=queue)
+    send = functools.partial(_send_dead_letter, task.app, store, job_id, queue)
+    lease.runtime.kept_writes.write(job_id, "dead letter", send)
+
+
+def _send_dead_letter(app: Any, store: Store, job_id: str, queue: str) -> None:
+    job = store.get(job_id)
+    messages.republish(app, job_id, job.payload if job else None, queue=queue)
     try:
         store.event(job_id, Event.DEAD_LETTER_PUBLISHED, queue)
     except (StoreUnavailable, StoreRejected) as exc:

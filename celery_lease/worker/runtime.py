@@ -265,6 +265,7 @@ class Runtime:
             except (StoreUnavailable, StoreRejected) as exc:
                 log.warning("could not release job %s [%s] on shutdown: %s", lease.job_id,
                             lease.token[:8], exc)
+        released += self.give_back_lost()  # lost locally, not yet given back: no heartbeat round comes now
         self.flush_deferred()
         kept: PendingWrites | None = self.__dict__.get("_kept_writes")
         if kept is not None and len(kept):

@@ -286,8 +286,10 @@ class DeadlineTimer:
 
 
 # The log's action of a kept write, by kind: kept while the store is away, then written.
-_DEFERRED = {"cancel": {"action": "cancel_deferred"}, "completion": {"action": "completion_deferred"}}
-_WRITTEN = {"cancel": {"action": "cancel_written"}, "completion": {"action": "completion_written"}}
+_DEFERRED = {"cancel": {"action": "cancel_deferred"}, "completion": {"action": "completion_deferred"},
+             "dead letter": {"action": "dead_letter_deferred"}}
+_WRITTEN = {"cancel": {"action": "cancel_written"}, "completion": {"action": "completion_written"},
+            "dead letter": {"action": "dead_letter_written"}}
 
 
 class PendingWrites:
@@ -301,6 +303,8 @@ class PendingWrites:
         self.store = store
         self.interval = interval
         self._mutex = threading.Lock()
+        # One flush at a time (the loop's, or a new write's): a dead letter made twice is sent twice.
+        self._flushing = threading.Lock()
         # (job id, what the write is) -> the write
         self._kept: collections.OrderedDict[tuple[str, str], Callable[[], object]] = collections.OrderedDict()
         self._loop = Loop("celery-lease-kept-writes", self._retry, self._retry_failed)
@@ -354,6 +358,10 @@ class PendingWrites:
 
     def flush(self) -> int:
         """Make the kept writes, oldest first; stops at the first that finds the store down."""
+        with self._flushing:
+            return self._flush()
+
+    def _flush(self) -> int:
         with self._mutex:
             kept = list(self._kept.items())
         written = 0

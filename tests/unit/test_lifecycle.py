@@ -25,9 +25,11 @@ from celery.app.trace import build_tracer
 from celery.signals import before_task_publish, task_postrun
 
 from celery_lease import LeaseTask
+from celery_lease.errors import StoreUnavailable
 from celery_lease.messaging import messages
-from celery_lease.store import Store
+from celery_lease.store import Store, for_app
 from celery_lease.vocabulary import Status
+from celery_lease.worker import runtime
 from tests.conftest import unique_prefix
 
 LIFECYCLE = "celery_lease.worker.lifecycle"
@@ -50,6 +52,14 @@ def leased_add(tmp_path) -> Any:
     app.finalize()
     Store(url).migrate()
     return add
+
+
+def _deliver_once(task: Any, job_id: str) -> Any:
+    """Run one delivery of ``job_id`` as a prefork child's tracer does; Celery's (result, info)."""
+    tracer = build_tracer(task.name, task, app=task.app, eager=False, propagate=False)
+    request = {"id": job_id, "task": task.name, "hostname": "path@test", "headers": {}, "is_eager": False,
+               "delivery_info": {"routing_key": "celery", "exchange": "", "redelivered": False}}
+    return tracer(job_id, (), {}, request)
 
 
 def _deliver(task: Any, profile: Any = None) -> tuple[str, Any]:
@@ -95,6 +105,49 @@ def test_one_delivery_enters_no_more_library_modules_and_leaves_the_lifecycle_no
     assert LIFECYCLE in entered, "the delivery did not run through the lifecycle module"
     assert len(entered) <= MAX_MODULES, f"{len(entered)} modules entered: {sorted(entered)}"
     assert len(departures) <= MAX_DEPARTURES, f"{len(departures)} departures from the lifecycle: {departures}"
+
+
+def test_a_failure_that_landed_sends_its_dead_letter_once_the_store_answers_whatever_the_lease(tmp_path):
+    # The failure is written, then the store stops answering before the dead letter's read: the run's lease
+    # passes its local deadline meanwhile. The dead letter is kept and sent once the store answers, not lost
+    # with the lease (the failure no longer needs it).
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    app = Celery(f"dlq_{unique_prefix()}", broker="memory://", backend="cache+memory://",
+                 set_as_current=False)
+    app.conf.update(lease_store_url=url, lease_duration=3.0, lease_heartbeat_interval=1.0,
+                    lease_max_attempts=1, lease_dead_letter_queue=f"dlq_{unique_prefix()}")
+
+    @app.task(base=LeaseTask, bind=True, name="path.boom", acks_late=True, shared=False)
+    def boom(self: Any) -> None:
+        raise ValueError("boom")
+
+    app.finalize()
+    Store(url).migrate()
+    store = for_app(app)
+    real_get, down = store.get, threading.Event()
+
+    def get(job_id: str) -> Any:
+        if down.is_set():
+            raise StoreUnavailable("no answer (injected)")
+        return real_get(job_id)
+
+    real_fail = store.jobs.fail
+
+    def fail(*args: Any, **kwargs: Any) -> bool:
+        written = real_fail(*args, **kwargs)
+        down.set()  # the failure landed; the store goes away before its dead letter is read
+        return written
+
+    store.get, store.jobs.fail = get, fail
+    job_id = boom.apply_async().id
+    _deliver_once(boom, job_id)
+    assert Store(url).get(job_id).status == Status.FAILED
+    down.clear()
+    runtime.current(app).kept_writes.flush()
+    with app.connection_for_write() as conn:
+        message = conn.SimpleQueue(app.conf.lease_dead_letter_queue, no_ack=True).get(timeout=5)
+    assert message.headers["id"] == job_id
+    assert "dead_letter_published" in [e["event"] for e in Store(url).reports.events(job_id)]
 
 
 def test_an_eager_run_with_a_store_retries_at_once_as_celerys_apply_does(tmp_path):

@@ -778,6 +778,20 @@ def test_a_delivery_reads_its_store_and_terms_once_until_the_settings_are_reload
         runtime.retire(app)
 
 
+def test_a_lease_lost_locally_and_not_yet_given_back_is_given_back_at_shutdown(store, rt):
+    # The outage outlasted the lease: the body got LeaseLost and its delivery is acked. The store answers
+    # again, and the worker stops before any heartbeat round: the shutdown gives the job back, or it would
+    # stay running under a dead worker until the reaper counts an expiration against it.
+    lease = claim(store, rt, "job-1")
+    rt.attach(Request(), lease)
+    rt.lost_locally(lease, give_back=True)
+    rt.detach(Request(), lease)
+    rt.release_all()
+    job = store.get("job-1")
+    assert (job.status, job.locked_by, job.expired_count) == ("pending", None, 0)
+    assert "released_after_local_loss" in [e["event"] for e in store.reports.events("job-1")]
+
+
 def test_a_lost_lease_whose_release_landed_unanswered_is_given_back_once_the_store_answers(store, rt):
     # The release committed but its answer was lost: the next round finds the release its own token
     # wrote and counts the job given back (its message re-sent), neither a lease that moved on nor a
