@@ -44,7 +44,9 @@ def status(ctx: click.Context, as_json: bool) -> None:
         "store": store.safe_url, "tables": store.t.jobs.name, "now": now, "jobs": by_queue,
         "totals": {s: sum(q[s] for q in by_queue.values()) for s in STATUSES},
         "running": {
-            "total": len(running), "expired": sum(1 for r in running if (r["lease_expires_at"] or now) < now),
+            # The count, not the rows read (at most 10,000, oldest lease first: every expired one among them).
+            "total": sum(n for _, state, n in counts if state == Status.RUNNING),
+            "expired": sum(1 for r in running if (r["lease_expires_at"] or now) < now),
             "oldest": None if oldest is None else {**oldest, "age": now - oldest["started_at"]},
             "heartbeat_lag_max": max(lags, default=None), "heartbeat_lag_p95": percentile(lags, 95),
         },
@@ -162,8 +164,9 @@ def events(ctx: click.Context, job_id: str | None, since: float | None, event: s
     none (unless lease_audit_every_transition); the job's row records them, and --job shows them.
     """
     store = store_of(ctx)
-    if job_id is not None and store.get(job_id) is None and store.reports.job_ids_starting(job_id, 1):
-        job_id = recovery.resolve_job_id(store, job_id)  # a prefix; a discarded job's id stays exact
+    if (job_id is not None and store.get(job_id) is None and store.reports.job_ids_starting(job_id, 1)
+            and not store.reports.list_events(job_id=job_id, limit=1)):
+        job_id = recovery.resolve_job_id(store, job_id)  # a prefix; a deleted job's id stays exact
     if job_id is not None and store.get(job_id) is None and not store.reports.list_events(job_id=job_id,
                                                                                           limit=1):
         raise CommandError(f"no job {job_id!r} in the lease store, and no events of it (a deleted job's "

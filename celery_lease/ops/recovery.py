@@ -51,9 +51,13 @@ PREFIX_MATCHES_SHOWN = 10
 
 
 def resolve_job_id(store: Store, text: str) -> str:
-    """The id of the job ``text`` names: the id itself or a prefix unique among the store's ids."""
+    """The id of the job ``text`` names: the id itself or a prefix unique among the store's ids. The id of a
+    job deleted since (discarded, pruned) is no prefix: its events name it, and JobNotFound says so, where a
+    re-run of a verb would otherwise act on another job whose id it begins."""
     if store.get(text) is not None:
         return text
+    if text and store.reports.list_events(job_id=text, limit=1):
+        raise JobNotFound(text)
     matches = store.reports.job_ids_starting(text, PREFIX_MATCHES_SHOWN + 1) if text else []
     if not matches:
         raise JobNotFound(text)

@@ -76,7 +76,9 @@ def create_app(celery_app: Any, store: Store, *, allow_actions: bool = False) ->
     def sign_in() -> Any:
         # ``next`` is a path inside the application (without the URL prefix): never another site.
         target = request.values.get("next") or "/"
-        if not target.startswith("/") or target.startswith("//"):
+        # A browser drops tabs and newlines and reads a backslash as a slash: "/\t/evil.example" is "//".
+        if (not target.startswith("/") or target.startswith("//") or "\\" in target
+                or not target.isprintable()):
             target = "/"
         if request.method == "GET":
             return render_template("sign_in.html", next=target, wrong=False)

@@ -25,7 +25,7 @@ from ..ops.views import (
 )
 from ..store import RUNNING
 from ..store.recovery import REVOKED_PREFIX
-from ..vocabulary import STALE_WRITES, Event
+from ..vocabulary import STALE_WRITES, Event, Status
 from .console import Console, console
 
 __all__ = ["register", "overview_data", "job_data", "timeline", "COMPLETED_WINDOW"]
@@ -58,7 +58,8 @@ def overview_data(c: Console) -> dict[str, Any]:
     return {
         "now": now, "queues": sorted(by_queue.items()),
         "totals": {s: sum(q[s] for q in by_queue.values()) for s in STATUSES},
-        "running": running[:RUNNING_SHOWN], "running_total": len(running),
+        "running": running[:RUNNING_SHOWN],
+        "running_total": sum(n for _, state, n in counts if state == Status.RUNNING),  # not the rows read
         "expired": [r for r in running if r["expired"]],
         "lag_max": max(lags, default=None), "lag_p95": percentile(lags, 95),
         "workers": workers, "worker_counts": store.reports.worker_counts(),

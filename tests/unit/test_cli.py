@@ -202,6 +202,15 @@ def test_status_json_has_every_figure(ro):
     assert report["last_hour"]["stale_writes_rejected"] == 1
 
 
+def test_status_counts_every_running_job_not_only_the_rows_it_reads(ro, monkeypatch):
+    # The running rows are read up to a bound (10,000); the total is the store's count of them.
+    reports = type(ro.store.reports)
+    bounded = reports.running_rows
+    monkeypatch.setattr(reports, "running_rows", lambda self, limit=10_000: bounded(self, limit=2))
+    report = ro.json("status")
+    assert report["running"]["total"] == report["totals"]["running"] == 6
+
+
 # -- jobs, inspect, events ----------------------------------------------------------------
 @pytest.mark.parametrize(("args", "expected"), [
     (("--status", "pending"), {"pending-0", "pending-1", "pending-2", "pending-late"}),

@@ -203,6 +203,19 @@ def test_an_unknown_id_is_a_clear_error_also_when_it_looks_like_a_prefix(fresh):
     assert fresh.run("inspect", "a%").exit_code == 1  # LIKE's wildcards are not wildcards here
 
 
+def test_the_id_of_a_job_deleted_since_is_no_prefix_of_another_jobs(fresh):
+    # A script's line run twice: the second discard must not take order-77 for order-7.
+    for job_id in ("order-7", "order-77"):
+        fresh.store.publishes.record(job_id, "ops.fails", "celery", None, 3)
+        fresh.store.jobs.cancel(job_id, "revoked")
+    assert fresh.run("dlq", "discard", "--job", "order-7", "--yes").exit_code == 0
+    again = fresh.run("dlq", "discard", "--job", "order-7", "--yes")
+    assert again.exit_code == 1 and "no job 'order-7'" in again.output
+    assert fresh.store.get("order-77").status == "failed"
+    assert fresh.run("requeue", "--job", "order-7", "--force", "--yes").exit_code == 1
+    assert {e["job_id"] for e in fresh.json("events", "--job", "order-7")} == {"order-7"}
+
+
 # -- output shape -------------------------------------------------------------------------
 def test_table_cells_stay_on_one_line(fresh):
     fresh.store.publishes.record("multi", "ops.fails", "celery", None, 3)

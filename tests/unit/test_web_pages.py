@@ -102,6 +102,13 @@ def test_overview_shows_expired_leases_with_their_stale_owner_and_the_stale_work
     assert 'id="count-running">6<' in html and 'id="count-expired">4<' in html
 
 
+def test_the_overview_counts_every_running_job_not_only_the_rows_it_reads(ro, monkeypatch):
+    reports = type(ro.store.reports)
+    bounded = reports.running_rows
+    monkeypatch.setattr(reports, "running_rows", lambda self, limit=10_000: bounded(self, limit=2))
+    assert 'id="count-running">6<' in ro.html("/")
+
+
 def test_overview_counts_jobs_by_queue_and_the_last_hours_recoveries(ro):
     html = ro.html("/")
 

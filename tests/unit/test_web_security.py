@@ -90,11 +90,13 @@ def test_signing_in_sets_a_cookie_that_is_not_the_token_and_returns_to_the_page(
     assert client.get("/reaper").status_code == 200
 
 
-def test_sign_in_never_sends_the_browser_to_another_site(serve):
+@pytest.mark.parametrize("target", ["//evil.example/x", "/\t/evil.example", "/\n/evil.example",
+                                    "/\\evil.example", "\\/evil.example", "https://evil.example"])
+def test_sign_in_never_sends_the_browser_to_another_site(serve, target):
     client = serve(lease_web_token=TOKEN)
     csrf = csrf_of(client.get("/sign-in").get_data(as_text=True))
 
-    signed = client.post("/sign-in", data={"csrf": csrf, "token": TOKEN, "next": "//evil.example/x"})
+    signed = client.post("/sign-in", data={"csrf": csrf, "token": TOKEN, "next": target})
 
     assert signed.status_code == 302 and "evil.example" not in signed.location
 
