@@ -18,10 +18,12 @@ __all__ = ["migrate", "reap", "check", "exporter", "web", "with_ages", "aged_rea
 @click.option("--sql", "as_sql", is_flag=True,
               help="Print the DDL instead of running it (for a DBA); changes nothing.")
 @click.option("--to", "to", default="head", show_default=True, metavar="REV",
-              help="The revision to move to; an older one downgrades (a rollback).")
+              help="The revision to move to; an older one downgrades (a rollback), with --yes only.")
+@click.option("--yes", "-y", is_flag=True,
+              help="Downgrade to an older --to: its DDL drops what later revisions added (see --sql).")
 @json_option
 @click.pass_context
-def migrate(ctx: click.Context, as_sql: bool, to: str, as_json: bool) -> None:
+def migrate(ctx: click.Context, as_sql: bool, to: str, yes: bool, as_json: bool) -> None:
     """Bring the lease store's schema to the newest revision (or --to REV).
 
     An empty store is created; a store made by the first release is recognised and
@@ -33,8 +35,12 @@ def migrate(ctx: click.Context, as_sql: bool, to: str, as_json: bool) -> None:
     if as_sql:
         echo(migrating.sql(store, to), nl=False)
         return
-    done = store.migrate(to)
+    done = migrating.migrate(store, to, downgrade=yes)
     revision, _ = store.schema_state()
+    if not yes and to != "head" and revision != to and not done:
+        raise CommandError(f"lease store {store.safe_url} is at revision {revision}: moving --to {to} is a "
+                           "downgrade, which drops what later revisions added (kept results among them); "
+                           f"review it with `migrate --to {to} --sql`, then run `migrate --to {to} --yes`")
     if as_json:
         emit_json({"store": store.safe_url, "done": done, "revision": revision})
     elif done:

@@ -132,6 +132,7 @@ def test_migrate_sql_on_an_existing_store_prints_the_upgrade_from_its_revision(t
     monkeypatch.setenv("OPS_BROKER", "memory://")
     run = CliRunner().invoke
     previous = migrations.revisions()[-2]
+    # A new store is created at the older revision: no downgrade, no --yes needed.
     assert run(celery, ["-A", "tests.apps.ops_app", "lease", "migrate", "--to", previous]).exit_code == 0
 
     upgrade = run(celery, ["-A", "tests.apps.ops_app", "lease", "migrate", "--sql"])
@@ -150,7 +151,11 @@ def test_migrate_to_an_older_revision_rolls_back_and_forward(tmp_path, monkeypat
     monkeypatch.setenv("OPS_BROKER", "memory://")
     run = CliRunner().invoke
     assert run(celery, ["-A", "tests.apps.ops_app", "lease", "migrate"]).exit_code == 0
-    down = run(celery, ["-A", "tests.apps.ops_app", "lease", "migrate", "--to", "0001"])
+    refused = run(celery, ["-A", "tests.apps.ops_app", "lease", "migrate", "--to", "0001"])
+    assert refused.exit_code == 1 and "is a downgrade" in refused.output and "--yes" in refused.output
+    at_head = run(celery, ["-A", "tests.apps.ops_app", "lease", "migrate", "--sql"])
+    assert f"already at revision {migrations.head()}" in at_head.output  # the refusal changed nothing
+    down = run(celery, ["-A", "tests.apps.ops_app", "lease", "migrate", "--to", "0001", "--yes"])
     assert down.exit_code == 0, down.output
     assert f"downgraded revision {migrations.head()} -> 0001" in down.output
     up = run(celery, ["-A", "tests.apps.ops_app", "lease", "migrate"])
