@@ -3,7 +3,6 @@
 import celery_lease.reaper.run as _reaper  # registers celery_lease.reap  # noqa: F401
 
 from .errors import (
-    IdempotencyKeyTaken,
     JobDeadLettered,
     JobNotFound,
     LeaseConfigError,
@@ -30,7 +29,6 @@ __all__ = [
     "JobDeadLettered",
     "LockUnavailable",
     "JobNotFound",
-    "IdempotencyKeyTaken",
     "StoreCorrupt",
     "StoreUnavailable",
     "SchemaMismatch",

@@ -12,8 +12,7 @@
     ├── JobNotFound           no job with that id in the store
     ├── LeaseLost             this worker no longer holds the job's lease
     ├── JobDeadLettered       the reaper gave up on a job (the failure Celery is told of)
-    ├── LockUnavailable       a resource lock is held by someone else
-    └── IdempotencyKeyTaken   a canvas member's key belongs to another job: the canvas cannot wait on it
+    └── LockUnavailable       a resource lock is held by someone else
 
 Each class's docstring is its default message.
 """
@@ -39,7 +38,6 @@ __all__ = [
     "JobNotFound",
     "LeaseLost",
     "LockUnavailable",
-    "IdempotencyKeyTaken",
 ]
 
 
@@ -160,16 +158,3 @@ def _rebuild(cls: type[LeaseError], message: str, context: dict[str, Any]) -> Le
     error = cls.__new__(cls)
     LeaseError.__init__(error, message, **context)
     return error
-
-
-class IdempotencyKeyTaken(LeaseError):
-    """The idempotency key of a group, chain or chord member belongs to another job.
-
-    Outside a canvas a taken key answers with the key's job; a canvas keeps waiting on the member's own id,
-    which nothing would ever run, so the publish is refused instead."""
-
-    def __init__(self, key: str, holder: str, job_id: str) -> None:
-        super().__init__(
-            f"idempotency key {key!r} belongs to job {holder}, so canvas member {job_id} would never run and "
-            "its group, chain or chord would wait for ever; publish keyed jobs on their own (the key's job "
-            "answers), or give each member a key of its own", key=key, holder=holder, job_id=job_id)

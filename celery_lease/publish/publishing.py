@@ -19,7 +19,7 @@ import celery_lease.worker.runtime as runtime
 from ..config import task_policy
 from ..context import BODY
 from ..deadline import seconds_until
-from ..errors import IdempotencyKeyTaken, LeaseError, StoreRejected, StoreUnavailable
+from ..errors import LeaseError, StoreRejected, StoreUnavailable
 from ..store import NewJob, for_app
 from ..vocabulary import StoreFailure
 from ..worker.lease import Lease
@@ -139,8 +139,6 @@ def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id
             parent.unsent.remove(task_id)  # published again under its id and sent: not to be forgotten
         return result
     except _KeyTaken as taken:
-        if any(options.get(name) for name in ("group_id", "chord", "chain")):
-            raise IdempotencyKeyTaken(str(idempotency_key), taken.holder, task_id) from None
         log.info("task %s not published again: idempotency key %r belongs to job %s",
                  task.name, idempotency_key, taken.holder, extra={"action": "idempotent_publish"})
         return task.AsyncResult(taken.holder)

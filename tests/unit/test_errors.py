@@ -9,7 +9,6 @@ import pytest
 import celery_lease
 from celery_lease import errors
 from celery_lease.errors import (
-    IdempotencyKeyTaken,
     JobNotFound,
     LeaseConfigError,
     LeaseError,
@@ -29,7 +28,6 @@ EXAMPLES = [
     pytest.param(JobNotFound("j-404"), id="JobNotFound"),
     pytest.param(LeaseLost("j-1", reason="token changed", owner="w2@host"), id="LeaseLost"),
     pytest.param(LockUnavailable("invoice:42", 2.5), id="LockUnavailable"),
-    pytest.param(IdempotencyKeyTaken("order-6", "j-1", "j-2"), id="IdempotencyKeyTaken"),
 ]
 
 

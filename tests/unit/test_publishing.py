@@ -15,11 +15,11 @@ import kombu
 import kombu.compression
 import kombu.exceptions
 import pytest
-from celery import Celery, chain, chord, group, signals
+from celery import Celery, signals
 from kombu import serialization
 
 from celery_lease import LeaseTask
-from celery_lease.errors import IdempotencyKeyTaken, StoreCorrupt
+from celery_lease.errors import StoreCorrupt
 from celery_lease.messaging import messages
 from celery_lease.store import for_app
 from tests.conftest import drop_app_store, migrated_store, prefixed_redis, unique_prefix
@@ -237,22 +237,6 @@ def test_a_routing_function_is_given_the_task_as_celery_gives_it(app):
     assert job.queue_name == "lane"
     assert laned in seen
     assert len(received(app, 1, "lane")) == 1
-
-
-@pytest.mark.parametrize("canvas", ["group", "chain", "chord"])
-def test_a_canvas_member_whose_key_belongs_to_another_job_is_refused_rather_than_left_waiting(app, canvas):
-    app.conf.update(result_backend=app.conf.broker_url,  # a chord needs one; its keys under the test's prefix
-                    result_backend_transport_options=app.conf.broker_transport_options)
-    work = app.tasks["pub.work"]
-    holder = work.apply_async((1,), idempotency_key="order-6").id
-    member = work.si(1).set(idempotency_key="order-6")
-    build = {"group": lambda: group(member, work.si(2)), "chain": lambda: chain(member, work.si(2)),
-             "chord": lambda: chord([member, work.si(2)], work.si(3))}[canvas]
-    with pytest.raises(IdempotencyKeyTaken) as info:
-        build().apply_async()
-    assert info.value.holder == holder and "order-6" in str(info.value)
-    assert work.apply_async((1,), idempotency_key="order-6").id == holder  # alone, the key's job answers
-    assert [m.headers["id"] for m in received(app, 1)] == [holder]
 
 
 def test_the_task_sent_event_passes_through_unrecorded(app):
