@@ -139,6 +139,12 @@ def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id
             parent.unsent.remove(task_id)  # published again under its id and sent: not to be forgotten
         return result
     except _KeyTaken as taken:
+        if taken.holder != task_id and any(options.get(name) for name in ("group_id", "chord", "chain")):
+            # Not raised: a body retried publishes its keyed canvas again, and must not fail on its own keys.
+            log.warning("task %s [%s]: idempotency key %r belongs to job %s, so this canvas member is not "
+                        "published; its group, chain or chord waits on %s, which nothing will run",
+                        task.name, task_id, idempotency_key, taken.holder, task_id,
+                        extra={"action": "idempotent_canvas_member"})
         log.info("task %s not published again: idempotency key %r belongs to job %s",
                  task.name, idempotency_key, taken.holder, extra={"action": "idempotent_publish"})
         return task.AsyncResult(taken.holder)

@@ -15,7 +15,7 @@ import kombu
 import kombu.compression
 import kombu.exceptions
 import pytest
-from celery import Celery, signals
+from celery import Celery, group, signals
 from kombu import serialization
 
 from celery_lease import LeaseTask
@@ -237,6 +237,16 @@ def test_a_routing_function_is_given_the_task_as_celery_gives_it(app):
     assert job.queue_name == "lane"
     assert laned in seen
     assert len(received(app, 1, "lane")) == 1
+
+
+def test_a_canvas_member_whose_key_belongs_to_another_job_is_not_sent_and_says_why(app, caplog):
+    work = app.tasks["pub.work"]
+    holder = work.apply_async((1,), idempotency_key="order-6").id
+    result = group(work.si(1).set(idempotency_key="order-6"), work.si(2)).apply_async()
+    member = result.results[0].id
+    [warning] = [r for r in caplog.records if getattr(r, "action", None) == "idempotent_canvas_member"]
+    assert holder in warning.getMessage() and member in warning.getMessage()
+    assert sorted(m.headers["id"] for m in received(app, 2)) == sorted([holder, result.results[1].id])
 
 
 def test_the_task_sent_event_passes_through_unrecorded(app):
