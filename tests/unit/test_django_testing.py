@@ -27,12 +27,13 @@ ROOT = Path(__file__).resolve().parents[2]
 CASES = 6
 
 
-def run_cases(tmp_path: Path, database: dict, *args: str) -> subprocess.CompletedProcess:
+def run_cases(tmp_path: Path, database: dict, *args: str,
+              cases: str = "tests.django_project.lease_cases") -> subprocess.CompletedProcess:
     project = {"DATABASES": {"default": database}, "CELERY_LEASE_DATABASE": "default",
                "CELERY_TASK_ALWAYS_EAGER": True, "CELERY_RESULT_BACKEND": "cache+memory://",
                "TEST_RUNNER": "celery_lease.contrib.django.testing.LeaseTestRunner"}
     env = {**os.environ, "PYTHONPATH": str(ROOT), "DJANGO_PROJECT_LEASE": json.dumps(project)}
-    command = [sys.executable, "-m", "django", "test", "tests.django_project.lease_cases", "--noinput",
+    command = [sys.executable, "-m", "django", "test", cases, "--noinput",
                "--settings", "tests.django_project.settings", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
 
@@ -104,6 +105,27 @@ def test_a_kept_test_database_starts_each_run_with_an_empty_store(tmp_path, post
                     conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{kept}"')
         finally:
             server.dispose()
+
+
+def test_a_kept_run_whose_cases_use_no_database_leaves_the_development_store_alone(tmp_path):
+    # No case touches the store's alias, so Django sets up no test database: its NAME is still the
+    # development database's, whose store rows are not the runner's to clear.
+    from celery_lease.store import Store
+
+    development = tmp_path / "dev.sqlite3"
+    store = Store(f"sqlite:///{development}")
+    store.migrate()
+    store.publishes.record("j-dev", "shop.charge", "celery", None, 3)
+    store.dispose()
+    result = run_cases(tmp_path, {"ENGINE": "django.db.backends.sqlite3", "NAME": str(development)},
+                       "--keepdb", cases="tests.django_project.simple_cases")
+    assert result.returncode == 0, result.stderr
+    assert "Ran 1 test" in result.stderr and "\nOK" in result.stderr
+    store = Store(f"sqlite:///{development}")
+    try:
+        assert store.get("j-dev") is not None
+    finally:
+        store.dispose()
 
 
 def test_the_runner_refuses_a_store_that_follows_no_database(tmp_path):

@@ -68,7 +68,10 @@ class LeaseTestRunner(DiscoverRunner):
         old_config = super().setup_databases(**kwargs)
         app = current_celery_app()
         eager_leases_on_test_database(app)
-        if self.keepdb:
+        aliases = kwargs.get("aliases")
+        # Only a test database: with no case on the store's alias Django set none up, and NAME is still
+        # the development database's.
+        if self.keepdb and (aliases is None or app_config(app).database in aliases):
             clear_kept_stores(app, self.parallel)
         return old_config
 
