@@ -367,7 +367,12 @@ def _dead_letter(task: Any, lease: Lease) -> None:
 
 def _send_dead_letter(app: Any, store: Store, job_id: str, queue: str) -> None:
     job = store.get(job_id)
-    messages.republish(app, job_id, job.payload if job else None, queue=queue)
+    try:
+        messages.republish(app, job_id, job.payload if job else None, queue=queue)
+    except Exception as exc:  # noqa: BLE001 - kept, it would be retried for ever ahead of every other write
+        log.error("job %s: failed, its dead letter not sent to %s (%s); `lease dlq list` shows the job",
+                  job_id, queue, exc, extra={"action": "dead_letter_not_sent"})
+        return
     try:
         store.event(job_id, Event.DEAD_LETTER_PUBLISHED, queue)
     except (StoreUnavailable, StoreRejected) as exc:

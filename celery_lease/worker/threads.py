@@ -372,6 +372,8 @@ class PendingWrites:
                 timer_log.error("job %s: the store rejected its kept %s (%s); dropped", job_id, what, exc)
             except StoreUnavailable:
                 return written
+            except Exception as exc:  # noqa: BLE001 - not the store: retried, it would block every later write
+                timer_log.error("job %s: its kept %s failed (%s); dropped", job_id, what, exc)
             else:
                 written += 1
                 timer_log.info("job %s: kept %s made after the store came back", job_id, what,

@@ -487,6 +487,21 @@ def test_a_kept_cancel_does_not_replace_a_kept_completion_of_the_same_job():
     assert (completed, store.written, len(kept)) == (["j1"], ["j1"], 0)
 
 
+def test_a_kept_write_that_fails_other_than_by_the_store_is_dropped_and_blocks_no_later_write():
+    # A kept dead letter whose broker is down (or whose stored message cannot be read): retried ahead of
+    # every other kept write, it would hold back a revoke's cancel and every completion for ever.
+    store = FlakyCancels()
+    kept = runtime.PendingWrites(store, interval=60.0)
+
+    def broker_down() -> None:
+        raise ConnectionError("broker down")
+
+    kept.keep("j1", "dead letter", broker_down)
+    store.down = False
+    assert kept.cancel("j2", "revoked") is True
+    assert (store.written, len(kept)) == (["j2"], 0)
+
+
 def test_a_write_kept_through_an_outage_is_made_at_shutdown_when_the_store_answers_again(store, rt):
     # Given a cancel that found the store away and was kept (the store answers again)
     store.publishes.record("j1", "t.task", "q", "{}", 3)
