@@ -29,9 +29,11 @@ def recover_worker_lost(app: Any, job_id: str, owner: str, reason: str, final: b
     if not final and job is not None and job.status == PENDING and _given_back_by(store, job_id, owner):
         return _resend_given_back(app, job, owner, reason, resend)
     if job is None or job.status != RUNNING or job.locked_by != owner or not job.lock_token:
-        if not final and job is not None and job.status in (PENDING, RUNNING):
-            # Taken back already (the reaper, another worker's takeover) or never claimed by this child: the
-            # lease runs it, so Celery is told of no failure, as when the take-back comes a moment later.
+        if not final and job is not None and (job.status == RUNNING or (
+                job.status == PENDING and _moved_on_by_lease(store, job_id))):
+            # Taken back already (the reaper, another worker's takeover, a give-back), its message sent
+            # again: the lease runs it, so Celery is told of no failure, as when the take-back lands a moment
+            # later. A job never claimed is Celery's to requeue or fail, as a plain task's.
             return WorkerLostOutcome.LOST_RACE
         return WorkerLostOutcome.NONE
     policy = policy_for(app, job)
@@ -63,6 +65,12 @@ def recover_worker_lost(app: Any, job_id: str, owner: str, reason: str, final: b
     log.info("job %s [%s]: worker process %s lost (%s): %s", job_id, job.lock_token[:8], owner, reason,
              decision.decision, extra={"action": "worker_lost_recovered"})
     return WorkerLostOutcome(decision.decision)
+
+
+def _moved_on_by_lease(store: Store, job_id: str) -> bool:
+    """Whether a pending job was made pending by the lease (any event past its publish): never claimed, it
+    has none, since a first claim writes no event of its own."""
+    return any(event["event"] != Event.PUBLISHED for event in store.reports.events(job_id))
 
 
 def _given_back_by(store: Store, job_id: str, owner: str) -> bool:

@@ -832,11 +832,15 @@ def test_a_child_lost_after_its_job_was_taken_back_is_no_failure_for_celery(app,
     assert store.get("j1").status == (PENDING if taken_back_by == "the reaper" else RUNNING)
 
 
-def test_a_child_lost_under_a_finished_or_forgotten_job_is_left_to_celery(app, store):
+def test_a_child_lost_under_a_finished_forgotten_or_never_claimed_job_is_left_to_celery(app, store):
+    """Nothing of the lease sends these again: Celery fails the delivery, or requeues it with
+    task_reject_on_worker_lost, as a plain task's."""
     running(store, "j1", owner="node@h:42", age=-25.0)
     assert store.jobs.complete("j1", store.get("j1").lock_token, "node@h:42")
     assert recover_worker_lost(app, "j1", "node@h:42", "WorkerLostError") == "none"
     assert recover_worker_lost(app, "gone", "node@h:42", "WorkerLostError") == "none"
+    store.publishes.record("j2", "t.work", "celery", payload(), 3)  # the child died before its claim
+    assert recover_worker_lost(app, "j2", "node@h:42", "WorkerLostError") == "none"
 
 
 def test_a_hard_time_limits_final_failure_whose_dead_letter_cannot_be_sent_never_runs_again(
