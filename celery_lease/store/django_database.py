@@ -7,6 +7,7 @@ never dropped."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Mapping
@@ -17,6 +18,8 @@ import sqlalchemy as sa
 from ..errors import LeaseConfigError
 
 __all__ = ["store_url", "url_from_settings", "in_own_transaction"]
+
+log = logging.getLogger(__name__)
 
 SETTING = "lease_database"
 # OPTIONS keys that are Django's own, not the driver's connection parameters.
@@ -29,6 +32,8 @@ FAMILIES = {"postgresql": ("postgresql", "postgis", "postgresql_psycopg2"), "mys
 # The keys of MySQL's OPTIONS["ssl"] (Django's documented form) that SQLAlchemy's MySQL drivers take in a URL,
 # as ``ssl_<key>``; check_hostname is a bool.
 MYSQL_SSL_KEYS = ("ca", "cert", "key", "capath", "cipher", "check_hostname")
+# MySQL OPTIONS that SQLAlchemy's MySQL dialects convert from a URL's "true"/"false" themselves.
+MYSQL_BOOL_KEYS = ("compress", "local_infile", "use_unicode")
 
 
 def store_url(alias: str) -> str:
@@ -83,24 +88,25 @@ def _server_url(drivername: str, settings_dict: Mapping[str, Any], query: dict[s
 
 def _driver_options(alias: str, settings_dict: Mapping[str, Any], ssl: bool = False) -> dict[str, str]:
     """The driver's ``OPTIONS`` as URL query parameters (Django's own left out, an unset one too), with
-    ``ssl``: MySQL's ``OPTIONS["ssl"]`` dict as its ``ssl_*`` parameters. One that a URL cannot carry is a
-    LeaseConfigError naming it, never dropped: the store would connect without it (without TLS)."""
+    ``ssl`` (MySQL): its ``OPTIONS["ssl"]`` dict as the ``ssl_*`` parameters, a key of which the URL cannot
+    carry a LeaseConfigError (the store would connect without TLS). Another option a URL cannot carry is
+    left out with a WARNING, as Django-only settings are."""
     query: dict[str, str] = {}
     for key, value in (settings_dict.get("OPTIONS") or {}).items():
         if key in DJANGO_OPTIONS or value is None:
             continue
         if ssl and key == "ssl" and isinstance(value, Mapping):
             query.update(_mysql_ssl(alias, value))
+        elif isinstance(value, bool) and ssl and key in MYSQL_BOOL_KEYS:
+            query[key] = "true" if value else "false"  # SQLAlchemy's MySQL dialects read these as booleans
         elif isinstance(value, (str, int, float)) and not isinstance(value, bool):
             query[key] = str(value)
         else:
-            # A bool too: the driver would read "False" as a true string. The value is not shown (a secret?).
-            kind = type(value).__name__
-            raise LeaseConfigError(SETTING, alias, f"has OPTIONS[{key!r}], a {kind}, which the store's own "
-                                   "connections cannot take: their URL carries strings and numbers",
-                                   "Give the driver that option as a string or a number, remove it, or put "
-                                   "the store on CELERY_LEASE_STORE_URL (a URL of its own) instead of "
-                                   "CELERY_LEASE_DATABASE.")
+            # Not as a string ("False" would be true), nor silently: the value is not shown (a secret?).
+            log.warning("Django database %r: OPTIONS[%r], a %s, is not passed to the lease store's own "
+                        "connections (their URL carries strings and numbers); set CELERY_LEASE_STORE_URL "
+                        "for a store that needs it", alias, key, type(value).__name__,
+                        extra={"action": "store_option_left_out"})
     return query
 
 
