@@ -9,6 +9,7 @@ here only through a Unix socket ``HOST``, where this machine has one.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -151,7 +152,12 @@ def test_an_ssl_setting_the_stores_url_cannot_carry_is_refused_naming_it_and_the
                                       "OPTIONS": options})
 
 
-def test_another_option_the_stores_url_cannot_carry_is_left_out_with_a_warning(caplog):
+def test_another_option_the_stores_url_cannot_carry_is_left_out_with_a_warning(caplog, monkeypatch):
+    # Another test's worker or Django project may have reconfigured logging: this logger reaches caplog.
+    logger = logging.getLogger("celery_lease.store.django_database")
+    monkeypatch.setattr(logger, "disabled", False)
+    monkeypatch.setattr(logger, "propagate", True)
+    caplog.set_level(logging.WARNING, logger=logger.name)
     options = {"conv": {1: str}, "autocommit": False, "local_infile": False, "compress": True}
     settings = {"ENGINE": "django.db.backends.mysql", "NAME": "app", "HOST": "db", "OPTIONS": options}
     url = sa.engine.make_url(url_from_settings("default", settings))
