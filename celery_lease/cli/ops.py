@@ -35,7 +35,7 @@ def migrate(ctx: click.Context, as_sql: bool, to: str, yes: bool, as_json: bool)
     if as_sql:
         echo(migrating.sql(store, to), nl=False)
         return
-    done = migrating.migrate(store, to, downgrade=yes)
+    done = store.migrate(to, downgrade=yes)
     revision, _ = store.schema_state()
     if not yes and to != "head" and revision != to and not done:
         raise CommandError(f"lease store {store.safe_url} is at revision {revision}: moving --to {to} is a "

@@ -241,12 +241,13 @@ class StoreEngine:
     def safe_url(self) -> str:
         return mask_secrets(sa.engine.make_url(self.url).render_as_string(hide_password=True))
 
-    def migrate(self, to: str = "head") -> list[str]:
-        """Bring the schema to revision ``to`` (create, recognise, upgrade or downgrade); what was done."""
+    def migrate(self, to: str = "head", *, downgrade: bool = True) -> list[str]:
+        """Bring the schema to revision ``to`` (create, recognise, upgrade, or with ``downgrade`` downgrade);
+        what was done."""
         import celery_lease.store.migrating as migrating
 
         with self._schema_lock:
-            return migrating.migrate(self, to)
+            return migrating.migrate(self, to, downgrade=downgrade)
 
     def drop_schema(self) -> list[str]:
         """Drop this store's own tables (not others that share its prefix), the version table too; the tables
