@@ -19,6 +19,7 @@ __all__ = ["RECORD_BATCH", "PublishStatements"]
 
 # Jobs one statement of record_batch() inserts at most.
 RECORD_BATCH = 500
+KEY_RACE_TRIES = 3  # a keyed record retried after its conflicting holder vanished
 
 
 class PublishStatements:
@@ -38,33 +39,40 @@ class PublishStatements:
         params = _record_params(NewJob(job_id, task_name, queue, payload, max_attempts, delay, recovery),
                                 idempotency_key)
         keyed = idempotency_key is not None
-        try:
-            built = self._record_statements(keyed)
-            if built.compiled is not None:
-                self.audited._execute_compiled(built, params)
-            elif built.positional is not None:
-                self.audited._execute_positional(built, params)
-            else:
-                with self.db.begin() as c:
-                    c.execute(built.update, params)
-                    if keyed:
-                        c.execute(built.statement, params)
-                    c.execute(built.audit, params)
-            return True, job_id
-        except StoreConflict:
-            pass
-        if reopen and not keyed:
-            self.reopen(job_id, task_name, payload, delay)
-            return False, job_id
-        with self.db.begin() as c:
-            if idempotency_key is not None:
+        built = self._record_statements(keyed)
+        # A keyed insert may conflict with a holder that is gone by the look-up below (its publish failed
+        # and forgot it, or the key was pruned): the key is free again, so the insert is tried again.
+        for _ in range(KEY_RACE_TRIES):
+            try:
+                if built.compiled is not None:
+                    self.audited._execute_compiled(built, params)
+                elif built.positional is not None:
+                    self.audited._execute_positional(built, params)
+                else:
+                    with self.db.begin() as c:
+                        c.execute(built.update, params)
+                        if keyed:
+                            c.execute(built.statement, params)
+                        c.execute(built.audit, params)
+                return True, job_id
+            except StoreConflict:
+                pass
+            if reopen and not keyed:
+                self.reopen(job_id, task_name, payload, delay)
+                return False, job_id
+            with self.db.begin() as c:
+                if idempotency_key is None:
+                    return False, job_id
                 # The key table names the holder; a job recorded before it existed holds it itself.
                 other = c.execute(sa.select(k.c.job_id).where(k.c.key == idempotency_key)).scalar()
                 other = other or c.execute(
                     sa.select(j.c.id).where(j.c.idempotency_key == idempotency_key)).scalar()
                 if other is not None:
                     return False, other
-            return False, job_id
+                if c.execute(sa.select(j.c.id).where(j.c.id == job_id)).first() is not None:
+                    return False, job_id  # the conflict was this id's, reused
+        raise StoreConflict(f"job {job_id}: its idempotency key {idempotency_key!r} was taken and freed "
+                            f"{KEY_RACE_TRIES} times while it was recorded; publish it again")
 
     def record_batch(self, jobs: Sequence[NewJob]) -> None:
         """Insert a group's pending jobs without keys and their ``published`` events, each batch one

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import threading
@@ -11,7 +12,7 @@ import pytest
 import sqlalchemy as sa
 
 from celery_lease.config import RECOVERY
-from celery_lease.errors import StoreUnavailable
+from celery_lease.errors import StoreConflict, StoreUnavailable
 from celery_lease.store import (
     COMPLETED,
     FAILED,
@@ -73,6 +74,49 @@ def test_record_with_a_taken_idempotency_key_returns_the_holder(store):
     created, holder = store.publishes.record("second", "t.task", "q", "{}", 3, idempotency_key="order-1")
     assert (created, holder) == (False, "first")
     assert store.get("second") is None
+
+
+def test_a_keyed_record_whose_holder_vanishes_after_the_conflict_takes_the_freed_key(store, monkeypatch):
+    # The key's holder is forgotten (its message never went out) between this record's conflict and its
+    # look-up of the holder: the key is free, so this job is recorded under it, not answered with its own
+    # unrecorded id (which the caller would take for a job already sent).
+    store.publishes.record("first", "t.task", "q", "{}", 3, idempotency_key="order-R")
+    forgotten: list[bool] = []
+
+    def on_conflict() -> None:
+        if not forgotten:
+            forgotten.append(store.publishes.forget_unpublished("first"))
+
+    def conflicting(real):
+        def conflicted(*args, **kwargs):
+            try:
+                return real(*args, **kwargs)
+            except StoreConflict:
+                on_conflict()
+                raise
+        return conflicted
+
+    audited = store.publishes.audited
+    for name in ("_execute_compiled", "_execute_positional"):
+        monkeypatch.setattr(audited, name, conflicting(getattr(audited, name)))
+    real_begin = store.publishes.db.begin
+
+    @contextlib.contextmanager
+    def begin(*args, **kwargs):
+        try:
+            with real_begin(*args, **kwargs) as c:
+                yield c
+        except StoreConflict:
+            on_conflict()
+            raise
+    monkeypatch.setattr(store.publishes.db, "begin", begin)
+
+    record = store.publishes.record
+    assert record("second", "t.task", "q", "{}", 3, idempotency_key="order-R") == (True, "second")
+    assert forgotten == [True]
+    assert store.get("first") is None
+    assert store.get("second").idempotency_key == "order-R"
+    assert record("third", "t.task", "q", "{}", 3, idempotency_key="order-R") == (False, "second")
 
 
 def test_a_finished_job_published_again_with_reopen_runs_again(store):
