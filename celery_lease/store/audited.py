@@ -16,7 +16,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 
 from ..vocabulary import Event
 from .base import StoreEngine
-from .rows import Job
+from .rows import Job, storable
 
 __all__ = ["AuditedWrites"]
 
@@ -84,7 +84,7 @@ def _arrays(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> dict[s
 def _bind(params: dict[str, Any] | None, job_id: str, reason: str | None, worker: str | None,
           token: str | None, detail: Any) -> dict[str, Any]:
     """A write's parameters with its audit event's."""
-    return {**(params or {}), "ev_job": job_id, "ev_reason": reason, "ev_worker": worker,
+    return {**(params or {}), "ev_job": job_id, "ev_reason": reason and storable(reason), "ev_worker": worker,
             "ev_token": token[:8] if token else None,
             "ev_detail": None if detail is None else json.dumps(detail, default=str)}
 

@@ -22,7 +22,7 @@ from ..context import BODY
 from ..errors import StoreUnavailable
 from ..masking import mask_secrets
 from ..vocabulary import Event, StoreFailure
-from .rows import RUNNING, Job, fenced_status, status_sql
+from .rows import RUNNING, Job, fenced_status, status_sql, storable
 
 __all__ = ["StoreEngine", "RUNS_REVISION", "RESULT_REVISION", "NONCE_REVISION", "where_given",
            "uninterrupted"]
@@ -318,7 +318,7 @@ class StoreEngine:
     def _event(self, c: Connection, job_id: str | None, event: Event, reason: str | None = None,
                worker: str | None = None, token: str | None = None, detail: Any = None) -> None:
         c.execute(sa.insert(self.t.events).values(
-            job_id=job_id, event=event, reason=reason, worker=worker,
+            job_id=job_id, event=event, reason=reason and storable(reason), worker=worker,
             token=token[:8] if token else None, at=self.now_sql,
             detail=None if detail is None else json.dumps(detail, default=str),
             **self._job_labels(job_id, c),

@@ -17,7 +17,7 @@ from .audited import AuditedWrites
 from .base import RESULT_REVISION, StoreEngine
 from .handovers import never_handed_over, replaced_by_step, replaced_copy, was_handed_over
 from .reaping import ReaperStatements
-from .rows import COMPLETED, FAILED, PENDING, RUNNING, Claim, ClaimTerms, Job, fenced_status
+from .rows import COMPLETED, FAILED, PENDING, RUNNING, Claim, ClaimTerms, Job, fenced_status, storable
 from .workers import WorkerStatements
 
 __all__ = ["JobStatements"]
@@ -255,7 +255,7 @@ class JobStatements:
         """running -> failed (dead letter) after a final task failure."""
         return self._owner_write(job_id, token, worker, Event.FAILED, Event.STALE_FAILURE_REJECTED, dict(
             status=FAILED, failed_at=self.db.now_sql, lease_expires_at=None, lock_token=None,
-            last_error=error[:4000],
+            last_error=storable(error)[:4000],
         ), reason=error[:200])
 
     def retry_later(self, job_id: str, token: str, delay: float, payload: str | None,
@@ -266,7 +266,7 @@ class JobStatements:
         if payload is not None:
             values["payload"] = payload
         if error is not None:
-            values["last_error"] = error[:4000]
+            values["last_error"] = storable(error)[:4000]
         return self._owner_write(job_id, token, worker, Event.RETRY_SCHEDULED, Event.STALE_RETRY_REJECTED,
                                  values, reason=(error or "")[:200])
 
@@ -289,7 +289,7 @@ class JobStatements:
         if owner is not None:
             running = fenced_status(j.c.status, RUNNING)
             unfinished = sa.or_(unfinished, sa.and_(running, j.c.locked_by == owner))
-        error = f"revoked ({reason})"
+        error = storable(f"revoked ({reason})")
         with self.db.begin() as c:
             res = c.execute(sa.update(j).where(j.c.id == job_id, unfinished).values(
                 status=FAILED, failed_at=self.db.now_sql, updated_at=self.db.now_sql, lease_expires_at=None,

@@ -20,7 +20,7 @@ from ..errors import StoreConflict
 from ..vocabulary import Event
 from .attempts import PREVIOUS_OWNER, PREVIOUS_TOKEN, previous_attempt
 from .base import RUNS_REVISION, StoreEngine
-from .rows import COMPLETED, FAILED, PENDING, RUNNING, Job, fenced_status, status_sql
+from .rows import COMPLETED, FAILED, PENDING, RUNNING, Job, fenced_status, status_sql, storable
 
 __all__ = ["ReaperStatements", "Expired", "REAPER_LOCK", "REAPER_CLOCK"]
 
@@ -139,7 +139,7 @@ class ReaperStatements:
                           c: Connection | None = None) -> bool:
         """running -> pending at now + delay, token cleared, one more expiration counted."""
         values = dict(status=PENDING, locked_by=None, available_at=self.db.now_sql + delay,
-                      last_error=reason[:4000])
+                      last_error=storable(reason)[:4000])
         return self._take_back(job_id, token, owner, expired, now, c, values, Event.REAPED_EXPIRED_LEASE,
                                reason, {"delay": round(delay, 3), **(detail or {})})
 
@@ -148,7 +148,7 @@ class ReaperStatements:
                               c: Connection | None = None, shown: str | None = None) -> bool:
         """running -> failed (the dead letter), token cleared, one more expiration counted; the event names
         ``shown``, the owner's token, where ``token`` is the reaper's claim."""
-        values = dict(status=FAILED, failed_at=self.db.now_sql, last_error=error[:4000])
+        values = dict(status=FAILED, failed_at=self.db.now_sql, last_error=storable(error)[:4000])
         return self._take_back(job_id, token, owner, expired, now, c, values, Event.DEAD_LETTERED,
                                error[:200], detail, shown)
 
@@ -224,7 +224,7 @@ class ReaperStatements:
             res = tx.execute(sa.update(j).where(
                 j.c.id == job.id, fenced_status(j.c.status, PENDING), j.c.updated_at == job.updated_at,
                 j.c.dispatch_count == job.dispatch_count, j.c.available_at == job.available_at,
-            ).values(status=FAILED, failed_at=self.db.now_sql, last_error=error[:4000],
+            ).values(status=FAILED, failed_at=self.db.now_sql, last_error=storable(error)[:4000],
                      updated_at=self.db.now_sql))
             if res.rowcount != 1:
                 return False

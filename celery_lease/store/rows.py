@@ -14,9 +14,16 @@ from ..errors import StoreCorrupt
 from ..vocabulary import ClaimOutcome, Decision, Status
 
 __all__ = ["PENDING", "RUNNING", "COMPLETED", "FAILED", "status_sql", "fenced_status", "NewJob", "Job",
-           "Claim", "ClaimTerms"]
+           "Claim", "ClaimTerms", "storable"]
+
 
 PENDING, RUNNING, COMPLETED, FAILED = Status.PENDING, Status.RUNNING, Status.COMPLETED, Status.FAILED
+
+
+def storable(text: str) -> str:
+    """Free text (an error, a reason) as every database stores it: PostgreSQL's text refuses NUL, which an
+    exception's message can hold, and a refused write would leave the job running or an effect's key held."""
+    return text.replace("\x00", "\\x00") if "\x00" in text else text
 
 
 def status_sql(status: Status) -> sa.ColumnElement[Any]:

@@ -119,6 +119,24 @@ def test_a_keyed_record_whose_holder_vanishes_after_the_conflict_takes_the_freed
     assert record("third", "t.task", "q", "{}", 3, idempotency_key="order-R") == (False, "second")
 
 
+def test_an_error_text_holding_a_nul_is_stored_and_the_write_it_belongs_to_lands(store):
+    # PostgreSQL's text refuses NUL: the failure, the retry and the effect's release would each be refused,
+    # leaving the job running or the effect's key held for an effect that never happened.
+    store.publishes.record("nul", "t.task", "q", "{}", 3)
+    tok = token()
+    assert claim(store, "nul", tok=tok).claimed
+    assert store.effects.record_effect("mail:1", "nul", tok).value == "first"
+    assert store.effects.release_effect("mail:1", "nul", tok, reason="ValueError: bad\x00byte")
+    assert store.effects.record_effect("mail:1", "nul", tok).value == "first"
+    assert store.jobs.retry_later("nul", tok, 0.0, None, "ValueError: bad\x00byte", "w1")
+    tok = token()
+    assert claim(store, "nul", tok=tok).claimed
+    assert store.jobs.fail("nul", tok, "ValueError: bad\x00byte", "w1")
+    job = store.get("nul")
+    assert (job.status, job.last_error) == (FAILED, "ValueError: bad\\x00byte")
+    assert [e["reason"] for e in store.reports.events("nul") if e["event"] == "failed"] == [job.last_error]
+
+
 def test_a_finished_job_published_again_with_reopen_runs_again(store):
     store.publishes.record("done", "t.task", "q", '{"v": 1}', 3)
     tok = token()
