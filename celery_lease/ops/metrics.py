@@ -213,6 +213,8 @@ class LeaseCollector:
         workers = store.reports.worker_counts()
         last_run = store.runs.last_reaper_run()
         with self._lock:
+            # First: a scrape whose window read fails observes nothing, not even the heartbeat lags.
+            self._advance(now)
             for r in running:
                 labels = [r["queue"] or "", r["task"]]
                 fams["running"].add_metric(labels, r["running"])
@@ -223,7 +225,6 @@ class LeaseCollector:
                 lags = r["lag_buckets"]  # cumulative counts per bound
                 per_bucket = [b - a for a, b in zip([0, *lags], [*lags, r["running"]], strict=True)]
                 self._observe("lag", r["queue"], r["task"], [*per_bucket, r["lag_sum"]])
-            self._advance(now)
             for key, (_, _, bounds) in HISTOGRAMS.items():
                 for (queue, task), hist in sorted(self._histograms[key].items()):
                     fams[key].add_metric([queue, task], hist.buckets(bounds), hist.total)
@@ -248,7 +249,11 @@ class LeaseCollector:
         self._histograms[key].setdefault(labels, _Histogram(bounds)).add(values)
 
     def _advance(self, now: float) -> None:
-        """Count what finished in (previous scrape, now - event_lag]: the lag covers late commits."""
+        """Count what finished in (previous scrape, now - event_lag]: the lag covers late commits.
+
+        Every read of the window comes before anything is counted, and the window moves on only
+        after all of it is: a failed read counts nothing, and the next scrape reads the same window.
+        """
         until = now - self.event_lag
         if self._through is None:
             # What was written before the exporter started is history, not counted: from now on.
@@ -257,10 +262,10 @@ class LeaseCollector:
         if until <= self._through:
             return
         finished = self.store.reports.finished_between(self._through, until, RUNTIME_BUCKETS, ATTEMPT_BUCKETS)
+        counts = self.store.reports.labelled_event_counts(EVENT_NAMES, self._through, until)
         for (finished_queue, finished_task), data in finished.items():
             for key, values in data.items():
                 self._observe(key, finished_queue, finished_task, values)
-        counts = self.store.reports.labelled_event_counts(EVENT_NAMES, self._through, until)
         for (event, queue, task), n in counts.items():
             name, extra = _BY_EVENT[Event(event)]
             labels = (*self._cap(name, queue, task), *(() if extra is None else (extra,)))

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from celery_lease.config import RUNBOOK_BASE_URL
 from celery_lease.contrib.prometheus import rules as render_rules
+from celery_lease.errors import StoreUnavailable
 from celery_lease.ops.metrics import LeaseCollector, metric_names
 from celery_lease.store import Store
 from tests.apps import ops_app
@@ -259,6 +260,28 @@ def test_event_counters_wait_for_the_lag(scene):
     samples(collector)
     store.event("abandoned-0", "reaped_expired_lease", "lease expired")
     assert not any(name == "celery_lease_reaped_total" for name, _ in samples(collector))
+
+
+def test_a_scrape_whose_event_read_fails_counts_nothing_and_the_next_counts_each_job_once(scene, monkeypatch):
+    app, store, _ = scene
+    collector = LeaseCollector(app, store, event_lag=0.0)
+    samples(collector)
+    finish(store, "ops.quick", [0.2, 0.7, 2.0, 4.0])
+    store.event("abandoned-0", "reaped_expired_lease", "lease expired")
+
+    def unavailable(*args: Any, **kwargs: Any) -> Any:
+        raise StoreUnavailable("connection reset")
+
+    with monkeypatch.context() as patched:  # the finished jobs are read, then the events are not
+        patched.setattr(store.reports, "labelled_event_counts", unavailable)
+        assert value(samples(collector), "celery_lease_store_up") == 0
+    after = samples(collector)
+    quick = {"queue": "celery", "task": "ops.quick"}
+    assert value(after, "celery_lease_task_runtime_seconds_count", **quick) == 4
+    assert value(after, "celery_lease_task_runtime_seconds_sum", **quick) == pytest.approx(6.9, abs=0.01)
+    assert value(after, "celery_lease_task_attempts_count", **quick) == 4
+    assert value(after, "celery_lease_reaped_total", **quick) == 1
+    assert value(after, "celery_lease_heartbeat_lag_seconds_count", **quick) == 8  # 4 running, 2 scrapes
 
 
 # -- the exporter's own health ---------------------------------------------------------
