@@ -306,8 +306,11 @@ class VisibilityStep(bootsteps.StartStopStep):
         self.keeper.start()
 
     def stop(self, c: Any) -> None:
-        if self.keeper is not None:
-            self.keeper.stop()
+        """Keep the keeper: a warm shutdown stops the consumer's steps before the pool drains, and the jobs
+        still running need their messages kept. On its own connection, it also outlives a consumer restarted
+        after a lost broker connection (start() finds it running)."""
 
     def shutdown(self, c: Any) -> None:
-        self.stop(c)
+        # Called once the pool has drained (the worker's on_stopped).
+        if self.keeper is not None:
+            self.keeper.stop()

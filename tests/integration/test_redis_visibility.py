@@ -9,6 +9,8 @@ messages still come back and complete once on the other worker.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import celery
@@ -119,6 +121,26 @@ def test_live_workers_keep_their_messages_and_each_body_runs_once(env, broker, t
         assert job.completed_at - job.started_at >= LONG >= 4 * VT
         assert job.attempt_count == 1
     assert store.reports.event_counts(["duplicate_delivery_skipped"]) == {"duplicate_delivery_skipped": 0}
+
+
+@restores_periodically
+def test_a_worker_in_warm_shutdown_keeps_the_message_of_the_job_it_still_runs(env, broker, tmp_path):
+    # A warm shutdown (SIGTERM to the main process, as a deploy sends it) stops the consumer before the
+    # pool drains: the job still running there keeps its message, which the other worker would restore.
+    app, counters = make_app(env)
+    work, store, (_, client, prefix) = app.tasks["broker_app.work"], observer(app), broker
+    with workers.celery_processes(tmp_path) as procs:
+        a, b = start(procs, env, tmp_path, "a", "b")
+        job = work.apply_async((LONG,)).id
+        wait_for(lambda: counters.count(f"started:{job}"), timeout=20, message="the job did not start")
+        runner = a if counters.names(f"ran_on:{job}") == ["a"] else b
+        os.kill(runner.pid, signal.SIGTERM)
+        wait_for(lambda: all_completed(store, [job]), timeout=60, message="the job did not complete")
+        wait_for(lambda: runner.exited() is not None, timeout=30, message="the worker did not stop")
+        wait_for(lambda: drained(client, prefix), timeout=15, message="deliveries left unacknowledged")
+    assert counts(counters, job, "delivered", "redelivered", "started", "finished") == [1, 0, 1, 1]
+    finished = store.get(job)
+    assert finished.completed_at - finished.started_at >= LONG >= 3 * VT  # outlived the visibility timeout
 
 
 @tracks_eta_requests
