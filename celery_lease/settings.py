@@ -276,8 +276,8 @@ SETTINGS: tuple[Setting, ...] = (
        _mapping, "a mapping of queue name to per-task lease options", False),
     # broker alignment
     _S("lease_extend_visibility", True,
-       "Keep the Redis messages a live worker holds (leased acks_late jobs, prefetched and ETA "
-       "messages) from being restored by kombu's visibility timeout.",
+       "Keep the Redis messages a live worker holds (leased acks_late jobs, prefetched messages, and ETA "
+       "messages on Celery 5.7 and later) from being restored by kombu's visibility timeout.",
        _bool, "True or False", False),
     _S("lease_rabbitmq_consumer_timeout", None,
        "Seconds RabbitMQ lets a delivery go unacknowledged (its consumer_timeout), for `lease check`; "

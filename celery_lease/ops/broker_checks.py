@@ -15,6 +15,8 @@ import urllib.request
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import celery
+
 from ..config import worker_stale_after
 from ..worker.brokers import REFRESH_SHARE
 from .check_context import ERROR, OK, WARNING, Context, Finding, ok_unless
@@ -120,6 +122,7 @@ def _redis(ctx: Context) -> Iterator[Finding]:
     delays = {t.name: ctx.task_facts(t).get("longest_delay", 0.0) for t in ctx.tasks}
     delay_task = max(delays, key=lambda n: delays[n], default=None)
     delay = delays.get(delay_task, 0.0) if delay_task else 0.0
+    keeps_eta = extend and _worker_tracks_eta()
     if not extend and delay > vt:
         yield Finding(ERROR, "visibility_vs_eta", settings,
                       {**base, "task": delay_task, "longest_delay": delay},
@@ -127,9 +130,20 @@ def _redis(ctx: Context) -> Iterator[Finding]:
                       f"re-delivers it after {vt:g}s: every worker then holds a copy until the ETA",
                       "set lease_extend_visibility = True, or raise visibility_timeout above the longest "
                       "countdown")
-    else:
+    elif not keeps_eta and delay > vt:
+        yield Finding(ERROR, "visibility_vs_eta", (VT,),
+                      {**base, "task": delay_task, "longest_delay": delay, "celery": celery.__version__},
+                      f"a {delay_task} job waits {delay:g}s for its countdown/ETA inside a worker, but kombu "
+                      f"re-delivers it after {vt:g}s: the visibility refresher keeps ETA messages only from "
+                      "Celery 5.7 (an older worker does not list the requests waiting for their ETA), so "
+                      "every worker then holds a copy until the ETA",
+                      "raise visibility_timeout above the longest countdown, or upgrade Celery to 5.7")
+    elif keeps_eta:
         yield Finding(OK, "visibility_vs_eta", settings, {**base, "longest_delay": delay},
                       "ETA messages held by live workers are not re-delivered")
+    else:
+        yield Finding(OK, "visibility_vs_eta", settings, {**base, "longest_delay": delay},
+                      "every countdown/ETA ends inside the visibility timeout")
     takeover = _takeover_after(ctx)
     if extend and vt < takeover:
         yield Finding(WARNING, "visibility_vs_lease", (VT, "lease_duration", "lease_grace_period",
@@ -143,6 +157,16 @@ def _redis(ctx: Context) -> Iterator[Finding]:
     else:
         yield Finding(OK, "visibility_vs_lease", (VT, "lease_duration"), {**base, "takeover_after": takeover},
                       "a dead worker's messages come back when their leases can be taken over")
+
+
+def _worker_tracks_eta() -> bool:
+    """Whether the worker lists the requests waiting for their ETA, which the visibility refresher reads.
+
+    ``celery.worker.state.scheduled_requests`` first exists in Celery 5.7.
+    """
+    from celery.worker import state
+
+    return hasattr(state, "scheduled_requests")
 
 
 def _rabbitmq(ctx: Context) -> Iterator[Finding]:
@@ -173,6 +197,26 @@ def _rabbitmq(ctx: Context) -> Iterator[Finding]:
             "set time_limit (or lease_max_runtime) below consumer_timeout"))
     yield from ok_unless(problems, "consumer_timeout", settings, {"consumer_timeouts": timeouts},
                           "every task ends before RabbitMQ's consumer_timeout")
+    # A worker holds an ETA/countdown message unacknowledged until its time, so consumer_timeout counts
+    # from its delivery; the closed channel re-delivers every unacked message, running acks_late jobs too.
+    eta_settings = ("consumer_timeout", "lease_rabbitmq_consumer_timeout")
+    waits = []
+    for task in ctx.tasks:
+        delay = float(ctx.task_facts(task).get("longest_delay") or 0.0)
+        timeout, source = timeouts[queues[task.name]]
+        if delay > timeout:
+            waits.append(Finding(
+                ERROR, "consumer_timeout_eta", eta_settings,
+                {"task": task.name, "queue": queues[task.name], "consumer_timeout": timeout, "source": source,
+                 "longest_delay": delay},
+                f"a {task.name} job waits {delay:g}s for its countdown/ETA inside a worker, unacknowledged, "
+                "but RabbitMQ closes the channel of a consumer that holds a delivery unacknowledged for "
+                f"{timeout:g}s: every unacknowledged message on it, running acks_late jobs included, is "
+                "delivered again",
+                f"raise consumer_timeout (rabbitmq.conf, in ms) above {delay:g}s or per queue with the "
+                f"x-consumer-timeout argument; or keep {task.name}'s countdowns/ETAs below {timeout:g}s"))
+    yield from ok_unless(waits, "consumer_timeout_eta", eta_settings, {"consumer_timeouts": timeouts},
+                         "every countdown/ETA comes due before RabbitMQ's consumer_timeout")
     yield from quorum_rules(ctx)
 
 

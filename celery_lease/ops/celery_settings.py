@@ -51,7 +51,8 @@ def _floor(ctx: Context) -> Iterator[Finding]:
     missing = missing_features()
     settings = tuple(setting for setting, _, _ in FEATURES)
     values = {"celery": celery.__version__, "missing": missing}
-    ignored = {s: first for s, first in missing.items() if ctx.conf.get(s) not in (None, False, 0, 0.0)}
+    # Set at all, whatever the value: an app that writes task_acks_on_timeout = False expects it to act.
+    ignored = {s: first for s, first in missing.items() if ctx.conf.value_set_for(s)}
     if ignored:
         yield Finding(WARNING, "celery_features", settings, {**values, "ignored": ignored},
                       f"Celery {celery.__version__} does not know "

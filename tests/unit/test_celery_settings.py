@@ -51,6 +51,18 @@ def test_a_feature_the_app_sets_on_a_celery_without_it_is_a_warning(findings, mo
     assert "the app sets it and nothing happens" in finding.why
 
 
+def test_a_feature_the_app_sets_to_false_on_a_celery_without_it_is_a_warning(findings, monkeypatch):
+    split = ("task_acks_on_timeout", "task_acks_on_failure")
+    older = {k: v for k, v in DEFAULTS.items() if k not in split}  # Celery 5.6 has only the combined one
+    monkeypatch.setattr(celery_settings, "DEFAULTS", older)
+    monkeypatch.setattr(celery_settings, "missing_features", lambda: missing_features(older))
+    [finding] = findings(make_app(task_acks_on_timeout=False, task_acks_on_failure=False), "celery_features")
+    assert finding.level == "warning"
+    assert finding.values["ignored"] == {"task_acks_on_failure": "5.7", "task_acks_on_timeout": "5.7"}
+    [unset] = findings(make_app(), "celery_features")
+    assert unset.level == "ok" and "the app sets none of them" in unset.why
+
+
 def test_the_installed_celery_is_named_with_what_it_lacks(findings):
     [finding] = findings(make_app(), "celery_features")
     assert finding.level == "ok" and finding.values["celery"] == celery.__version__

@@ -206,6 +206,13 @@ CASES = [
      ("consumer_timeout", "lease_rabbitmq_consumer_timeout", "task_time_limit", "lease_max_runtime"),
      {"tasks": ["c.new"], "consumer_timeouts": {"celery": (1800.0, "RabbitMQ default")}},
      "set time_limit (or lease_max_runtime) below consumer_timeout"),
+    ("consumer_timeout_eta", dict(broker=AMQP, lease_rabbitmq_consumer_timeout=1800.0),
+     lambda s: run_job(s, status="pending", delay=7200),
+     "error", "consumer_timeout_eta", ("consumer_timeout", "lease_rabbitmq_consumer_timeout"),
+     {"task": "c.work", "queue": "celery", "consumer_timeout": 1800.0,
+      "source": "lease_rabbitmq_consumer_timeout", "longest_delay": 7200.0},
+     "raise consumer_timeout (rabbitmq.conf, in ms) above 7200s or per queue with the x-consumer-timeout "
+     "argument; or keep c.work's countdowns/ETAs below 1800s"),
     ("broker_visibility_unknown", dict(broker="zookeeper://127.0.0.1:2181/"), None,
      "warning", "broker_visibility", ("broker_url",), {"transport": "zookeeper"},
      "make the transport's redelivery timeout longer than the longest task"),
@@ -629,3 +636,35 @@ def test_an_app_whose_task_class_is_lease_task_is_not_asked_to_measure_celerys_o
     assert builtins and sorted(task.name for task in ctx.tasks) == ["c.by_default"]
     tuned = [t.task for t in tune(app, baseline_store(sqlite_store))]
     assert "c.by_default" in tuned and not [name for name in tuned if name.startswith("celery.")]
+
+
+def test_rabbitmq_flags_a_countdown_held_past_consumer_timeout_and_passes_one_within_it(sqlite_store):
+    store = baseline_store(sqlite_store)
+    run_job(store, status="pending", delay=7200)  # a worker holds this message unacked for two hours
+
+    def eta_findings(timeout: float) -> list[Finding]:
+        app = make_app(broker=AMQP, lease_rabbitmq_consumer_timeout=timeout)
+        return [f for f in run_checks(app, store) if f.code == "consumer_timeout_eta"]
+
+    (cut,) = eta_findings(1800.0)
+    assert cut.level == "error" and cut.values["longest_delay"] == 7200.0
+    assert "running acks_late jobs included, is delivered again" in cut.why
+    (within,) = eta_findings(10800.0)
+    assert within.level == "ok"
+
+
+def test_redis_eta_beyond_visibility_is_an_error_on_a_celery_whose_refresher_cannot_see_eta_requests(
+        sqlite_store, monkeypatch):
+    from celery.worker import state
+
+    store = baseline_store(sqlite_store)
+    run_job(store, status="pending", delay=7200)
+    app = make_app(broker_transport_options={"visibility_timeout": 3600})
+    assert [f.level for f in run_checks(app, store) if f.code == "visibility_vs_eta"] == ["ok"]
+
+    monkeypatch.delattr(state, "scheduled_requests")  # as on Celery 5.3-5.6
+    (finding,) = [f for f in run_checks(app, store) if f.code == "visibility_vs_eta"]
+    assert (finding.level, finding.settings) == ("error", (VT,))
+    assert finding.values["lease_extend_visibility"] is True and finding.values["longest_delay"] == 7200.0
+    assert "keeps ETA messages only from Celery 5.7" in finding.why
+    assert finding.fix == "raise visibility_timeout above the longest countdown, or upgrade Celery to 5.7"
