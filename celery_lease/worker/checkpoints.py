@@ -4,6 +4,7 @@ its last seconds): recorded again from the message the worker holds, under the l
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -25,6 +26,7 @@ class Checkpointed(LeaseHandle, Protocol):
     app: Any
     checkpoint_state: Any
     pending_checkpoint: tuple[Any] | None
+    checkpoint_turn: threading.Lock
 
     @property
     def finishing(self) -> bool: ...
@@ -35,19 +37,21 @@ class Checkpointed(LeaseHandle, Protocol):
 def checkpoint(lease: Checkpointed, state: Any) -> None:
     """Lease.checkpoint: write now, or keep the state for the heartbeat while the store is unreachable."""
     lease.check()
-    try:
-        written = lease.store.jobs.checkpoint(lease.job_id, lease.token, state, lease.worker)
-        if not written and lease.vanished_and_recorded_again():
+    # Under the lease's checkpoint turn: the heartbeat writing a held-back state must not land after this.
+    with lease.checkpoint_turn:
+        try:
             written = lease.store.jobs.checkpoint(lease.job_id, lease.token, state, lease.worker)
-    except StoreRejected:
-        raise
-    except StoreUnavailable as exc:
-        log.warning("job %s [%s]: checkpoint kept until the store answers (%s)", lease.job_id,
-                    lease.token[:8], exc, extra={"action": "checkpoint_deferred"})
-        lease.pending_checkpoint = (state,)
-        lease.checkpoint_state = state
-        return
-    lease.pending_checkpoint = None
+            if not written and lease.vanished_and_recorded_again():
+                written = lease.store.jobs.checkpoint(lease.job_id, lease.token, state, lease.worker)
+        except StoreRejected:
+            raise
+        except StoreUnavailable as exc:
+            log.warning("job %s [%s]: checkpoint kept until the store answers (%s)", lease.job_id,
+                        lease.token[:8], exc, extra={"action": "checkpoint_deferred"})
+            lease.pending_checkpoint = (state,)
+            lease.checkpoint_state = state
+            return
+        lease.pending_checkpoint = None
     if not written:
         lease.mark_lost("checkpoint rejected: token no longer matches")
         lease.check()
@@ -106,12 +110,17 @@ def vanished_and_recorded_again(lease: Checkpointed, record_again: Callable[[], 
 
 def write_pending_checkpoint(lease: Checkpointed) -> None:
     """The heartbeat's part: write the checkpoint an outage held back (StoreUnavailable if still down)."""
-    pending = lease.pending_checkpoint
-    if pending is None or lease.lost or lease.finishing:
+    # The body writing a checkpoint now writes a newer state: the held-back one is left to it, and the
+    # heartbeat (every lease's renewals) does not wait on this one's write.
+    if not lease.checkpoint_turn.acquire(blocking=False):
         return
-    if lease.store.jobs.checkpoint(lease.job_id, lease.token, pending[0], lease.worker):
-        if lease.pending_checkpoint is pending:
+    try:
+        pending = lease.pending_checkpoint
+        if pending is None or lease.lost or lease.finishing:
+            return
+        if not lease.store.jobs.checkpoint(lease.job_id, lease.token, pending[0], lease.worker):
+            lease.mark_lost("checkpoint rejected: token no longer matches")
+        elif lease.pending_checkpoint is pending:
             lease.pending_checkpoint = None
-    else:
-        lease.mark_lost("checkpoint rejected: token no longer matches")
-
+    finally:
+        lease.checkpoint_turn.release()

@@ -73,6 +73,8 @@ class Lease:
         self.deferred: DeferredWrite | None = None
         # A checkpoint the store could not take yet: the heartbeat writes it once it answers.
         self.pending_checkpoint: tuple[Any] | None = None
+        # One checkpoint write at a time, the body's or the heartbeat's: an older state never lands last.
+        self.checkpoint_turn = threading.Lock()
         # A retry the store could not write yet: (due, monotonic; its message, sent once written).
         self.deferred_retry: tuple[float, str] | None = None
         self._in_body = False

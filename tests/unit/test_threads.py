@@ -489,6 +489,40 @@ def test_a_checkpoint_held_back_by_an_outage_is_written_by_the_next_round(store,
     assert lease.pending_checkpoint is None and not lease.lost
 
 
+def test_a_checkpoint_held_back_by_an_outage_never_lands_after_the_bodys_newer_one(store, hb, monkeypatch):
+    # The heartbeat's write of the held-back state is on its way when the body writes a newer one: the store
+    # must end with the body's state, or the next attempt resumes from older progress.
+    lease = held_lease(store, hb.runtime, "newer-checkpoint")
+    write, down = store.jobs.checkpoint, [True]
+    older_on_its_way, newer_written = threading.Event(), threading.Event()
+
+    def checkpoint(job_id, token, state, worker=None):
+        if down[0]:
+            raise StoreUnavailable("down")
+        if state == {"step": 1}:
+            older_on_its_way.set()
+            # Until the body's write lands, or for a while if the body waits for this write to end.
+            newer_written.wait(2)
+        written = write(job_id, token, state, worker)
+        if state == {"step": 2}:
+            newer_written.set()
+        return written
+
+    monkeypatch.setattr(store.jobs, "checkpoint", checkpoint)
+    lease.checkpoint({"step": 1})  # kept for the heartbeat
+    down[0] = False
+    beat = threading.Thread(target=hb.beat, daemon=True)
+    beat.start()
+    assert older_on_its_way.wait(10), "the heartbeat did not write the held-back checkpoint"
+    body = threading.Thread(target=lease.checkpoint, args=({"step": 2},), daemon=True)
+    body.start()
+    beat.join(15)
+    body.join(15)
+    assert not beat.is_alive() and not body.is_alive()
+    assert lease.checkpoint_state == {"step": 2} and lease.pending_checkpoint is None
+    assert store.get("newer-checkpoint").checkpoint_state() == {"step": 2}
+
+
 def test_the_beat_registers_the_worker_process(store, hb):
     hb.beat()
     with store.begin() as c:
