@@ -47,14 +47,22 @@ def connection_for(using: str) -> Any:
 
 
 def refuse_autocommit(connection: Any, key: str) -> None:
-    """A Django connection outside ``transaction.atomic()`` commits each statement alone: the key would commit
-    before the block runs, and a crash before the block's own writes would lose the effect for good."""
+    """A connection that commits each statement alone (Django's outside ``transaction.atomic()``, SQLAlchemy's
+    in AUTOCOMMIT) would commit the key before the block runs: a crash before the block's own writes would
+    lose the effect for good."""
     if is_django(connection) and connection.get_autocommit():
         alias = connection.alias
         raise ValueError(f"effect({key!r}) on Django database {alias!r} outside transaction.atomic(using="
                          f"{alias!r}): that connection is in autocommit, so the key would commit alone before"
                          " the block runs and a crash before the block's writes would lose the effect for"
                          f" good; wrap the block in transaction.atomic(using={alias!r})")
+    # SQLAlchemy's own test of a connection's isolation (an execution option, or the engine's), 1.4 and 2.x.
+    autocommit = getattr(connection, "_is_autocommit_isolation", None)
+    if callable(autocommit) and autocommit():
+        raise ValueError(f"effect({key!r}) on a SQLAlchemy connection in AUTOCOMMIT isolation: the key would "
+                         "commit alone before the block runs and a crash before the block's writes would lose"
+                         " the effect for good; pass a connection in a transaction (engine.begin()) without "
+                         "isolation_level='AUTOCOMMIT'")
 
 
 def refuse_in_own_transaction(store: Any, exc: StoreUnavailable, call: str, instead: str) -> None:

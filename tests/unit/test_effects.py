@@ -242,6 +242,18 @@ def test_effect_in_a_user_transaction_commits_with_the_business_row(store, hb, l
     assert keys(store) == {"capture:p1": "job-1"}
 
 
+def test_an_effect_on_a_connection_in_autocommit_is_refused_and_records_no_key(store, hb):
+    # Each statement commits alone there: the key would commit before the block, and a crash before the
+    # block's writes would lose the effect for good.
+    lease = claim(store, hb, "job-1")
+    with store.engine.connect() as conn:
+        conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+        with pytest.raises(ValueError, match=r"AUTOCOMMIT.*engine\.begin"), \
+                effect(lease, "capture:p1", connection=conn):
+            pytest.fail("the block ran")
+    assert keys(store) == {}
+
+
 def test_an_open_effect_transaction_does_not_hold_up_the_heartbeat(store, hb):
     if store.dialect.name == "sqlite":
         pytest.skip("SQLite has one writer at a time: every store write waits for the open transaction")
