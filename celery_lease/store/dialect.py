@@ -148,6 +148,11 @@ class Dialect:
         """Conditions that set a one-statement write's own transaction settings (none here)."""
         return []
 
+    def key_collation(self, conn: Connection) -> str | None:
+        """The collation of the store's id and key columns on the server ``conn`` reaches, for their DDL;
+        None where the database's own compares strings byte for byte."""
+        return None
+
     # -- engines and transactions -------------------------------------------------------
     def create_engine(self, bounds: Bounds, pool_size: int, options: Mapping[str, Any]) -> Engine:
         """An engine whose every connection, checkout and round trip is bounded by ``bounds``."""

@@ -11,6 +11,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 import celery_lease.store.migrations as migrations
+import celery_lease.store.schema as schema
 
 from ..errors import LeaseConfigError, SchemaMismatch, StoreRejected, StoreUnavailable
 from ..version import __version__
@@ -74,13 +75,14 @@ def _migrate(conn: Connection, store: object, to: str, downgrade: bool) -> list[
     prefix = store.prefix  # type: ignore[attr-defined]
     target = _target(to)
     revision = migrations.current(conn, prefix)
+    collation = store.dialect.key_collation(conn)  # type: ignore[attr-defined]
     if revision is None and not _has_tables(conn, prefix):
         if target == migrations.head():
             # The same schema as upgrading through every revision (the migration tests prove it).
-            store.t.metadata.create_all(conn)  # type: ignore[attr-defined]
+            schema.tables(prefix, collation).metadata.create_all(conn)
             migrations.stamp(conn, prefix, target)
         else:
-            migrations.upgrade(conn, prefix, target)
+            migrations.upgrade(conn, prefix, target, key_collation=collation)
         return [f"created the schema at revision {target}"]
     done: list[str] = []
     if revision is None:
@@ -90,10 +92,10 @@ def _migrate(conn: Connection, store: object, to: str, downgrade: bool) -> list[
     if not downgrade and (revision not in order or order.index(revision) >= order.index(target)):
         return done  # already at or past ``to`` (a newer release's revision is past every one known here)
     if order.index(target) > order.index(revision):
-        migrations.upgrade(conn, prefix, target)
+        migrations.upgrade(conn, prefix, target, key_collation=collation)
         done.append(f"upgraded revision {revision} -> {target}")
     elif order.index(target) < order.index(revision):
-        migrations.downgrade(conn, prefix, target)
+        migrations.downgrade(conn, prefix, target, key_collation=collation)
         done.append(f"downgraded revision {revision} -> {target}")
     return done
 
@@ -132,7 +134,9 @@ def sql(store: object, to: str = "head") -> str:
     if revision == target:
         return f"-- lease store already at revision {target}: nothing to run\n"
     url, prefix = store.url, store.prefix  # type: ignore[attr-defined]
-    return migrations.sql(url, prefix, target, start=revision)
+    with store.begin(long=True, read=True) as conn:  # type: ignore[attr-defined]
+        collation = store.dialect.key_collation(conn)  # type: ignore[attr-defined]
+    return migrations.sql(url, prefix, target, start=revision, key_collation=collation)
 
 
 def describe(store: object) -> tuple[str | None, bool]:

@@ -40,9 +40,10 @@ class Tables:
     meta: sa.Table
 
 
-def _key() -> sa.types.TypeEngine:
-    # MySQL/MariaDB's default collation is case-insensitive: "ch_1Ab" and "ch_1aB" must not collide.
-    return sa.String(ID).with_variant(mysql.VARCHAR(ID, collation="utf8mb4_bin"), "mysql", "mariadb")
+def _exact(collation: str) -> sa.types.TypeEngine:
+    # MySQL/MariaDB's default collation ignores case, accents and trailing spaces, utf8mb4_bin trailing
+    # spaces: "Order-42" and "order-42", or "k" and "k ", would be one job or one key.
+    return sa.String(ID).with_variant(mysql.VARCHAR(ID, collation=collation), "mysql", "mariadb")
 
 
 def _long_text() -> sa.types.TypeEngine:
@@ -54,13 +55,20 @@ def _time(name: str, nullable: bool = True) -> sa.Column:
     return sa.Column(name, sa.Double(), nullable=nullable)
 
 
-def tables(prefix: str = "celery_lease_") -> Tables:
-    """Build the table definitions for a prefix (validated by config.py)."""
+def tables(prefix: str = "celery_lease_", key_collation: str | None = None) -> Tables:
+    """Build the table definitions for a prefix (validated by config.py).
+
+    ``key_collation``: the MySQL/MariaDB collation of the id and key columns, the server's own
+    (Dialect.key_collation) when the tables are created; None: utf8mb4_bin, which every server has."""
     md = sa.MetaData()
     p = prefix
+
+    def exact() -> sa.types.TypeEngine:
+        return _exact(key_collation or "utf8mb4_bin")
+
     jobs = sa.Table(
         f"{p}jobs", md,
-        sa.Column("id", sa.String(ID), primary_key=True),
+        sa.Column("id", exact(), primary_key=True),
         sa.Column("queue_name", sa.String(ID), nullable=True),
         sa.Column("task_name", sa.String(ID), nullable=False),
         sa.Column("payload", _long_text(), nullable=True),
@@ -77,9 +85,9 @@ def tables(prefix: str = "celery_lease_") -> Tables:
         _time("lease_expires_at"),
         sa.Column("lease_duration", sa.Double(), nullable=True),
         sa.Column("grace_period", sa.Double(), nullable=True),
-        sa.Column("locked_by", sa.String(ID), nullable=True),
+        sa.Column("locked_by", exact(), nullable=True),
         sa.Column("lock_token", sa.String(64), nullable=True),
-        sa.Column("idempotency_key", _key(), nullable=True),
+        sa.Column("idempotency_key", exact(), nullable=True),
         sa.Column("checkpoint", _long_text(), nullable=True),
         sa.Column("last_error", _long_text(), nullable=True),
         _time("created_at", nullable=False),
@@ -117,10 +125,10 @@ def tables(prefix: str = "celery_lease_") -> Tables:
         f"{p}events", md,
         sa.Column("id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), primary_key=True,
                   autoincrement=True),
-        sa.Column("job_id", sa.String(ID), nullable=True),
+        sa.Column("job_id", exact(), nullable=True),
         sa.Column("event", sa.String(64), nullable=False),
         sa.Column("reason", sa.Text(), nullable=True),
-        sa.Column("worker", sa.String(ID), nullable=True),
+        sa.Column("worker", exact(), nullable=True),
         sa.Column("token", sa.String(16), nullable=True),
         _time("at", nullable=False),
         sa.Column("detail", sa.Text(), nullable=True),
@@ -133,7 +141,7 @@ def tables(prefix: str = "celery_lease_") -> Tables:
     sa.Index(f"{p}events_event_at_ix", events.c.event, events.c.at)
     workers = sa.Table(
         f"{p}workers", md,
-        sa.Column("worker_id", sa.String(ID), primary_key=True),
+        sa.Column("worker_id", exact(), primary_key=True),
         sa.Column("hostname", sa.String(ID), nullable=False),
         sa.Column("pid", sa.Integer(), nullable=False),
         _time("started_at", nullable=False),
@@ -144,8 +152,8 @@ def tables(prefix: str = "celery_lease_") -> Tables:
     )
     effects = sa.Table(
         f"{p}effects", md,
-        sa.Column("key", _key(), primary_key=True),
-        sa.Column("job_id", sa.String(ID), nullable=False),
+        sa.Column("key", exact(), primary_key=True),
+        sa.Column("job_id", exact(), nullable=False),
         _time("at", nullable=False),
         # The recording call's own mark (revision 0008): a call whose commit's answer was lost finds the
         # key it wrote itself on its next try, and is not told another attempt did the effect.
@@ -154,17 +162,17 @@ def tables(prefix: str = "celery_lease_") -> Tables:
     sa.Index(f"{p}effects_job_ix", effects.c.job_id)
     locks = sa.Table(
         f"{p}locks", md,
-        sa.Column("resource", _key(), primary_key=True),
+        sa.Column("resource", exact(), primary_key=True),
         sa.Column("token", sa.String(64), nullable=False),
-        sa.Column("job_id", sa.String(ID), nullable=True),
-        sa.Column("owner", sa.String(ID), nullable=True),
+        sa.Column("job_id", exact(), nullable=True),
+        sa.Column("owner", exact(), nullable=True),
         _time("expires_at", nullable=False),
     )
     # Keys outlive their jobs: a pruned job must not free its key before lease_idempotency_retention.
     keys = sa.Table(
         f"{p}idempotency_keys", md,
-        sa.Column("key", _key(), primary_key=True),
-        sa.Column("job_id", sa.String(ID), nullable=False),
+        sa.Column("key", exact(), primary_key=True),
+        sa.Column("job_id", exact(), nullable=False),
         _time("created_at", nullable=False),
     )
     sa.Index(f"{p}idempotency_keys_created_ix", keys.c.created_at)
@@ -176,7 +184,7 @@ def tables(prefix: str = "celery_lease_") -> Tables:
         _time("started_at", nullable=False),
         _time("finished_at", nullable=False),
         sa.Column("duration", sa.Double(), nullable=False),
-        sa.Column("worker", sa.String(ID), nullable=True),
+        sa.Column("worker", exact(), nullable=True),
         sa.Column("counts", sa.Text(), nullable=True),
     )
     sa.Index(f"{p}reaper_runs_finished_ix", runs.c.finished_at)

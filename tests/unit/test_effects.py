@@ -497,6 +497,7 @@ def test_a_store_on_the_previous_revision_records_effect_keys_without_their_nonc
     # A rolling deploy runs this release on revision 0007's schema (no nonce column) until `lease migrate`.
     old = store_factory(migrate=False, reuse=False)
     old.migrate(to="0007")
+    old.revision = "0007"  # as the release whose window was 0007..0008 found it
     old.publishes.record("job-1", "t.pay", "q", "{}", 5)
     token = secrets.token_hex(16)
     assert old.jobs.claim("job-1", "host:1", token, ClaimTerms(duration=3.0, grace=0.0, max_attempts=5,

@@ -8,7 +8,7 @@ import pytest
 import sqlalchemy as sa
 
 from celery_lease.errors import LeaseConfigError, SchemaMismatch
-from celery_lease.store import Store, migrations
+from celery_lease.store import ClaimTerms, Store, migrations
 from tests.conftest import drop_store_tables, unique_prefix
 from tests.fixtures import first_release_schema
 
@@ -128,7 +128,9 @@ def test_upgrading_through_every_revision_gives_the_newest_tables(store_factory)
 def test_migrate_sql_applied_by_hand_gives_the_same_schema(store_factory, store_url):
     by_hand, fresh = store_factory(migrate=False), store_factory(migrate=False)
     fresh.migrate()
-    script = migrations.sql(store_url, by_hand.prefix, "head")
+    with fresh.begin() as c:
+        collation = fresh.dialect.key_collation(c)
+    script = migrations.sql(store_url, by_hand.prefix, "head", key_collation=collation)
 
     raw = by_hand.engine.raw_connection()
     try:
@@ -289,3 +291,60 @@ def test_a_worker_refuses_to_start_against_an_old_schema(tmp_path):
     assert "is at revision 0001; celery_lease" in output, output[-2000:]
     assert f"runs against revisions {oldest} to {newest}: run `celery -A proj lease migrate`" in output
     assert Store(url, "core_").schema_state() == ("0001", True)  # nothing upgraded behind our back
+
+
+TERMS = ClaimTerms(duration=30.0, grace=1.0, max_attempts=5, max_expirations=3, takeover=False)
+
+
+@pytest.fixture
+def mysql_store(mysql_url):
+    """A store of its own on MySQL/MariaDB, not yet migrated, dropped afterwards."""
+    store = Store(mysql_url, unique_prefix())
+    yield store
+    store.drop_schema()
+    store.engine.dispose()
+
+
+def every_row(store) -> dict:
+    """Every row of every table of the store, as text, ordered."""
+    with store.begin() as c:
+        return {table.name: sorted(tuple(map(str, row)) for row in c.execute(sa.select(table)))
+                for table in store.t.metadata.sorted_tables}
+
+
+def test_upgrading_a_mysql_store_from_0008_keeps_its_rows_and_then_tells_apart_ids_differing_by_case_or_space(
+        mysql_store):
+    store = mysql_store
+    store.migrate(to="0008")
+    store.publishes.record("Order-42", "t", "celery", "{}", 5, idempotency_key="order-7")
+    store.publishes.record("job-7", "t", "celery", "{}", 5)
+    assert store.jobs.claim("job-7", "w", "tok", TERMS, "t", "celery", lambda: None).claimed
+    assert store.effects.record_effect("k", "job-7", "tok", "w").name == "FIRST"
+    before = every_row(store)
+
+    assert store.migrate() == ["upgraded revision 0008 -> 0009"]
+
+    assert every_row(store) == before
+    assert store.publishes.record("order-42", "t", "celery", "{}", 5) == (True, "order-42")
+    assert store.publishes.record("job-7 ", "t", "celery", "{}", 5) == (True, "job-7 ")
+    assert store.publishes.record("p", "t", "celery", "{}", 5, idempotency_key="order-7 ") == (True, "p")
+    claim = store.jobs.claim("order-42", "w", "tok2", TERMS, "t", "celery", lambda: None)
+    assert (claim.claimed, claim.job.id) == (True, "order-42")
+    assert store.effects.record_effect("k ", "job-7", "tok", "w").name == "FIRST"
+
+
+def test_going_back_to_0008_refuses_while_two_ids_would_become_one_and_names_them(mysql_store):
+    store = mysql_store
+    store.migrate()
+    for job_id in ("Order-42", "order-42", "job-1"):
+        store.publishes.record(job_id, "t", "celery", "{}", 5)
+
+    with pytest.raises(SchemaMismatch, match=r"jobs\.id 'Order-42' and 'order-42'.*delete or rename one"):
+        store.migrate(to="0008")
+
+    assert store.schema_state() == (migrations.head(), True)
+    with store.begin() as c:
+        c.execute(sa.delete(store.t.jobs).where(store.t.jobs.c.id == "order-42"))
+    assert store.migrate(to="0008") == [f"downgraded revision {migrations.head()} -> 0008"]
+    with store.begin() as c:
+        assert sorted(c.execute(sa.select(store.t.jobs.c.id)).scalars()) == ["Order-42", "job-1"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import types
 import uuid
 
 import pytest
@@ -247,3 +248,54 @@ def test_a_claim_takes_its_job_by_primary_key_when_the_statistics_count_no_pendi
             assert plan.splitlines()[0] == "PRIMARY", plan
     assert not [ix for ix in ("pending_at_ix", "status_available_ix", "status_updated_ix") if ix in plan], \
         plan
+
+
+TERMS = ClaimTerms(duration=30.0, grace=1.0, max_attempts=5, max_expirations=3, takeover=False)
+# Pairs MySQL/MariaDB's default collation makes one (case, accents, trailing spaces); utf8mb4_bin the last.
+LOOKALIKE_IDS = [("Order-42", "order-42"), ("café-1", "cafe-1"), ("job-7", "job-7 ")]
+
+
+@pytest.mark.parametrize(("first", "second"), LOOKALIKE_IDS, ids=["case", "accent", "trailing-space"])
+def test_job_ids_differing_only_by_case_accent_or_trailing_space_are_two_claimable_jobs(store, first, second):
+    assert store.publishes.record(first, "t", "celery", "{}", 5) == (True, first)
+    assert store.publishes.record(second, "t", "celery", "{}", 5) == (True, second)
+
+    claims = [store.jobs.claim(job_id, f"w{i}", f"tok{i}", TERMS, "t", "celery", lambda: None)
+              for i, job_id in enumerate((first, second))]
+
+    assert [(c.claimed, c.job.id) for c in claims] == [(True, first), (True, second)]
+
+
+def test_effect_keys_differing_only_by_a_trailing_space_are_two_effects(store):
+    store.publishes.record("j1", "t", "celery", "{}", 5)
+    assert store.jobs.claim("j1", "w", "tok", TERMS, "t", "celery", lambda: None).claimed
+
+    outcomes = [store.effects.record_effect(key, "j1", "tok", "w") for key in ("k", "k ", "K")]
+
+    assert [o.name for o in outcomes] == ["FIRST", "FIRST", "FIRST"]
+
+
+def test_idempotency_keys_differing_only_by_a_trailing_space_name_two_jobs(store):
+    first = store.publishes.record("p1", "t", "celery", "{}", 5, idempotency_key="order-7")
+    second = store.publishes.record("p2", "t", "celery", "{}", 5, idempotency_key="order-7 ")
+
+    assert (first, second) == ((True, "p1"), (True, "p2"))
+
+
+def test_a_server_without_a_no_pad_binary_collation_keeps_utf8mb4_bin_and_warns_once(caplog):
+    from celery_lease.store import dialects
+
+    class NoSuchCollation:
+        """A MySQL 5.7 connection: information_schema lists neither NO PAD binary collation."""
+
+        def execute(self, *_args):
+            return types.SimpleNamespace(scalar=lambda: 0)
+
+    dialects._warn_padded.cache_clear()
+    first, second = (dialects.for_url("mysql+pymysql://u@h/db") for _ in range(2))
+    with caplog.at_level("WARNING", logger=dialects.__name__):
+        assert first.key_collation(NoSuchCollation()) == "utf8mb4_bin"
+        assert second.key_collation(NoSuchCollation()) == "utf8mb4_bin"
+
+    warnings = [r.getMessage() for r in caplog.records if r.name == dialects.__name__]
+    assert len(warnings) == 1 and "utf8mb4_0900_bin" in warnings[0] and "trailing spaces" in warnings[0]

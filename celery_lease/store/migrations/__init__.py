@@ -18,7 +18,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy.engine import Connection
 
-__all__ = ["FIRST", "prefix", "version_table", "revisions", "head", "supported", "current",
+__all__ = ["FIRST", "prefix", "key_collation", "version_table", "revisions", "head", "supported", "current",
            "upgrade", "downgrade", "stamp", "sql"]
 
 HERE = Path(__file__).parent
@@ -30,6 +30,14 @@ def prefix() -> str:
     from alembic import context
 
     return context.config.attributes["prefix"]
+
+
+def key_collation() -> str | None:
+    """The MySQL/MariaDB collation of the id and key columns on the server being migrated
+    (Dialect.key_collation); None on the other databases."""
+    from alembic import context
+
+    return context.config.attributes["key_collation"]
 
 
 def version_table(table_prefix: str) -> str:
@@ -88,21 +96,22 @@ def current(conn: Connection, table_prefix: str) -> str | None:
     return context.get_current_revision()
 
 
-def upgrade(conn: Connection, table_prefix: str, to: str) -> None:
-    command.upgrade(_config(table_prefix, connection=conn), to)
+def upgrade(conn: Connection, table_prefix: str, to: str, *, key_collation: str | None) -> None:
+    command.upgrade(_config(table_prefix, connection=conn, key_collation=key_collation), to)
 
 
-def downgrade(conn: Connection, table_prefix: str, to: str) -> None:
-    command.downgrade(_config(table_prefix, connection=conn), to)
+def downgrade(conn: Connection, table_prefix: str, to: str, *, key_collation: str | None) -> None:
+    command.downgrade(_config(table_prefix, connection=conn, key_collation=key_collation), to)
 
 
 def stamp(conn: Connection, table_prefix: str, revision: str) -> None:
     command.stamp(_config(table_prefix, connection=conn), revision)
 
 
-def sql(url: str, table_prefix: str, to: str, start: str | None = None) -> str:
-    """The DDL that moves a store from ``start`` (None: empty) to ``to``, for a DBA to run."""
-    cfg = _config(table_prefix, url=url)
+def sql(url: str, table_prefix: str, to: str, start: str | None = None, *, key_collation: str | None) -> str:
+    """The DDL that moves a store from ``start`` (None: empty) to ``to``, for a DBA to run; ``key_collation``
+    is the server's (Dialect.key_collation), which a script printed without a connection cannot ask."""
+    cfg = _config(table_prefix, url=url, key_collation=key_collation)
     target = f"{start}:{to}" if start else to
     going_down = start is not None and revisions().index(to) < revisions().index(start)
     (command.downgrade if going_down else command.upgrade)(cfg, target, sql=True)
