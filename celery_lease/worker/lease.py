@@ -327,10 +327,19 @@ class Lease:
         # Set first and reset in the finally: an interruption may land as soon as _in_body is.
         body = interrupt.BODY.set(self)
         try:
+            now = deadline.monotonic()
+            if not self.lost and now >= self.deadline:  # no lock is held yet: only the lease's own deadline
+                self.expire_if_due(now)
             with self._guard:
                 self._interrupter.bind()
                 self._in_body = True
+                # Lost before the body began (a STARTED state stored slowly, a pause): no interruption
+                # comes for it, and the job may be another worker's already, so the body never starts.
+                lost_already = self._interruption_due()
+                self._raised = self._raised or lost_already
             self.soft_limit.release()
+            if lost_already:
+                raise self._lost_error()
             yield
         finally:
             interrupt.BODY.reset(body)

@@ -265,6 +265,21 @@ def test_lost_lease_interrupts_the_running_body(store, hb):
     assert caught and isinstance(caught[0], LeaseLost) and "interrupted" in str(caught[0])
 
 
+def test_a_body_whose_lease_was_lost_before_it_began_never_runs(store, hb):
+    # Lost between the claim and the body (the backend slow to store STARTED, a pause): no interruption is
+    # sent for a body not yet running, and the job may be another worker's by now.
+    stolen = held_lease(store, hb.runtime, "lost-before", lease_on_lost="raise")
+    steal(store, "lost-before")
+    hb.beat()
+    lapsed = held_lease(store, hb.runtime, "lapsed-before", lease_on_lost="raise")
+    lapsed.deadline = deadline.monotonic() - 0.01  # its local deadline passed before the body began
+    ran: list[str] = []
+    for lease in (stolen, lapsed):
+        with pytest.raises(LeaseLost), lease.body():
+            ran.append(lease.job_id)
+    assert ran == [] and stolen.lost and lapsed.lost
+
+
 def test_flag_mode_leaves_the_body_running(store, hb):
     lease = held_lease(store, hb.runtime, "flagged", lease_on_lost="flag")
     finished = threading.Event()
