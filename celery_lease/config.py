@@ -39,6 +39,8 @@ __all__ = ["SETTINGS", "Setting", "AppConfig", "TaskPolicy", "app_config", "task
            "BY_NAME", "PER_TASK"]
 
 
+# Heartbeats a lease's duration holds at least, so two can fail before it expires.
+HEARTBEATS_PER_LEASE = 3
 UNKNOWN = "unknown celery_lease setting"  # the rule of a misspelled or made-up setting
 
 
@@ -109,7 +111,7 @@ def _cross_problems(values: Mapping[str, Any], where: str = "") -> list[LeaseCon
     """Every rule between two settings that ``values`` breaks."""
     problems = []
     duration, interval = values["lease_duration"], values["lease_heartbeat_interval"]
-    if interval > duration / 3:
+    if interval > duration / HEARTBEATS_PER_LEASE:
         problems.append(LeaseConfigError(
             "lease_heartbeat_interval", interval,
             f"must be at most a third of lease_duration ({duration:g}s){where}",

@@ -19,7 +19,7 @@ import celery_lease.worker.effects as effects
 import celery_lease.worker.interrupt as interrupt
 import celery_lease.worker.locks as locks
 
-from ..config import TaskPolicy
+from ..config import HEARTBEATS_PER_LEASE, TaskPolicy
 from ..errors import LeaseLost, StoreRejected, StoreUnavailable
 from ..vocabulary import Event, OnLost
 from .handles import DeferredWrite, RuntimeHandle
@@ -142,6 +142,11 @@ class Lease:
                 self.deadline = max(self.deadline, deadline.local_deadline(sent_at, held))
             return True
 
+    @property
+    def renew_every(self) -> float:
+        """Seconds between the renewals this lease needs: its policy's, fewer under a short extend()."""
+        return min(self.policy.heartbeat_interval, self.duration / HEARTBEATS_PER_LEASE)
+
     def extending(self, sent_at: float, duration: float) -> None:
         """An ``extend`` to ``duration`` is being sent: until answered, trust the shorter lease, so a lost
         answer cannot leave the deadline past the store's expiry."""
@@ -182,6 +187,7 @@ class Lease:
         with self._guard:
             held = min(self.duration, self.policy.duration)
             self.deadline = min(self.deadline, deadline.local_deadline(sent, held))
+        self.runtime.timer.watch(self.deadline)
         return True
 
     def send_if_pending(self) -> bool:

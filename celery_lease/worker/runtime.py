@@ -157,12 +157,16 @@ class Runtime:
             with self.heartbeat.renewing:
                 sent = deadline.monotonic()
                 lease.extending(sent, seconds)
+                self.timer.watch(lease.deadline)  # a shorter lease's deadline came closer
                 held = {lease.token: lease.job_id}
                 renewed = self.store.jobs.renew(held, self.worker, {lease.token: seconds})
                 return lease.confirm(sent, seconds) if lease.job_id in renewed else None
 
         confirmed = lease.patiently(attempt)
         if confirmed:
+            # Renewed for ``seconds`` at each heartbeat from now on: a short one needs them sooner.
+            self.heartbeat.joined(lease)
+            self.timer.watch(lease.deadline)
             return True
         if confirmed is None:
             reason, owner = self.store.jobs.describe_loss(lease.job_id, lease.token, self.worker)
@@ -172,7 +176,7 @@ class Runtime:
 
     @property
     def interval(self) -> float:
-        intervals = [lease.policy.heartbeat_interval for lease in self.leases()]
+        intervals = [lease.renew_every for lease in self.leases()]
         return min([self.default_interval, *intervals])
 
     def give_back_lost(self) -> int:

@@ -137,7 +137,7 @@ class Heartbeat:
 
     def joined(self, lease: Lease) -> None:
         """A lease joined: wake the thread if it needs beats sooner than planned."""
-        if lease.policy.heartbeat_interval < self._planned_interval:
+        if lease.renew_every < self._planned_interval:
             self._loop.wake()
 
     def beat(self) -> dict[str, int]:

@@ -675,6 +675,48 @@ def test_an_extend_beside_a_heartbeat_round_never_leaves_the_worker_trusting_mor
     assert local_left < store_left, f"worker trusts {local_left:.1f}s, the store keeps {store_left:.1f}s"
 
 
+@pytest.fixture
+def running_rt(store):
+    """A runtime whose heartbeat and deadline timer run on their threads, renewing every 3 s."""
+    runtime_ = Runtime(store, "host", default_interval=3.0, worker="host:1")
+    yield runtime_
+    runtime_.stop()
+
+
+@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)  # the threads, on any store
+def test_a_lease_shortened_by_extend_is_renewed_in_time_while_the_store_answers(store, running_rt):
+    # A 30 s lease renewed every 3 s, shortened to 1.5 s: each later heartbeat renews it for 1.5 s, so they
+    # must come sooner than every 3 s, or a healthy worker loses its job.
+    lease = claim(store, running_rt, "job-1", duration=30.0, lease_heartbeat_interval=3.0)
+    running_rt.attach(Request(), lease)
+    lease.extend(1.5)
+    extended = lease.confirmed_at
+    wait_for(lambda: lease.lost or lease.confirmed_at > extended + 4.5, timeout=20,
+             message="the shortened lease was neither renewed nor lost")
+    assert not lease.lost, lease.lost_reason
+    assert 0.0 < store.get("job-1").lease_expires_at - store.now() <= 1.5
+
+
+@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)  # the threads, on any store
+def test_a_lease_shortened_by_extend_is_lost_by_its_own_deadline_when_the_store_stops_answering(
+        store, running_rt, monkeypatch):
+    # The deadline timer was asleep for the 30 s lease: it must look again by the 1.5 s one's deadline, not
+    # seconds after the store's expiry (another worker may take the job then).
+    lease = claim(store, running_rt, "job-1", duration=30.0, lease_heartbeat_interval=3.0)
+    running_rt.attach(Request(), lease)
+    wait_for(lambda: running_rt.timer._planned is not None, timeout=5, message="the timer never planned")
+
+    def unanswered(*args, **kwargs):
+        raise StoreUnavailable("no answer")
+
+    monkeypatch.setattr(store.jobs, "beat", unanswered)
+    lease.extend(1.5)
+    extended = deadline.monotonic()
+    wait_for(lambda: lease.lost, timeout=15, message="the shortened lease was never lost")
+    assert deadline.monotonic() - extended < 3.0, "lost seconds after the store's expiry"
+    assert "local deadline passed" in lease.lost_reason
+
+
 @pytest.mark.parametrize("seconds", [0, -1, float("nan"), float("inf")])
 def test_extend_refuses_a_duration_that_is_not_a_positive_number(store, rt, seconds):
     lease = claim(store, rt, "job-1")
