@@ -22,6 +22,7 @@ from ..deadline import seconds_until
 from ..errors import LeaseError, StoreRejected, StoreUnavailable
 from ..store import NewJob, for_app
 from ..vocabulary import StoreFailure
+from ..worker.checkpoints import held_back_first
 from ..worker.lease import Lease
 
 __all__ = ["RecordingProducer", "publish", "record_eager", "seconds_until"]
@@ -178,6 +179,8 @@ def retry_first(lease: Lease, delay: float, payload: str) -> bool:
         def write() -> bool:
             return lease.store.jobs.retry_later(lease.job_id, lease.token, delay, payload, None, lease.worker)
 
+        if lease.pending_checkpoint is not None:  # the retry's attempt resumes from it
+            write = held_back_first(lease, write)
         try:
             written = write() or (lease.vanished_and_recorded_again() and write())
         except StoreRejected:

@@ -15,7 +15,7 @@ from ..vocabulary import Status
 from .handles import LeaseHandle
 
 __all__ = ["checkpoint", "recorded_again", "send_if_pending", "vanished_and_recorded_again",
-           "write_pending_checkpoint"]
+           "write_pending_checkpoint", "held_back_first"]
 
 log = logging.getLogger(__name__)
 
@@ -124,3 +124,21 @@ def write_pending_checkpoint(lease: Checkpointed) -> None:
             lease.pending_checkpoint = None
     finally:
         lease.checkpoint_turn.release()
+
+
+def held_back_first(lease: Checkpointed, write: Callable[[], bool]) -> Callable[[], bool]:
+    """A settle write that first writes the checkpoint an outage held back (the heartbeat leaves a finished
+    body's): the job's next attempt resumes from it. An unreachable store defers both, in this order."""
+    def both() -> bool:
+        with lease.checkpoint_turn:
+            pending = lease.pending_checkpoint
+            if pending is not None:
+                try:
+                    lease.store.jobs.checkpoint(lease.job_id, lease.token, pending[0], lease.worker)
+                except StoreRejected as exc:  # the settle write matters more than the progress
+                    log.error("job %s [%s]: held-back checkpoint rejected by the store (%s); dropped",
+                              lease.job_id, lease.token[:8], exc, extra={"action": "checkpoint_rejected"})
+                if lease.pending_checkpoint is pending:
+                    lease.pending_checkpoint = None
+        return write()
+    return both

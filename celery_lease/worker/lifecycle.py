@@ -26,6 +26,7 @@ from ..config import TaskPolicy, task_policy
 from ..errors import LeaseLost, StoreRejected, StoreUnavailable
 from ..store import Claim, ClaimTerms, Job, Store
 from ..vocabulary import ClaimOutcome, Event, LossReason, RunEnd, Status
+from .checkpoints import held_back_first
 from .handles import DeferredWrite
 from .lease import Lease
 
@@ -202,6 +203,8 @@ def _body(task: Any, lease: Lease, args: tuple[Any, ...],
 def _write(lease: Lease, end: RunEnd, write: Callable[[], bool], then: Callable[[], None] | None = None,
            later: Callable[[], bool] | None = None, landed: Callable[[], bool] | None = None) -> bool | None:
     """One settle write: True (written, ``then`` followed), False (stale), None (``later`` deferred)."""
+    if lease.pending_checkpoint is not None:
+        write, later = held_back_first(lease, write), later and held_back_first(lease, later)
     try:
         written = write()
         if not written and lease.vanished_and_recorded_again():

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 from celery import Celery
 from celery.app.trace import build_tracer
+from celery.exceptions import Reject
 from celery.signals import before_task_publish, task_postrun
 
 from celery_lease import LeaseTask
@@ -31,6 +32,7 @@ from celery_lease.store import Store, for_app
 from celery_lease.vocabulary import Status
 from celery_lease.worker import runtime
 from tests.conftest import unique_prefix
+from tests.helpers import wait_for
 
 LIFECYCLE = "celery_lease.worker.lifecycle"
 # Today's figures (see the module docstring).
@@ -148,6 +150,45 @@ def test_a_failure_that_landed_sends_its_dead_letter_once_the_store_answers_what
         message = conn.SimpleQueue(app.conf.lease_dead_letter_queue, no_ack=True).get(timeout=5)
     assert message.headers["id"] == job_id
     assert "dead_letter_published" in [e["event"] for e in Store(url).reports.events(job_id)]
+
+
+@pytest.mark.parametrize("ending", ["retry", "reject_requeue"])
+def test_a_checkpoint_held_back_by_an_outage_is_written_before_an_end_that_runs_the_job_again(
+        tmp_path, ending):
+    # The checkpoint meets a blip and is kept for the heartbeat; the store answers again and the body ends
+    # (a retry, a requeue) before the heartbeat's next round: the next attempt must resume from that progress.
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    app = Celery(f"cp_{unique_prefix()}", broker="memory://", backend="cache+memory://",
+                 set_as_current=False)
+    app.conf.update(lease_store_url=url, lease_duration=60.0, lease_heartbeat_interval=20.0)
+    down = threading.Event()
+
+    @app.task(base=LeaseTask, bind=True, name="path.step", acks_late=True, shared=False, max_retries=3)
+    def step(self: Any) -> None:
+        wait_for(lambda: runtime.current(app).heartbeat.beats >= 1, timeout=10, message="no first round")
+        down.set()
+        self.lease.checkpoint({"done": 500})  # kept: the store does not answer
+        down.clear()
+        assert self.lease.pending_checkpoint == ({"done": 500},)
+        if ending == "retry":
+            raise self.retry(countdown=60)
+        raise Reject("try again", requeue=True)
+
+    app.finalize()
+    Store(url).migrate()
+    store = for_app(app)
+    real_checkpoint = store.jobs.checkpoint
+
+    def checkpoint(*args: Any, **kwargs: Any) -> bool:
+        if down.is_set():
+            raise StoreUnavailable("no answer (injected)")
+        return real_checkpoint(*args, **kwargs)
+
+    store.jobs.checkpoint = checkpoint
+    job_id = step.apply_async().id
+    _deliver_once(step, job_id)
+    job = Store(url).get(job_id)
+    assert job.status == Status.PENDING and job.checkpoint_state() == {"done": 500}
 
 
 def test_an_eager_run_with_a_store_retries_at_once_as_celerys_apply_does(tmp_path):
