@@ -224,8 +224,8 @@ class WorkerStep(bootsteps.StartStopStep):
         store.ensure_schema(create=True)
         check_recovery_bound(worker.app)
         pool = pool_name(worker)
-        check_pool(worker.app, pool)
         validate_tasks(worker.app, consumed_queues(worker.app))
+        check_pool(worker.app, pool, consumed_queues(worker.app))
         store.workers.worker_pool = (pool, int(getattr(worker, "concurrency", 0) or 0))
         runtime.PROCESS.starting = (worker.app, worker.hostname)  # what a forked pool child registers under
         self.pool = pool
@@ -300,15 +300,21 @@ def pool_name(worker: Any) -> str:
     return next((name for name, target in ALIASES.items() if target == pool), pool).lower()
 
 
-def check_pool(app: Any, pool: str) -> None:
-    """Refuse ``lease_on_lost='raise'`` where nothing can interrupt a body (eventlet's greenlets)."""
+def check_pool(app: Any, pool: str, queues: list[str] | tuple[str, ...] = ()) -> None:
+    """Refuse ``lease_on_lost='raise'`` where nothing can interrupt a body (eventlet's greenlets), set on a
+    task or on a queue it runs from (its routed one, or one this worker consumes)."""
     if pool != "eventlet":
         return
     for task in list(app.tasks.values()):
-        if hasattr(task, "lease_policy") and task.lease_policy().on_lost == OnLost.RAISE:
+        if not hasattr(task, "lease_policy"):
+            continue
+        raising = [q for q in dict.fromkeys([None, routed_queue(app, task), *queues])
+                   if task_policy(task, q).on_lost == OnLost.RAISE]
+        if raising:
+            where = f" on queue {raising[0]!r}" if raising[0] else ""
             raise LeaseConfigError(
                 "lease_on_lost", OnLost.RAISE.value,
-                f"cannot interrupt a body in the eventlet pool (task {task.name})",
+                f"cannot interrupt a body in the eventlet pool (task {task.name}{where})",
                 "Set lease_on_lost='flag' (the body checks self.lease.lost / self.lease.check()) or run "
                 "the worker with the prefork, threads or gevent pool.")
 
