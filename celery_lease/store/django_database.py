@@ -173,8 +173,10 @@ def in_own_transaction(database: str | None) -> bool:
     """Whether a Django connection of this thread to the SQLite file ``database`` is inside a transaction (a
     ``transaction.atomic()``): the store's own connections to that file wait for it to end before they write,
     and this thread would wait on itself."""
-    db = sys.modules.get("django.db")
+    db, conf = sys.modules.get("django.db"), sys.modules.get("django.conf")
     if db is None or not database or database.startswith("file:"):
+        return False
+    if conf is None or not conf.settings.configured:  # imported by some library, never set up: no connection
         return False
     target = os.path.realpath(database)
     for conn in db.connections.all(initialized_only=True):

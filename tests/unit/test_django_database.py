@@ -164,3 +164,16 @@ def test_another_option_the_stores_url_cannot_carry_is_left_out_with_a_warning(c
     assert dict(url.query) == {"local_infile": "false", "compress": "true"}  # the dialect reads these two
     left_out = {r.args[1] for r in caplog.records if getattr(r, "action", None) == "store_option_left_out"}
     assert left_out == {"conv", "autocommit"}
+
+
+def test_a_django_imported_but_never_set_up_holds_no_transaction_of_the_store(tmp_path):
+    # Another library imported django.db in a Celery app that is no Django project: asking for Django's
+    # connections would raise ImproperlyConfigured in an effect's or a publish's outage path.
+    script = ("import django.db\n"
+              "from celery_lease.store.django_database import in_own_transaction\n"
+              f"print(in_own_transaction({str(tmp_path / 'store.sqlite3')!r}))\n")
+    env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
+    env["PYTHONPATH"] = str(ROOT)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            cwd=tmp_path, env=env)
+    assert (result.returncode, result.stdout.strip()) == (0, "False"), result.stderr
