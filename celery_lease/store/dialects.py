@@ -13,8 +13,6 @@ so every lease computation uses the database's time, as float epoch seconds
 from __future__ import annotations
 
 import contextlib
-import functools
-import logging
 import math
 from collections.abc import Collection, Iterator, Mapping
 from typing import Any, ClassVar
@@ -33,8 +31,6 @@ from .dialect import LOCK_WAIT, READ_ONLY, Bounds, Dialect, ms, server_version
 
 __all__ = ["Bounds", "Dialect", "SQLite", "PostgreSQL", "MySQL", "for_url", "SUPPORTED", "READ_ONLY",
            "LOCK_WAIT"]
-
-log = logging.getLogger(__name__)
 
 
 class _OnConflict(Dialect):
@@ -298,16 +294,10 @@ class MySQL(Dialect):
     _TIMEOUT = frozenset({1205, 3024, 1969})  # lock wait, max_execution_time, max_statement_time
     _UNREACHABLE = frozenset({2003, 2006, 2013, 2055})
 
-    # Binary and NO PAD, so ids and keys that differ by case, accents or trailing spaces stay apart.
-    EXACT_COLLATIONS: ClassVar[Mapping[bool, str]] = {True: "utf8mb4_nopad_bin", False: "utf8mb4_0900_bin"}
-    # Binary but PAD SPACE ("k" and "k " are one key): every server has it.
-    PADDED_COLLATION = "utf8mb4_bin"
-
     def __init__(self, url: sa.URL, **settings: Any) -> None:
         super().__init__(url, **settings)
         self.is_mariadb = url.get_backend_name() == "mariadb"
         self.server_label = "MariaDB" if self.is_mariadb else "MySQL"
-        self._key_collation: str | None = None
 
     def retryable(self, exc: BaseException | None) -> bool:
         # 1213: InnoDB broke a deadlock (gap locks of INSERT IGNORE + UPDATE racing on one key).
@@ -325,15 +315,9 @@ class MySQL(Dialect):
         return sa.insert(table).prefix_with("IGNORE").execution_options(preserve_rowcount=True)
 
     def key_collation(self, conn: Connection) -> str | None:
-        # is_mariadb is the server's answer by now: conn is one of the store's own connections.
-        if self._key_collation is None:
-            exact = self.EXACT_COLLATIONS[self.is_mariadb]
-            found = conn.execute(sa.text("SELECT COUNT(*) FROM information_schema.COLLATIONS "
-                                         "WHERE COLLATION_NAME = :name"), {"name": exact}).scalar()
-            if not found:
-                _warn_padded(self.server_label, exact)
-            self._key_collation = exact if found else self.PADDED_COLLATION
-        return self._key_collation
+        # Binary and NO PAD: ids and keys that differ by case, accents or trailing spaces stay apart. Both
+        # servers' minimums have theirs; is_mariadb is the server's answer once conn has connected.
+        return "utf8mb4_nopad_bin" if self.is_mariadb else "utf8mb4_0900_bin"
 
     def connect_args(self, bounds: Bounds) -> dict[str, Any]:
         # Whole seconds, which both PyMySQL and mysqlclient accept. The read and write timeouts
@@ -391,14 +375,6 @@ class MySQL(Dialect):
         if code == 1064:
             return StoreFailure.SYNTAX
         return None
-
-
-@functools.cache
-def _warn_padded(server: str, missing: str) -> None:
-    """Say once per process that this server's ids and keys ignore trailing spaces."""
-    log.warning("%s has no %s collation: the lease store's job ids and keys use %s, which ignores trailing "
-                "spaces (\"k\" and \"k \" are one key); use MySQL 8.0 or MariaDB 10.2 or newer",
-                server, missing, MySQL.PADDED_COLLATION)
 
 
 SUPPORTED = (SQLite, PostgreSQL, MySQL)

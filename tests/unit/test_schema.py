@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import types
 import uuid
 
 import pytest
@@ -280,22 +279,3 @@ def test_idempotency_keys_differing_only_by_a_trailing_space_name_two_jobs(store
     second = store.publishes.record("p2", "t", "celery", "{}", 5, idempotency_key="order-7 ")
 
     assert (first, second) == ((True, "p1"), (True, "p2"))
-
-
-def test_a_server_without_a_no_pad_binary_collation_keeps_utf8mb4_bin_and_warns_once(caplog):
-    from celery_lease.store import dialects
-
-    class NoSuchCollation:
-        """A MySQL 5.7 connection: information_schema lists neither NO PAD binary collation."""
-
-        def execute(self, *_args):
-            return types.SimpleNamespace(scalar=lambda: 0)
-
-    dialects._warn_padded.cache_clear()
-    first, second = (dialects.for_url("mysql+pymysql://u@h/db") for _ in range(2))
-    with caplog.at_level("WARNING", logger=dialects.__name__):
-        assert first.key_collation(NoSuchCollation()) == "utf8mb4_bin"
-        assert second.key_collation(NoSuchCollation()) == "utf8mb4_bin"
-
-    warnings = [r.getMessage() for r in caplog.records if r.name == dialects.__name__]
-    assert len(warnings) == 1 and "utf8mb4_0900_bin" in warnings[0] and "trailing spaces" in warnings[0]

@@ -4,7 +4,7 @@ The id columns took the server's default collation (``utf8mb4_general_ci`` and t
 case, accents and trailing spaces: ``Order-42`` and ``order-42`` were one job, and the second one's delivery
 found the first's row and never ran. The keys' ``utf8mb4_bin`` ignores trailing spaces: ``k`` and ``k ``
 were one effect key. Each such column now takes the server's binary NO PAD collation (``utf8mb4_nopad_bin``
-on MariaDB, ``utf8mb4_0900_bin`` on MySQL; ``utf8mb4_bin`` on a server with neither, with a warning).
+on MariaDB, ``utf8mb4_0900_bin`` on MySQL).
 Nothing changes on the other databases, which compare bytes already.
 
 One ``ALTER TABLE`` per table rewrites it (jobs and events hold most rows), holding its writes meanwhile:
