@@ -158,3 +158,12 @@ def test_make_lint_fails_on_an_import_that_breaks_a_contract(tmp_path: Path, mod
         f.write("\n\ndef _late():\n    " + line)
     result = lint_imports(tmp_path)
     assert result.returncode != 0 and "BROKEN" in result.stdout.upper(), result.stdout + result.stderr
+
+
+MAX_MODULE_LINES = 400  # a module past it holds more than one job
+
+
+def test_no_library_module_is_over_the_line_cap() -> None:
+    sizes = {str(path.relative_to(ROOT)): len(path.read_text().splitlines()) for path in ROOT.rglob("*.py")}
+    over = {name: lines for name, lines in sizes.items() if lines > MAX_MODULE_LINES}
+    assert len(sizes) > 100 and over == {}, f"modules over {MAX_MODULE_LINES} lines: {over}"
