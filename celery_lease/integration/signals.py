@@ -302,13 +302,13 @@ def pool_name(worker: Any) -> str:
 
 def check_pool(app: Any, pool: str, queues: list[str] | tuple[str, ...] = ()) -> None:
     """Refuse ``lease_on_lost='raise'`` where nothing can interrupt a body (eventlet's greenlets), set on a
-    task or on a queue it runs from (its routed one, or one this worker consumes)."""
+    task or on a queue this worker consumes (a delivery's policy is its queue's; others never arrive)."""
     if pool != "eventlet":
         return
     for task in list(app.tasks.values()):
         if not hasattr(task, "lease_policy"):
             continue
-        raising = [q for q in dict.fromkeys([None, routed_queue(app, task), *queues])
+        raising = [q for q in dict.fromkeys([None, *queues])
                    if task_policy(task, q).on_lost == OnLost.RAISE]
         if raising:
             where = f" on queue {raising[0]!r}" if raising[0] else ""

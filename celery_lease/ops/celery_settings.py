@@ -47,12 +47,20 @@ def celery_rules(ctx: Context) -> Iterator[Finding]:
     yield from _beat_alive(ctx)
 
 
+def _set_by_app(conf: Any, setting: str) -> bool:
+    """Whether the app's own configuration gives ``setting`` (defaults left out), under its namespace
+    (``CELERY_...``) or an old name too: Celery 5.7's ``value_set_for``; before 5.7 it misses a namespace."""
+    conf.finalize()
+    own = type(conf)({}, conf.maps[:-1], conf.__dict__.get("_keys"), conf.__dict__.get("prefix"))
+    return setting in own
+
+
 def _floor(ctx: Context) -> Iterator[Finding]:
     missing = missing_features()
     settings = tuple(setting for setting, _, _ in FEATURES)
     values = {"celery": celery.__version__, "missing": missing}
     # Set at all, whatever the value: an app that writes task_acks_on_timeout = False expects it to act.
-    ignored = {s: first for s, first in missing.items() if ctx.conf.value_set_for(s)}
+    ignored = {s: first for s, first in missing.items() if _set_by_app(ctx.conf, s)}
     if ignored:
         yield Finding(WARNING, "celery_features", settings, {**values, "ignored": ignored},
                       f"Celery {celery.__version__} does not know "

@@ -285,7 +285,7 @@ class MySQL(Dialect):
     # whatever lease_group_commit says.
     group_commit = False
     minimums: ClassVar[Mapping[str, tuple[tuple[int, ...], str]]] = {
-        "MySQL": ((8, 0), "SELECT ... FOR UPDATE SKIP LOCKED"),
+        "MySQL": ((8, 0, 17), "SELECT ... FOR UPDATE SKIP LOCKED, the utf8mb4_0900_bin collation"),
         "MariaDB": ((10, 6), "SELECT ... FOR UPDATE SKIP LOCKED")}
     _MISSING = frozenset({1146, 1054})  # no such table, unknown column
     _PERMISSION = frozenset({1044, 1045, 1142, 1143, 1227})

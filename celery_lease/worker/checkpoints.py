@@ -118,7 +118,13 @@ def write_pending_checkpoint(lease: Checkpointed) -> None:
         pending = lease.pending_checkpoint
         if pending is None or lease.lost or lease.finishing:
             return
-        if not lease.store.jobs.checkpoint(lease.job_id, lease.token, pending[0], lease.worker):
+        try:
+            written = lease.store.jobs.checkpoint(lease.job_id, lease.token, pending[0], lease.worker)
+        except StoreRejected:
+            if lease.pending_checkpoint is pending:  # refused for good: dropped (the caller logs it)
+                lease.pending_checkpoint = None
+            raise
+        if not written:
             lease.mark_lost("checkpoint rejected: token no longer matches")
         elif lease.pending_checkpoint is pending:
             lease.pending_checkpoint = None

@@ -249,10 +249,9 @@ class Runtime:
                 continue
             try:
                 lease.write_pending_checkpoint()
-            except StoreRejected as exc:
+            except StoreRejected as exc:  # write_pending_checkpoint dropped it
                 log.error("job %s [%s]: held-back checkpoint rejected by the store (%s); dropped",
                           lease.job_id, lease.token[:8], exc, extra={"action": "checkpoint_rejected"})
-                lease.pending_checkpoint = None
             except StoreUnavailable:
                 return
 

@@ -6,6 +6,7 @@ import celery
 import pytest
 from celery import Celery
 from celery.app.defaults import DEFAULTS
+from celery.app.utils import Settings
 
 from celery_lease import LeaseTask
 from celery_lease.ops import celery_settings
@@ -61,6 +62,20 @@ def test_a_feature_the_app_sets_to_false_on_a_celery_without_it_is_a_warning(fin
     assert finding.values["ignored"] == {"task_acks_on_failure": "5.7", "task_acks_on_timeout": "5.7"}
     [unset] = findings(make_app(), "celery_features")
     assert unset.level == "ok" and "the app sets none of them" in unset.why
+
+
+def test_a_feature_set_under_the_apps_namespace_on_a_celery_without_it_is_a_warning(findings, monkeypatch):
+    # A Django project's CELERY_TASK_ACKS_ON_TIMEOUT = False (config_from_object(namespace="CELERY")), on a
+    # Celery before 5.7, whose value_set_for() did not read a namespace.
+    split = ("task_acks_on_timeout", "task_acks_on_failure")
+    older = {k: v for k, v in DEFAULTS.items() if k not in split}
+    monkeypatch.setattr(celery_settings, "DEFAULTS", older)
+    monkeypatch.setattr(celery_settings, "missing_features", lambda: missing_features(older))
+    monkeypatch.setattr(Settings, "value_set_for", lambda self, key: key in self.without_defaults())
+    app = make_app()
+    app.config_from_object({"CELERY_TASK_ACKS_ON_TIMEOUT": False}, namespace="CELERY")
+    [finding] = findings(app, "celery_features")
+    assert finding.level == "warning" and finding.values["ignored"] == {"task_acks_on_timeout": "5.7"}
 
 
 def test_the_installed_celery_is_named_with_what_it_lacks(findings):

@@ -145,7 +145,7 @@ OLD = {"sqlite": ("SQLite", (3, 34, 1)), "postgresql": ("PostgreSQL", (11, 22)),
 
 
 @pytest.mark.parametrize(("family", "label", "version", "minimum"), [
-    (dialects.MySQL, "MariaDB", (10, 5, 27), "10.6"), (dialects.MySQL, "MySQL", (5, 7, 44), "8.0"),
+    (dialects.MySQL, "MariaDB", (10, 5, 27), "10.6"), (dialects.MySQL, "MySQL", (8, 0, 16), "8.0.17"),
     (dialects.PostgreSQL, "PostgreSQL", (11, 22), "12"), (dialects.SQLite, "SQLite", (3, 34, 1), "3.35")])
 def test_a_server_below_the_minimum_is_refused_in_one_line_naming_it(family, label, version, minimum):
     dialect = family(sa.make_url(f"{family.drivers[0]}://user:secret@host/db"))

@@ -116,15 +116,16 @@ def test_raise_on_lost_is_refused_in_the_eventlet_pool_at_worker_start():
 def test_raise_on_lost_set_for_a_queue_the_worker_consumes_is_refused_in_the_eventlet_pool():
     app = Celery("signals_queue_policy", set_as_current=False)
     app.conf.update(lease_store_url="sqlite://", lease_on_lost="flag",
+                    task_routes={"t.work": {"queue": "payments"}},
                     lease_queue_policies={"payments": {"lease_on_lost": "raise"}})
 
     @app.task(base=LeaseTask, shared=False, name="t.work")
     def work():  # pragma: no cover - never called
         return None
 
-    check_pool(app, "eventlet", ["celery"])  # the queue with raise is not consumed here
+    check_pool(app, "eventlet", ["io"])  # routed to payments, whose policy raises, but never delivered here
     with pytest.raises(LeaseConfigError, match=r"eventlet pool \(task t\.work on queue 'payments'\)"):
-        check_pool(app, "eventlet", ["celery", "payments"])
+        check_pool(app, "eventlet", ["io", "payments"])
 
 
 STARTS = [("flag", "eventlet"), ("raise", "gevent"), ("raise", "prefork"), ("raise", "threads")]
