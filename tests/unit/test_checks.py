@@ -660,9 +660,9 @@ def test_redis_eta_beyond_visibility_is_an_error_on_a_celery_whose_refresher_can
     store = baseline_store(sqlite_store)
     run_job(store, status="pending", delay=7200)
     app = make_app(broker_transport_options={"visibility_timeout": 3600})
-    assert [f.level for f in run_checks(app, store) if f.code == "visibility_vs_eta"] == ["ok"]
-
-    monkeypatch.delattr(state, "scheduled_requests")  # as on Celery 5.3-5.6
+    if hasattr(state, "scheduled_requests"):  # Celery 5.7 and later: the refresher keeps ETA messages
+        assert [f.level for f in run_checks(app, store) if f.code == "visibility_vs_eta"] == ["ok"]
+        monkeypatch.delattr(state, "scheduled_requests")  # as on Celery 5.3-5.6
     (finding,) = [f for f in run_checks(app, store) if f.code == "visibility_vs_eta"]
     assert (finding.level, finding.settings) == ("error", (VT,))
     assert finding.values["lease_extend_visibility"] is True and finding.values["longest_delay"] == 7200.0
