@@ -148,9 +148,9 @@ class Dialect:
         """Conditions that set a one-statement write's own transaction settings (none here)."""
         return []
 
-    def key_collation(self, conn: Connection) -> str | None:
-        """The collation of the store's id and key columns on the server ``conn`` reaches, for their DDL;
-        None where the database's own compares strings byte for byte."""
+    def key_collation(self) -> str | None:
+        """The collation of the store's id and key columns, for their DDL (asked once the store has
+        connected, which tells MySQL from MariaDB); None where the database compares strings byte for byte."""
         return None
 
     # -- engines and transactions -------------------------------------------------------

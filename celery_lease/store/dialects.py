@@ -314,9 +314,9 @@ class MySQL(Dialect):
         # IGNORE also turns truncation into a warning; callers bound key lengths first.
         return sa.insert(table).prefix_with("IGNORE").execution_options(preserve_rowcount=True)
 
-    def key_collation(self, conn: Connection) -> str | None:
+    def key_collation(self) -> str | None:
         # Binary and NO PAD: ids and keys that differ by case, accents or trailing spaces stay apart. Both
-        # servers' minimums have theirs; is_mariadb is the server's answer once conn has connected.
+        # servers' minimums have theirs.
         return "utf8mb4_nopad_bin" if self.is_mariadb else "utf8mb4_0900_bin"
 
     def connect_args(self, bounds: Bounds) -> dict[str, Any]:

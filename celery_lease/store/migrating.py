@@ -75,7 +75,7 @@ def _migrate(conn: Connection, store: object, to: str, downgrade: bool) -> list[
     prefix = store.prefix  # type: ignore[attr-defined]
     target = _target(to)
     revision = migrations.current(conn, prefix)
-    collation = store.dialect.key_collation(conn)  # type: ignore[attr-defined]
+    collation = store.dialect.key_collation()  # type: ignore[attr-defined]
     if revision is None and not _has_tables(conn, prefix):
         if target == migrations.head():
             # The same schema as upgrading through every revision (the migration tests prove it).
@@ -134,8 +134,8 @@ def sql(store: object, to: str = "head") -> str:
     if revision == target:
         return f"-- lease store already at revision {target}: nothing to run\n"
     url, prefix = store.url, store.prefix  # type: ignore[attr-defined]
-    with store.begin(long=True, read=True) as conn:  # type: ignore[attr-defined]
-        collation = store.dialect.key_collation(conn)  # type: ignore[attr-defined]
+    # describe() has connected: the dialect knows MySQL from MariaDB.
+    collation = store.dialect.key_collation()  # type: ignore[attr-defined]
     return migrations.sql(url, prefix, target, start=revision, key_collation=collation)
 
 
