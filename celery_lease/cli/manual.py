@@ -108,8 +108,8 @@ def requeue(ctx: click.Context, job_id: str | None, expired: bool, batch: int, f
     jobs = recovery.requeue_plan(app, store, job_id, expired, batch, force)
     verb = "requeue" + (" (forced: their workers may still run them)" if force else "")
     _recover(store, jobs, f"{verb} {len(jobs)} job(s)", "requeueing",
-             lambda items: recovery.requeue(app, store, items, force), RecoveryAction.REQUEUED, batch,
-             dry_run, yes, as_json)
+             lambda items: recovery.requeue(app, store, items, force, expired=expired),
+             RecoveryAction.REQUEUED, batch, dry_run, yes, as_json)
 
 
 @lease.group()

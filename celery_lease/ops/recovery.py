@@ -190,14 +190,15 @@ def _publish(app: Any, job: Job, done: RecoveryAction) -> Outcome:
 
 
 def requeue(app: Any, store: Store, jobs: Iterable[Job], force: bool = False,
-            who: str | None = None) -> Iterator[Outcome]:
-    """Requeue each job (CAS on its token), then re-publish its stored message."""
+            who: str | None = None, *, expired: bool = False) -> Iterator[Outcome]:
+    """Requeue each job (CAS on its token; with ``expired``, a plan of expired leases, only while the lease
+    is still expired), then re-publish its stored message."""
     who = who or operator()
     for job in jobs:
         if (unsendable := _unsendable(app, job)) is not None:
             yield unsendable
             continue
-        if not store.recovery.manual_requeue(job, who, force):
+        if not store.recovery.manual_requeue(job, who, force, expired=expired):
             yield Outcome(job.id, job.task_name, job.queue_name, RecoveryAction.SKIPPED,
                           "changed since it was read (renewed, finished or taken by someone else)")
             continue

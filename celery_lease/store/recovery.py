@@ -41,9 +41,10 @@ class RecoveryStatements:
             return c.execute(q).first() is not None
 
     def manual_requeue(self, job: Job, operator: str, force: bool = False,
-                       reason: str = "manual requeue") -> bool:
-        """running (CAS on the token; unless ``force`` only if expired and abandoned) or, with
-        ``force``, pending (CAS on updated_at) -> pending, available now; audited manual_requeue."""
+                       reason: str = "manual requeue", *, expired: bool = False) -> bool:
+        """running (CAS on the token; unless ``force`` only if expired and abandoned; with ``expired`` only
+        while its lease is expired, which its owner's renewal since the plan undoes) or, with ``force``,
+        pending (CAS on updated_at) -> pending, available now; audited manual_requeue."""
         j = self.db.t.jobs
         values: dict[str, Any] = dict(status=PENDING, available_at=self.db.now_sql,
                                       updated_at=self.db.now_sql, lock_token=None, locked_by=None,
@@ -52,6 +53,8 @@ class RecoveryStatements:
             where = [j.c.id == job.id, fenced_status(j.c.status, RUNNING), j.c.lock_token == job.lock_token]
             if not force:
                 where.append(self.db._claimable_expired())
+            elif expired:
+                where.append(j.c.lease_expires_at < self.db.now_sql)
             values["expired_count"] = j.c.expired_count + 1
         elif job.status == PENDING and force:
             where = [j.c.id == job.id, fenced_status(j.c.status, PENDING), j.c.updated_at == job.updated_at]

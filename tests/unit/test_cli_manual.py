@@ -176,6 +176,23 @@ def test_effects_forget_deletes_only_the_record_its_plan_showed(fresh, terminal,
     assert fresh.store.reports.list_events(job_id="abandoned-2", event="effect_forgotten") == []
 
 
+def test_a_forced_requeue_of_expired_leases_skips_one_its_owner_renewed_after_the_plan(fresh, terminal,
+                                                                                       monkeypatch):
+    shown = fresh.store.get("alive-expired")
+
+    def meanwhile(*args, **kwargs) -> bool:  # while the operator reads the plan, the owner's heartbeat lands
+        renewed = fresh.store.jobs.renew({shown.lock_token: "alive-expired"}, shown.locked_by)
+        assert renewed == {"alive-expired"}
+        return True
+
+    monkeypatch.setattr("click.confirm", meanwhile)
+    result = fresh.run("requeue", "--expired", "--force", "--batch", "100")
+    assert "alive-expired" in result.output and "changed since it was read" in result.output
+    job = fresh.store.get("alive-expired")
+    assert (job.status, job.lock_token) == ("running", shown.lock_token)
+    assert fresh.store.reports.list_events(job_id="alive-expired", event="manual_requeue") == []
+
+
 def test_effects_forget_of_an_unknown_key_is_a_clear_error(fresh):
     result = fresh.run("effects", "forget", "nope", "--yes")
     assert result.exit_code == 1 and "no effect key 'nope'" in result.output
