@@ -24,9 +24,14 @@ _KEYWORD = re.compile(r"(?P<head>(?:^|(?<=\s))[a-z_]*(?:password|secret|token)\s
                       r"(?P<value>'(?:[^'\\]|\\.)*'|[^\s'\"]+)", re.IGNORECASE)
 
 
+# Who ran a manual recovery, as the audit log names them (``cli:USER@HOST``): no URL, though shaped like one.
+_OPERATOR = re.compile(r"(?:^|[^\w.+-])(?:cli|web|admin):$")
+
+
 def mask_secrets(text: str) -> str:
     """``text`` with every secret of every URL in it (password, secret or token) replaced by ``***``."""
-    text = _USERINFO.sub(lambda m: f"{m.group('head')}{MASK}@", text)
+    text = _USERINFO.sub(lambda m: m.group(0) if _OPERATOR.search(m.group("head"))
+                         else f"{m.group('head')}{MASK}@", text)
     # A value masked already (a config error's repr) is left as written.
     text = _KEYWORD.sub(lambda m: m.group(0) if m.group("value").strip("'") == MASK
                         else f"{m.group('head')}{MASK}", text)

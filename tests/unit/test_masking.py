@@ -70,6 +70,13 @@ def test_mask_secrets_leaves_text_without_passwords_alone():
         assert mask_secrets(text) == text
 
 
+def test_the_operator_an_audit_event_names_is_shown_whole():
+    for text in ("cli:root@vm", "manual_requeue  abandoned-2  cli:ops@host-1  70a0808b",
+                 "Audited as web:alice@127.0.0.1", "(admin:bob@10.0.0.7)"):
+        assert mask_secrets(text) == text
+    assert mask_secrets("cli:root@vm redis://u:s3cr3t@h/0") == "cli:root@vm redis://u:***@h/0"
+
+
 @pytest.mark.parametrize("url", BAD_URLS)
 def test_config_load_and_store_never_show_the_password(url, caplog):
     caplog.set_level(logging.DEBUG)
