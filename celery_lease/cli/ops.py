@@ -40,7 +40,8 @@ def migrate(ctx: click.Context, as_sql: bool, to: str, yes: bool, as_json: bool)
     if not yes and to != "head" and revision != to and not done:
         raise CommandError(f"lease store {store.safe_url} is at revision {revision}: moving --to {to} is a "
                            "downgrade, which drops what later revisions added (kept results among them); "
-                           f"review it with `migrate --to {to} --sql`, then run `migrate --to {to} --yes`")
+                           f"review it with `celery lease migrate --to {to} --sql`, then run "
+                           f"`celery lease migrate --to {to} --yes`")
     if as_json:
         emit_json({"store": store.safe_url, "done": done, "revision": revision})
     elif done:

@@ -136,7 +136,16 @@ def sql(store: object, to: str = "head") -> str:
     url, prefix = store.url, store.prefix  # type: ignore[attr-defined]
     # describe() has connected: the dialect knows MySQL from MariaDB.
     collation = store.dialect.key_collation()  # type: ignore[attr-defined]
-    return migrations.sql(url, prefix, target, start=revision, key_collation=collation)
+    from alembic.util import CommandError
+
+    try:
+        return migrations.sql(url, prefix, target, start=revision, key_collation=collation)
+    except CommandError as exc:
+        # SQLite's older downgrades rebuild tables from the live ones (alembic's batch mode): no script
+        # can be written for them without running them.
+        raise LeaseConfigError("--to", to, "with --sql: this downgrade rebuilds tables from the live ones, "
+                               "so it cannot be printed as a script",
+                               f"back up the store, then run `celery lease migrate --to {to} --yes`") from exc
 
 
 def describe(store: object) -> tuple[str | None, bool]:

@@ -145,6 +145,19 @@ def test_migrate_sql_on_an_existing_store_prints_the_upgrade_from_its_revision(t
     assert f"already at revision {migrations.head()}: nothing to run" in at_head.output
 
 
+def test_a_downgrade_sqlite_cannot_print_as_a_script_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPS_STORE", f"sqlite:///{tmp_path / 'new.sqlite3'}")
+    monkeypatch.setenv("OPS_PREFIX", unique_prefix())
+    monkeypatch.setenv("OPS_BROKER", "memory://")
+    run = CliRunner().invoke
+    assert run(celery, ["-A", "tests.apps.ops_app", "lease", "migrate"]).exit_code == 0
+    result = run(celery, ["-A", "tests.apps.ops_app", "lease", "migrate", "--to", "0001", "--sql"])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert "cannot be printed as a script" in result.output
+    assert "lease migrate --to 0001 --yes" in result.output
+    assert run(celery, ["-A", "tests.apps.ops_app", "lease", "migrate"]).output.endswith("nothing to do\n")
+
+
 def test_migrate_to_an_older_revision_rolls_back_and_forward(tmp_path, monkeypatch):
     monkeypatch.setenv("OPS_STORE", f"sqlite:///{tmp_path / 'new.sqlite3'}")
     monkeypatch.setenv("OPS_PREFIX", unique_prefix())
