@@ -21,9 +21,15 @@ PENDING, RUNNING, COMPLETED, FAILED = Status.PENDING, Status.RUNNING, Status.COM
 
 
 def storable(text: str) -> str:
-    """Free text (an error, a reason) as every database stores it: PostgreSQL's text refuses NUL, which an
-    exception's message can hold, and a refused write would leave the job running or an effect's key held."""
-    return text.replace("\x00", "\\x00") if "\x00" in text else text
+    """Free text (an error, a reason) as every database stores it: PostgreSQL's text refuses NUL and no
+    driver encodes a lone surrogate (a file name decoded by os.fsdecode), both of which an exception's message
+    can hold, and a refused write would leave the job running or an effect's key held."""
+    text = text.replace("\x00", "\\x00") if "\x00" in text else text
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
 
 
 def status_sql(status: Status) -> sa.ColumnElement[Any]:

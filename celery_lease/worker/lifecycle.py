@@ -209,8 +209,6 @@ def _write(lease: Lease, end: RunEnd, write: Callable[[], bool], then: Callable[
         written = write()
         if not written and lease.vanished_and_recorded_again():
             written = write()
-    except StoreRejected:
-        raise
     except StoreUnavailable as exc:
         log.error("job %s [%s]: %s not written, the store is unreachable (%s); kept until it answers",
                   lease.job_id, lease.token[:8], end, exc, extra={"action": "settle_deferred"})
@@ -257,7 +255,7 @@ def settle(task: Any, lease: Lease, end: RunEnd, value: Any, exc: BaseException 
             raise Ignore() from exc
     elif end == RunEnd.REJECTED:
         reason = f"rejected: {exc.reason}"  # type: ignore[attr-defined]
-        _write(lease, end, lambda: store.jobs.fail(job_id, token, reason, worker))
+        _ending(lease, end, lambda: store.jobs.fail(job_id, token, reason, worker))
     elif end == RunEnd.FAILED:
         _fail(task, lease, exc)
     elif end == RunEnd.OUTAGE:
@@ -276,9 +274,9 @@ def settle(task: Any, lease: Lease, end: RunEnd, value: Any, exc: BaseException 
     raise exc
 
 
-def _ending(lease: Lease, end: RunEnd, write: Callable[[], bool]) -> bool | None:
+def _ending(lease: Lease, end: RunEnd, write: Callable[[], bool], **after: Any) -> bool | None:
     """A settle write that ends a finished job; one the store refuses (now, or when deferred) fails the job
-    instead, or the reaper would run the finished body again."""
+    instead, with the refusal as its error, or the reaper would run the finished body again."""
     def or_fail() -> bool:
         try:
             return write()
@@ -289,7 +287,7 @@ def _ending(lease: Lease, end: RunEnd, write: Callable[[], bool]) -> bool | None
             reason = f"the store refused the write of its end ({end}): {exc}"
             return lease.store.jobs.fail(lease.job_id, lease.token, reason, lease.worker)
 
-    return _write(lease, end, or_fail)
+    return _write(lease, end, or_fail, **after)
 
 
 def _complete(task: Any, lease: Lease, value: Any) -> Any:
@@ -388,8 +386,8 @@ def _fail(task: Any, lease: Lease, exc: BaseException) -> None:
     sees the body's own exception even when the write is deferred."""
     error = f"{type(exc).__name__}: {exc}"
     store, job_id = lease.store, lease.job_id
-    written = _write(lease, RunEnd.FAILED, lambda: store.jobs.fail(job_id, lease.token, error, lease.worker),
-                     then=lambda: _dead_letter(task, lease),
-                     landed=lambda: store.jobs.wrote(job_id, lease.token, Event.FAILED))
+    written = _ending(lease, RunEnd.FAILED, lambda: store.jobs.fail(job_id, lease.token, error, lease.worker),
+                      then=lambda: _dead_letter(task, lease),
+                      landed=lambda: store.jobs.wrote(job_id, lease.token, Event.FAILED))
     if written is False:
         raise Ignore() from exc

@@ -26,7 +26,7 @@ from celery.exceptions import Reject
 from celery.signals import before_task_publish, task_postrun
 
 from celery_lease import LeaseTask
-from celery_lease.errors import StoreUnavailable
+from celery_lease.errors import StoreRejected, StoreUnavailable
 from celery_lease.messaging import messages
 from celery_lease.store import Store, for_app
 from celery_lease.vocabulary import Status
@@ -150,6 +150,44 @@ def test_a_failure_that_landed_sends_its_dead_letter_once_the_store_answers_what
         message = conn.SimpleQueue(app.conf.lease_dead_letter_queue, no_ack=True).get(timeout=5)
     assert message.headers["id"] == job_id
     assert "dead_letter_published" in [e["event"] for e in Store(url).reports.events(job_id)]
+
+
+@pytest.mark.parametrize("ending", ["raised", "rejected"])
+def test_a_final_failure_the_store_refuses_to_record_ends_failed_and_celery_sees_the_bodys_error(
+        tmp_path, ending):
+    # The body's error cannot be written (too long for a column, a text the driver refuses): the job must
+    # still end, or the reaper would run the failed body again once its lease, no longer renewed, expired.
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    app = Celery(f"refused_{unique_prefix()}", broker="memory://", backend="cache+memory://",
+                 set_as_current=False)
+    app.conf.update(lease_store_url=url, lease_duration=30.0, lease_max_attempts=1)
+
+    @app.task(base=LeaseTask, bind=True, name="path.refused", acks_late=True, shared=False)
+    def refused(self: Any) -> None:
+        if ending == "rejected":
+            raise Reject("not for us", requeue=False)
+        raise ValueError("boom")
+
+    app.finalize()
+    Store(url).migrate()
+    store = for_app(app)
+    real_fail, refusals = store.jobs.fail, []
+
+    def fail(job_id: str, token: str, error: str, *args: Any, **kwargs: Any) -> bool:
+        if not refusals:
+            refusals.append(error)
+            raise StoreRejected("lease store refused a statement (data: injected)")
+        return real_fail(job_id, token, error, *args, **kwargs)
+
+    store.jobs.fail = fail
+    job_id = refused.apply_async().id
+    retval = _deliver_once(refused, job_id)[0]
+    job = Store(url).get(job_id)
+    assert refusals and job.status == Status.FAILED
+    assert "the store refused" in (job.last_error or "")
+    raised = getattr(retval, "exception", retval)
+    raised = getattr(raised, "exc", raised)  # a Reject reaches Celery's tracer wrapped with its traceback
+    assert isinstance(raised, Reject if ending == "rejected" else ValueError), repr(retval)
 
 
 @pytest.mark.parametrize("ending", ["retry", "reject_requeue"])
