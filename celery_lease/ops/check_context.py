@@ -89,7 +89,7 @@ class Context:
 
     @functools.cached_property
     def registered_pool(self) -> str | None:
-        """The pool most live workers record in the registry (schema 0003 on), or None."""
+        """The pool most live workers record in the registry, or None."""
         if self.store is None or self.store_error:
             return None
         try:

@@ -183,16 +183,9 @@ def _dashboards(ctx: Context) -> Iterator[Finding]:
             "scrape it, and load celery_lease/contrib/prometheus/alerts.yml and the Grafana dashboard "
             "celery_lease/contrib/grafana/celery_lease.json")
     try:
-        seen = ctx.store.runs.meta_age(EXPORTER_SCRAPE)
+        age, exporter = ctx.store.runs.meta_age(EXPORTER_SCRAPE)
     except (StoreUnavailable, StoreRejected):
         return
-    if seen is None:
-        yield Finding(WARNING, "dashboards", (), {"revision": ctx.revision},
-                      "the store's schema does not record the exporter's scrapes, so whether anything "
-                      "watches these metrics cannot be told (needs migrate)",
-                      "run `celery -A proj lease migrate` once every worker runs this release")
-        return
-    age, exporter = seen
     values = {"last_scrape_age": None if age is None else round(age, 1), "exporter": exporter}
     if age is None:
         yield Finding(WARNING, "dashboards", (), values,

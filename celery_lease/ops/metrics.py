@@ -211,7 +211,7 @@ class LeaseCollector:
         now, running = store.reports.running_metrics(LAG_BUCKETS)
         now, pending = store.reports.pending_metrics()
         workers = store.reports.worker_counts()
-        last_run = store.runs.last_reaper_run()
+        _, last_run = store.runs.last_reaper_run()
         with self._lock:
             # First: a scrape whose window read fails observes nothing, not even the heartbeat lags.
             self._advance(now)
@@ -237,11 +237,9 @@ class LeaseCollector:
             fams["oldest_pending"].add_metric([r["queue"] or ""], max(0.0, now - due) if due else 0.0)
         fams["alive"].add_metric([], workers["alive"])
         fams["stale"].add_metric([], workers["stale"])
-        if last_run is not None:  # None: a schema without recorded runs (needs `lease migrate`)
-            run = last_run[1]
-            fams["reaper_last"].add_metric([], float(run["finished_at"]) if run else 0.0)
-            if run is not None:
-                fams["reaper_duration"].add_metric([], float(run["duration"]))
+        fams["reaper_last"].add_metric([], float(last_run["finished_at"]) if last_run else 0.0)
+        if last_run is not None:
+            fams["reaper_duration"].add_metric([], float(last_run["duration"]))
 
     def _observe(self, key: str, queue: str | None, task: str | None, values: Sequence[float]) -> None:
         name, _, bounds = HISTOGRAMS[key]

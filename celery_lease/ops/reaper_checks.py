@@ -173,16 +173,9 @@ def _running(ctx: Context, entries: list[ReaperEntry]) -> Iterator[Finding]:
     if ctx.store_error:
         return
     try:
-        last = ctx.store.runs.last_reaper_run()
+        now, run = ctx.store.runs.last_reaper_run()
     except StoreUnavailable:
         return
-    if last is None:
-        yield Finding(WARNING, "reaper_running", ("lease_store_url",), {"revision": ctx.revision},
-                      "the store's schema does not record reaper runs, so whether the reaper runs cannot "
-                      "be told (needs migrate)",
-                      "run `celery -A proj lease migrate` once every worker runs this release")
-        return
-    now, run = last
     intervals = [e.interval for e in entries if e.interval]
     interval = min(intervals) if intervals else None
     if run is None:

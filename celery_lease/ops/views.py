@@ -131,11 +131,7 @@ def reaper_status(app: Any, store: Any) -> dict[str, Any]:
     entries, _ = reaper_entries(app)
     intervals = [e.interval for e in entries if e.interval]
     interval = min(intervals) if intervals else None
-    last = store.runs.last_reaper_run()
-    if last is None:
-        return {"interval": interval, "last_run": None,
-                "summary": "runs not recorded at this schema revision (needs `lease migrate`)"}
-    now, run = last
+    now, run = store.runs.last_reaper_run()
     if run is None:
         return {"interval": interval, "last_run": None, "summary": "no run recorded" + (
             f" (scheduled every {interval:g}s)" if interval else " (not scheduled)")}

@@ -24,18 +24,9 @@ from ..masking import mask_secrets
 from ..vocabulary import Event, StoreFailure
 from .rows import RUNNING, Job, fenced_status, status_sql, storable
 
-__all__ = ["StoreEngine", "RUNS_REVISION", "RESULT_REVISION", "NONCE_REVISION", "where_given",
-           "uninterrupted"]
+__all__ = ["StoreEngine", "where_given", "uninterrupted"]
 
 log = logging.getLogger(__name__)
-
-# The first schema revision with the reaper_runs and meta tables and events' queue and task.
-RUNS_REVISION = "0004"
-# The first schema revision whose jobs keep a completed job's result.
-RESULT_REVISION = "0005"
-# The first schema revision whose effect keys carry the recording call's nonce.
-NONCE_REVISION = "0008"
-
 
 STALE_REASON = "lock token no longer matches"  # the reason of every write a fence refused
 
@@ -233,7 +224,7 @@ class StoreEngine:
 
     def _job_columns(self) -> list[sa.Column]:
         """The jobs columns a Job is read from: all but the kept result, which only the rare
-        path after a crash reads (and which a store one revision back does not have)."""
+        path after a crash reads."""
         jobs = self.t.jobs
         return [c for c in jobs.c if c is not jobs.c.result]
 
@@ -284,32 +275,10 @@ class StoreEngine:
         with self.begin(read=True) as c:
             return float(c.execute(sa.select(self.now_sql)).scalar_one())
 
-    def at_least(self, revision: str) -> bool:
-        """Whether the store's schema is at ``revision`` or later (checked once per process).
-
-        This code runs against the previous revision too: features of a newer one ask here
-        first, and write or read nothing of theirs on an older schema.
-        """
-        return self.ensure_schema() >= revision
-
-    def _revision_in(self, c: Connection) -> str:
-        """The schema revision, read on ``c`` when no check has run in this process yet (a second
-        connection inside a transaction would wait on SQLite's file lock)."""
-        if self.revision is not None:
-            return self.revision
-        import celery_lease.store.migrations as migrations
-
-        revision = migrations.current(c, self.prefix) or ""
-        oldest, _ = migrations.supported()
-        if revision in migrations.revisions() and revision >= oldest:
-            self.revision = revision  # a revision this code runs against: read once, as ensure() would
-        return revision
-
-    def _job_labels(self, job_id: Any, c: Connection | None = None) -> dict[str, Any]:
+    def _job_labels(self, job_id: Any) -> dict[str, Any]:
         """The job's queue and task for an event row, by its primary key in the same statement
-        (NULL once the job is gone); nothing on a schema whose events lack the columns."""
-        revision = self.ensure_schema() if c is None else self._revision_in(c)
-        if job_id is None or revision < RUNS_REVISION:
+        (NULL once the job is gone); nothing for an event of no job."""
+        if job_id is None:
             return {}
         j = self.t.jobs
         return {name: sa.select(j.c[name]).where(j.c.id == job_id).scalar_subquery()
@@ -321,7 +290,7 @@ class StoreEngine:
             job_id=job_id, event=event, reason=reason and storable(reason), worker=worker,
             token=token[:8] if token else None, at=self.now_sql,
             detail=None if detail is None else json.dumps(detail, default=str),
-            **self._job_labels(job_id, c),
+            **self._job_labels(job_id),
         ))
 
     def event(self, job_id: str | None, event: Event, reason: str | None = None, worker: str | None = None,

@@ -14,7 +14,7 @@ from sqlalchemy.engine import Connection
 
 from ..errors import StoreUnavailable
 from ..vocabulary import EffectOutcome, Event
-from .base import NONCE_REVISION, StoreEngine
+from .base import StoreEngine
 from .caller import for_caller, is_django
 from .reaping import ReaperStatements
 
@@ -49,7 +49,7 @@ class EffectStatements:
 
     def _effect_insert(self, key: str, job_id: str, token: str, fenced: bool = True,
                        nonce: str | None = None) -> Any:
-        """The key's insert; ``nonce`` (on a schema that has the column) marks the row as this call's."""
+        """The key's insert; ``nonce`` marks the row as this call's."""
         e, j = self.db.t.effects, self.db.t.jobs
         mark = {"nonce": nonce} if nonce is not None else {}
         if not fenced:
@@ -66,8 +66,6 @@ class EffectStatements:
         ``nonce`` is the call's own mark, the same on each of its tries: a try that finds the key with
         it is told FIRST, as the try whose commit went through and whose answer was lost would have been.
         """
-        if nonce is not None and not self.db.at_least(NONCE_REVISION):
-            nonce = None  # the previous revision's schema has no column for it (a rolling deploy)
         e = self.db.t.effects
         with self.db.begin() as c:
             if c.execute(self._effect_insert(key, job_id, token, nonce=nonce)).rowcount == 1:
@@ -123,8 +121,6 @@ class EffectStatements:
                              f"({self.db.safe_url}); got a {name} connection")
         if not django:
             return conn
-        if self.db.revision is None:
-            self.db.ensure_schema()  # read on the store's own connection: Django's cannot run alembic
         return for_caller(conn, self.db.engine.dialect)
 
     def record_unfenced_effect_in(self, conn: Any, key: str, job_id: str) -> EffectOutcome:
@@ -153,8 +149,6 @@ class EffectStatements:
         mark, a key that call recorded is deleted whoever holds the job now (a try whose answer was lost
         wrote it, and its block never ran); none recorded, nothing is written."""
         e = self.db.t.effects
-        if nonce is not None and not self.db.at_least(NONCE_REVISION):
-            nonce = None  # the previous revision's schema records none (a rolling deploy): the token fences
         mine = e.c.nonce == nonce if nonce is not None else sa.exists().where(self.db._fenced(job_id, token))
         with self.db.begin() as c:
             res = c.execute(sa.delete(e).where(e.c.key == key, e.c.job_id == job_id, mine))

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 
 from ..vocabulary import Status
-from .base import RESULT_REVISION, StoreEngine
+from .base import StoreEngine
 from .rows import RUNNING, fenced_status
 
 __all__ = ["Glance", "DeliveryStatements"]
@@ -30,19 +30,17 @@ class DeliveryStatements:
     def __init__(self, db: StoreEngine) -> None:
         self.db = db
 
-    def _glance_statement(self, kept: bool) -> sa.Select:
+    def _glance_statement(self) -> sa.Select:
         j = self.db.t.jobs
-        result = j.c.result.is_not(None) if kept else sa.false()
         return (sa.select(j.c.status, j.c.locked_by,
                           sa.func.coalesce(j.c.lease_expires_at > self.db.now_sql, sa.false()).label("live"),
-                          result.label("kept"))
+                          j.c.result.is_not(None).label("kept"))
                 .where(j.c.id == sa.bindparam("job_id")))
 
     def glance(self, job_id: str) -> Glance | None:
         """The job's status, owner, live lease and kept result; None when the store has no row."""
-        kept = self.db.at_least(RESULT_REVISION)
         with self.db.begin(read=True) as c:
-            row = c.execute(self._glance_statement(kept), {"job_id": job_id}).first()
+            row = c.execute(self._glance_statement(), {"job_id": job_id}).first()
         if row is None:
             return None
         return Glance(Status(row.status), row.locked_by, bool(row.live), bool(row.kept))

@@ -41,7 +41,7 @@ from ..context import BODY
 from ..errors import StoreConflict, StoreRejected, StoreUnavailable
 from ..vocabulary import ClaimOutcome, Event
 from .audited import AuditedWrites, _arrays, _Audited, _unnested
-from .base import RESULT_REVISION, StoreEngine, uninterrupted
+from .base import StoreEngine, uninterrupted
 from .handovers import never_handed_over
 from .jobs import JobStatements
 from .publishes import PublishStatements
@@ -314,9 +314,8 @@ class GroupedJobStatements(JobStatements):
         the ids it completed. Each row gets what ``complete`` writes (its kept result, and its
         ``completed`` event with lease_audit_every_transition, in the same transaction)."""
         j = self.db.t.jobs
-        keep = self.db.at_least(RESULT_REVISION)
         kept = [(j.c.id == r.job_id, sa.bindparam(None, r.result, type_=sa.Text()))
-                for r in rows if keep and r.result is not None]
+                for r in rows if r.result is not None]
         values: dict[str, object] = dict(
             status=COMPLETED, completed_at=self.db.now_sql, lease_expires_at=None, lock_token=None,
             updated_at=self.db.now_sql)
@@ -340,7 +339,7 @@ class GroupedJobStatements(JobStatements):
                     job_id=job, event=sa.literal(str(Event.COMPLETED), sa.String()), reason=None,
                     worker=sa.bindparam("ev_worker", type_=sa.String()),
                     token=sa.bindparam("ev_token", type_=sa.String()), at=self.db.now_sql, detail=None,
-                    **self.db._job_labels(job, c),
+                    **self.db._job_labels(job),
                 ), [{"ev_job": r.job_id, "ev_worker": r.worker, "ev_token": r.token[:8]}
                     for r in rows if r.job_id in done])
         return done

@@ -14,7 +14,7 @@ from ..errors import StoreConflict, StoreUnavailable
 from ..vocabulary import ClaimOutcome, Event, LossReason
 from .attempts import attempt_detail, previous_attempt, reclaim_pending
 from .audited import AuditedWrites
-from .base import RESULT_REVISION, StoreEngine
+from .base import StoreEngine
 from .handovers import never_handed_over, replaced_by_step, replaced_copy, was_handed_over
 from .reaping import ReaperStatements
 from .rows import COMPLETED, FAILED, PENDING, RUNNING, Claim, ClaimTerms, Job, fenced_status, storable
@@ -224,7 +224,7 @@ class JobStatements:
     def complete(self, job_id: str, token: str, worker: str | None = None, result: str | None = None) -> bool:
         """running -> completed, keeping ``result`` in the same statement; False (audited) when stale."""
         params: dict[str, Any] = {"job_id": job_id, "token": token}
-        keep = result is not None and self.db.at_least(RESULT_REVISION)
+        keep = result is not None
         if keep:
             params["result"] = result
         if self.audited._audited_write(lambda: self._complete_running(keep), job_id,
@@ -244,8 +244,6 @@ class JobStatements:
 
     def kept_result(self, job_id: str) -> str | None:
         """The encoded result a completed job kept (None: not completed, or nothing kept)."""
-        if not self.db.at_least(RESULT_REVISION):
-            return None
         j = self.db.t.jobs
         with self.db.begin(read=True) as c:
             return c.execute(sa.select(j.c.result)

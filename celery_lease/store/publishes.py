@@ -12,7 +12,7 @@ from ..config import RECOVERY
 from ..errors import StoreConflict
 from ..vocabulary import Event
 from .audited import AuditedWrites, _arrays, _Audited, _Positional, _unnested
-from .base import RESULT_REVISION, RUNS_REVISION, StoreEngine
+from .base import StoreEngine
 from .rows import COMPLETED, FAILED, PENDING, NewJob, fenced_status
 
 __all__ = ["RECORD_BATCH", "PublishStatements"]
@@ -155,11 +155,10 @@ class PublishStatements:
         values: dict[str, Any] = dict(
             status=PENDING, task_name=task_name, available_at=self.db.now_sql + delay,
             updated_at=self.db.now_sql, completed_at=None, failed_at=None, attempt_count=0, expired_count=0,
-            dispatch_count=0, lock_token=None, locked_by=None, lease_expires_at=None, last_error=None)
+            dispatch_count=0, lock_token=None, locked_by=None, lease_expires_at=None, last_error=None,
+            result=None)
         if payload is not None:
             values["payload"] = payload
-        if self.db.at_least(RESULT_REVISION):
-            values["result"] = None
         with self.db.begin() as c:
             before = c.execute(sa.select(j.c.status, j.c.last_error).where(j.c.id == job_id)).first()
             res = c.execute(sa.update(j).where(
@@ -233,9 +232,8 @@ class PublishStatements:
             **{name: p[f"r_{name}"] for name in RECOVERY},
         }
         event: dict[str, Any] = {"event": sa.literal(str(event_name), sa.String()), "at": self.db.now_sql,
-                                 "detail": p["p_detail"]}
-        if self.db.at_least(RUNS_REVISION):
-            event.update(queue_name=row["queue_name"], task_name=row["task_name"])
+                                 "detail": p["p_detail"], "queue_name": row["queue_name"],
+                                 "task_name": row["task_name"]}
         return row, event
 
     def forget_unpublished(self, job_id: str) -> bool:

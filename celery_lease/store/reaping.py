@@ -19,7 +19,7 @@ from sqlalchemy.engine import Connection
 from ..errors import StoreConflict
 from ..vocabulary import Event
 from .attempts import PREVIOUS_OWNER, PREVIOUS_TOKEN, previous_attempt
-from .base import RUNS_REVISION, StoreEngine
+from .base import StoreEngine
 from .rows import COMPLETED, FAILED, PENDING, RUNNING, Job, fenced_status, status_sql, storable
 
 __all__ = ["ReaperStatements", "Expired", "REAPER_LOCK", "REAPER_CLOCK"]
@@ -285,8 +285,6 @@ class ReaperStatements:
 
     def reaper_clock(self) -> dict[str, Any] | None:
         """What the last reaper run recorded of the store's clock (``ClockGuard``), or None."""
-        if not self.db.at_least(RUNS_REVISION):
-            return None
         with self.db.begin(read=True) as c:
             return self._clock_in(c)
 
@@ -300,12 +298,10 @@ class ReaperStatements:
         return state if isinstance(state, dict) else None
 
     def record_reaper_clock(self, state: dict[str, Any], *, held_back: str | None = None,
-                            owner: str | None = None, step_back: bool = False) -> bool:
+                            owner: str | None = None, step_back: bool = False) -> None:
         """Record this run's view of the clock; with ``held_back`` also the hold's audit event.
         With ``step_back`` (the clock stepped back) leases and registry rows left in its future are clamped to
-        now, so a dead owner's job is not delayed; False on a schema without the meta table."""
-        if not self.db.at_least(RUNS_REVISION):
-            return False
+        now, so a dead owner's job is not delayed."""
         j, w = self.db.t.jobs, self.db.t.workers
         with self.db.begin() as c:
             c.execute(self.db.dialect.upsert(self.db.t.meta, {"key": REAPER_CLOCK, "value": json.dumps(state),
@@ -320,7 +316,6 @@ class ReaperStatements:
                           .values(last_seen_at=self.db.now_sql))
             if held_back is not None:
                 self.db._event(c, None, Event.REAPER_HELD_BACK, held_back, owner, detail=state)
-        return True
 
     def _delete_ids(self, table: sa.Table, key: sa.Column, where: sa.ColumnElement[bool], limit: int,
                     dry: bool) -> int:

@@ -11,9 +11,8 @@ from typing import Any
 import sqlalchemy as sa
 
 from ..errors import JobNotFound
-from .base import RUNS_REVISION, StoreEngine, where_given
+from .base import StoreEngine, where_given
 from .rows import COMPLETED, FAILED, PENDING, RUNNING, Job, status_sql
-from .workers import POOL_REVISION
 
 __all__ = ["ReportStatements"]
 
@@ -98,10 +97,8 @@ class ReportStatements:
         return {"alive": int(live or 0), "stale": int(total or 0) - int(live or 0)}
 
     def worker_pools(self) -> dict[str, int]:
-        """Pools of the live worker processes: name -> processes (empty on a schema without pools)."""
+        """Pools of the live worker processes: name -> processes."""
         w = self.db.t.workers
-        if not self.db.at_least(POOL_REVISION):
-            return {}
         with self.db.begin(read=True) as c:
             alive = w.c.last_seen_at >= self.db.now_sql - self.db.stale_after
             rows = c.execute(sa.select(w.c.pool, sa.func.count()).where(alive, w.c.pool.is_not(None))
@@ -143,15 +140,14 @@ class ReportStatements:
     def labelled_event_counts(self, names: Sequence[str], since: float,
                               until: float) -> dict[tuple[str, str | None, str | None], int]:
         """Events by (name, queue, task) with ``since < at <= until``; queue and task are None
-        where the writer did not know them, and always on a schema whose events lack them."""
+        where the writer did not know them."""
         e = self.db.t.events
-        labelled = self.db.at_least(RUNS_REVISION)
-        keys = [e.c.event, e.c.queue_name, e.c.task_name] if labelled else [e.c.event]
+        keys = [e.c.event, e.c.queue_name, e.c.task_name]
         q = (sa.select(*keys, sa.func.count()).where(e.c.event.in_(list(names)), e.c.at > since,
                                                      e.c.at <= until).group_by(*keys))
         with self.db.begin(long=True, read=True) as c:
             rows = c.execute(q).all()
-        return {(r[0], r[1], r[2]) if labelled else (r[0], None, None): int(r[-1]) for r in rows}
+        return {(r[0], r[1], r[2]): int(r[-1]) for r in rows}
 
     def list_jobs(self, status: str | None = None, queue: str | None = None, task: str | None = None,
                   expired: bool = False, limit: int = 50, owner: str | None = None,
@@ -281,10 +277,7 @@ class ReportStatements:
         j, w, e, lk = self.db.t.jobs, self.db.t.workers, self.db.t.effects, self.db.t.locks
         with self.db.begin(long=True, read=True) as c:
             existing = set(sa.inspect(c).get_table_names())
-        # The previous revision has no reaper_runs or meta table: this code runs against it too.
-        newer = () if self.db.at_least(RUNS_REVISION) else (self.db.t.reaper_runs.name, self.db.t.meta.name)
-        missing = [t.name for t in self.db.t.metadata.sorted_tables
-                   if t.name not in existing and t.name not in newer]
+        missing = [t.name for t in self.db.t.metadata.sorted_tables if t.name not in existing]
         if missing:
             return {"missing_tables": missing}
         usage = sa.select(

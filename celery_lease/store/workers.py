@@ -9,9 +9,6 @@ from .base import StoreEngine
 __all__ = ["WorkerStatements"]
 
 
-POOL_REVISION = "0003"  # the first schema revision whose registry has pool and concurrency
-
-
 class WorkerStatements:
     """One row per worker process, refreshed by its heartbeat; the reaper reads liveness here."""
 
@@ -24,8 +21,7 @@ class WorkerStatements:
         """Register a worker process, or refresh its last_seen_at: one upsert."""
         values = dict(worker_id=worker_id, hostname=hostname, pid=pid, started_at=self.db.now_sql,
                       last_seen_at=self.db.now_sql)
-        # The previous schema revision has no pool columns; this code runs against it too.
-        if self.worker_pool is not None and self.db.at_least(POOL_REVISION):
+        if self.worker_pool is not None:
             values.update(pool=self.worker_pool[0][:32], concurrency=self.worker_pool[1])
         return self.db.dialect.upsert(self.db.t.workers, values, update=("last_seen_at",))
 

@@ -176,7 +176,7 @@ def register(web: Flask) -> None:
         aged = with_ages(c.store, [d.as_dict() for d in result.planned])
         planned = [{**d, "why": aged_reason(d)} for d in aged]
         return render_template("reaper.html", page="reaper", planned=planned, result=result,
-                               status=reaper_status(c.app, c.store), runs=c.store.runs.reaper_runs(20) or [],
+                               status=reaper_status(c.app, c.store), runs=c.store.runs.reaper_runs(20),
                                now=c.store.now())
 
     @web.get("/dead-letters", endpoint="dead_letters")

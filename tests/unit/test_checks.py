@@ -392,21 +392,6 @@ def test_a_reaper_running_further_apart_than_the_registry_silence_is_flagged(sql
         assert "lease_worker_stale_after" in finding.fix
 
 
-def test_reaper_and_scrape_features_need_migrate_on_the_revision_before_them(tmp_path):
-    store = Store(f"sqlite:///{tmp_path / 'old.sqlite3'}", unique_prefix())
-    store.migrate(to="0003")
-    store.revision = "0003"  # as the release whose window was 0003..0004 found it
-    run_job(store)
-    store.event(None, "lease_taken_over", "test")
-    assert store.runs.record_reaper_run(0.1, {}, "reaper@host:1", keep=10) is False
-    assert store.runs.set_meta("exporter_last_scrape", "host:1") is False
-    found = problems(run_checks(make_app(), store))
-    assert sorted((f.level, f.code) for f in found) == [("warning", "dashboards"),
-                                                        ("warning", "reaper_running")]
-    assert all("needs migrate" in f.why for f in found)
-    store.engine.dispose()
-
-
 def test_crash_tests_warn_until_a_recovery_is_recorded(sqlite_store):
     run_job(sqlite_store)
     sqlite_store.runs.record_reaper_run(0.1, {}, "reaper@host:1", keep=10)

@@ -14,7 +14,6 @@ from celery_lease import deadline
 from celery_lease.config import load
 from celery_lease.errors import LeaseLost, StoreUnavailable
 from celery_lease.store import ClaimTerms
-from celery_lease.vocabulary import EffectOutcome
 from celery_lease.worker.effects import advance, effect
 from celery_lease.worker.lease import Lease
 from celery_lease.worker.runtime import Runtime
@@ -491,21 +490,6 @@ def test_a_later_attempt_does_not_take_an_earlier_attempts_key_for_its_own(store
     second_owner = claim(store, hb, "job-1")
     with effect(second_owner, "mail:1") as first:
         assert not first
-
-
-def test_a_store_on_the_previous_revision_records_effect_keys_without_their_nonce(store_factory):
-    # A rolling deploy runs this release on revision 0007's schema (no nonce column) until `lease migrate`.
-    old = store_factory(migrate=False, reuse=False)
-    old.migrate(to="0007")
-    old.revision = "0007"  # as the release whose window was 0007..0008 found it
-    old.publishes.record("job-1", "t.pay", "q", "{}", 5)
-    token = secrets.token_hex(16)
-    assert old.jobs.claim("job-1", "host:1", token, ClaimTerms(duration=3.0, grace=0.0, max_attempts=5,
-                                                              max_expirations=5, takeover=True),
-                          task_name="t.pay", queue="q", payload=lambda: None).claimed
-    assert old.effects.record_effect("mail:1", "job-1", token, "host:1", "a" * 32) == EffectOutcome.FIRST
-    assert old.effects.record_effect("mail:1", "job-1", token, "host:1", "a" * 32) == EffectOutcome.DUPLICATE
-    assert old.reports.effect_record("mail:1")["job_id"] == "job-1"
 
 
 def test_keys_differing_only_in_case_are_distinct_effects(store, hb):

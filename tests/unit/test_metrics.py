@@ -228,24 +228,6 @@ def test_a_real_reaper_run_is_counted_by_queue_and_task_and_its_time_exported(sc
     assert value(after, "celery_lease_reaper_last_run_duration_seconds") >= 0
 
 
-def test_a_store_before_the_reaper_runs_revision_is_scraped_without_its_features(tmp_path):
-    url = f"sqlite:///{tmp_path / 'old.sqlite3'}"
-    app = ops_app.build(url, unique_prefix(), "memory://")
-    store = Store(url, app.conf.lease_table_prefix)
-    store.migrate(to="0003")
-    store.revision = "0003"  # as the release whose window was 0003..0004 found it
-    ops_app.populate(store)
-    collector = LeaseCollector(app, store, event_lag=0.0)
-    samples(collector)
-    store.event("abandoned-0", "reaped_expired_lease", "lease expired")
-    scrape = samples(collector)
-    assert value(scrape, "celery_lease_store_up") == 1
-    assert value(scrape, "celery_lease_reaped_total", queue="unknown", task="unknown") == 1
-    assert not any(name.startswith("celery_lease_reaper_last_run") for name, _ in scrape)  # needs migrate
-    assert store.runs.meta_age("exporter_last_scrape") is None
-    store.engine.dispose()
-
-
 def test_each_scrape_is_noted_in_the_store(scene):
     app, store, _ = scene
     assert store.runs.meta_age("exporter_last_scrape") == (None, None)

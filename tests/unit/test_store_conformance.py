@@ -274,7 +274,7 @@ def test_the_reaper_clock_record_round_trips_and_a_step_back_clamps_only_what_li
         c.execute(sa.update(w).where(w.c.worker_id == "w-old").values(last_seen_at=store.now_sql + 60))
     fresh = store.get("fresh").lease_expires_at
     state = {"at": store.now(), "calm_since": None}
-    assert store.reaping.record_reaper_clock(state, held_back="stepped back", owner="r", step_back=True)
+    store.reaping.record_reaper_clock(state, held_back="stepped back", owner="r", step_back=True)
     now = store.now()
     assert store.reaping.reaper_clock() == state
     assert store.get("fresh").lease_expires_at == fresh

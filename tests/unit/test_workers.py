@@ -66,23 +66,6 @@ def test_a_worker_process_records_its_pool_and_concurrency(store):
     assert store.reports.worker_pools() == {"threads": 1}
 
 
-def test_on_the_previous_revision_the_registry_is_written_without_a_pool(store_factory):
-    from celery_lease.store import Store
-
-    made = store_factory(migrate=False)
-    made.migrate(to="0002")
-    store = Store(made.url, made.prefix)
-    # As the release whose window was 0002..0003 found it (this release's window starts at 0003).
-    store.revision = "0002"
-    store.workers.worker_pool = ("threads", 8)
-
-    store.workers.touch_worker("w1", "host", 42)
-
-    with store.begin() as c:
-        assert c.execute(sa.select(store.t.workers.c.worker_id)).scalars().all() == ["w1"]
-    assert store.reports.worker_pools() == {}
-
-
 def test_pool_names_are_celerys_own():
     from celery.concurrency import get_implementation
 
