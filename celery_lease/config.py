@@ -28,11 +28,10 @@ from .settings import (
     SCRAPE_FRESH,
     SECRETS,
     SETTINGS,
-    Setting,
 )
 from .vocabulary import Decision, OnLost
 
-__all__ = ["SETTINGS", "Setting", "AppConfig", "TaskPolicy", "app_config", "task_policy", "shortest_lease",
+__all__ = ["SETTINGS", "AppConfig", "TaskPolicy", "app_config", "task_policy", "shortest_lease",
            "derive_stale_after", "worker_stale_after", "check_recovery_bound",
            "CALL_TIMEOUT_SHARE", "DEFAULT_POOL_SIZE", "LONG_CALL_TIMEOUT", "REAPER_RUNS_KEPT",
            "REAPER_OVERDUE_INTERVALS", "METRICS_MAX_SERIES", "SCRAPE_FRESH", "RUNBOOK_BASE_URL", "SECRETS",

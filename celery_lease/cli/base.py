@@ -19,7 +19,7 @@ from .output import app_argument, with_app
 if TYPE_CHECKING:
     from ..store import Store
 
-__all__ = ["lease", "CommandError", "app_of", "store_of", "reaper_store_of", "json_option", "app_argument",
+__all__ = ["lease", "CommandError", "app_of", "store_of", "json_option", "app_argument",
            "NO_APP"]
 
 EX_FAILURE, EX_UNAVAILABLE, EX_CONFIG = 1, 69, 78  # as celery.platforms / sysexits.h
@@ -118,9 +118,6 @@ def store_of(ctx: click.Context) -> Store:
     from ..store import for_app
 
     return for_app(app_of(ctx), check=False, operator=True)
-
-
-reaper_store_of = store_of
 
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")

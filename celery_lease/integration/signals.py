@@ -330,10 +330,8 @@ def install(app: Any) -> None:
     register(app)
     app.steps["worker"].add(WorkerStep)
     app.steps["consumer"].add(PauseStep)
-    try:
-        from ..worker.brokers import VisibilityStep
-    except ImportError:
-        return
+    from ..worker.brokers import VisibilityStep
+
     app.steps["consumer"].add(VisibilityStep)
 
 

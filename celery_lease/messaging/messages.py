@@ -83,10 +83,10 @@ def encode(task_name: str, args: Any, kwargs: Any, options: Mapping[str, Any],
         "subtask_type": None,
         "immutable": False,
     }
-    return _envelope(sig, serializer)
+    return encode_result(sig, serializer)
 
 
-def _envelope(value: Any, serializer: str) -> str:
+def encode_result(value: Any, serializer: str) -> str:
     """``value`` serialized by kombu as a JSON text column (binary serializers in base64)."""
     content_type, encoding, data = serialization.dumps(value, serializer=serializer)
     binary = isinstance(data, bytes)
@@ -170,10 +170,6 @@ def _loads(envelope: dict[str, Any], accept: Any, key: str = "data", algorithm: 
         # Celery settings name serializers ('json'); kombu compares MIME types.
         accept = serialization.prepare_accept_content(accept)
     return serialization.loads(data, envelope["content_type"], envelope["content_encoding"], accept=accept)
-
-
-def encode_result(value: Any, serializer: str) -> str:
-    return _envelope(value, serializer)
 
 
 def decode_result(text: str, accept: Any, job_id: str) -> Any:

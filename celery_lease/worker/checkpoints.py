@@ -43,8 +43,6 @@ def checkpoint(lease: Checkpointed, state: Any) -> None:
             written = lease.store.jobs.checkpoint(lease.job_id, lease.token, state, lease.worker)
             if not written and lease.vanished_and_recorded_again():
                 written = lease.store.jobs.checkpoint(lease.job_id, lease.token, state, lease.worker)
-        except StoreRejected:
-            raise
         except StoreUnavailable as exc:
             log.warning("job %s [%s]: checkpoint kept until the store answers (%s)", lease.job_id,
                         lease.token[:8], exc, extra={"action": "checkpoint_deferred"})
