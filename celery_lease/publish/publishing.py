@@ -49,7 +49,7 @@ def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id
     delay = seconds_until(countdown) if countdown else seconds_until(options.get("eta"))
     record: Callable[[str], bool | None]
     keep: Callable[[str, Callable[[Any], Any]], None] | None = None
-    created = False
+    created, retrying = False, None
     batch = batching.current()
     if replacing.hands_over_to(task_id):
         def record(payload: str) -> None:
@@ -57,6 +57,8 @@ def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id
     elif (lease := runtime.own_lease(task)) is not None and lease.job_id == task_id and not (
             lease.lost or lease.handed_over):
         # Task.retry(): the row becomes pending first, so the new message finds it claimable.
+        retrying = lease
+
         def record(payload: str) -> bool:
             return retry_first(lease, delay, payload)
     else:
@@ -152,8 +154,11 @@ def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id
     except BaseException:
         # Not once the message went out: Celery's task-sent event, published after it, may be what failed,
         # and the job then runs (under its key, which a caller's retry must find).
-        if created and not (recording is not None and recording.sent):
+        sent = recording is not None and recording.sent
+        if created and not sent:
             for_app(task.app).publishes.forget_unpublished(task_id)
+        if retrying is not None and retrying.retried and not sent:
+            retrying.retry_unsent = True  # Celery's retry() turns this into a final Reject
         raise
 
 
@@ -183,8 +188,6 @@ def retry_first(lease: Lease, delay: float, payload: str) -> bool:
             write = held_back_first(lease, write)
         try:
             written = write() or (lease.vanished_and_recorded_again() and write())
-        except StoreRejected:
-            raise
         except StoreUnavailable as exc:
             log.warning("job %s [%s]: retry held back until the store answers (%s)", lease.job_id,
                         lease.token[:8], exc, extra={"action": "retry_deferred"})

@@ -256,6 +256,29 @@ class JobStatements:
             last_error=storable(error)[:4000],
         ), reason=error[:200])
 
+    def fail_unsent_retry(self, job_id: str, token: str, attempt: int, error: str,
+                          worker: str | None = None) -> bool:
+        """pending -> failed: the retry ``token`` scheduled, whose message the broker refused. Fenced on the
+        row still being that retry: pending at ``attempt`` and no claim, requeue or publish audited since (a
+        claim given back leaves it pending at that attempt too: only the claim's event tells them apart)."""
+        j, e = self.db.t.jobs, self.db.t.events
+        retry = Event.RETRY_SCHEDULED.value
+        ours = sa.select(sa.func.max(e.c.id)).where(e.c.job_id == job_id, e.c.event == retry,
+                                                    e.c.token == token[:8]).scalar_subquery()
+        moved = sa.exists().where(e.c.job_id == job_id, e.c.id > ours, e.c.event.in_(
+            [Event.CLAIMED.value, Event.MANUAL_REQUEUE.value, Event.PUBLISHED.value]))
+        row = [j.c.id == job_id, fenced_status(j.c.status, PENDING), j.c.attempt_count == attempt]
+        with self.db.begin() as c:
+            # The row is held first, so the events read next include every move committed before it.
+            held = previous_attempt(self.db, c, *row) is not None
+            if held and c.execute(sa.update(j).where(*row, ours.is_not(None), ~moved).values(
+                    status=FAILED, failed_at=self.db.now_sql, updated_at=self.db.now_sql,
+                    last_error=storable(error)[:4000])).rowcount == 1:
+                self.db._event(c, job_id, Event.FAILED, error[:200], worker, token)
+                return True
+            self.db._stale(c, job_id, Event.STALE_FAILURE_REJECTED, worker, token)
+            return False
+
     def retry_later(self, job_id: str, token: str, delay: float, payload: str | None,
                     error: str | None, worker: str | None = None) -> bool:
         """running -> pending at now + delay: a Celery retry; its message is already sent."""

@@ -69,6 +69,8 @@ class Lease:
         # Set when the body handed the job on: Task.replace() or Task.retry() changed the row.
         self.handed_over = False
         self.retried = False
+        # The retry's row is written, its message refused by the broker: Celery ends the run with a Reject.
+        self.retry_unsent = False
         # The settle write the store could not take yet (Runtime.flush_deferred writes it).
         self.deferred: DeferredWrite | None = None
         # A checkpoint the store could not take yet: the heartbeat writes it once it answers.
@@ -209,8 +211,6 @@ class Lease:
             self.check()
             try:
                 return call()
-            except StoreRejected:
-                raise
             except StoreUnavailable as exc:
                 log.warning("job %s [%s]: store unreachable (%s); waiting for it until the lease's local "
                             "deadline", self.job_id, self.token[:8], exc, extra={"action": "store_waited"})

@@ -206,9 +206,7 @@ def _write(lease: Lease, end: RunEnd, write: Callable[[], bool], then: Callable[
     if lease.pending_checkpoint is not None:
         write, later = held_back_first(lease, write), later and held_back_first(lease, later)
     try:
-        written = write()
-        if not written and lease.vanished_and_recorded_again():
-            written = write()
+        written = write() or (lease.vanished_and_recorded_again() and write())
     except StoreUnavailable as exc:
         log.error("job %s [%s]: %s not written, the store is unreachable (%s); kept until it answers",
                   lease.job_id, lease.token[:8], end, exc, extra={"action": "settle_deferred"})
@@ -249,11 +247,10 @@ def settle(task: Any, lease: Lease, end: RunEnd, value: Any, exc: BaseException 
         _ending(lease, end, lambda: store.jobs.complete(job_id, token, worker))
     elif end == RunEnd.REJECTED_REQUEUE:
         # Requeued now, it would meet the lease still held and be skipped: it is sent with the release.
-        if _write(lease, end, lambda: store.jobs.release(job_id, token, worker,
-                                                         reason=Event.REJECTED_REQUEUE),
+        if _write(lease, end, lambda: store.jobs.release(job_id, token, worker, Event.REJECTED_REQUEUE),
                   later=lambda: lease.give_back(Event.REJECTED_REQUEUE, republish=True)) is None:
             raise Ignore() from exc
-    elif end == RunEnd.REJECTED:
+    elif end == RunEnd.REJECTED and not _failed_unsent_retry(task, lease, exc):
         reason = f"rejected: {exc.reason}"  # type: ignore[attr-defined]
         _ending(lease, end, lambda: store.jobs.fail(job_id, token, reason, worker))
     elif end == RunEnd.FAILED:
@@ -329,19 +326,15 @@ def _lost(task: Any, lease: Lease, exc: BaseException) -> NoReturn:
 def _retry(task: Any, lease: Lease, exc: BaseException) -> None:
     """Celery's Retry: the row goes back to pending (once) before or with the retry's message."""
     assert isinstance(exc, Retry)
-    store, job_id, token, worker = lease.store, lease.job_id, lease.token, lease.worker
     if lease.deferred_retry is not None or lease.retried:
         # The row became pending before the retry's message was sent, or does with it now.
         _send_deferred_retry(lease, str(exc.exc or exc))
         raise exc
-    payload = None
-    if exc.sig is not None:
-        payload = messages.encode(exc.sig.task, exc.sig.args, exc.sig.kwargs, dict(exc.sig.options),
-                                  task.serializer)
+    payload = None if (sig := exc.sig) is None else messages.encode(sig.task, sig.args, sig.kwargs,
+                                                                     dict(sig.options), task.serializer)
     delay = 0.0 if task.request.is_eager else deadline.seconds_until(exc.when)  # apply() retries at once
-    if _write(lease, RunEnd.RETRIED,
-              lambda: store.jobs.retry_later(job_id, token, delay, payload, str(exc.exc or exc),
-                                             worker)) is False:
+    if _write(lease, RunEnd.RETRIED, lambda: lease.store.jobs.retry_later(
+            lease.job_id, lease.token, delay, payload, str(exc.exc or exc), lease.worker)) is False:
         raise Ignore() from exc
     raise exc
 
@@ -356,14 +349,28 @@ def _send_deferred_retry(lease: Lease, reason: str) -> None:
         then=lambda: messages.republish(lease.app, lease.job_id, message))
 
 
+def _failed_unsent_retry(task: Any, lease: Lease, exc: BaseException) -> bool:
+    """Whether this Reject ends a run whose retry's message was refused (the row pending): then it fails."""
+    if not lease.retry_unsent:
+        return False  # the body's own Reject, after a retry whose message went out: that retry runs
+    store, job_id, token, failed = lease.store, lease.job_id, lease.token, [True]
+    error = f"rejected: {exc.reason}"  # type: ignore[attr-defined]
+
+    def write() -> bool:  # True even if the row moved on: a stale answer would send its message again
+        failed[0] = store.jobs.fail_unsent_retry(job_id, token, lease.attempt, error, lease.worker)
+        return True
+
+    _write(lease, RunEnd.REJECTED, write, then=lambda: _dead_letter(task, lease) if failed[0] else None,
+           landed=lambda: store.jobs.wrote(job_id, token, Event.FAILED))
+    return True
+
+
 def _dead_letter(task: Any, lease: Lease) -> None:
     """Send a failed job's stored message to its dead-letter queue, once (its audit best effort). The failure
     has landed, so the lease's state no longer matters: a store that does not answer keeps it for later."""
-    store, job_id, queue = lease.store, lease.job_id, lease.policy.dead_letter_queue
-    if not queue:
-        return
-    send = functools.partial(_send_dead_letter, task.app, store, job_id, queue)
-    lease.runtime.kept_writes.write(job_id, "dead letter", send)
+    if queue := lease.policy.dead_letter_queue:
+        send = functools.partial(_send_dead_letter, task.app, lease.store, lease.job_id, queue)
+        lease.runtime.kept_writes.write(lease.job_id, "dead letter", send)
 
 
 def _send_dead_letter(app: Any, store: Store, job_id: str, queue: str) -> None:
@@ -384,10 +391,8 @@ def _send_dead_letter(app: Any, store: Store, job_id: str, queue: str) -> None:
 def _fail(task: Any, lease: Lease, exc: BaseException) -> None:
     """A final failure of the attempt: the job is failed (and dead-lettered); Ignore if it moved on. Celery
     sees the body's own exception even when the write is deferred."""
-    error = f"{type(exc).__name__}: {exc}"
-    store, job_id = lease.store, lease.job_id
-    written = _ending(lease, RunEnd.FAILED, lambda: store.jobs.fail(job_id, lease.token, error, lease.worker),
-                      then=lambda: _dead_letter(task, lease),
-                      landed=lambda: store.jobs.wrote(job_id, lease.token, Event.FAILED))
-    if written is False:
+    error, store, job_id = f"{type(exc).__name__}: {exc}", lease.store, lease.job_id
+    if _ending(lease, RunEnd.FAILED, lambda: store.jobs.fail(job_id, lease.token, error, lease.worker),
+               then=lambda: _dead_letter(task, lease),
+               landed=lambda: store.jobs.wrote(job_id, lease.token, Event.FAILED)) is False:
         raise Ignore() from exc

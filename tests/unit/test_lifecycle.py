@@ -19,6 +19,8 @@ import threading
 from collections import Counter
 from typing import Any
 
+import kombu.exceptions
+import kombu.messaging
 import pytest
 from celery import Celery
 from celery.app.trace import build_tracer
@@ -28,7 +30,8 @@ from celery.signals import before_task_publish, task_postrun
 from celery_lease import LeaseTask
 from celery_lease.errors import StoreRejected, StoreUnavailable
 from celery_lease.messaging import messages
-from celery_lease.store import Store, for_app
+from celery_lease.reaper.run import Reaper
+from celery_lease.store import ClaimTerms, Store, for_app
 from celery_lease.vocabulary import Status
 from celery_lease.worker import runtime
 from tests.conftest import unique_prefix
@@ -418,3 +421,148 @@ def test_an_eager_run_with_a_store_returns_what_its_replacement_returns(tmp_path
     result = replaced.apply(task_id="eager-replaced")
     assert (result.state, result.result) == ("SUCCESS", 5)
     assert Store(app.conf.lease_store_url).get("eager-replaced").status == Status.COMPLETED
+
+
+def _refusing_the_first_retry(monkeypatch: Any, then: Any = None) -> list[str]:
+    """The broker refuses the first retry's message it is handed (``then`` runs first): the ids refused."""
+    real, refused = kombu.messaging.Producer.publish, []
+
+    def publish(self: Any, body: Any, *args: Any, **kwargs: Any) -> Any:
+        headers = kwargs.get("headers") or {}
+        if headers.get("retries") and not refused:
+            refused.append(headers["id"])
+            if then is not None:
+                then(headers["id"])
+            raise kombu.exceptions.OperationalError("the broker refused the message (injected)")
+        return real(self, body, *args, **kwargs)
+
+    monkeypatch.setattr(kombu.messaging.Producer, "publish", publish)
+    return refused
+
+
+def _retries_once(app: Celery, name: str, runs: list[str]) -> Any:
+    """A task whose first run calls retry(); every later run returns."""
+    @app.task(base=LeaseTask, bind=True, name=name, shared=False, acks_late=True, max_retries=3)
+    def retries_once(self: Any) -> str:
+        runs.append(self.request.id)
+        if len(runs) == 1:
+            raise self.retry(countdown=0)
+        return "ok"
+
+    return retries_once
+
+
+def _rejected(outcome: Any) -> bool:
+    """Whether Celery's tracer ended the delivery with Celery's Reject, as it shows a plain task's."""
+    raised = getattr(outcome[0], "exception", outcome[0])
+    return isinstance(getattr(raised, "exc", raised), Reject)
+
+
+def test_a_retry_whose_message_the_broker_refuses_fails_the_job_and_its_body_never_runs_again(
+        leased_add, monkeypatch):
+    """Plain Celery ends such a run with a final Reject (FAILURE, errbacks): the job is failed, and no message
+    of it goes out again, from the settle step or from the reaper's dispatch scan."""
+    app, runs = leased_add.app, []
+    task = _retries_once(app, "path.retry_refused", runs)
+    refused = _refusing_the_first_retry(monkeypatch)
+    queued(app)  # what earlier tests of this process left in the in-memory broker
+    job_id = task.apply_async().id
+    assert queued(app) == [(job_id, task.name, 0)]  # taken here: delivered by hand
+    assert _rejected(_deliver_once(task, job_id))
+    store = Store(app.conf.lease_store_url)
+    assert refused == [job_id] and store.get(job_id).status == Status.FAILED
+    reaped = Reaper(app).run_once(now=store.now() + 3600)  # past any dispatch wait
+    for found, _, _ in queued(app):
+        _deliver_once(task, found)
+    assert (runs, reaped.redispatched, store.get(job_id).status) == ([job_id], 0, Status.FAILED)
+
+
+def test_a_job_failed_by_its_refused_retry_sends_its_dead_letter(leased_add, monkeypatch):
+    app, runs = leased_add.app, []
+    app.conf.lease_dead_letter_queue = f"dlq_{unique_prefix()}"
+    task = _retries_once(app, "path.retry_refused_dlq", runs)
+    _refusing_the_first_retry(monkeypatch)
+    queued(app)
+    job_id = task.apply_async().id
+    queued(app)
+    _deliver_once(task, job_id)
+    with app.connection_for_write() as conn:
+        message = conn.SimpleQueue(app.conf.lease_dead_letter_queue, no_ack=True).get(timeout=5)
+    events = [e["event"] for e in Store(app.conf.lease_store_url).reports.events(job_id)]
+    assert message.headers["id"] == job_id and "dead_letter_published" in events
+
+
+def test_a_refused_retry_whose_job_was_claimed_since_is_left_to_that_claim_and_nothing_is_sent(
+        leased_add, monkeypatch):
+    """Another worker took the pending retry (and gave it back) before the settle step: the row is no longer
+    this run's retry, so it is neither failed nor sent again by this run."""
+    app, runs = leased_add.app, []
+    task = _retries_once(app, "path.retry_refused_taken", runs)
+    store = for_app(app)
+    terms = ClaimTerms(duration=30.0, grace=0.0, max_attempts=5, max_expirations=5, takeover=False)
+
+    def taken_and_given_back(job_id: str) -> None:
+        assert store.jobs.claim(job_id, "other@test", "f" * 32, terms, task_name=task.name, queue="celery",
+                                payload=lambda: None).claimed
+        assert store.jobs.release(job_id, "f" * 32, "other@test")
+
+    _refusing_the_first_retry(monkeypatch, then=taken_and_given_back)
+    queued(app)
+    job_id = task.apply_async().id
+    queued(app)
+    assert _rejected(_deliver_once(task, job_id))
+    job = Store(app.conf.lease_store_url).get(job_id)
+    assert (job.status, job.locked_by, queued(app)) == (Status.PENDING, None, [])
+
+
+def test_a_refused_retrys_failure_the_store_cannot_take_is_written_once_it_answers_and_nothing_is_sent(
+        leased_add, monkeypatch):
+    app, runs = leased_add.app, []
+    task = _retries_once(app, "path.retry_refused_outage", runs)
+    _refusing_the_first_retry(monkeypatch)
+    store, down = for_app(app), threading.Event()
+    real_fail = store.jobs.fail_unsent_retry
+
+    def fail_unsent_retry(*args: Any, **kwargs: Any) -> bool:
+        if down.is_set():
+            raise StoreUnavailable("no answer (injected)")
+        return real_fail(*args, **kwargs)
+
+    store.jobs.fail_unsent_retry = fail_unsent_retry
+    queued(app)
+    job_id = task.apply_async().id
+    queued(app)
+    down.set()
+    assert _rejected(_deliver_once(task, job_id))  # what Celery sees does not wait for the store
+    assert Store(app.conf.lease_store_url).get(job_id).status == Status.PENDING
+    down.clear()
+    runtime.current(app).flush_deferred()
+    assert Store(app.conf.lease_store_url).get(job_id).status == Status.FAILED
+    assert (runs, queued(app)) == ([job_id], [])
+
+
+def test_a_body_that_rejects_after_a_retry_whose_message_went_out_leaves_that_retry_to_run(leased_add):
+    """retry(throw=False) sent its message, then the body raises its own Reject: as in plain Celery, this
+    delivery ends rejected and the retry runs; only a retry whose own message was refused fails the job."""
+    app, runs = leased_add.app, []
+
+    @app.task(base=LeaseTask, bind=True, name="path.rejects_after_retry", shared=False, acks_late=True,
+              max_retries=3)
+    def rejects(self: Any) -> str:
+        runs.append(self.request.id)
+        if len(runs) == 1:
+            self.retry(countdown=0, throw=False)
+            raise Reject("not this delivery", requeue=False)
+        return "ok"
+
+    queued(app)
+    job_id = rejects.apply_async().id
+    queued(app)
+    assert _rejected(_deliver_once(rejects, job_id))
+    store = Store(app.conf.lease_store_url)
+    assert store.get(job_id).status == Status.PENDING
+    waiting = [found for found, _, _ in queued(app)]
+    assert job_id in waiting
+    for found in waiting:
+        _deliver_once(rejects, found)
+    assert (runs, store.get(job_id).status) == ([job_id, job_id], Status.COMPLETED)
