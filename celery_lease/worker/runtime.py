@@ -21,7 +21,7 @@ from ..config import TaskPolicy, app_config, task_policy
 from ..errors import StoreRejected, StoreUnavailable
 from ..vocabulary import Event
 from .handles import DeferredWrite
-from .lease import Lease
+from .lease import MAX_STORE_WAIT, Lease
 from .locks import Locks
 from .threads import MAX_TIMER_SLEEP, WRITES_KEPT, DeadlineTimer, Heartbeat, PendingWrites, worker_id
 
@@ -31,12 +31,10 @@ if TYPE_CHECKING:
     from ..store import Job, Store
     from .pause import ConsumerPause
 
-__all__ = ["Runtime", "DeadlineTimer", "PendingWrites", "MAX_TIMER_SLEEP", "WRITES_KEPT",
-           "Process", "PROCESS", "for_app", "for_delivery", "current", "retire", "in_process",
-           "release_all_in_process"]
+__all__ = ["Runtime", "DeadlineTimer", "PendingWrites", "MAX_TIMER_SLEEP", "WRITES_KEPT", "Process",
+           "PROCESS", "for_app", "for_delivery", "current", "retire", "in_process", "release_all_in_process"]
 
 log = logging.getLogger(__name__)
-
 
 
 class Runtime:
@@ -51,6 +49,7 @@ class Runtime:
         self.interrupter = interrupter or interrupt.for_process()
         self.pid = os.getpid()
         self._mutex = threading.Lock()
+        self._drained = threading.Condition(self._mutex)  # notified as deferred writes land or are dropped
         self._by_request: dict[int, Lease] = {}
         self._held: dict[tuple[str, str], Lease] = {}
         self._deferred: dict[tuple[str, str], Lease] = {}
@@ -59,18 +58,14 @@ class Runtime:
         self.heartbeat = Heartbeat(self)
         self.timer = DeadlineTimer(self)
         self._starting = threading.Lock()  # concurrent first tasks (a threads pool) start once
-        # A worker's main process stops its consumer here while the store is down (outage.py).
-        self.pause: ConsumerPause | None = None
-        # Claims sent and given up on unanswered: the server may have committed one that no body runs.
-        self.unanswered = deliveries.UnansweredClaims()
-        # What for_delivery resolved per (task, queue, nesting): its store (None when the app's store
-        # follows a Django database, checked on every delivery), policy and claim terms.
+        self.pause: ConsumerPause | None = None  # stops the main process's consumer in an outage (outage.py)
+        self.unanswered = deliveries.UnansweredClaims()  # claims given up unanswered: one may have committed
+        # for_delivery's store (None: looked up per delivery), policy and terms by (task, queue, nesting).
         self.deliveries: dict[tuple[str, str | None, int],
                               tuple[Store | None, TaskPolicy, stores.ClaimTerms]] = {}
 
-    def admit(self, task: Any, request: Any, job: Job, token: str, policy: TaskPolicy, *,
-              sent_at: float, record_again: Callable[[], bool],
-              soft: interrupt.SoftLimit | None = None) -> Lease:
+    def admit(self, task: Any, request: Any, job: Job, token: str, policy: TaskPolicy, *, sent_at: float,
+              record_again: Callable[[], bool], soft: interrupt.SoftLimit | None = None) -> Lease:
         """The claim succeeded, so the delivery's store retries are forgotten: attach its new lease."""
         messages.forget_store_retries(request)
         lease = Lease(self, job.id, token, job.attempt_count, policy,
@@ -129,6 +124,7 @@ class Runtime:
             self._held.pop(key, None)
             self._deferred.pop(key, None)
             self._to_give_back.pop(key, None)
+            self._drained.notify_all()
 
     def lost_locally(self, lease: Lease, give_back: bool) -> None:
         """The lease passed its local deadline: stop renewing it (and give it back when told)."""
@@ -150,8 +146,7 @@ class Runtime:
             self._to_give_back.pop(key, None)
 
     def extend(self, lease: Lease, seconds: float) -> bool:
-        """Renew one lease now with a new duration; False when it is no longer ours. While the statement is
-        out the lease trusts the shorter of the old and new durations."""
+        """Renew one lease now with a new duration, trusting the shorter meanwhile; False once not ours."""
         def attempt() -> bool | None:
             # Not beside a heartbeat round (Heartbeat.renewing says why); None: the row is not ours.
             with self.heartbeat.renewing:
@@ -176,8 +171,7 @@ class Runtime:
 
     @property
     def interval(self) -> float:
-        intervals = [lease.renew_every for lease in self.leases()]
-        return min([self.default_interval, *intervals])
+        return min([self.default_interval, *(lease.renew_every for lease in self.leases())])
 
     def give_back_lost(self) -> int:
         """Release, fenced on their tokens, the leases lost locally; returns how many were released."""
@@ -209,11 +203,8 @@ class Runtime:
     def flush_deferred(self) -> None:
         """Make the settle writes the store could not take, and act on its real answer to each."""
         with self._mutex:
-            deferred = list(self._deferred.values())
-        for lease in deferred:
-            write = lease.deferred
-            if write is None:
-                continue
+            deferred = [(lease, lease.deferred) for lease in self._deferred.values() if lease.deferred]
+        for lease, write in deferred:
             try:
                 written = (write.landed is not None and write.landed()) or write.write()
                 if not written and lease.vanished_and_recorded_again():
@@ -269,7 +260,7 @@ class Runtime:
                 log.warning("could not release job %s [%s] on shutdown: %s", lease.job_id,
                             lease.token[:8], exc)
         released += self.give_back_lost()  # lost locally, not yet given back: no heartbeat round comes now
-        self.flush_deferred()
+        self._settle_before_exit()
         kept: PendingWrites | None = self.__dict__.get("_kept_writes")
         if kept is not None and len(kept):
             kept.flush()
@@ -277,6 +268,27 @@ class Runtime:
                 log.error("%d write(s) kept while the store was down are lost with this process: %s",
                           len(kept), self.worker, extra={"action": "kept_writes_lost"})
         return released
+
+    def _settle_before_exit(self) -> None:
+        """Exit: make the deferred settle writes through an outage until each lands or the local deadline
+        its lease has now passes (the job may be another's then); renewals meanwhile never delay the exit."""
+        ends = {lease: lease.deadline for lease in self.leases() if self.is_deferred(lease)}
+        pause = 0.05
+        while True:
+            self.flush_deferred()
+            now = deadline.monotonic()
+            left = [lease for lease in ends if self.is_deferred(lease)]
+            for lease in [lease for lease in left if ends[lease] <= now]:
+                self.forget(lease)
+                log.error("job %s [%s]: deferred %s dropped at exit, the store unreachable past its lease's "
+                          "deadline; it runs again once the lease expires", lease.job_id, lease.token[:8],
+                          lease.deferred and lease.deferred.end, extra={"action": "settle_lost_at_exit"})
+            due = min((ends[lease] for lease in left if ends[lease] > now), default=None)
+            if due is None:
+                return
+            with self._drained:  # woken early once the heartbeat lands the last one
+                self._drained.wait_for(lambda: not self._deferred, min(due - now, pause))
+            pause = min(pause * 2, MAX_STORE_WAIT)
 
     @property
     def kept_writes(self) -> PendingWrites:
@@ -299,8 +311,7 @@ class Runtime:
 
 
 class Process:
-    """What celery_lease keeps for this process, in one place: a runtime per app, and the worker
-    (app, node name) starting here, which its forked pool children register under."""
+    """A runtime per app, and the worker (app, node name) starting here, which its forked children join."""
 
     def __init__(self) -> None:
         # By (id(app), pid), with a weak reference that tells a live app from a new one at a reused id.
@@ -326,8 +337,7 @@ def current(app: Any) -> Runtime | None:
 
 def for_delivery(task: Any, queue: str | None,
                  nesting: int = 0) -> tuple[Runtime, Store, TaskPolicy, stores.ClaimTerms]:
-    """A delivery's runtime, store, task policy on ``queue`` and claim terms, resolved once per process
-    (retire() drops them when the settings or the store are reloaded)."""
+    """A delivery's runtime, store, task policy on ``queue`` and claim terms, resolved once per process."""
     key = (task.name, queue, nesting)
     runtime = current(task.app)
     known = runtime.deliveries.get(key) if runtime is not None else None
@@ -337,8 +347,7 @@ def for_delivery(task: Any, queue: str | None,
     runtime = for_app(task.app, store, task.request.hostname)
     if known is None:
         policy = task_policy(task, queue)
-        # A store that follows a Django database is looked up on every delivery: a test database
-        # switched under a running worker names another URL.
+        # A store following a Django database is looked up per delivery: a test database may switch under it.
         fixed = store if app_config(task.app).database is None else None
         carried = messages.nesting_of if messages.carries_nesting(task.app) else None
         terms = stores.ClaimTerms.of(policy, nesting, carried=carried)
@@ -353,8 +362,7 @@ def for_app(app: Any, store: Store, hostname: str | None = None) -> Runtime:
         with PROCESS.lock:
             runtime = current(app)
             if runtime is None:
-                host = hostname or socket.gethostname()
-                runtime = Runtime(store, host, app_config(app).heartbeat_interval)
+                runtime = Runtime(store, hostname or socket.gethostname(), app_config(app).heartbeat_interval)
                 PROCESS.runtimes[(id(app), os.getpid())] = (weakref.ref(app), runtime)
                 app_state(app).retire = retire  # store.forget() calls it
     return runtime
@@ -375,8 +383,7 @@ def retire(app: Any) -> bool:
 
 
 def in_process() -> list[Runtime]:
-    pid = os.getpid()
-    return [rt for (_, owner), (_, rt) in list(PROCESS.runtimes.items()) if owner == pid]
+    return [rt for (_, owner), (_, rt) in list(PROCESS.runtimes.items()) if owner == os.getpid()]
 
 
 def release_all_in_process(reason: Event = Event.RELEASED_ON_SHUTDOWN) -> int:

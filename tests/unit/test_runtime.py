@@ -511,6 +511,51 @@ def test_a_write_kept_through_an_outage_is_made_at_shutdown_when_the_store_answe
     assert store.get("j1").status == "failed" and len(rt.kept_writes) == 0
 
 
+def deferred_completion(store, rt: Runtime, job_id: str, unanswered: int,
+                        duration: float = 3.0) -> tuple[Lease, list[float]]:
+    """A returned body's completion, deferred by an outage that fails its next ``unanswered`` tries too;
+    the lease and when each try was made."""
+    lease = claim(store, rt, job_id, duration=duration)
+    rt.attach(Request(), lease)
+    tries: list[float] = []
+
+    def complete() -> bool:
+        tries.append(deadline.monotonic())
+        if len(tries) <= unanswered:
+            raise StoreUnavailable("no answer (injected)")
+        return store.jobs.complete(lease.job_id, lease.token, lease.worker)
+
+    rt.defer(lease, DeferredWrite(RunEnd.RETURNED, complete))
+    return lease, tries
+
+
+def test_a_deferred_completion_lands_at_shutdown_when_the_outage_ends_within_its_lease(store, rt):
+    # Given a completion deferred by an outage that fails its next three tries
+    lease, tries = deferred_completion(store, rt, "job-1", unanswered=3)
+    # When the process shuts down while the store is still away
+    rt.release_all()
+    # Then the shutdown kept trying until it landed: the job is completed, not left running for the reaper
+    assert store.get("job-1").status == "completed" and not rt.is_deferred(lease) and lease not in rt.leases()
+    assert len(tries) == 4
+
+
+def test_a_deferred_completion_is_dropped_at_shutdown_with_an_error_once_its_lease_deadline_passes(store, rt,
+                                                                                                  caplog):
+    # Given a completion deferred on a one-second lease by an outage that does not end
+    lease, tries = deferred_completion(store, rt, "job-1", unanswered=sys.maxsize, duration=1.0)
+    # When the process shuts down
+    with caplog.at_level("ERROR", logger="celery_lease.worker.runtime"):
+        rt.release_all()
+    returned = deadline.monotonic()
+    # Then it kept trying up to the lease's local deadline, and returned shortly after it
+    assert len(tries) > 2 and lease.deadline <= returned < lease.deadline + 0.5
+    # And the dropped completion is reported: the job, its end, and that the job runs again
+    [error] = [r for r in caplog.records if getattr(r, "action", None) == "settle_lost_at_exit"]
+    assert error.levelname == "ERROR" and all(word in error.getMessage() for word in ("job-1", "returned",
+                                                                                       "runs again"))
+    assert store.get("job-1").status == "running" and not rt.is_deferred(lease) and lease not in rt.leases()
+
+
 @pytest.mark.parametrize("store_url", ["mysql"], indirect=True)
 def test_a_deferred_completion_the_store_refuses_for_good_is_not_retried_every_round(store_factory, caplog):
     """A completion deferred in an outage and then refused (a 70 KB result on a MySQL/MariaDB
