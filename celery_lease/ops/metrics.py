@@ -215,16 +215,21 @@ class LeaseCollector:
         with self._lock:
             # First: a scrape whose window read fails observes nothing, not even the heartbeat lags.
             self._advance(now)
+            # The running gauges share one label cap: past it, their pairs add up (or take the max) as other.
+            gauges: dict[tuple[str, str], list[float]] = {}
             for r in running:
-                labels = [r["queue"] or "", r["task"]]
-                fams["running"].add_metric(labels, r["running"])
-                fams["expired"].add_metric(labels, r["expired"])
                 oldest = r["oldest_started_at"]
-                fams["oldest"].add_metric(labels, max(0.0, now - oldest) if oldest is not None else 0.0)
-                fams["lag_max"].add_metric(labels, max(0.0, r["lag_max"]))
+                age = max(0.0, now - oldest) if oldest is not None else 0.0
+                pair = self._cap("celery_lease_running_jobs", r["queue"], r["task"])
+                n, expired, old, lag = gauges.setdefault(pair, [0, 0, 0.0, 0.0])
+                gauges[pair] = [n + r["running"], expired + r["expired"], max(old, age),
+                                max(lag, r["lag_max"])]
                 lags = r["lag_buckets"]  # cumulative counts per bound
                 per_bucket = [b - a for a, b in zip([0, *lags], [*lags, r["running"]], strict=True)]
                 self._observe("lag", r["queue"], r["task"], [*per_bucket, r["lag_sum"]])
+            for pair, values in gauges.items():
+                for key, value in zip(("running", "expired", "oldest", "lag_max"), values, strict=True):
+                    fams[key].add_metric(list(pair), value)
             for key, (_, _, bounds) in HISTOGRAMS.items():
                 for (queue, task), hist in sorted(self._histograms[key].items()):
                     fams[key].add_metric([queue, task], hist.buckets(bounds), hist.total)

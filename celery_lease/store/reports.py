@@ -202,7 +202,10 @@ class ReportStatements:
         with self.db.begin(long=True, read=True) as c:
             now = self._now(c)
             at: sa.BindParameter[float] = sa.literal(now, sa.Double())
-            lag = at - sa.func.coalesce(j.c.last_heartbeat_at, j.c.started_at, at)
+            since = at - sa.func.coalesce(j.c.last_heartbeat_at, j.c.started_at, at)
+            # A heartbeat committed after ``at`` was read (or a clock stepped back) is no lag, not a negative
+            # one: the histogram's sum is a counter, and a drop reads as a reset.
+            lag = sa.case((since > 0, since), else_=0.0)
             cols = [j.c.queue_name, j.c.task_name, sa.func.count(),
                     sa.func.sum(sa.case((j.c.lease_expires_at < at, 1), else_=0)),
                     sa.func.min(j.c.started_at), sa.func.max(lag), sa.func.sum(lag)]

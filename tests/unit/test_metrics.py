@@ -198,6 +198,31 @@ def test_event_counters_count_each_new_event_once_by_queue_and_task(scene):
     assert value(third, "celery_lease_reaped_total", **quick) == 3
 
 
+def test_a_heartbeat_ahead_of_the_scrapes_clock_adds_no_negative_lag(scene):
+    # A heartbeat committed after the scrape read its clock (or a clock stepped back): the lag histogram's
+    # sum is a counter, and a drop would read as a reset.
+    app, store, jobs = scene
+    j = store.t.jobs
+    with store.begin() as c:
+        c.execute(sa.update(j).where(j.c.id.in_(jobs["live"])).values(last_heartbeat_at=store.now_sql + 30))
+    collector = LeaseCollector(app, store)
+    slow = {"queue": "reports", "task": "ops.slow"}
+    sums = [value(samples(collector), "celery_lease_heartbeat_lag_seconds_sum", **slow) for _ in range(2)]
+    assert sums == [0.0, 0.0]
+    assert value(samples(collector), "celery_lease_heartbeat_lag_seconds_count", **slow) == 6
+
+
+def test_the_running_gauges_are_capped_like_the_histograms_and_the_rest_add_up_as_other(scene):
+    app, store, _ = scene
+    scrape = samples(LeaseCollector(app, store, max_series=1))
+    running = {labels: v for (name, labels), v in scrape.items() if name == "celery_lease_running_jobs"}
+    assert sorted(running.values()) == [2, 4] and len(running) == 2
+    assert (("queue", "other"), ("task", "other")) in running
+    for gauge in ("celery_lease_running_expired_jobs", "celery_lease_oldest_running_seconds",
+                  "celery_lease_heartbeat_lag_max_seconds"):
+        assert {labels for (name, labels), _ in scrape.items() if name == gauge} == set(running), gauge
+
+
 def test_label_pairs_are_capped_per_metric_and_the_rest_counted_as_other(scene):
     app, store, _ = scene
     collector = LeaseCollector(app, store, event_lag=0.0, max_series=1)
