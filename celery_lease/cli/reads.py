@@ -34,8 +34,9 @@ def status(ctx: click.Context, as_json: bool) -> None:
     counts = store.reports.job_counts()
     now, running = store.reports.running_rows()
     lags = [r["heartbeat_lag"] for r in running if r["heartbeat_lag"] is not None]
-    oldest = min((r for r in running if r["started_at"] is not None), key=lambda r: r["started_at"],
-                 default=None)
+    # Over every running job, not only the rows read (at most 10,000, oldest lease first).
+    oldest = next((r for r in store.reports.running_rows(1, by_start=True)[1] if r["started_at"] is not None),
+                  None)
     hour = store.reports.event_counts(LAST_HOUR + STALE_WRITES, since=now - 3600)
     by_queue: dict[str, dict[str, int]] = {}
     for queue, state, n in counts:
@@ -44,9 +45,8 @@ def status(ctx: click.Context, as_json: bool) -> None:
         "store": store.safe_url, "tables": store.t.jobs.name, "now": now, "jobs": by_queue,
         "totals": {s: sum(q[s] for q in by_queue.values()) for s in STATUSES},
         "running": {
-            # The count, not the rows read (at most 10,000, oldest lease first: every expired one among them).
             "total": sum(n for _, state, n in counts if state == Status.RUNNING),
-            "expired": sum(1 for r in running if (r["lease_expires_at"] or now) < now),
+            "expired": store.reports.expired_leases(),
             "oldest": None if oldest is None else {**oldest, "age": now - oldest["started_at"]},
             "heartbeat_lag_max": max(lags, default=None), "heartbeat_lag_p95": percentile(lags, 95),
         },

@@ -43,16 +43,18 @@ class ReportStatements:
                              .group_by(j.c.queue_name, j.c.status)).all()
         return sorted(((r[0], r[1], int(r[2])) for r in rows), key=lambda r: (r[0] or "", r[1]))
 
-    def running_rows(self, limit: int = 10_000) -> tuple[float, list[dict[str, Any]]]:
-        """The store's now and up to ``limit`` running jobs (oldest lease first) with their ages."""
+    def running_rows(self, limit: int = 10_000, by_start: bool = False) -> tuple[float, list[dict[str, Any]]]:
+        """The store's now and up to ``limit`` running jobs (oldest lease first; ``by_start``: longest
+        running first) with their ages."""
         j = self.db.t.jobs
+        order = ((j.c.started_at.is_(None), j.c.started_at) if by_start else ()) + (j.c.lease_expires_at,)
         with self.db.begin(long=True, read=True) as c:
             now = self._now(c)
             rows = c.execute(
                 sa.select(j.c.id, j.c.task_name, j.c.queue_name, j.c.locked_by, j.c.started_at,
                           j.c.lease_expires_at, sa.func.coalesce(j.c.last_heartbeat_at, j.c.started_at),
                           j.c.lease_duration)
-                .where(j.c.status == status_sql(RUNNING)).order_by(j.c.lease_expires_at, j.c.id).limit(limit)
+                .where(j.c.status == status_sql(RUNNING)).order_by(*order, j.c.id).limit(limit)
             ).all()
         return now, [
             {"id": r[0], "task": r[1], "queue": r[2], "owner": r[3], "started_at": _f(r[4]),
@@ -60,6 +62,13 @@ class ReportStatements:
              "lease_duration": _f(r[7])}
             for r in rows
         ]
+
+    def expired_leases(self) -> int:
+        """Running jobs whose lease has expired, all of them (a page reads at most ``running_rows``'s)."""
+        j = self.db.t.jobs
+        with self.db.begin(long=True, read=True) as c:
+            return int(c.execute(sa.select(sa.func.count()).where(
+                j.c.status == status_sql(RUNNING), j.c.lease_expires_at < self.db.now_sql)).scalar_one())
 
     def overview_counts(self, since: float) -> tuple[float, list[tuple[str | None, str, int]]]:
         """The store's now and (queue, status, count) of every pending, running and failed job and the

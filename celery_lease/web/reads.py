@@ -60,7 +60,8 @@ def overview_data(c: Console) -> dict[str, Any]:
         "totals": {s: sum(q[s] for q in by_queue.values()) for s in STATUSES},
         "running": running[:RUNNING_SHOWN],
         "running_total": sum(n for _, state, n in counts if state == Status.RUNNING),  # not the rows read
-        "expired": [r for r in running if r["expired"]],
+        "expired": [r for r in running if r["expired"]][:RUNNING_SHOWN],
+        "expired_total": store.reports.expired_leases(),  # not the rows read
         "lag_max": max(lags, default=None), "lag_p95": percentile(lags, 95),
         "workers": workers, "worker_counts": store.reports.worker_counts(),
         "reaper": reaper_status(c.app, store),

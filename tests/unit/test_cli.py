@@ -224,9 +224,11 @@ def test_status_counts_every_running_job_not_only_the_rows_it_reads(ro, monkeypa
     # The running rows are read up to a bound (10,000); the total is the store's count of them.
     reports = type(ro.store.reports)
     bounded = reports.running_rows
-    monkeypatch.setattr(reports, "running_rows", lambda self, limit=10_000: bounded(self, limit=2))
+    monkeypatch.setattr(reports, "running_rows",
+                        lambda self, limit=10_000, by_start=False: bounded(self, min(limit, 1), by_start))
     report = ro.json("status")
     assert report["running"]["total"] == report["totals"]["running"] == 6
+    assert report["running"]["expired"] == 4 and report["running"]["oldest"]["id"] == "abandoned-2"
 
 
 # -- jobs, inspect, events ----------------------------------------------------------------

@@ -105,8 +105,18 @@ def test_overview_shows_expired_leases_with_their_stale_owner_and_the_stale_work
 def test_the_overview_counts_every_running_job_not_only_the_rows_it_reads(ro, monkeypatch):
     reports = type(ro.store.reports)
     bounded = reports.running_rows
-    monkeypatch.setattr(reports, "running_rows", lambda self, limit=10_000: bounded(self, limit=2))
-    assert 'id="count-running">6<' in ro.html("/")
+    monkeypatch.setattr(reports, "running_rows",
+                        lambda self, limit=10_000, by_start=False: bounded(self, min(limit, 1), by_start))
+    html = ro.html("/")
+    assert 'id="count-running">6<' in html and 'id="count-expired">4<' in html
+    assert len(rows_of(html, "expired")) == 1 and 'id="expired-more">and 3 more' in html
+
+
+def test_the_overview_lists_at_most_fifty_expired_leases(ro, monkeypatch):
+    monkeypatch.setattr("celery_lease.web.reads.RUNNING_SHOWN", 2)
+    html = ro.html("/")
+    assert len(rows_of(html, "expired")) == 2 and 'id="expired-more">and 2 more' in html
+    assert 'id="count-expired">4<' in html
 
 
 def test_overview_counts_jobs_by_queue_and_the_last_hours_recoveries(ro):
