@@ -51,6 +51,8 @@ def _durations(ctx: Context) -> Iterator[Finding]:
 
 
 def _timeouts_vs_p99(ctx: Context) -> Iterator[Finding]:
+    if ctx.store_error:  # no run time was read: nothing to vouch for (durations_measured says why)
+        return
     problems = []
     for task in ctx.tasks:
         p99 = ctx.p99(task)
@@ -88,6 +90,8 @@ def _plain_tasks(ctx: Context) -> Iterator[Finding]:
 
 
 def _idempotency(ctx: Context) -> Iterator[Finding]:
+    if ctx.store_error:
+        return
     bare = [t.name for t in ctx.tasks
             if ctx.task_facts(t).get("jobs") and not (ctx.task_facts(t).get("keyed")
                                                       or ctx.task_facts(t).get("effects"))]
@@ -163,7 +167,11 @@ def _dead_letter(ctx: Context) -> Iterator[Finding]:
                 "workers consume: dead jobs come straight back to them (and are skipped as finished)",
                 "use a queue no worker consumes, e.g. 'dead_letter', and inspect it with `celery lease dlq "
                 "list`"))
-    failed = {t.name: ctx.task_facts(t)["failed"] for t in ctx.tasks if ctx.task_facts(t).get("failed")}
+    if ctx.store_error:  # whether any is waiting was not read: the config findings only
+        yield from problems
+        return
+    # Every task name in the store: a removed task's dead letters wait too (`dlq discard` is for them).
+    failed = {name: facts["failed"] for name, facts in ctx.facts["tasks"].items() if facts.get("failed")}
     if failed:
         problems.append(Finding(
             WARNING, "dead_letter", ("lease_dead_letter_queue",), {"failed_jobs": failed},

@@ -297,6 +297,18 @@ def test_an_unreachable_store_is_an_error_and_store_questions_are_not_guessed():
     assert [f.code for f in problems(findings)] == ["store_reachable", "durations_measured"]
 
 
+def test_an_unreachable_store_leaves_no_store_question_answered_ok():
+    store = Store("postgresql+psycopg://postgres@127.0.0.1:1/nowhere", unique_prefix())
+    answered = {f.code for f in run_checks(make_app(), store) if f.level == "ok"}
+    assert not answered & {"dead_letter", "idempotency", "timeout_vs_p99"}, answered
+
+
+def test_dead_letters_of_a_task_the_app_no_longer_has_are_reported_waiting(sqlite_store):
+    run_job(baseline_store(sqlite_store), name="c.removed", status="failed")
+    (finding,) = [f for f in run_checks(make_app(), sqlite_store) if f.code == "dead_letter"]
+    assert finding.level == "warning" and finding.values == {"failed_jobs": {"c.removed": 1}}
+
+
 def test_a_store_without_tables_is_reported_unmigrated(tmp_path):
     store = Store(f"sqlite:///{tmp_path / 'empty.sqlite3'}", "empty_")
     (error,) = [f for f in run_checks(make_app(), store) if f.level == "error"]
