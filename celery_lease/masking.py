@@ -24,14 +24,22 @@ _KEYWORD = re.compile(r"(?P<head>(?:^|(?<=\s))[a-z_]*(?:password|secret|token)\s
                       r"(?P<value>'(?:[^'\\]|\\.)*'|[^\s'\"]+)", re.IGNORECASE)
 
 
-# Who ran a manual recovery, as the audit log names them (``cli:USER@HOST``): no URL, though shaped like one.
-_OPERATOR = re.compile(r"(?:^|[^\w.+-])(?:cli|web|admin):$")
+# Who ran a manual recovery, as the audit log names them (``cli:USER@HOST``): shaped like a URL's userinfo,
+# so shown whole only standing alone (after a space, an opening parenthesis or at the start) with a host and
+# no path; ``admin:pw@db`` inside a URL, a quoted value or ``admin:pw@db/name`` is masked.
+_OPERATOR = re.compile(r"\(?(?:cli|web|admin):")
+_HOST_ONLY = re.compile(r"[^\s'\"/]*(?=[\s)]|$)")
+
+
+def _operator(m: re.Match[str]) -> bool:
+    start, text = m.start(), m.string
+    alone = start == 0 or text[start - 1] in " \t\n("
+    return alone and bool(_OPERATOR.fullmatch(m.group("head"))) and bool(_HOST_ONLY.match(text, m.end()))
 
 
 def mask_secrets(text: str) -> str:
     """``text`` with every secret of every URL in it (password, secret or token) replaced by ``***``."""
-    text = _USERINFO.sub(lambda m: m.group(0) if _OPERATOR.search(m.group("head"))
-                         else f"{m.group('head')}{MASK}@", text)
+    text = _USERINFO.sub(lambda m: m.group(0) if _operator(m) else f"{m.group('head')}{MASK}@", text)
     # A value masked already (a config error's repr) is left as written.
     text = _KEYWORD.sub(lambda m: m.group(0) if m.group("value").strip("'") == MASK
                         else f"{m.group('head')}{MASK}", text)

@@ -77,6 +77,14 @@ def test_the_operator_an_audit_event_names_is_shown_whole():
     assert mask_secrets("cli:root@vm redis://u:s3cr3t@h/0") == "cli:root@vm redis://u:***@h/0"
 
 
+@pytest.mark.parametrize("text", [
+    "mysql+pymysql://admin:s3cr3t@db.example/lease", "postgresql://web:s3cr3t@db/x", "redis://cli:s3cr3t@r:6379/0",
+    "lease_store_url='admin:s3cr3t@db'", "admin:s3cr3t@db/lease", "x=admin:s3cr3t@db",
+])
+def test_a_password_of_a_user_named_like_an_audit_operator_is_still_masked(text):
+    assert "s3cr3t" not in mask_secrets(text)
+
+
 @pytest.mark.parametrize("url", BAD_URLS)
 def test_config_load_and_store_never_show_the_password(url, caplog):
     caplog.set_level(logging.DEBUG)
