@@ -40,6 +40,9 @@ __all__ = ["SETTINGS", "AppConfig", "TaskPolicy", "app_config", "task_policy", "
 
 # Heartbeats a lease's duration holds at least, so two can fail before it expires.
 HEARTBEATS_PER_LEASE = 3
+# Seconds a process's exit waits at most for an unreachable store to take its deferred settle writes: within
+# the 30 s a container is given to stop (Kubernetes' default) before it is killed.
+EXIT_SETTLE_WAIT = 25.0
 UNKNOWN = "unknown celery_lease setting"  # the rule of a misspelled or made-up setting
 
 

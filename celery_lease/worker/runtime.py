@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import celery_lease.deadline as deadline
 import celery_lease.messaging.messages as messages
 import celery_lease.store as stores
+import celery_lease.worker.at_exit as at_exit
 import celery_lease.worker.deliveries as deliveries
 import celery_lease.worker.interrupt as interrupt
 
@@ -21,7 +22,7 @@ from ..config import TaskPolicy, app_config, task_policy
 from ..errors import StoreRejected, StoreUnavailable
 from ..vocabulary import Event
 from .handles import DeferredWrite
-from .lease import MAX_STORE_WAIT, Lease
+from .lease import Lease
 from .locks import Locks
 from .threads import MAX_TIMER_SLEEP, WRITES_KEPT, DeadlineTimer, Heartbeat, PendingWrites, worker_id
 
@@ -58,6 +59,7 @@ class Runtime:
         self.heartbeat = Heartbeat(self)
         self.timer = DeadlineTimer(self)
         self._starting = threading.Lock()  # concurrent first tasks (a threads pool) start once
+        self._flushing = threading.Lock()
         self.pause: ConsumerPause | None = None  # stops the main process's consumer in an outage (outage.py)
         self.unanswered = deliveries.UnansweredClaims()  # claims given up unanswered: one may have committed
         # for_delivery's store (None: looked up per delivery), policy and terms by (task, queue, nesting).
@@ -200,8 +202,21 @@ class Runtime:
                      extra={"action": Event.RELEASED_AFTER_LOCAL_LOSS})
         return released
 
+    def wait_drained(self, timeout: float) -> None:
+        """Wait until no settle write is deferred, or ``timeout`` seconds."""
+        with self._drained:
+            self._drained.wait_for(lambda: not self._deferred, timeout)
+
     def flush_deferred(self) -> None:
-        """Make the settle writes the store could not take, and act on its real answer to each."""
+        """Make the settle writes the store could not take, and act on its real answer to each; one thread at
+        a time (the heartbeat's and an exit's would both make a write and its follow-up)."""
+        if self._flushing.acquire(blocking=False):
+            try:
+                self._flush_deferred()
+            finally:
+                self._flushing.release()
+
+    def _flush_deferred(self) -> None:
         with self._mutex:
             deferred = [(lease, lease.deferred) for lease in self._deferred.values() if lease.deferred]
         for lease, write in deferred:
@@ -260,7 +275,7 @@ class Runtime:
                 log.warning("could not release job %s [%s] on shutdown: %s", lease.job_id,
                             lease.token[:8], exc)
         released += self.give_back_lost()  # lost locally, not yet given back: no heartbeat round comes now
-        self._settle_before_exit()
+        at_exit.settle_before_exit(self)
         kept: PendingWrites | None = self.__dict__.get("_kept_writes")
         if kept is not None and len(kept):
             kept.flush()
@@ -268,27 +283,6 @@ class Runtime:
                 log.error("%d write(s) kept while the store was down are lost with this process: %s",
                           len(kept), self.worker, extra={"action": "kept_writes_lost"})
         return released
-
-    def _settle_before_exit(self) -> None:
-        """Exit: make the deferred settle writes through an outage until each lands or the local deadline
-        its lease has now passes (the job may be another's then); renewals meanwhile never delay the exit."""
-        ends = {lease: lease.deadline for lease in self.leases() if self.is_deferred(lease)}
-        pause = 0.05
-        while True:
-            self.flush_deferred()
-            now = deadline.monotonic()
-            left = [lease for lease in ends if self.is_deferred(lease)]
-            for lease in [lease for lease in left if ends[lease] <= now]:
-                self.forget(lease)
-                log.error("job %s [%s]: deferred %s dropped at exit, the store unreachable past its lease's "
-                          "deadline; it runs again once the lease expires", lease.job_id, lease.token[:8],
-                          lease.deferred and lease.deferred.end, extra={"action": "settle_lost_at_exit"})
-            due = min((ends[lease] for lease in left if ends[lease] > now), default=None)
-            if due is None:
-                return
-            with self._drained:  # woken early once the heartbeat lands the last one
-                self._drained.wait_for(lambda: not self._deferred, min(due - now, pause))
-            pause = min(pause * 2, MAX_STORE_WAIT)
 
     @property
     def kept_writes(self) -> PendingWrites:

@@ -556,6 +556,39 @@ def test_a_deferred_completion_is_dropped_at_shutdown_with_an_error_once_its_lea
     assert store.get("job-1").status == "running" and not rt.is_deferred(lease) and lease not in rt.leases()
 
 
+def test_an_exit_waits_no_longer_than_its_cap_for_a_store_that_stays_away(store, rt, monkeypatch):
+    # A lease extended far ahead would otherwise hold the exit for its whole duration, past the grace a
+    # container is given to stop.
+    monkeypatch.setattr("celery_lease.worker.at_exit.EXIT_SETTLE_WAIT", 0.5)
+    lease, tries = deferred_completion(store, rt, "job-1", unanswered=sys.maxsize, duration=60.0)
+    began = deadline.monotonic()
+    rt.release_all()
+    assert deadline.monotonic() - began < 5.0 and len(tries) >= 2
+    assert not rt.is_deferred(lease) and store.get("job-1").status == "running"
+
+
+def test_a_deferred_write_and_what_follows_it_are_made_once_when_two_threads_flush(store, rt):
+    # The heartbeat flushes while an exit does: both would make the write, and run its follow-up twice.
+    lease = claim(store, rt, "job-1")
+    rt.attach(Request(), lease)
+    followed: list[str] = []
+
+    def complete() -> bool:
+        written = store.jobs.complete(lease.job_id, lease.token, lease.worker)
+        if len(followed) == 0 and not tries:
+            tries.append(1)
+            other = threading.Thread(target=rt.flush_deferred)  # the other flush, between commit and answer
+            other.start()
+            other.join(10)
+        return written
+
+    tries: list[int] = []
+    rt.defer(lease, DeferredWrite(RunEnd.RETURNED, complete, lambda: followed.append("then"),
+                                  lambda: store.get(lease.job_id).status == "completed"))
+    rt.flush_deferred()
+    assert followed == ["then"] and store.get("job-1").status == "completed"
+
+
 @pytest.mark.parametrize("store_url", ["mysql"], indirect=True)
 def test_a_deferred_completion_the_store_refuses_for_good_is_not_retried_every_round(store_factory, caplog):
     """A completion deferred in an outage and then refused (a 70 KB result on a MySQL/MariaDB
