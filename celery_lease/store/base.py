@@ -19,7 +19,7 @@ import celery_lease.store.dialects as dialects
 import celery_lease.store.schema as schema
 
 from ..context import BODY
-from ..errors import StoreUnavailable
+from ..errors import StoreRejected, StoreUnavailable
 from ..masking import mask_secrets
 from ..vocabulary import Event, StoreFailure
 from .rows import RUNNING, Job, fenced_status, status_sql, storable
@@ -177,6 +177,11 @@ class StoreEngine:
                 yield
             except (sa.exc.DBAPIError, sa.exc.TimeoutError) as exc:
                 raise self.dialect.classify(exc, self.safe_url, self.bounds) from exc
+            except UnicodeEncodeError as exc:  # raised by the driver as it binds, before any DBAPIError
+                raise StoreRejected(f"lease store {self.safe_url} cannot take text that is not valid Unicode "
+                                    f"({exc}): a lone surrogate, as os.fsdecode leaves for undecodable "
+                                    "bytes; pass ids and keys through str.encode(errors='replace')",
+                                    kind=StoreFailure.DATA) from exc
 
     @contextlib.contextmanager
     def begin(self, *, long: bool = False, read: bool = False) -> Iterator[Connection]:

@@ -13,7 +13,7 @@ import pytest
 import sqlalchemy as sa
 
 from celery_lease.config import RECOVERY
-from celery_lease.errors import StoreConflict, StoreUnavailable
+from celery_lease.errors import StoreConflict, StoreRejected, StoreUnavailable
 from celery_lease.store import (
     COMPLETED,
     FAILED,
@@ -150,6 +150,15 @@ def test_an_error_text_holding_a_lone_surrogate_is_stored_and_the_failure_lands(
     assert (job.status, job.last_error) == (FAILED, "ValueError: cannot parse /data/report-\\udcff.csv")
     failed = [e["reason"] for e in store.reports.events("surrogate") if e["event"] == "failed"]
     assert failed == [job.last_error]
+
+
+def test_an_id_or_key_no_database_can_store_is_refused_as_a_lease_error(store):
+    bad = "job-" + os.fsdecode(b"\xff")
+    with pytest.raises(StoreRejected, match="not valid Unicode"):
+        store.publishes.record(bad, "t.task", "q", "{}", 3)
+    with pytest.raises(StoreRejected, match="not valid Unicode"):
+        store.get(bad)
+    assert store.publishes.record("fine", "t.task", "q", "{}", 3) == (True, "fine")
 
 
 def test_a_finished_job_published_again_with_reopen_runs_again(store):
