@@ -238,8 +238,8 @@ class LeaseCollector:
                     fams[name].add_metric(list(counted), n)
         for r in pending:
             due = r["oldest_due_at"]
-            fams["pending"].add_metric([r["queue"] or ""], r["pending"])
-            fams["oldest_pending"].add_metric([r["queue"] or ""], max(0.0, now - due) if due else 0.0)
+            fams["pending"].add_metric([r["queue"] or UNKNOWN], r["pending"])
+            fams["oldest_pending"].add_metric([r["queue"] or UNKNOWN], max(0.0, now - due) if due else 0.0)
         fams["alive"].add_metric([], workers["alive"])
         fams["stale"].add_metric([], workers["stale"])
         fams["reaper_last"].add_metric([], float(last_run["finished_at"]) if last_run else 0.0)

@@ -223,6 +223,14 @@ def test_the_running_gauges_are_capped_like_the_histograms_and_the_rest_add_up_a
         assert {labels for (name, labels), _ in scrape.items() if name == gauge} == set(running), gauge
 
 
+def test_a_job_with_no_queue_recorded_is_labelled_unknown_by_every_gauge(scene):
+    app, store, _ = scene
+    store.publishes.record("no-queue", "ops.quick", None, "{}", 3)
+    scrape = samples(LeaseCollector(app, store))
+    assert value(scrape, "celery_lease_pending_jobs", queue="unknown") == 1
+    assert ("celery_lease_pending_jobs", (("queue", ""),)) not in scrape
+
+
 def test_label_pairs_are_capped_per_metric_and_the_rest_counted_as_other(scene):
     app, store, _ = scene
     collector = LeaseCollector(app, store, event_lag=0.0, max_series=1)
