@@ -102,12 +102,12 @@ class ClockGuard:
         since = now if reason else state.get("calm_since")
         interval = state.get("interval")
         if step is None and "at" in state and now > float(state["at"]):
-            # The usual gap between runs (a step is no gap). A gap that held this run back is an outage as
-            # likely as a longer schedule: learnt at most twice the usual one at a time, so that an outage
-            # does not become the usual gap that lets the next, shorter one pass unheld. A calm gap is learnt
-            # whole: kept at the shortest, one run right after another would make every later gap a hold.
+            # The usual gap between runs (a step is no gap). A calm gap only lowers it: one spanning a dropped
+            # beat would double the gap, and the forward step within it, let pass by a host with no reading
+            # of its own. A gap that held this run back is an outage as likely as a longer schedule: learnt
+            # at most twice the usual one at a time, so an outage does not let the next, shorter one pass.
             gap, usual = now - float(state["at"]), float(interval or 0.0)
-            interval = min(gap, 2 * usual) if reason and usual else gap
+            interval = min(gap, 2 * usual if reason else usual) if usual else gap
         hold = Hold(since, reason, step is not None and step < 0)
         if record:
             # A run that holds back keeps only its own reading: the others were read before what it held back

@@ -153,13 +153,13 @@ def test_the_reading_a_record_of_the_previous_version_holds_still_judges_its_hos
     assert reason is not None and "stepped +40.0s" in reason
 
 
-def test_a_run_right_after_another_does_not_make_a_later_dropped_beat_a_hold(store, hosts):
-    # A manual `lease reap` half a second after a scheduled run, then the schedule again: the usual gap is
-    # the schedule's, so a dropped beat (twice it) passes as before; kept at the shortest gap, each such
-    # gap would be a hold, and each hold delays every recovery by a lease.
-    previous_run(store, hosts.start - 8.0, interval=8.0)
-    assert [hosts.run("B", 0.0), hosts.run("B", 0.5), hosts.run("B", 8.5)] == [None, None, None]
-    assert [hosts.run("B", 24.5), hosts.run("B", 32.5)] == [None, None]
+def test_a_dropped_beat_does_not_widen_the_gap_a_host_with_no_reading_lets_pass(store, hosts):
+    # Runs 15 s apart on B, a beat dropped (30 s: calm); then the store's clock steps +40 s and A, which never
+    # ran, runs 15 s later: 55 s on the store's clock is more than twice the usual 15 s.
+    previous_run(store, hosts.start - 15.0, interval=15.0)
+    assert [hosts.run("B", 0.0), hosts.run("B", 30.0)] == [None, None]
+    reason = hosts.run("A", 45.0, ahead=40.0)
+    assert reason is not None and "no reaper run for 55" in reason
 
 
 def test_a_step_is_held_back_once_not_again_by_each_host_that_ran_before_it(store, hosts):
