@@ -22,10 +22,6 @@ __all__ = ["ClockGuard", "Hold", "host_clock"]
 log = logging.getLogger(__name__)
 
 BOOT_ID = "/proc/sys/kernel/random/boot_id"  # names this boot: monotonic times compare within it
-HOSTS_KEPT = 8  # the most recent hosts whose last reading the record keeps: the meta row stays small
-# NTP keeps each clock's rate within 500 ppm of true, so the store's clock and this host's monotonic clock may
-# part by 0.1% of the time between two readings: over a reading hours old, more than the tolerance.
-RATE_DRIFT = 0.001
 
 
 def host_clock() -> str:
@@ -36,20 +32,6 @@ def host_clock() -> str:
     except OSError:
         boot = f"pid{os.getpid()}"
     return f"{socket.gethostname()}/{boot}"
-
-
-def _readings(state: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """Each host's last reading of both clocks (at, mono, mono_err), oldest first; a record of the previous
-    version (no ``hosts``) holds only its last run's."""
-    hosts = state.get("hosts")
-    if not isinstance(hosts, dict):
-        hosts = {state["host"]: state} if "host" in state else {}
-    readings: dict[str, dict[str, float]] = {}
-    for host, r in hosts.items():
-        if isinstance(r, dict) and all(isinstance(r.get(k), (int, float)) for k in ("at", "mono")):
-            readings[str(host)] = {"at": float(r["at"]), "mono": float(r["mono"]),
-                                   "mono_err": float(r.get("mono_err") or 0.0)}
-    return readings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,26 +79,19 @@ class ClockGuard:
         reads). ``mono``: this host's monotonic clock when ``now`` was read, and its error."""
         state = store.reaping.reaper_clock() or {}
         at, err = mono if mono is not None else (time.monotonic(), 0.0)
-        me, readings = host_clock(), _readings(state)
-        reason, step = self._reason(state, readings.get(me), now, at, err, stale_after)
+        reason, step = self._reason(state, now, at, err, stale_after)
         since = now if reason else state.get("calm_since")
         interval = state.get("interval")
         if step is None and "at" in state and now > float(state["at"]):
-            # The usual gap between runs (a step is no gap). A calm gap only lowers it: one spanning a dropped
-            # beat would double the gap, and the forward step within it, let pass by a host with no reading
-            # of its own. A gap that held this run back is an outage as likely as a longer schedule: learnt
-            # at most twice the usual one at a time, so an outage does not let the next, shorter one pass.
+            # The usual gap between runs (a step is no gap). A gap that held this run back is an outage as
+            # likely as a longer schedule: learnt at most twice the usual one at a time, so that an outage
+            # does not become the usual gap that lets the next, shorter one pass unheld.
             gap, usual = now - float(state["at"]), float(interval or 0.0)
-            interval = min(gap, 2 * usual if reason else usual) if usual else gap
+            interval = min(gap, 2 * usual) if reason and usual else gap
         hold = Hold(since, reason, step is not None and step < 0)
         if record:
-            # A run that holds back keeps only its own reading: the others were read before what it held back
-            # for, and each of those hosts would hold back again for the same step.
-            kept = {} if reason else {host: r for host, r in readings.items() if host != me}
-            kept[me] = {"at": now, "mono": at, "mono_err": err}
-            # The top-level mono and host are the last run's, as the previous version reads them.
-            new = {"at": now, "mono": at, "mono_err": err, "host": me, "interval": interval,
-                   "calm_since": since, "hosts": dict(list(kept.items())[-HOSTS_KEPT:])}
+            new = {"at": now, "mono": at, "mono_err": err, "host": host_clock(), "interval": interval,
+                   "calm_since": since}
             store.reaping.record_reaper_clock(new, held_back=reason, owner=owner, step_back=hold.step_back)
             self._failed_at = None
         if reason and record:
@@ -124,22 +99,20 @@ class ClockGuard:
                         "duration and a heartbeat to renew", reason, extra={"action": "reaper_held_back"})
         return hold
 
-    def _reason(self, state: dict[str, Any], mine: dict[str, float] | None, now: float, mono: float,
-                err: float, stale_after: float) -> tuple[str | None, float | None]:
-        """Why a hold is needed (None: it is not), and the clock's step (seconds, negative backward).
-        ``mine``: this host's last reading, whichever hosts ran since: a step shows on its monotonic clock."""
+    def _reason(self, state: dict[str, Any], now: float, mono: float, err: float,
+                stale_after: float) -> tuple[str | None, float | None]:
+        """Why a hold is needed (None: it is not), and the clock's step (seconds, negative backward)."""
         own = None if self._failed_at is None else (
             f"this reaper could not reach the store for {mono - self._failed_at:.1f}s before this run")
         if "at" not in state:
             return own, None
-        if mine is not None:
-            passed, elapsed = now - mine["at"], mono - mine["mono"]
-            # Each run's monotonic reading may be off by half its clock read's round trip.
-            step = passed - elapsed
-            if abs(step) > self.tolerance + err + mine["mono_err"] + RATE_DRIFT * abs(elapsed):
-                return (f"the store's clock stepped {step:+.1f}s since this host's last reaper run "
-                        f"({passed:.1f}s on it, {elapsed:.1f}s on this host's monotonic clock)"), step
         gap = now - float(state["at"])
+        if state.get("host") == host_clock() and "mono" in state:
+            elapsed = mono - float(state["mono"])
+            # Each run's monotonic reading may be off by half its clock read's round trip.
+            if abs(gap - elapsed) > self.tolerance + err + float(state.get("mono_err") or 0.0):
+                return (f"the store's clock stepped {gap - elapsed:+.1f}s between two reaper runs "
+                        f"({gap:.1f}s on it, {elapsed:.1f}s on this host's monotonic clock)"), gap - elapsed
         if gap < -self.tolerance:
             return f"the store's clock stepped back {-gap:.1f}s behind the previous reaper run", gap
         if own is not None:
