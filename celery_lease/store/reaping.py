@@ -235,14 +235,10 @@ class ReaperStatements:
     # Not effects.py's lock statements: their INSERT IGNORE + UPDATE in one transaction
     # deadlocks on MySQL when two reapers start together (gap locks).
     def acquire_reaper_lock(self, token: str, owner: str, ttl: float) -> bool:
-        """Take the reaper lock when it is free or expired; False while another reaper holds it. A lock
-        further ahead than ``ttl`` while the last run's record lies in the clock's future was written before
-        the clock stepped back (its release failed): it is taken too, or no run would see the step."""
-        k, m, now = self.db.t.locks, self.db.t.meta, self.db.now_sql
-        stepped_back = sa.exists().where(m.c.key == REAPER_CLOCK, m.c.updated_at > now)
-        free = sa.or_(k.c.expires_at < now, sa.and_(k.c.expires_at > now + ttl, stepped_back))
+        """Take the reaper lock when it is free or expired; False while another reaper holds it."""
+        k = self.db.t.locks
         with self.db.begin() as c:
-            res = c.execute(sa.update(k).where(k.c.resource == REAPER_LOCK, free)
+            res = c.execute(sa.update(k).where(k.c.resource == REAPER_LOCK, k.c.expires_at < self.db.now_sql)
                             .values(token=token, owner=owner, job_id=None, expires_at=self.db.now_sql + ttl))
             if res.rowcount == 1:
                 return True
@@ -305,9 +301,8 @@ class ReaperStatements:
                             owner: str | None = None, step_back: bool = False) -> None:
         """Record this run's view of the clock; with ``held_back`` also the hold's audit event.
         With ``step_back`` (the clock stepped back) leases and registry rows left in its future are clamped to
-        now, so a dead owner's job is not delayed, and pending jobs written in it are due after the delay they
-        were given, counted from now, so neither a claim nor the dispatch scan waits out the step."""
-        j, w, now = self.db.t.jobs, self.db.t.workers, self.db.now_sql
+        now, so a dead owner's job is not delayed."""
+        j, w = self.db.t.jobs, self.db.t.workers
         with self.db.begin() as c:
             c.execute(self.db.dialect.upsert(self.db.t.meta, {"key": REAPER_CLOCK, "value": json.dumps(state),
                                                               "updated_at": self.db.now_sql},
@@ -317,12 +312,8 @@ class ReaperStatements:
                 c.execute(sa.update(j).where(j.c.status == status_sql(RUNNING),
                                              j.c.lease_duration.is_not(None), j.c.lease_expires_at > horizon)
                           .values(lease_expires_at=horizon))
-                c.execute(sa.update(w).where(w.c.last_seen_at > now).values(last_seen_at=now))
-                delay = j.c.available_at - j.c.updated_at
-                # In this order: MySQL/MariaDB evaluate SET left to right, each seeing the columns set before.
-                c.execute(sa.update(j).where(j.c.status == status_sql(PENDING), j.c.updated_at > now)
-                          .ordered_values((j.c.available_at, now + sa.case((delay > 0, delay), else_=0.0)),
-                                          (j.c.updated_at, now)))
+                c.execute(sa.update(w).where(w.c.last_seen_at > self.db.now_sql)
+                          .values(last_seen_at=self.db.now_sql))
             if held_back is not None:
                 self.db._event(c, None, Event.REAPER_HELD_BACK, held_back, owner, detail=state)
 

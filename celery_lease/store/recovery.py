@@ -6,14 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Connection
-
-import celery_lease.config as config
 
 from ..vocabulary import Event
 from .attempts import previous_attempt
 from .base import StoreEngine, where_given
-from .reaping import ReaperStatements
 from .rows import FAILED, PENDING, RUNNING, Job, fenced_status, status_sql
 
 __all__ = ["RecoveryStatements", "REVOKED_PREFIX"]
@@ -46,9 +42,9 @@ class RecoveryStatements:
 
     def manual_requeue(self, job: Job, operator: str, force: bool = False,
                        reason: str = "manual requeue", *, expired: bool = False) -> bool:
-        """running (CAS on the token; unless ``force`` only if expired, abandoned and past the reaper's hold;
-        with ``expired`` only while its lease is expired, which its owner's renewal since the plan undoes) or,
-        with ``force``, pending (CAS on updated_at) -> pending, available now; audited manual_requeue."""
+        """running (CAS on the token; unless ``force`` only if expired and abandoned; with ``expired`` only
+        while its lease is expired, which its owner's renewal since the plan undoes) or, with ``force``,
+        pending (CAS on updated_at) -> pending, available now; audited manual_requeue."""
         j = self.db.t.jobs
         values: dict[str, Any] = dict(status=PENDING, available_at=self.db.now_sql,
                                       updated_at=self.db.now_sql, lock_token=None, locked_by=None,
@@ -65,8 +61,6 @@ class RecoveryStatements:
         else:
             return False
         with self.db.begin(long=True) as c:
-            if job.status == RUNNING and not force:
-                where += self._past_hold(c, job)
             previous = previous_attempt(self.db, c, *where)
             if previous is None or c.execute(sa.update(j).where(*where).values(**values)).rowcount != 1:
                 return False
@@ -74,15 +68,6 @@ class RecoveryStatements:
                 "previous_status": job.status, "forced": force, **previous,
             })
         return True
-
-    def _past_hold(self, c: Connection, job: Job) -> list[sa.ColumnElement[bool]]:
-        """On ``c``, as a takeover claim reads it: the reaper's hold no longer covers the job's owner, which
-        had its lease and a heartbeat (at most a third of the lease, config.py's rule) to renew since."""
-        since = ReaperStatements(self.db).hold_since(c)
-        if since is None:
-            return []
-        lease = job.lease_duration or config.BY_NAME["lease_duration"].default
-        return [self.db.now_sql >= since + lease + lease / config.HEARTBEATS_PER_LEASE]
 
     def dead_letters(self, task: str | None = None, limit: int = 50,
                      include_revoked: bool = True) -> list[Job]:

@@ -193,22 +193,6 @@ def test_a_forced_requeue_of_expired_leases_skips_one_its_owner_renewed_after_th
     assert fresh.store.reports.list_events(job_id="alive-expired", event="manual_requeue") == []
 
 
-def test_a_requeue_skips_a_job_the_reapers_hold_began_to_cover_after_the_plan(fresh, terminal, monkeypatch):
-    shown = fresh.store.get("abandoned-0")
-
-    def meanwhile(*args, **kwargs) -> bool:  # while the operator reads the plan, a reaper sees a clock step
-        now = fresh.store.now()
-        fresh.store.reaping.record_reaper_clock({"at": now, "calm_since": now}, held_back="the clock stepped")
-        return True
-
-    monkeypatch.setattr("click.confirm", meanwhile)
-    result = fresh.run("requeue", "--job", "abandoned-0")
-    assert "abandoned-0" in result.output and "changed since it was read" in result.output
-    job = fresh.store.get("abandoned-0")
-    assert (job.status, job.lock_token) == ("running", shown.lock_token)
-    assert fresh.store.reports.list_events(job_id="abandoned-0", event="manual_requeue") == []
-
-
 def test_effects_forget_of_an_unknown_key_is_a_clear_error(fresh):
     result = fresh.run("effects", "forget", "nope", "--yes")
     assert result.exit_code == 1 and "no effect key 'nope'" in result.output

@@ -1182,48 +1182,6 @@ def test_a_step_of_the_store_clock_reaps_no_healthy_lease_and_still_recovers_a_d
     twin.engine.dispose()
 
 
-def test_after_a_backward_step_jobs_made_pending_on_the_fast_clock_are_due_after_their_own_delay(
-        app, store, broker):
-    ahead = stepped(store, 3600.0)
-    try:
-        # On the fast clock: a job published, one published for 120 s later, one requeued by the reaper.
-        running(ahead, "requeued")
-        assert Reaper(app, store=ahead).run_once().reaped == 1
-        ahead.publishes.record("now", "t.work", "celery", payload(), 3)
-        ahead.publishes.record("later", "t.work", "celery", payload(), 3, delay=120.0)
-        # The clock steps back an hour; the next run sees it.
-        Reaper(app, store=store).run_once()
-        assert any("stepped" in e["reason"] for e in store.reports.events(None, "reaper_held_back"))
-        now = store.now()
-        assert store.get("requeued").available_at <= now + 10.0  # its backoff, at most lease_backoff_max
-        assert now + 115.0 <= store.get("later").available_at <= now + 121.0
-        claim = store.jobs.claim("now", "w@h:1", secrets.token_hex(16), ClaimTerms(30.0, 1.0, 3, 3, True),
-                                 "t.work", "celery", payload)
-        assert claim.claimed
-        with store.begin(read=True) as c:
-            seen = store.reaping.scan_lost_dispatches(c, older_than=60.0, limit=10, now=now + 200.0)
-        assert sorted(job.id for job, _ in seen) == ["later", "requeued"]
-    finally:
-        ahead.engine.dispose()
-
-
-def test_a_reaper_lock_left_on_the_fast_clock_does_not_keep_the_reaper_out_for_a_backward_step(app, store):
-    ahead = stepped(store, 3600.0)
-    try:
-        Reaper(app, store=ahead).run_once()
-        # A run on the fast clock whose release failed: its lock stands an hour and a TTL ahead.
-        assert ahead.reaping.acquire_reaper_lock(secrets.token_hex(16), "released-not", 30.0)
-        # Then the clock steps back an hour.
-        result = Reaper(app, store=store).run_once()
-        assert not result.skipped
-        assert any("stepped" in e["reason"] for e in store.reports.events(None, "reaper_held_back"))
-        # Without a step, a live lock taken for longer than this reaper's TTL (30 s) is still respected.
-        assert store.reaping.acquire_reaper_lock(secrets.token_hex(16), "someone-else", 90.0)
-        assert Reaper(app, store=store).run_once().skipped
-    finally:
-        ahead.engine.dispose()
-
-
 def test_after_an_outage_nothing_is_taken_back_whose_owner_renews_within_a_lease_of_the_return(
         quick_app, store):
     import time
