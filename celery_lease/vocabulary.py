@@ -201,6 +201,8 @@ class Event(Name):
     # The reaper.
     REAPED_EXPIRED_LEASE = "reaped_expired_lease"
     DEAD_LETTERED = "dead_lettered"
+    # An abandoned lease held under the reaper's claim while its dead letter is sent.
+    DEAD_LETTER_CLAIMED = "dead_letter_claimed"
     REAP_SKIPPED_OWNER_ALIVE = "reap_skipped_owner_alive"
     REDISPATCHED = "redispatched"
     # A gap in the store's history or a clock step: nothing taken back until owners could renew.

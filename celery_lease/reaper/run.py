@@ -186,7 +186,7 @@ class Reaper:
                 claim = secrets.token_hex(16) if sends_dead_letter else None
                 try:
                     if claim and not self.store.reaping.claim_abandoned(job.id, job.lock_token or "", claim,
-                                                                        self.owner, now):
+                                                                        self.owner, now, owner=job.locked_by):
                         result.lost_races += 1
                         continue
                 except StoreUnavailable as exc:  # the page's messages already sent still get their writes

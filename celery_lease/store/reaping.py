@@ -95,15 +95,20 @@ class ReaperStatements:
         return sa.and_(self.db._fenced(job_id, token), fence)
 
     def claim_abandoned(self, job_id: str, token: str, claim: str, reaper: str,
-                        now: float | None = None) -> bool:
+                        now: float | None = None, *, owner: str | None = None) -> bool:
         """Hold an abandoned lease under the reaper's ``claim`` and name before its dead letter is sent: the
         owner's writes (and its main process's, fenced by its name) are stale from here on, so no dead
         letter goes out for a job someone completes meanwhile. False when the row moved on (a lost race).
-        The row stays expired: a reaper that dies before its CAS leaves it to the next run."""
+        The row stays expired: a reaper that dies before its CAS leaves it to the next run, and the event
+        written here keeps ``owner``'s attempt, which the row no longer names."""
         with self._tx(None) as tx:
             fence = self._abandoned(job_id, token, None, True, self._clock(now))
             held = sa.update(self.db.t.jobs).where(fence).values(lock_token=claim, locked_by=reaper)
-            return tx.execute(held).rowcount == 1
+            if tx.execute(held).rowcount != 1:
+                return False
+            self.db._event(tx, job_id, Event.DEAD_LETTER_CLAIMED, f"held by {reaper} while its dead letter is "
+                           "sent", owner, token)
+            return True
 
     def unclaim_abandoned(self, job_id: str, claim: str, token: str, owner: str | None) -> bool:
         """Give a claimed row back to its owner's token and name (the dead letter was not sent): the next

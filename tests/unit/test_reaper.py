@@ -1373,6 +1373,28 @@ def test_a_dead_letter_that_could_not_be_sent_gives_the_row_back_and_the_next_ru
     assert (detail["previous_owner"], detail["previous_token"]) == (DEAD, token[:8])
 
 
+def test_a_reaper_that_dies_after_claiming_a_dead_letter_leaves_the_owners_attempt_in_the_audit_trail(
+        app, store, broker, monkeypatch):
+    token = running(store, "j1", task="t.once", max_attempts=1)
+
+    class Died(BaseException):
+        """The reaper's process ends between its claim and its write (as a SIGKILL would)."""
+
+    def dies(*args, **kwargs):
+        raise Died
+
+    monkeypatch.setattr(messages, "republish", dies)
+    with pytest.raises(Died):
+        Reaper(app).run_once()
+    assert store.get("j1").locked_by != DEAD  # the row now names the reaper's claim
+    monkeypatch.undo()
+    assert Reaper(app).run_once().dead_lettered == 1
+    assert store.get("j1").status == FAILED
+    assert [m["headers"]["id"] for m in queued(broker, dlq=True)] == ["j1"]
+    owners = [(e["event"], e["worker"], e["token"]) for e in events(store, "j1")]
+    assert ("dead_letter_claimed", DEAD, token[:8]) in owners, owners
+
+
 def test_a_claim_that_finds_the_store_away_still_writes_the_take_backs_whose_messages_went_out(
         app, store, broker, monkeypatch):
     running(store, "a1", age=20.0)  # expired first: requeued, its message sent
