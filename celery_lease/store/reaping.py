@@ -106,8 +106,8 @@ class ReaperStatements:
             held = sa.update(self.db.t.jobs).where(fence).values(lock_token=claim, locked_by=reaper)
             if tx.execute(held).rowcount != 1:
                 return False
-            self.db._event(tx, job_id, Event.DEAD_LETTER_CLAIMED, f"held by {reaper} while its dead letter is "
-                           "sent", owner, token)
+            why = f"held by {reaper} while its dead letter is sent"
+            self.db._event(tx, job_id, Event.DEAD_LETTER_CLAIMED, why, owner, token)
             return True
 
     def unclaim_abandoned(self, job_id: str, claim: str, token: str, owner: str | None) -> bool:
