@@ -294,8 +294,25 @@ def app_config(app: Any) -> AppConfig:
     return cached
 
 
+def _misspelled_option(task: Any) -> str | None:
+    """A ``lease_*`` attribute the task's own classes set that is no setting (a typo would be ignored)."""
+    mro = type(task).__mro__
+    ours = {name for cls in mro if cls.__module__.startswith("celery_lease") for name in vars(cls)}
+    for cls in mro:
+        for name in vars(cls):
+            if name.startswith("lease_") and name not in BY_NAME and name not in ours:
+                return name
+    return None
+
+
 def task_options(task: Any) -> dict[str, Any]:
     """The ``lease_*`` options a task sets as class attributes or decorator keywords."""
+    written = _misspelled_option(task)
+    if written is not None:
+        suggestion = closest(written)
+        raise LeaseConfigError(written, getattr(task, written), f"is not a lease option (task {task.name})",
+                               f"Did you mean {suggestion}?" if suggestion
+                               else f"Task options: {', '.join(PER_TASK)}")
     for setting in SETTINGS:
         if not setting.per_task and getattr(task, setting.name, None) is not None:
             raise LeaseConfigError(

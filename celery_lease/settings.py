@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -45,7 +46,8 @@ def _number(minimum: float, *, strict: bool = False, allow_none: bool = False) -
     def check(value: Any) -> Any:
         if value is None and allow_none:
             return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        # NaN passes every comparison below (a NaN grace never lets the reaper take a lease back).
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ValueError
         if value < minimum or (strict and value == minimum):
             raise ValueError

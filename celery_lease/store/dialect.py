@@ -159,7 +159,11 @@ class Dialect:
         kwargs: dict[str, Any] = {"connect_args": self.connect_args(bounds)}
         if "poolclass" not in options:
             kwargs.update(pool_size=pool_size, max_overflow=0, pool_timeout=bounds.pool)
-        engine = sa.create_engine(self.url, **{**kwargs, **options})
+        try:
+            engine = sa.create_engine(self.url, **{**kwargs, **options})
+        except (TypeError, sa.exc.ArgumentError) as exc:  # an option this driver or pool does not take
+            raise LeaseConfigError("lease_store_engine_options", sorted(options), f"SQLAlchemy refused them: "
+                                   f"{exc}", "Remove or correct the option it names") from exc
         sa.event.listen(engine, "connect", self._on_connect(bounds))
         self._listen(engine, bounds)
         return engine

@@ -356,6 +356,36 @@ def test_app_wide_option_set_on_a_task_is_rejected():
     assert "batchy" in str(info.value)
 
 
+def test_a_misspelled_task_option_is_refused_with_the_closest_name_not_ignored():
+    app = make_app()
+
+    @app.task(shared=False, name="slow", lease_durration=600)
+    def slow():
+        return None
+
+    with pytest.raises(LeaseConfigError) as info:
+        config.task_policy(app.tasks["slow"])
+    assert (info.value.setting, info.value.value) == ("lease_durration", 600)
+    assert "task slow" in str(info.value) and "Did you mean lease_duration?" in str(info.value)
+
+    @app.task(shared=False, name="odd", lease_colour="blue")
+    def odd():
+        return None
+
+    with pytest.raises(LeaseConfigError, match=r"lease_colour.*task odd.*Task options: lease_"):
+        config.task_policy(app.tasks["odd"])
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("name", ["lease_duration", "lease_grace_period", "lease_lock_timeout",
+                                  "lease_max_runtime", "lease_reaper_hard_grace"])
+def test_a_duration_that_is_not_a_finite_number_is_refused(name, value):
+    # NaN compares false with everything: a NaN grace was stored and the reaper never took the lease back.
+    with pytest.raises(LeaseConfigError) as info:
+        config.app_config(make_app(**{name: value}))
+    assert info.value.setting == name
+
+
 # -- Django-style namespaced settings ------------------------------------------------
 class DjangoSettings:
     CELERY_BROKER_URL = "memory://"

@@ -13,7 +13,7 @@ import pytest
 import sqlalchemy as sa
 
 from celery_lease.config import RECOVERY
-from celery_lease.errors import StoreConflict, StoreRejected, StoreUnavailable
+from celery_lease.errors import LeaseConfigError, StoreConflict, StoreRejected, StoreUnavailable
 from celery_lease.store import (
     COMPLETED,
     FAILED,
@@ -787,6 +787,16 @@ def test_store_engine_options_are_merged_last(tmp_path):
     assert isinstance(store.engine.pool, sa.pool.NullPool)
     assert store.bounds.call == 3.0
     assert store.now() > 0
+
+
+def test_an_engine_option_sqlalchemy_refuses_is_a_config_error_naming_the_setting(tmp_path):
+    from celery_lease.config import load
+
+    cfg = load({"lease_store_url": f"sqlite:///{tmp_path / 'lease.sqlite3'}",
+                "lease_store_engine_options": {"bogus": 1}})
+    with pytest.raises(LeaseConfigError) as info:
+        Store.from_config(cfg).now()
+    assert info.value.setting == "lease_store_engine_options" and "bogus" in str(info.value)
 
 
 def test_the_store_takes_the_app_wide_lease_settings_from_the_config_and_defaults_from_config_py(tmp_path):
