@@ -22,6 +22,7 @@ import celery_lease.worker.runtime as runtime
 
 from ..config import TaskPolicy, app_config, task_policy
 from ..kinds import LEASED_BUILTINS, leased
+from ..worker.effects import check_key
 from ..worker.lease import Lease
 
 __all__ = ["LeaseTask", "Lease", "leased", "LEASED_BUILTINS"]
@@ -109,6 +110,8 @@ class LeaseTask(Task):
                     producer: Any = None, link: Any = None, link_error: Any = None, shadow: Any = None,
                     idempotency_key: str | None = None, **options: Any) -> Any:
         """Record the job (once per ``idempotency_key``), then publish it as Celery does."""
+        if idempotency_key is not None:
+            check_key("idempotency_key", idempotency_key)
         if self.app.conf.task_always_eager and idempotency_key is not None and leased(self) and (
                 app_config(self.app).eager_store):
             holder = publishing.record_eager(self, task_id or uuid(), idempotency_key, options)

@@ -70,7 +70,11 @@ class PublishStatements:
                 if other is not None:
                     return False, other
                 if c.execute(sa.select(j.c.id).where(j.c.id == job_id)).first() is not None:
-                    return False, job_id  # the conflict was this id's, reused
+                    # A task id reused under a key it was not recorded with: answered with that job, the
+                    # caller would get its old result and the key would stay free for another job.
+                    raise StoreConflict(f"task id {job_id} already names a job recorded without idempotency "
+                                        f"key {idempotency_key!r}: publish under a new task id, or without "
+                                        "the key to run that job again")
         raise StoreConflict(f"job {job_id}: its idempotency key {idempotency_key!r} was taken and freed "
                             f"{KEY_RACE_TRIES} times while it was recorded; publish it again")
 

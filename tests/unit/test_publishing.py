@@ -20,7 +20,7 @@ from celery import Celery, group, signals
 from kombu import serialization
 
 from celery_lease import LeaseTask
-from celery_lease.errors import StoreCorrupt
+from celery_lease.errors import StoreConflict, StoreCorrupt
 from celery_lease.messaging import messages
 from celery_lease.store import for_app
 from tests.conftest import drop_app_store, migrated_store, prefixed_redis, unique_prefix
@@ -144,6 +144,27 @@ def test_a_key_published_again_under_the_same_task_id_sends_nothing_more(app):
     again = app.tasks["pub.work"].apply_async((1,), task_id="job-A", idempotency_key="order-2")
     assert first.id == again.id == "job-A"
     assert len(received(app, 1)) == 1
+
+
+@pytest.mark.parametrize("key", [["order", 42], {"order": 42}, b"order-42", 42, "", "k" * 256],
+                         ids=["list", "dict", "bytes", "int", "empty", "too-long"])
+def test_an_idempotency_key_that_is_not_a_short_string_is_refused_before_anything_is_recorded(app, key):
+    # Passed on to the driver, a list was an "unreachable store" on MariaDB (a body publishing it was given
+    # back and ran again without end) and was stored as its text on PostgreSQL, never to match again.
+    with pytest.raises(ValueError, match="idempotency_key must be a non-empty string"):
+        app.tasks["pub.work"].apply_async((1,), task_id="job-K", idempotency_key=key)
+    assert for_app(app).get("job-K") is None
+    assert received(app, 0) == []
+
+
+def test_a_task_id_reused_under_a_key_it_was_not_recorded_with_is_refused_not_answered_with_the_old_job(app):
+    # Answered with the old job, the caller got its result, nothing ran, and the key stayed free.
+    app.tasks["pub.work"].apply_async((1,), task_id="nightly")
+    with pytest.raises(StoreConflict, match="task id nightly already names a job recorded without"):
+        app.tasks["pub.work"].apply_async((2,), task_id="nightly", idempotency_key="night-2")
+    assert [m.headers["id"] for m in received(app, 1)] == ["nightly"]
+    fresh = app.tasks["pub.work"].apply_async((2,), idempotency_key="night-2")
+    assert fresh.id != "nightly" and for_app(app).get(fresh.id) is not None
 
 
 def test_a_keyed_publish_whose_send_failed_leaves_its_key_free_for_the_retry(app, monkeypatch):
