@@ -158,6 +158,8 @@ class Event(Name):
     PUBLISHED = "published"
     # A finished job's task id published again by a caller (not a redelivery): it runs again.
     REPUBLISHED = "republished"
+    # A publish under an idempotency key another job holds: answered with that job, nothing sent.
+    KEYED_PUBLISH_ANSWERED = "keyed_publish_answered"
     CLAIMED = "claimed"
     LEASE_TAKEN_OVER = "lease_taken_over"
     # A worker's own claim whose answer it never got, taken back: neither a takeover nor a recovery.

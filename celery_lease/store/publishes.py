@@ -35,7 +35,7 @@ class PublishStatements:
                reopen: bool = False) -> tuple[bool, str]:
         """Insert a pending job; returns (created, job id holding the key). The key has its own table so it
         outlives a pruned job; with ``reopen`` a finished job of this id and no key runs again."""
-        j, k = self.db.t.jobs, self.db.t.idempotency_keys
+        j = self.db.t.jobs
         params = _record_params(NewJob(job_id, task_name, queue, payload, max_attempts, delay, recovery),
                                 idempotency_key)
         keyed = idempotency_key is not None
@@ -63,11 +63,17 @@ class PublishStatements:
             with self.db.begin() as c:
                 if idempotency_key is None:
                     return False, job_id
-                # The key table names the holder; a job recorded before it existed holds it itself.
-                other = c.execute(sa.select(k.c.job_id).where(k.c.key == idempotency_key)).scalar()
-                other = other or c.execute(
-                    sa.select(j.c.id).where(j.c.idempotency_key == idempotency_key)).scalar()
+                other = self._holder(c, idempotency_key)
                 if other is not None:
+                    # The holder's row held while this answer is audited: a failed send's forget_unpublished()
+                    # waits, finds the answer and keeps the job, which this caller was told exists.
+                    held = c.execute(self.db.dialect.hold_rows(sa.select(j.c.id).where(j.c.id == other), j))
+                    if held.first() is None:
+                        if self._holder(c, idempotency_key, hold=True) is None:
+                            continue  # forgotten meanwhile: the key is free again
+                        return False, other  # a pruned job's key, which outlives it
+                    self.db._event(c, other, Event.KEYED_PUBLISH_ANSWERED,
+                                   f"a publish of task id {job_id} under its key, answered with this job")
                     return False, other
                 if c.execute(sa.select(j.c.id).where(j.c.id == job_id)).first() is not None:
                     # A task id reused under a key it was not recorded with: answered with that job, the
@@ -77,6 +83,16 @@ class PublishStatements:
                                         "the key to run that job again")
         raise StoreConflict(f"job {job_id}: its idempotency key {idempotency_key!r} was taken and freed "
                             f"{KEY_RACE_TRIES} times while it was recorded; publish it again")
+
+    def _holder(self, c: Any, key: str, hold: bool = False) -> str | None:
+        """The job holding ``key``: the key table names it; a job recorded before that table holds it itself.
+        ``hold``: read as it is now, under a lock (MySQL's plain reads keep the transaction's snapshot)."""
+        j, k = self.db.t.jobs, self.db.t.idempotency_keys
+        keyed = sa.select(k.c.job_id).where(k.c.key == key)
+        own = sa.select(j.c.id).where(j.c.idempotency_key == key)
+        if hold:
+            keyed, own = self.db.dialect.hold_rows(keyed, k), self.db.dialect.hold_rows(own, j)
+        return c.execute(keyed).scalar() or c.execute(own).scalar()
 
     def record_batch(self, jobs: Sequence[NewJob]) -> None:
         """Insert a group's pending jobs without keys and their ``published`` events, each batch one
@@ -242,10 +258,16 @@ class PublishStatements:
 
     def forget_unpublished(self, job_id: str) -> bool:
         """Delete a pending job whose message never reached the broker, and the idempotency key it holds:
-        a key left naming a deleted job would answer every later publish under it with a job nobody runs."""
-        j, k = self.db.t.jobs, self.db.t.idempotency_keys
+        a key left naming a deleted job would answer every later publish under it with a job nobody runs.
+        False, keeping it, once another publish was answered with it (the dispatch scan sends it)."""
+        j, k, e = self.db.t.jobs, self.db.t.idempotency_keys, self.db.t.events
         with self.db.begin() as c:
-            key = c.execute(sa.select(j.c.idempotency_key).where(j.c.id == job_id)).scalar()
+            own = sa.select(j.c.idempotency_key).where(j.c.id == job_id)
+            found = c.execute(self.db.dialect.hold_rows(own, j)).first()
+            key = found[0] if found is not None else None
+            if key is not None and c.execute(sa.select(e.c.id).where(
+                    e.c.job_id == job_id, e.c.event == Event.KEYED_PUBLISH_ANSWERED).limit(1)).first():
+                return False  # another publish was answered with this job: it stays, for the dispatch scan
             res = c.execute(sa.delete(j).where(j.c.id == job_id, fenced_status(j.c.status, PENDING),
                                                j.c.attempt_count == 0, j.c.dispatch_count == 0))
             if res.rowcount != 1:

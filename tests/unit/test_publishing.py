@@ -189,6 +189,43 @@ def test_a_keyed_publish_whose_send_failed_leaves_its_key_free_for_the_retry(app
     assert len(received(app, 1)) == 1
 
 
+def test_a_keyed_job_a_second_publisher_was_answered_with_is_kept_when_the_first_send_fails(app, monkeypatch):
+    # A client times out on A's publish (the broker is slow) and retries as B: B is answered with A's job.
+    # A's send then fails; forgetting the job would leave B with the id of a job nothing holds or runs.
+    import threading
+
+    real = kombu.messaging.Producer.publish
+    recorded, fail = threading.Event(), threading.Event()
+
+    def slow_then_down(self, *args, **kwargs):
+        recorded.set()
+        fail.wait(30)
+        raise ConnectionError("broker connection reset")
+
+    app.conf.task_publish_retry = False
+    monkeypatch.setattr(kombu.messaging.Producer, "publish", slow_then_down)
+    errors: list[BaseException] = []
+
+    def first() -> None:
+        try:
+            app.tasks["pub.work"].apply_async((1,), task_id="job-A", idempotency_key="order-7")
+        except BaseException as exc:  # noqa: BLE001 - kept for the assertion below
+            errors.append(exc)
+
+    publisher = threading.Thread(target=first, daemon=True)
+    publisher.start()
+    assert recorded.wait(30), "the first publish never reached its send"
+    second = app.tasks["pub.work"].apply_async((1,), task_id="job-B", idempotency_key="order-7")
+    fail.set()
+    publisher.join(30)
+    assert not publisher.is_alive() and len(errors) == 1
+    assert second.id == "job-A"
+    job = for_app(app).get("job-A")
+    assert job is not None and job.status == "pending"
+    monkeypatch.setattr(kombu.messaging.Producer, "publish", real)
+    assert app.tasks["pub.work"].apply_async((1,), task_id="job-C", idempotency_key="order-7").id == "job-A"
+
+
 def test_a_keyed_job_whose_message_went_out_keeps_its_key_when_the_task_sent_event_fails(app, monkeypatch):
     # Celery publishes the task-sent event after the task's message: a broker lost between the two fails
     # apply_async with the job already on its way. Its record and key stay, so the caller's retry under the

@@ -77,6 +77,50 @@ def test_record_with_a_taken_idempotency_key_returns_the_holder(store):
     assert store.get("second") is None
 
 
+def test_a_keyed_job_another_publish_was_answered_with_is_kept_when_its_own_send_fails(store):
+    # A's message never went out, but B was told the key's job exists: forgetting it would leave B with a
+    # job id nothing holds. It stays pending, for the dispatch scan, and keeps its key.
+    def record(job_id: str) -> tuple[bool, str]:
+        return store.publishes.record(job_id, "t.task", "q", "{}", 3, idempotency_key="order-K")
+
+    assert record("first") == (True, "first")
+    assert record("second") == (False, "first")
+    assert store.publishes.forget_unpublished("first") is False
+    assert store.get("first").status == PENDING
+    assert record("third") == (False, "first")
+    assert events(store, "first") == ["published", "keyed_publish_answered", "keyed_publish_answered"]
+    # Nobody answered with it: forgotten with its key, as before.
+    store.publishes.record("alone", "t.task", "q", "{}", 3, idempotency_key="order-L")
+    assert store.publishes.forget_unpublished("alone") is True and store.get("alone") is None
+
+
+@pytest.mark.parametrize("store_url", ["postgres"], indirect=True)
+def test_a_failed_sends_forget_waits_for_an_answer_in_flight_and_then_keeps_the_job(store):
+    # B's answer holds the job's row while it writes its event; A's forget that meets it waits, then sees
+    # the answer and keeps the job. Read before waiting, the forget would delete a job B was told exists.
+    store.publishes.record("first", "t.task", "q", None, 3, idempotency_key="order-W")
+    j, e = store.t.jobs, store.t.events
+    answering = store.engine.connect()
+    answering.execute(sa.select(j.c.id).where(j.c.id == "first").with_for_update())
+    forgot: list[bool] = []
+    forget = threading.Thread(target=lambda: forgot.append(store.publishes.forget_unpublished("first")),
+                              daemon=True)
+    forget.start()
+
+    def waiting() -> int:
+        with store.engine.connect() as c:
+            return c.execute(sa.text("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                                     "AND query LIKE :q"), {"q": f"%{store.prefix}jobs%"}).scalar_one()
+
+    wait_for(lambda: waiting() == 1, timeout=10, message="the forget never waited for the answer's lock")
+    answering.execute(sa.insert(e).values(job_id="first", event="keyed_publish_answered", at=store.now()))
+    answering.commit()
+    answering.close()
+    forget.join(30)
+    assert forgot == [False]
+    assert store.get("first") is not None
+
+
 def test_a_keyed_record_whose_holder_vanishes_after_the_conflict_takes_the_freed_key(store, monkeypatch):
     # The key's holder is forgotten (its message never went out) between this record's conflict and its
     # look-up of the holder: the key is free, so this job is recorded under it, not answered with its own
@@ -750,7 +794,7 @@ def test_an_async_publish_record_turns_off_synchronous_commit_for_its_own_statem
     # it ran on waits for the flush again afterwards.
     assert store.publishes.record("b", "t.task", "q", None, 3, idempotency_key="k-b") == (True, "b")
     assert store.publishes.record("c", "t.task", "q", None, 3, idempotency_key="k-b") == (False, "b")
-    assert [e["event"] for e in store.reports.events("b")] == ["published"]
+    assert [e["event"] for e in store.reports.events("b")] == ["published", "keyed_publish_answered"]
     raw = store.engine.raw_connection()
     try:
         assert raw.driver_connection.execute("SHOW synchronous_commit").fetchone()[0] == "on"
