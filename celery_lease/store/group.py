@@ -7,11 +7,11 @@ next one. A lone write waits for nobody and takes the single-row path (JobStatem
 PublishStatements.record), statement for statement.
 
 A batch of completions is one UPDATE fenced row by row by each job's own token and running status,
-RETURNING the ids it completed. A row it did not complete (its token moved on, its row vanished) is
-then written alone through the single-row path, so that it is rejected and audited as it would have
-been. A batch the store does not take raises the same exception in each of its callers; one the
-store refuses hands each row back to the single-row path, so that only a row refused alone is
-refused (a kept result too large for its column fails its own job's write, not its neighbours').
+RETURNING the ids it completed; a row it did not complete (its token moved on, its row vanished) is
+then written alone, so that it is rejected and audited as it would have been. A batch the store does
+not take raises the same exception in each of its callers; one the store refuses, or gives up on
+waiting for one locked row (_alone_again), hands each row back to the single-row path, so that only a
+row refused or locked alone fails (a kept result too large for its column fails its own job's write).
 
 A batch of claims takes, in one commit, the rows due for a first claim (pending, never started),
 each under its own token and terms, as the single claim would: on PostgreSQL one UPDATE over the
@@ -19,10 +19,9 @@ arrays of their values, on SQLite the single claim's statement for each in one t
 other claim (a duplicate delivery, a finished job, an abandoned lease to take over, a job the
 store does not know) goes alone through JobStatements.claim, which decides it as before.
 
-A batch of publish records is one commit (PublishStatements.record_many). One id the
-store already holds rolls the whole batch back, and each record is then written alone, as it would
-have been (a finished job reopened, a conflict answered); a record with an idempotency key is
-always written alone, since its conflict names the key's holder.
+A batch of publish records is one commit (PublishStatements.record_many). One id the store already
+holds rolls it back, and each record is then written alone, as it would have been (a finished job
+reopened, a conflict answered); a record with an idempotency key is always written alone.
 """
 
 from __future__ import annotations
@@ -38,8 +37,8 @@ import sqlalchemy as sa
 
 from ..config import RECOVERY
 from ..context import BODY
-from ..errors import StoreConflict, StoreRejected, StoreUnavailable
-from ..vocabulary import ClaimOutcome, Event
+from ..errors import StoreRejected, StoreUnavailable
+from ..vocabulary import ClaimOutcome, Event, StoreFailure
 from .audited import AuditedWrites, _arrays, _Audited, _unnested
 from .base import StoreEngine, uninterrupted
 from .handovers import never_handed_over
@@ -72,8 +71,7 @@ class Group(Generic[T, R]):
     """Leader/follower group commit of ``write``, which takes a batch and answers each of its items.
 
     ``write(batch)`` returns one answer per item, in order; what it raises is raised in the
-    thread of every caller of that batch. ``batches`` counts the batches written.
-    """
+    thread of every caller of that batch. ``batches`` counts the batches written."""
 
     def __init__(self, write: Callable[[list[T]], Sequence[R]]) -> None:
         self._write = write
@@ -109,8 +107,7 @@ class Group(Generic[T, R]):
         return item.answer  # type: ignore[return-value]  # set with done, never None when R is not
 
     def _leave(self, item: _Item[T, R]) -> None:
-        """``item``'s caller is gone: out of the queue, and its lead, if it had one and never took its
-        batch, to the next waiter."""
+        """``item``'s caller is gone: out of the queue, and its lead, if it never took its batch, on."""
         with self._mutex:
             queued = item in self._queue
             if queued:
@@ -123,9 +120,8 @@ class Group(Generic[T, R]):
         try:
             with self._mutex:
                 batch, self._queue = self._queue, []
-            # Written for every caller in the batch, not under the leader's lease: a loss of that lease
-            # that its shield deferred must not fail the neighbours' writes (it lands when the
-            # leader's own shielded call ends).
+            # Written for every caller in the batch, not under the leader's lease: a loss of that lease its
+            # shield deferred must not fail the neighbours' writes (it lands when the leader's call ends).
             outside = BODY.set(None)
             try:
                 answers = self._write([i.value for i in batch])
@@ -138,8 +134,7 @@ class Group(Generic[T, R]):
             for i in batch:
                 i.error = exc
         except BaseException:
-            # The leader itself was stopped (an interrupt): the others do not know whether the
-            # batch committed, as when the store stops answering.
+            # The leader was stopped (an interrupt): the others do not know if the batch committed.
             for i in batch:
                 i.error = StoreUnavailable("the write of a shared commit was interrupted")
             raise
@@ -150,11 +145,9 @@ class Group(Generic[T, R]):
 
     def _hand_on(self) -> None:
         with self._mutex:
-            if self._queue:
-                # The oldest waiter leads the next batch, which holds its own write.
-                nxt = self._queue[0]
-                nxt.lead = True
-                nxt.done.set()
+            if self._queue:  # the oldest waiter leads the next batch, which holds its own write
+                self._queue[0].lead = True
+                self._queue[0].done.set()
             else:
                 self._writing = False
 
@@ -172,12 +165,25 @@ def _reset_after_fork() -> None:
 os.register_at_fork(after_in_child=_reset_after_fork)
 
 
+def _alone_again(exc: StoreRejected | StoreUnavailable, db: StoreEngine) -> bool:
+    """Whether each item of a batch that raised ``exc`` is written alone: the store refused the batch, or
+    gave up on it on a row lock or statement bound (an error it answered: the batch's one statement or
+    transaction rolled back, so that nothing is written twice or lost). A row another transaction holds (a
+    reaper batch, an operator's requeue) then fails its own caller only, as with the setting off. Each
+    caller writes alone in its own thread within its own call bound, after the server's bound on the batch
+    (a lock wait: a quarter of the call bound); a lease counts from before its call, so a late answer costs
+    lease time, never a second owner. Not a lost connection or the client's deadline (UNREACHABLE: a commit
+    may have landed), nor SQLite's lock (the whole file, which each would wait for again)."""
+    if isinstance(exc, StoreRejected):
+        return True
+    return getattr(exc, "kind", None) == StoreFailure.TIMEOUT and not db.dialect.single_writer
+
+
 def _answers(batch: Sequence[Any], alone: Callable[[Any], R], many: Callable[[list[Any]], Mapping[str, Any]],
-             answer: Callable[[Any], R]) -> list[R | None]:
+             answer: Callable[[Any], R], db: StoreEngine) -> list[R | None]:
     """A batch's answers: a lone item written ``alone``; else each job's first item answered from what
     ``many`` wrote of it (by job id), and None for the rest (a job twice in one batch, a row ``many``
-    did not write): their callers write them alone. A batch the store refuses answers None for
-    all, so that only an item refused alone is refused (a kept result too large for its column)."""
+    did not write), or for all when the batch failed as _alone_again() says: they are written alone."""
     if len(batch) == 1:
         return [alone(batch[0])]
     firsts: dict[str, Any] = {}
@@ -185,7 +191,9 @@ def _answers(batch: Sequence[Any], alone: Callable[[Any], R], many: Callable[[li
         firsts.setdefault(item.job_id, item)
     try:
         written = many(list(firsts.values()))
-    except StoreRejected:
+    except (StoreRejected, StoreUnavailable) as exc:
+        if not _alone_again(exc, db):
+            raise
         return [None] * len(batch)
     return [answer(written[i.job_id]) if firsts[i.job_id] is i and i.job_id in written else None
             for i in batch]
@@ -220,8 +228,7 @@ class GroupedJobStatements(JobStatements):
     ``complete`` answers as the single-row one does: True once the completion is committed,
     False (audited ``stale_completion_rejected``) when the token no longer matches. ``claim`` too:
     a batch takes the pending rows due for a first claim, each under its own token, and every other
-    claim (a duplicate, a finished job, an abandoned lease, a job not yet recorded) is decided alone.
-    """
+    claim (a duplicate, a finished job, an abandoned lease, a job not yet recorded) is decided alone."""
 
     def __init__(self, db: StoreEngine, audited: AuditedWrites, workers: WorkerStatements) -> None:
         super().__init__(db, audited, workers)
@@ -238,19 +245,17 @@ class GroupedJobStatements(JobStatements):
         return claim
 
     def _claim_batch(self, batch: list[FirstClaim]) -> list[Claim | None]:
-        """Each claim's answer: a lone one decided as alone, a batch's first claims taken, None for the
-        rest (their callers claim alone)."""
+        """Each claim's answer: a lone one decided alone, a batch's first claims taken, None for the rest."""
         return _answers(
             batch, lambda c: JobStatements.claim(self, c.job_id, c.worker, c.token, c.terms, c.task_name,
                                                  c.queue, c.payload),
-            self.claim_many, lambda job: Claim(ClaimOutcome.CLAIMED, job))
+            self.claim_many, lambda job: Claim(ClaimOutcome.CLAIMED, job), self.db)
 
     def claim_many(self, rows: Sequence[FirstClaim]) -> dict[str, Job]:
         """pending -> running for each first claim under its own token and terms, in one commit: the rows
         taken, by id. Each row is written as ``claim`` writes it (PostgreSQL: one autocommit UPDATE over
-        the arrays of the claims' values; SQLite: the single claim's statement for each, in one
-        transaction). With lease_audit_every_transition none is taken here: each is claimed alone,
-        its event with it."""
+        the arrays of the claims' values; SQLite: the single claim's statement for each, in one transaction).
+        With lease_audit_every_transition none is taken here: each is claimed alone, its event with it."""
         if self.db.audit_every_transition or not self.db.dialect.compiled_fast_path:
             return {}
         # In id order: two processes' batches over the same rows lock them in one order (PostgreSQL).
@@ -297,17 +302,15 @@ class GroupedJobStatements(JobStatements):
         # Shielded: a lost lease's interruption must not leave a batch without its leader.
         with uninterrupted():
             done = self.group.submit(Completion(job_id, token, worker, result))
-        if done is None:
-            # Not completed by the batch: written alone, rejected and audited as alone.
+        if done is None:  # not completed by the batch: written alone, rejected and audited as alone
             return super().complete(job_id, token, worker, result)
         return done
 
     def _write_batch(self, batch: list[Completion]) -> list[bool | None]:
-        """Each completion's answer: True or False written alone, True completed by the batch,
-        None not completed by it (its caller writes it alone)."""
+        """Each completion's answer: True or False written alone, True completed by the batch, else None."""
         return _answers(
             batch, lambda c: JobStatements.complete(self, c.job_id, c.token, c.worker, c.result),
-            lambda rows: dict.fromkeys(self.complete_many(rows), True), lambda done: done)
+            lambda rows: dict.fromkeys(self.complete_many(rows), True), lambda done: done, self.db)
 
     def complete_many(self, rows: Sequence[Completion]) -> set[str]:
         """running -> completed for each row under its own token, in one UPDATE and one commit:
@@ -316,9 +319,8 @@ class GroupedJobStatements(JobStatements):
         j = self.db.t.jobs
         kept = [(j.c.id == r.job_id, sa.bindparam(None, r.result, type_=sa.Text()))
                 for r in rows if r.result is not None]
-        values: dict[str, object] = dict(
-            status=COMPLETED, completed_at=self.db.now_sql, lease_expires_at=None, lock_token=None,
-            updated_at=self.db.now_sql)
+        values: dict[str, object] = dict(status=COMPLETED, completed_at=self.db.now_sql, lock_token=None,
+                                         lease_expires_at=None, updated_at=self.db.now_sql)
         if kept:
             values["result"] = sa.case(*kept, else_=j.c.result)
         fenced = sa.tuple_(j.c.id, j.c.lock_token).in_([(r.job_id, r.token) for r in rows])
@@ -374,8 +376,7 @@ class GroupedPublishStatements(PublishStatements):
         # Shielded: a lost lease's interruption must not leave a batch without its leader.
         with uninterrupted():
             answer = self.group.submit(Record(job, reopen))
-        if answer is None:
-            # Not written by the batch: written alone, answered as alone.
+        if answer is None:  # not written by the batch: written alone, answered as alone
             return super().record(job_id, task_name, queue, payload, max_attempts, None, delay, recovery,
                                   reopen)
         return answer
@@ -392,6 +393,8 @@ class GroupedPublishStatements(PublishStatements):
             firsts.setdefault(r.job.id, r)  # an id twice in one batch: the second is written alone
         try:
             self.record_many([r.job for r in firsts.values()])
-        except (StoreConflict, StoreRejected):
+        except (StoreRejected, StoreUnavailable) as exc:
+            if not _alone_again(exc, self.db):
+                raise
             return [None] * len(batch)  # each again alone: a known id reopened or answered as alone
         return [(True, r.job.id) if firsts[r.job.id] is r else None for r in batch]

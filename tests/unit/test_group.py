@@ -470,3 +470,152 @@ def test_a_job_twice_in_one_batch_is_completed_once_and_its_second_write_goes_al
         assert store.jobs._write_batch(batch) == [True, True, None]
     finally:
         store.engine.dispose()
+
+
+# -- a batch over one row another transaction holds ------------------------------------------
+@pytest.mark.parametrize(("write", "audit"), [("claim", False), ("complete", False), ("complete", True),
+                                              ("record", False)])
+def test_a_row_another_transaction_holds_fails_only_its_own_write_and_its_batch_neighbours_land(
+        postgres_url, write, audit):
+    # A reaper batch or an operator's `lease requeue` holds one row FOR UPDATE (a record: the same id
+    # inserted, uncommitted). The batch waits on it until the server gives up (lock_timeout), which rolls
+    # the batch back: each caller then writes alone, as with the setting off, so that only the held row's
+    # write fails (an outage for its caller, retried or deferred) and its neighbours' land once.
+    from celery_lease.vocabulary import StoreFailure
+
+    prefix = f"g{secrets.token_hex(3)}_"
+    store = Store(postgres_url, prefix, call_timeout=2.0, group_commit=True, audit_every_transition=audit)
+    store.migrate()
+    holder_engine = sa.create_engine(postgres_url)
+    held, free = "job-held", ["job-free-1", "job-free-2"]
+    tokens = {job: secrets.token_hex(8) for job in ["lead", held, *free]}
+    group = {"claim": store.jobs.claims, "complete": store.jobs.group, "record": store.publishes.group}[write]
+    calls = {
+        "claim": lambda job: store.jobs.claim(job, "w1", tokens[job], TERMS, "t", "q", lambda: None).claimed,
+        "complete": lambda job: store.jobs.complete(job, tokens[job], "w1"),
+        "record": lambda job: store.publishes.record(job, "t.task", "q", "{}", 5)}[write]
+    try:
+        for job in tokens:
+            if write != "record" or job == "lead":
+                store.publishes.record(job, "t.task", "q", "{}", 5)
+            if write == "complete":
+                assert store.jobs.claim(job, "w1", tokens[job], TERMS, "t.task", "q", lambda: None).claimed
+        holder = holder_engine.connect()
+        j = store.t.jobs
+        if write == "record":  # "lead" exists: its record is answered as alone, (False, "lead")
+            holder.execute(sa.insert(j).values(
+                id=held, task_name="t", status="pending", attempt_count=0, expired_count=0, dispatch_count=0,
+                max_attempts=3, available_at=0, created_at=0, updated_at=0))
+        else:
+            holder.execute(sa.select(j.c.id).where(j.c.id == held).with_for_update())
+        batches: list[int] = []
+        inner, release, started = group._write, threading.Event(), threading.Event()
+
+        def held_first(batch: list) -> list:
+            batches.append(len(batch))
+            if not started.is_set():
+                started.set()
+                assert release.wait(10)
+            return inner(batch)
+
+        group._write = held_first
+        out: dict[str, object] = {}
+
+        def call(job: str) -> None:
+            try:
+                out[job] = calls(job)
+            except StoreUnavailable as exc:
+                out[job] = exc
+
+        threads = [threading.Thread(target=call, args=("lead",))]
+        threads[0].start()
+        assert started.wait(10)
+        for n, job in enumerate([held, *free], start=1):
+            threads.append(threading.Thread(target=call, args=(job,)))
+            threads[-1].start()
+            wait_for(lambda n=n: len(group._queue) == n, timeout=10, message=f"{job} never queued")
+        release.set()
+        for t in threads:
+            t.join(30)
+        holder.rollback()
+        holder.close()
+
+        assert batches == [1, 3]  # the held row and its neighbours were one batch
+        failed = out.pop(held)
+        assert isinstance(failed, StoreUnavailable) and failed.kind == StoreFailure.TIMEOUT, failed
+        landed = {"claim": True, "complete": True, "record": None}[write]
+        for job in free:
+            assert out[job] == (landed if landed is not None else (True, job)), out[job]
+        rows = {job: store.get(job) for job in [held, *free]}
+        if write == "claim":  # each neighbour claimed once, under its own token; the held row untouched
+            assert [(r.status, r.lock_token, r.attempt_count) for r in (rows[f] for f in free)] == [
+                ("running", tokens[f], 1) for f in free]
+            h = rows[held]
+            assert (h.status, h.lock_token, h.attempt_count) == ("pending", None, 0)
+        elif write == "complete":  # the held row's completion deferred, not lost: still running, its token
+            assert [rows[f].status for f in free] == ["completed", "completed"]
+            assert (rows[held].status, rows[held].lock_token) == ("running", tokens[held])
+        else:  # the uncommitted insert rolled back: the held id's record is retried by its caller
+            assert rows[held] is None and [rows[f].status for f in free] == ["pending", "pending"]
+    finally:
+        store.drop_schema()
+        store.dispose()
+        holder_engine.dispose()
+
+
+@pytest.mark.parametrize(("kind", "single_writer", "alone"), [
+    ("timeout", False, True),  # the server gave up on a row lock: rolled back, each written alone
+    ("unreachable", False, False),  # a lost connection or the client's deadline: its commit may have landed
+    ("pool", False, False),
+    ("timeout", True, False),  # SQLite's lock is the whole file: each alone would wait for it again
+])
+def test_only_a_batch_the_server_gave_up_on_is_written_again_alone(kind, single_writer, alone):
+    import types
+
+    from celery_lease.store.group import Completion, _answers
+    from celery_lease.vocabulary import StoreFailure
+
+    failure = StoreUnavailable("batch failed", kind=StoreFailure(kind))
+    db = types.SimpleNamespace(dialect=types.SimpleNamespace(single_writer=single_writer))
+
+    def many(rows: list) -> dict:
+        raise failure
+
+    batch = [Completion(job, "tok", "w1", None) for job in ("a", "b")]
+    if alone:
+        assert _answers(batch, lambda c: True, many, lambda done: done, db) == [None, None]  # type: ignore[arg-type]
+    else:
+        with pytest.raises(StoreUnavailable) as raised:
+            _answers(batch, lambda c: True, many, lambda done: done, db)  # type: ignore[arg-type]
+        assert raised.value is failure
+
+
+def test_on_sqlite_a_batch_meeting_the_held_file_fails_each_caller_once_as_each_write_alone_would(tmp_path):
+    # SQLite has no row lock: a writer holds the whole file, so the single-row path fails as well (the bug
+    # of a batch failing its neighbours does not exist there) and the batch's failure is not retried alone.
+    from celery_lease.store.group import Completion
+    from celery_lease.vocabulary import StoreFailure
+
+    path = tmp_path / "h.db"
+    store = Store(f"sqlite:///{path}", "g_", call_timeout=1.0, group_commit=True)
+    store.migrate()
+    toks = {}
+    for job in ("a", "b"):
+        store.publishes.record(job, "t.task", "q", "{}", 5)
+        toks[job] = secrets.token_hex(8)
+        assert store.jobs.claim(job, "w1", toks[job], TERMS, "t.task", "q", lambda: None).claimed
+    holder = sqlite3.connect(path, isolation_level=None)
+    try:
+        holder.execute("BEGIN IMMEDIATE")
+        batch = [Completion(job, toks[job], "w1", None) for job in ("a", "b")]
+        with pytest.raises(StoreUnavailable) as raised:
+            store.jobs._write_batch(batch)
+        assert raised.value.kind == StoreFailure.TIMEOUT
+        with pytest.raises(StoreUnavailable) as alone:
+            JobStatements.complete(store.jobs, "a", toks["a"], "w1")
+        assert alone.value.kind == StoreFailure.TIMEOUT
+        holder.execute("ROLLBACK")
+        assert [store.get(job).status for job in ("a", "b")] == ["running", "running"]
+    finally:
+        holder.close()
+        store.engine.dispose()
