@@ -102,15 +102,36 @@ class EffectStatements:
                     return LOST
             with self._caller_errors(conn, what):
                 inserted = conn.execute(self._effect_insert(key, job_id, token, fenced=False))
+                self._same_database(conn, job_id)
             return FIRST if inserted.rowcount == 1 else DUPLICATE
         with self._caller_errors(conn, what):
             if conn.execute(self._effect_insert(key, job_id, token)).rowcount == 1:
                 return FIRST
             if self.db.dialect.single_writer:
                 # The caller's connection may hold the only write lock: read and audit on it.
-                return self._duplicate_or_lost(conn, key, job_id, token, worker)
-        with self.db.begin() as c:
-            return self._duplicate_or_lost(c, key, job_id, token, worker)
+                self._same_database(conn, job_id)
+                outcome = self._duplicate_or_lost(conn, key, job_id, token, worker)
+        if not self.db.dialect.single_writer:
+            with self.db.begin() as c:
+                outcome = self._duplicate_or_lost(c, key, job_id, token, worker)
+        if outcome is DUPLICATE:
+            with self._caller_errors(conn, what):
+                self._same_database(conn, job_id)
+        return outcome
+
+    def _same_database(self, conn: Any, job_id: str) -> None:
+        """Refuse a caller's connection that does not see a job the store holds: another database of the same
+        kind (old store tables left there), where the key would be written unfenced or taken for a duplicate
+        or a lost lease. A job gone from the store too is left to the fence."""
+        held = sa.select(self.db.t.jobs.c.id).where(self.db.t.jobs.c.id == job_id)
+        if conn.execute(held).first() is not None:
+            return
+        with self.db.begin(read=True) as c:  # a read: the caller's connection may hold SQLite's write lock
+            gone = c.execute(held).first() is None
+        if not gone:
+            raise ValueError(f"effect(connection=...) needs a connection to the lease store's database "
+                             f"({self.db.safe_url}); the one given does not hold job {job_id}: it is another "
+                             "database (a Django alias other than the store's?)")
 
     def _caller(self, conn: Any) -> Any:
         """The caller's connection as the statements take it; ValueError for another kind of database."""

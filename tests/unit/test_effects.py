@@ -253,6 +253,45 @@ def test_an_effect_on_a_connection_in_autocommit_is_refused_and_records_no_key(s
     assert keys(store) == {}
 
 
+@pytest.fixture
+def other_database(store, tmp_path):
+    """An engine on another database of the store's kind holding copies of its jobs and effects tables (a
+    Django alias other than the store's, where the store's tables were once migrated)."""
+    url = store.engine.url
+    admin = None
+    if url.get_backend_name() == "sqlite":
+        other = url.set(database=str(tmp_path / "other.sqlite3"))
+    elif url.get_backend_name() == "postgresql":
+        other = url.set(database="postgres")
+    else:
+        name = f"other_{store.prefix}".rstrip("_")
+        admin = sa.create_engine(url)
+        with admin.begin() as c:
+            c.exec_driver_sql(f"CREATE DATABASE IF NOT EXISTS {name}")
+        other = url.set(database=name)
+    engine = sa.create_engine(other)
+    tables = [store.t.jobs, store.t.effects]
+    store.t.jobs.metadata.create_all(engine, tables=tables)
+    yield engine
+    store.t.jobs.metadata.drop_all(engine, tables=tables)
+    engine.dispose()
+    if admin is not None:
+        with admin.begin() as c:
+            c.exec_driver_sql(f"DROP DATABASE IF EXISTS {other.database}")
+        admin.dispose()
+
+
+def test_an_effect_on_a_connection_to_another_database_is_refused_not_taken_for_a_duplicate(
+        store, hb, other_database):
+    # The fenced insert there finds no such job and writes nothing; the store says the lease is held, so the
+    # block was skipped as a duplicate and the effect never happened.
+    lease = claim(store, hb, "job-1")
+    with pytest.raises(ValueError, match=r"does not hold job job-1: it is another database"), \
+            other_database.begin() as conn, effect(lease, "capture:p1", connection=conn):
+        pytest.fail("the block ran against another database")
+    assert keys(store) == {}
+
+
 def test_an_open_effect_transaction_does_not_hold_up_the_heartbeat(store, hb):
     if store.dialect.name == "sqlite":
         pytest.skip("SQLite has one writer at a time: every store write waits for the open transaction")
