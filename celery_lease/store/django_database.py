@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import quote
 
 import sqlalchemy as sa
 
@@ -134,9 +135,19 @@ def _sqlite_url(alias: str, name: str) -> str:
                                f"({name or 'no NAME'}) that no other connection can open",
                                "Give the database a file NAME, or run under Django's test runner (its "
                                "in-memory test database is shared).")
-    if name.startswith("file:"):
-        return f"sqlite:///{name}{'&' if '?' in name else '?'}uri=true"
-    return f"sqlite:///{name}"
+    path, query = name, ""
+    if name.startswith("file:"):  # a URI: its path is SQLite's to percent-decode, its query SQLite's options
+        path, _, options = name.partition("?")
+        query = f"?{options}&uri=true" if options else "?uri=true"
+    # SQLAlchemy 2.1 percent-decodes a URL's database, so the path goes quoted (else "%41" opens "A" and "?"
+    # starts the query); 2.0 takes it as it is, and cannot carry a "?" at all.
+    for database in (quote(path, safe="/: "), path):
+        url = f"sqlite:///{database}{query}"
+        if sa.engine.make_url(url).database == path:
+            return url
+    raise LeaseConfigError(SETTING, alias, f"is a SQLite file ({name}) whose path SQLAlchemy "
+                           f"{sa.__version__} cannot carry in a URL: the store would open another file",
+                           "Upgrade SQLAlchemy to 2.1, or rename the file without '?' in its path.")
 
 
 def _postgres_driver() -> str:

@@ -65,6 +65,36 @@ def test_a_sqlite_file_and_djangos_shared_in_memory_test_database_are_opened_by_
                                                {"mode": "memory", "cache": "shared", "uri": "true"})
 
 
+@pytest.mark.parametrize("file_name",
+                         ["dev%41.sqlite3", "dev?x=1.sqlite3", "dev#1.sqlite3", "my dev.sqlite3"],
+                         ids=["percent", "question-mark", "hash", "space"])
+def test_a_sqlite_name_with_url_characters_is_the_file_the_store_opens(tmp_path, file_name):
+    # Django's backend opens NAME as it is: the store must open that file, no other.
+    settings = {"ENGINE": "django.db.backends.sqlite3", "NAME": str(tmp_path / file_name)}
+    if "?" in file_name and sa.engine.make_url("sqlite:///a%3F").database != "a?":
+        # SQLAlchemy 2.0 neither decodes a URL's database nor ends it anywhere but at a "?".
+        with pytest.raises(LeaseConfigError, match=r"cannot carry in a URL.*Upgrade SQLAlchemy to 2\.1"):
+            url_from_settings("default", settings)
+        return
+    store = Store(url_from_settings("default", settings))
+    try:
+        store.migrate()
+    finally:
+        store.dispose()
+    assert [p.name for p in tmp_path.iterdir()] == [file_name]
+
+
+def test_a_sqlite_uri_name_keeps_its_percent_encoded_path_for_sqlite_to_decode(tmp_path):
+    settings = {"ENGINE": "django.db.backends.sqlite3", "NAME": f"file:{tmp_path}/dev%2541.sqlite3?mode=rwc",
+                "OPTIONS": {"uri": True}}
+    store = Store(url_from_settings("default", settings))
+    try:
+        store.migrate()
+    finally:
+        store.dispose()
+    assert [p.name for p in tmp_path.iterdir()] == ["dev%41.sqlite3"]
+
+
 def test_a_private_in_memory_sqlite_database_is_refused_with_the_fix():
     with pytest.raises(LeaseConfigError, match=r"private in-memory SQLite database .* Give the database a "
                                                r"file NAME"):

@@ -47,13 +47,14 @@ def test_the_app_has_one_migration_per_store_revision_in_order():
         assert module.Migration.dependencies == [("celery_lease", previous.__name__.rsplit(".", 1)[1])]
 
 
-def manage(database: dict, *args: str) -> None:
+def manage(database: dict, *args: str, **settings: object) -> subprocess.CompletedProcess:
     lease = {"DATABASES": {"default": database}, "CELERY_LEASE_DATABASE": "default",
-             "CELERY_LEASE_TABLE_PREFIX": PREFIX}
+             "CELERY_LEASE_TABLE_PREFIX": PREFIX, **settings}
     env = {**os.environ, "PYTHONPATH": str(ROOT), "DJANGO_PROJECT_LEASE": json.dumps(lease)}
     command = [sys.executable, "-m", "django", *args, "--settings", "tests.django_project.settings"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stderr
+    return result
 
 
 def revision(url: str) -> str | None:
@@ -151,3 +152,83 @@ def test_migrate_zero_drops_the_store_and_leaves_a_project_table_that_shares_its
             assert c.execute(sa.select(order.c.id)).scalars().all() == [1]
     finally:
         engine.dispose()
+
+
+def test_migrate_creates_the_store_django_recorded_while_it_followed_another_database(project_database):
+    # Given a project migrated while the store was elsewhere (on a URL): Django recorded every
+    # migration of the app as applied on "default", where they did nothing
+    database, url = project_database
+    manage(database, "migrate", "celery_lease", CELERY_LEASE_DATABASE=None,
+           CELERY_LEASE_STORE_URL="sqlite:///:memory:")
+    assert describe(url) == (None, False)
+
+    # When the store is set to follow "default" and migrate finds nothing left to apply
+    result = manage(database, "migrate")
+
+    # Then the store is there all the same, at the revision Django recorded
+    assert "No migrations to apply" in result.stdout
+    assert revision(url) == store_migrations.head()
+
+
+def describe(url: str) -> tuple[str | None, bool]:
+    store = Store(url, PREFIX)
+    try:
+        return migrating.describe(store)
+    finally:
+        store.dispose()
+
+
+def test_migrate_with_this_apps_migrations_off_makes_the_store_at_the_newest_revision(tmp_path):
+    # As Django's test database with TEST {"MIGRATE": False}, and pytest-django's --nomigrations, do.
+    path = tmp_path / "db.sqlite3"
+    database, url = {"ENGINE": "django.db.backends.sqlite3", "NAME": str(path)}, f"sqlite:///{path}"
+    manage(database, "migrate", "--run-syncdb", MIGRATION_MODULES={"celery_lease": None})
+    assert revision(url) == store_migrations.head()
+
+
+def test_djangos_runner_on_a_test_database_made_without_migrations_has_the_store(tmp_path):
+    database = {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:", "TEST": {"MIGRATE": False}}
+    result = manage(database, "test", "tests.django_project.lease_cases", "--noinput",
+                    CELERY_TASK_ALWAYS_EAGER=True, CELERY_RESULT_BACKEND="cache+memory://",
+                    TEST_RUNNER="celery_lease.contrib.django.testing.LeaseTestRunner")
+    assert "Ran 6 tests" in result.stderr and "\nOK" in result.stderr
+
+
+def test_pytest_djangos_nomigrations_test_database_has_the_store(tmp_path):
+    pytest.importorskip("pytest_django")
+    project = {"DATABASES": {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}},
+               "CELERY_LEASE_DATABASE": "default", "CELERY_TASK_ALWAYS_EAGER": True}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DJANGO_PROJECT_LEASE": json.dumps(project),
+           "DJANGO_SETTINGS_MODULE": "tests.django_project.settings"}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "pytest_django",
+               "-p", "celery_lease.contrib.django.pytest_plugin", "--nomigrations",
+               "--rootdir", str(tmp_path),
+               str(ROOT / "tests" / "django_project" / "plugin_cases.py")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "3 passed" in result.stdout
+
+
+COUNT_FLUSH_STATEMENTS = """
+import json
+import sqlalchemy as sa
+from django.core.management import call_command
+statements = []
+sa.event.listen(sa.engine.Engine, "before_cursor_execute", lambda *args: statements.append(args[2]))
+call_command("flush", interactive=False, verbosity=0)
+print(json.dumps(statements))
+"""
+
+
+def test_a_flush_of_a_store_at_the_newest_revision_costs_one_version_read(tmp_path):
+    # TransactionTestCase flushes the test database after each test; each flush of a database with tables
+    # (contenttypes' here) sends post_migrate.
+    path = tmp_path / "db.sqlite3"
+    database = {"ENGINE": "django.db.backends.sqlite3", "NAME": str(path)}
+    apps = ["django.contrib.contenttypes", "celery_lease.contrib.django"]
+    manage(database, "migrate", INSTALLED_APPS=apps)
+    result = manage(database, "shell", "-c", COUNT_FLUSH_STATEMENTS, INSTALLED_APPS=apps)
+    statements = json.loads(result.stdout.strip().splitlines()[-1])
+    version_table = store_migrations.version_table(PREFIX)
+    assert [s for s in statements if s != "BEGIN" and version_table not in s] == [], statements
+    assert len([s for s in statements if s.startswith("SELECT")]) == 1, statements

@@ -128,6 +128,45 @@ def test_a_kept_run_whose_cases_use_no_database_leaves_the_development_store_alo
         store.dispose()
 
 
+NO_DATABASE_EAGER_CASE = """
+from django.test import SimpleTestCase
+
+from tests.django_project.tasks import charge
+
+
+class NoDatabase(SimpleTestCase):
+    def test_an_eager_run_keeps_its_local_lease(self):
+        assert charge.delay("o-1").get()["first"] is True
+"""
+
+
+def test_a_run_whose_cases_use_no_database_leases_eager_runs_locally_not_in_the_development_store(tmp_path):
+    # Given a development database whose store is migrated, and cases that use no database: Django sets
+    # up no test database, so the alias's NAME stays the development database's
+    from celery_lease.store import Store
+
+    development = tmp_path / "dev.sqlite3"
+    store = Store(f"sqlite:///{development}")
+    store.migrate()
+    store.dispose()
+    (tmp_path / "no_database_eager_cases.py").write_text(NO_DATABASE_EAGER_CASE)
+
+    # When the runner runs an eager LeaseTask in such a case
+    result = run_cases(tmp_path, {"ENGINE": "django.db.backends.sqlite3", "NAME": str(development)},
+                       cases="no_database_eager_cases")
+
+    # Then the run took its local lease: no job and no effect key reached the development store
+    assert result.returncode == 0, result.stderr
+    assert "Ran 1 test" in result.stderr and "\nOK" in result.stderr
+    store = Store(f"sqlite:///{development}")
+    try:
+        with store.begin() as conn:
+            for table in (store.t.jobs, store.t.effects):
+                assert conn.execute(sa.select(sa.func.count()).select_from(table)).scalar_one() == 0
+    finally:
+        store.dispose()
+
+
 def test_the_runner_refuses_a_store_that_follows_no_database(tmp_path):
     project = {"CELERY_TASK_ALWAYS_EAGER": True,
                "TEST_RUNNER": "celery_lease.contrib.django.testing.LeaseTestRunner"}

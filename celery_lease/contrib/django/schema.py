@@ -2,19 +2,24 @@
 
 Alembic's version table stays the truth: a forwards step only upgrades (a store a worker start or `lease
 migrate` already brought further is left there), only a backwards step downgrades. On a database other
-than ``CELERY_LEASE_DATABASE``'s a migration does nothing.
+than ``CELERY_LEASE_DATABASE``'s a migration does nothing, yet Django records it: after each ``migrate``
+(and each flush) on the store's database, ``catch_up`` brings the store forwards to the revision Django
+has recorded there, or to the newest where this app's migrations are off (``TEST: {"MIGRATE": False}``,
+pytest-django's ``--nomigrations``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from django.db import migrations
+from django.db import connections, migrations
+from django.db.migrations.loader import MigrationLoader
+from django.db.migrations.recorder import MigrationRecorder
 
 import celery_lease.store.migrating as migrating
 import celery_lease.store.migrations as revisions
 
-__all__ = ["RunStoreRevision"]
+__all__ = ["RunStoreRevision", "catch_up"]
 
 
 def _lease_store(alias: str) -> Any:
@@ -67,3 +72,33 @@ class RunStoreRevision(migrations.RunPython):
                 migrating.migrate(store, order[position - 1])
         finally:
             store.dispose()
+
+
+def catch_up(sender: Any, using: str, plan: Any = None, **_: Any) -> None:
+    """``post_migrate`` of this app (``sender``) on Django database ``using``: forwards only, to the newest
+    revision Django recorded there; one version read for a store already at the newest. Nothing after a plan
+    that took this app's migrations back (``migrate celery_lease zero`` leaves no store)."""
+    if any(backwards and migration.app_label == sender.label for migration, backwards in plan or ()):
+        return
+    store = _lease_store(using)
+    if store is None:
+        return
+    try:
+        if migrating.describe(store)[0] != revisions.head():
+            target = _recorded_revision(sender.label, using)
+            if target is not None:
+                migrating.migrate(store, target, downgrade=False)
+    finally:
+        store.dispose()
+
+
+def _recorded_revision(label: str, alias: str) -> str | None:
+    """The newest store revision whose migration Django recorded as applied on ``alias``; the newest of all
+    where the app's migrations are off (Django then makes every app's tables as they are now)."""
+    if MigrationLoader.migrations_module(label)[0] is None:
+        return revisions.head()
+    order = revisions.revisions()
+    recorded = MigrationRecorder(connections[alias]).applied_migrations()
+    applied = [name.split("_", 1)[0] for app, name in recorded if app == label]
+    known = [revision for revision in applied if revision in order]
+    return max(known, key=order.index) if known else None

@@ -27,16 +27,22 @@ def current_celery_app() -> Any:
     return current_app._get_current_object()
 
 
-def eager_leases_on_test_database(app: Any) -> None:
-    """Have ``app``'s eager runs lease in its store, which must follow a Django database alias."""
+def eager_leases_on_test_database(app: Any, aliases: Any = None) -> bool:
+    """Have ``app``'s eager runs lease in its store, which must follow a Django database alias; with
+    ``aliases`` (those Django set up test databases for), only when the store's alias is one of them: else
+    its NAME is still the development database's, and eager runs keep their local lease. Whether it did."""
     reload(app)
-    if app_config(app).database is None:
+    database = app_config(app).database
+    if database is None:
         raise LeaseConfigError("lease_database", None,
                                "is not set, so eager leases would go to lease_store_url, not the test "
                                "database",
                                "Set CELERY_LEASE_DATABASE = 'default' (and remove CELERY_LEASE_STORE_URL).")
+    if aliases is not None and database not in aliases:
+        return False
     app.conf.lease_eager_store = True
     reload(app)
+    return True
 
 
 def clear_kept_stores(app: Any, parallel: int = 0) -> int:
@@ -67,11 +73,9 @@ class LeaseTestRunner(DiscoverRunner):
     def setup_databases(self, **kwargs: Any) -> Any:
         old_config = super().setup_databases(**kwargs)
         app = current_celery_app()
-        eager_leases_on_test_database(app)
-        aliases = kwargs.get("aliases")
-        # Only a test database: with no case on the store's alias Django set none up, and NAME is still
+        # Only on a test database: with no case on the store's alias Django set none up, and NAME is still
         # the development database's.
-        if self.keepdb and (aliases is None or app_config(app).database in aliases):
+        if eager_leases_on_test_database(app, kwargs.get("aliases")) and self.keepdb:
             clear_kept_stores(app, self.parallel)
         return old_config
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import DatabaseError
 
 from .....ops.reaper_checks import REAP_TASK, REAPER_ENTRY, REAPER_EXPIRES, REAPER_INTERVAL, REAPER_QUEUE
 
@@ -34,18 +35,34 @@ class Command(BaseCommand):
                                "add it, run manage.py migrate, then run this command again")
         from django_celery_beat.models import IntervalSchedule, PeriodicTask
 
-        if interval < 1:
-            raise CommandError(f"--interval {interval}: give a whole number of seconds, at least 1")
+        if interval < 2:
+            # A run expires after at least 1s and before the next: a 1s interval leaves no such expiry.
+            raise CommandError(f"--interval {interval}: give a whole number of seconds, at least 2, so a "
+                               "queued run can expire before the next one is sent")
         if expires is None:
             expires = REAPER_EXPIRES if interval == REAPER_INTERVAL else max(1, interval * 2 // 3)
         if not 1 <= expires < interval:
             raise CommandError(f"--expires {expires}: give seconds below the {interval}s interval (and at "
                                "least 1), so runs that queued up are dropped instead of firing at once")
-        every, _ = IntervalSchedule.objects.get_or_create(every=interval, period=IntervalSchedule.SECONDS)
+        try:
+            self._schedule(IntervalSchedule, PeriodicTask, name, interval, queue, expires)
+        except DatabaseError as exc:
+            raise CommandError(f"cannot read or write django-celery-beat's tables ({exc}): run manage.py "
+                               "migrate django_celery_beat, then run this command again") from exc
+
+    def _schedule(self, IntervalSchedule: Any, PeriodicTask: Any, name: str, interval: int,  # noqa: N803
+                  queue: str, expires: int) -> None:
+        row = PeriodicTask.objects.filter(name=name).first()
+        seconds = {"every": interval, "period": IntervalSchedule.SECONDS}
+        every = row.interval if row is not None else None
+        if every is None or (every.every, every.period) != (interval, IntervalSchedule.SECONDS):
+            # Not get_or_create: django-celery-beat lets equal schedules be saved twice (its admin does).
+            every = IntervalSchedule.objects.filter(**seconds).order_by("pk").first()
+            if every is None:
+                every = IntervalSchedule.objects.create(**seconds)
         wanted = {"task": REAP_TASK, "interval": every, "crontab": None, "solar": None, "clocked": None,
                   "queue": queue, "expire_seconds": expires, "expires": None, "one_off": False,
                   "enabled": True}
-        row = PeriodicTask.objects.filter(name=name).first()
         if row is None:
             PeriodicTask.objects.create(name=name, **wanted)
             self.stdout.write(f"created periodic task {name!r}: {REAP_TASK} every {interval}s on queue "
