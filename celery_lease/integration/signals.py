@@ -22,6 +22,7 @@ from ..app_state import app_state
 from ..config import app_config, check_recovery_bound, task_policy
 from ..errors import LeaseConfigError, LeaseError, StoreUnavailable
 from ..kinds import is_lease_task
+from ..masking import mask_secrets
 from ..vocabulary import CancelReason, Event, OnLost, WorkerLostOutcome
 from ..worker.deliveries import StoreDown
 from ..worker.outage import PauseStep, store_unreachable
@@ -209,6 +210,17 @@ class WorkerStep(bootsteps.StartStopStep):
     label = "celery_lease"
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
+        try:
+            self._check(worker)
+        except LeaseError as exc:
+            # One line, as `celery lease` prints it: Celery's traceback buries it under dozens of frames.
+            log.critical("celery_lease: worker not started: %s: %s", type(exc).__name__,
+                         mask_secrets(" ".join(str(exc).split())))
+            raise SystemExit(platforms.EX_UNAVAILABLE if isinstance(exc, StoreUnavailable) else os.EX_CONFIG
+                             if isinstance(exc, LeaseConfigError) else platforms.EX_FAILURE) from exc
+        super().__init__(worker, **kwargs)
+
+    def _check(self, worker: Any) -> None:
         from ..reaper.run import register
         from ..store import for_app
 
@@ -229,7 +241,6 @@ class WorkerStep(bootsteps.StartStopStep):
         store.workers.worker_pool = (pool, int(getattr(worker, "concurrency", 0) or 0))
         runtime.PROCESS.starting = (worker.app, worker.hostname)  # what a forked pool child registers under
         self.pool = pool
-        super().__init__(worker, **kwargs)
 
     def start(self, worker: Any) -> None:
         """Register the process that runs bodies now (a prefork worker's children register as they start)."""

@@ -97,7 +97,10 @@ def tune_task(task: str, policy: TaskPolicy, runtimes: Sequence[float], gaps: Se
     else:
         recommended = recommend(p99, gap or 0.0, policy)
         if len(runtimes) < FEW_SAMPLES:
-            warnings.append(f"only {len(runtimes)} completed jobs measured; percentiles are rough")
+            # A cap is a hard stop: drawn from a few runs it would stop the rare long one the sample missed.
+            del recommended["lease_max_runtime"]
+            warnings.append(f"only {len(runtimes)} completed jobs measured; percentiles are rough, and no "
+                            f"lease_max_runtime is recommended below {FEW_SAMPLES}")
         headroom = policy.duration - (gap or 0.0)
         if p99 >= NEAR_LEASE * policy.duration and headroom < policy.heartbeat_interval:
             warnings.append(

@@ -65,6 +65,14 @@ def test_tune_warns_about_few_samples_and_long_jobs_without_a_max_runtime():
     assert not tune_task("t", policy(lease_max_runtime=7200.0), [LONG_JOB * 2] * 50, [1.0] * 50).warnings
 
 
+def test_tune_recommends_no_max_runtime_from_a_few_runs():
+    # One 11 ms run would have capped the task at its 30 s lease.
+    few = tune_task("t", policy(), [0.011], [1.0])
+    assert "lease_max_runtime" not in few.recommended and "lease_duration" in few.recommended
+    enough = tune_task("t", policy(), [0.011] * 50, [1.0] * 50)
+    assert enough.recommended["lease_max_runtime"] == 30
+
+
 def test_tune_without_samples_recommends_nothing():
     result = tune_task("t", policy(), [], [])
     assert result.recommended == {} and result.runtime_p99 is None
