@@ -179,7 +179,8 @@ SETTINGS: tuple[Setting, ...] = (
        _number(0), "a number of seconds >= 0", True),
     _S("lease_max_runtime", None,
        "Seconds after which a job's lease and its resource locks are no longer renewed: the lease is "
-       "lost at its local deadline, as lease_on_lost says (default: the task's time_limit).",
+       "lost at its local deadline, as lease_on_lost says (default: the run's time_limit, a call's own "
+       "included).",
        _number(0, strict=True, allow_none=True), "None or a number of seconds > 0", True),
     _S("lease_on_lost", "raise",
        "What a task body sees when its lease is lost: 'raise' LeaseLost in it, or 'flag' only.",

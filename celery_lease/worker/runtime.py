@@ -3,6 +3,7 @@ stale and a new claim of one job never share a lease), its heartbeat, deadline t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -70,6 +71,10 @@ class Runtime:
               record_again: Callable[[], bool], soft: interrupt.SoftLimit | None = None) -> Lease:
         """The claim succeeded, so the delivery's store retries are forgotten: attach its new lease."""
         messages.forget_store_retries(request)
+        # A per-call time_limit is the one this run is killed at: a default lease_max_runtime follows it.
+        hard = (getattr(request, "timelimit", None) or (None,))[0]
+        if hard and policy.max_runtime == (task.time_limit or task.app.conf.task_time_limit):
+            policy = dataclasses.replace(policy, max_runtime=float(hard))
         lease = Lease(self, job.id, token, job.attempt_count, policy,
                       job.idempotency_key or f"{task.name}:{job.id}", job.checkpoint_state(), sent_at=sent_at,
                       app=task.app, acks_late=bool(task.acks_late), record_again=record_again,

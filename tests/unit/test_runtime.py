@@ -303,6 +303,31 @@ def test_two_claims_of_one_job_in_one_process_keep_their_own_leases(store, rt):
     new.check()
 
 
+@pytest.mark.parametrize(("timelimit", "max_runtime"), [((30, None), 30.0), (None, 5.0), ((None, 20), 5.0)])
+def test_a_per_call_time_limit_is_the_default_max_runtime_of_its_run(tmp_path, timelimit, max_runtime):
+    # apply_async(time_limit=30) on a task whose time_limit is 5: Celery lets the run go 30 s, so its lease is
+    # renewed that long (it was cut at 5 s, the run taken back, run again and dead-lettered).
+    from celery.app.trace import build_tracer
+
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    app = Celery("rt_limit", broker="memory://", backend="cache+memory://", set_as_current=False)
+    app.conf.update(lease_store_url=url)
+
+    @app.task(base=LeaseTask, bind=True, shared=False, name="t.limited", time_limit=5, acks_late=True)
+    def limited(self):
+        return self.lease.policy.max_runtime
+
+    app.finalize()
+    from celery_lease.store import Store
+
+    Store(url).migrate()
+    job_id = limited.apply_async().id
+    tracer = build_tracer(limited.name, limited, app=app, eager=False, propagate=True)
+    request = {"id": job_id, "task": limited.name, "hostname": "rt@test", "headers": {}, "is_eager": False,
+               "timelimit": timelimit, "delivery_info": {"routing_key": "celery", "exchange": ""}}
+    assert tracer(job_id, (), {}, request)[0] == max_runtime
+
+
 def test_self_lease_resolves_through_the_current_request(store):
     app = Celery("rt_resolve", set_as_current=False)
     app.conf.update(lease_store_url=store.engine.url.render_as_string(hide_password=False))
