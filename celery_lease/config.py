@@ -297,10 +297,12 @@ def app_config(app: Any) -> AppConfig:
 def _misspelled_option(task: Any) -> str | None:
     """A ``lease_*`` attribute the task's own classes set that is no setting (a typo would be ignored)."""
     mro = type(task).__mro__
-    ours = {name for cls in mro if cls.__module__.startswith("celery_lease") for name in vars(cls)}
+    ours = {name for cls in mro if cls.__module__.split(".")[0] == "celery_lease" for name in vars(cls)}
     for cls in mro:
-        for name in vars(cls):
-            if name.startswith("lease_") and name not in BY_NAME and name not in ours:
+        for name, value in vars(cls).items():
+            # A method or property of the app's own (``lease_summary``) is not an option.
+            if (name.startswith("lease_") and name not in BY_NAME and name not in ours
+                    and not callable(value) and not hasattr(value, "__get__")):
                 return name
     return None
 

@@ -213,11 +213,17 @@ class WorkerStep(bootsteps.StartStopStep):
         try:
             self._check(worker)
         except LeaseError as exc:
+            from celery.apps.worker import Worker as CommandLineWorker
+
+            if not isinstance(worker, CommandLineWorker):
+                raise  # an embedded worker (start_worker, a test's) gives its caller the error itself
             # One line, as `celery lease` prints it: Celery's traceback buries it under dozens of frames.
             log.critical("celery_lease: worker not started: %s: %s", type(exc).__name__,
                          mask_secrets(" ".join(str(exc).split())))
-            raise SystemExit(platforms.EX_UNAVAILABLE if isinstance(exc, StoreUnavailable) else os.EX_CONFIG
-                             if isinstance(exc, LeaseConfigError) else platforms.EX_FAILURE) from exc
+            code = platforms.EX_UNAVAILABLE if isinstance(exc, StoreUnavailable) else platforms.EX_FAILURE
+            if isinstance(exc, LeaseConfigError):
+                code = getattr(os, "EX_CONFIG", 78)  # as `celery lease` exits; os has none on Windows
+            raise SystemExit(code) from exc
         super().__init__(worker, **kwargs)
 
     def _check(self, worker: Any) -> None:

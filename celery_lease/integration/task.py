@@ -130,6 +130,8 @@ class LeaseTask(Task):
 
     def apply_async_on_commit(self, *args: Any, **kwargs: Any) -> None:
         """``apply_async()`` once the current Django transaction commits, ``idempotency_key=`` too."""
+        if kwargs.get("idempotency_key") is not None:
+            check_key("idempotency_key", kwargs["idempotency_key"])  # now, not after the caller's commit
         _on_commit(functools.partial(self.apply_async, *args, **kwargs))
 
     def on_replace(self, sig: Any) -> Any:

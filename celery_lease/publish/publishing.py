@@ -157,9 +157,10 @@ def publish(task: Any, send: Callable[..., Any], args: Any, kwargs: Any, task_id
         sent = recording is not None and recording.sent
         if created and not sent and not for_app(task.app).publishes.forget_unpublished(task_id) and (
                 idempotency_key is not None):
-            log.warning("task %s [%s]: its message was not sent, but another publish under idempotency "
-                        "key %r was answered with this job; it stays recorded and the dispatch scan sends it "
-                        "after lease_dispatch_timeout", task.name, task_id, idempotency_key,
+            log.warning("task %s [%s]: its message was not sent, but its record under idempotency key %r "
+                        "stays (another publish was answered with it, or it was claimed or re-sent since); "
+                        "while pending, the dispatch scan sends it after lease_dispatch_timeout", task.name,
+                        task_id, idempotency_key,
                         extra={"action": "keyed_publish_kept"})
         if retrying is not None and retrying.retried and not sent:
             retrying.retry_unsent = True  # Celery's retry() turns this into a final Reject

@@ -162,6 +162,8 @@ class Dialect:
         try:
             engine = sa.create_engine(self.url, **{**kwargs, **options})
         except (TypeError, sa.exc.ArgumentError) as exc:  # an option this driver or pool does not take
+            if not options:
+                raise
             raise LeaseConfigError("lease_store_engine_options", sorted(options), f"SQLAlchemy refused them: "
                                    f"{exc}", "Remove or correct the option it names") from exc
         sa.event.listen(engine, "connect", self._on_connect(bounds))

@@ -60,29 +60,39 @@ class PublishStatements:
             if reopen and not keyed:
                 self.reopen(job_id, task_name, payload, delay)
                 return False, job_id
-            with self.db.begin() as c:
-                if idempotency_key is None:
-                    return False, job_id
+            if idempotency_key is None:
+                return False, job_id
+            with self.db.begin(read=True) as c:
                 other = self._holder(c, idempotency_key)
-                if other is not None:
-                    # The holder's row held while this answer is audited: a failed send's forget_unpublished()
-                    # waits, finds the answer and keeps the job, which this caller was told exists.
-                    held = c.execute(self.db.dialect.hold_rows(sa.select(j.c.id).where(j.c.id == other), j))
-                    if held.first() is None:
-                        if self._holder(c, idempotency_key, hold=True) is None:
-                            continue  # forgotten meanwhile: the key is free again
-                        return False, other  # a pruned job's key, which outlives it
-                    self.db._event(c, other, Event.KEYED_PUBLISH_ANSWERED,
-                                   f"a publish of task id {job_id} under its key, answered with this job")
-                    return False, other
-                if c.execute(sa.select(j.c.id).where(j.c.id == job_id)).first() is not None:
-                    # A task id reused under a key it was not recorded with: answered with that job, the
-                    # caller would get its old result and the key would stay free for another job.
-                    raise StoreConflict(f"task id {job_id} already names a job recorded without idempotency "
-                                        f"key {idempotency_key!r}: publish under a new task id, or without "
-                                        "the key to run that job again")
+                own = sa.select(j.c.id).where(j.c.id == job_id)
+                reused = other is None and c.execute(own).first() is not None
+            if reused:
+                # A task id reused under a key it was not recorded with: answered with that job, the caller
+                # would get its old result and the key would stay free for another job.
+                raise StoreConflict(f"task id {job_id} already names a job recorded without idempotency key "
+                                    f"{idempotency_key!r}: publish under a new task id, or without the key "
+                                    "to run that job again")
+            if other is not None and self._answered(other, job_id, idempotency_key):
+                return False, other
+            # Else the holder was forgotten meanwhile (its send failed): the key is free again.
         raise StoreConflict(f"job {job_id}: its idempotency key {idempotency_key!r} was taken and freed "
                             f"{KEY_RACE_TRIES} times while it was recorded; publish it again")
+
+    def _answered(self, holder: str, job_id: str, key: str) -> bool:
+        """Whether ``holder`` still holds ``key`` for this answer. A holder whose failed send could still be
+        forgotten (pending, never claimed or re-sent) is held while the answer is audited: the forget waits,
+        finds the answer and keeps the job this caller was told exists. Locking reads only: a MySQL snapshot
+        taken first would make the lock fail on a row changed since (MariaDB's snapshot isolation)."""
+        j = self.db.t.jobs
+        with self.db.begin() as c:
+            held = sa.select(j.c.status, j.c.attempt_count, j.c.dispatch_count).where(j.c.id == holder)
+            row = c.execute(self.db.dialect.hold_rows(held, j)).first()
+            if row is None:
+                return self._holder(c, key, hold=True) == holder  # a pruned job's key outlives it
+            if row.status == PENDING and not row.attempt_count and not row.dispatch_count:
+                self.db._event(c, holder, Event.KEYED_PUBLISH_ANSWERED,
+                               f"a publish of task id {job_id} under its key, answered with this job")
+            return True
 
     def _holder(self, c: Any, key: str, hold: bool = False) -> str | None:
         """The job holding ``key``: the key table names it; a job recorded before that table holds it itself.

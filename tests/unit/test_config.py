@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 from celery import Celery
 
-from celery_lease import config
+from celery_lease import LeaseTask, config
 from celery_lease.errors import LeaseConfigError, LeaseConfigErrors
 from celery_lease.masking import MASK
 from celery_lease.vocabulary import Decision, OnLost
@@ -374,6 +374,26 @@ def test_a_misspelled_task_option_is_refused_with_the_closest_name_not_ignored()
 
     with pytest.raises(LeaseConfigError, match=r"lease_colour.*task odd.*Task options: lease_"):
         config.task_policy(app.tasks["odd"])
+
+
+def test_a_method_or_property_named_lease_of_the_apps_own_task_class_is_not_an_option():
+    app = make_app()
+
+    class Reporting(LeaseTask):
+        abstract = True
+
+        def lease_summary(self) -> str:
+            return "summary"
+
+        @property
+        def lease_owner(self) -> str:
+            return "me"
+
+    @app.task(base=Reporting, shared=False, name="reporting")
+    def reporting():
+        return None
+
+    assert config.task_policy(app.tasks["reporting"]).duration == 30.0
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])

@@ -212,15 +212,19 @@ def test_pytest_djangos_nomigrations_test_database_has_the_store(tmp_path):
 COUNT_FLUSH_STATEMENTS = """
 import json
 import sqlalchemy as sa
+from celery import current_app
 from django.core.management import call_command
+from celery_lease.store import for_app
+store = for_app(current_app._get_current_object(), check=False)
+engine = store.engine
 statements = []
 sa.event.listen(sa.engine.Engine, "before_cursor_execute", lambda *args: statements.append(args[2]))
 call_command("flush", interactive=False, verbosity=0)
-print(json.dumps(statements))
+print(json.dumps({"statements": statements, "kept": store.engine is engine}))
 """
 
 
-def test_a_flush_of_a_store_at_the_newest_revision_costs_one_version_read(tmp_path):
+def test_a_flush_of_a_store_at_the_newest_revision_costs_one_version_read_and_keeps_the_apps_store(tmp_path):
     # TransactionTestCase flushes the test database after each test; each flush of a database with tables
     # (contenttypes' here) sends post_migrate.
     path = tmp_path / "db.sqlite3"
@@ -228,7 +232,9 @@ def test_a_flush_of_a_store_at_the_newest_revision_costs_one_version_read(tmp_pa
     apps = ["django.contrib.contenttypes", "celery_lease.contrib.django"]
     manage(database, "migrate", INSTALLED_APPS=apps)
     result = manage(database, "shell", "-c", COUNT_FLUSH_STATEMENTS, INSTALLED_APPS=apps)
-    statements = json.loads(result.stdout.strip().splitlines()[-1])
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    statements = seen["statements"]
+    assert seen["kept"], "the flush disposed the app's own store (a worker in this process would lose it)"
     version_table = store_migrations.version_table(PREFIX)
     assert [s for s in statements if s != "BEGIN" and version_table not in s] == [], statements
     assert len([s for s in statements if s.startswith("SELECT")]) == 1, statements

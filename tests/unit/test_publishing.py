@@ -157,6 +157,17 @@ def test_an_idempotency_key_that_is_not_a_short_string_is_refused_before_anythin
     assert received(app, 0) == []
 
 
+def test_a_bad_idempotency_key_given_on_commit_is_refused_at_the_call_not_after_the_commit(app, monkeypatch):
+    # Refused inside Django's on_commit, the error would come after the caller's data committed.
+    import celery_lease.integration.task as task_module
+
+    deferred: list = []
+    monkeypatch.setattr(task_module, "_on_commit", deferred.append)
+    with pytest.raises(ValueError, match="idempotency_key must be a non-empty string"):
+        app.tasks["pub.work"].apply_async_on_commit((1,), idempotency_key=["order", 42])
+    assert deferred == []
+
+
 def test_a_task_id_reused_under_a_key_it_was_not_recorded_with_is_refused_not_answered_with_the_old_job(app):
     # Answered with the old job, the caller got its result, nothing ran, and the key stayed free.
     app.tasks["pub.work"].apply_async((1,), task_id="nightly")

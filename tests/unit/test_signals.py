@@ -38,6 +38,22 @@ def test_a_worker_refuses_to_start_with_a_lease_too_short_for_its_heartbeat(tmp_
     assert "Traceback" not in output  # one line, not the error under Celery's frames
 
 
+def test_an_embedded_worker_with_a_bad_setting_raises_the_lease_error_to_its_caller(tmp_path):
+    # start_worker() and a test's own WorkController get the typed error, not the command line's SystemExit.
+    from celery.contrib.testing.worker import TestWorkController
+
+    app = Celery("steps_embedded", broker="memory://", backend="cache+memory://", set_as_current=False)
+    app.conf.update(lease_store_url=f"sqlite:///{tmp_path / 'lease.sqlite3'}", lease_duration=6.0,
+                    lease_heartbeat_interval=1.0)
+
+    @app.task(base=LeaseTask, name="steps.embedded", shared=False, lease_heartbeat_interval=5.0)
+    def embedded() -> None: ...
+
+    app.finalize()
+    with pytest.raises(LeaseConfigError, match=r"lease_heartbeat_interval=5\.0 is invalid"):
+        TestWorkController(app=app, pool="solo", concurrency=1, without_heartbeat=True)
+
+
 def test_every_lease_task_is_resolved_on_each_queue_the_worker_consumes():
     app = app_with(fast={"lease_duration": 3.0, "lease_heartbeat_interval": 1.0})
 

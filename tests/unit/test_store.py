@@ -89,9 +89,37 @@ def test_a_keyed_job_another_publish_was_answered_with_is_kept_when_its_own_send
     assert store.get("first").status == PENDING
     assert record("third") == (False, "first")
     assert events(store, "first") == ["published", "keyed_publish_answered", "keyed_publish_answered"]
+    # Claimed since, nothing can take the job back: an answer is no longer audited (nor the row held for it).
+    with store.begin() as c:
+        c.execute(sa.update(store.t.jobs).where(store.t.jobs.c.id == "first").values(attempt_count=1))
+    assert record("fourth") == (False, "first")
+    assert events(store, "first").count("keyed_publish_answered") == 2
     # Nobody answered with it: forgotten with its key, as before.
     store.publishes.record("alone", "t.task", "q", "{}", 3, idempotency_key="order-L")
     assert store.publishes.forget_unpublished("alone") is True and store.get("alone") is None
+
+
+def test_a_keyed_record_whose_holder_is_forgotten_and_replaced_meanwhile_is_answered_with_the_new_holder(
+        store, monkeypatch):
+    # B reads A as the key's holder; A's send fails and A is forgotten; C records under the key. B must be
+    # answered with C (or record itself), never with A, which no row holds any more.
+    def record(job_id: str) -> tuple[bool, str]:
+        return store.publishes.record(job_id, "t.task", "q", "{}", 3, idempotency_key="order-C")
+
+    assert record("A") == (True, "A")
+    real, calls = store.publishes._holder, []
+
+    def holder(c, key, hold=False):
+        found = real(c, key, hold)
+        if not calls:
+            calls.append(found)
+            assert store.publishes.forget_unpublished("A") is True
+            assert record("C") == (True, "C")
+        return found
+
+    monkeypatch.setattr(store.publishes, "_holder", holder)
+    assert record("B") == (False, "C")
+    assert store.get("A") is None and store.get("B") is None and store.get("C") is not None
 
 
 @pytest.mark.parametrize("store_url", ["postgres"], indirect=True)

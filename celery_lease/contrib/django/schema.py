@@ -80,7 +80,7 @@ def catch_up(sender: Any, using: str, plan: Any = None, **_: Any) -> None:
     that took this app's migrations back (``migrate celery_lease zero`` leaves no store)."""
     if any(backwards and migration.app_label == sender.label for migration, backwards in plan or ()):
         return
-    store = _lease_store(using)
+    store = _own_store(using)
     if store is None:
         return
     try:
@@ -90,6 +90,21 @@ def catch_up(sender: Any, using: str, plan: Any = None, **_: Any) -> None:
                 migrating.migrate(store, target, downgrade=False)
     finally:
         store.dispose()
+
+
+def _own_store(alias: str) -> Any:
+    """A store of its own on Django database ``alias`` when the current app's store follows it; None
+    otherwise. Not the app's: disposing that after each flush would pull its engine from under a worker
+    running in this process."""
+    from celery import current_app
+
+    from ...config import LONG_CALL_TIMEOUT, app_config
+    from ...store import Store, database_url
+
+    cfg = app_config(current_app._get_current_object())
+    if cfg.database != alias:
+        return None
+    return Store.from_config(cfg, call_timeout=LONG_CALL_TIMEOUT, url=database_url(cfg))
 
 
 def _recorded_revision(label: str, alias: str) -> str | None:

@@ -47,8 +47,9 @@ class Command(BaseCommand):
         try:
             self._schedule(IntervalSchedule, PeriodicTask, name, interval, queue, expires)
         except DatabaseError as exc:
-            raise CommandError(f"cannot read or write django-celery-beat's tables ({exc}): run manage.py "
-                               "migrate django_celery_beat, then run this command again") from exc
+            raise CommandError(f"cannot read or write django-celery-beat's tables ({exc}): if they are "
+                               "missing, run manage.py migrate django_celery_beat, then this command "
+                               "again") from exc
 
     def _schedule(self, IntervalSchedule: Any, PeriodicTask: Any, name: str, interval: int,  # noqa: N803
                   queue: str, expires: int) -> None:
